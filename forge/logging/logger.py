@@ -1,0 +1,291 @@
+"""ForgeLogger: one `log()` call feeds the console, a JSONL file, TensorBoard and W&B.
+
+Each destination is a small "sink" with the same two methods, `log(metrics, step)` and `close()`.
+A sink that is switched off, or whose package is not installed, is a `NullSink`, so the logger never
+branches on `if wandb:`. The JSONL files are the source of truth: `forge plot` reads
+`training_log.jsonl`, and `truncate_after(step)` trims both files when a run resumes from a
+checkpoint, so a resumed run does not write the same step twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+TRAINING_LOG_NAME = "training_log.jsonl"
+SAMPLES_LOG_NAME = "samples.jsonl"
+
+
+def _json_number(value: Any) -> float | int | None:
+    """A metric as a JSON number; NaN and +-inf become None (written as null)."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # 0-d torch / numpy scalar
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{type(value).__name__} is not a number")
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _numeric_metrics(metrics: dict[str, Any]) -> dict[str, float | int | None]:
+    """Keep the metrics that are numbers (python, numpy or 0-d tensors); drop lists, strings, etc."""
+    numeric = {}
+    for key, value in metrics.items():
+        try:
+            numeric[key] = _json_number(value)
+        except (TypeError, ValueError):
+            continue
+    return numeric
+
+
+def _json_safe(value: Any) -> Any:
+    """Make a sample field JSON-writable: numbers as in `_json_number`, containers recursively, else str."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    try:
+        return _json_number(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _format_metric(metrics: dict[str, Any], key: str) -> str:
+    value = metrics.get(key)
+    if value is None:
+        return "n/a"
+    try:
+        return f"{float(value):.4f}"
+    except (TypeError, ValueError):
+        return "n/a"
+
+
+def format_console_line(metrics: dict[str, Any], step: int, epoch: float | int) -> str:
+    """`step N | epoch E | loss L | reward R | kl K`, with "n/a" for a missing value."""
+    return (
+        f"step {step} | epoch {epoch} | loss {_format_metric(metrics, 'loss')} | "
+        f"reward {_format_metric(metrics, 'reward')} | kl {_format_metric(metrics, 'kl')}"
+    )
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite a JSONL file without the rows whose "step" is > `step`; atomic via temp file + rename."""
+    if not path.exists():
+        return
+    kept = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row_step = json.loads(line).get("step")
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash: drop it
+            if row_step is None or row_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp_path = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with tmp_path.open("w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp_path, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sinks: each has log(metrics, step) and close().
+# ---------------------------------------------------------------------------------------------------
+
+
+class NullSink:
+    """A sink that does nothing: stands in for a disabled or unavailable backend."""
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class WandbSink:
+    """Weights & Biases run; created only after `import wandb` succeeded."""
+
+    def __init__(self, wandb_module: Any, project: str, run_name: str, config: dict | None) -> None:
+        self.wandb = wandb_module
+        self.run = wandb_module.init(project=project, name=run_name, config=config or {})
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.wandb.finish()
+
+
+class TensorBoardSink:
+    """`SummaryWriter` scalars under `{output_dir}/tensorboard`."""
+
+    def __init__(self, writer_cls: Any, log_dir: Path) -> None:
+        self.writer = writer_cls(log_dir=str(log_dir))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for key, value in metrics.items():
+            if value is not None:
+                self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def make_wandb_sink(project: str, run_name: str, config: dict | None) -> WandbSink | NullSink:
+    try:
+        import wandb
+    except ImportError:
+        warnings.warn("use_wandb=True but wandb is not installed (pip install wandb); not logging to W&B")
+        return NullSink()
+    try:
+        return WandbSink(wandb, project, run_name, config)
+    except Exception as err:  # a login / network failure must not stop training
+        warnings.warn(f"wandb.init failed ({err!r}); not logging to W&B")
+        return NullSink()
+
+
+def make_tensorboard_sink(log_dir: Path) -> TensorBoardSink | NullSink:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warnings.warn(
+            "use_tensorboard=True but tensorboard is not installed (pip install tensorboard); "
+            "not logging to TensorBoard"
+        )
+        return NullSink()
+    return TensorBoardSink(SummaryWriter, log_dir)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The logger
+# ---------------------------------------------------------------------------------------------------
+
+
+class ForgeLogger:
+    """Console + `training_log.jsonl` + `samples.jsonl` + optional TensorBoard / W&B.
+
+    `enabled=False` (every rank but the main one in a multi-process run) turns every method into a
+    no-op, and no file or directory is created.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        use_wandb: bool = False,
+        wandb_project: str = "forge",
+        wandb_run_name: str = "grpo_run",
+        use_tensorboard: bool = False,
+        config: dict | None = None,
+        enabled: bool = True,
+        console: bool = True,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.enabled = enabled
+        self.console = console and enabled
+        self.log_path = self.output_dir / TRAINING_LOG_NAME
+        self.samples_path = self.output_dir / SAMPLES_LOG_NAME
+        self._log_file = None
+        self._samples_file = None
+        self.sinks: list[Any] = []
+        if not enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.sinks = [
+            make_wandb_sink(wandb_project, wandb_run_name, config) if use_wandb else NullSink(),
+            make_tensorboard_sink(self.output_dir / "tensorboard") if use_tensorboard else NullSink(),
+        ]
+
+    # -- writing ------------------------------------------------------------------------------------
+
+    def log(self, metrics: dict[str, Any], step: int, epoch: float | int) -> None:
+        """Print one console line and append one JSON row; forward the numeric metrics to the sinks."""
+        if not self.enabled:
+            return
+        if self.console:
+            tqdm.write(format_console_line(metrics, step, epoch))
+        numeric = _numeric_metrics(metrics)
+        row = {"step": step, "epoch": _json_number(epoch), "time": time.time(), **numeric}
+        self._log_file = self._append_row(self._log_file, self.log_path, row)
+        for sink in self.sinks:
+            sink.log(numeric, step)
+
+    def log_samples(self, samples: list[dict[str, Any]], step: int) -> None:
+        """Append example completions (prompt, completion, reward, ...) to `samples.jsonl`."""
+        if not self.enabled:
+            return
+        for sample in samples:
+            row = {"step": step, **{str(k): _json_safe(v) for k, v in sample.items()}}
+            self._samples_file = self._append_row(self._samples_file, self.samples_path, row)
+
+    @staticmethod
+    def _append_row(handle, path: Path, row: dict[str, Any]):
+        if handle is None or handle.closed:
+            handle = path.open("a", encoding="utf-8")
+        handle.write(json.dumps(row, allow_nan=False) + "\n")
+        handle.flush()
+        return handle
+
+    # -- resume -------------------------------------------------------------------------------------
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows logged after `step` (they belong to the run that crashed after the checkpoint)."""
+        if not self.enabled:
+            return
+        self._close_files()
+        _drop_rows_after(self.log_path, step)
+        _drop_rows_after(self.samples_path, step)
+
+    def last_logged_step(self) -> int | None:
+        """The highest step in `training_log.jsonl`, or None when nothing was logged yet."""
+        if not self.enabled or not self.log_path.exists():
+            return None
+        last = None
+        with self.log_path.open(encoding="utf-8") as f:
+            for line in f:
+                try:
+                    step = json.loads(line).get("step")
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(step, int) and (last is None or step > last):
+                    last = step
+        return last
+
+    # -- shutdown -----------------------------------------------------------------------------------
+
+    def _close_files(self) -> None:
+        for handle in (self._log_file, self._samples_file):
+            if handle is not None:
+                handle.close()
+        self._log_file = self._samples_file = None
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._close_files()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def __enter__(self) -> ForgeLogger:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

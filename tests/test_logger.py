@@ -1,0 +1,166 @@
+"""ForgeLogger: console format, JSONL rows, resume truncation, disabled ranks, missing backends."""
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from forge.logging import ForgeLogger
+
+
+def read_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_console_line_format(tmp_path, capsys):
+    logger = ForgeLogger(tmp_path)
+    logger.log({"loss": 0.123456, "reward": 0.5, "kl": 0.001}, step=3, epoch=1)
+    logger.log({"reward": 1.0}, step=4, epoch=1.5)
+    logger.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "step 3 | epoch 1 | loss 0.1235 | reward 0.5000 | kl 0.0010",
+        "step 4 | epoch 1.5 | loss n/a | reward 1.0000 | kl n/a",
+    ]
+
+
+def test_console_false_prints_nothing(tmp_path, capsys):
+    with ForgeLogger(tmp_path, console=False) as logger:
+        logger.log({"loss": 1.0}, step=1, epoch=0)
+    assert capsys.readouterr().out == ""
+    assert len(read_rows(tmp_path / "training_log.jsonl")) == 1
+
+
+def test_jsonl_rows_keep_numeric_metrics(tmp_path):
+    with ForgeLogger(tmp_path, console=False) as logger:
+        logger.log(
+            {
+                "loss": torch.tensor(0.25),
+                "reward": np.float32(0.5),
+                "rewards/format": 1,
+                "eval/gsm8k/accuracy": 0.75,
+                "clipped": True,
+                "completions": ["a", "b"],  # not a number: skipped
+                "note": "text",  # not a number: skipped
+            },
+            step=1,
+            epoch=0.5,
+        )
+        logger.log({"loss": 0.1}, step=2, epoch=1)
+    rows = read_rows(tmp_path / "training_log.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    first = rows[0]
+    assert set(first) == {"step", "epoch", "time", "loss", "reward", "rewards/format", "eval/gsm8k/accuracy", "clipped"}
+    assert first["epoch"] == 0.5
+    assert first["loss"] == 0.25 and first["reward"] == 0.5 and first["clipped"] == 1
+    assert first["eval/gsm8k/accuracy"] == 0.75
+
+
+def test_nan_and_inf_become_null(tmp_path):
+    with ForgeLogger(tmp_path, console=False) as logger:
+        logger.log({"loss": math.nan, "kl": math.inf, "reward": torch.tensor(float("nan"))}, step=1, epoch=0)
+    text = (tmp_path / "training_log.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    row = json.loads(text)
+    assert row["loss"] is None and row["kl"] is None and row["reward"] is None
+
+
+def test_each_row_is_flushed_before_close(tmp_path):
+    logger = ForgeLogger(tmp_path, console=False)
+    logger.log({"loss": 1.0}, step=1, epoch=0)
+    assert len(read_rows(tmp_path / "training_log.jsonl")) == 1
+    logger.close()
+
+
+def test_log_samples_appends(tmp_path):
+    with ForgeLogger(tmp_path, console=False) as logger:
+        logger.log_samples([{"prompt": "1+1?", "completion": "2", "reward": 1.0}], step=5)
+        logger.log_samples([{"prompt": "2+2?", "completion": "5", "reward": torch.tensor(0.0)}], step=6)
+    rows = read_rows(tmp_path / "samples.jsonl")
+    assert rows == [
+        {"step": 5, "prompt": "1+1?", "completion": "2", "reward": 1.0},
+        {"step": 6, "prompt": "2+2?", "completion": "5", "reward": 0.0},
+    ]
+
+
+def test_truncate_after_drops_later_rows(tmp_path):
+    with ForgeLogger(tmp_path, console=False) as logger:
+        for step in range(1, 6):
+            logger.log({"loss": float(step)}, step=step, epoch=0)
+            logger.log_samples([{"prompt": "p", "completion": "c", "reward": 0.0}], step=step)
+        assert logger.last_logged_step() == 5
+    # A resumed run from the step-3 checkpoint.
+    with ForgeLogger(tmp_path, console=False) as logger:
+        logger.truncate_after(3)
+        assert logger.last_logged_step() == 3
+        logger.log({"loss": 4.5}, step=4, epoch=0)
+    rows = read_rows(tmp_path / "training_log.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert rows[-1]["loss"] == 4.5
+    assert [row["step"] for row in read_rows(tmp_path / "samples.jsonl")] == [1, 2, 3]
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_truncate_after_drops_a_torn_last_line(tmp_path):
+    log_path = tmp_path / "training_log.jsonl"
+    log_path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    logger = ForgeLogger(tmp_path, console=False)
+    logger.truncate_after(10)
+    assert read_rows(log_path) == [{"step": 1, "loss": 1.0}]
+
+
+def test_last_logged_step_without_log(tmp_path):
+    assert ForgeLogger(tmp_path, console=False).last_logged_step() is None
+
+
+def test_disabled_logger_writes_nothing(tmp_path, capsys):
+    output_dir = tmp_path / "run"
+    logger = ForgeLogger(output_dir, enabled=False, use_tensorboard=True, use_wandb=True)
+    logger.log({"loss": 1.0}, step=1, epoch=0)
+    logger.log_samples([{"prompt": "p"}], step=1)
+    logger.truncate_after(0)
+    assert logger.last_logged_step() is None
+    logger.close()
+    assert not output_dir.exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_missing_wandb_warns_and_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.warns(UserWarning, match="wandb"):
+        logger = ForgeLogger(tmp_path, use_wandb=True, console=False)
+    logger.log({"loss": 1.0}, step=1, epoch=0)
+    logger.close()
+    assert len(read_rows(tmp_path / "training_log.jsonl")) == 1
+
+
+def test_wandb_sink_receives_metrics(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeWandb:
+        @staticmethod
+        def init(project, name, config):
+            calls.append(("init", project, name, config))
+
+        @staticmethod
+        def log(metrics, step):
+            calls.append(("log", metrics, step))
+
+        @staticmethod
+        def finish():
+            calls.append(("finish",))
+
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
+    with ForgeLogger(tmp_path, use_wandb=True, wandb_run_name="r1", config={"lr": 1e-5}, console=False) as logger:
+        logger.log({"loss": 0.5, "names": ["x"]}, step=7, epoch=0)
+    assert calls == [("init", "forge", "r1", {"lr": 1e-5}), ("log", {"loss": 0.5}, 7), ("finish",)]
+
+
+def test_tensorboard_writes_event_file(tmp_path):
+    pytest.importorskip("tensorboard")
+    with ForgeLogger(tmp_path, use_tensorboard=True, console=False) as logger:
+        logger.log({"loss": 0.5, "kl": math.nan}, step=1, epoch=0)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
