@@ -53,7 +53,16 @@ def test_jsonl_rows_keep_numeric_metrics(tmp_path):
     rows = read_rows(tmp_path / "training_log.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
     first = rows[0]
-    assert set(first) == {"step", "epoch", "time", "loss", "reward", "rewards/format", "eval/gsm8k/accuracy", "clipped"}
+    assert set(first) == {
+        "step",
+        "epoch",
+        "time",
+        "loss",
+        "reward",
+        "rewards/format",
+        "eval/gsm8k/accuracy",
+        "clipped",
+    }
     assert first["epoch"] == 0.5
     assert first["loss"] == 0.25 and first["reward"] == 0.5 and first["clipped"] == 1
     assert first["eval/gsm8k/accuracy"] == 0.75
@@ -154,7 +163,9 @@ def test_wandb_sink_receives_metrics(tmp_path, monkeypatch):
             calls.append(("finish",))
 
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
-    with ForgeLogger(tmp_path, use_wandb=True, wandb_run_name="r1", config={"lr": 1e-5}, console=False) as logger:
+    with ForgeLogger(
+        tmp_path, use_wandb=True, wandb_run_name="r1", config={"lr": 1e-5}, console=False
+    ) as logger:
         logger.log({"loss": 0.5, "names": ["x"]}, step=7, epoch=0)
     assert calls == [("init", "forge", "r1", {"lr": 1e-5}), ("log", {"loss": 0.5}, 7), ("finish",)]
 

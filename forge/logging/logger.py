@@ -16,9 +16,12 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 TRAINING_LOG_NAME = "training_log.jsonl"
 SAMPLES_LOG_NAME = "samples.jsonl"
@@ -73,7 +76,7 @@ def _format_metric(metrics: dict[str, Any], key: str) -> str:
         return "n/a"
 
 
-def format_console_line(metrics: dict[str, Any], step: int, epoch: float | int) -> str:
+def format_console_line(metrics: dict[str, Any], step: int, epoch: float) -> str:
     """`step N | epoch E | loss L | reward R | kl K`, with "n/a" for a missing value."""
     return (
         f"step {step} | epoch {epoch} | loss {_format_metric(metrics, 'loss')} | "
@@ -157,7 +160,7 @@ def make_wandb_sink(project: str, run_name: str, config: dict | None) -> WandbSi
         return NullSink()
     try:
         return WandbSink(wandb, project, run_name, config)
-    except Exception as err:  # a login / network failure must not stop training
+    except Exception as err:  # noqa: BLE001 -- a W&B login or network failure must not stop training
         warnings.warn(f"wandb.init failed ({err!r}); not logging to W&B")
         return NullSink()
 
@@ -215,7 +218,7 @@ class ForgeLogger:
 
     # -- writing ------------------------------------------------------------------------------------
 
-    def log(self, metrics: dict[str, Any], step: int, epoch: float | int) -> None:
+    def log(self, metrics: dict[str, Any], step: int, epoch: float) -> None:
         """Print one console line and append one JSON row; forward the numeric metrics to the sinks."""
         if not self.enabled:
             return
@@ -284,7 +287,7 @@ class ForgeLogger:
             sink.close()
         self.sinks = []
 
-    def __enter__(self) -> ForgeLogger:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:
