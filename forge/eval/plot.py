@@ -1,0 +1,140 @@
+"""Training curves from `training_log.jsonl` as one PNG: reward, held-out accuracy, KL, length, zero-std groups.
+
+Each panel shows the raw per-step values faintly and an exponential moving average on top, since
+GRPO rewards are noisy from step to step. Panels without data are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+TRAINING_LOG_NAME = "training_log.jsonl"
+
+
+@dataclass
+class Series:
+    """One line on a panel: the steps where `key` was logged and its values there."""
+
+    label: str
+    steps: list[int]
+    values: list[float]
+
+
+@dataclass
+class Panel:
+    title: str
+    ylabel: str
+    series: list[Series]
+
+
+def ema(values: list[float], smoothing: float = 0.9) -> list[float]:
+    """Bias-corrected exponential moving average (as TensorBoard's smoothing slider)."""
+    smoothed, running, weight = [], 0.0, 0.0
+    for value in values:
+        running = smoothing * running + (1 - smoothing) * value
+        weight = smoothing * weight + (1 - smoothing)
+        smoothed.append(running / weight)
+    return smoothed
+
+
+def default_smoothing(n_points: int) -> float:
+    """Smooth long, noisy series strongly (0.9 at >= 100 points) and leave a handful of points raw."""
+    return min(0.9, max(0.0, 1 - 10 / max(n_points, 1)))
+
+
+def resolve_log_path(output_dir_or_log_path: str | os.PathLike) -> Path:
+    """Accept a run directory or the log file itself; raise a clear error when there is no log to plot."""
+    path = Path(output_dir_or_log_path)
+    log_path = path / TRAINING_LOG_NAME if path.is_dir() or path.suffix != ".jsonl" else path
+    if not log_path.is_file() or log_path.stat().st_size == 0:
+        where = path if path.suffix != ".jsonl" else path.parent
+        raise FileNotFoundError(f"no {TRAINING_LOG_NAME} in {where}; run forge train first")
+    return log_path
+
+
+def read_log(log_path: Path) -> list[dict]:
+    rows = []
+    with log_path.open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line from an interrupted run
+            if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
+                rows.append(row)
+    return rows
+
+
+def extract_series(rows: list[dict], key: str, label: str | None = None) -> Series:
+    """The finite values of `key` across rows (nulls and missing entries skipped)."""
+    steps, values = [], []
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            steps.append(row["step"])
+            values.append(float(value))
+    return Series(label or key, steps, values)
+
+
+def build_panels(rows: list[dict]) -> list[Panel]:
+    """Pick what to draw from the keys that appear in the log; drop panels with no data."""
+    keys = sorted({key for row in rows for key in row})
+    reward_keys = ["reward"] + [k for k in keys if k.startswith("rewards/") and not k.endswith("/std")]
+    accuracy_keys = [k for k in keys if k.startswith("eval/") and "accuracy" in k]
+    length_key = "completion_length/mean" if "completion_length/mean" in keys else "completion_length"
+    candidates = [
+        Panel("Reward", "mean reward", [extract_series(rows, k) for k in reward_keys]),
+        Panel("Held-out accuracy", "accuracy", [extract_series(rows, k) for k in accuracy_keys]),
+        Panel("KL to reference", "KL", [extract_series(rows, "kl")]),
+        Panel("Completion length", "tokens", [extract_series(rows, length_key, "completion length")]),
+        Panel(
+            "Groups with zero reward std",
+            "fraction of groups",
+            [extract_series(rows, "frac_zero_std_groups")],
+        ),
+    ]
+    panels = []
+    for panel in candidates:
+        panel.series = [series for series in panel.series if series.values]
+        if panel.series:
+            panels.append(panel)
+    return panels
+
+
+def plot_training_curves(
+    output_dir_or_log_path: str | os.PathLike, out_path: str | os.PathLike | None = None
+) -> Path:
+    """Draw the training curves of a run into a PNG; returns its path (default `{run}/training_curves.png`)."""
+    # A bare Figure renders with the Agg canvas and leaves pyplot's global backend alone.
+    from matplotlib.figure import Figure
+
+    log_path = resolve_log_path(output_dir_or_log_path)
+    rows = read_log(log_path)
+    panels = build_panels(rows)
+    if not panels:
+        raise ValueError(f"{log_path} has no reward, accuracy, kl or length values to plot")
+    out_path = Path(out_path) if out_path is not None else log_path.parent / "training_curves.png"
+
+    figure = Figure(figsize=(8, 2.8 * len(panels)))
+    axes = figure.subplots(len(panels), 1, squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        for index, series in enumerate(panel.series):
+            color = f"C{index}"
+            ax.plot(series.steps, series.values, color=color, alpha=0.3, linewidth=1)
+            smoothed = ema(series.values, default_smoothing(len(series.values)))
+            marker = "o" if len(series.values) <= 20 else None  # sparse series (evals): show each point
+            ax.plot(series.steps, smoothed, color=color, linewidth=2, marker=marker, label=series.label)
+        ax.set_title(panel.title)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+        if len(panel.series) > 1:
+            ax.legend(fontsize="small")
+    figure.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out_path, dpi=100)
+    return out_path

@@ -1,0 +1,99 @@
+"""plot_training_curves: a PNG from a synthetic log, and clear errors without one."""
+
+import json
+import math
+
+import pytest
+
+from forge.eval.plot import build_panels, default_smoothing, ema, plot_training_curves, read_log
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_log(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def synthetic_rows(n_steps=30):
+    rows = []
+    for step in range(1, n_steps + 1):
+        rows.append(
+            {
+                "step": step,
+                "epoch": step / 10,
+                "time": 1000.0 + step,
+                "loss": 0.1,
+                "reward": step / n_steps + 0.1 * math.sin(step),
+                "rewards/correctness": step / n_steps,
+                "rewards/format": 1.0,
+                "kl": 0.001 * step if step != 5 else None,  # a NaN logged as null
+                "completion_length/mean": 100 - step,
+                "frac_zero_std_groups": 0.5,
+            }
+        )
+        if step % 10 == 0:
+            rows.append({"step": step, "epoch": step / 10, "eval/gsm8k/accuracy": step / 40})
+    return rows
+
+
+def test_writes_png_with_eval_rows(tmp_path):
+    write_log(tmp_path / "training_log.jsonl", synthetic_rows())
+    out = plot_training_curves(tmp_path)
+    assert out == tmp_path / "training_curves.png"
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_accepts_log_path_and_custom_out(tmp_path):
+    log_path = tmp_path / "training_log.jsonl"
+    write_log(log_path, synthetic_rows(5))
+    out = plot_training_curves(log_path, tmp_path / "plots" / "curves.png")
+    assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_panels_skip_missing_data():
+    rows = [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.7, "kl": 0.01}]
+    titles = [panel.title for panel in build_panels(rows)]
+    assert titles == ["Reward", "KL to reference"]
+
+
+def test_panels_from_full_log():
+    panels = {panel.title: panel for panel in build_panels(synthetic_rows())}
+    assert list(panels) == [
+        "Reward",
+        "Held-out accuracy",
+        "KL to reference",
+        "Completion length",
+        "Groups with zero reward std",
+    ]
+    assert [s.label for s in panels["Reward"].series] == ["reward", "rewards/correctness", "rewards/format"]
+    assert panels["Held-out accuracy"].series[0].steps == [10, 20, 30]
+    assert 5 not in panels["KL to reference"].series[0].steps
+
+
+def test_read_log_skips_torn_line(tmp_path):
+    log_path = tmp_path / "training_log.jsonl"
+    log_path.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew')
+    assert read_log(log_path) == [{"step": 1, "reward": 0.5}]
+
+
+def test_ema_is_bias_corrected():
+    assert ema([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert ema([0.0, 1.0], smoothing=0.5) == pytest.approx([0.0, 2 / 3])
+
+
+def test_missing_log_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no training_log.jsonl in .*; run forge train first"):
+        plot_training_curves(tmp_path)
+
+
+def test_empty_log_raises(tmp_path):
+    (tmp_path / "training_log.jsonl").write_text("")
+    with pytest.raises(FileNotFoundError, match="run forge train first"):
+        plot_training_curves(tmp_path)
+
+
+def test_default_smoothing_leaves_few_points_raw():
+    assert default_smoothing(3) == 0.0
+    assert default_smoothing(1000) == 0.9
+    assert ema([0.0, 1.0, 0.0], default_smoothing(3)) == [0.0, 1.0, 0.0]
