@@ -1,0 +1,491 @@
+"""GRPOConfig and the pure-tensor GRPO math: advantages, per-token log-probs, KL, and the clipped loss.
+
+Forge implements GRPO as DeepSeekMath defines it (Shao et al. 2024, https://arxiv.org/abs/2402.03300,
+eq. 3), not the per-sequence, ratio-against-the-reference shortcut of the first Forge design:
+
+    ratio_t   = exp(logp_theta(o_t) - logp_old(o_t))          per token, against the sampling policy
+    pg_t      = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high))
+    kl_t      = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     k3 estimator, >= 0
+    loss      = aggregate(pg_t + beta * kl_t)
+
+`A` is the group-relative advantage of the completion: its reward minus the group mean, divided by the
+group std (or the batch std, or nothing: Dr. GRPO). The published variants differ only in the
+importance-ratio level (token or sequence: GSPO) and in how per-token losses are aggregated; each is
+one small function plus one entry in a dict below, so adding a variant touches no other code.
+
+This module imports only torch and the standard library: everything comes in as tensors and numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, NamedTuple
+
+import torch
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class GRPOConfig:
+    """Every knob of a Forge run. The first block keeps the original Forge fields and defaults."""
+
+    # --- original Forge fields (names and defaults unchanged) ---
+    group_size: int = 8
+    """Completions sampled per prompt (G). Directly multiplies generation cost."""
+    clip_epsilon: float = 0.2
+    """Lower clip range: the ratio is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high]."""
+    kl_beta: float = 0.01
+    """Weight of the k3 KL penalty against the frozen reference policy; 0 skips the reference entirely."""
+    temperature: float = 0.9
+    """Sampling temperature for rollouts."""
+    max_new_tokens: int = 512
+    """Maximum tokens generated per completion."""
+    learning_rate: float = 5e-6
+    """Peak AdamW learning rate."""
+    gradient_accumulation_steps: int = 4
+    """Rollout batches (of prompts_per_step prompts each) accumulated before one optimizer step."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm, applied right before the optimizer step (0 disables)."""
+    num_train_epochs: int = 3
+    """Passes over the dataset (ignored when max_steps > 0)."""
+    save_steps: int = 100
+    """Write a checkpoint to {output_dir}/{step}/ every N optimizer steps (0 disables)."""
+    logging_steps: int = 10
+    """Log metrics every N optimizer steps."""
+    output_dir: str = "forge_output"
+    """Root for checkpoints, training_log.jsonl and samples.jsonl."""
+    use_wandb: bool = False
+    """Mirror metrics to Weights & Biases (falls back with a warning when wandb is missing)."""
+    wandb_project: str = "forge"
+    """W&B project name."""
+    wandb_run_name: str = "grpo_run"
+    """W&B run name."""
+    seed: int = 42
+    """Seeds python, numpy and torch once at the start of train(); the same seed repeats a CPU run."""
+
+    # --- batching ---
+    prompts_per_step: int = 1
+    """Prompts generated together in one batched rollout (each gets group_size completions)."""
+    micro_batch_size: int = 0
+    """Completions per forward/backward pass when computing the loss; 0 = the whole rollout batch."""
+    max_steps: int = -1
+    """Stop after this many optimizer steps; -1 = run num_train_epochs."""
+    shuffle: bool = True
+    """Shuffle the dataset each epoch (seeded)."""
+
+    # --- algorithm variant ---
+    num_iterations: int = 1
+    """Optimizer passes over each rollout (mu). >1 computes pi_old once and reuses it."""
+    loss_type: str = "grpo"
+    """Aggregation: grpo (per-sequence mean), bnpo / dapo (token mean), dr_grpo (sum / (B * max_new_tokens))."""
+    importance_sampling_level: str = "token"
+    """'token' (GRPO) or 'sequence' (GSPO: one length-normalised ratio per completion)."""
+    clip_epsilon_high: float | None = None
+    """Upper clip range (DAPO clip-higher, e.g. 0.28); None = clip_epsilon."""
+    scale_rewards: str = "group"
+    """Advantage scaling: 'group' std, 'batch' std, or 'none' (Dr. GRPO)."""
+    reward_weights: list[float] | None = None
+    """Weights when reward_fn is a list of rewards; None = all 1.0."""
+    mask_truncated_completions: bool = False
+    """Exclude completions that hit max_new_tokens without EOS from the loss (DAPO)."""
+    drop_zero_std_groups: bool = False
+    """Dynamic sampling (DAPO): leave groups whose rewards are all equal out of the loss."""
+    advantage_epsilon: float = 1e-4
+    """Added to the std when scaling advantages."""
+
+    # --- sampling ---
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_prompt_length: int | None = None
+    """Longest prompt in tokens; None = the model's context minus max_new_tokens."""
+    truncate_prompts: str = "error"
+    """What to do with a prompt over max_prompt_length: 'error' or 'left' (keep its last tokens)."""
+
+    # --- optimizer and schedule ---
+    lr_scheduler: str = "cosine"
+    """'cosine', 'linear' or 'constant', each after a linear warmup."""
+    warmup_ratio: float = 0.05
+    """Fraction of optimizer steps spent warming the learning rate up from 0."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    # --- LoRA ---
+    use_lora: bool = False
+    """Train LoRA adapters (peft) instead of all weights; the reference is the adapter-disabled base."""
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input (kept off while sampling and computing log-probs)."""
+    lora_target_modules: list[str] | None = None
+    """Module names to adapt; None = the attention projections of the architecture (q/k/v/o for Llama)."""
+
+    # --- engine ---
+    share_prompt_prefix: bool = True
+    """Compute each prompt once per group (in generation and in the loss) instead of G times."""
+    logprob_chunk_size: int = 1024
+    """Positions per chunk in the log-softmax, so (tokens x vocab) fp32 logits are never all alive."""
+    gradient_checkpointing: bool = False
+    """Trade ~20% speed for activation memory."""
+    dtype: str = "auto"
+    """Model dtype when Forge loads the model: auto = fp32 on CPU, bf16 on a GPU that supports it."""
+
+    # --- logging, eval, checkpoints ---
+    use_tensorboard: bool = False
+    """Write TensorBoard events under {output_dir}/tensorboard."""
+    log_completions: int = 2
+    """Sample completions written to samples.jsonl per logging step."""
+    eval_steps: int = 0
+    """Evaluate on the eval dataset every N optimizer steps (0 = only before/after, if asked)."""
+    eval_before_training: bool = False
+    """Evaluate once before the first step (logged at step 0)."""
+    save_total_limit: int | None = None
+    """Keep only the newest N numbered checkpoints."""
+    resume_from: str | None = None
+    """Checkpoint directory to resume from, or 'latest' for the newest one in output_dir."""
+
+    # --- failure handling ---
+    on_reward_error: str = "raise"
+    """'raise' stops with the failing sample named; 'score' gives it reward_error_value and counts it."""
+    reward_error_value: float = 0.0
+    """Score given to a sample whose reward failed, when on_reward_error == 'score'."""
+    reward_timeout: float | None = None
+    """Seconds one reward call may take; None = no limit."""
+    max_consecutive_nonfinite: int = 3
+    """Abort after this many optimizer steps in a row skipped for a NaN/inf loss or gradient."""
+
+    @property
+    def epsilon_high(self) -> float:
+        return self.clip_epsilon if self.clip_epsilon_high is None else self.clip_epsilon_high
+
+    @property
+    def completions_per_step(self) -> int:
+        """Completions generated in one rollout batch."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def prompts_per_optimizer_step(self) -> int:
+        return self.prompts_per_step * self.gradient_accumulation_steps
+
+    def validate(self) -> "GRPOConfig":
+        """Raise a ValueError that says what to change for every bad setting; returns self."""
+        problems = []
+
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                problems.append(message)
+
+        need(self.group_size >= 2, f"group_size={self.group_size}: GRPO needs >= 2 completions per prompt")
+        need(self.clip_epsilon > 0, f"clip_epsilon={self.clip_epsilon} must be > 0")
+        need(self.epsilon_high > 0, f"clip_epsilon_high={self.clip_epsilon_high} must be > 0")
+        need(self.kl_beta >= 0, f"kl_beta={self.kl_beta} must be >= 0 (0 disables the KL term)")
+        need(self.temperature > 0, f"temperature={self.temperature} must be > 0")
+        need(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
+        need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
+        need(self.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 disables clipping)")
+        need(self.num_train_epochs >= 1 or self.max_steps > 0, "num_train_epochs must be >= 1")
+        need(self.save_steps >= 0 and self.logging_steps >= 1, "save_steps >= 0 and logging_steps >= 1")
+        need(self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step} must be >= 1")
+        need(self.micro_batch_size >= 0, "micro_batch_size must be >= 0 (0 = whole rollout batch)")
+        need(self.num_iterations >= 1, f"num_iterations={self.num_iterations} must be >= 1")
+        need(self.loss_type in LOSS_AGGREGATIONS,
+             f"loss_type={self.loss_type!r} unknown; choose one of {sorted(LOSS_AGGREGATIONS)}")
+        need(self.importance_sampling_level in IMPORTANCE_LEVELS,
+             f"importance_sampling_level={self.importance_sampling_level!r}; choose 'token' or 'sequence'")
+        need(self.scale_rewards in ADVANTAGE_SCALES,
+             f"scale_rewards={self.scale_rewards!r}; choose one of {sorted(ADVANTAGE_SCALES)}")
+        need(self.reward_weights is None or all(math.isfinite(w) for w in self.reward_weights),
+             "reward_weights must be finite numbers")
+        need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
+        need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)")
+        need(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length must be >= 1")
+        need(self.truncate_prompts in ("error", "left"), "truncate_prompts must be 'error' or 'left'")
+        need(self.lr_scheduler in ("cosine", "linear", "constant"),
+             f"lr_scheduler={self.lr_scheduler!r}; choose 'cosine', 'linear' or 'constant'")
+        need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        need(self.weight_decay >= 0, "weight_decay must be >= 0")
+        need(self.lora_r >= 1 and self.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0")
+        need(0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)")
+        need(self.logprob_chunk_size >= 1, "logprob_chunk_size must be >= 1")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"dtype={self.dtype!r}; choose auto, float32, bfloat16 or float16")
+        need(self.eval_steps >= 0, "eval_steps must be >= 0")
+        need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit must be >= 1")
+        need(self.on_reward_error in ("raise", "score"), "on_reward_error must be 'raise' or 'score'")
+        need(self.reward_timeout is None or self.reward_timeout > 0, "reward_timeout must be > 0 seconds")
+        need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
+        need(bool(self.output_dir), "output_dir must be a non-empty path")
+        if problems:
+            raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "GRPOConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown GRPOConfig fields {unknown}; see `forge train --help` for the list")
+        return cls(**values)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Advantages
+
+
+def _group_scale(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    return rewards.view(-1, group_size).std(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
+
+
+def _batch_scale(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    return rewards.std().expand_as(rewards)
+
+
+def _no_scale(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    return torch.ones_like(rewards)
+
+
+ADVANTAGE_SCALES: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    "group": _group_scale,  # DeepSeekMath: std of the group (Bessel-corrected)
+    "batch": _batch_scale,  # std over the whole batch (more robust for small groups)
+    "none": _no_scale,  # Dr. GRPO (Liu et al. 2025): no std division, removes the difficulty bias
+}
+
+
+def compute_group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-relative advantages. rewards: (N,) laid out group by group, N = num_groups * group_size.
+
+    A_i = (r_i - mean(group)) / (std + eps). A group whose rewards are all equal gets exactly 0.
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+                         f"got shape {tuple(rewards.shape)}")
+    rewards = rewards.float()
+    grouped = rewards.view(-1, group_size)  # (num_groups, G)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # (N,)
+    return centred / (ADVANTAGE_SCALES[scale](rewards, group_size) + eps)  # (N,)
+
+
+def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per-group std of the rewards, (num_groups,)."""
+    return rewards.float().view(-1, group_size).std(dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Log-probabilities
+
+
+def token_logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
+) -> torch.Tensor:
+    """log p(target_t) for each position. logits: (B, T, V), targets: (B, T) -> (B, T) float32.
+
+    The log-softmax runs over chunks of positions, so the float32 (B*T, V) matrix is never all alive.
+    Logits are divided by the sampling temperature so the ratio is taken against the policy that sampled.
+    """
+    batch, length, vocab = logits.shape
+    flat_logits = logits.reshape(-1, vocab)  # (B*T, V)
+    flat_targets = targets.reshape(-1)  # (B*T,)
+    out = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device)
+    for start in range(0, flat_targets.numel(), chunk_size):
+        chunk = flat_logits[start:start + chunk_size].float() / temperature  # (c, V)
+        picked = chunk.gather(1, flat_targets[start:start + chunk_size, None]).squeeze(1)  # (c,)
+        out[start:start + chunk_size] = picked - torch.logsumexp(chunk, dim=-1)
+    return out.view(batch, length)
+
+
+def compute_token_log_probs(
+    logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Per-token log-probs of the response tokens of prompt+response sequences, 0 elsewhere.
+
+    logits: (B, L, V) from the model on input_ids (B, L); response_mask: (B, L), 1 on response tokens.
+    Returns (B, L - 1): entry t is log p(input_ids[t + 1]) masked by response_mask[t + 1].
+    """
+    token_logprobs = token_logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)  # (B, L-1)
+    return token_logprobs * response_mask[:, 1:].to(token_logprobs.dtype)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def sequence_mean_log_probs(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The first Forge design's per-response score: mean log-prob over response tokens, (B, T) -> (B,)."""
+    return masked_mean(token_logprobs, mask, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# KL
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref): exp(d) - d - 1 with d = ref - logp; always >= 0.
+
+    Unbiased, low-variance estimator from http://joschu.net/blog/kl-approx.html (used by DeepSeekMath eq. 4).
+    """
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Importance ratio levels: each returns log(ratio) per token, (B, T)
+
+
+def token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return logprobs - old_logprobs
+
+
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071, eq. 7): one length-normalised ratio per
+    completion, exp(mean_t(logp - logp_old)), shared by all of its tokens."""
+    per_sequence = masked_mean(logprobs - old_logprobs, mask, dim=1)  # (B,)
+    return per_sequence[:, None].expand_as(logprobs)
+
+
+IMPORTANCE_LEVELS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Aggregations: per-token loss (B, T) -> scalar. `num_sequences` / `num_tokens` are the counts over the
+# whole optimizer batch (all micro-batches, all ranks), so summing micro-batch losses gives the same
+# value as one big batch.
+
+
+class LossNormaliser(NamedTuple):
+    num_sequences: float
+    num_tokens: float
+    max_completion_length: int
+
+
+def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormaliser) -> torch.Tensor:
+    # DeepSeekMath eq. 3: 1/G sum_i 1/|o_i| sum_t
+    lengths = mask.sum(dim=1).clamp(min=1)
+    return ((per_token * mask).sum(dim=1) / lengths).sum() / norm.num_sequences
+
+
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormaliser) -> torch.Tensor:
+    # DAPO (Yu et al. 2025, https://arxiv.org/abs/2503.14476, eq. 8): every token weighs the same
+    return (per_token * mask).sum() / max(norm.num_tokens, 1.0)
+
+
+def _constant_normaliser(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormaliser) -> torch.Tensor:
+    # Dr. GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783): no length bias, constant denominator
+    return (per_token * mask).sum() / (norm.num_sequences * norm.max_completion_length)
+
+
+LOSS_AGGREGATIONS = {
+    "grpo": _sequence_mean,
+    "bnpo": _token_mean,
+    "dapo": _token_mean,
+    "dr_grpo": _constant_normaliser,
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loss
+
+
+class LossStats(NamedTuple):
+    """Statistics of one loss evaluation, all detached scalars (token means over the completion mask)."""
+
+    policy_loss: torch.Tensor
+    kl: torch.Tensor
+    ratio_mean: torch.Tensor
+    clip_frac_low: torch.Tensor
+    clip_frac_high: torch.Tensor
+    clip_frac: torch.Tensor
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    loss_type: str = "grpo",
+    importance_level: str = "token",
+    normaliser: LossNormaliser | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """The GRPO objective for a batch of completions.
+
+    logprobs:        (B, T) log pi_theta of each completion token (with grad)
+    old_logprobs:    (B, T) log pi_old, the policy that sampled; None = logprobs.detach() (one update per
+                     rollout: the ratio is 1, the loss value ~0, and its gradient is the policy gradient)
+    ref_logprobs:    (B, T) log pi_ref, or None when kl_beta == 0
+    advantages:      (B,)   group-relative advantage of each completion
+    completion_mask: (B, T) 1 on completion tokens up to and including EOS, 0 on padding
+    """
+    mask = completion_mask.to(logprobs.dtype)  # (B, T)
+    if old_logprobs is None:
+        old_logprobs = logprobs.detach()
+    clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    if normaliser is None:
+        normaliser = LossNormaliser(float(mask.shape[0]), float(mask.sum()), int(mask.shape[1]))
+
+    log_ratio = IMPORTANCE_LEVELS[importance_level](logprobs, old_logprobs, mask)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = advantages[:, None].to(logprobs.dtype)  # (B, 1)
+    pg_loss1 = -adv * ratio  # (B, T)
+    pg_loss2 = -adv * torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (B, T)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
+
+    per_token = pg_loss
+    if kl_beta > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_beta > 0 needs ref_logprobs")
+        kl = k3_kl(logprobs, ref_logprobs)  # (B, T)
+        per_token = pg_loss + kl_beta * kl
+    else:
+        kl = torch.zeros_like(logprobs) if ref_logprobs is None else k3_kl(logprobs, ref_logprobs)
+
+    loss = LOSS_AGGREGATIONS[loss_type](per_token, mask, normaliser)
+
+    with torch.no_grad():
+        low = ((ratio < 1 - clip_eps_low) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1 + clip_eps_high) & (adv > 0)).to(mask.dtype)
+        stats = LossStats(
+            policy_loss=LOSS_AGGREGATIONS[loss_type](pg_loss.detach(), mask, normaliser),
+            kl=masked_mean(kl.detach(), mask),
+            ratio_mean=masked_mean(ratio.detach(), mask),
+            clip_frac_low=masked_mean(low, mask),
+            clip_frac_high=masked_mean(high, mask),
+            clip_frac=masked_mean(torch.clamp(low + high, max=1), mask),
+        )
+    return loss, stats
+
+
+__all__ = [
+    "GRPOConfig",
+    "compute_group_advantages",
+    "group_reward_std",
+    "token_logprobs_from_logits",
+    "compute_token_log_probs",
+    "sequence_mean_log_probs",
+    "masked_mean",
+    "k3_kl",
+    "grpo_loss",
+    "LossStats",
+    "LossNormaliser",
+    "LOSS_AGGREGATIONS",
+    "IMPORTANCE_LEVELS",
+    "ADVANTAGE_SCALES",
+]

@@ -1,0 +1,259 @@
+"""Batched generation for many prompts at once, and the per-token log-probs of what was generated.
+
+Both halves share one idea: the `group_size` completions of a prompt all start from the same prompt,
+so the prompt is run through the model once per group and its key/value cache is expanded to the
+group. In generation that is one prefill per prompt; in the loss, gradients flow back through the
+expanded cache into the single prompt computation. Finished sequences leave the decode batch, so the
+tail of generation costs only what the still-running completions need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import inspect
+from typing import Sequence
+
+import torch
+from transformers import LlamaForCausalLM
+
+from forge.core.grpo import token_logprobs_from_logits
+
+Prompt = str | list[dict]  # plain text, or chat messages rendered with the tokenizer's chat template
+
+# transformers 5 renamed the `past_key_values` argument to `cache`; speak whichever this version knows.
+_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def _returned_cache(output):
+    return getattr(output, "cache", None) or output.past_key_values
+
+
+@dataclass
+class SamplingSettings:
+    max_new_tokens: int = 512
+    temperature: float = 0.9
+    top_p: float = 1.0
+    top_k: int = 0
+    do_sample: bool = True
+
+
+@dataclass
+class Rollout:
+    """The completions of one batch of prompts, laid out prompt by prompt (group i = rows i*G..(i+1)*G-1)."""
+
+    prompt_ids: torch.Tensor  # (P, Lp) left-padded prompt tokens, one row per prompt
+    prompt_mask: torch.Tensor  # (P, Lp) 1 on real prompt tokens
+    completion_ids: torch.Tensor  # (N, T) completion tokens, N = P * G, padded after EOS
+    completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
+    truncated: torch.Tensor  # (N,) bool, True when no EOS within max_new_tokens
+    group_size: int
+    completions: list[str] = field(default_factory=list)  # (N,) decoded text, special tokens removed
+
+    @property
+    def num_prompts(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def prompt_index(self) -> torch.Tensor:
+        """(N,) which prompt row each completion belongs to."""
+        return torch.arange(self.num_prompts).repeat_interleave(self.group_size)
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1)  # (N,)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prompts -> token ids
+
+
+def render_prompt(tokenizer, prompt: Prompt) -> str:
+    """Plain prompts pass through; chat prompts are rendered with the tokenizer's chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("a chat prompt (list of messages) needs a tokenizer with a chat template; "
+                         "set tokenizer.chat_template or pass the prompt as a plain string")
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def tokenize_prompts(
+    tokenizer, prompts: Sequence[Prompt], max_prompt_length: int, truncate: str = "error"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask, (P, Lp). Over-long prompts raise or keep their last tokens."""
+    texts = [render_prompt(tokenizer, p) for p in prompts]
+    # chat templates already hold the BOS token when the model wants one
+    encoded = [tokenizer(t, add_special_tokens=isinstance(p, str))["input_ids"] for t, p in zip(texts, prompts)]
+    for i, ids in enumerate(encoded):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty after tokenization")
+        if len(ids) > max_prompt_length:
+            if truncate != "left":
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens, over max_prompt_length={max_prompt_length} "
+                    f"(starts {texts[i][:60]!r}); shorten it, raise max_prompt_length (the model's context "
+                    f"must hold prompt + max_new_tokens), or set truncate_prompts='left'")
+            encoded[i] = ids[-max_prompt_length:]
+    length = max(len(ids) for ids in encoded)
+    pad_id = tokenizer.pad_token_id
+    prompt_ids = torch.full((len(encoded), length), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(encoded), length), dtype=torch.long)
+    for i, ids in enumerate(encoded):
+        prompt_ids[i, length - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        prompt_mask[i, length - len(ids):] = 1
+    return prompt_ids, prompt_mask
+
+
+def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """(N, T) mask: 1 up to and including the first EOS. Built from positions, never by comparing with the
+    pad id, because the pad token is often the EOS token."""
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_token_ids), device=completion_ids.device))
+    eos_seen_before = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) > 0  # (N, T)
+    return (~eos_seen_before).long()
+
+
+def eos_ids(tokenizer, model=None) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    generation_config = getattr(model, "generation_config", None)
+    extra = getattr(generation_config, "eos_token_id", None)
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra:
+        ids.update(extra)
+    return sorted(i for i in ids if i is not None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling
+
+
+def sample_next_token(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """logits: (n, V) -> (n,) next token ids, greedy or with temperature / top-k / top-p."""
+    if not settings.do_sample:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / settings.temperature  # (n, V)
+    if settings.top_k > 0:
+        kth = torch.topk(logits, min(settings.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if settings.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= settings.top_p  # keep the first over p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1).squeeze(1)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: (n, L) -> (n, L)."""
+    return (mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    group_size: int,
+    settings: SamplingSettings,
+    max_prompt_length: int = 10**9,
+    truncate_prompts: str = "error",
+    share_prompt_prefix: bool = True,
+) -> Rollout:
+    """Sample `group_size` completions for every prompt in one batched decode."""
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts)
+    stop_ids = torch.tensor(eos_ids(tokenizer, model), device=device)
+    num_prompts, num_rows = len(prompts), len(prompts) * group_size
+
+    ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
+    if not share_prompt_prefix:
+        ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
+                logits_to_keep=1)
+    cache, next_logits = _returned_cache(out), out.logits[:, -1]  # (P or N, V)
+    if share_prompt_prefix:
+        cache.batch_repeat_interleave(group_size)
+        next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
+        mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
+
+    completion_ids = torch.full((num_rows, settings.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
+    active = torch.arange(num_rows, device=device)  # rows still decoding
+    next_position = mask.sum(dim=1)  # (N,)
+    for step in range(settings.max_new_tokens):
+        tokens = sample_next_token(next_logits, settings)  # (n,)
+        completion_ids[active.cpu(), step] = tokens.cpu()
+        running = ~torch.isin(tokens, stop_ids)  # (n,)
+        if step == settings.max_new_tokens - 1 or not running.any():
+            break
+        if not running.all():  # drop finished rows from the decode batch
+            keep = running.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            active, tokens, mask, next_position = active[keep], tokens[keep], mask[keep], next_position[keep]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (n, L + 1)
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                    use_cache=True, **{_CACHE_ARG: cache})
+        next_logits, next_position = out.logits[:, -1], next_position + 1
+
+    completion_mask = completion_mask_from_ids(completion_ids, stop_ids.tolist())
+    truncated = completion_mask.all(dim=1) & ~torch.isin(completion_ids[:, -1], stop_ids.cpu())
+    lengths = completion_mask.sum(dim=1).tolist()
+    texts = tokenizer.batch_decode([row[:n] for row, n in zip(completion_ids.tolist(), lengths)],
+                                   skip_special_tokens=True)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Log-probs of completions
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    prompt_index: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    share_prompt_prefix: bool = True,
+) -> torch.Tensor:
+    """log pi(completion token) for each completion token, (n, T); differentiable when grad is enabled.
+
+    prompt_ids/mask: (P, Lp) the prompts; completion_ids: (n, T); prompt_index: (n,) the prompt of each
+    completion. With share_prompt_prefix, each distinct prompt is run once and its cache expanded.
+    """
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    completion_ids, prompt_index = completion_ids.to(device), prompt_index.to(device)
+    if not share_prompt_prefix:
+        return _full_sequence_logprobs(model, prompt_ids[prompt_index], prompt_mask[prompt_index],
+                                       completion_ids, temperature, chunk_size)
+
+    used, expand = torch.unique(prompt_index, return_inverse=True)  # (u,), (n,)
+    ids, mask = prompt_ids[used], prompt_mask[used]  # (u, Lp)
+    # Drop columns that are padding in every used prompt.
+    first = int((mask.sum(dim=0) > 0).nonzero()[0])
+    ids, mask = ids[:, first:], mask[:, first:]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
+                logits_to_keep=1)
+    cache = _returned_cache(out)
+    cache.batch_select_indices(expand)  # (n, ...) each completion sees its prompt's keys and values
+    first_logits = out.logits[:, -1][expand]  # (n, V) predicts the first completion token
+
+    full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids)], dim=1)  # (n, Lp + T)
+    positions = mask[expand].sum(dim=1, keepdim=True) + torch.arange(completion_ids.shape[1], device=device)
+    logits = model(input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
+                   use_cache=True, **{_CACHE_ARG: cache}).logits  # (n, T, V)
+    logits = torch.cat([first_logits[:, None], logits[:, :-1]], dim=1)  # (n, T, V) aligned with targets
+    return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size)  # (n, T)
+
+
+def _full_sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, temperature, chunk_size):
+    """The straightforward path: every completion re-reads its own copy of the prompt."""
+    prompt_len = prompt_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, Lp + T)
+    mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=_positions(mask)).logits
+    logits = logits[:, prompt_len - 1:-1]  # (n, T, V): position t predicts completion token t
+    return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size)
