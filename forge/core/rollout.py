@@ -25,7 +25,8 @@ _CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).p
 
 
 def _returned_cache(output):
-    return getattr(output, "cache", None) or output.past_key_values
+    cache = getattr(output, "cache", None)
+    return output.past_key_values if cache is None else cache
 
 
 @dataclass
