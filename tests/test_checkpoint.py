@@ -1,0 +1,247 @@
+"""Checkpoints: round trip of weights, optimizer and RNG; atomicity under a crash; pruning; LoRA adapters."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from forge.checkpoint import (
+    capture_rng_state,
+    check_compatible,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    prune_checkpoints,
+    restore_rng_state,
+    save_checkpoint,
+)
+from forge.core.tiny import build_tiny_model
+
+CONFIG = {"model_name": "tiny", "group_size": 4, "use_lora": False, "learning_rate": 1e-3}
+
+
+def train_one_step(model, tokenizer):
+    """One AdamW + LambdaLR step on a short text, so the optimizer and scheduler have real state."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    input_ids = tokenizer("What is 12 + 7? Answer: 19", return_tensors="pt").input_ids  # (1, T)
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return optimizer, scheduler
+
+
+def save(path, model, tokenizer, step=1, **kwargs):
+    return save_checkpoint(
+        path,
+        model=model,
+        tokenizer=tokenizer,
+        trainer_state={"global_step": step, "epoch": 0.5, "data_position": 3 * step},
+        config=CONFIG,
+        **kwargs,
+    )
+
+
+def assert_nested_equal(actual, expected):
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected)
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys()
+        for key in expected:
+            assert_nested_equal(actual[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_nested_equal(a, e)
+    else:
+        assert actual == expected
+
+
+def test_round_trip_weights_optimizer_and_state(tmp_path, tiny_model, tiny_tokenizer):
+    optimizer, scheduler = train_one_step(tiny_model, tiny_tokenizer)
+    path = save(
+        checkpoint_dir(tmp_path, 1), tiny_model, tiny_tokenizer, optimizer=optimizer, scheduler=scheduler
+    )
+    assert path == tmp_path / "1"
+    assert {
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "trainer_state.json",
+        "rng_state.pt",
+        "forge_config.json",
+        "COMPLETE",
+        "tokenizer.json",
+    } <= {p.name for p in path.iterdir()}
+
+    state = load_checkpoint(path)
+    assert state.path == path
+    assert state.trainer_state == {"global_step": 1, "epoch": 0.5, "data_position": 3}
+    assert state.config == CONFIG
+    assert_nested_equal(state.optimizer_state, optimizer.state_dict())
+    assert state.scheduler_state == scheduler.state_dict()
+
+    fresh_model, _ = build_tiny_model(tiny_tokenizer, seed=1)
+    load_model_weights(fresh_model, path)
+    trained = tiny_model.state_dict()
+    for name, tensor in fresh_model.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+
+    # The loaded state drives a fresh optimizer to the same place.
+    fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=1e-3)
+    fresh_optimizer.load_state_dict(state.optimizer_state)
+    assert_nested_equal(fresh_optimizer.state_dict(), optimizer.state_dict())
+
+
+def test_rng_restore_reproduces_draws(tmp_path, tiny_model, tiny_tokenizer):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.normal()  # leaves a cached gaussian in numpy's state
+    path = save(tmp_path / "1", tiny_model, tiny_tokenizer)
+
+    def draws():
+        return (
+            random.random(),
+            random.gauss(0, 1),
+            np.random.rand(3).tolist(),
+            np.random.normal(),
+            torch.rand(3).tolist(),
+        )
+
+    expected = draws()
+    draws()  # move every generator on
+    restore_rng_state(load_checkpoint(path).rng_state)
+    assert draws() == expected
+
+
+def test_capture_restore_in_memory():
+    state = capture_rng_state()
+    first = (random.random(), np.random.rand(), torch.randn(2).tolist())
+    restore_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.randn(2).tolist()) == first
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
+    good = save(checkpoint_dir(tmp_path, 1), tiny_model, tiny_tokenizer, step=1)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(tiny_tokenizer, "save_pretrained", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save(checkpoint_dir(tmp_path, 2), tiny_model, tiny_tokenizer, step=2)
+    with pytest.raises(RuntimeError, match="disk full"):  # overwriting an existing checkpoint
+        save(good, tiny_model, tiny_tokenizer, step=5)
+
+    assert latest_checkpoint(tmp_path) == good
+    assert load_checkpoint(good).trainer_state["global_step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
+
+
+def test_latest_ignores_final_tmp_and_incomplete(tmp_path, tiny_model, tiny_tokenizer):
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path / "missing") is None
+    save(checkpoint_dir(tmp_path, 2), tiny_model, tiny_tokenizer, step=2)
+    save(checkpoint_dir(tmp_path, 10), tiny_model, tiny_tokenizer, step=10)
+    save(tmp_path / "final", tiny_model, tiny_tokenizer, step=99)
+    (tmp_path / "30").mkdir()  # a save killed before it was renamed would not even be here
+    (tmp_path / "40.tmp-123").mkdir()
+    (tmp_path / "training_log.jsonl").write_text("")
+    assert latest_checkpoint(tmp_path) == tmp_path / "10"
+
+
+def test_overwrite_replaces_existing(tmp_path, tiny_model, tiny_tokenizer):
+    path = save(tmp_path / "final", tiny_model, tiny_tokenizer, step=1)
+    save(path, tiny_model, tiny_tokenizer, step=2)
+    assert load_checkpoint(path).trainer_state["global_step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_prune_keeps_newest(tmp_path, tiny_model, tiny_tokenizer):
+    for step in (5, 10, 15, 20):
+        save(checkpoint_dir(tmp_path, step), tiny_model, tiny_tokenizer, step=step)
+    save(tmp_path / "final", tiny_model, tiny_tokenizer)
+    assert prune_checkpoints(tmp_path, None) == []
+    deleted = prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in deleted) == ["10", "5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["15", "20", "final"]
+
+
+def test_incomplete_checkpoint_raises(tmp_path, tiny_model, tiny_tokenizer):
+    path = save(tmp_path / "3", tiny_model, tiny_tokenizer)
+    (path / "COMPLETE").unlink()
+    with pytest.raises(
+        ValueError, match=r"checkpoint .*3 is incomplete \(interrupted save\?\); use an earlier one"
+    ):
+        load_checkpoint(path)
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_load_weights_rejects_missing_keys(tmp_path, tiny_model, tiny_tokenizer):
+    from safetensors.torch import load_file, save_file
+
+    path = save(tmp_path / "1", tiny_model, tiny_tokenizer)
+    weights = load_file(path / "model.safetensors")
+    weights.pop("model.layers.0.self_attn.q_proj.weight")
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match="missing 1 keys"):
+        load_model_weights(build_tiny_model(tiny_tokenizer)[0], path)
+
+
+def lora_b_key(state_dict):
+    return next(name for name in state_dict if "lora_B" in name)
+
+
+def test_lora_saves_only_adapter_and_round_trips(tmp_path, tiny_model, tiny_tokenizer):
+    peft = pytest.importorskip("peft")
+    lora_config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    lora_model = peft.get_peft_model(tiny_model, lora_config)
+    path = save(tmp_path / "1", lora_model, tiny_tokenizer)
+    names = {p.name for p in path.iterdir()}
+    assert "adapter_model.safetensors" in names and "model.safetensors" not in names
+
+    fresh = peft.get_peft_model(build_tiny_model(tiny_tokenizer, seed=0)[0], lora_config)  # new random LoRA
+    trained = lora_model.state_dict()
+    assert not torch.equal(fresh.state_dict()[lora_b_key(trained)], trained[lora_b_key(trained)])
+    load_model_weights(fresh, path)
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+
+    with pytest.raises(ValueError, match="not a peft model"):
+        load_model_weights(build_tiny_model(tiny_tokenizer)[0], path)
+
+
+def test_lora_adapter_with_other_targets_is_rejected(tmp_path, tiny_model, tiny_tokenizer):
+    peft = pytest.importorskip("peft")
+    saved = peft.get_peft_model(tiny_model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    path = save(tmp_path / "1", saved, tiny_tokenizer)
+    other = peft.get_peft_model(
+        build_tiny_model(tiny_tokenizer)[0], peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    with pytest.raises(ValueError, match="missing 4 keys"):
+        load_model_weights(other, path)
+
+
+def test_check_compatible():
+    check_compatible(CONFIG, {**CONFIG, "learning_rate": 5e-4})  # other keys may change
+    check_compatible({"lora_target_modules": ("q_proj",)}, {"lora_target_modules": ["q_proj"]})
+    with pytest.raises(ValueError) as excinfo:
+        check_compatible(CONFIG, {**CONFIG, "group_size": 8, "use_lora": True}, checkpoint_path="out/10")
+    message = str(excinfo.value)
+    assert "checkpoint out/10" in message
+    assert "group_size: saved 4, current 8" in message
+    assert "use_lora: saved False, current True" in message
+    assert "fresh run" in message
+
+
+def test_trainer_state_is_plain_json(tmp_path, tiny_model, tiny_tokenizer):
+    path = save(tmp_path / "1", tiny_model, tiny_tokenizer, step=7)
+    assert json.loads((path / "trainer_state.json").read_text())["global_step"] == 7
