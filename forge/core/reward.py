@@ -1,0 +1,496 @@
+"""Reward functions: BaseReward, RewardOutput, the built-in rewards, and how to combine them.
+
+A reward scores a batch of responses: ``reward(prompts, responses, **kwargs) -> RewardOutput``,
+one float per response. Dataset columns other than ``prompt`` arrive as keyword arguments
+(``reference`` becomes ``references``, see `forge.data.dataset.reward_kwargs`), and each reward
+receives only the keyword arguments its signature names (`call_with_accepted_kwargs`), so a user
+can write ``def __call__(self, prompts, responses, references)`` without ``**kwargs``.
+
+Plain TRL-style functions ``f(prompts, completions, **kwargs) -> list[float]`` are accepted too
+(`as_reward`). Answer extraction and equivalence live in `forge.data.answers`, shared with the
+evaluation code so that the training reward and the reported accuracy agree.
+
+This module does not check the scores it returns (length, NaN, type): the trainer validates
+every reward output in one place. Exceptions raised by a reward propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forge.data.answers import (
+    answers_match,
+    extract_final_answer,
+    extract_tagged_answer,
+    parse_number,
+)
+
+__all__ = [
+    "REWARD_REGISTRY",
+    "BaseReward",
+    "CompositeReward",
+    "ExactMatchReward",
+    "FormatReward",
+    "FunctionReward",
+    "LengthPenaltyReward",
+    "MathCorrectnessReward",
+    "NumberReward",
+    "RewardOutput",
+    "TagFormatReward",
+    "accepted_kwargs",
+    "as_reward",
+    "build_reward",
+    "call_with_accepted_kwargs",
+    "load_reward_from_path",
+]
+
+
+@dataclass
+class RewardOutput:
+    """What a reward returns for a batch of B responses."""
+
+    scores: list[float]
+    """One score per response, in the order the responses were given. (B,)"""
+    metadata: dict[str, Any] | None = None
+    """Anything worth logging next to the scores, e.g. per-component scores of a CompositeReward."""
+
+
+def _snake_case(class_name: str) -> str:
+    """``"ExactMatchReward"`` -> ``"exact_match"``; ``"MyReward"`` -> ``"my"``."""
+    if class_name.endswith("Reward") and len(class_name) > len("Reward"):
+        class_name = class_name[: -len("Reward")]
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", class_name).lower()
+
+
+class BaseReward(ABC):
+    """Base class for rewards. Subclasses implement ``__call__(prompts, responses, ...)``.
+
+    ``name`` is used as the logging key. It defaults to the class name in snake case without the
+    ``Reward`` suffix (``ExactMatchReward`` -> ``exact_match``); set ``self.name = ...`` or a
+    class attribute ``name = ...`` to choose another.
+    """
+
+    @property
+    def name(self) -> str:
+        return self.__dict__.get("_name") or _snake_case(type(self).__name__)
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = value
+
+    @abstractmethod
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        """Score each response to its prompt; return one float per response."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+# ----------------------------------------------------------------------------------------------
+# Calling rewards with the keyword arguments they accept
+
+
+def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn`` can receive after its two positional arguments.
+
+    Everything passes when ``fn`` takes ``**kwargs`` or has no inspectable signature (some
+    builtins); otherwise only names of its parameters beyond the first two (which receive
+    ``prompts`` and ``responses``).
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    parameters = list(signature.parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(kwargs)
+    positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in parameters if p.kind in positional_kinds]
+    taken_by_position = {p.name for p in positional[:2]}
+    named = {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and p.name not in taken_by_position
+    }
+    return {key: value for key, value in kwargs.items() if key in named}
+
+
+def call_with_accepted_kwargs(
+    fn: Callable[..., Any], prompts: list[str], responses: list[str], kwargs: Mapping[str, Any]
+) -> Any:
+    """Call ``fn(prompts, responses, **accepted)`` where ``accepted`` are the entries of
+    ``kwargs`` that ``fn``'s signature names (all of them if it takes ``**kwargs``).
+
+    Prompts and responses are passed positionally, so the second parameter may be called
+    ``responses`` or ``completions`` (TRL style).
+    """
+    return fn(prompts, responses, **accepted_kwargs(fn, kwargs))
+
+
+def _as_output(result: Any) -> RewardOutput:
+    """A RewardOutput as is; anything else (a list of floats) becomes its ``scores``, unchecked."""
+    return result if isinstance(result, RewardOutput) else RewardOutput(scores=result)
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return name.strip("<>") or "reward"
+
+
+class FunctionReward(BaseReward):
+    """Adapts a plain function ``f(prompts, completions, **kwargs)`` that returns a list of floats
+    (or a RewardOutput) to the BaseReward interface. Usually built by `as_reward`."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
+        self.fn = fn
+        self.name = name or _callable_name(fn)
+
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        return _as_output(call_with_accepted_kwargs(self.fn, prompts, responses, kwargs))
+
+
+def as_reward(fn_or_reward: BaseReward | Callable[..., Any]) -> BaseReward:
+    """A BaseReward for a BaseReward (returned unchanged) or for a plain callable (wrapped in a
+    `FunctionReward`). A BaseReward subclass passed by mistake instead of an instance is an error."""
+    if isinstance(fn_or_reward, BaseReward):
+        return fn_or_reward
+    if isinstance(fn_or_reward, type) and issubclass(fn_or_reward, BaseReward):
+        raise TypeError(
+            f"got the class {fn_or_reward.__name__}, not an instance; pass {fn_or_reward.__name__}(...)"
+        )
+    if callable(fn_or_reward):
+        return FunctionReward(fn_or_reward)
+    raise TypeError(
+        f"a reward must be a BaseReward or a function f(prompts, completions, **kwargs) -> list[float]; "
+        f"got {type(fn_or_reward).__name__}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Built-in rewards
+
+
+def _resolve_references(
+    reward_name: str, init_references: Sequence[Any] | None, references: Sequence[Any] | None, count: int
+) -> list[str]:
+    """References from the call (preferred) or from construction, as strings, one per response.
+
+    A reference written in the GSM8K solution format ("... #### 72") is reduced to "72".
+    """
+    chosen = references if references is not None else init_references
+    if chosen is None:
+        raise ValueError(
+            f"{reward_name} needs reference answers: give the dataset a 'reference' column "
+            f"(passed to rewards as references=...) or pass references=[...] when constructing it"
+        )
+    if isinstance(chosen, str):
+        raise TypeError(f"{reward_name}: references must be a list with one entry per response, not a str")
+    chosen = list(chosen)
+    if len(chosen) != count:
+        raise ValueError(
+            f"{reward_name} got {len(chosen)} references for {count} responses; "
+            f"give one reference per response (repeat each prompt's reference for its group)"
+        )
+    resolved = []
+    for index, reference in enumerate(chosen):
+        text = str(reference) if reference is not None else ""
+        if "####" in text:
+            text = text.rsplit("####", 1)[1]
+        text = text.strip()
+        if not text:
+            raise ValueError(f"{reward_name}: reference {index} is empty; every row needs a reference answer")
+        resolved.append(text)
+    return resolved
+
+
+class ExactMatchReward(BaseReward):
+    """1.0 when the reference text appears in the response (ignoring letter case), else 0.0.
+
+    References come from the ``references`` keyword at call time (the dataset's ``reference``
+    column) or, failing that, from the constructor. A reference in the GSM8K solution format
+    ("... #### 72") counts as its final answer ("72"); an empty reference is an error.
+    """
+
+    def __init__(self, references: Sequence[Any] | None = None) -> None:
+        self.references = list(references) if references is not None else None
+
+    def __call__(
+        self, prompts: list[str], responses: list[str], references: Sequence[Any] | None = None, **kwargs: Any
+    ) -> RewardOutput:
+        expected = _resolve_references(self.name, self.references, references, len(responses))
+        scores = [
+            1.0 if reference.casefold() in str(response).casefold() else 0.0
+            for reference, response in zip(expected, responses)
+        ]
+        return RewardOutput(scores=scores)
+
+
+class FormatReward(BaseReward):
+    """1.0 when ``format_fn(response)`` is truthy, else 0.0."""
+
+    def __init__(self, format_fn: Callable[[str], Any]) -> None:
+        if not callable(format_fn):
+            raise TypeError(f"FormatReward needs a function response -> bool, got {type(format_fn).__name__}")
+        self.format_fn = format_fn
+
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        return RewardOutput(scores=[1.0 if self.format_fn(response) else 0.0 for response in responses])
+
+
+class LengthPenaltyReward(BaseReward):
+    """A tent over the word count: 1.0 at ``optimal_length`` words, falling linearly to 0.0 at
+    ``min_length`` and at ``max_length``, and 0.0 outside ``[min_length, max_length]``."""
+
+    def __init__(self, optimal_length: int = 200, min_length: int = 50, max_length: int = 500) -> None:
+        if not 0 <= min_length <= optimal_length <= max_length:
+            raise ValueError(
+                "LengthPenaltyReward needs 0 <= min_length <= optimal_length <= max_length; got "
+                f"min_length={min_length}, optimal_length={optimal_length}, max_length={max_length}"
+            )
+        self.optimal_length = optimal_length
+        self.min_length = min_length
+        self.max_length = max_length
+
+    def score(self, word_count: int) -> float:
+        """The tent function at ``word_count``."""
+        if word_count == self.optimal_length:
+            return 1.0
+        if word_count < self.min_length or word_count > self.max_length:
+            return 0.0
+        if word_count < self.optimal_length:
+            return (word_count - self.min_length) / (self.optimal_length - self.min_length)
+        return (self.max_length - word_count) / (self.max_length - self.optimal_length)
+
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        return RewardOutput(scores=[self.score(len(str(response).split())) for response in responses])
+
+
+class MathCorrectnessReward(BaseReward):
+    """1.0 when the response's final answer equals the reference answer, else 0.0.
+
+    The answer is found by `forge.data.answers.extract_final_answer` (answer tag, then
+    ``\\boxed{}``, ``Answer:`` line, ``####``, last number), or with ``strict=True`` only inside a
+    closed ``<answer_tag>...</answer_tag>`` block. Equivalence is `answers_match`: numeric
+    comparison for plain numbers, math-verify for symbolic answers when installed.
+    ``metadata["extracted_answers"]`` holds what was extracted from each response (None if nothing).
+    """
+
+    def __init__(self, answer_tag: str = "answer", strict: bool = False) -> None:
+        self.answer_tag = answer_tag
+        self.strict = strict
+
+    def extract(self, response: str) -> str | None:
+        if self.strict:
+            return extract_tagged_answer(response, self.answer_tag)
+        return extract_final_answer(response, self.answer_tag)
+
+    def __call__(
+        self, prompts: list[str], responses: list[str], references: Sequence[Any] | None = None, **kwargs: Any
+    ) -> RewardOutput:
+        expected = _resolve_references(self.name, None, references, len(responses))
+        extracted = [self.extract(response) for response in responses]
+        scores = [1.0 if answers_match(answer, ref) else 0.0 for answer, ref in zip(extracted, expected)]
+        return RewardOutput(scores=scores, metadata={"extracted_answers": extracted})
+
+
+class TagFormatReward(BaseReward):
+    """Partial credit for the ``<think>...</think><answer>...</answer>`` format.
+
+    0.25 each for: an opening think tag; a closed think block with non-blank content; an opening
+    answer tag; a closed answer block with non-blank content. The total is capped at 0.75 when the
+    answer opens before the think block, when any tag appears more than once, or when non-blank
+    text follows ``</answer>``. Tag names are matched exactly (case-sensitive), as the prompt
+    asks for them.
+    """
+
+    def __init__(self, think_tag: str = "think", answer_tag: str = "answer") -> None:
+        self.think_tag = think_tag
+        self.answer_tag = answer_tag
+
+    @staticmethod
+    def _closed_block_has_content(response: str, open_tag: str, close_tag: str) -> bool:
+        start = response.find(open_tag)
+        if start < 0:
+            return False
+        end = response.find(close_tag, start + len(open_tag))
+        return end >= 0 and bool(response[start + len(open_tag) : end].strip())
+
+    def score(self, response: str) -> float:
+        """The partial-credit score of one response."""
+        think_open, think_close = f"<{self.think_tag}>", f"</{self.think_tag}>"
+        answer_open, answer_close = f"<{self.answer_tag}>", f"</{self.answer_tag}>"
+        score = 0.25 * sum(
+            (
+                think_open in response,
+                self._closed_block_has_content(response, think_open, think_close),
+                answer_open in response,
+                self._closed_block_has_content(response, answer_open, answer_close),
+            )
+        )
+        think_at, answer_at = response.find(think_open), response.find(answer_open)
+        out_of_order = think_at >= 0 and answer_at >= 0 and answer_at < think_at
+        repeated = any(response.count(tag) > 1 for tag in (think_open, think_close, answer_open, answer_close))
+        answer_end = response.rfind(answer_close)
+        trailing_text = answer_end >= 0 and bool(response[answer_end + len(answer_close) :].strip())
+        if out_of_order or repeated or trailing_text:
+            score = min(score, 0.75)
+        return score
+
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        return RewardOutput(scores=[self.score(str(response)) for response in responses])
+
+
+class NumberReward(BaseReward):
+    """1.0 when a number can be read from the response's final answer (see
+    `extract_final_answer`), else 0.0. A weak shaping signal: "end with a number"."""
+
+    def __init__(self, answer_tag: str = "answer") -> None:
+        self.answer_tag = answer_tag
+
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        scores = [
+            1.0 if parse_number(extract_final_answer(response, self.answer_tag)) is not None else 0.0
+            for response in responses
+        ]
+        return RewardOutput(scores=scores)
+
+
+class CompositeReward(BaseReward):
+    """A weighted average of rewards: ``sum_i w_i * r_i / sum_i w_i``.
+
+    ``components`` is a sequence of ``(reward, weight)``; a reward may be a BaseReward or a plain
+    function (see `as_reward`). Weights must be non-negative with a positive sum; they are
+    normalised to sum to 1. Each component receives only the keyword arguments its signature
+    accepts. The output metadata holds ``components`` (name -> that component's scores),
+    ``weights`` (name -> normalised weight) and, for components that returned metadata,
+    ``component_metadata`` (name -> their metadata). Names repeated across components get a
+    ``_2``, ``_3``, ... suffix so that each can be logged separately.
+    """
+
+    def __init__(self, components: Sequence[tuple[BaseReward | Callable[..., Any], float]]) -> None:
+        if not components:
+            raise ValueError("CompositeReward needs at least one (reward, weight) pair")
+        rewards, weights = [], []
+        for index, component in enumerate(components):
+            if not (isinstance(component, tuple | list) and len(component) == 2):
+                raise TypeError(f"CompositeReward component {index} must be a (reward, weight) pair, got {component!r}")
+            reward, weight = component
+            weight = float(weight)
+            if not weight >= 0.0 or weight == float("inf"):
+                raise ValueError(
+                    f"CompositeReward weight {index} is {weight}; weights must be finite and >= 0 "
+                    "(to penalise something, use a reward that returns negative scores)"
+                )
+            rewards.append(as_reward(reward))
+            weights.append(weight)
+        total = sum(weights)
+        if total <= 0.0:
+            raise ValueError("CompositeReward weights sum to 0; give at least one reward a positive weight")
+        self.rewards = rewards
+        self.weights = [weight / total for weight in weights]
+        self.component_names = _unique_names([reward.name for reward in rewards])
+
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        totals = [0.0] * len(responses)
+        components: dict[str, list[float]] = {}
+        component_metadata: dict[str, dict[str, Any]] = {}
+        for name, reward, weight in zip(self.component_names, self.rewards, self.weights):
+            output = _as_output(call_with_accepted_kwargs(reward, prompts, responses, kwargs))
+            scores = list(output.scores)
+            if len(scores) != len(responses):
+                raise ValueError(
+                    f"reward '{name}' returned {len(scores)} scores for {len(responses)} responses; "
+                    "a reward must return exactly one score per response"
+                )
+            components[name] = scores
+            if output.metadata:
+                component_metadata[name] = output.metadata
+            for index, score in enumerate(scores):
+                totals[index] += weight * float(score)
+        metadata: dict[str, Any] = {
+            "components": components,
+            "weights": dict(zip(self.component_names, self.weights)),
+        }
+        if component_metadata:
+            metadata["component_metadata"] = component_metadata
+        return RewardOutput(scores=totals, metadata=metadata)
+
+
+def _unique_names(names: Sequence[str]) -> list[str]:
+    """``["a", "b", "a"]`` -> ``["a", "b", "a_2"]``."""
+    seen: dict[str, int] = {}
+    unique = []
+    taken = set(names)
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        candidate = name
+        if seen[name] > 1:
+            suffix = seen[name]
+            while f"{name}_{suffix}" in taken:
+                suffix += 1
+            candidate = f"{name}_{suffix}"
+        taken.add(candidate)
+        unique.append(candidate)
+    return unique
+
+
+# ----------------------------------------------------------------------------------------------
+# Building rewards from names and import paths (for the CLI's --reward option)
+
+REWARD_REGISTRY: dict[str, Callable[..., BaseReward]] = {
+    "exact_match": ExactMatchReward,
+    "math_correctness": MathCorrectnessReward,
+    "tag_format": TagFormatReward,
+    "number": NumberReward,
+    "length": LengthPenaltyReward,
+}
+"""Built-in rewards by name. Each constructor works with no arguments."""
+
+
+def build_reward(name: str, **kwargs: Any) -> BaseReward:
+    """A built-in reward by registry name, e.g. ``build_reward("math_correctness", strict=True)``."""
+    if name not in REWARD_REGISTRY:
+        raise ValueError(f"unknown reward '{name}'; built-in rewards are: {', '.join(sorted(REWARD_REGISTRY))}")
+    return REWARD_REGISTRY[name](**kwargs)
+
+
+def load_reward_from_path(path: str) -> BaseReward:
+    """Import a reward given as ``"module:attribute"``, ``"package.module.attribute"`` or
+    ``"path/to/file.py:attribute"``.
+
+    The attribute may be a function (wrapped with `as_reward`), a BaseReward instance, or a
+    BaseReward subclass (instantiated with no arguments). Import errors propagate.
+    """
+    module_name, separator, attribute = path.rpartition(":")
+    if not separator:
+        module_name, separator, attribute = path.rpartition(".")
+    if not separator or not module_name or not attribute:
+        raise ValueError(f"reward path must look like 'module:function' or 'file.py:function', got '{path}'")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        file_path = Path(module_name)
+        if not file_path.is_file():
+            raise FileNotFoundError(f"reward file '{file_path}' does not exist")
+        spec = importlib.util.spec_from_file_location(f"forge_user_reward_{file_path.stem}", file_path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import rewards from '{file_path}'")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    if not hasattr(module, attribute):
+        raise AttributeError(f"module '{module_name}' has no attribute '{attribute}' (from reward path '{path}')")
+    target = getattr(module, attribute)
+    if isinstance(target, type) and issubclass(target, BaseReward):
+        target = target()
+    return as_reward(target)

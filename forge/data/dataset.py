@@ -1,0 +1,210 @@
+"""Load training rows from lists, HF datasets, JSONL files or built-in names, and check them early.
+
+A row is a mapping with a ``prompt`` (a string, or chat messages ``[{"role", "content"}, ...]``)
+and any other columns, typically ``reference``. Every column besides ``prompt`` is passed to the
+rewards as a keyword argument (`reward_kwargs`), ``reference`` under the name ``references``.
+
+`validate_rows` turns every malformed dataset into a ValueError that names the row and says what
+was expected, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BUILTIN_DATASETS",
+    "ROW_FORMAT",
+    "builtin_dataset",
+    "is_chat",
+    "load_jsonl",
+    "load_rows",
+    "reward_kwargs",
+    "validate_rows",
+]
+
+ROW_FORMAT = "{'prompt': str | list[{'role': str, 'content': str}], 'reference': ...}"
+_RESERVED_COLUMNS = ("prompts", "responses", "completions")
+
+
+def _gsm8k(**kwargs: Any) -> list[dict]:
+    from forge.data.gsm8k import load_gsm8k
+
+    return load_gsm8k(**kwargs)
+
+
+def _gsm8k_mock(**kwargs: Any) -> list[dict]:
+    from forge.data.gsm8k import load_gsm8k_mock
+
+    return load_gsm8k_mock(**kwargs)
+
+
+def _gsm_hard(**kwargs: Any) -> list[dict]:
+    from forge.data.gsm8k import load_gsm_hard
+
+    return load_gsm_hard(**kwargs)
+
+
+def _arithmetic(**kwargs: Any) -> list[dict]:
+    from forge.data.arithmetic import arithmetic_dataset
+
+    return arithmetic_dataset(**kwargs)
+
+
+def _arithmetic_heldout(**kwargs: Any) -> list[dict]:
+    from forge.data.arithmetic import arithmetic_heldout
+
+    return arithmetic_heldout(**kwargs)
+
+
+BUILTIN_DATASETS: dict[str, Callable[..., list[dict]]] = {
+    "gsm8k": _gsm8k,
+    "gsm8k-mock": _gsm8k_mock,
+    "gsm-hard": _gsm_hard,
+    "arithmetic": _arithmetic,
+    "arithmetic-heldout": _arithmetic_heldout,
+}
+"""Dataset names `load_rows` understands; keyword arguments go to the loader."""
+
+
+def builtin_dataset(name: str, **kwargs: Any) -> list[dict]:
+    """Rows of a built-in dataset, e.g. ``builtin_dataset("arithmetic", n=100, seed=1)``."""
+    if name not in BUILTIN_DATASETS:
+        raise ValueError(f"unknown built-in dataset '{name}'; choose from {', '.join(BUILTIN_DATASETS)}")
+    return BUILTIN_DATASETS[name](**kwargs)
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSON Lines file, one JSON object per line; blank lines are skipped."""
+    path = Path(path)
+    rows = []
+    with path.open(encoding="utf-8") as file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}, line {line_number}: not valid JSON ({error.msg}); "
+                                 f"each line must be one JSON object like {ROW_FORMAT}") from error
+            if not isinstance(row, dict):
+                raise ValueError(  # noqa: TRY004 - a data error in the file, reported like the othersf"{path}, line {line_number}: expected a JSON object like {ROW_FORMAT}, "
+                                 f"got a JSON {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def load_rows(source: Any, *, validate: bool = True, **builtin_kwargs: Any) -> list[dict]:
+    """Rows from any supported source, as a new list of plain dicts.
+
+    ``source`` may be a list of mappings, any iterable of mappings (a Hugging Face
+    ``datasets.Dataset``), a path to a ``.jsonl`` file, or a built-in dataset name
+    (`BUILTIN_DATASETS`; ``builtin_kwargs`` go to its loader). With ``validate`` the rows are
+    checked by `validate_rows`.
+    """
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if isinstance(source, str) and source in BUILTIN_DATASETS:
+            rows = builtin_dataset(source, **builtin_kwargs)
+        elif path.is_file():
+            rows = load_jsonl(path)
+        else:
+            raise ValueError(
+                f"dataset '{source}' is neither an existing .jsonl file nor a built-in dataset "
+                f"({', '.join(BUILTIN_DATASETS)})"
+            )
+    elif isinstance(source, Mapping):
+        raise TypeError(
+            f"got a mapping with keys {list(source)[:5]} instead of rows; for a DatasetDict pass one split, "
+            "e.g. dataset['train']"
+        )
+    elif isinstance(source, Iterable):
+        rows = [dict(row) if isinstance(row, Mapping) else row for row in source]
+    else:
+        raise TypeError(
+            f"cannot load rows from {type(source).__name__}; pass a list of dicts, a datasets.Dataset, "
+            "a .jsonl path or a built-in dataset name"
+        )
+    if validate:
+        validate_rows(rows)
+    return rows
+
+
+def is_chat(prompt: Any) -> bool:
+    """Whether ``prompt`` is chat messages: a non-empty list of mappings with ``role`` and ``content``."""
+    return (
+        isinstance(prompt, (list, tuple))
+        and len(prompt) > 0
+        and all(isinstance(message, Mapping) and "role" in message and "content" in message for message in prompt)
+    )
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    """Why ``prompt`` is not usable, or None if it is."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "is an empty string"
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            return "is an empty list of messages"
+        for index, message in enumerate(prompt):
+            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+                return f"message {index} is not a {{'role': ..., 'content': ...}} dict (got {message!r:.80})"
+            if not isinstance(message["role"], str) or not isinstance(message["content"], str):
+                return f"message {index} needs string 'role' and 'content'"
+        return None
+    return f"has type {type(prompt).__name__}"
+
+
+def validate_rows(rows: Sequence[Any]) -> None:
+    """Raise a ValueError naming the first problem in ``rows``, or return None if they are usable.
+
+    Checks: at least one row; every row a mapping with a ``prompt`` that is a non-empty string or
+    a list of ``{"role", "content"}`` messages; every row with the same columns (each column
+    becomes one reward keyword argument); no column named like a reward's positional argument.
+    """
+    if len(rows) == 0:
+        raise ValueError(f"dataset is empty; give at least one row like {ROW_FORMAT}")
+    columns: set[str] | None = None
+    for index, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ValueError(  # noqa: TRY004 - every dataset problem is a ValueError, raised before training
+                f"dataset row {index} is a {type(row).__name__}, not a mapping; expected {ROW_FORMAT}"
+            )
+        if "prompt" not in row:
+            raise ValueError(f"dataset row {index} has no 'prompt' key (keys: {sorted(row)}); expected {ROW_FORMAT}")
+        problem = _prompt_problem(row["prompt"])
+        if problem is not None:
+            raise ValueError(
+                f"dataset row {index}: 'prompt' {problem}; it must be a non-empty str or a list of "
+                "{'role': str, 'content': str} messages"
+            )
+        if columns is None:
+            columns = set(row)
+        elif set(row) != columns:
+            raise ValueError(
+                f"dataset row {index} has columns {sorted(row)} but row 0 has {sorted(columns)}; every row needs "
+                "the same columns because each one is passed to the rewards as a list"
+            )
+    assert columns is not None
+    reserved = sorted(columns & set(_RESERVED_COLUMNS))
+    if reserved:
+        raise ValueError(f"dataset columns {reserved} clash with the rewards' positional arguments; rename them")
+    if "reference" in columns and "references" in columns:
+        raise ValueError("dataset has both 'reference' and 'references' columns; keep one ('reference')")
+
+
+def reward_kwargs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """Every column except ``prompt`` as a list over rows, keyed by its reward keyword name:
+    ``reference`` -> ``references``, other columns under their own names."""
+    if not rows:
+        return {}
+    kwargs: dict[str, list] = {}
+    for column in rows[0]:
+        if column == "prompt":
+            continue
+        key = "references" if column == "reference" else column
+        kwargs[key] = [row[column] for row in rows]
+    return kwargs

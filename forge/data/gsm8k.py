@@ -1,0 +1,260 @@
+"""GSM8K grade-school math: the prompt format, answer parsing, loaders, and an offline mock set.
+
+GSM8K (Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems",
+https://arxiv.org/abs/2110.14168) stores each solution as worked text whose last line is
+``#### <answer>``. Forge asks the model to end with an ``Answer: <number>`` line instead, and
+grades it with the shared grader in `forge.data.answers` (also used by the rewards and the
+evaluation code). GSM-Hard (Gao et al. 2022, PAL, https://arxiv.org/abs/2211.10435) is the
+same questions with larger numbers.
+
+Rows returned by the loaders have the shape Forge trains on:
+``{"prompt": str, "reference": str, "question": str}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from forge.data.answers import extract_answer_line, first_number, last_number
+
+__all__ = [
+    "GSM8K_MOCK_PROBLEMS",
+    "extract_answer",
+    "few_shot_gsm8k_prompt",
+    "format_prompt",
+    "gsm8k_rows_from_records",
+    "gsm_hard_rows_from_records",
+    "load_gsm8k",
+    "load_gsm8k_mock",
+    "load_gsm_hard",
+    "parse_gsm8k_answer",
+]
+
+_INSTRUCTIONS = (
+    "You are a math reasoning assistant. Solve the problem step by step.\n"
+    "At the end of your solution, write the final answer on its own line in the format: Answer: <number>"
+)
+
+
+def format_prompt(question: str) -> str:
+    """The zero-shot GSM8K prompt: instructions, the problem, and an open ``Solution:``."""
+    return f"{_INSTRUCTIONS}\n\nProblem: {question}\n\nSolution:"
+
+
+def extract_answer(text: str | None) -> str | None:
+    """The GSM8K answer in a response: the number on the last ``Answer:`` line, else the last
+    number anywhere, as canonical text (``"Answer: $1,234"`` -> ``"1234"``). An ``Answer:`` line
+    without a number gives its raw text; no line and no number give None."""
+    line = extract_answer_line(text)
+    if line is not None:
+        return first_number(line) or line
+    return last_number(text)
+
+
+def parse_gsm8k_answer(answer_field: str) -> str:
+    """The final answer of a GSM8K solution: the text after its last ``####``, commas removed.
+
+    ``"Natalia sold 48/2 = <<48/2=24>>24 clips in May...\\n#### 72"`` -> ``"72"``.
+    """
+    if not isinstance(answer_field, str) or "####" not in answer_field:
+        raise ValueError(
+            f"a GSM8K answer must end with '#### <number>'; got {str(answer_field)[-80:]!r}. "
+            "Is this the 'main' config of openai/gsm8k?"
+        )
+    answer = answer_field.rsplit("####", 1)[1].strip().replace(",", "")
+    if not answer:
+        raise ValueError(f"GSM8K answer has nothing after '####': {answer_field[-80:]!r}")
+    return answer
+
+
+def gsm8k_rows_from_records(records: Iterable[Mapping[str, Any]], max_samples: int | None = None) -> list[dict]:
+    """Forge rows from GSM8K records ``{"question": ..., "answer": "... #### 72"}``."""
+    rows = []
+    for index, record in enumerate(records):
+        if max_samples is not None and len(rows) >= max_samples:
+            break
+        if "question" not in record or "answer" not in record:
+            raise ValueError(f"GSM8K record {index} needs 'question' and 'answer' keys; got {sorted(record)}")
+        question = record["question"]
+        rows.append(
+            {"prompt": format_prompt(question), "reference": parse_gsm8k_answer(record["answer"]), "question": question}
+        )
+    return rows
+
+
+def _number_text(value: Any) -> str:
+    """``72.0`` -> ``"72"``; ``2.5`` -> ``"2.5"``; strings pass through stripped."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value).strip()
+
+
+def gsm_hard_rows_from_records(records: Iterable[Mapping[str, Any]], max_samples: int | None = None) -> list[dict]:
+    """Forge rows from GSM-Hard records ``{"input": question, "target": number, ...}``."""
+    rows = []
+    for index, record in enumerate(records):
+        if max_samples is not None and len(rows) >= max_samples:
+            break
+        if "input" not in record or "target" not in record:
+            raise ValueError(f"GSM-Hard record {index} needs 'input' and 'target' keys; got {sorted(record)}")
+        question = record["input"]
+        rows.append({"prompt": format_prompt(question), "reference": _number_text(record["target"]), "question": question})
+    return rows
+
+
+def _load_hf_split(dataset_id: str, config: str | None, split: str) -> Any:
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            f"loading {dataset_id} needs the 'datasets' package: pip install forge-rl[data]"
+        ) from error
+    return datasets.load_dataset(dataset_id, config, split=split)
+
+
+def load_gsm8k(split: str = "train", max_samples: int | None = 500) -> list[dict]:
+    """GSM8K (``openai/gsm8k``, config ``main``) from the Hugging Face hub as Forge rows.
+
+    Needs ``pip install forge-rl[data]`` and network access (or a warm HF cache).
+    ``max_samples=None`` keeps every record of the split.
+    """
+    return gsm8k_rows_from_records(_load_hf_split("openai/gsm8k", "main", split), max_samples)
+
+
+def load_gsm_hard(split: str = "train", max_samples: int | None = 500) -> list[dict]:
+    """GSM-Hard (``reasoning-machines/gsm-hard``) as Forge rows; same shape as `load_gsm8k`."""
+    return gsm_hard_rows_from_records(_load_hf_split("reasoning-machines/gsm-hard", None, split), max_samples)
+
+
+# ----------------------------------------------------------------------------------------------
+# An offline stand-in for GSM8K: short word problems written for Forge, with their answers.
+
+GSM8K_MOCK_PROBLEMS: tuple[tuple[str, str], ...] = (
+    (("Maya has 12 apples. She buys 3 bags with 5 apples in each bag. How many apples does she "
+      "have now?"), "27"),
+    (("A train travels 60 miles per hour for 3 hours and then 40 miles per hour for 2 hours. How "
+      "many miles does it travel in total?"), "260"),
+    (("Tom had 45 marbles. He gave 17 marbles to his sister and then found 8 more. How many "
+      "marbles does Tom have?"), "36"),
+    (("A bakery sells muffins for $3 each. On Monday it sold 24 muffins and on Tuesday it sold "
+      "31. How many dollars did it earn on those two days?"), "165"),
+    (("There are 7 rows of chairs with 14 chairs in each row. If 38 chairs are taken, how many "
+      "chairs are empty?"), "60"),
+    ("Lena reads 25 pages a day. How many days does she need to finish a book with 300 pages?", "12"),
+    (("A farmer has 4 fields. Each field has 23 cows. He sells 19 cows. How many cows does he "
+      "have left?"), "73"),
+    (("Sam saves $15 every week. After 8 weeks he spends $47 on a game. How much money does he "
+      "have left?"), "73"),
+    ("A pizza is cut into 8 slices. If 6 friends each eat 2 slices, how many pizzas did they eat?", "1.5"),
+    ("A school has 18 classes with 27 students each. How many students are in the school?", "486"),
+    (("Ava bought 3 notebooks for $4 each and 2 pens for $2 each. She paid with a $20 bill. How "
+      "much change did she get?"), "4"),
+    (("A tank holds 500 liters of water. It leaks 35 liters each day. How many liters are left "
+      "after 6 days?"), "290"),
+    ("Ben is 3 times as old as his son. His son is 11 years old. How old will Ben be in 5 years?", "38"),
+    (("A store had 120 shirts. It sold one quarter of them in the morning and 28 in the "
+      "afternoon. How many shirts are left?"), "62"),
+    ("Each box holds 6 eggs. A farm collects 95 eggs. How many boxes can it fill completely?", "15"),
+    ("A rectangle is 13 cm long and 7 cm wide. What is its perimeter in centimeters?", "40"),
+    ("Mia runs 4 laps of a 400 meter track every day for 5 days. How many meters does she run?", "8000"),
+    (("A jar has 64 candies. Half are red, and a quarter of the rest are green. How many candies "
+      "are green?"), "8"),
+    (("Carlos earns $12 per hour. He works 7 hours on Saturday and 5 hours on Sunday. How much "
+      "does he earn over the weekend?"), "144"),
+    (("A library had 250 books. It received 3 boxes of 40 books and gave away 75 books. How many "
+      "books does it have now?"), "295"),
+)
+"""(question, answer) pairs; the tests recompute every answer independently."""
+
+
+def load_gsm8k_mock(n: int = 20) -> list[dict]:
+    """``n`` rows of hand-written GSM8K-style problems, for offline tests and demos.
+
+    There are 20 distinct problems; for ``n > 20`` they repeat in order.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rows = []
+    for index in range(n):
+        question, answer = GSM8K_MOCK_PROBLEMS[index % len(GSM8K_MOCK_PROBLEMS)]
+        rows.append({"prompt": format_prompt(question), "reference": answer, "question": question})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Few-shot prompting (for benchmarks of base models that have not seen the format)
+
+FEW_SHOT_EXAMPLES: tuple[tuple[str, str, str], ...] = (
+    (
+        ("Olivia has 23 stickers. She gives 8 stickers to her friend and then buys 2 packs of 6 "
+         "stickers. How many stickers does Olivia have now?"),
+        ("After giving some away, Olivia has 23 - 8 = 15 stickers.\n"
+         "The two packs contain 2 * 6 = 12 stickers.\n"
+         "So she now has 15 + 12 = 27 stickers."),
+        "27",
+    ),
+    (
+        ("A bus carries 42 passengers. At the first stop 15 people get off and 9 get on. At the "
+         "second stop 11 people get off. How many passengers are on the bus now?"),
+        ("After the first stop there are 42 - 15 + 9 = 36 passengers.\n"
+         "After the second stop there are 36 - 11 = 25 passengers."),
+        "25",
+    ),
+    (
+        ("Noah buys 4 books that cost $9 each and a bookmark that costs $3. He pays with a $50 bill."
+         " How much change does he get?"),
+        ("The books cost 4 * 9 = 36 dollars.\n"
+         "Together with the bookmark he spends 36 + 3 = 39 dollars.\n"
+         "His change is 50 - 39 = 11 dollars."),
+        "11",
+    ),
+    (
+        ("A garden has 5 rows of tomato plants with 8 plants in each row. Each plant gives 3 "
+         "tomatoes. How many tomatoes does the garden give?"),
+        ("There are 5 * 8 = 40 plants.\n"
+         "They give 40 * 3 = 120 tomatoes."),
+        "120",
+    ),
+    (
+        ("Emma walks 2 kilometers to school and 2 kilometers back home every school day. How many "
+         "kilometers does she walk in 5 school days?"),
+        ("Each day she walks 2 + 2 = 4 kilometers.\n"
+         "In 5 days she walks 4 * 5 = 20 kilometers."),
+        "20",
+    ),
+    (
+        ("A shop has 96 pencils. It puts them into packs of 12 and sells 5 packs. How many packs are"
+         " left?"),
+        ("The pencils make 96 / 12 = 8 packs.\n"
+         "After selling 5 packs, 8 - 5 = 3 packs are left."),
+        "3",
+    ),
+    (
+        ("Liam is twice as old as his sister. His sister is 7 years old. How old will Liam be in 4 "
+         "years?"),
+        ("Liam is 2 * 7 = 14 years old.\n"
+         "In 4 years he will be 14 + 4 = 18 years old."),
+        "18",
+    ),
+    (
+        ("A baker makes 150 cookies. She sells 60 in the morning and half of the remaining cookies "
+         "in the afternoon. How many cookies are left?"),
+        ("After the morning there are 150 - 60 = 90 cookies.\n"
+         "She sells 90 / 2 = 45 in the afternoon, so 90 - 45 = 45 cookies are left."),
+        "45",
+    ),
+)
+"""(question, worked solution, answer) triples for `few_shot_gsm8k_prompt`."""
+
+
+def few_shot_gsm8k_prompt(question: str, n_shots: int = 4) -> str:
+    """A GSM8K prompt with ``n_shots`` worked examples (each ending in ``Answer: N``) before the
+    problem, in the same Problem/Solution layout as `format_prompt`. Four shots is about 500 tokens."""
+    if not 0 <= n_shots <= len(FEW_SHOT_EXAMPLES):
+        raise ValueError(f"n_shots must be between 0 and {len(FEW_SHOT_EXAMPLES)}, got {n_shots}")
+    shots = "".join(
+        f"Problem: {example_question}\n\nSolution: {solution}\nAnswer: {answer}\n\n"
+        for example_question, solution, answer in FEW_SHOT_EXAMPLES[:n_shots]
+    )
+    return f"{_INSTRUCTIONS}\n\n{shots}Problem: {question}\n\nSolution:"
