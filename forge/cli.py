@@ -1,0 +1,296 @@
+"""The `forge` command line: train, eval, demo, screen, plot, export.
+
+Every GRPOConfig field is a `forge train` flag whose help is the field's docstring; a YAML file given
+with --config sets fields too, and flags override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import sys
+import typing
+from pathlib import Path
+
+from forge.core.grpo import GRPOConfig
+
+
+def config_field_docs() -> dict[str, str]:
+    """Field name -> the docstring written under it in GRPOConfig."""
+    tree = ast.parse(inspect.getsource(GRPOConfig))
+    docs, body = {}, tree.body[0].body
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) \
+                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+            docs[node.target.id] = following.value.value.strip()
+    return docs
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _field_parser(annotation):
+    """A string -> value converter for a GRPOConfig field's type (None accepted for optional fields)."""
+    hints = typing.get_type_hints(GRPOConfig)
+    kind = hints[annotation] if isinstance(annotation, str) else annotation
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    optional = type(None) in typing.get_args(kind)
+    base = args[0] if optional and args else kind
+    if typing.get_origin(base) is list:
+        item = typing.get_args(base)[0]
+        convert = lambda text: [item(x) for x in text.split(",") if x]  # noqa: E731
+    elif base is bool:
+        convert = _parse_bool
+    else:
+        convert = base
+
+    def parse(text: str):
+        if optional and text.lower() in ("none", "null"):
+            return None
+        return convert(text)
+
+    return parse
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    docs = config_field_docs()
+    group = parser.add_argument_group("GRPOConfig fields (defaults in brackets)")
+    for f in dataclasses.fields(GRPOConfig):
+        group.add_argument(f"--{f.name}", type=_field_parser(f.name), default=None, metavar=f.name.upper(),
+                           help=f"{docs.get(f.name, '')} [{f.default}]")
+
+
+def build_config(args: argparse.Namespace, overrides: dict | None = None) -> GRPOConfig:
+    values: dict = {}
+    if getattr(args, "config", None):
+        import yaml
+
+        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.config} must hold a mapping of GRPOConfig fields")
+        values.update(loaded.get("grpo", loaded))
+    values.update(overrides or {})
+    for f in dataclasses.fields(GRPOConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            values[f.name] = value
+    allowed = {f.name for f in dataclasses.fields(GRPOConfig)}
+    yaml_only = {k: values.pop(k) for k in list(values) if k not in allowed and k in ("model", "dataset", "reward",
+                                                                                       "eval_dataset")}
+    for key, value in yaml_only.items():  # run settings may also live in the YAML file
+        if getattr(args, key, None) in (None, DEFAULTS.get(key)):
+            setattr(args, key, value)
+    return GRPOConfig.from_dict(values).validate()
+
+
+DEFAULTS = {"model": "default", "dataset": "arithmetic", "reward": "math_correctness:1.0,tag_format:0.1"}
+
+
+def parse_rewards(spec: str):
+    """'math_correctness:1.0,tag_format:0.1' or 'mymodule:my_reward' -> (rewards, weights)."""
+    from forge.core.reward import build_reward, load_reward_from_path
+
+    rewards, weights = [], []
+    for item in (part.strip() for part in spec.split(",") if part.strip()):
+        name, _, weight = item.rpartition(":") if item.count(":") >= 1 and _is_number(item.rsplit(":", 1)[1]) \
+            else (item, "", "1.0")
+        if not name:
+            name = item
+        if ":" in name or "." in name:
+            rewards.append(load_reward_from_path(name))
+        else:
+            rewards.append(build_reward(name))
+        weights.append(float(weight or 1.0))
+    if not rewards:
+        raise ValueError(f"--reward {spec!r} names no reward")
+    return rewards, weights
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------
+# commands
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return _relaunch(args.nproc)
+    from forge.core.trainer import GRPOTrainer
+    from forge.data.dataset import load_rows
+
+    overrides = {"resume_from": "latest"} if args.resume else {}
+    config = build_config(args, overrides)
+    rewards, weights = parse_rewards(args.reward)
+    if config.reward_weights is None:
+        config.reward_weights = weights
+    trainer = GRPOTrainer(args.model, None, rewards, config)
+    dataset = load_rows(args.dataset)
+    if args.max_samples:
+        dataset = dataset[: args.max_samples]
+    eval_rows = load_rows(args.eval_dataset) if args.eval_dataset else None
+    trainer.train(dataset, eval_dataset=eval_rows)
+    print(f"done: {trainer.global_step} optimizer steps; checkpoints and logs in {config.output_dir}")
+    return 0
+
+
+def _relaunch(nproc: int) -> int:
+    """forge train --nproc N: run the same command under torch.distributed's launcher (gloo on CPU)."""
+    import subprocess
+
+    argv = [a for a in sys.argv[1:]]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "forge", *argv]
+    return subprocess.call(command)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from forge.eval.evaluate import evaluate_model
+
+    common = dict(data=args.data, split=args.split, n=args.n, max_new_tokens=args.max_new_tokens,
+                  num_samples=args.num_samples, temperature=args.temperature, seed=args.seed)
+    if args.compare:
+        from forge.eval.report import compare_models
+
+        before, after = args.compare
+        json_path, md_path, summary = compare_models(before, after, out_dir=args.out, adapter=args.adapter, **common)
+        print(summary)
+        print(f"report: {md_path}\n        {json_path}")
+        return 0
+    result = evaluate_model(args.model, adapter=args.adapter, **common)
+    print(json.dumps(result.metrics, indent=2))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "eval.json").write_text(json.dumps({"metrics": result.metrics,
+                                                              "records": result.records}, indent=2))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from forge.eval.plot import plot_training_curves
+
+    print(plot_training_curves(args.output_dir, args.out))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from forge.core.policy import merge_and_export
+
+    print(merge_and_export(args.adapter, args.base, args.out))
+    return 0
+
+
+def cmd_screen(args: argparse.Namespace) -> int:
+    from forge.core.policy import load_model
+    from forge.data.dataset import load_rows
+    from forge.eval.screen import screen_prompts
+
+    model, tokenizer = load_model(args.model)
+    rows = load_rows(args.dataset)[: args.n]
+    result = screen_prompts(model, tokenizer, rows, group_size=args.group_size, max_new_tokens=args.max_new_tokens)
+    print(result.summary())
+    if args.out:
+        with open(args.out, "w") as f:
+            for row in result.kept:
+                f.write(json.dumps(row) + "\n")
+        print(f"kept prompts written to {args.out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from forge.demo import DemoSettings, run_demo
+
+    settings = DemoSettings.from_args(args)
+    run_demo(settings)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forge", description="GRPO fine-tuning for HuggingFace causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="fine-tune a model with GRPO",
+                           description="Fine-tune a model with GRPO. Every GRPOConfig field is a flag.")
+    train.add_argument("--config", help="YAML file of GRPOConfig fields (and model/dataset/reward); flags override")
+    train.add_argument("--model", default=DEFAULTS["model"],
+                       help="hub id, local folder, .gguf file, or 'default' (packaged SmolLM2-135M-Instruct)")
+    train.add_argument("--dataset", default=DEFAULTS["dataset"],
+                       help="gsm8k, gsm8k-mock, gsm-hard, arithmetic, or a JSONL file of {prompt, reference}")
+    train.add_argument("--eval_dataset", default=None, help="held-out data evaluated per eval_steps (same names)")
+    train.add_argument("--max_samples", type=int, default=None, help="use only the first N dataset rows")
+    train.add_argument("--reward", default=DEFAULTS["reward"],
+                       help="comma-separated name[:weight] (exact_match, math_correctness, tag_format, number, "
+                            "length) or module:function[:weight]")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    train.add_argument("--nproc", type=int, default=None, help="processes for data-parallel training (gloo on CPU)")
+    add_config_arguments(train)
+    train.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("eval", help="evaluate a model on held-out problems (strict/soft accuracy, pass@k)")
+    ev.add_argument("--model", default="default", help="hub id, local folder, checkpoint, or 'default'")
+    ev.add_argument("--adapter", default=None, help="LoRA adapter folder to apply on --model")
+    ev.add_argument("--data", default="arithmetic", help="arithmetic, gsm8k, gsm-hard, gsm8k-mock, or a JSONL path")
+    ev.add_argument("--split", default="test")
+    ev.add_argument("--n", type=int, default=None, help="number of problems (default: all)")
+    ev.add_argument("--max_new_tokens", type=int, default=256)
+    ev.add_argument("--num_samples", type=int, default=1, help="samples per problem (>1 enables pass@k, maj@k)")
+    ev.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="evaluate two models side by side")
+    ev.add_argument("--out", default=None, help="directory for eval.json / the comparison report")
+    ev.set_defaults(func=cmd_eval)
+
+    from forge.demo import add_demo_arguments
+
+    demo = sub.add_parser("demo", help="offline demo: LoRA GRPO makes SmolLM2-135M better at arithmetic",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_demo_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    screen = sub.add_parser("screen", help="keep training prompts with mixed correctness")
+    screen.add_argument("--model", default="default")
+    screen.add_argument("--dataset", default="arithmetic")
+    screen.add_argument("--n", type=int, default=64)
+    screen.add_argument("--group_size", type=int, default=8)
+    screen.add_argument("--max_new_tokens", type=int, default=64)
+    screen.add_argument("--out", default=None, help="JSONL file for the kept prompts")
+    screen.set_defaults(func=cmd_screen)
+
+    plot = sub.add_parser("plot", help="draw training curves from OUTPUT_DIR/training_log.jsonl")
+    plot.add_argument("output_dir")
+    plot.add_argument("--out", default=None, help="PNG path (default OUTPUT_DIR/training_curves.png)")
+    plot.set_defaults(func=cmd_plot)
+
+    export = sub.add_parser("export", help="merge a LoRA adapter into its base model (plain transformers folder)")
+    export.add_argument("--adapter", required=True)
+    export.add_argument("--base", default="default")
+    export.add_argument("--out", required=True)
+    export.set_defaults(func=cmd_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        print(f"forge: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

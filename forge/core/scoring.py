@@ -1,0 +1,172 @@
+"""Turn completions into rewards: call each reward, check what it returned, weight and sum, handle failures.
+
+A reward is user code, so it is treated as untrusted in one sense: whatever it does wrong (raises, hangs,
+returns NaN, a wrong count or a non-number) is caught here and reported with the reward's name and the
+sample, never turned silently into a zero. `on_error="score"` gives failing samples a fixed score
+instead and counts them, so a long run can go on past one odd completion.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from forge.core.reward import BaseReward, as_reward, call_with_accepted_kwargs
+
+
+class RewardError(RuntimeError):
+    """A reward function failed; the message names the reward, the sample and what to do."""
+
+
+@dataclass
+class Scores:
+    """Rewards of one rollout batch."""
+
+    total: torch.Tensor  # (N,) weighted sum of the components
+    components: dict[str, torch.Tensor]  # name -> (N,) raw component scores
+    valid: torch.Tensor  # (N,) bool, False where a reward returned NaN/inf (masked from the loss)
+    errors: int = 0  # samples scored reward_error_value because a reward raised
+    timeouts: int = 0  # reward calls that ran past the timeout
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def build_reward_list(
+    reward_fn: Any, weights: Sequence[float] | None = None
+) -> list[tuple[str, BaseReward, float]]:
+    """One reward, or a list of rewards (weighted by `weights`), as (unique name, reward, weight)."""
+    rewards = list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
+    if not rewards:
+        raise ValueError("reward_fn is empty; pass a reward (e.g. ExactMatchReward()) or a list of them")
+    weights = list(weights) if weights is not None else [1.0] * len(rewards)
+    if len(weights) != len(rewards):
+        raise ValueError(f"reward_weights has {len(weights)} entries for {len(rewards)} reward functions")
+    named, seen = [], {}
+    for reward, weight in zip(rewards, weights):
+        if not callable(reward):
+            raise TypeError(f"reward {reward!r} is not callable; pass a BaseReward or f(prompts, completions)")
+        wrapped = as_reward(reward)
+        name = getattr(wrapped, "name", None) or type(wrapped).__name__
+        seen[name] = seen.get(name, 0) + 1
+        named.append((name if seen[name] == 1 else f"{name}_{seen[name]}", wrapped, float(weight)))
+    return named
+
+
+def _call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
+    """Run fn, waiting at most `timeout` seconds; works from any thread (no signals)."""
+    if timeout is None:
+        return fn()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(fn).result(timeout=timeout)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _as_scores(output: Any, name: str, expected: int) -> tuple[list[float], dict]:
+    """Check a reward's return value: RewardOutput or a list of numbers, one per completion."""
+    scores = getattr(output, "scores", output)
+    metadata = getattr(output, "metadata", None) or {}
+    if isinstance(scores, torch.Tensor):
+        scores = scores.tolist()
+    if not isinstance(scores, (list, tuple)):
+        raise RewardError(f"reward '{name}' returned {type(output).__name__}; it must return a RewardOutput "
+                          f"or a list of {expected} floats")
+    if len(scores) != expected:
+        raise RewardError(f"reward '{name}' returned {len(scores)} scores for {expected} completions; "
+                          f"return exactly one score per completion")
+    values = []
+    for i, value in enumerate(scores):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RewardError(f"reward '{name}' returned {value!r} (a {type(value).__name__}) for completion {i}; "
+                              f"scores must be int or float")
+        values.append(float(value))
+    return values, metadata
+
+
+def score_completions(
+    rewards: list[tuple[str, BaseReward, float]],
+    prompts: list,
+    completions: list[str],
+    reward_kwargs: dict[str, list],
+    *,
+    on_error: str = "raise",
+    error_value: float = 0.0,
+    timeout: float | None = None,
+    step: int | None = None,
+    row_index: list[int] | None = None,
+) -> Scores:
+    """Score N completions with every reward; prompts and each kwarg list have N entries.
+
+    row_index (N,) names each completion's dataset row in error messages."""
+    n = len(completions)
+    total = torch.zeros(n)
+    valid = torch.ones(n, dtype=torch.bool)
+    components, metadata = {}, {}
+    errors = timeouts = 0
+    where = f" at step {step}" if step is not None else ""
+    for name, reward, weight in rewards:
+        def call(indices=None, reward=reward):
+            if indices is None:
+                return call_with_accepted_kwargs(reward, prompts, completions, reward_kwargs)
+            picked = {k: [v[i] for i in indices] for k, v in reward_kwargs.items()}
+            return call_with_accepted_kwargs(reward, [prompts[i] for i in indices],
+                                             [completions[i] for i in indices], picked)
+
+        try:
+            values, meta = _as_scores(_call_with_timeout(call, timeout), name, n)
+        except concurrent.futures.TimeoutError:
+            if on_error != "score":
+                raise RewardError(f"reward '{name}' took longer than reward_timeout={timeout}s{where}; raise "
+                                  f"the timeout, make the reward faster, or set on_reward_error='score'") from None
+            timeouts += 1
+            values, meta = [error_value] * n, {}
+        except RewardError:
+            raise
+        except Exception as batch_error:  # noqa: BLE001 - user code; we re-raise or isolate below
+            if on_error != "score":
+                culprit = _first_failing_sample(call, n)
+                raise RewardError(_describe_failure(name, batch_error, prompts, completions, culprit, where,
+                                                     row_index)) from batch_error
+            values, meta = [], {}
+            for i in range(n):  # find the failing samples, keep the rest
+                try:
+                    values.append(_as_scores(_call_with_timeout(lambda i=i: call([i]), timeout), name, 1)[0][0])
+                except Exception:  # noqa: BLE001 - counted, never silent
+                    values.append(error_value)
+                    errors += 1
+        component = torch.tensor(values, dtype=torch.float32)
+        finite = torch.isfinite(component)
+        if not finite.all():
+            bad = int((~finite).nonzero()[0])
+            if on_error != "score":
+                row = f" (dataset row {row_index[bad]})" if row_index else ""
+                raise RewardError(f"reward '{name}' returned {values[bad]} for completion {bad}{row}{where} "
+                                  f"({completions[bad][:200]!r}); return finite numbers, or set "
+                                  f"on_reward_error='score' to mask such samples from the loss")
+            valid &= finite
+            component = torch.where(finite, component, torch.zeros_like(component))
+        components[name] = component
+        total += weight * component
+        if meta:
+            metadata[name] = meta
+    return Scores(total, components, valid, errors, timeouts, metadata)
+
+
+def _first_failing_sample(call: Callable, n: int) -> int:
+    """Index of the first completion the reward fails on when scored alone (0 if none fails alone)."""
+    for i in range(n):
+        try:
+            call([i])
+        except Exception:  # noqa: BLE001 - we are only locating the failure
+            return i
+    return 0
+
+
+def _describe_failure(name, error, prompts, completions, index, where, row_index) -> str:
+    row = f" (dataset row {row_index[index]})" if row_index else ""
+    return (f"reward '{name}' raised {type(error).__name__}: {error}{where}, on completion {index}{row} "
+            f"({completions[index][:200]!r}) of prompt {str(prompts[index])[:120]!r}. Fix the reward, or "
+            f"set on_reward_error='score' to give failing samples reward_error_value and go on.")

@@ -1,0 +1,585 @@
+"""GRPOTrainer: owns the policy, the reference, the optimizer and the schedule; runs GRPO steps.
+
+One optimizer step is a recipe:
+    prompts -> generate G completions each -> score -> group advantages
+            -> reference (and, for several updates per rollout, pi_old) log-probs
+            -> clipped-ratio loss + k3 KL, backward over micro-batches -> clip, AdamW, schedule -> log
+
+This is the only module that knows about processes: with several (accelerate / torchrun) each rank
+generates and scores whole groups of its share of the prompts, gradients are all-reduced, and rank 0
+writes logs and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from forge.core.grpo import GRPOConfig, LossNormaliser, compute_group_advantages, group_reward_std, grpo_loss
+from forge.core.rollout import Rollout, SamplingSettings, completion_logprobs, generate
+from forge.core.scoring import RewardError, build_reward_list, score_completions
+from forge.data.dataset import load_rows, reward_kwargs, validate_rows
+from forge.logging.logger import ForgeLogger
+
+
+@dataclass
+class Batch:
+    """The rollouts of one optimizer step, with everything the loss needs."""
+
+    rollouts: list[Rollout]  # each: P prompts x G completions
+    rows: list[list[dict]]  # the dataset rows of each rollout
+    advantages: list[torch.Tensor]  # per rollout (N,)
+    loss_mask: list[torch.Tensor]  # per rollout (N, T): completion mask x kept-sample flags
+    old_logprobs: list[torch.Tensor | None]  # per rollout (N, T) or None (pi_old = stopgrad(pi_theta))
+    ref_logprobs: list[torch.Tensor | None]  # per rollout (N, T) or None (kl_beta == 0)
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT/SIGTERM arrived; a checkpoint was written and the message says how to resume."""
+
+
+class _Distributed:
+    """Process information and collectives; a single process needs none of torch.distributed."""
+
+    def __init__(self) -> None:
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world_size > 1 and not torch.distributed.is_initialized():
+            from accelerate import PartialState  # sets up torch.distributed from the launcher's env
+
+            PartialState()
+        self.is_main = self.rank == 0
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        if self.world_size == 1:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def sum(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return values
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, values.cpu())
+        return torch.cat(out)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class GRPOTrainer:
+    """GRPO fine-tuning of a HuggingFace causal LM.
+
+    model:     a PreTrainedModel (or PeftModel), or a hub id / local path / "default" that Forge loads
+    tokenizer: its tokenizer (None when model is a name)
+    reward_fn: a BaseReward, a plain f(prompts, completions, **kwargs) -> list[float], or a list of them
+    config:    GRPOConfig
+    """
+
+    def __init__(self, model, tokenizer=None, reward_fn=None, config: GRPOConfig | None = None):
+        from forge.core import policy
+
+        self.config = config = (config or GRPOConfig()).validate()
+        if reward_fn is None:
+            raise ValueError("GRPOTrainer needs reward_fn, e.g. reward_fn=ExactMatchReward()")
+        self.rewards = build_reward_list(reward_fn, config.reward_weights)
+        self.dist = _Distributed()
+        if isinstance(model, (str, os.PathLike)):
+            model, tokenizer = policy.load_model(str(model), dtype=config.dtype)
+        if tokenizer is None:
+            raise ValueError("GRPOTrainer needs the model's tokenizer")
+        self.tokenizer = policy.prepare_tokenizer(tokenizer)
+        if config.use_lora or policy.is_peft_model(model):
+            model = policy.apply_lora(model, r=config.lora_r, alpha=config.lora_alpha,
+                                      dropout=config.lora_dropout, target_modules=config.lora_target_modules)
+        self.model = model
+        self.is_lora = policy.is_peft_model(model)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            if self.is_lora:
+                model.enable_input_require_grads()
+        # LoRA: the reference is the same weights with adapters off. Full: a frozen copy, only if needed.
+        self.reference_model = None
+        if config.kl_beta > 0 and not self.is_lora:
+            self.reference_model = policy.make_reference_model(model)
+        self.device = next(model.parameters()).device
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ValueError("the model has no trainable parameters (all requires_grad=False)")
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.learning_rate,
+                                           weight_decay=config.weight_decay)
+        self.scheduler = None  # built in train(), once the number of steps is known
+        self.initial_params = [p.detach().to("cpu", copy=True) for p in self.trainable]
+        self.global_step = 0
+        self.logger: ForgeLogger | None = None
+        self._stop_signal: int | None = None
+        self._nonfinite_in_a_row = 0
+        self._warned_zero_std = False
+        self.max_prompt_length = self._prompt_budget()
+
+    # ------------------------------------------------------------------------------------------------
+    # train
+
+    def train(self, dataset: Any, eval_dataset: Any = None) -> dict:
+        """Run GRPO over `dataset` (list of {"prompt", "reference", ...}, a HF Dataset, or a JSONL path)."""
+        from forge import checkpoint as ckpt
+
+        config = self.config
+        rows = load_rows(dataset)
+        validate_rows(rows)
+        eval_rows = None
+        if eval_dataset is not None:
+            eval_rows = load_rows(eval_dataset)
+            validate_rows(eval_rows)
+        if config.prompts_per_step % self.dist.world_size:
+            raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the number of "
+                             f"processes ({self.dist.world_size}) so every rank gets whole groups")
+        self._check_output_dir(Path(config.output_dir))
+        self._check_prompt_lengths(rows)
+
+        steps_per_epoch = max(1, len(rows) // config.prompts_per_optimizer_step)
+        total_steps = config.max_steps if config.max_steps > 0 else steps_per_epoch * config.num_train_epochs
+        self.total_steps = total_steps
+        self.scheduler = _make_scheduler(self.optimizer, config, total_steps)
+        seed_everything(config.seed)
+        epoch, position = 0, 0
+        if config.resume_from:
+            epoch, position = self._resume(config.resume_from)
+        self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
+                                  wandb_run_name=config.wandb_run_name, use_tensorboard=config.use_tensorboard,
+                                  config=config.to_dict(), enabled=self.dist.is_main)
+        if config.resume_from:
+            self.logger.truncate_after(self.global_step)
+        if eval_rows is not None and config.eval_before_training and self.global_step == 0:
+            self._evaluate(eval_rows, epoch)
+
+        previous_handlers = self._install_signal_handlers()
+        bar = tqdm(total=total_steps, initial=self.global_step, desc="forge", disable=not self.dist.is_main,
+                   dynamic_ncols=True)
+        try:
+            for batch_rows, epoch, position in self._iterate(rows, epoch, position):
+                if self.global_step >= total_steps:
+                    break
+                metrics = self.step(batch_rows)
+                metrics["epoch"] = epoch + position / max(1, len(rows))
+                self._after_step(metrics, epoch, position, eval_rows, bar)
+        finally:
+            bar.close()
+            self._restore_signal_handlers(previous_handlers)
+        if self.dist.is_main:
+            self._save(Path(config.output_dir) / "final", epoch, position)
+        if eval_rows is not None:
+            self._evaluate(eval_rows, epoch)
+        self.logger.close()
+        return {"global_step": self.global_step}
+
+    def _iterate(self, rows: list[dict], epoch: int, position: int) -> Iterator[tuple[list[dict], int, int]]:
+        """Yield (rows of one optimizer step, epoch, position after it); a seeded shuffle per epoch."""
+        per_step = self.config.prompts_per_optimizer_step
+        while True:
+            order = list(range(len(rows)))
+            if self.config.shuffle:
+                random.Random(self.config.seed + epoch).shuffle(order)
+            while position + per_step <= len(rows):
+                picked = [rows[i] for i in order[position:position + per_step]]
+                position += per_step
+                yield picked, epoch, position
+            epoch, position = epoch + 1, 0
+            if self.config.max_steps <= 0 and epoch >= self.config.num_train_epochs:
+                return
+
+    def _after_step(self, metrics: dict, epoch: int, position: int, eval_rows, bar) -> None:
+        config, step = self.config, self.global_step
+        bar.update(step - bar.n)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
+        if step % config.logging_steps == 0 or step == self.total_steps:
+            self.logger.log(metrics, step=step, epoch=round(metrics["epoch"], 4))
+            self.logger.log_samples(metrics.pop("_samples"), step=step)
+        if eval_rows is not None and config.eval_steps and step % config.eval_steps == 0:
+            self._evaluate(eval_rows, epoch)
+        if config.save_steps and step % config.save_steps == 0 and self.dist.is_main:
+            self._save(Path(config.output_dir) / str(step), epoch, position)
+        if self._stop_signal is not None:
+            path = Path(config.output_dir) / str(step)
+            if self.dist.is_main and not path.exists():
+                self._save(path, epoch, position)
+            raise TrainingInterrupted(
+                f"stopped by signal {self._stop_signal} after step {step}; checkpoint {path}. Resume with "
+                f"`forge train ... --resume_from {path}` (or resume_from='latest')")
+
+    # ------------------------------------------------------------------------------------------------
+    # one optimizer step
+
+    def step(self, rows: list[dict]) -> dict:
+        """One optimizer step (num_iterations of them when num_iterations > 1) on these dataset rows."""
+        config = self.config
+        self.model.eval()  # dropout off: sampling, pi_old, pi_theta and the reference see the same network
+        started = time.perf_counter()
+        batch, rollout_stats = self._collect(rows)
+        generated_at = time.perf_counter()
+        for _ in range(config.num_iterations):
+            update_stats = self._update(batch)
+        finished = time.perf_counter()
+        return self._metrics(batch, rollout_stats, update_stats, started, generated_at, finished)
+
+    def _collect(self, rows: list[dict]) -> tuple[Batch, dict]:
+        """Generate, score and compute advantages for every rollout of this optimizer step."""
+        config = self.config
+        batch = Batch([], [], [], [], [], [])
+        stats = {"scores": [], "components": {}, "errors": 0, "timeouts": 0, "gen_seconds": 0.0, "samples": []}
+        share = config.prompts_per_step // self.dist.world_size
+        for start in range(0, len(rows), config.prompts_per_step):
+            chunk = rows[start:start + config.prompts_per_step]
+            mine = chunk[self.dist.rank * share:(self.dist.rank + 1) * share]
+            t0 = time.perf_counter()
+            rollout = self._generate([row["prompt"] for row in mine])
+            stats["gen_seconds"] += time.perf_counter() - t0
+            scores = self._score(mine, rollout)
+            advantages = compute_group_advantages(scores.total, config.group_size, config.scale_rewards,
+                                                  config.advantage_epsilon)  # (N,)
+            keep = scores.valid.clone()  # (N,)
+            if config.mask_truncated_completions:
+                keep &= ~rollout.truncated
+            if config.drop_zero_std_groups:
+                flat = group_reward_std(scores.total, config.group_size) > 0  # (P,)
+                keep &= flat.repeat_interleave(config.group_size)
+            batch.rollouts.append(rollout)
+            batch.rows.append(mine)
+            batch.advantages.append(advantages)
+            batch.loss_mask.append(rollout.completion_mask * keep[:, None].long())
+            stats["scores"].append(scores.total)
+            for name, values in scores.components.items():
+                stats["components"].setdefault(name, []).append(values)
+            stats["errors"] += scores.errors
+            stats["timeouts"] += scores.timeouts
+            stats["samples"].extend(self._samples(mine, rollout, scores.total))
+        batch.old_logprobs = [self._old_logprobs(r) for r in batch.rollouts]
+        batch.ref_logprobs = [self._reference_logprobs(r) for r in batch.rollouts]
+        return batch, stats
+
+    def _generate(self, prompts: list) -> Rollout:
+        config = self.config
+        settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
+        return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
+                        self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix)
+
+    def _score(self, rows: list[dict], rollout: Rollout):
+        config, group = self.config, self.config.group_size
+        prompts = [row["prompt"] for row in rows for _ in range(group)]
+        kwargs = {k: [v for v in values for _ in range(group)] for k, values in reward_kwargs(rows).items()}
+        row_ids = [row.get("_row", i) for i, row in enumerate(rows) for _ in range(group)]
+        return score_completions(self.rewards, prompts, rollout.completions, kwargs,
+                                 on_error=config.on_reward_error, error_value=config.reward_error_value,
+                                 timeout=config.reward_timeout, step=self.global_step + 1, row_index=row_ids)
+
+    def _logprobs(self, model, rollout: Rollout, indices: torch.Tensor) -> torch.Tensor:
+        """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion."""
+        length = int(rollout.completion_mask[indices].sum(dim=1).max().clamp(min=1))
+        return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask,
+                                   rollout.completion_ids[indices, :length], rollout.prompt_index[indices],
+                                   self.config.temperature, self.config.logprob_chunk_size,
+                                   self.config.share_prompt_prefix)
+
+    def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
+        size = self.config.micro_batch_size or rollout.completion_ids.shape[0]
+        return list(torch.arange(rollout.completion_ids.shape[0]).split(size))
+
+    @torch.no_grad()
+    def _old_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
+        if self.config.num_iterations == 1:
+            return None  # pi_old = stopgrad(pi_theta): no extra forward
+        return self._padded([self._logprobs(self.model, rollout, i) for i in self._micro_batches(rollout)], rollout)
+
+    @torch.no_grad()
+    def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
+        if self.config.kl_beta == 0:
+            return None
+        parts = []
+        for indices in self._micro_batches(rollout):
+            if self.is_lora:
+                with self.model.disable_adapter():
+                    parts.append(self._logprobs(self.model, rollout, indices))
+            else:
+                parts.append(self._logprobs(self.reference_model, rollout, indices))
+        return self._padded(parts, rollout)
+
+    @staticmethod
+    def _padded(parts: list[torch.Tensor], rollout: Rollout) -> torch.Tensor:
+        full = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)
+        row = 0
+        for part in parts:
+            full[row:row + part.shape[0], :part.shape[1]] = part.cpu()
+            row += part.shape[0]
+        return full
+
+    def _update(self, batch: Batch) -> dict:
+        """Loss and backward over all micro-batches of all rollouts, then one optimizer step."""
+        config = self.config
+        counts = self.dist.sum([float((m.sum(dim=1) > 0).sum()) for m in batch.loss_mask] and
+                               [sum(float((m.sum(dim=1) > 0).sum()) for m in batch.loss_mask),
+                                sum(float(m.sum()) for m in batch.loss_mask)])
+        normaliser = LossNormaliser(max(counts[0], 1.0), max(counts[1], 1.0), config.max_new_tokens)
+        totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0,
+                  "ratio_mean": 0.0}
+        weight_sum = 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        for r, rollout in enumerate(batch.rollouts):
+            for indices in self._micro_batches(rollout):
+                mask = batch.loss_mask[r][indices]
+                if mask.sum() == 0:
+                    continue
+                logprobs = self._logprobs(self.model, rollout, indices)  # (n, T')
+                length = logprobs.shape[1]
+                old, ref = batch.old_logprobs[r], batch.ref_logprobs[r]
+                loss, stats = grpo_loss(
+                    logprobs, None if old is None else old[indices, :length].to(self.device),
+                    None if ref is None else ref[indices, :length].to(self.device),
+                    batch.advantages[r][indices].to(self.device), mask[:, :length].to(self.device),
+                    clip_eps_low=config.clip_epsilon, clip_eps_high=config.epsilon_high, kl_beta=config.kl_beta,
+                    loss_type=config.loss_type, importance_level=config.importance_sampling_level,
+                    normaliser=normaliser)
+                # Each rank's loss carries its share; all-reduce (sum) of gradients gives the global loss.
+                loss.backward()
+                tokens = float(mask.sum())
+                totals["loss"] += float(loss.detach())
+                for key in ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean"):
+                    totals[key] += float(getattr(stats, key)) * tokens
+                weight_sum += tokens
+        self.dist.all_reduce_grads(self.trainable)
+        for key in ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean"):
+            totals[key] /= max(weight_sum, 1.0)
+        totals["grad_norm"] = self._clip_and_step()
+        return totals
+
+    def _clip_and_step(self) -> float:
+        """Clip, then step the optimizer unless the loss or gradient went non-finite."""
+        config = self.config
+        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+        grads = [p for p in self.trainable if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        if not math.isfinite(grad_norm):
+            self._nonfinite_in_a_row += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            if self._nonfinite_in_a_row >= config.max_consecutive_nonfinite:
+                raise FloatingPointError(
+                    f"{self._nonfinite_in_a_row} optimizer steps in a row had a non-finite gradient (last at step "
+                    f"{self.global_step + 1}); lower learning_rate, check the rewards for huge values, or use "
+                    f"fp32 (dtype='float32'). The last checkpoint is intact.")
+        else:
+            self._nonfinite_in_a_row = 0
+            self.optimizer.step()
+        self.scheduler.step()
+        self.global_step += 1
+        return grad_norm
+
+    # ------------------------------------------------------------------------------------------------
+    # metrics
+
+    def _metrics(self, batch: Batch, rollout_stats: dict, update_stats: dict, started, generated_at, finished):
+        config = self.config
+        rewards = self.dist.gather(torch.cat(rollout_stats["scores"]))  # (N_total,)
+        group_std = group_reward_std(rewards, config.group_size)  # (groups,)
+        lengths = self.dist.gather(torch.cat([r.completion_lengths for r in batch.rollouts]).float())
+        truncated = self.dist.gather(torch.cat([r.truncated for r in batch.rollouts]).float())
+        elapsed = finished - started
+        metrics = {
+            "loss": update_stats["loss"],
+            "reward": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "kl": update_stats["kl"],
+            "clip_frac": update_stats["clip_frac"],
+            "clip_frac_low": update_stats["clip_frac_low"],
+            "clip_frac_high": update_stats["clip_frac_high"],
+            "ratio_mean": update_stats["ratio_mean"],
+            "grad_norm": update_stats["grad_norm"],
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "group_reward_std_mean": float(group_std.mean()),
+            "frac_zero_std_groups": float((group_std == 0).float().mean()),
+            "completion_length/mean": float(lengths.mean()),
+            "completion_length/min": float(lengths.min()),
+            "completion_length/max": float(lengths.max()),
+            "frac_truncated": float(truncated.mean()),
+            "tokens_per_second": float(lengths.sum()) / max(rollout_stats["gen_seconds"], 1e-9),
+            "step_seconds": elapsed,
+            "generation_share": rollout_stats["gen_seconds"] / max(elapsed, 1e-9),
+            "rewards/errors": rollout_stats["errors"],
+            "rewards/timeouts": rollout_stats["timeouts"],
+            "param_delta_norm": self._param_delta_norm(),
+        }
+        for name, parts in rollout_stats["components"].items():
+            metrics[f"rewards/{name}"] = float(self.dist.gather(torch.cat(parts)).mean())
+        metrics["_samples"] = rollout_stats["samples"][: config.log_completions]
+        if metrics["frac_zero_std_groups"] > 0.75 and not self._warned_zero_std:
+            self._warned_zero_std = True
+            import warnings
+
+            warnings.warn(
+                f"{metrics['frac_zero_std_groups']:.0%} of groups have identical rewards, so they carry no "
+                "learning signal. Likely causes: the task is too hard or too easy for the model (screen the "
+                "prompts: `forge screen`), max_new_tokens cuts answers off, or the reward is too coarse.",
+                stacklevel=2)
+        return metrics
+
+    def _samples(self, rows, rollout: Rollout, rewards: torch.Tensor) -> list[dict]:
+        group = self.config.group_size
+        out = []
+        for i, text in enumerate(rollout.completions):
+            row = rows[i // group]
+            out.append({"prompt": row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"],
+                        "reference": row.get("reference"), "completion": text, "reward": float(rewards[i])})
+        return out[::group]  # one completion per prompt
+
+    @torch.no_grad()
+    def _param_delta_norm(self) -> float:
+        total = 0.0
+        for p, p0 in zip(self.trainable, self.initial_params):
+            total += float((p.detach().cpu().float() - p0.float()).pow(2).sum())
+        return math.sqrt(total)
+
+    # ------------------------------------------------------------------------------------------------
+    # evaluation, checkpoints, signals, input checks
+
+    def _evaluate(self, eval_rows: list[dict], epoch: int) -> None:
+        from forge.eval.evaluate import evaluate
+
+        result = evaluate(self.model, self.tokenizer, eval_rows, max_new_tokens=self.config.max_new_tokens,
+                          max_prompt_length=self.max_prompt_length)
+        self.logger.log({f"eval/{k}": v for k, v in result.metrics.items()}, step=self.global_step, epoch=epoch)
+
+    def _save(self, path: Path, epoch: int, position: int) -> None:
+        from forge import checkpoint as ckpt
+
+        state = {"global_step": self.global_step, "epoch": epoch, "position": position,
+                 "nonfinite_in_a_row": self._nonfinite_in_a_row,
+                 "model_name": getattr(self.model.config, "_name_or_path", ""), "is_lora": self.is_lora}
+        ckpt.save_checkpoint(path, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
+                             scheduler=self.scheduler, trainer_state=state, config=self.config.to_dict())
+        if path.name != "final":
+            ckpt.prune_checkpoints(path.parent, self.config.save_total_limit)
+
+    def _resume(self, where: str) -> tuple[int, int]:
+        from forge import checkpoint as ckpt
+
+        path = ckpt.latest_checkpoint(Path(self.config.output_dir)) if where == "latest" else Path(where)
+        if path is None:
+            raise FileNotFoundError(f"resume_from='latest' but {self.config.output_dir} holds no complete checkpoint")
+        state = ckpt.load_checkpoint(path)
+        ckpt.check_compatible(state.config, self.config.to_dict())
+        ckpt.load_model_weights(self.model, path)
+        self.optimizer.load_state_dict(state.optimizer_state)
+        self.scheduler.load_state_dict(state.scheduler_state)
+        ckpt.restore_rng_state(state.rng_state)
+        self.global_step = int(state.trainer_state["global_step"])
+        self._nonfinite_in_a_row = int(state.trainer_state.get("nonfinite_in_a_row", 0))
+        return int(state.trainer_state["epoch"]), int(state.trainer_state["position"])
+
+    def _install_signal_handlers(self) -> dict:
+        if not hasattr(signal, "SIGTERM") or threading_is_not_main():
+            return {}
+
+        def request_stop(signum, frame):
+            if self._stop_signal is not None:  # second signal: stop now
+                raise KeyboardInterrupt
+            self._stop_signal = signum
+            tqdm.write(f"forge: signal {signum} received; finishing this step, then saving a checkpoint "
+                       f"(send it again to stop at once)")
+
+        return {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict) -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    def _prompt_budget(self) -> int:
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 10**9
+        room = limit - self.config.max_new_tokens
+        if self.config.max_prompt_length is not None:
+            if self.config.max_prompt_length > room:
+                raise ValueError(
+                    f"max_prompt_length={self.config.max_prompt_length} + max_new_tokens={self.config.max_new_tokens}"
+                    f" exceeds the model's context of {limit} tokens; lower one of them")
+            return self.config.max_prompt_length
+        if room < 1:
+            raise ValueError(f"max_new_tokens={self.config.max_new_tokens} leaves no room for a prompt in the "
+                             f"model's context of {limit} tokens")
+        return room
+
+    def _check_prompt_lengths(self, rows: list[dict]) -> None:
+        """Tokenize every prompt once up front, so an over-long one fails before any training."""
+        from forge.core.rollout import tokenize_prompts
+
+        for start in range(0, len(rows), 64):
+            chunk = rows[start:start + 64]
+            try:
+                tokenize_prompts(self.tokenizer, [r["prompt"] for r in chunk], self.max_prompt_length,
+                                 self.config.truncate_prompts)
+            except ValueError as error:
+                raise ValueError(f"dataset rows {start}..{start + len(chunk) - 1}: {error}") from None
+
+    def _check_output_dir(self, output_dir: Path) -> None:
+        if output_dir.exists() and not output_dir.is_dir():
+            raise ValueError(f"output_dir={str(output_dir)!r} is a file; choose a directory path")
+        if self.dist.is_main:
+            try:
+                output_dir.mkdir(parents=True, exist_ok=True)
+                probe = output_dir / ".forge_write_test"
+                probe.write_text("ok")
+                probe.unlink()
+            except OSError as error:
+                raise ValueError(f"output_dir={str(output_dir)!r} is not writable ({error}); choose another") from None
+
+
+def threading_is_not_main() -> bool:
+    import threading
+
+    return threading.current_thread() is not threading.main_thread()
+
+
+def _make_scheduler(optimizer, config: GRPOConfig, total_steps: int):
+    warmup = int(config.warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        if config.lr_scheduler == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        if config.lr_scheduler == "linear":
+            return max(0.0, 1 - progress)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+__all__ = ["GRPOTrainer", "TrainingInterrupted", "RewardError", "seed_everything"]
