@@ -339,7 +339,9 @@ class TagFormatReward(BaseReward):
         )
         think_at, answer_at = response.find(think_open), response.find(answer_open)
         out_of_order = think_at >= 0 and answer_at >= 0 and answer_at < think_at
-        repeated = any(response.count(tag) > 1 for tag in (think_open, think_close, answer_open, answer_close))
+        repeated = any(
+            response.count(tag) > 1 for tag in (think_open, think_close, answer_open, answer_close)
+        )
         answer_end = response.rfind(answer_close)
         trailing_text = answer_end >= 0 and bool(response[answer_end + len(answer_close) :].strip())
         if out_of_order or repeated or trailing_text:
@@ -383,7 +385,9 @@ class CompositeReward(BaseReward):
         rewards, weights = [], []
         for index, component in enumerate(components):
             if not (isinstance(component, tuple | list) and len(component) == 2):
-                raise TypeError(f"CompositeReward component {index} must be a (reward, weight) pair, got {component!r}")
+                raise TypeError(
+                    f"CompositeReward component {index} must be a (reward, weight) pair, got {component!r}"
+                )
             reward, weight = component
             weight = float(weight)
             if not weight >= 0.0 or weight == float("inf"):
@@ -460,7 +464,9 @@ REWARD_REGISTRY: dict[str, Callable[..., BaseReward]] = {
 def build_reward(name: str, **kwargs: Any) -> BaseReward:
     """A built-in reward by registry name, e.g. ``build_reward("math_correctness", strict=True)``."""
     if name not in REWARD_REGISTRY:
-        raise ValueError(f"unknown reward '{name}'; built-in rewards are: {', '.join(sorted(REWARD_REGISTRY))}")
+        raise ValueError(
+            f"unknown reward '{name}'; built-in rewards are: {', '.join(sorted(REWARD_REGISTRY))}"
+        )
     return REWARD_REGISTRY[name](**kwargs)
 
 
@@ -489,7 +495,9 @@ def load_reward_from_path(path: str) -> BaseReward:
     else:
         module = importlib.import_module(module_name)
     if not hasattr(module, attribute):
-        raise AttributeError(f"module '{module_name}' has no attribute '{attribute}' (from reward path '{path}')")
+        raise AttributeError(
+            f"module '{module_name}' has no attribute '{attribute}' (from reward path '{path}')"
+        )
     target = getattr(module, attribute)
     if isinstance(target, type) and issubclass(target, BaseReward):
         target = target()

@@ -242,6 +242,10 @@ def _plain_number(text: str) -> float | None:
 
 
 def _numbers_equal(a: float, b: float) -> bool:
+    """Whole numbers must be equal; otherwise a relative tolerance of 1e-6 absorbs rounding
+    ("0.333333" vs "1/3") without letting 1000001 pass for 1000000."""
+    if a.is_integer() and b.is_integer():
+        return a == b
     return abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
@@ -286,7 +290,8 @@ def answers_match(predicted: str | None, reference: str | float) -> bool:
     """Whether a predicted final answer equals the reference answer. Never raises.
 
     When both sides are plain numbers ("1,234", "$18", "72 apples", "0.5") they are compared
-    numerically with a relative tolerance of 1e-6 and that verdict is final. Otherwise, when
+    numerically (whole numbers exactly, others with a relative tolerance of 1e-6) and that
+    verdict is final. Otherwise, when
     math-verify is installed, it decides symbolic equivalence (``\\frac{1}{2}`` vs ``0.5``,
     ``x = 5`` vs ``5``); without math-verify non-numeric answers match only as identical text.
     """

@@ -100,8 +100,24 @@ def _two_step(rng: random.Random) -> tuple[str, str, int]:
     return f"What is {expression}?", expression, answer
 
 
-_NAMES = ("Ali", "Bea", "Carl", "Dana", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kim", "Leo", "Mia", "Nia",
-          "Omar", "Pia")
+_NAMES = (
+    "Ali",
+    "Bea",
+    "Carl",
+    "Dana",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jo",
+    "Kim",
+    "Leo",
+    "Mia",
+    "Nia",
+    "Omar",
+    "Pia",
+)
 _OBJECTS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "cards", "shells")
 
 
@@ -115,15 +131,22 @@ def _word(rng: random.Random) -> tuple[str, str, int]:
     if form == 1:
         a = rng.randint(30, 99)
         b = rng.randint(11, a - 5)
-        question = f"{name} has {a} {objects} and gives {b} of them away. How many {objects} does {name} have left?"
+        question = (
+            f"{name} has {a} {objects} and gives {b} of them away. How many {objects} does {name} have left?"
+        )
         return question, f"{a} - {b}", a - b
     if form == 2:
         a, b = rng.randint(3, 9), rng.randint(6, 15)
-        question = f"{name} buys {a} boxes with {b} {objects} in each box. How many {objects} is that in total?"
+        question = (
+            f"{name} buys {a} boxes with {b} {objects} in each box. How many {objects} is that in total?"
+        )
         return question, f"{a} * {b}", a * b
     share, friends = rng.randint(3, 12), rng.randint(2, 8)
     total = share * friends
-    question = f"{name} shares {total} {objects} equally among {friends} friends. How many {objects} does each friend get?"
+    question = (
+        f"{name} shares {total} {objects} equally among {friends} friends. "
+        f"How many {objects} does each friend get?"
+    )
     return question, f"{total} // {friends}", share
 
 
@@ -148,15 +171,15 @@ from training for any ``n <= HELDOUT_POOL_SIZE``."""
 # Prompts
 
 SYSTEM_PROMPT = (
-    "You solve arithmetic problems. First think step by step inside <think> </think> tags. "
-    "Then write only the final number inside <answer> </answer> tags."
+    "Solve the arithmetic problem. Think step by step inside <think> </think>, "
+    "then give only the final number inside <answer> </answer>."
 )
 
 _FEW_SHOT: tuple[tuple[str, str], ...] = (
-    ("What is 36 + 47?", "<think>36 + 47 = 36 + 40 + 7 = 76 + 7 = 83</think>\n<answer>83</answer>"),
+    ("What is 36 + 47?", "<think>36 + 40 = 76, 76 + 7 = 83</think>\n<answer>83</answer>"),
     (
-        "Sam has 5 bags with 12 marbles in each bag. He gives 9 marbles away. How many marbles does Sam have left?",
-        "<think>5 * 12 = 60 marbles. 60 - 9 = 51</think>\n<answer>51</answer>",
+        "Sam has 5 bags of 12 marbles and gives 9 away. How many marbles are left?",
+        "<think>5 * 12 = 60, 60 - 9 = 51</think>\n<answer>51</answer>",
     ),
 )
 """Two worked (question, reply) examples in the think/answer format."""

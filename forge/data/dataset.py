@@ -88,11 +88,15 @@ def load_jsonl(path: str | Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {line_number}: not valid JSON ({error.msg}); "
-                                 f"each line must be one JSON object like {ROW_FORMAT}") from error
+                raise ValueError(
+                    f"{path}, line {line_number}: not valid JSON ({error.msg}); "
+                    f"each line must be one JSON object like {ROW_FORMAT}"
+                ) from error
             if not isinstance(row, dict):
-                raise ValueError(  # noqa: TRY004 - a data error in the file, reported like the othersf"{path}, line {line_number}: expected a JSON object like {ROW_FORMAT}, "
-                                 f"got a JSON {type(row).__name__}")
+                raise ValueError(  # noqa: TRY004 - a data error in the file, reported like the others
+                    f"{path}, line {line_number}: expected a JSON object like {ROW_FORMAT}, "
+                    f"got a JSON {type(row).__name__}"
+                )
             rows.append(row)
     return rows
 
@@ -138,7 +142,9 @@ def is_chat(prompt: Any) -> bool:
     return (
         isinstance(prompt, (list, tuple))
         and len(prompt) > 0
-        and all(isinstance(message, Mapping) and "role" in message and "content" in message for message in prompt)
+        and all(
+            isinstance(message, Mapping) and "role" in message and "content" in message for message in prompt
+        )
     )
 
 
@@ -174,7 +180,9 @@ def validate_rows(rows: Sequence[Any]) -> None:
                 f"dataset row {index} is a {type(row).__name__}, not a mapping; expected {ROW_FORMAT}"
             )
         if "prompt" not in row:
-            raise ValueError(f"dataset row {index} has no 'prompt' key (keys: {sorted(row)}); expected {ROW_FORMAT}")
+            raise ValueError(
+                f"dataset row {index} has no 'prompt' key (keys: {sorted(row)}); expected {ROW_FORMAT}"
+            )
         problem = _prompt_problem(row["prompt"])
         if problem is not None:
             raise ValueError(
@@ -185,13 +193,15 @@ def validate_rows(rows: Sequence[Any]) -> None:
             columns = set(row)
         elif set(row) != columns:
             raise ValueError(
-                f"dataset row {index} has columns {sorted(row)} but row 0 has {sorted(columns)}; every row needs "
-                "the same columns because each one is passed to the rewards as a list"
+                f"dataset row {index} has columns {sorted(row)} but row 0 has {sorted(columns)}; every row "
+                "needs the same columns because each one is passed to the rewards as a list"
             )
     assert columns is not None
     reserved = sorted(columns & set(_RESERVED_COLUMNS))
     if reserved:
-        raise ValueError(f"dataset columns {reserved} clash with the rewards' positional arguments; rename them")
+        raise ValueError(
+            f"dataset columns {reserved} clash with the rewards' positional arguments; rename them"
+        )
     if "reference" in columns and "references" in columns:
         raise ValueError("dataset has both 'reference' and 'references' columns; keep one ('reference')")
 

@@ -68,7 +68,9 @@ def parse_gsm8k_answer(answer_field: str) -> str:
     return answer
 
 
-def gsm8k_rows_from_records(records: Iterable[Mapping[str, Any]], max_samples: int | None = None) -> list[dict]:
+def gsm8k_rows_from_records(
+    records: Iterable[Mapping[str, Any]], max_samples: int | None = None
+) -> list[dict]:
     """Forge rows from GSM8K records ``{"question": ..., "answer": "... #### 72"}``."""
     rows = []
     for index, record in enumerate(records):
@@ -78,7 +80,11 @@ def gsm8k_rows_from_records(records: Iterable[Mapping[str, Any]], max_samples: i
             raise ValueError(f"GSM8K record {index} needs 'question' and 'answer' keys; got {sorted(record)}")
         question = record["question"]
         rows.append(
-            {"prompt": format_prompt(question), "reference": parse_gsm8k_answer(record["answer"]), "question": question}
+            {
+                "prompt": format_prompt(question),
+                "reference": parse_gsm8k_answer(record["answer"]),
+                "question": question,
+            }
         )
     return rows
 
@@ -90,7 +96,9 @@ def _number_text(value: Any) -> str:
     return str(value).strip()
 
 
-def gsm_hard_rows_from_records(records: Iterable[Mapping[str, Any]], max_samples: int | None = None) -> list[dict]:
+def gsm_hard_rows_from_records(
+    records: Iterable[Mapping[str, Any]], max_samples: int | None = None
+) -> list[dict]:
     """Forge rows from GSM-Hard records ``{"input": question, "target": number, ...}``."""
     rows = []
     for index, record in enumerate(records):
@@ -99,7 +107,13 @@ def gsm_hard_rows_from_records(records: Iterable[Mapping[str, Any]], max_samples
         if "input" not in record or "target" not in record:
             raise ValueError(f"GSM-Hard record {index} needs 'input' and 'target' keys; got {sorted(record)}")
         question = record["input"]
-        rows.append({"prompt": format_prompt(question), "reference": _number_text(record["target"]), "question": question})
+        rows.append(
+            {
+                "prompt": format_prompt(question),
+                "reference": _number_text(record["target"]),
+                "question": question,
+            }
+        )
     return rows
 
 
@@ -131,39 +145,98 @@ def load_gsm_hard(split: str = "train", max_samples: int | None = 500) -> list[d
 # An offline stand-in for GSM8K: short word problems written for Forge, with their answers.
 
 GSM8K_MOCK_PROBLEMS: tuple[tuple[str, str], ...] = (
-    (("Maya has 12 apples. She buys 3 bags with 5 apples in each bag. How many apples does she "
-      "have now?"), "27"),
-    (("A train travels 60 miles per hour for 3 hours and then 40 miles per hour for 2 hours. How "
-      "many miles does it travel in total?"), "260"),
-    (("Tom had 45 marbles. He gave 17 marbles to his sister and then found 8 more. How many "
-      "marbles does Tom have?"), "36"),
-    (("A bakery sells muffins for $3 each. On Monday it sold 24 muffins and on Tuesday it sold "
-      "31. How many dollars did it earn on those two days?"), "165"),
-    (("There are 7 rows of chairs with 14 chairs in each row. If 38 chairs are taken, how many "
-      "chairs are empty?"), "60"),
+    (
+        ("Maya has 12 apples. She buys 3 bags with 5 apples in each bag. How many apples does she have now?"),
+        "27",
+    ),
+    (
+        (
+            "A train travels 60 miles per hour for 3 hours and then 40 miles per hour for 2 hours. How "
+            "many miles does it travel in total?"
+        ),
+        "260",
+    ),
+    (
+        (
+            "Tom had 45 marbles. He gave 17 marbles to his sister and then found 8 more. How many "
+            "marbles does Tom have?"
+        ),
+        "36",
+    ),
+    (
+        (
+            "A bakery sells muffins for $3 each. On Monday it sold 24 muffins and on Tuesday it sold "
+            "31. How many dollars did it earn on those two days?"
+        ),
+        "165",
+    ),
+    (
+        (
+            "There are 7 rows of chairs with 14 chairs in each row. If 38 chairs are taken, how many "
+            "chairs are empty?"
+        ),
+        "60",
+    ),
     ("Lena reads 25 pages a day. How many days does she need to finish a book with 300 pages?", "12"),
-    (("A farmer has 4 fields. Each field has 23 cows. He sells 19 cows. How many cows does he "
-      "have left?"), "73"),
-    (("Sam saves $15 every week. After 8 weeks he spends $47 on a game. How much money does he "
-      "have left?"), "73"),
+    (
+        ("A farmer has 4 fields. Each field has 23 cows. He sells 19 cows. How many cows does he have left?"),
+        "73",
+    ),
+    (
+        (
+            "Sam saves $15 every week. After 8 weeks he spends $47 on a game. How much money does he "
+            "have left?"
+        ),
+        "73",
+    ),
     ("A pizza is cut into 8 slices. If 6 friends each eat 2 slices, how many pizzas did they eat?", "1.5"),
     ("A school has 18 classes with 27 students each. How many students are in the school?", "486"),
-    (("Ava bought 3 notebooks for $4 each and 2 pens for $2 each. She paid with a $20 bill. How "
-      "much change did she get?"), "4"),
-    (("A tank holds 500 liters of water. It leaks 35 liters each day. How many liters are left "
-      "after 6 days?"), "290"),
+    (
+        (
+            "Ava bought 3 notebooks for $4 each and 2 pens for $2 each. She paid with a $20 bill. How "
+            "much change did she get?"
+        ),
+        "4",
+    ),
+    (
+        (
+            "A tank holds 500 liters of water. It leaks 35 liters each day. How many liters are left "
+            "after 6 days?"
+        ),
+        "290",
+    ),
     ("Ben is 3 times as old as his son. His son is 11 years old. How old will Ben be in 5 years?", "38"),
-    (("A store had 120 shirts. It sold one quarter of them in the morning and 28 in the "
-      "afternoon. How many shirts are left?"), "62"),
+    (
+        (
+            "A store had 120 shirts. It sold one quarter of them in the morning and 28 in the "
+            "afternoon. How many shirts are left?"
+        ),
+        "62",
+    ),
     ("Each box holds 6 eggs. A farm collects 95 eggs. How many boxes can it fill completely?", "15"),
     ("A rectangle is 13 cm long and 7 cm wide. What is its perimeter in centimeters?", "40"),
     ("Mia runs 4 laps of a 400 meter track every day for 5 days. How many meters does she run?", "8000"),
-    (("A jar has 64 candies. Half are red, and a quarter of the rest are green. How many candies "
-      "are green?"), "8"),
-    (("Carlos earns $12 per hour. He works 7 hours on Saturday and 5 hours on Sunday. How much "
-      "does he earn over the weekend?"), "144"),
-    (("A library had 250 books. It received 3 boxes of 40 books and gave away 75 books. How many "
-      "books does it have now?"), "295"),
+    (
+        (
+            "A jar has 64 candies. Half are red, and a quarter of the rest are green. How many candies "
+            "are green?"
+        ),
+        "8",
+    ),
+    (
+        (
+            "Carlos earns $12 per hour. He works 7 hours on Saturday and 5 hours on Sunday. How much "
+            "does he earn over the weekend?"
+        ),
+        "144",
+    ),
+    (
+        (
+            "A library had 250 books. It received 3 boxes of 40 books and gave away 75 books. How many "
+            "books does it have now?"
+        ),
+        "295",
+    ),
 )
 """(question, answer) pairs; the tests recompute every answer independently."""
 
@@ -187,61 +260,100 @@ def load_gsm8k_mock(n: int = 20) -> list[dict]:
 
 FEW_SHOT_EXAMPLES: tuple[tuple[str, str, str], ...] = (
     (
-        ("Olivia has 23 stickers. She gives 8 stickers to her friend and then buys 2 packs of 6 "
-         "stickers. How many stickers does Olivia have now?"),
-        ("After giving some away, Olivia has 23 - 8 = 15 stickers.\n"
-         "The two packs contain 2 * 6 = 12 stickers.\n"
-         "So she now has 15 + 12 = 27 stickers."),
+        (
+            "Olivia has 23 stickers. She gives 8 stickers to her friend and then buys 2 packs of stickers. "
+            "Each pack has 6 stickers. How many stickers does Olivia have now?"
+        ),
+        (
+            "After giving 8 stickers to her friend, Olivia has 23 - 8 = 15 stickers.\n"
+            "Each of the 2 packs holds 6 stickers, so the packs contain 2 * 6 = 12 stickers.\n"
+            "Adding the new stickers to the ones she kept, she now has 15 + 12 = 27 stickers."
+        ),
         "27",
     ),
     (
-        ("A bus carries 42 passengers. At the first stop 15 people get off and 9 get on. At the "
-         "second stop 11 people get off. How many passengers are on the bus now?"),
-        ("After the first stop there are 42 - 15 + 9 = 36 passengers.\n"
-         "After the second stop there are 36 - 11 = 25 passengers."),
+        (
+            "A bus leaves the station with 42 passengers. At the first stop 15 people get off and 9 "
+            "people get on. At the second stop 11 people get off. How many passengers are on the bus now?"
+        ),
+        (
+            "After the first stop the bus carries 42 - 15 + 9 = 36 passengers.\n"
+            "At the second stop 11 people leave and nobody gets on.\n"
+            "That leaves 36 - 11 = 25 passengers on the bus."
+        ),
         "25",
     ),
     (
-        ("Noah buys 4 books that cost $9 each and a bookmark that costs $3. He pays with a $50 bill."
-         " How much change does he get?"),
-        ("The books cost 4 * 9 = 36 dollars.\n"
-         "Together with the bookmark he spends 36 + 3 = 39 dollars.\n"
-         "His change is 50 - 39 = 11 dollars."),
+        (
+            "Noah buys 4 books that cost $9 each and one bookmark that costs $3. He pays with a $50 bill. "
+            "How much change does he get back?"
+        ),
+        (
+            "First find the cost of the books: 4 books at $9 each cost 4 * 9 = 36 dollars.\n"
+            "The bookmark adds $3, so the total price is 36 + 3 = 39 dollars.\n"
+            "His change is 50 - 39 = 11 dollars."
+        ),
         "11",
     ),
     (
-        ("A garden has 5 rows of tomato plants with 8 plants in each row. Each plant gives 3 "
-         "tomatoes. How many tomatoes does the garden give?"),
-        ("There are 5 * 8 = 40 plants.\n"
-         "They give 40 * 3 = 120 tomatoes."),
+        (
+            "A garden has 5 rows of tomato plants with 8 plants in each row. Every plant gives 3 ripe "
+            "tomatoes this week. How many ripe tomatoes does the garden give this week?"
+        ),
+        (
+            "The number of plants is the number of rows times the plants in each row.\n"
+            "There are 5 * 8 = 40 tomato plants in the garden.\n"
+            "So the garden gives 40 * 3 = 120 ripe tomatoes."
+        ),
         "120",
     ),
     (
-        ("Emma walks 2 kilometers to school and 2 kilometers back home every school day. How many "
-         "kilometers does she walk in 5 school days?"),
-        ("Each day she walks 2 + 2 = 4 kilometers.\n"
-         "In 5 days she walks 4 * 5 = 20 kilometers."),
+        (
+            "Emma walks 2 kilometers to school in the morning and 2 kilometers back home in the afternoon. "
+            "How many kilometers does she walk in 5 school days?"
+        ),
+        (
+            "On one school day Emma walks to school and back again.\n"
+            "That is 2 + 2 = 4 kilometers each day.\n"
+            "Over 5 school days she walks the same distance every day.\n"
+            "In total she walks 4 * 5 = 20 kilometers."
+        ),
         "20",
     ),
     (
-        ("A shop has 96 pencils. It puts them into packs of 12 and sells 5 packs. How many packs are"
-         " left?"),
-        ("The pencils make 96 / 12 = 8 packs.\n"
-         "After selling 5 packs, 8 - 5 = 3 packs are left."),
+        (
+            "A shop has 96 pencils. It puts them into packs of 12 pencils and sells 5 of the packs. "
+            "How many packs are left in the shop?"
+        ),
+        (
+            "To find the number of packs, divide the pencils by the pack size.\n"
+            "The pencils fill 96 / 12 = 8 packs.\n"
+            "The shop sells 5 of those packs.\n"
+            "So 8 - 5 = 3 packs are left in the shop."
+        ),
         "3",
     ),
     (
-        ("Liam is twice as old as his sister. His sister is 7 years old. How old will Liam be in 4 "
-         "years?"),
-        ("Liam is 2 * 7 = 14 years old.\n"
-         "In 4 years he will be 14 + 4 = 18 years old."),
+        ("Liam is twice as old as his sister. His sister is 7 years old. How old will Liam be in 4 years?"),
+        (
+            "Twice the sister's age gives Liam's age today.\n"
+            "Liam is 2 * 7 = 14 years old now.\n"
+            "In 4 years he will be 4 years older than he is today.\n"
+            "So he will be 14 + 4 = 18 years old."
+        ),
         "18",
     ),
     (
-        ("A baker makes 150 cookies. She sells 60 in the morning and half of the remaining cookies "
-         "in the afternoon. How many cookies are left?"),
-        ("After the morning there are 150 - 60 = 90 cookies.\n"
-         "She sells 90 / 2 = 45 in the afternoon, so 90 - 45 = 45 cookies are left."),
+        (
+            "A baker makes 150 cookies. She sells 60 cookies in the morning and half of the remaining "
+            "cookies in the afternoon. How many cookies are left at the end of the day?"
+        ),
+        (
+            "After the morning sales the baker has 150 - 60 = 90 cookies.\n"
+            "In the afternoon she sells half of those, which is 90 / 2 = 45 cookies.\n"
+            "The cookies left are the remaining ones minus the afternoon sales.\n"
+            "That leaves 90 - 45 = 45 cookies."
+        ),
         "45",
     ),
 )
