@@ -1,0 +1,268 @@
+"""Evaluate a model on held-out problems: batched generation, strict/soft accuracy, format rate, pass@k, maj@k.
+
+Problems are generated in chunks of `batch_size` prompts with `forge.core.rollout.generate`, the same batched
+decoder the trainer samples with, and each response is graded by `forge.eval.metrics.grade`, which uses the
+answer extraction and `answers_match` of the training rewards. Greedy decoding (the default) gives one
+deterministic answer per problem; with `num_samples > 1` and a temperature, each problem gets that many
+samples and pass@k / maj@k are reported (see `forge.eval.metrics` for the estimators).
+
+Evaluation does not disturb training: the model's train/eval mode and the global torch RNG state are
+restored afterwards, so calling `evaluate` in the middle of a run does not change the run's later samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forge.core.rollout import SamplingSettings, generate
+from forge.data.answers import answers_match
+from forge.data.dataset import load_rows
+from forge.eval.metrics import ANSWER_FORMATS, detect_answer_format, grade, majority_vote, pass_at_k
+
+EVAL_DATASETS = ("arithmetic", "gsm8k", "gsm-hard", "gsm8k-mock")
+"""Names `load_eval_rows` understands, besides JSONL paths and the built-in names of `load_rows`."""
+
+
+@dataclass
+class EvalResult:
+    """What `evaluate` measured: aggregate metrics, and one record per problem with every response."""
+
+    metrics: dict[str, float]
+    """strict_accuracy, soft_accuracy, format_rate, mean_completion_length (tokens), frac_truncated, n
+    (problems), num_samples, seconds; with num_samples > 1 also pass@k, maj@k, soft_pass@k, soft_maj@k."""
+    records: list[dict[str, Any]]
+    """Per problem: index, question, prompt, reference, answer_format, fields (other dataset columns), and per
+    sample: responses, answers (in the required format), soft_answers, statuses, strict, soft, format_ok,
+    completion_lengths, truncated; plus num_strict_correct and num_soft_correct."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The decoding settings used (max_new_tokens, num_samples, temperature, top_p, seed, ...)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line: "strict 41.7%  soft 55.0%  format 80.0%  (60 problems, greedy, 12.3 s)"."""
+        m = self.metrics
+        decoding = "greedy" if m["num_samples"] == 1 and self.settings.get("temperature", 0) == 0 else (
+            f"{m['num_samples']} samples at T={self.settings.get('temperature')}")
+        extra = "".join(f"  {key} {value:.1%}" for key, value in m.items() if key.startswith(("pass@", "maj@")))
+        return (f"strict {m['strict_accuracy']:.1%}  soft {m['soft_accuracy']:.1%}  format {m['format_rate']:.1%}"
+                f"{extra}  ({m['n']} problems, {decoding}, {m['seconds']:.1f} s)")
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluate a loaded model
+# --------------------------------------------------------------------------------------------------
+
+
+def evaluate(
+    model,
+    tokenizer,
+    rows: Any,
+    *,
+    max_new_tokens: int = 256,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    k_values: Sequence[int] = (1,),
+    batch_size: int = 16,
+    seed: int = 0,
+    max_prompt_length: int | None = None,
+    answer_format: str | None = None,
+) -> EvalResult:
+    """Generate for every row and grade the responses against ``row["reference"]``.
+
+    rows: anything `forge.data.dataset.load_rows` accepts (a list of ``{"prompt", "reference", ...}`` dicts,
+        a JSONL path, a built-in name). The prompt is a string or chat messages.
+    num_samples, temperature: one greedy response per problem when num_samples == 1 and temperature == 0;
+        otherwise num_samples samples at that temperature (several samples need temperature > 0).
+    k_values: the k of pass@k and maj@k, each <= num_samples (reported when num_samples > 1).
+    batch_size: prompts per generation call; the decode batch holds batch_size * num_samples sequences.
+    max_prompt_length: longer prompts are an error (None: no limit beyond the model's context).
+    answer_format: "tag" or "answer_line" for every row; None decides per row from its prompt
+        (`detect_answer_format`).
+    """
+    rows = load_rows(rows)
+    for index, row in enumerate(rows):
+        if row.get("reference") is None or not str(row["reference"]).strip():
+            raise ValueError(f"evaluation row {index} has no 'reference' answer; every row needs "
+                             "{'prompt': ..., 'reference': '42'}")
+    _check_decoding(num_samples, temperature, k_values, batch_size, answer_format)
+    greedy = temperature == 0
+    settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature if not greedy else 1.0,
+                                top_p=top_p, top_k=0, do_sample=not greedy)
+    formats = [answer_format or detect_answer_format(row["prompt"]) for row in rows]
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    started = time.perf_counter()
+    records = []
+    try:
+        # fork_rng restores the global CPU (and this GPU's) RNG state afterwards
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            torch.manual_seed(seed)
+            for start in range(0, len(rows), batch_size):
+                chunk = rows[start:start + batch_size]
+                rollout = generate(model, tokenizer, [row["prompt"] for row in chunk], num_samples, settings,
+                                   max_prompt_length=max_prompt_length or 10**9)
+                lengths, truncated = rollout.completion_lengths.tolist(), rollout.truncated.tolist()
+                for offset, row in enumerate(chunk):
+                    samples = slice(offset * num_samples, (offset + 1) * num_samples)  # this prompt's group
+                    records.append(_record(start + offset, row, formats[start + offset],
+                                           rollout.completions[samples], lengths[samples], truncated[samples]))
+    finally:
+        model.train(was_training)
+    seconds = time.perf_counter() - started
+
+    metrics = aggregate_metrics(records, num_samples, k_values)
+    metrics["seconds"] = seconds
+    decoding = {"max_new_tokens": max_new_tokens, "num_samples": num_samples, "temperature": temperature,
+                "top_p": top_p, "k_values": list(k_values), "batch_size": batch_size, "seed": seed,
+                "answer_format": answer_format, "max_prompt_length": max_prompt_length}
+    return EvalResult(metrics=metrics, records=records, settings=decoding)
+
+
+def _check_decoding(num_samples, temperature, k_values, batch_size, answer_format) -> None:
+    """Bad settings become clear errors before any generation."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if num_samples > 1 and temperature == 0:
+        raise ValueError(f"num_samples={num_samples} with temperature=0 gives {num_samples} identical greedy "
+                         "answers; set temperature > 0 (e.g. 0.7) to sample, or num_samples=1")
+    too_large = [k for k in k_values if not 1 <= k <= num_samples]
+    if too_large:
+        raise ValueError(f"pass@k needs 1 <= k <= num_samples={num_samples}; got k={too_large}. "
+                         f"Raise num_samples or drop those k")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if answer_format is not None and answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be one of {ANSWER_FORMATS} or None (decide from each prompt); "
+                         f"got {answer_format!r}")
+
+
+def question_text(row: dict) -> str:
+    """The problem as a person would read it: the row's "question", else the last user message, else the prompt."""
+    if row.get("question"):
+        return str(row["question"])
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    user_messages = [message["content"] for message in prompt if message.get("role") == "user"]
+    return user_messages[-1] if user_messages else prompt[-1]["content"]
+
+
+def _record(index: int, row: dict, answer_format: str, responses: list[str], lengths: list[int],
+            truncated: list[bool]) -> dict:
+    """Grade one problem's responses."""
+    grades = [grade(response, row["reference"], answer_format) for response in responses]
+    return {
+        "index": index,
+        "question": question_text(row),
+        "prompt": row["prompt"],
+        "reference": str(row["reference"]),
+        "answer_format": answer_format,
+        "fields": {key: value for key, value in row.items() if key not in ("prompt", "reference", "question")},
+        "responses": list(responses),
+        "answers": [g.answer for g in grades],
+        "soft_answers": [g.soft_answer for g in grades],
+        "statuses": [g.status for g in grades],
+        "strict": [g.strict_correct for g in grades],
+        "soft": [g.soft_correct for g in grades],
+        "format_ok": [g.format_ok for g in grades],
+        "completion_lengths": [int(n) for n in lengths],
+        "truncated": [bool(t) for t in truncated],
+        "num_strict_correct": sum(g.strict_correct for g in grades),
+        "num_soft_correct": sum(g.soft_correct for g in grades),
+    }
+
+
+def aggregate_metrics(records: Sequence[dict], num_samples: int, k_values: Sequence[int] = (1,)) -> dict:
+    """Averages over every sample of every problem; pass@k and maj@k averaged over problems.
+
+    maj@k takes the majority answer of the first k samples (samples are independent draws, so any k of them
+    are a fair choice) and checks it against the reference.
+    """
+    samples = [(s, f, strict, soft, length, cut) for r in records for s, f, strict, soft, length, cut in zip(
+        r["answers"], r["format_ok"], r["strict"], r["soft"], r["completion_lengths"], r["truncated"])]
+    count = max(1, len(samples))
+    metrics: dict[str, float] = {
+        "strict_accuracy": sum(s[2] for s in samples) / count,
+        "soft_accuracy": sum(s[3] for s in samples) / count,
+        "format_rate": sum(s[1] for s in samples) / count,
+        "mean_completion_length": sum(s[4] for s in samples) / count,
+        "frac_truncated": sum(s[5] for s in samples) / count,
+        "n": len(records),
+        "num_samples": num_samples,
+    }
+    if num_samples > 1 and records:
+        for k in k_values:
+            metrics[f"pass@{k}"] = _mean(pass_at_k(num_samples, r["num_strict_correct"], k) for r in records)
+            metrics[f"maj@{k}"] = _mean(answers_match(majority_vote(r["answers"][:k]), r["reference"])
+                                        for r in records)
+            metrics[f"soft_pass@{k}"] = _mean(pass_at_k(num_samples, r["num_soft_correct"], k) for r in records)
+            metrics[f"soft_maj@{k}"] = _mean(answers_match(majority_vote(r["soft_answers"][:k]), r["reference"])
+                                             for r in records)
+    return metrics
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# load a model and a data set by name, then evaluate
+# --------------------------------------------------------------------------------------------------
+
+
+def load_eval_rows(data: Any = "arithmetic", split: str = "test", n: int | None = None, chat: bool = True) -> list[dict]:
+    """Held-out rows by name: "arithmetic" (the fixed held-out arithmetic set, 60 problems unless n says
+    otherwise), "gsm8k" (the hub split), "gsm-hard" (its only split; the name's split is ignored),
+    "gsm8k-mock" (20 offline GSM8K-style problems); or a JSONL path, a list of rows, or any built-in name
+    of `load_rows`. ``n`` keeps the first n problems. ``chat`` picks chat-message prompts for "arithmetic"."""
+    from forge.data.arithmetic import arithmetic_heldout
+    from forge.data.gsm8k import load_gsm8k, load_gsm8k_mock, load_gsm_hard
+
+    if isinstance(data, (str, Path)) and str(data) in EVAL_DATASETS:
+        name = str(data)
+        if name == "arithmetic":
+            rows = arithmetic_heldout(n=60 if n is None else n, chat=chat)
+        elif name == "gsm8k":
+            rows = load_gsm8k(split=split, max_samples=n)
+        elif name == "gsm-hard":
+            rows = load_gsm_hard(split="train", max_samples=n)  # GSM-Hard ships one split, all held out
+        else:
+            rows = load_gsm8k_mock(n=20 if n is None else n)
+    else:
+        rows = load_rows(data)
+    return rows if n is None else rows[:n]
+
+
+def evaluate_model(
+    model_name_or_path: Any = "default",
+    adapter: str | Path | None = None,
+    data: Any = "arithmetic",
+    split: str = "test",
+    n: int | None = None,
+    **eval_kw: Any,
+) -> EvalResult:
+    """Load a model (hub id, local folder, .gguf, "default", or a loaded (model, tokenizer) pair) with an
+    optional LoRA adapter, load held-out rows by name (`load_eval_rows`), and `evaluate` it.
+    ``eval_kw`` go to `evaluate`."""
+    from forge.core.policy import load_for_eval
+
+    if isinstance(model_name_or_path, tuple):
+        model, tokenizer = load_for_eval(model_name_or_path[0], adapter, tokenizer=model_name_or_path[1])
+    else:
+        model, tokenizer = load_for_eval(model_name_or_path, adapter)
+    rows = load_eval_rows(data, split=split, n=n, chat=bool(getattr(tokenizer, "chat_template", None)))
+    return evaluate(model, tokenizer, rows, **eval_kw)
