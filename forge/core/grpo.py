@@ -242,19 +242,22 @@ class GRPOConfig:
 # Advantages
 
 
-def _group_scale(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    return rewards.view(-1, group_size).std(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
+# Each returns the divisor of the centred rewards, (N,); `eps` keeps a std of 0 from dividing by 0.
 
 
-def _batch_scale(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    return rewards.std().expand_as(rewards)
+def _group_scale(rewards: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    return rewards.view(-1, group_size).std(dim=1, keepdim=True).expand(-1, group_size).reshape(-1) + eps
 
 
-def _no_scale(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    return torch.ones_like(rewards)
+def _batch_scale(rewards: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    return rewards.std().expand_as(rewards) + eps
 
 
-ADVANTAGE_SCALES: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+def _no_scale(rewards: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    return torch.ones_like(rewards)  # no eps: the advantage is exactly r - mean
+
+
+ADVANTAGE_SCALES: dict[str, Callable[[torch.Tensor, int, float], torch.Tensor]] = {
     "group": _group_scale,  # DeepSeekMath: std of the group (Bessel-corrected)
     "batch": _batch_scale,  # std over the whole batch (more robust for small groups)
     "none": _no_scale,  # Dr. GRPO (Liu et al. 2025): no std division, removes the difficulty bias
@@ -266,7 +269,8 @@ def compute_group_advantages(
 ) -> torch.Tensor:
     """Group-relative advantages. rewards: (N,) laid out group by group, N = num_groups * group_size.
 
-    A_i = (r_i - mean(group)) / (std + eps). A group whose rewards are all equal gets exactly 0.
+    A_i = (r_i - mean(group)) / (std + eps), or r_i - mean(group) for scale='none'. A group whose rewards
+    are all equal gets exactly 0.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
@@ -274,7 +278,7 @@ def compute_group_advantages(
     rewards = rewards.float()
     grouped = rewards.view(-1, group_size)  # (num_groups, G)
     centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # (N,)
-    return centred / (ADVANTAGE_SCALES[scale](rewards, group_size) + eps)  # (N,)
+    return centred / ADVANTAGE_SCALES[scale](rewards, group_size, eps)  # (N,)
 
 
 def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -339,7 +343,9 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     Unbiased, low-variance estimator from http://joschu.net/blog/kl-approx.html (used by DeepSeekMath eq. 4).
     """
     delta = ref_logprobs - logprobs
-    return torch.exp(delta) - delta - 1
+    # expm1(d) - d == exp(d) - 1 - d, but without the cancellation that makes exp(d) - d - 1 lose the
+    # d**2 / 2 signal (and go slightly negative) in float32 when the policy is close to the reference.
+    return torch.expm1(delta) - delta
 
 
 # ----------------------------------------------------------------------------------------------------

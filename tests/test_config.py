@@ -1,0 +1,129 @@
+"""GRPOConfig: the original Forge defaults, validate() messages that name the field, from_dict/to_dict."""
+
+import dataclasses
+
+import pytest
+
+from forge.core.grpo import GRPOConfig
+
+ORIGINAL_DEFAULTS = {
+    "group_size": 8,
+    "clip_epsilon": 0.2,
+    "kl_beta": 0.01,
+    "temperature": 0.9,
+    "max_new_tokens": 512,
+    "learning_rate": 5e-6,
+    "gradient_accumulation_steps": 4,
+    "max_grad_norm": 1.0,
+    "num_train_epochs": 3,
+    "save_steps": 100,
+    "logging_steps": 10,
+    "output_dir": "forge_output",
+    "use_wandb": False,
+    "wandb_project": "forge",
+    "wandb_run_name": "grpo_run",
+    "seed": 42,
+}
+
+
+def test_original_fields_keep_their_defaults():
+    config = GRPOConfig()
+    for name, value in ORIGINAL_DEFAULTS.items():
+        assert getattr(config, name) == value, name
+        assert type(getattr(config, name)) is type(value), name
+    # they open the dataclass, in the original order
+    assert [f.name for f in dataclasses.fields(GRPOConfig)][:len(ORIGINAL_DEFAULTS)] == list(ORIGINAL_DEFAULTS)
+
+
+def test_defaults_validate_and_validate_returns_self():
+    config = GRPOConfig()
+    assert config.validate() is config
+
+
+def test_every_field_has_a_docstring():
+    import inspect
+    source = inspect.getsource(GRPOConfig)
+    for f in dataclasses.fields(GRPOConfig):
+        after = source.split(f"\n    {f.name}:", 1)[1].split("\n", 2)[1].strip()
+        assert after.startswith('"""'), f"{f.name} has no field docstring"
+
+
+def test_derived_values():
+    config = GRPOConfig(group_size=4, prompts_per_step=3, gradient_accumulation_steps=2)
+    assert config.completions_per_step == 12  # 3 prompts x 4 completions
+    assert config.prompts_per_optimizer_step == 6  # 3 prompts x 2 accumulated batches
+    assert config.epsilon_high == 0.2  # clip_epsilon_high None -> clip_epsilon
+    assert GRPOConfig(clip_epsilon_high=0.28).epsilon_high == 0.28
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"group_size": 1}, "group_size"),
+    ({"group_size": 0}, "group_size"),
+    ({"learning_rate": -1e-5}, "learning_rate"),
+    ({"learning_rate": 0.0}, "learning_rate"),
+    ({"loss_type": "ppo"}, "loss_type"),
+    ({"scale_rewards": "std"}, "scale_rewards"),
+    ({"importance_sampling_level": "seq"}, "importance_sampling_level"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"clip_epsilon": 0.0, "clip_epsilon_high": 0.2}, "clip_epsilon"),
+    ({"clip_epsilon_high": -0.1}, "clip_epsilon_high"),
+    ({"kl_beta": -0.1}, "kl_beta"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm"),
+    ({"num_train_epochs": 0}, "num_train_epochs"),
+    ({"logging_steps": 0}, "logging_steps"),
+    ({"prompts_per_step": 0}, "prompts_per_step"),
+    ({"micro_batch_size": -1}, "micro_batch_size"),
+    ({"num_iterations": 0}, "num_iterations"),
+    ({"reward_weights": [1.0, float("nan")]}, "reward_weights"),
+    ({"max_prompt_length": 0}, "max_prompt_length"),
+    ({"truncate_prompts": "right"}, "truncate_prompts"),
+    ({"lr_scheduler": "step"}, "lr_scheduler"),
+    ({"warmup_ratio": 1.0}, "warmup_ratio"),
+    ({"weight_decay": -0.1}, "weight_decay"),
+    ({"lora_r": 0}, "lora_r"),
+    ({"lora_dropout": 1.0}, "lora_dropout"),
+    ({"logprob_chunk_size": 0}, "logprob_chunk_size"),
+    ({"dtype": "fp8"}, "dtype"),
+    ({"eval_steps": -1}, "eval_steps"),
+    ({"save_total_limit": 0}, "save_total_limit"),
+    ({"on_reward_error": "ignore"}, "on_reward_error"),
+    ({"reward_timeout": 0.0}, "reward_timeout"),
+    ({"max_consecutive_nonfinite": 0}, "max_consecutive_nonfinite"),
+    ({"output_dir": ""}, "output_dir"),
+])
+def test_validate_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match="invalid GRPOConfig") as error:
+        GRPOConfig(**overrides).validate()
+    assert field in str(error.value)
+    assert str(error.value).count("\n  - ") == 1  # exactly one problem reported
+
+
+def test_validate_lists_the_choices_and_every_problem_at_once():
+    with pytest.raises(ValueError) as error:
+        GRPOConfig(group_size=1, loss_type="ppo", scale_rewards="std").validate()
+    message = str(error.value)
+    assert message.count("\n  - ") == 3
+    assert "group_size=1" in message
+    assert "['bnpo', 'dapo', 'dr_grpo', 'grpo']" in message  # the loss_type choices
+    assert "['batch', 'group', 'none']" in message  # the scale_rewards choices
+
+
+def test_max_steps_allows_zero_epochs():
+    GRPOConfig(num_train_epochs=0, max_steps=10).validate()
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match=r"unknown GRPOConfig fields \['grup_size', 'lr'\]"):
+        GRPOConfig.from_dict({"grup_size": 4, "lr": 1e-5, "seed": 1})
+
+
+def test_to_dict_from_dict_round_trip():
+    config = GRPOConfig(group_size=4, loss_type="dr_grpo", lora_target_modules=["q_proj"], reward_weights=[1.0, 0.5])
+    values = config.to_dict()
+    assert values["group_size"] == 4 and values["lora_target_modules"] == ["q_proj"]
+    assert GRPOConfig.from_dict(values) == config
