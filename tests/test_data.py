@@ -357,7 +357,7 @@ def test_chat_and_plain_prompts():
         {"role": "user", "content": "Q"},
     ]
     total_chars = sum(len(message["content"]) for message in messages)
-    assert 300 < total_chars < 700  # about 120 tokens
+    assert 250 < total_chars < 600  # about 120 tokens
     text = plain_prompt("What is 12 + 39?")
     assert text.startswith(SYSTEM_PROMPT) and text.endswith("Question: What is 12 + 39?\n")
 
@@ -369,11 +369,11 @@ def test_few_shot_replies_are_correct_and_well_formed():
     replies = [message["content"] for message in messages if message["role"] == "assistant"]
     questions = [message["content"] for message in messages[1:-1] if message["role"] == "user"]
     assert TagFormatReward()(questions, replies).scores == [1.0, 1.0]
-    assert MathCorrectnessReward(strict=True)(questions, replies, references=["83", "51"]).scores == [
+    assert MathCorrectnessReward(strict=True)(questions, replies, references=["83", "60"]).scores == [
         1.0,
         1.0,
     ]
-    assert calc("36 + 47") == 83 and calc("5 * 12 - 9") == 51
+    assert calc("36 + 47") == 83 and calc("5 * 12") == 60
 
 
 def test_arithmetic_rows():

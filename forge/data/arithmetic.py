@@ -1,9 +1,10 @@
 """A seeded generator of small arithmetic problems, with a fixed held-out set and chat prompts.
 
 The task exists so that a GRPO run on a small model (SmolLM2-135M-Instruct) shows a measurable
-change in minutes on a CPU: the numbers are sized so that such a model gets roughly 10-30% of the
-problems right before training, which leaves room both to improve and to get a learning signal
-(GRPO learns nothing from a group in which every sample scores the same).
+change in minutes on a CPU: the numbers are sized so that such a model gets some problems right
+before training (about 11% of the first 36 held-out problems, greedy, with `chat_prompt`; measured
+on the packaged Q4_1 GGUF), which leaves room both to improve and to get a learning signal (GRPO
+learns nothing from a group in which every sample scores the same).
 
 Six kinds of problem, generated round-robin so each is equally represented:
 
@@ -176,13 +177,15 @@ SYSTEM_PROMPT = (
 )
 
 _FEW_SHOT: tuple[tuple[str, str], ...] = (
-    ("What is 36 + 47?", "<think>36 + 40 = 76, 76 + 7 = 83</think>\n<answer>83</answer>"),
+    ("What is 36 + 47?", "<think>36 + 47 = 83</think>\n<answer>83</answer>"),
     (
-        "Sam has 5 bags of 12 marbles and gives 9 away. How many marbles are left?",
-        "<think>5 * 12 = 60, 60 - 9 = 51</think>\n<answer>51</answer>",
+        "Sam has 5 bags with 12 marbles in each bag. How many marbles does Sam have?",
+        "<think>5 * 12 = 60</think>\n<answer>60</answer>",
     ),
 )
-"""Two worked (question, reply) examples in the think/answer format."""
+"""Two worked (question, reply) examples in the think/answer format. Each shows one step: with a
+two-step example, SmolLM2-135M copied the second step onto every problem ("35 + 19 = 54, 54 - 19
+= 27") and scored about 2% on the held-out set; with these it scores about 11% (greedy)."""
 
 
 def chat_prompt(question: str, few_shot: bool = True) -> list[dict[str, str]]:
