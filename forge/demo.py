@@ -21,23 +21,23 @@ import torch
 class DemoSettings:
     model: str = "default"
     """Model to fine-tune: 'default' = the packaged SmolLM2-135M-Instruct (no network needed)."""
-    steps: int = 40
+    steps: int = 60
     """Optimizer steps of GRPO."""
-    prompts_per_step: int = 4
+    prompts_per_step: int = 2
     """Prompts per optimizer step."""
     group_size: int = 8
     """Completions per prompt."""
-    learning_rate: float = 2e-4
+    learning_rate: float = 1e-4
     """Peak learning rate of the LoRA adapters."""
     lora_r: int = 16
     """LoRA rank (q/k/v/o projections)."""
     max_new_tokens: int = 64
     """Tokens per completion, in training and evaluation."""
-    temperature: float = 1.0
+    temperature: float = 0.7
     """Sampling temperature during training (evaluation is greedy)."""
     format_weight: float = 0.1
     """Weight of the tag-format reward next to the correctness reward (weight 1)."""
-    screen_candidates: int = 128
+    screen_candidates: int = 64
     """Training prompts screened for mixed correctness before training (0 = no screening)."""
     screen_group_size: int = 4
     """Samples per candidate prompt while screening."""
@@ -119,7 +119,11 @@ def run_demo(settings: DemoSettings) -> dict:
                                   group_size=settings.screen_group_size, max_new_tokens=settings.max_new_tokens,
                                   temperature=settings.temperature, seed=settings.seed, heldout_rows=heldout)
         say(screened.summary())
-        train_rows = screened.kept or candidates
+        train_rows = list(screened.kept)
+        if len(train_rows) < settings.prompts_per_step:  # too few mixed prompts: top up with unscreened ones
+            kept_questions = {str(r["prompt"]) for r in train_rows}
+            train_rows += [r for r in candidates if str(r["prompt"]) not in kept_questions][
+                : settings.prompts_per_step - len(train_rows)]
         (out / "screening.json").write_text(json.dumps(screened.report(), indent=2))
 
     config = GRPOConfig(
