@@ -433,3 +433,40 @@ def test_lora_shared_and_unshared_agree(tiny_model, tiny_tokenizer):
     # and a micro-batch of part of a group
     assert_same(logprobs_and_grads(model, batch, share=True, rows=[2, 4]),
                 logprobs_and_grads(model, batch, share=False, rows=[2, 4]))
+
+
+def test_shared_template_prefix_is_computed_once_and_changes_nothing(tiny_model, tiny_tokenizer):
+    """Prompts built from one long template: the common prefix is laid out first and computed once;
+    greedy ids and log-probs (values and gradients) equal the one-prompt-at-a-time computation."""
+    from forge.core.rollout import MIN_SHARED_PREFIX, tokenize_prompts
+
+    template = "You are a math reasoning assistant. Solve the problem step by step. Problem: "
+    prompts = [template + "What is 12 + 7?", template + "Tom has 5 apples and buys 3 more?"]
+    ids, mask = tokenize_prompts(tiny_tokenizer, prompts, 10_000)
+    shared = int((ids == ids[:1]).all(0).long().cumprod(0).sum())
+    assert shared >= MIN_SHARED_PREFIX
+    assert mask[:, :shared].all()  # padding sits after the prefix, before each prompt's own tokens
+
+    tiny_model.eval()
+    settings = SamplingSettings(max_new_tokens=6, do_sample=False)
+    batched = generate(tiny_model, tiny_tokenizer, prompts, 2, settings)
+    for i, prompt in enumerate(prompts):
+        alone = generate(tiny_model, tiny_tokenizer, [prompt], 2, settings)
+        assert torch.equal(batched.completion_ids[2 * i:2 * i + 2], alone.completion_ids)
+
+    def logprobs_and_grad(rollout, share):
+        tiny_model.zero_grad()
+        values = completion_logprobs(tiny_model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                     rollout.prompt_index, share_prompt_prefix=share)
+        (values * rollout.completion_mask).sum().backward()
+        return values.detach(), [p.grad.clone() for p in tiny_model.parameters()]
+
+    shared_values, shared_grads = logprobs_and_grad(batched, True)
+    plain_values, plain_grads = logprobs_and_grad(batched, False)
+    assert torch.allclose(shared_values, plain_values, atol=1e-5)
+    for a, b in zip(shared_grads, plain_grads):
+        assert torch.allclose(a, b, atol=1e-5)
+    for i, prompt in enumerate(prompts):  # and equal to each prompt laid out on its own
+        alone = generate(tiny_model, tiny_tokenizer, [prompt], 2, settings)
+        alone_values, _ = logprobs_and_grad(alone, False)
+        assert torch.allclose(shared_values[2 * i:2 * i + 2], alone_values, atol=1e-5)

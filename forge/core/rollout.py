@@ -95,14 +95,31 @@ def tokenize_prompts(
                     f"(starts {texts[i][:60]!r}); shorten it, raise max_prompt_length (the model's context "
                     f"must hold prompt + max_new_tokens), or set truncate_prompts='left'")
             encoded[i] = ids[-max_prompt_length:]
-    length = max(len(ids) for ids in encoded)
-    pad_id = tokenizer.pad_token_id
-    prompt_ids = torch.full((len(encoded), length), pad_id, dtype=torch.long)
+    # Layout: [shared prefix][left padding][own suffix]. Prompts built from one template (system prompt,
+    # worked examples) share most of their tokens; the prefix columns are then computed once (_prefill).
+    shared = _common_prefix_length(encoded)
+    length = shared + max(len(ids) - shared for ids in encoded)
+    prompt_ids = torch.full((len(encoded), length), tokenizer.pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((len(encoded), length), dtype=torch.long)
+    prompt_ids[:, :shared] = torch.tensor(encoded[0][:shared], dtype=torch.long)
+    prompt_mask[:, :shared] = 1
     for i, ids in enumerate(encoded):
-        prompt_ids[i, length - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        prompt_mask[i, length - len(ids):] = 1
+        suffix = ids[shared:]
+        prompt_ids[i, length - len(suffix):] = torch.tensor(suffix, dtype=torch.long)
+        prompt_mask[i, length - len(suffix):] = 1
     return prompt_ids, prompt_mask
+
+
+def _common_prefix_length(encoded: list[list[int]]) -> int:
+    """Tokens every prompt starts with, keeping at least one own token per prompt (0 for a single prompt)."""
+    if len(encoded) < 2:
+        return 0
+    limit = min(len(ids) for ids in encoded) - 1
+    first = encoded[0]
+    for n in range(limit):
+        if any(ids[n] != first[n] for ids in encoded[1:]):
+            return n
+    return max(limit, 0)
 
 
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> torch.Tensor:
@@ -151,6 +168,30 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
+MIN_SHARED_PREFIX = 8  # below this many tokens, a separate prefix pass costs more than it saves
+
+
+def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
+    """Run prompts (n, L) through the model; return (cache, logits of the last position (n, V)).
+
+    Leading columns that are the same real token in every row (a shared template) are computed once and
+    their cache expanded to all rows; gradients, when enabled, flow back through the expansion.
+    """
+    same = (ids == ids[:1]).all(dim=0) & mask.bool().all(dim=0)  # (L,)
+    shared = int(same.long().cumprod(0).sum()) if ids.shape[0] > 1 else 0
+    shared = min(shared, ids.shape[1] - 1)
+    if shared < MIN_SHARED_PREFIX:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
+                    logits_to_keep=1)
+        return _returned_cache(out), out.logits[:, -1]
+    prefix = model(input_ids=ids[:1, :shared], attention_mask=mask[:1, :shared], use_cache=True, logits_to_keep=1)
+    cache = _returned_cache(prefix)
+    cache.batch_repeat_interleave(ids.shape[0])
+    out = model(input_ids=ids[:, shared:], attention_mask=mask, position_ids=_positions(mask)[:, shared:],
+                use_cache=True, logits_to_keep=1, **{_CACHE_ARG: cache})
+    return _returned_cache(out), out.logits[:, -1]
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -171,9 +212,7 @@ def generate(
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
     if not share_prompt_prefix:
         ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
-                logits_to_keep=1)
-    cache, next_logits = _returned_cache(out), out.logits[:, -1]  # (P or N, V)
+    cache, next_logits = _prefill(model, ids, mask)  # (P or N, V)
     if share_prompt_prefix:
         cache.batch_repeat_interleave(group_size)
         next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
@@ -236,11 +275,9 @@ def completion_logprobs(
     # Drop columns that are padding in every used prompt.
     first = int((mask.sum(dim=0) > 0).nonzero()[0])
     ids, mask = ids[:, first:], mask[:, first:]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
-                logits_to_keep=1)
-    cache = _returned_cache(out)
+    cache, last_logits = _prefill(model, ids, mask)  # (u, V)
     cache.batch_select_indices(expand)  # (n, ...) each completion sees its prompt's keys and values
-    first_logits = out.logits[:, -1][expand]  # (n, V) predicts the first completion token
+    first_logits = last_logits[expand]  # (n, V) predicts the first completion token
 
     full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids)], dim=1)  # (n, Lp + T)
     positions = mask[expand].sum(dim=1, keepdim=True) + torch.arange(completion_ids.shape[1], device=device)
