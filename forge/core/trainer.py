@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -120,6 +121,7 @@ class GRPOTrainer:
             raise ValueError("GRPOTrainer needs the model's tokenizer")
         self.tokenizer = policy.prepare_tokenizer(tokenizer)
         if config.use_lora or policy.is_peft_model(model):
+            seed_everything(config.seed)  # the adapters' random init is part of the seeded run
             model = policy.apply_lora(model, r=config.lora_r, alpha=config.lora_alpha,
                                       dropout=config.lora_dropout, target_modules=config.lora_target_modules)
         self.model = model
@@ -157,6 +159,7 @@ class GRPOTrainer:
         config = self.config
         rows = load_rows(dataset)
         validate_rows(rows)
+        self.rows_per_step = self._rows_per_step(len(rows))
         eval_rows = None
         if eval_dataset is not None:
             eval_rows = load_rows(eval_dataset)
@@ -167,7 +170,7 @@ class GRPOTrainer:
         self._check_output_dir(Path(config.output_dir))
         self._check_prompt_lengths(rows)
 
-        steps_per_epoch = max(1, len(rows) // config.prompts_per_optimizer_step)
+        steps_per_epoch = len(rows) // self.rows_per_step * config.num_iterations  # optimizer steps
         total_steps = config.max_steps if config.max_steps > 0 else steps_per_epoch * config.num_train_epochs
         self.total_steps = total_steps
         self.scheduler = _make_scheduler(self.optimizer, config, total_steps)
@@ -203,9 +206,24 @@ class GRPOTrainer:
         self.logger.close()
         return {"global_step": self.global_step}
 
+    def _rows_per_step(self, num_rows: int) -> int:
+        """Rows one optimizer step uses: prompts_per_step x gradient_accumulation_steps, or every whole rollout
+        batch of a dataset smaller than that (with a warning), so a small dataset still trains."""
+        config = self.config
+        wanted = config.prompts_per_optimizer_step
+        if num_rows >= wanted:
+            return wanted
+        usable = num_rows - num_rows % config.prompts_per_step
+        if usable == 0:
+            raise ValueError(f"the dataset has {num_rows} rows, fewer than prompts_per_step={config.prompts_per_step}"
+                             f"; add rows or lower prompts_per_step")
+        warnings.warn(f"the dataset has {num_rows} rows but one optimizer step asks for prompts_per_step x "
+                      f"gradient_accumulation_steps = {wanted}; each step uses {usable} rows instead", stacklevel=3)
+        return usable
+
     def _iterate(self, rows: list[dict], epoch: int, position: int) -> Iterator[tuple[list[dict], int, int]]:
         """Yield (rows of one optimizer step, epoch, position after it); a seeded shuffle per epoch."""
-        per_step = self.config.prompts_per_optimizer_step
+        per_step = self.rows_per_step
         while True:
             order = list(range(len(rows)))
             if self.config.shuffle:
@@ -222,12 +240,12 @@ class GRPOTrainer:
         config, step = self.config, self.global_step
         bar.update(step - bar.n)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
-        if step % config.logging_steps == 0 or step == self.total_steps:
+        if _reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps:
             self.logger.log(metrics, step=step, epoch=round(metrics["epoch"], 4))
             self.logger.log_samples(metrics.pop("_samples"), step=step)
-        if eval_rows is not None and config.eval_steps and step % config.eval_steps == 0:
+        if eval_rows is not None and _reached(step, config.eval_steps, config.num_iterations):
             self._evaluate(eval_rows, epoch)
-        if config.save_steps and step % config.save_steps == 0 and self.dist.is_main:
+        if _reached(step, config.save_steps, config.num_iterations) and self.dist.is_main:
             self._save(Path(config.output_dir) / str(step), epoch, position)
         if self._stop_signal is not None:
             path = Path(config.output_dir) / str(step)
@@ -378,6 +396,7 @@ class GRPOTrainer:
         self.dist.all_reduce_grads(self.trainable)
         for key in ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean"):
             totals[key] /= max(weight_sum, 1.0)
+        totals["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         totals["grad_norm"] = self._clip_and_step()
         return totals
 
@@ -422,7 +441,7 @@ class GRPOTrainer:
             "clip_frac_high": update_stats["clip_frac_high"],
             "ratio_mean": update_stats["ratio_mean"],
             "grad_norm": update_stats["grad_norm"],
-            "learning_rate": self.scheduler.get_last_lr()[0],
+            "learning_rate": update_stats["learning_rate"],
             "group_reward_std_mean": float(group_std.mean()),
             "frac_zero_std_groups": float((group_std == 0).float().mean()),
             "completion_length/mean": float(lengths.mean()),
@@ -558,6 +577,12 @@ class GRPOTrainer:
                 probe.unlink()
             except OSError as error:
                 raise ValueError(f"output_dir={str(output_dir)!r} is not writable ({error}); choose another") from None
+
+
+def _reached(step: int, every: int, stride: int) -> bool:
+    """Whether the last `stride` optimizer steps (the updates of one rollout) reached or passed a multiple of
+    `every` (0 = never); with stride 1 this is step % every == 0."""
+    return every > 0 and step // every > (step - stride) // every
 
 
 def threading_is_not_main() -> bool:
