@@ -45,12 +45,15 @@ ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 # Numbered checkpoints are `{output_dir}/{step}`; `checkpoint-{step}` is accepted when reading.
 _STEP_DIR_PATTERN = re.compile(r"^(?:checkpoint-)?(\d+)$")
 
-# Config keys that must match for a resumed run to continue the same training problem.
+# Config keys that must match for a resumed run to continue the same training problem. The batching
+# keys and seed/shuffle also fix which dataset rows the saved (epoch, position) points at.
 COMPATIBILITY_KEYS = (
     "model_name",
     "group_size",
     "prompts_per_step",
     "gradient_accumulation_steps",
+    "seed",
+    "shuffle",
     "use_lora",
     "lora_r",
     "lora_alpha",
@@ -182,10 +185,13 @@ def save_checkpoint(
     scheduler: Any | None = None,
     trainer_state: dict[str, Any],
     config: dict[str, Any],
+    rng_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a complete checkpoint to `path` atomically; an existing checkpoint there is replaced.
 
     `model` may be a full HuggingFace model or a peft `PeftModel` (which saves only its adapter).
+    `rng_state` (from `capture_rng_state`) defaults to the generators' state now; pass an earlier
+    capture when the checkpoint describes an earlier moment (a step that finished before a failure).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,7 +208,7 @@ def save_checkpoint(
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp_path / SCHEDULER_NAME)
         _write_json(tmp_path / TRAINER_STATE_NAME, trainer_state)
-        torch.save(capture_rng_state(), tmp_path / RNG_STATE_NAME)
+        torch.save(rng_state if rng_state is not None else capture_rng_state(), tmp_path / RNG_STATE_NAME)
         _write_json(tmp_path / CONFIG_NAME, config)
         _write_complete_marker(tmp_path)
     except BaseException:

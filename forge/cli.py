@@ -66,7 +66,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("GRPOConfig fields (defaults in brackets)")
     for f in dataclasses.fields(GRPOConfig):
         group.add_argument(f"--{f.name}", type=_field_parser(f.name), default=None, metavar=f.name.upper(),
-                           help=f"{docs.get(f.name, '')} [{f.default}]")
+                           help=f"{docs.get(f.name, '')} [{f.default}]".replace("%", "%%"))  # argparse %-formats help
 
 
 def build_config(args: argparse.Namespace, overrides: dict | None = None) -> GRPOConfig:
@@ -130,7 +130,7 @@ def _is_number(text: str) -> bool:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _relaunch(args.nproc)
-    from forge.core.trainer import GRPOTrainer
+    from forge.core.trainer import GRPOTrainer, TrainingInterrupted
     from forge.data.dataset import load_rows
 
     overrides = {"resume_from": "latest"} if args.resume else {}
@@ -143,7 +143,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.max_samples:
         dataset = dataset[: args.max_samples]
     eval_rows = load_rows(args.eval_dataset) if args.eval_dataset else None
-    trainer.train(dataset, eval_dataset=eval_rows)
+    try:
+        trainer.train(dataset, eval_dataset=eval_rows)
+    except TrainingInterrupted as interrupted:  # SIGINT/SIGTERM: a checkpoint was saved; say how to go on
+        print(f"forge: {interrupted}", file=sys.stderr)
+        return 130
     print(f"done: {trainer.global_step} optimizer steps; checkpoints and logs in {config.output_dir}")
     return 0
 

@@ -3,14 +3,24 @@
 A reward is user code, so it is treated as untrusted in one sense: whatever it does wrong (raises, hangs,
 returns NaN, a wrong count or a non-number) is caught here and reported with the reward's name and the
 sample, never turned silently into a zero. `on_error="score"` gives failing samples a fixed score
-instead and counts them, so a long run can go on past one odd completion.
+instead and counts them, so a long run can go on past one odd completion:
+
+    the reward ...     on_error='raise'                         on_error='score'
+    raises             RewardError: reward, step, row, text     reward_error_value, counted in `errors`
+    hangs              RewardError after reward_timeout         reward_error_value, counted in `timeouts`
+    returns NaN / inf  RewardError                              masked from the loss, counted in `nonfinite`
+    returns a wrong count or a non-number: always a RewardError (a bug in the reward, not one sample)
+
+A timed-out call keeps running in a daemon thread (Python cannot kill a thread); for code that may
+never return, run it in a subprocess with `forge.sandbox.run_python`, which is killed on its timeout.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -30,6 +40,7 @@ class Scores:
     valid: torch.Tensor  # (N,) bool, False where a reward returned NaN/inf (masked from the loss)
     errors: int = 0  # samples scored reward_error_value because a reward raised
     timeouts: int = 0  # reward calls that ran past the timeout
+    nonfinite: int = 0  # samples masked from the loss because a reward returned NaN/inf
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -54,33 +65,52 @@ def build_reward_list(
     return named
 
 
+class RewardTimeout(Exception):
+    """A reward call ran past reward_timeout."""
+
+
 def _call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
-    """Run fn, waiting at most `timeout` seconds; works from any thread (no signals)."""
+    """Run fn, waiting at most `timeout` seconds; works from any thread (no signals).
+
+    The call runs in a daemon thread, so a reward that never returns cannot keep the process alive at
+    exit; it does keep running (and using a CPU) in the background until it returns."""
     if timeout is None:
         return fn()
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
-        return pool.submit(fn).result(timeout=timeout)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread below
+            outcome["error"] = error
+
+    worker = threading.Thread(target=target, name="forge-reward", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise RewardTimeout(f"no result after {timeout}s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
-def _as_scores(output: Any, name: str, expected: int) -> tuple[list[float], dict]:
+def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[list[float], dict]:
     """Check a reward's return value: RewardOutput or a list of numbers, one per completion."""
     scores = getattr(output, "scores", output)
     metadata = getattr(output, "metadata", None) or {}
     if isinstance(scores, torch.Tensor):
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)):
-        raise RewardError(f"reward '{name}' returned {type(output).__name__}; it must return a RewardOutput "
+        raise RewardError(f"reward '{name}' returned {type(output).__name__}{where}; it must return a RewardOutput "
                           f"or a list of {expected} floats")
     if len(scores) != expected:
-        raise RewardError(f"reward '{name}' returned {len(scores)} scores for {expected} completions; "
+        raise RewardError(f"reward '{name}' returned {len(scores)} scores for {expected} completions{where}; "
                           f"return exactly one score per completion")
     values = []
     for i, value in enumerate(scores):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RewardError(f"reward '{name}' returned {value!r} (a {type(value).__name__}) for completion {i}; "
+            raise RewardError(f"reward '{name}' returned {value!r} (a {type(value).__name__}) for completion {i}"
+                              f"{where}; "
                               f"scores must be int or float")
         values.append(float(value))
     return values, metadata
@@ -116,25 +146,26 @@ def score_completions(
                                              [completions[i] for i in indices], picked)
 
         try:
-            values, meta = _as_scores(_call_with_timeout(call, timeout), name, n)
-        except concurrent.futures.TimeoutError:
+            values, meta = _as_scores(_call_with_timeout(call, timeout), name, n, where)
+        except RewardTimeout:
             if on_error != "score":
                 raise RewardError(f"reward '{name}' took longer than reward_timeout={timeout}s{where}; raise "
-                                  f"the timeout, make the reward faster, or set on_reward_error='score'") from None
+                                  f"the timeout, make the reward faster, or set on_reward_error='score' (such "
+                                  f"calls then score reward_error_value, counted in rewards/timeouts)") from None
             timeouts += 1
             values, meta = [error_value] * n, {}
         except RewardError:
             raise
-        except Exception as batch_error:  # noqa: BLE001 - user code; we re-raise or isolate below
+        except Exception as batch_error:  # user code: re-raised with the sample named, or isolated below
             if on_error != "score":
-                culprit = _first_failing_sample(call, n)
+                culprit = _first_failing_sample(call, n, timeout)
                 raise RewardError(_describe_failure(name, batch_error, prompts, completions, culprit, where,
                                                      row_index)) from batch_error
             values, meta = [], {}
             for i in range(n):  # find the failing samples, keep the rest
                 try:
                     values.append(_as_scores(_call_with_timeout(lambda i=i: call([i]), timeout), name, 1)[0][0])
-                except Exception:  # noqa: BLE001 - counted, never silent
+                except Exception:  # noqa: BLE001 - counted in rewards/errors, never silent
                     values.append(error_value)
                     errors += 1
         component = torch.tensor(values, dtype=torch.float32)
@@ -147,19 +178,20 @@ def score_completions(
                                   f"({completions[bad][:200]!r}); return finite numbers, or set "
                                   f"on_reward_error='score' to mask such samples from the loss")
             valid &= finite
-            component = torch.where(finite, component, torch.zeros_like(component))
+            component = torch.where(finite, component, torch.zeros_like(component))  # masked anyway
         components[name] = component
         total += weight * component
         if meta:
             metadata[name] = meta
-    return Scores(total, components, valid, errors, timeouts, metadata)
+    nonfinite = int((~valid).sum())
+    return Scores(total, components, valid, errors, timeouts, nonfinite, metadata)
 
 
-def _first_failing_sample(call: Callable, n: int) -> int:
+def _first_failing_sample(call: Callable, n: int, timeout: float | None = None) -> int:
     """Index of the first completion the reward fails on when scored alone (0 if none fails alone)."""
     for i in range(n):
         try:
-            call([i])
+            _call_with_timeout(lambda i=i: call([i]), timeout)
         except Exception:  # noqa: BLE001 - we are only locating the failure
             return i
     return 0

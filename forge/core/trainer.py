@@ -8,20 +8,28 @@ One optimizer step is a recipe:
 This is the only module that knows about processes: with several (accelerate / torchrun) each rank
 generates and scores whole groups of its share of the prompts, gradients are all-reduced, and rank 0
 writes logs and checkpoints.
+
+A run is never lost: a checkpoint holds weights, optimizer, schedule, step, (epoch, position) in the
+seeded per-epoch shuffle and every RNG state, taken right where the next step starts, so a resumed run
+repeats the uninterrupted one bit for bit. SIGINT/SIGTERM finish the step, save and raise
+TrainingInterrupted; a failing reward leaves the last finished step saved; a NaN/inf loss or gradient
+skips the optimizer step.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
+import json
 import math
 import os
 import random
 import signal
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,6 +56,16 @@ class Batch:
 
 class TrainingInterrupted(RuntimeError):
     """SIGINT/SIGTERM arrived; a checkpoint was written and the message says how to resume."""
+
+
+@dataclass
+class FinishedStep:
+    """Where the last finished optimizer step left the run: what a checkpoint of it must hold."""
+
+    step: int
+    epoch: int
+    position: int  # rows of this epoch's shuffled order already used
+    rng_state: dict  # every generator, as the next step will find it
 
 
 class _Distributed:
@@ -145,7 +163,12 @@ class GRPOTrainer:
         self.global_step = 0
         self.logger: ForgeLogger | None = None
         self._stop_signal: int | None = None
+        self._committing = False  # between optimizer.step() and the end of _after_step: a 2nd signal waits
+        self._last_finished: FinishedStep | None = None
+        self._saved: tuple[int, Path] | None = None  # (step, path) of the newest checkpoint of this run
+        self._dataset_identity: dict = {}
         self._nonfinite_in_a_row = 0
+        self._skipped_steps = 0
         self._warned_zero_std = False
         self.max_prompt_length = self._prompt_budget()
 
@@ -160,6 +183,9 @@ class GRPOTrainer:
         rows = load_rows(dataset)
         validate_rows(rows)
         self.rows_per_step = self._rows_per_step(len(rows))
+        self._dataset_identity = _dataset_identity(rows)
+        for index, row in enumerate(rows):
+            row["_row"] = index  # named in reward error messages; never passed to the rewards
         eval_rows = None
         if eval_dataset is not None:
             eval_rows = load_rows(eval_dataset)
@@ -180,22 +206,36 @@ class GRPOTrainer:
             epoch, position = self._resume(config.resume_from)
         self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
                                   wandb_run_name=config.wandb_run_name, use_tensorboard=config.use_tensorboard,
-                                  config=config.to_dict(), enabled=self.dist.is_main)
+                                  config=self._run_config(), enabled=self.dist.is_main)
         if config.resume_from:
-            self.logger.truncate_after(self.global_step)
+            self.logger.truncate_after(self.global_step)  # rows past the checkpoint come again, once
         if eval_rows is not None and config.eval_before_training and self.global_step == 0:
             self._evaluate(eval_rows, epoch)
 
+        self._last_finished = FinishedStep(self.global_step, epoch, position, ckpt.capture_rng_state())
+        self._stop_signal, self._committing = None, False
         previous_handlers = self._install_signal_handlers()
         bar = tqdm(total=total_steps, initial=self.global_step, desc="forge", disable=not self.dist.is_main,
                    dynamic_ncols=True)
         try:
-            for batch_rows, epoch, position in self._iterate(rows, epoch, position):
+            for batch_rows, epoch, position in self._iterate(rows, epoch, position):  # noqa: B020 - resumes them
                 if self.global_step >= total_steps:
                     break
                 metrics = self.step(batch_rows)
                 metrics["epoch"] = epoch + position / max(1, len(rows))
                 self._after_step(metrics, epoch, position, eval_rows, bar)
+        except RewardError as error:  # raised while scoring: the weights are still those of the last step
+            error.args = (f"{error.args[0]}\n{self._where_to_resume()}",)
+            self.logger.close()
+            raise
+        except KeyboardInterrupt:
+            self.logger.close()
+            if self._stop_signal is None:
+                raise
+            raise TrainingInterrupted(self._interrupted_message(abandoned=True)) from None
+        except BaseException:
+            self.logger.close()
+            raise
         finally:
             bar.close()
             self._restore_signal_handlers(previous_handlers)
@@ -237,6 +277,9 @@ class GRPOTrainer:
                 return
 
     def _after_step(self, metrics: dict, epoch: int, position: int, eval_rows, bar) -> None:
+        """Log, evaluate and save after an optimizer step; then stop if a signal asked for it."""
+        from forge import checkpoint as ckpt
+
         config, step = self.config, self.global_step
         bar.update(step - bar.n)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
@@ -247,13 +290,11 @@ class GRPOTrainer:
             self._evaluate(eval_rows, epoch)
         if _reached(step, config.save_steps, config.num_iterations) and self.dist.is_main:
             self._save(Path(config.output_dir) / str(step), epoch, position)
+        # Nothing draws random numbers from here to the next step's sampling: this is the state it will use.
+        self._last_finished = FinishedStep(step, epoch, position, ckpt.capture_rng_state())
+        self._committing = False
         if self._stop_signal is not None:
-            path = Path(config.output_dir) / str(step)
-            if self.dist.is_main and not path.exists():
-                self._save(path, epoch, position)
-            raise TrainingInterrupted(
-                f"stopped by signal {self._stop_signal} after step {step}; checkpoint {path}. Resume with "
-                f"`forge train ... --resume_from {path}` (or resume_from='latest')")
+            raise TrainingInterrupted(self._interrupted_message(abandoned=False))
 
     # ------------------------------------------------------------------------------------------------
     # one optimizer step
@@ -274,7 +315,8 @@ class GRPOTrainer:
         """Generate, score and compute advantages for every rollout of this optimizer step."""
         config = self.config
         batch = Batch([], [], [], [], [], [])
-        stats = {"scores": [], "components": {}, "errors": 0, "timeouts": 0, "gen_seconds": 0.0, "samples": []}
+        stats = {"scores": [], "components": {}, "errors": 0, "timeouts": 0, "nonfinite": 0, "gen_seconds": 0.0,
+                 "samples": []}
         share = config.prompts_per_step // self.dist.world_size
         for start in range(0, len(rows), config.prompts_per_step):
             chunk = rows[start:start + config.prompts_per_step]
@@ -300,6 +342,7 @@ class GRPOTrainer:
                 stats["components"].setdefault(name, []).append(values)
             stats["errors"] += scores.errors
             stats["timeouts"] += scores.timeouts
+            stats["nonfinite"] += scores.nonfinite
             stats["samples"].extend(self._samples(mine, rollout, scores.total))
         batch.old_logprobs = [self._old_logprobs(r) for r in batch.rollouts]
         batch.ref_logprobs = [self._reference_logprobs(r) for r in batch.rollouts]
@@ -397,25 +440,33 @@ class GRPOTrainer:
         for key in ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean"):
             totals[key] /= max(weight_sum, 1.0)
         totals["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
-        totals["grad_norm"] = self._clip_and_step()
+        totals["grad_norm"] = self._clip_and_step(loss_is_finite=math.isfinite(totals["loss"]))
         return totals
 
-    def _clip_and_step(self) -> float:
-        """Clip, then step the optimizer unless the loss or gradient went non-finite."""
+    def _clip_and_step(self, loss_is_finite: bool = True) -> float:
+        """Clip, then step the optimizer unless the loss or gradient went non-finite (then skip, and count)."""
         config = self.config
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         grads = [p for p in self.trainable if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
-        if not math.isfinite(grad_norm):
+        ranks_with_bad_loss = self.dist.sum([0.0 if loss_is_finite else 1.0])[0]  # every rank skips, or none
+        if not math.isfinite(grad_norm) or ranks_with_bad_loss > 0:
             self._nonfinite_in_a_row += 1
+            self._skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
+            what = "loss" if ranks_with_bad_loss > 0 else "gradient"
             if self._nonfinite_in_a_row >= config.max_consecutive_nonfinite:
                 raise FloatingPointError(
-                    f"{self._nonfinite_in_a_row} optimizer steps in a row had a non-finite gradient (last at step "
-                    f"{self.global_step + 1}); lower learning_rate, check the rewards for huge values, or use "
-                    f"fp32 (dtype='float32'). The last checkpoint is intact.")
+                    f"{self._nonfinite_in_a_row} optimizer steps in a row had a non-finite {what} (last at step "
+                    f"{self.global_step + 1}); the weights were not updated by any of them. Lower learning_rate, "
+                    f"check the rewards for huge values, or use fp32 (dtype='float32'). Checkpoints already "
+                    f"written in {config.output_dir} are intact: resume from the newest with --resume.")
+            if self.dist.is_main:
+                tqdm.write(f"forge: step {self.global_step + 1}: non-finite {what}; optimizer step skipped "
+                           f"({self._nonfinite_in_a_row} in a row, abort at {config.max_consecutive_nonfinite})")
         else:
             self._nonfinite_in_a_row = 0
+            self._committing = True  # the weights now move to the next step: a second signal must wait
             self.optimizer.step()
         self.scheduler.step()
         self.global_step += 1
@@ -453,6 +504,8 @@ class GRPOTrainer:
             "generation_share": rollout_stats["gen_seconds"] / max(elapsed, 1e-9),
             "rewards/errors": rollout_stats["errors"],
             "rewards/timeouts": rollout_stats["timeouts"],
+            "rewards/nonfinite": rollout_stats["nonfinite"],
+            "skipped_steps": self._skipped_steps,
             "param_delta_norm": self._param_delta_norm(),
         }
         for name, parts in rollout_stats["components"].items():
@@ -460,8 +513,6 @@ class GRPOTrainer:
         metrics["_samples"] = rollout_stats["samples"][: config.log_completions]
         if metrics["frac_zero_std_groups"] > 0.75 and not self._warned_zero_std:
             self._warned_zero_std = True
-            import warnings
-
             warnings.warn(
                 f"{metrics['frac_zero_std_groups']:.0%} of groups have identical rewards, so they carry no "
                 "learning signal. Likely causes: the task is too hard or too easy for the model (screen the "
@@ -495,16 +546,59 @@ class GRPOTrainer:
                           max_prompt_length=self.max_prompt_length)
         self.logger.log({f"eval/{k}": v for k, v in result.metrics.items()}, step=self.global_step, epoch=epoch)
 
-    def _save(self, path: Path, epoch: int, position: int) -> None:
+    def _run_config(self) -> dict:
+        """The config as saved with checkpoints and compared on resume: GRPOConfig plus the model's name."""
+        return {**self.config.to_dict(), "model_name": getattr(self.model.config, "_name_or_path", "") or ""}
+
+    def _save(self, path: Path, epoch: int, position: int, rng_state: dict | None = None) -> None:
         from forge import checkpoint as ckpt
 
         state = {"global_step": self.global_step, "epoch": epoch, "position": position,
-                 "nonfinite_in_a_row": self._nonfinite_in_a_row,
-                 "model_name": getattr(self.model.config, "_name_or_path", ""), "is_lora": self.is_lora}
+                 "nonfinite_in_a_row": self._nonfinite_in_a_row, "skipped_steps": self._skipped_steps,
+                 "model_name": self._run_config()["model_name"], "is_lora": self.is_lora, **self._dataset_identity}
         ckpt.save_checkpoint(path, model=self.model, tokenizer=self.tokenizer, optimizer=self.optimizer,
-                             scheduler=self.scheduler, trainer_state=state, config=self.config.to_dict())
+                             scheduler=self.scheduler, trainer_state=state, config=self._run_config(),
+                             rng_state=rng_state)
         if path.name != "final":
+            self._saved = (self.global_step, path)
             ckpt.prune_checkpoints(path.parent, self.config.save_total_limit)
+
+    def _checkpoint_of_last_step(self) -> Path | None:
+        """A checkpoint of the last finished step, written now if this run has none; None before step 1.
+
+        Only called when no optimizer step is under way, so the weights, optimizer and schedule are still
+        those of that step; its RNG state was captured when it finished."""
+        last = self._last_finished
+        if last is None or last.step == 0 or self.global_step != last.step or self._committing:
+            return None
+        if self._saved is not None and self._saved[0] == last.step:
+            return self._saved[1]
+        path = Path(self.config.output_dir) / str(last.step)
+        if self.dist.is_main:
+            self._save(path, last.epoch, last.position, rng_state=last.rng_state)
+        return path
+
+    @staticmethod
+    def _resume_hint(path: Path) -> str:
+        return (f"Resume with the same command plus --resume (`forge train ... --resume`), or in Python with "
+                f"GRPOConfig(..., resume_from={str(path)!r}).")
+
+    def _where_to_resume(self) -> str:
+        """Save the last finished step if needed; say where it is and how to resume."""
+        path = self._checkpoint_of_last_step()
+        if path is not None:
+            return f"The last finished step ({self._last_finished.step}) is saved in {path}. {self._resume_hint(path)}"
+        if self._saved is not None:
+            return f"The newest checkpoint is {self._saved[1]}. {self._resume_hint(self._saved[1])}"
+        return "No optimizer step had finished, so there is no checkpoint: start the run again."
+
+    def _interrupted_message(self, abandoned: bool) -> str:
+        name = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal"
+        if abandoned:
+            head = f"stopped by a second {name}; step {self.global_step + 1} was abandoned."
+        else:
+            head = f"stopped by {name} after step {self.global_step} of {self.total_steps}."
+        return f"{head} {self._where_to_resume()}"
 
     def _resume(self, where: str) -> tuple[int, int]:
         from forge import checkpoint as ckpt
@@ -513,25 +607,40 @@ class GRPOTrainer:
         if path is None:
             raise FileNotFoundError(f"resume_from='latest' but {self.config.output_dir} holds no complete checkpoint")
         state = ckpt.load_checkpoint(path)
-        ckpt.check_compatible(state.config, self.config.to_dict())
+        ckpt.check_compatible(state.config, self._run_config(), checkpoint_path=path)
+        self._check_same_dataset(state.trainer_state, path)
         ckpt.load_model_weights(self.model, path)
         self.optimizer.load_state_dict(state.optimizer_state)
         self.scheduler.load_state_dict(state.scheduler_state)
         ckpt.restore_rng_state(state.rng_state)
         self.global_step = int(state.trainer_state["global_step"])
         self._nonfinite_in_a_row = int(state.trainer_state.get("nonfinite_in_a_row", 0))
+        self._skipped_steps = int(state.trainer_state.get("skipped_steps", 0))
+        self._saved = (self.global_step, path)
         return int(state.trainer_state["epoch"]), int(state.trainer_state["position"])
+
+    def _check_same_dataset(self, saved_state: dict, path: Path) -> None:
+        """The saved (epoch, position) only means something on the same rows: refuse another size, warn on edits."""
+        saved_size, size = saved_state.get("dataset_size"), self._dataset_identity.get("dataset_size")
+        if saved_size is not None and saved_size != size:
+            raise ValueError(
+                f"cannot resume from checkpoint {path}: it was trained on a dataset of {saved_size} rows, this run "
+                f"has {size}. Resuming would skip or repeat rows; pass the same dataset (and --max_samples), or "
+                f"start a fresh run in a new output_dir.")
+        if saved_state.get("dataset_fingerprint") not in (None, self._dataset_identity.get("dataset_fingerprint")):
+            warnings.warn(f"the dataset's contents changed since checkpoint {path} was saved (same number of rows); "
+                          f"resuming at its position anyway", stacklevel=3)
 
     def _install_signal_handlers(self) -> dict:
         if not hasattr(signal, "SIGTERM") or threading_is_not_main():
             return {}
 
         def request_stop(signum, frame):
-            if self._stop_signal is not None:  # second signal: stop now
-                raise KeyboardInterrupt
+            if self._stop_signal is not None and not self._committing:
+                raise KeyboardInterrupt  # second signal: abandon the step under way (weights untouched)
             self._stop_signal = signum
-            tqdm.write(f"forge: signal {signum} received; finishing this step, then saving a checkpoint "
-                       f"(send it again to stop at once)")
+            tqdm.write(f"forge: {signal.Signals(signum).name} received; finishing step {self.global_step + 1}, "
+                       f"then saving a checkpoint (send it again to abandon the step and stop sooner)")
 
         return {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
 
@@ -579,6 +688,14 @@ class GRPOTrainer:
                 raise ValueError(f"output_dir={str(output_dir)!r} is not writable ({error}); choose another") from None
 
 
+def _dataset_identity(rows: list[dict]) -> dict:
+    """Size and content hash of the training rows, saved with checkpoints to catch a resume on other data."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode())
+    return {"dataset_size": len(rows), "dataset_fingerprint": digest.hexdigest()[:16]}
+
+
 def _reached(step: int, every: int, stride: int) -> bool:
     """Whether the last `stride` optimizer steps (the updates of one rollout) reached or passed a multiple of
     `every` (0 = never); with stride 1 this is step % every == 0."""
@@ -607,4 +724,4 @@ def _make_scheduler(optimizer, config: GRPOConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-__all__ = ["GRPOTrainer", "TrainingInterrupted", "RewardError", "seed_everything"]
+__all__ = ["GRPOTrainer", "RewardError", "TrainingInterrupted", "seed_everything"]

@@ -3,6 +3,8 @@
 A row is a mapping with a ``prompt`` (a string, or chat messages ``[{"role", "content"}, ...]``)
 and any other columns, typically ``reference``. Every column besides ``prompt`` is passed to the
 rewards as a keyword argument (`reward_kwargs`), ``reference`` under the name ``references``.
+Columns whose name starts with ``_`` are Forge's own bookkeeping (``_row``: the row's index in the
+dataset, named in error messages) and are not passed on.
 
 `validate_rows` turns every malformed dataset into a ValueError that names the row and says what
 was expected, before any model is loaded.
@@ -207,13 +209,13 @@ def validate_rows(rows: Sequence[Any]) -> None:
 
 
 def reward_kwargs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
-    """Every column except ``prompt`` as a list over rows, keyed by its reward keyword name:
-    ``reference`` -> ``references``, other columns under their own names."""
+    """Every column except ``prompt`` and ``_private`` ones as a list over rows, keyed by its reward
+    keyword name: ``reference`` -> ``references``, other columns under their own names."""
     if not rows:
         return {}
     kwargs: dict[str, list] = {}
     for column in rows[0]:
-        if column == "prompt":
+        if column == "prompt" or column.startswith("_"):
             continue
         key = "references" if column == "reference" else column
         kwargs[key] = [row[column] for row in rows]
