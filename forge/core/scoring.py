@@ -101,7 +101,8 @@ def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[
     if isinstance(scores, torch.Tensor):
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)):
-        raise RewardError(f"reward '{name}' returned {type(output).__name__}{where}; it must return a RewardOutput "
+        raise RewardError(f"reward '{name}' returned {scores!r:.80} (a {type(scores).__name__}){where}; it must "
+                          f"return a RewardOutput "
                           f"or a list of {expected} floats")
     if len(scores) != expected:
         raise RewardError(f"reward '{name}' returned {len(scores)} scores for {expected} completions{where}; "

@@ -468,7 +468,9 @@ class GRPOTrainer:
             self._nonfinite_in_a_row = 0
             self._committing = True  # the weights now move to the next step: a second signal must wait
             self.optimizer.step()
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped first step makes torch warn that the order looks wrong
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()
         self.global_step += 1
         return grad_norm
 
