@@ -77,21 +77,24 @@ def build_config(args: argparse.Namespace, overrides: dict | None = None) -> GRP
         loaded = yaml.safe_load(Path(args.config).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{args.config} must hold a mapping of GRPOConfig fields")
-        values.update(loaded.get("grpo", loaded))
+        # fields at the top level, or under `grpo:` next to top-level model / dataset / reward / eval_dataset
+        nested = loaded.get("grpo")
+        values.update(loaded if nested is None else
+                      {**{k: v for k, v in loaded.items() if k in _RUN_SETTINGS}, **nested})
     values.update(overrides or {})
     for f in dataclasses.fields(GRPOConfig):
         value = getattr(args, f.name, None)
         if value is not None:
             values[f.name] = value
     allowed = {f.name for f in dataclasses.fields(GRPOConfig)}
-    yaml_only = {k: values.pop(k) for k in list(values) if k not in allowed and k in ("model", "dataset", "reward",
-                                                                                       "eval_dataset")}
+    yaml_only = {k: values.pop(k) for k in list(values) if k not in allowed and k in _RUN_SETTINGS}
     for key, value in yaml_only.items():  # run settings may also live in the YAML file
         if getattr(args, key, None) in (None, DEFAULTS.get(key)):
             setattr(args, key, value)
     return GRPOConfig.from_dict(values).validate()
 
 
+_RUN_SETTINGS = ("model", "dataset", "reward", "eval_dataset")  # `forge train` options a YAML file may set
 DEFAULTS = {"model": "default", "dataset": "arithmetic", "reward": "math_correctness:1.0,tag_format:0.1"}
 
 
