@@ -358,6 +358,11 @@ def _complete_numbered_checkpoints(output_dir: str | os.PathLike) -> list[tuple[
     return sorted(found)
 
 
+def numbered_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every complete numbered checkpoint in `output_dir`, oldest first."""
+    return _complete_numbered_checkpoints(output_dir)
+
+
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """The complete numbered checkpoint with the highest step, or None."""
     checkpoints = _complete_numbered_checkpoints(output_dir)

@@ -10,7 +10,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -359,6 +358,16 @@ def test_save_total_limit_keeps_the_newest_and_latest_skips_incomplete(tmp_path)
     assert [row["step"] for row in read_log(run)] == [1, 2, 3, 4]  # step 4 logged once, not twice
 
 
+def test_resuming_before_later_checkpoints_warns_and_replaces_them(tmp_path):
+    trainer_for(tmp_path, max_steps=3, save_steps=1).train(ROWS * 2)
+    stale = (tmp_path / "run" / "3" / "model.safetensors").stat().st_mtime_ns
+    resumed = trainer_for(tmp_path, max_steps=3, save_steps=1, resume_from=str(tmp_path / "run" / "1"))
+    with pytest.warns(UserWarning, match=r"resuming from step 1 while .* holds later checkpoints"):
+        resumed.train(ROWS * 2)
+    assert (tmp_path / "run" / "3" / "model.safetensors").stat().st_mtime_ns != stale
+    assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2, 3]
+
+
 def test_checkpoint_holds_the_model_name_and_dataset_identity(tmp_path):
     model, tokenizer = build_tiny_model()
     model.config._name_or_path = "my-org/tiny"
@@ -441,12 +450,29 @@ def test_sandbox_reports_exit_status_and_reads_stdin():
     assert (result.stdout, result.returncode, result.ok) == ("cba\n", 3, False)
 
 
-def test_sandbox_kills_an_infinite_loop_and_its_children():
+def test_sandbox_kills_an_infinite_loop_and_its_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    program = (f"import subprocess\nchild = subprocess.Popen(['sleep', '300'])\n"
+               f"open({str(pid_file)!r}, 'w').write(str(child.pid))\nwhile True:\n    pass")
     started = time.perf_counter()
-    result = run_python("import subprocess\nsubprocess.Popen(['sleep', '300'])\nwhile True:\n    pass", timeout=1)
+    result = run_python(program, timeout=1)
     assert result.timed_out and result.returncode == -signal.SIGKILL and not result.ok
     assert time.perf_counter() - started < 30
-    assert "sleep 300" not in subprocess.run(["ps", "-eo", "args"], check=True, capture_output=True, text=True).stdout
+    assert not _running(int(pid_file.read_text()))  # the grandchild went with it
+
+
+def _running(pid: int, wait: float = 5.0) -> bool:
+    """Whether `pid` is still a live (not zombie) process after up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        if state in ("Z", "X"):
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_sandbox_stops_a_memory_hog():

@@ -619,6 +619,11 @@ class GRPOTrainer:
         self._nonfinite_in_a_row = int(state.trainer_state.get("nonfinite_in_a_row", 0))
         self._skipped_steps = int(state.trainer_state.get("skipped_steps", 0))
         self._saved = (self.global_step, path)
+        newer = [str(p) for step, p in ckpt.numbered_checkpoints(self.config.output_dir) if step > self.global_step]
+        if newer:
+            warnings.warn(f"resuming from step {self.global_step} while {self.config.output_dir} holds later "
+                          f"checkpoints {newer} of the earlier run; this run replaces each as it reaches its step, "
+                          f"until then resume_from='latest' would pick them", stacklevel=3)
         return int(state.trainer_state["epoch"]), int(state.trainer_state["position"])
 
     def _check_same_dataset(self, saved_state: dict, path: Path) -> None:
