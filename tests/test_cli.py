@@ -69,7 +69,7 @@ def workspace(tmp_path_factory):
     model, tokenizer = build_tiny_model(seed=0)
     model.save_pretrained(root / "tiny")
     tokenizer.save_pretrained(root / "tiny")
-    (root / "my_rewards.py").write_text(REWARD_MODULE)
+    (root / "cli_rewards.py").write_text(REWARD_MODULE)
     (root / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
     # group_size and logging_steps are overridden by flags; the other fields come from here
     (root / "run.yaml").write_text(yaml.safe_dump({"group_size": 4, "logging_steps": 5, "lr_scheduler": "constant",
@@ -96,7 +96,7 @@ def commands(workspace):
 
 def common_flags(workspace: Path) -> list:
     return ["--model", workspace / "tiny", "--dataset", workspace / "data.jsonl", "--reward",
-            "my_rewards:vowel_count", "--group_size", "2", "--max_new_tokens", "8", "--logging_steps", "1"]
+            "cli_rewards:vowel_count", "--group_size", "2", "--max_new_tokens", "8", "--logging_steps", "1"]
 
 
 def forge_main(*argv) -> int:
@@ -181,7 +181,7 @@ def test_plot_writes_a_png(workspace, commands, capsys):
 def test_export_merges_a_lora_run_into_a_plain_model(workspace, monkeypatch):
     from peft import PeftModel
 
-    monkeypatch.syspath_prepend(str(workspace))  # for --reward my_rewards:vowel_count
+    monkeypatch.syspath_prepend(str(workspace))  # for --reward cli_rewards:vowel_count
     assert forge_main("train", *common_flags(workspace), "--use_lora", "true", "--lora_r", "4", "--lora_alpha", "8",
                       "--learning_rate", "0.05", "--kl_beta", "0", "--max_steps", "1", "--save_steps", "0",
                       "--output_dir", workspace / "lora_out") == 0
