@@ -21,24 +21,27 @@ import torch
 class DemoSettings:
     model: str = "default"
     """Model to fine-tune: 'default' = the packaged SmolLM2-135M-Instruct (no network needed)."""
-    steps: int = 60
+    steps: int = 40
     """Optimizer steps of GRPO."""
-    prompts_per_step: int = 2
+    prompts_per_step: int = 4
     """Prompts per optimizer step."""
     group_size: int = 8
     """Completions per prompt."""
     learning_rate: float = 1e-4
     """Peak learning rate of the LoRA adapters."""
     lora_r: int = 16
-    """LoRA rank (q/k/v/o projections)."""
+    """LoRA rank."""
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated modules that get LoRA adapters (attention and MLP projections)."""
     max_new_tokens: int = 64
     """Tokens per completion, in training and evaluation."""
     temperature: float = 0.7
     """Sampling temperature during training (evaluation is greedy)."""
     format_weight: float = 0.1
     """Weight of the tag-format reward next to the correctness reward (weight 1)."""
-    screen_candidates: int = 64
-    """Training prompts screened for mixed correctness before training (0 = no screening)."""
+    screen_candidates: int = 0
+    """Training prompts screened for mixed correctness before training (0 = train on fresh prompts; groups
+    whose completions all score the same are left out of the backward pass instead)."""
     screen_group_size: int = 4
     """Samples per candidate prompt while screening."""
     heldout: int = 60
@@ -63,7 +66,7 @@ class DemoSettings:
         return settings
 
 
-QUICK = {"steps": 3, "heldout": 20, "screen_candidates": 16, "prompts_per_step": 2, "max_new_tokens": 48}
+QUICK = {"steps": 3, "heldout": 20, "prompts_per_step": 2, "max_new_tokens": 48}
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +135,8 @@ def run_demo(settings: DemoSettings) -> dict:
         kl_beta=0.0, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens, use_lora=True,
         lora_r=settings.lora_r, lora_alpha=2 * settings.lora_r, logging_steps=1, save_steps=0,
         reward_weights=[1.0, settings.format_weight], output_dir=str(out), seed=settings.seed,
-        loss_type="dr_grpo", scale_rewards="group",
+        loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
+        drop_zero_std_groups=True, micro_batch_size=settings.group_size,
     )
     say(f"training: {settings.steps} steps x {settings.prompts_per_step} prompts x {settings.group_size} "
         f"completions, LoRA r={settings.lora_r}, lr {settings.learning_rate}")
