@@ -21,9 +21,9 @@ import torch
 class DemoSettings:
     model: str = "default"
     """Model to fine-tune: 'default' = the packaged SmolLM2-135M-Instruct (no network needed)."""
-    steps: int = 40
+    steps: int = 30
     """Optimizer steps of GRPO."""
-    prompts_per_step: int = 4
+    prompts_per_step: int = 2
     """Prompts per optimizer step."""
     group_size: int = 8
     """Completions per prompt."""
