@@ -132,7 +132,7 @@ def _is_number(text: str) -> bool:
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return _relaunch(args.nproc)
+        return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:])
     from forge.core.trainer import GRPOTrainer, TrainingInterrupted
     from forge.data.dataset import load_rows
 
@@ -149,20 +149,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer.train(dataset, eval_dataset=eval_rows)
     except TrainingInterrupted as interrupted:  # SIGINT/SIGTERM: a checkpoint was saved; say how to go on
-        print(f"forge: {interrupted}", file=sys.stderr)
+        if trainer.dist.is_main:
+            print(f"forge: {interrupted}", file=sys.stderr)
         return 130
-    print(f"done: {trainer.global_step} optimizer steps; checkpoints and logs in {config.output_dir}")
+    if trainer.dist.is_main:
+        print(f"done: {trainer.global_step} optimizer steps; checkpoints and logs in {config.output_dir}")
     return 0
 
 
-def _relaunch(nproc: int) -> int:
-    """forge train --nproc N: run the same command under torch.distributed's launcher (gloo on CPU)."""
+def _relaunch(nproc: int, argv: list[str]) -> int:
+    """forge train --nproc N: run the same command in N processes under torch.distributed's launcher.
+
+    Each process sees WORLD_SIZE=N and trains instead of relaunching. Ctrl-C reaches every process from the
+    terminal; a SIGTERM sent to this one is passed on to the launcher, which passes it to the processes.
+    They finish the step and rank 0 saves a checkpoint, so the launcher is given a longer grace period than
+    its default 30 s before it kills them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, in seconds, sets it).
+    """
+    import signal
     import subprocess
 
-    argv = [a for a in sys.argv[1:]]
+    # The processes do not need --nproc, and the launcher would take it for an abbreviation of its own option.
+    argv = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
+            and not (i > 0 and argv[i - 1] == "--nproc")]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "forge", *argv]
-    return subprocess.call(command)
+    env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600", "OMP_NUM_THREADS": "1", **os.environ}
+    launcher = subprocess.Popen(command, env=env)
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),  # the terminal already sent it
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signum))}
+    try:
+        return launcher.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -243,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated name[:weight] (exact_match, math_correctness, tag_format, number, "
                             "length) or module:function[:weight]")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
-    train.add_argument("--nproc", type=int, default=None, help="processes for data-parallel training (gloo on CPU)")
+    train.add_argument("--nproc", type=int, default=None, help="train data-parallel in N processes on this machine "
+                       "(one per GPU, or gloo on CPU); the same as torchrun / accelerate launch")
     add_config_arguments(train)
     train.set_defaults(func=cmd_train)
 
@@ -292,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # what `forge train --nproc N` runs N times
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, ImportError) as error:

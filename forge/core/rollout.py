@@ -145,8 +145,14 @@ def eos_ids(tokenizer, model=None) -> list[int]:
 # Sampling
 
 
-def sample_next_token(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
-    """logits: (n, V) -> (n,) next token ids, greedy or with temperature / top-k / top-p."""
+def sample_next_token(
+    logits: torch.Tensor, settings: SamplingSettings, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
+    """logits: (n, V) -> (n,) next token ids, greedy or with temperature / top-k / top-p.
+
+    uniforms: (n,) draws in [0, 1), one per row, to sample by inverse CDF instead of torch's global
+    generator: a row's token then depends only on its own logits and its own draw, not on the other rows.
+    """
     if not settings.do_sample:
         return logits.argmax(dim=-1)
     logits = logits.float() / settings.temperature  # (n, V)
@@ -160,7 +166,13 @@ def sample_next_token(logits: torch.Tensor, settings: SamplingSettings) -> torch
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1).squeeze(1)
+    if uniforms is None:
+        return torch.multinomial(probs, 1).squeeze(1)
+    cdf = probs.double().cumsum(dim=-1)  # (n, V)
+    target = uniforms.to(cdf)[:, None] * cdf[:, -1:]  # (n, 1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (n,) first token whose cdf exceeds it
+    last_possible = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)  # (n,) guards a draw rounded up to 1
+    return torch.minimum(tokens, last_possible)
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -202,8 +214,13 @@ def generate(
     max_prompt_length: int = 10**9,
     truncate_prompts: str = "error",
     share_prompt_prefix: bool = True,
+    noise: torch.Tensor | None = None,
 ) -> Rollout:
-    """Sample `group_size` completions for every prompt in one batched decode."""
+    """Sample `group_size` completions for every prompt in one batched decode.
+
+    noise: optional (P * group_size, max_new_tokens) uniforms in [0, 1); completion i's token t is drawn with
+    noise[i, t] (see sample_next_token). None samples from torch's global generator.
+    """
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts)
     stop_ids = torch.tensor(eos_ids(tokenizer, model), device=device)
@@ -221,8 +238,10 @@ def generate(
     completion_ids = torch.full((num_rows, settings.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
     active = torch.arange(num_rows, device=device)  # rows still decoding
     next_position = mask.sum(dim=1)  # (N,)
+    if noise is not None:
+        noise = noise.to(device)  # (N, max_new_tokens)
     for step in range(settings.max_new_tokens):
-        tokens = sample_next_token(next_logits, settings)  # (n,)
+        tokens = sample_next_token(next_logits, settings, None if noise is None else noise[active, step])  # (n,)
         completion_ids[active.cpu(), step] = tokens.cpu()
         running = ~torch.isin(tokens, stop_ids)  # (n,)
         if step == settings.max_new_tokens - 1 or not running.any():

@@ -5,9 +5,10 @@ One optimizer step is a recipe:
             -> reference (and, for several updates per rollout, pi_old) log-probs
             -> clipped-ratio loss + k3 KL, backward over micro-batches -> clip, AdamW, schedule -> log
 
-This is the only module that knows about processes: with several (accelerate / torchrun) each rank
-generates and scores whole groups of its share of the prompts, gradients are all-reduced, and rank 0
-writes logs and checkpoints.
+This is the only module that knows about processes: with several (accelerate / torchrun / forge train
+--nproc) each rank generates and scores whole groups of its share of the prompts, gradients are all-reduced,
+and rank 0 writes logs and checkpoints. The sampling noise is drawn per step for the whole batch and split
+like the prompts, so 1 and N processes give the same completions and the same update, up to fp32 rounding.
 
 A run is never lost: a checkpoint holds weights, optimizer, schedule, step, (epoch, position) in the
 seeded per-epoch shuffle and every RNG state, taken right where the next step starts, so a resumed run
@@ -68,42 +69,118 @@ class FinishedStep:
     rng_state: dict  # every generator, as the next step will find it
 
 
+# Launch settings of accelerate for engines that shard the model; Forge's own data parallelism replicates it.
+_SHARDED_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+                    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
+_GRAD_BUCKET_ELEMENTS = 2**24  # gradients are all-reduced in flat buckets of at most this many elements
+
+
 class _Distributed:
-    """Process information and collectives; a single process needs none of torch.distributed."""
+    """Process information and collectives; a single process needs none of torch.distributed.
+
+    Data parallelism as DDP does it: every rank holds the whole model, works on its own share of the prompts,
+    and gradients are summed across ranks before the optimizer step, so the weights stay identical. The
+    process group is set up from the launcher's environment (torchrun, `accelerate launch`, `forge train
+    --nproc`): gloo on CPU, NCCL for CUDA tensors plus gloo for CPU ones on GPUs.
+    """
 
     def __init__(self) -> None:
+        for variable, engine in _SHARDED_ENGINES.items():
+            if os.environ.get(variable, "false").lower() in ("1", "true", "yes"):
+                raise ValueError(
+                    f"accelerate launched Forge with {engine} ({variable}={os.environ[variable]}), which Forge does "
+                    f"not support: Forge trains data-parallel with the whole model on every rank (it samples "
+                    f"completions with the full weights and all-reduces gradients itself), so {engine}'s sharded "
+                    f"parameters and optimizer would not be used. Launch with a DDP config "
+                    f"(examples/accelerate/ddp_gpu.yaml or ddp_cpu.yaml) or `forge train --nproc N`; to fit a "
+                    f"bigger model per GPU use use_lora=True, gradient_checkpointing=True, dtype='bfloat16'.")
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
-        if self.world_size > 1 and not torch.distributed.is_initialized():
-            from accelerate import PartialState  # sets up torch.distributed from the launcher's env
-
-            PartialState()
         self.is_main = self.rank == 0
-
-    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        self.device = None  # the rank's GPU when there are several processes and GPUs
         if self.world_size == 1:
             return
-        grads = [p.grad for p in params if p.grad is not None]
-        flat = torch.cat([g.flatten() for g in grads])
-        torch.distributed.all_reduce(flat)
-        offset = 0
+        if torch.cuda.is_available():
+            local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+            if local_rank >= gpus:
+                raise ValueError(f"process {local_rank} of this machine has no GPU of its own ({gpus} visible): start "
+                                 f"at most {gpus} processes per machine, or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+                                 f"to train on CPU")
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)  # "cuda" now means this rank's GPU, also in policy.load_model
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+
+    def broadcast_from_main(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite these tensors on every rank with rank 0's values."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for tensor in tensors:
+                torch.distributed.broadcast(tensor.data, src=0)
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum every parameter's gradient over the ranks (each rank's loss is its share of the global loss).
+
+        A parameter that has a gradient on some rank gets zeros where it has none, so every rank reduces the
+        same tensors; one without a gradient anywhere keeps grad None, as in a single process."""
+        if self.world_size == 1:
+            return
+        has_grad = self.sum([float(p.grad is not None) for p in params])  # (params,) ranks with a gradient
+        grads = []
+        for p, ranks in zip(params, has_grad):
+            if ranks and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if ranks:
+                grads.append(p.grad)
+        buckets, size = [[]], 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+            if buckets[-1] and size + g.numel() > _GRAD_BUCKET_ELEMENTS:
+                buckets, size = [*buckets, []], 0
+            buckets[-1].append(g)
+            size += g.numel()
+        for bucket in buckets:
+            if not bucket:
+                continue
+            flat = torch.cat([g.flatten() for g in bucket])  # (bucket elements,)
+            torch.distributed.all_reduce(flat)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def sum(self, values: list[float]) -> list[float]:
         if self.world_size == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # on the GPU for an NCCL-only group
         torch.distributed.all_reduce(t)
         return t.tolist()
 
+    def max(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t)
+
+    def any(self, flag: bool) -> bool:
+        return self.sum([float(flag)])[0] > 0
+
     def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's tensor in rank order (rank r holds the prompts after ranks 0..r-1)."""
         if self.world_size == 1:
             return values
         out = [None] * self.world_size
         torch.distributed.all_gather_object(out, values.cpu())
         return torch.cat(out)
+
+    def gather_objects(self, value: Any) -> list:
+        """Every rank's picklable value, in rank order."""
+        if self.world_size == 1:
+            return [value]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, value)
+        return out
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -142,6 +219,10 @@ class GRPOTrainer:
             seed_everything(config.seed)  # the adapters' random init is part of the seeded run
             model = policy.apply_lora(model, r=config.lora_r, alpha=config.lora_alpha,
                                       dropout=config.lora_dropout, target_modules=config.lora_target_modules)
+        if self.dist.device is not None:
+            model = model.to(self.dist.device)  # several processes on GPUs: one GPU per rank
+        # Every rank must start from the same weights: the seeded LoRA init already is, rank 0's copy makes sure.
+        self.dist.broadcast_from_main([p for p in model.parameters() if p.requires_grad])
         self.model = model
         self.is_lora = policy.is_peft_model(model)
         if config.gradient_checkpointing:
@@ -160,6 +241,7 @@ class GRPOTrainer:
                                            weight_decay=config.weight_decay)
         self.scheduler = None  # built in train(), once the number of steps is known
         self.initial_params = [p.detach().to("cpu", copy=True) for p in self.trainable]
+        self._sampling_rng = torch.Generator().manual_seed(_sampling_seed(config.seed, 0))  # reseeded each step
         self.global_step = 0
         self.logger: ForgeLogger | None = None
         self._stop_signal: int | None = None
@@ -226,6 +308,7 @@ class GRPOTrainer:
                 self._after_step(metrics, epoch, position, eval_rows, bar)
         except RewardError as error:  # raised while scoring: the weights are still those of the last step
             error.args = (f"{error.args[0]}\n{self._where_to_resume()}",)
+            self.dist.barrier()  # raised on every rank at once: none exits before rank 0 has saved
             self.logger.close()
             raise
         except KeyboardInterrupt:
@@ -241,6 +324,7 @@ class GRPOTrainer:
             self._restore_signal_handlers(previous_handlers)
         if self.dist.is_main:
             self._save(Path(config.output_dir) / "final", epoch, position)
+        self.dist.barrier()
         if eval_rows is not None:
             self._evaluate(eval_rows, epoch)
         self.logger.close()
@@ -288,13 +372,17 @@ class GRPOTrainer:
             self.logger.log_samples(metrics.pop("_samples"), step=step)
         if eval_rows is not None and _reached(step, config.eval_steps, config.num_iterations):
             self._evaluate(eval_rows, epoch)
-        if _reached(step, config.save_steps, config.num_iterations) and self.dist.is_main:
-            self._save(Path(config.output_dir) / str(step), epoch, position)
+        if _reached(step, config.save_steps, config.num_iterations):
+            if self.dist.is_main:
+                self._save(Path(config.output_dir) / str(step), epoch, position)
+            self.dist.barrier()  # the other ranks wait until rank 0's checkpoint is complete
         # Nothing draws random numbers from here to the next step's sampling: this is the state it will use.
         self._last_finished = FinishedStep(step, epoch, position, ckpt.capture_rng_state())
         self._committing = False
-        if self._stop_signal is not None:
-            raise TrainingInterrupted(self._interrupted_message(abandoned=False))
+        if self.dist.any(self._stop_signal is not None):  # a signal to any rank stops all after the same step
+            message = self._interrupted_message(abandoned=False)  # rank 0 saves this step
+            self.dist.barrier()  # no rank exits (and makes the launcher kill the rest) before the save is done
+            raise TrainingInterrupted(message)
 
     # ------------------------------------------------------------------------------------------------
     # one optimizer step
@@ -317,16 +405,22 @@ class GRPOTrainer:
         batch = Batch([], [], [], [], [], [])
         stats = {"scores": [], "components": {}, "errors": 0, "timeouts": 0, "nonfinite": 0, "gen_seconds": 0.0,
                  "samples": []}
+        # Each rank takes its share of every rollout batch, whole groups only (rank r: prompts r*share..).
         share = config.prompts_per_step // self.dist.world_size
+        rows_per_rank = share * config.group_size
+        mine_rows = slice(self.dist.rank * rows_per_rank, (self.dist.rank + 1) * rows_per_rank)
+        self._sampling_rng.manual_seed(_sampling_seed(config.seed, self.global_step))
         for start in range(0, len(rows), config.prompts_per_step):
             chunk = rows[start:start + config.prompts_per_step]
             mine = chunk[self.dist.rank * share:(self.dist.rank + 1) * share]
             t0 = time.perf_counter()
             rollout = self._generate([row["prompt"] for row in mine])
             stats["gen_seconds"] += time.perf_counter() - t0
-            scores = self._score(mine, rollout)
-            advantages = compute_group_advantages(scores.total, config.group_size, config.scale_rewards,
-                                                  config.advantage_epsilon)  # (N,)
+            scores = self._score_on_every_rank(mine, rollout)
+            # Advantages of the whole rollout batch (scale_rewards='batch' needs every rank's rewards); keep ours.
+            advantages = compute_group_advantages(self.dist.gather(scores.total), config.group_size,
+                                                  config.scale_rewards, config.advantage_epsilon)  # (N_total,)
+            advantages = advantages[mine_rows]  # (N,)
             keep = scores.valid.clone()  # (N,)
             if config.mask_truncated_completions:
                 keep &= ~rollout.truncated
@@ -352,7 +446,32 @@ class GRPOTrainer:
         config = self.config
         settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
         return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
-                        self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix)
+                        self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix,
+                        noise=self._sampling_noise(len(prompts)))
+
+    def _sampling_noise(self, num_prompts: int) -> torch.Tensor:
+        """(num_prompts * G, max_new_tokens) uniforms that sample this rank's completions.
+
+        Every rank draws the noise of the whole rollout batch (all ranks' prompts) from a generator seeded by
+        (seed, step) and keeps its own rows: ranks never share draws, yet each prompt gets the same draws on
+        1 or N processes, so a run's completions do not depend on the number of processes, and resuming at
+        a step needs no saved sampler state."""
+        rows = num_prompts * self.config.group_size
+        noise = torch.rand(rows * self.dist.world_size, self.config.max_new_tokens, dtype=torch.float64,
+                           generator=self._sampling_rng)  # (N_total, T)
+        return noise[self.dist.rank * rows:(self.dist.rank + 1) * rows]  # (N, T)
+
+    def _score_on_every_rank(self, rows: list[dict], rollout: Rollout):
+        """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so
+        all of them stop at the same point and rank 0 can save the last finished step (see train())."""
+        try:
+            scores, failure = self._score(rows, rollout), None
+        except RewardError as error:
+            scores, failure = None, error
+        if self.dist.any(failure is not None):
+            raise failure or RewardError(f"step {self.global_step + 1}: a reward failed in another process; "
+                                         f"its error message says which reward and sample, and what to do")
+        return scores
 
     def _score(self, rows: list[dict], rollout: Rollout):
         config, group = self.config, self.config.group_size
@@ -406,10 +525,11 @@ class GRPOTrainer:
     def _update(self, batch: Batch) -> dict:
         """Loss and backward over all micro-batches of all rollouts, then one optimizer step."""
         config = self.config
-        counts = self.dist.sum([float((m.sum(dim=1) > 0).sum()) for m in batch.loss_mask] and
-                               [sum(float((m.sum(dim=1) > 0).sum()) for m in batch.loss_mask),
-                                sum(float(m.sum()) for m in batch.loss_mask)])
-        normaliser = LossNormaliser(max(counts[0], 1.0), max(counts[1], 1.0), config.max_new_tokens)
+        # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
+        num_sequences = sum(float((m.sum(dim=1) > 0).sum()) for m in batch.loss_mask)
+        num_tokens = sum(float(m.sum()) for m in batch.loss_mask)
+        num_sequences, num_tokens = self.dist.sum([num_sequences, num_tokens])
+        normaliser = LossNormaliser(max(num_sequences, 1.0), max(num_tokens, 1.0), config.max_new_tokens)
         totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0,
                   "ratio_mean": 0.0}
         weight_sum = 0.0
@@ -437,8 +557,12 @@ class GRPOTrainer:
                     totals[key] += float(getattr(stats, key)) * tokens
                 weight_sum += tokens
         self.dist.all_reduce_grads(self.trainable)
-        for key in ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean"):
-            totals[key] /= max(weight_sum, 1.0)
+        # The loss is the sum of the ranks' shares; the statistics are token-weighted means over every rank.
+        keys = ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean")
+        summed = self.dist.sum([totals["loss"], weight_sum, *(totals[key] for key in keys)])
+        totals["loss"], weight_sum = summed[0], summed[1]
+        for key, value in zip(keys, summed[2:]):
+            totals[key] = value / max(weight_sum, 1.0)
         totals["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         totals["grad_norm"] = self._clip_and_step(loss_is_finite=math.isfinite(totals["loss"]))
         return totals
@@ -483,6 +607,9 @@ class GRPOTrainer:
         group_std = group_reward_std(rewards, config.group_size)  # (groups,)
         lengths = self.dist.gather(torch.cat([r.completion_lengths for r in batch.rollouts]).float())
         truncated = self.dist.gather(torch.cat([r.truncated for r in batch.rollouts]).float())
+        errors, timeouts, nonfinite = self.dist.sum(
+            [rollout_stats["errors"], rollout_stats["timeouts"], rollout_stats["nonfinite"]])
+        gen_seconds = self.dist.max(rollout_stats["gen_seconds"])  # the ranks generate side by side
         elapsed = finished - started
         metrics = {
             "loss": update_stats["loss"],
@@ -501,19 +628,19 @@ class GRPOTrainer:
             "completion_length/min": float(lengths.min()),
             "completion_length/max": float(lengths.max()),
             "frac_truncated": float(truncated.mean()),
-            "tokens_per_second": float(lengths.sum()) / max(rollout_stats["gen_seconds"], 1e-9),
+            "tokens_per_second": float(lengths.sum()) / max(gen_seconds, 1e-9),
             "step_seconds": elapsed,
-            "generation_share": rollout_stats["gen_seconds"] / max(elapsed, 1e-9),
-            "rewards/errors": rollout_stats["errors"],
-            "rewards/timeouts": rollout_stats["timeouts"],
-            "rewards/nonfinite": rollout_stats["nonfinite"],
+            "generation_share": gen_seconds / max(elapsed, 1e-9),
+            "rewards/errors": int(errors),
+            "rewards/timeouts": int(timeouts),
+            "rewards/nonfinite": int(nonfinite),
             "skipped_steps": self._skipped_steps,
             "param_delta_norm": self._param_delta_norm(),
         }
         for name, parts in rollout_stats["components"].items():
             metrics[f"rewards/{name}"] = float(self.dist.gather(torch.cat(parts)).mean())
-        metrics["_samples"] = rollout_stats["samples"][: config.log_completions]
-        if metrics["frac_zero_std_groups"] > 0.75 and not self._warned_zero_std:
+        metrics["_samples"] = self._gathered_samples(rollout_stats["samples"], len(batch.rollouts))
+        if metrics["frac_zero_std_groups"] > 0.75 and not self._warned_zero_std and self.dist.is_main:
             self._warned_zero_std = True
             warnings.warn(
                 f"{metrics['frac_zero_std_groups']:.0%} of groups have identical rewards, so they carry no "
@@ -521,6 +648,14 @@ class GRPOTrainer:
                 "prompts: `forge screen`), max_new_tokens cuts answers off, or the reward is too coarse.",
                 stacklevel=2)
         return metrics
+
+    def _gathered_samples(self, samples: list[dict], num_rollouts: int) -> list[dict]:
+        """The first log_completions samples of the step in prompt order, taken from every rank's share."""
+        every_rank = self.dist.gather_objects(samples)  # each: `share` samples per rollout batch
+        share = len(samples) // max(num_rollouts, 1)
+        ordered = [sample for r in range(num_rollouts) for rank_samples in every_rank
+                   for sample in rank_samples[r * share:(r + 1) * share]]
+        return ordered[: self.config.log_completions]
 
     def _samples(self, rows, rollout: Rollout, rewards: torch.Tensor) -> list[dict]:
         group = self.config.group_size
@@ -693,6 +828,11 @@ class GRPOTrainer:
                 probe.unlink()
             except OSError as error:
                 raise ValueError(f"output_dir={str(output_dir)!r} is not writable ({error}); choose another") from None
+
+
+def _sampling_seed(seed: int, step: int) -> int:
+    """The seed of an optimizer step's sampling noise: a hash of (seed, step), the same on every rank."""
+    return int.from_bytes(hashlib.sha256(f"forge-sampling:{seed}:{step}".encode()).digest()[:8], "little")
 
 
 def _dataset_identity(rows: list[dict]) -> dict:
