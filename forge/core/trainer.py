@@ -93,7 +93,7 @@ class _Distributed:
                     f"completions with the full weights and all-reduces gradients itself), so {engine}'s sharded "
                     f"parameters and optimizer would not be used. Launch with a DDP config "
                     f"(examples/accelerate/ddp_gpu.yaml or ddp_cpu.yaml) or `forge train --nproc N`; to fit a "
-                    f"bigger model per GPU use use_lora=True, gradient_checkpointing=True, dtype='bfloat16'.")
+                    f"bigger model per GPU use use_lora=True, dtype='bfloat16' and a smaller micro_batch_size.")
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.is_main = self.rank == 0
