@@ -68,25 +68,27 @@ def parse_gsm8k_answer(answer_field: str) -> str:
     return answer
 
 
-def gsm8k_rows_from_records(
-    records: Iterable[Mapping[str, Any]], max_samples: int | None = None
-) -> list[dict]:
-    """Forge rows from GSM8K records ``{"question": ..., "answer": "... #### 72"}``."""
+def _rows_from_records(records: Iterable[Mapping[str, Any]], max_samples: int | None, name: str,
+                       question_key: str, answer_key: str, parse_answer) -> list[dict]:
+    """Forge rows {"prompt", "reference", "question"} from a math dataset's records."""
     rows = []
     for index, record in enumerate(records):
         if max_samples is not None and len(rows) >= max_samples:
             break
-        if "question" not in record or "answer" not in record:
-            raise ValueError(f"GSM8K record {index} needs 'question' and 'answer' keys; got {sorted(record)}")
-        question = record["question"]
-        rows.append(
-            {
-                "prompt": format_prompt(question),
-                "reference": parse_gsm8k_answer(record["answer"]),
-                "question": question,
-            }
-        )
+        if question_key not in record or answer_key not in record:
+            raise ValueError(f"{name} record {index} needs '{question_key}' and '{answer_key}' keys; "
+                             f"got {sorted(record)}")
+        question = record[question_key]
+        rows.append({"prompt": format_prompt(question), "reference": parse_answer(record[answer_key]),
+                     "question": question})
     return rows
+
+
+def gsm8k_rows_from_records(
+    records: Iterable[Mapping[str, Any]], max_samples: int | None = None
+) -> list[dict]:
+    """Forge rows from GSM8K records ``{"question": ..., "answer": "... #### 72"}``."""
+    return _rows_from_records(records, max_samples, "GSM8K", "question", "answer", parse_gsm8k_answer)
 
 
 def _number_text(value: Any) -> str:
@@ -100,21 +102,7 @@ def gsm_hard_rows_from_records(
     records: Iterable[Mapping[str, Any]], max_samples: int | None = None
 ) -> list[dict]:
     """Forge rows from GSM-Hard records ``{"input": question, "target": number, ...}``."""
-    rows = []
-    for index, record in enumerate(records):
-        if max_samples is not None and len(rows) >= max_samples:
-            break
-        if "input" not in record or "target" not in record:
-            raise ValueError(f"GSM-Hard record {index} needs 'input' and 'target' keys; got {sorted(record)}")
-        question = record["input"]
-        rows.append(
-            {
-                "prompt": format_prompt(question),
-                "reference": _number_text(record["target"]),
-                "question": question,
-            }
-        )
-    return rows
+    return _rows_from_records(records, max_samples, "GSM-Hard", "input", "target", _number_text)
 
 
 def _load_hf_split(dataset_id: str, config: str | None, split: str) -> Any:
