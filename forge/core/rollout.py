@@ -4,7 +4,8 @@ Both halves share one idea: the `group_size` completions of a prompt all start f
 so the prompt is run through the model once per group and its key/value cache is expanded to the
 group. In generation that is one prefill per prompt; in the loss, gradients flow back through the
 expanded cache into the single prompt computation. Finished sequences leave the decode batch, so the
-tail of generation costs only what the still-running completions need.
+tail of generation costs only what the still-running completions need. The decode cache is allocated
+once for prompt + max_new_tokens and written in place, so a decode step does not copy the whole cache.
 """
 
 from __future__ import annotations
@@ -27,6 +28,71 @@ _CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).p
 def _returned_cache(output):
     cache = getattr(output, "cache", None)
     return output.past_key_values if cache is None else cache
+
+
+try:
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # transformers < 4.56 keeps per-layer lists instead of layer objects
+    DynamicLayer = None
+
+if DynamicLayer is not None:
+
+    class _PreallocatedLayer(DynamicLayer):
+        """A DynamicLayer whose keys/values live in a buffer sized for the whole generation.
+
+        DynamicLayer.update concatenates, which copies the layer's entire cache at every decode step: for a
+        500-token prompt that copy, not the model, was ~20% of generation time on CPU. Here a step writes
+        its new column in place and the layer exposes views of the filled part: the same values, so the
+        same attention results.
+        """
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+            super().__init__()
+            batch, heads, length, dim = keys.shape
+            self.key_buffer = keys.new_empty(batch, heads, capacity, dim)  # (n, H, capacity, D)
+            self.value_buffer = values.new_empty(batch, heads, capacity, values.shape[-1])
+            self.key_buffer[:, :, :length] = keys
+            self.value_buffer[:, :, :length] = values
+            self.length = length
+            self.device, self.is_initialized = keys.device, True
+            self._expose()
+
+        def _expose(self) -> None:
+            self.keys = self.key_buffer[:, :, :self.length]  # (n, H, length, D) views
+            self.values = self.value_buffer[:, :, :self.length]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            new = key_states.shape[-2]
+            if self.length + new > self.key_buffer.shape[-2]:
+                raise RuntimeError(f"preallocated cache of {self.key_buffer.shape[-2]} positions is full")
+            self.key_buffer[:, :, self.length:self.length + new] = key_states
+            self.value_buffer[:, :, self.length:self.length + new] = value_states
+            self.length += new
+            self._expose()
+            return self.keys, self.values
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
+            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
+            self._expose()
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+            self._expose()
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            self.batch_select_indices(beam_idx.to(self.key_buffer.device))
+
+
+def _preallocated(cache, capacity: int):
+    """Move a filled DynamicCache into buffers of `capacity` positions (see _PreallocatedLayer). Caches of
+    other kinds (sliding windows, older transformers) are returned unchanged."""
+    layers = getattr(cache, "layers", None)
+    if DynamicLayer is None or not layers or any(type(layer) is not DynamicLayer or not layer.is_initialized
+                                                 for layer in layers):
+        return cache
+    cache.layers = [_PreallocatedLayer(layer.keys, layer.values, capacity) for layer in layers]
+    return cache
 
 
 @dataclass
@@ -234,6 +300,7 @@ def generate(
         cache.batch_repeat_interleave(group_size)
         next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
         mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
+    cache = _preallocated(cache, mask.shape[1] + settings.max_new_tokens)
 
     completion_ids = torch.full((num_rows, settings.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
     active = torch.arange(num_rows, device=device)  # rows still decoding

@@ -1,0 +1,221 @@
+"""The speed-ups keep the math: the trainer's loss and gradients are the same with and without them.
+
+Three computations of one optimizer step's loss and gradients on the tiny model, for full fine-tuning and
+LoRA, every loss aggregation, with and without the KL term:
+
+    optimised        GRPOTrainer.step with share_prompt_prefix=True (the prompt and a template shared by
+                     all prompts run once, their cache expanded), micro-batches that split groups, and a
+                     log-softmax chunk smaller than a completion
+    straightforward  GRPOTrainer.step with share_prompt_prefix=False, one micro-batch, one huge chunk
+    by hand          each completion alone: unpadded prompt + completion through plain model(...), then
+                     grpo_loss over the whole batch
+
+The rollouts are built by hand (patched in for the trainer's `_generate`), so every step sees the same
+completions: prompts of different lengths in one batch, some with a common chat template and some with
+nothing in common, and completions that stop at different positions or run to max_new_tokens. Gradients
+are captured where the optimizer would step, so nothing moves between the three.
+"""
+
+import copy
+import types
+
+import pytest
+import torch
+
+from forge import GRPOConfig, GRPOTrainer
+from forge.core.grpo import LossNormaliser, compute_group_advantages, grpo_loss
+from forge.core.rollout import Rollout, completion_mask_from_ids, render_prompt, tokenize_prompts
+from forge.core.tiny import build_tiny_model
+from forge.data.arithmetic import chat_prompt
+
+GROUP, MAX_NEW = 4, 6
+TEMPERATURE = 0.7
+# Two rollouts of two prompts each: chat prompts sharing a long template, then plain prompts sharing nothing.
+PROMPTS = [
+    [chat_prompt("What is 12 + 7?"), chat_prompt("Kim has 14 cards and gets 9 more. How many cards now?")],
+    ["Answer: 19", "Solve step by step. 3 times 4 is the total number of apples"],
+]
+# EOS position per completion (None: runs to MAX_NEW without EOS), 8 completions per rollout.
+EOS_AT = [[0, 3, None, 5, 1, None, 2, 4], [None, 2, 5, 0, 3, None, 1, 4]]
+REWARDS = [[1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.25], [0.0, 1.0, 0.0, 0.0, 2.0, 0.5, 1.0, 0.0]]
+
+
+def hand_rollouts(tokenizer) -> list[Rollout]:
+    generator = torch.Generator().manual_seed(1)
+    rollouts = []
+    for prompts, eos_at in zip(PROMPTS, EOS_AT):
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length=10**6)
+        completion_ids = torch.randint(6, len(tokenizer), (len(eos_at), MAX_NEW), generator=generator)
+        for row, position in enumerate(eos_at):
+            if position is not None:
+                completion_ids[row, position] = tokenizer.eos_token_id
+                completion_ids[row, position + 1:] = tokenizer.pad_token_id
+        completion_mask = completion_mask_from_ids(completion_ids, [tokenizer.eos_token_id])
+        truncated = torch.tensor([position is None for position in eos_at])
+        texts = [f"completion {i}" for i in range(len(eos_at))]
+        rollouts.append(Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, GROUP, texts))
+    return rollouts
+
+
+def make_trainer(base_model, tokenizer, tmp_path, optimised: bool, mode: str, loss_type: str, kl_beta: float):
+    config = GRPOConfig(
+        group_size=GROUP, prompts_per_step=2, gradient_accumulation_steps=2, max_new_tokens=MAX_NEW,
+        temperature=TEMPERATURE, loss_type=loss_type, kl_beta=kl_beta, max_grad_norm=0.0,
+        use_lora=mode == "lora", lora_r=4, lora_alpha=8, output_dir=str(tmp_path / ("fast" if optimised else "slow")),
+        share_prompt_prefix=optimised, micro_batch_size=3 if optimised else 0,
+        logprob_chunk_size=5 if optimised else 10**9,
+    )
+    rollouts, rewards = iter(hand_rollouts(tokenizer)), iter(REWARDS)
+
+    def reward(prompts, completions, **kwargs):
+        return next(rewards)
+
+    trainer = GRPOTrainer(copy.deepcopy(base_model), tokenizer, reward_fn=reward, config=config)
+    # Move the policy away from the reference (LoRA B starts at 0; the full-model reference is a copy of the
+    # start), identically in both trainers, so the KL term and every LoRA gradient are non-trivial.
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for parameter in trainer.trainable:
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    trainer._generate = lambda prompts: next(rollouts)
+    captured = {}
+
+    def capture_gradients(optimizer):
+        for name, parameter in trainer.model.named_parameters():
+            if parameter.requires_grad:
+                captured[name] = parameter.grad.detach().clone()
+
+    trainer.optimizer.step = types.MethodType(capture_gradients, trainer.optimizer)  # gradients as the optimizer would see them; weights stay put
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: 1.0)  # train() makes one
+    return trainer, captured
+
+
+def rows():
+    return [{"prompt": prompt, "reference": "0"} for prompts in PROMPTS for prompt in prompts]
+
+
+def _row_logprobs(network, ids, prompt_length: int, completion) -> torch.Tensor:
+    """log p of each completion token of one unpadded sequence ids (1, Lp + n), padded to (MAX_NEW,)."""
+    logits = network(input_ids=ids).logits[0, prompt_length - 1:-1] / TEMPERATURE  # (n, V)
+    picked = torch.log_softmax(logits.float(), dim=-1).gather(1, completion[:, None]).squeeze(1)  # (n,)
+    return torch.nn.functional.pad(picked, (0, MAX_NEW - completion.shape[0]))  # (MAX_NEW,)
+
+
+def by_hand(trainer, tokenizer, kl_beta: float, loss_type: str):
+    """Loss and gradients with each completion run alone on its unpadded prompt."""
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    logprobs, ref_logprobs, masks, advantages = [], [], [], []
+    for rollout, prompts, rewards in zip(hand_rollouts(tokenizer), PROMPTS, REWARDS):
+        advantages.append(compute_group_advantages(torch.tensor(rewards), GROUP))
+        masks.append(rollout.completion_mask)
+        for row in range(rollout.completion_ids.shape[0]):
+            prompt = prompts[row // GROUP]
+            prompt_tokens = tokenizer(render_prompt(tokenizer, prompt),
+                                      add_special_tokens=isinstance(prompt, str))["input_ids"]
+            length = int(rollout.completion_mask[row].sum())
+            completion = rollout.completion_ids[row, :length]
+            ids = torch.cat([torch.tensor(prompt_tokens), completion])[None]  # (1, Lp + length)
+            logprobs.append(_row_logprobs(model, ids, len(prompt_tokens), completion))
+            if kl_beta > 0:
+                with torch.no_grad():
+                    if trainer.is_lora:
+                        with model.disable_adapter():
+                            ref_logprobs.append(_row_logprobs(model, ids, len(prompt_tokens), completion))
+                    else:
+                        ref_logprobs.append(_row_logprobs(trainer.reference_model, ids, len(prompt_tokens),
+                                                          completion))
+    mask = torch.cat(masks)  # (N, T)
+    normaliser = LossNormaliser(float(mask.shape[0]), float(mask.sum()), MAX_NEW)
+    loss, _ = grpo_loss(torch.stack(logprobs), None, torch.stack(ref_logprobs) if kl_beta > 0 else None,
+                        torch.cat(advantages), mask, kl_beta=kl_beta, loss_type=loss_type, normaliser=normaliser)
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_optimised_update_equals_straightforward_and_by_hand(tmp_path, tiny_tokenizer, mode, loss_type, kl_beta):
+    base, _ = build_tiny_model(tiny_tokenizer, seed=0)
+    fast, fast_grads = make_trainer(base, tiny_tokenizer, tmp_path, True, mode, loss_type, kl_beta)
+    slow, slow_grads = make_trainer(base, tiny_tokenizer, tmp_path, False, mode, loss_type, kl_beta)
+
+    fast_loss = fast.step(rows())["loss"]
+    slow_loss = slow.step(rows())["loss"]
+    hand_loss, hand_grads = by_hand(fast, tiny_tokenizer, kl_beta, loss_type)
+
+    assert fast_grads.keys() == slow_grads.keys() == hand_grads.keys() and fast_grads
+    assert any(g.abs().max() > 1e-4 for g in hand_grads.values())  # the comparison is not between zeros
+    assert fast_loss == pytest.approx(slow_loss, rel=1e-5, abs=1e-7)
+    assert fast_loss == pytest.approx(hand_loss, rel=1e-5, abs=1e-7)
+    for name, expected in hand_grads.items():
+        scale = expected.abs().max().clamp(min=1e-3)
+        torch.testing.assert_close(fast_grads[name] / scale, expected / scale, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(slow_grads[name] / scale, expected / scale, rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_batch_exercises_what_it_claims(tiny_tokenizer):
+    """Prompts of different lengths in a rollout, a shared chat template, completions of different lengths."""
+    chat, plain = hand_rollouts(tiny_tokenizer)
+    for rollout in (chat, plain):
+        lengths = rollout.prompt_mask.sum(dim=1)
+        assert lengths.min() < lengths.max()
+        assert len(set(rollout.completion_lengths.tolist())) >= 4
+        assert rollout.truncated.any() and not rollout.truncated.all()
+    shared = (chat.prompt_ids == chat.prompt_ids[:1]).all(dim=0).long().cumprod(0).sum()
+    assert shared >= 8  # long enough for the shared-template prefill
+    assert plain.prompt_ids[0, 0] != plain.prompt_ids[1, 0] or not plain.prompt_mask[:, 0].all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The decode cache written in place (rollout._PreallocatedLayer) gives the same tokens as the growing one
+
+
+def test_preallocated_decode_cache_samples_the_same_tokens(monkeypatch, tiny_model, tiny_tokenizer):
+    import forge.core.rollout as rollout_module
+    from forge.core.rollout import SamplingSettings, generate
+
+    # +3 on the EOS logit: rows of one group stop at different steps, so finished rows leave the cache
+    eos_bias = 3.0 * (torch.arange(len(tiny_tokenizer)) == tiny_tokenizer.eos_token_id)  # (V,)
+    tiny_model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + eos_bias)
+    prompts = [chat_prompt("What is 12 + 7?"), chat_prompt("What is 3 * 4?"), "Answer: 19", "yes"]
+    settings = SamplingSettings(max_new_tokens=12, temperature=1.0)
+    results = {}
+    for preallocate in (True, False):
+        if not preallocate:
+            monkeypatch.setattr(rollout_module, "_preallocated", lambda cache, capacity: cache)
+        for share in (True, False):
+            torch.manual_seed(5)
+            results[preallocate, share] = generate(tiny_model, tiny_tokenizer, prompts, 4, settings,
+                                                   share_prompt_prefix=share)
+    for share in (True, False):
+        assert torch.equal(results[True, share].completion_ids, results[False, share].completion_ids)
+    lengths = results[True, True].completion_lengths
+    assert len(set(lengths.tolist())) > 3 and lengths.max() == settings.max_new_tokens
+
+
+def test_preallocated_layer_writes_in_place_and_matches_a_growing_cache(tiny_model, tiny_tokenizer):
+    from forge.core.rollout import _CACHE_ARG, DynamicLayer, _preallocated, _returned_cache
+
+    if DynamicLayer is None:
+        pytest.skip("this transformers version has no cache layer objects")
+    ids = torch.tensor(tiny_tokenizer("What is 12 + 7?")["input_ids"])[None].repeat(3, 1)  # (3, L)
+    with torch.no_grad():
+        growing = _returned_cache(tiny_model(input_ids=ids, use_cache=True))
+        fixed = _preallocated(_returned_cache(tiny_model(input_ids=ids, use_cache=True)), ids.shape[1] + 4)
+        buffers = [layer.key_buffer.data_ptr() for layer in fixed.layers]
+        for step in range(3):
+            token = torch.full((3, 1), 7 + step)
+            position = torch.full((3, 1), ids.shape[1] + step)
+            expected = tiny_model(input_ids=token, position_ids=position, use_cache=True, **{_CACHE_ARG: growing})
+            got = tiny_model(input_ids=token, position_ids=position, use_cache=True, **{_CACHE_ARG: fixed})
+            torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=0)
+        assert [layer.key_buffer.data_ptr() for layer in fixed.layers] == buffers  # no copy per decode step
+        assert fixed.get_seq_length() == growing.get_seq_length() == ids.shape[1] + 3
+        fixed.batch_select_indices(torch.tensor([0, 2]))
+        growing.batch_select_indices(torch.tensor([0, 2]))
+        for mine, theirs in zip(fixed.layers, growing.layers):
+            assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
