@@ -54,6 +54,7 @@ class Recorder:
         self._current = {"gen_seconds": 0.0, "completion_tokens": 0, "prompt_tokens": 0}
         self.tokens_forwarded = 0
         self._started = time.perf_counter()
+        self._cpu_started = time.process_time()
 
     def add_generation(self, seconds: float, completion_tokens: int, prompt_tokens: int):
         self._current["gen_seconds"] += seconds
@@ -62,6 +63,7 @@ class Recorder:
 
     def end(self):
         self._current["seconds"] = time.perf_counter() - self._started
+        self._current["cpu_seconds"] = time.process_time() - self._cpu_started  # all threads of this process
         self._current["tokens_forwarded"] = self.tokens_forwarded
         self.steps.append(self._current)
         if len(self.steps) == self.total_steps:
