@@ -21,13 +21,13 @@ import torch
 class DemoSettings:
     model: str = "default"
     """Model to fine-tune: 'default' = the packaged SmolLM2-135M-Instruct (no network needed)."""
-    steps: int = 30
+    steps: int = 60
     """Optimizer steps of GRPO."""
     prompts_per_step: int = 2
     """Prompts per optimizer step."""
     group_size: int = 8
     """Completions per prompt."""
-    learning_rate: float = 1e-4
+    learning_rate: float = 2e-4
     """Peak learning rate of the LoRA adapters."""
     lora_r: int = 16
     """LoRA rank."""
