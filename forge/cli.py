@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ def config_field_docs() -> dict[str, str]:
     """Field name -> the docstring written under it in GRPOConfig."""
     tree = ast.parse(inspect.getsource(GRPOConfig))
     docs, body = {}, tree.body[0].body
-    for node, following in zip(body, body[1:]):
+    for node, following in itertools.pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) \
                 and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
             docs[node.target.id] = following.value.value.strip()
@@ -47,7 +48,7 @@ def _field_parser(annotation):
     base = args[0] if optional and args else kind
     if typing.get_origin(base) is list:
         item = typing.get_args(base)[0]
-        convert = lambda text: [item(x) for x in text.split(",") if x]  # noqa: E731
+        convert = lambda text: [item(x) for x in text.split(",") if x]
     elif base is bool:
         convert = _parse_bool
     else:
@@ -187,8 +188,8 @@ def _relaunch(nproc: int, argv: list[str]) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from forge.eval.evaluate import evaluate_model
 
-    common = dict(data=args.data, split=args.split, n=args.n, max_new_tokens=args.max_new_tokens,
-                  num_samples=args.num_samples, temperature=args.temperature, seed=args.seed)
+    common = {"data": args.data, "split": args.split, "n": args.n, "max_new_tokens": args.max_new_tokens,
+              "num_samples": args.num_samples, "temperature": args.temperature, "seed": args.seed}
     if args.compare:
         from forge.eval.report import compare_models
 
@@ -231,8 +232,7 @@ def cmd_screen(args: argparse.Namespace) -> int:
     print(result.summary())
     if args.out:
         with open(args.out, "w") as f:
-            for row in result.kept:
-                f.write(json.dumps(row) + "\n")
+            f.writelines(json.dumps(row) + "\n" for row in result.kept)
         print(f"kept prompts written to {args.out}")
     return 0
 

@@ -9,6 +9,7 @@ a GRPO signal); train; measure again with the same decoding; write the before/af
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, fields
@@ -56,7 +57,7 @@ class DemoSettings:
     """Smoke run (~2 minutes): 3 steps, 20 held-out problems, small screening; learning not expected."""
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "DemoSettings":
+    def from_args(cls, args: argparse.Namespace) -> DemoSettings:
         values = {f.name: getattr(args, f.name) for f in fields(cls)}
         settings = cls(**values)
         if settings.quick:
@@ -74,7 +75,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     import inspect
 
     body = ast.parse(inspect.getsource(DemoSettings)).body[0].body
-    docs = {node.target.id: nxt.value.value for node, nxt in zip(body, body[1:])
+    docs = {node.target.id: nxt.value.value for node, nxt in itertools.pairwise(body)
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)}
     for f in fields(DemoSettings):
         if f.type in ("bool", bool):
@@ -100,7 +101,7 @@ def run_demo(settings: DemoSettings) -> dict:
         torch.set_num_threads(settings.threads)
     out = Path(settings.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    say = lambda text: print(f"[forge demo {time.perf_counter() - started:6.0f}s] {text}", flush=True)  # noqa: E731
+    say = lambda text: print(f"[forge demo {time.perf_counter() - started:6.0f}s] {text}", flush=True)
 
     say(f"loading {settings.model} (the packaged model is converted from GGUF once, ~20 s)")
     model, tokenizer = load_model(settings.model)
@@ -109,7 +110,7 @@ def run_demo(settings: DemoSettings) -> dict:
                                     seed=settings.seed, chat=True)
 
     say(f"evaluating the base model on {len(heldout)} held-out problems (greedy)")
-    eval_kw = dict(max_new_tokens=settings.max_new_tokens, batch_size=30)
+    eval_kw = {"max_new_tokens": settings.max_new_tokens, "batch_size": 30}
     before = evaluate(model, tokenizer, heldout, **eval_kw)
     say(_summary_line("base", before.metrics))
 

@@ -19,8 +19,9 @@ This module imports only torch and the standard library: everything comes in as 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -173,7 +174,7 @@ class GRPOConfig:
     def prompts_per_optimizer_step(self) -> int:
         return self.prompts_per_step * self.gradient_accumulation_steps
 
-    def validate(self) -> "GRPOConfig":
+    def validate(self) -> GRPOConfig:
         """Raise a ValueError that says what to change for every bad setting; returns self."""
         problems = []
 
@@ -230,7 +231,7 @@ class GRPOConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "GRPOConfig":
+    def from_dict(cls, values: dict) -> GRPOConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -480,18 +481,18 @@ def grpo_loss(
 
 
 __all__ = [
-    "GRPOConfig",
-    "compute_group_advantages",
-    "group_reward_std",
-    "token_logprobs_from_logits",
-    "compute_token_log_probs",
-    "sequence_mean_log_probs",
-    "masked_mean",
-    "k3_kl",
-    "grpo_loss",
-    "LossStats",
-    "LossNormaliser",
-    "LOSS_AGGREGATIONS",
-    "IMPORTANCE_LEVELS",
     "ADVANTAGE_SCALES",
+    "IMPORTANCE_LEVELS",
+    "LOSS_AGGREGATIONS",
+    "GRPOConfig",
+    "LossNormaliser",
+    "LossStats",
+    "compute_group_advantages",
+    "compute_token_log_probs",
+    "group_reward_std",
+    "grpo_loss",
+    "k3_kl",
+    "masked_mean",
+    "sequence_mean_log_probs",
+    "token_logprobs_from_logits",
 ]

@@ -10,9 +10,9 @@ once for prompt + max_new_tokens and written in place, so a decode step does not
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from transformers import LlamaForCausalLM
@@ -290,7 +290,7 @@ def generate(
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts)
     stop_ids = torch.tensor(eos_ids(tokenizer, model), device=device)
-    num_prompts, num_rows = len(prompts), len(prompts) * group_size
+    num_rows = len(prompts) * group_size
 
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
     if not share_prompt_prefix:
