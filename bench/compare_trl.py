@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variable-length", action="store_true",
                    help="let the tiny model stop at EOS too (default: fixed-length completions for tiny)")
     p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--from-raw", metavar="RAW_JSON",
+                   help="rebuild the report from a <stem>.raw.json of an earlier run instead of measuring")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one measurement process may take")
     return p.parse_args(argv)
 
@@ -179,9 +181,9 @@ def comparison_table(args, forge: dict, trl: dict) -> tuple[str, dict]:
 
 def scaling_table(args, scaling: list[dict]) -> str:
     lines = [("| group size | completions/step | s/step, real prompt | s/step, 1-token prompt | prompt share of "
-              "step time | prompt tokens per step (P x Lp) | prompt tokens forwarded by Forge | same, prompt "
-              "repeated per completion (as TRL) |"),
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "step time | prompt tokens per step (P x Lp) | prompt tokens forwarded by Forge | prompt share of "
+              "tokens forwarded | same, prompt repeated per completion (as TRL) |"),
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for entry in scaling:
         real, short = entry["real"], entry["one_token"]
         share = (real["step_seconds"] - short["step_seconds"]) / real["step_seconds"]
@@ -191,7 +193,7 @@ def scaling_table(args, scaling: list[dict]) -> str:
         repeated = 2 * real["prompt_tokens_per_step"]  # generation prefill + loss forward, once per completion
         lines.append(f"| {group} | {entry['completions']} | {real['step_seconds']:.2f} | "
                      f"{short['step_seconds']:.2f} | {share:.0%} | {prompt_tokens:.0f} | {forwarded:.0f} | "
-                     f"{repeated:.0f} |")
+                     f"{forwarded / real['tokens_forwarded_per_step']:.0%} | {repeated:.0f} |")
     return "\n".join(lines)
 
 
@@ -234,55 +236,76 @@ def report(args, command: str, info: dict, forge=None, trl=None, scaling=None) -
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    command = "python bench/compare_trl.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    info = machine_info(args.threads)
-    try:
-        import trl
-
-        info["trl"] = trl.__version__
-    except ImportError:
-        if not args.scaling_only:
-            sys.exit("TRL is not installed: pip install 'forge-rl[bench]' (or run with --scaling-only)")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{args.workload}_{args.model}_{args.mode}" + ("_scaling" if args.scaling_only else "")
-    raw: dict = {"command": command, "measurements": []}
+    if args.from_raw:
+        raw = json.loads(Path(args.from_raw).read_text())
+        command, info = raw["command"], raw.get("machine") or machine_info(args.threads)
+    else:
+        command = "python bench/compare_trl.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+        info = machine_info(args.threads)
+        try:
+            import trl
 
-    def measure(spec: dict) -> dict:
-        result = run_measurement(spec, args.timeout)
-        raw["measurements"].append(result)  # every process's numbers, kept even if a later one fails
-        (out_dir / f"{stem}.raw.json").write_text(json.dumps(raw, indent=1))
-        return result
-
-    forge_summary = trl_summary = scaling = None
-    if not args.scaling_only:
-        results = {"forge": [], "trl": []}
-        for round_index in range(args.rounds):
-            for framework in ("forge", "trl"):
-                log(f"round {round_index + 1}/{args.rounds}: {framework}")
-                result = measure(base_spec(args, framework))
-                results[framework].append(result)
-                times = ", ".join(f"{s['seconds']:.2f}" for s in result["steps"])
-                log(f"  {framework}: steps {times} s, peak RSS {result['peak_rss_kib'] / 1024:.0f} MiB")
-        forge_summary, trl_summary = summarize(results["forge"]), summarize(results["trl"])
-    if args.workload == "long" and not args.no_scaling:
-        scaling = []
-        for group in [int(g) for g in args.group_sizes.split(",")]:
-            entry = {"group_size": group, "completions": group * WORKLOADS["long"].prompts_per_step}
-            runs = {"real": [], "one_token": []}
-            for _ in range(args.scaling_rounds):
-                for kind in ("real", "one_token"):
-                    log(f"scaling: group {group}, {kind} prompt")
-                    spec = base_spec(args, "forge", group_size=group, fixed_length=True, micro_batch_size=group,
-                                     one_token_prompt=kind == "one_token")
-                    runs[kind].append(measure(spec))
-            entry.update({kind: summarize(r) for kind, r in runs.items()})
-            scaling.append(entry)
+            info["trl"] = trl.__version__
+        except ImportError:
+            if not args.scaling_only:
+                sys.exit("TRL is not installed: pip install 'forge-rl[bench]' (or run with --scaling-only)")
+        raw = {"command": command, "machine": info, "measurements": []}
+        run_all(args, raw, out_dir / f"{stem}.raw.json")
+    forge_summary, trl_summary, scaling = summaries(args, raw["measurements"])
     text, summary = report(args, command, info, forge_summary, trl_summary, scaling)
     print(text)
     (out_dir / f"{stem}.md").write_text(text)
     (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=1))
     log(f"wrote {out_dir / stem}.md and .json")
+
+
+def run_all(args, raw: dict, raw_path: Path) -> None:
+    """Run every measurement, saving the raw numbers after each one (a failure later loses nothing)."""
+
+    def measure(spec: dict) -> None:
+        result = run_measurement(spec, args.timeout)
+        raw["measurements"].append(result)
+        raw_path.write_text(json.dumps(raw, indent=1))
+        times = ", ".join(f"{s['seconds']:.2f}" for s in result["steps"])
+        log(f"  {spec['framework']}: steps {times} s, peak RSS {result['peak_rss_kib'] / 1024:.0f} MiB")
+
+    if not args.scaling_only:
+        for round_index in range(args.rounds):
+            for framework in ("forge", "trl"):
+                log(f"round {round_index + 1}/{args.rounds}: {framework}")
+                measure(base_spec(args, framework, role="compare"))
+    if args.workload == "long" and not args.no_scaling:
+        for group in [int(g) for g in args.group_sizes.split(",")]:
+            for _ in range(args.scaling_rounds):
+                for one_token in (False, True):
+                    log(f"scaling: group {group}, {'1-token' if one_token else 'real'} prompt")
+                    measure(base_spec(args, "forge", role="scaling", group_size=group, fixed_length=True,
+                                      micro_batch_size=group, one_token_prompt=one_token))
+
+
+def summaries(args, measurements: list[dict]):
+    """(Forge summary, TRL summary, scaling rows) from the raw measurements."""
+    compare_count = 0 if args.scaling_only else 2 * args.rounds  # raw files from before specs carried a role
+    for index, result in enumerate(measurements):
+        result["spec"].setdefault("role", "compare" if index < compare_count else "scaling")
+    by_framework = {"forge": [], "trl": []}
+    scaling_runs: dict[int, dict[str, list]] = {}
+    for result in measurements:
+        spec = result["spec"]
+        if spec["role"] == "compare":
+            by_framework[spec["framework"]].append(result)
+        else:
+            kind = "one_token" if spec.get("one_token_prompt") else "real"
+            scaling_runs.setdefault(spec["group_size"], {"real": [], "one_token": []})[kind].append(result)
+    forge = summarize(by_framework["forge"]) if by_framework["forge"] else None
+    trl = summarize(by_framework["trl"]) if by_framework["trl"] else None
+    scaling = [{"group_size": group, "completions": group * WORKLOADS["long"].prompts_per_step,
+                **{kind: summarize(results) for kind, results in runs.items()}}
+               for group, runs in sorted(scaling_runs.items()) if runs["real"] and runs["one_token"]]
+    return forge, trl, scaling or None
 
 
 if __name__ == "__main__":
