@@ -200,7 +200,7 @@ def scaling_table(args, scaling: list[dict]) -> str:
 def report(args, command: str, info: dict, forge=None, trl=None, scaling=None) -> tuple[str, dict]:
     workload = WORKLOADS[args.workload]
     fixed = args.model == "tiny" and not args.variable_length
-    load = ", ".join(f"{x:.1f}" for x in info.get("load_average", ()))
+    load = ", ".join(f"{x:.1f}" for x in info.get("load_average", ())) or "not recorded"
     versions = f"torch {info['torch']}, transformers {info['transformers']}, trl {info.get('trl', 'not installed')}"
     micro = base_spec(args, "forge")["micro_batch_size"] or "all"
     lengths = "fixed-length completions (EOS unreachable)" if fixed else "variable-length completions (EOS on)"
