@@ -98,7 +98,7 @@ def run_forge(spec: dict, model, tokenizer, rows: list[dict], recorder: Recorder
         logging_steps=10**6, save_steps=0, log_completions=0, dtype="float32",
         use_lora=spec["mode"] == "lora", lora_r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
         lora_target_modules=LORA_TARGETS, share_prompt_prefix=spec.get("share_prompt_prefix", True),
-        micro_batch_size=spec["micro_batch_size"],
+        micro_batch_size=spec["micro_batch_size"], gradient_checkpointing=spec.get("gradient_checkpointing", False),
     )
     trainer = GRPOTrainer(model, tokenizer, reward_fn=correctness_reward, config=config)
 

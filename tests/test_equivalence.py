@@ -57,8 +57,10 @@ def hand_rollouts(tokenizer) -> list[Rollout]:
     return rollouts
 
 
-def make_trainer(base_model, tokenizer, tmp_path, optimised: bool, mode: str, loss_type: str, kl_beta: float):
+def make_trainer(base_model, tokenizer, tmp_path, optimised: bool, mode: str, loss_type: str, kl_beta: float,
+                 gradient_checkpointing: bool = False):
     config = GRPOConfig(
+        gradient_checkpointing=gradient_checkpointing,
         group_size=GROUP, prompts_per_step=2, gradient_accumulation_steps=2, max_new_tokens=MAX_NEW,
         temperature=TEMPERATURE, loss_type=loss_type, kl_beta=kl_beta, max_grad_norm=0.0,
         use_lora=mode == "lora", lora_r=4, lora_alpha=8, output_dir=str(tmp_path / ("fast" if optimised else "slow")),
@@ -155,6 +157,36 @@ def test_optimised_update_equals_straightforward_and_by_hand(tmp_path, tiny_toke
         scale = expected.abs().max().clamp(min=1e-3)
         torch.testing.assert_close(fast_grads[name] / scale, expected / scale, rtol=0, atol=1e-5, msg=name)
         torch.testing.assert_close(slow_grads[name] / scale, expected / scale, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(tmp_path, tiny_tokenizer, mode):
+    """gradient_checkpointing=True: every decoder layer runs again in backward, same loss and gradients."""
+    base, _ = build_tiny_model(tiny_tokenizer, seed=0)
+    plain, plain_grads = make_trainer(base, tiny_tokenizer, tmp_path / "plain", True, mode, "grpo", 0.1)
+    checkpointed, checkpointed_grads = make_trainer(base, tiny_tokenizer, tmp_path / "ckpt", True, mode, "grpo",
+                                                    0.1, gradient_checkpointing=True)
+    recomputed = {}
+    for name, trainer in (("plain", plain), ("checkpointed", checkpointed)):
+        # Attention calls made after the backward pass has started (the LM head's backward hook), before the next
+        # forward pass (the embedding's pre-hook): layers recomputed for the backward.
+        state = {"in_backward": False, "calls": 0}
+        model = trainer.model.get_base_model() if mode == "lora" else trainer.model
+        model.model.embed_tokens.register_forward_pre_hook(lambda *a, state=state: state.update(in_backward=False))
+        model.lm_head.register_full_backward_hook(lambda *a, state=state: state.update(in_backward=True))
+        for layer in model.model.layers:
+            layer.self_attn.register_forward_pre_hook(
+                lambda *a, state=state: state.update(calls=state["calls"] + state["in_backward"]))
+        trainer.step(rows())
+        recomputed[name] = state["calls"]
+    assert recomputed["plain"] == 0
+    # every layer of every loss micro-batch (2 rollouts of 8 completions, micro-batches of 3: 6 passes)
+    assert recomputed["checkpointed"] == 6 * len(model.model.layers)
+    assert checkpointed_grads.keys() == plain_grads.keys() and plain_grads
+    assert not any(m.training for m in checkpointed.model.modules())  # back in eval mode: dropout stays off
+    for name, expected in plain_grads.items():
+        scale = expected.abs().max().clamp(min=1e-3)
+        torch.testing.assert_close(checkpointed_grads[name] / scale, expected / scale, rtol=0, atol=1e-5, msg=name)
 
 
 def test_the_batch_exercises_what_it_claims(tiny_tokenizer):

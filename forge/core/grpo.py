@@ -123,7 +123,8 @@ class GRPOConfig:
     lora_alpha: int = 32
     """LoRA scaling numerator (scale = alpha / r)."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input (kept off while sampling and computing log-probs)."""
+    """Saved in the adapter's config for use elsewhere. Forge itself trains with dropout off (sampling, pi_old
+    and pi_theta must be one network), so it does not change a Forge run."""
     lora_target_modules: list[str] | None = None
     """Module names to adapt; None = the attention projections of the architecture (q/k/v/o for Llama)."""
 
@@ -133,7 +134,10 @@ class GRPOConfig:
     logprob_chunk_size: int = 1024
     """Positions per chunk in the log-softmax, so (tokens x vocab) fp32 logits are never all alive."""
     gradient_checkpointing: bool = False
-    """Trade ~20% speed for activation memory."""
+    """Keep only each decoder layer's input in the loss pass and recompute the rest in backward: less activation
+    memory for more compute. The loss pass then runs every completion with its own copy of the prompt
+    (a checkpointed layer cannot keep the shared prompt cache), so it pays off for long completions and
+    short prompts. Generation is unchanged."""
     dtype: str = "auto"
     """Model dtype when Forge loads the model: auto = fp32 on CPU, bf16 on a GPU that supports it."""
 

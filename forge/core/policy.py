@@ -264,6 +264,15 @@ def default_lora_targets(model: nn.Module) -> list[str]:
     return sorted(linear_names)
 
 
+def enable_checkpointing(model) -> None:
+    """Turn on transformers' per-layer activation checkpointing (non-reentrant, so frozen inputs need no grad)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def apply_lora(
     model: nn.Module,
     r: int = 16,

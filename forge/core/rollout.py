@@ -11,7 +11,8 @@ once for prompt + max_new_tokens and written in place, so a decode step does not
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -378,6 +379,30 @@ def _full_sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, temp
     prompt_len = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, Lp + T)
     mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=_positions(mask)).logits
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=_positions(mask), use_cache=False).logits
     logits = logits[:, prompt_len - 1:-1]  # (n, T, V): position t predicts completion token t
     return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size)
+
+
+@contextmanager
+def checkpointed_layers(model, enabled: bool = True) -> Iterator[None]:
+    """Recompute each decoder layer in backward instead of keeping its activations (transformers' gradient
+    checkpointing, enabled on the model beforehand), while dropout stays off.
+
+    transformers checkpoints a layer only while that layer is in training mode; Forge keeps the model in eval
+    mode so that sampling, pi_old and pi_theta are one network. So only the checkpointing layers themselves are
+    switched to training mode here (their submodules, dropout included, are not). A checkpointed layer drops
+    any KV cache, so use it with the full-sequence log-prob path (share_prompt_prefix=False).
+    """
+    layers = [m for m in model.modules() if enabled and getattr(m, "gradient_checkpointing", False)]
+    if enabled and not layers:
+        raise RuntimeError("gradient checkpointing was requested but the model has no checkpointing layers; "
+                           "call model.gradient_checkpointing_enable() first")
+    modes = [layer.training for layer in layers]
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer, mode in zip(layers, modes):
+            layer.training = mode

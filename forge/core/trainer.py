@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from forge.core.grpo import GRPOConfig, LossNormaliser, compute_group_advantages, group_reward_std, grpo_loss
-from forge.core.rollout import Rollout, SamplingSettings, completion_logprobs, generate
+from forge.core.rollout import Rollout, SamplingSettings, checkpointed_layers, completion_logprobs, generate
 from forge.core.scoring import RewardError, build_reward_list, score_completions
 from forge.data.dataset import load_rows, reward_kwargs, validate_rows
 from forge.logging.logger import ForgeLogger
@@ -226,9 +226,7 @@ class GRPOTrainer:
         self.model = model
         self.is_lora = policy.is_peft_model(model)
         if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-            if self.is_lora:
-                model.enable_input_require_grads()
+            policy.enable_checkpointing(model)
         # LoRA: the reference is the same weights with adapters off. Full: a frozen copy, only if needed.
         self.reference_model = None
         if config.kl_beta > 0 and not self.is_lora:
@@ -482,13 +480,13 @@ class GRPOTrainer:
                                  on_error=config.on_reward_error, error_value=config.reward_error_value,
                                  timeout=config.reward_timeout, step=self.global_step + 1, row_index=row_ids)
 
-    def _logprobs(self, model, rollout: Rollout, indices: torch.Tensor) -> torch.Tensor:
+    def _logprobs(self, model, rollout: Rollout, indices: torch.Tensor, share_prompt: bool | None = None):
         """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion."""
         length = int(rollout.completion_mask[indices].sum(dim=1).max().clamp(min=1))
+        share_prompt = self.config.share_prompt_prefix if share_prompt is None else share_prompt
         return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask,
                                    rollout.completion_ids[indices, :length], rollout.prompt_index[indices],
-                                   self.config.temperature, self.config.logprob_chunk_size,
-                                   self.config.share_prompt_prefix)
+                                   self.config.temperature, self.config.logprob_chunk_size, share_prompt)
 
     def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
         size = self.config.micro_batch_size or rollout.completion_ids.shape[0]
@@ -539,7 +537,12 @@ class GRPOTrainer:
                 mask = batch.loss_mask[r][indices]
                 if mask.sum() == 0:
                     continue
-                logprobs = self._logprobs(self.model, rollout, indices)  # (n, T')
+                # Gradient checkpointing recomputes layers in backward, which a shared prompt cache cannot
+                # survive: each completion then carries its own copy of the prompt.
+                with checkpointed_layers(self.model, config.gradient_checkpointing):
+                    logprobs = self._logprobs(self.model, rollout, indices,
+                                              share_prompt=config.share_prompt_prefix
+                                              and not config.gradient_checkpointing)  # (n, T')
                 length = logprobs.shape[1]
                 old, ref = batch.old_logprobs[r], batch.ref_logprobs[r]
                 loss, stats = grpo_loss(
