@@ -51,13 +51,13 @@ def report(args, command: str, info: dict, off: dict, on: dict) -> str:
             ("completion tokens per step (mean)", "completion_tokens_per_step", "{:.0f}")]
     lines = [f"# Forge gradient checkpointing: {args.workload} / {args.model} / {args.mode}", "",
              f"Command: `{command}`", "",
-             f"Machine: {info.get('cpu_model', '?')}, {info['cpu_cores']} cores, load average at start "
+             (f"Machine: {info.get('cpu_model', '?')}, {info['cpu_cores']} cores, load average at start "
              f"{', '.join(f'{x:.1f}' for x in info.get('load_average', ()))}; torch threads = {args.threads}; "
-             f"torch {info['torch']}, transformers {info['transformers']}. Forge at {info.get('git', '?')}.", "",
-             f"Workload: {workload.prompts_per_step} prompts x group {workload.group_size}, max_new_tokens "
+             f"torch {info['torch']}, transformers {info['transformers']}. Forge at {info.get('git', '?')}."), "",
+             (f"Workload: {workload.prompts_per_step} prompts x group {workload.group_size}, max_new_tokens "
              f"{workload.max_new_tokens}, loss micro-batch {args.micro_batch_size or 'the whole rollout'}, "
              f"{args.mode} fine-tuning, fp32. {args.rounds} processes per setting, alternating, each "
-             f"{args.warmup} warm-up + {args.steps} timed step(s).", "",
+             f"{args.warmup} warm-up + {args.steps} timed step(s)."), "",
              "| metric | off | on | on/off |", "|---|---:|---:|---:|"]
     for name, key, fmt in rows:
         lines.append(f"| {name} | {fmt.format(off[key])} | {fmt.format(on[key])} | {on[key] / off[key]:.2f}x |")
