@@ -1,0 +1,130 @@
+"""The processes of a data-parallel run: who this rank is, and the few collectives GRPOTrainer needs.
+
+Only the trainer uses this module. With one process every call is a no-op (no torch.distributed at all);
+with several (torchrun, `accelerate launch`, `forge train --nproc N`) it sets up the process group from the
+launcher's environment and sums, gathers and broadcasts what the trainer hands it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+# Launch settings of accelerate for engines that shard the model; Forge's own data parallelism replicates it.
+_SHARDED_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+                    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
+_GRAD_BUCKET_ELEMENTS = 2**24  # gradients are all-reduced in flat buckets of at most this many elements
+
+
+class DataParallel:
+    """Process information and collectives; a single process needs none of torch.distributed.
+
+    Data parallelism as DDP does it: every rank holds the whole model, works on its own share of the prompts,
+    and gradients are summed across ranks before the optimizer step, so the weights stay identical. The
+    process group is set up from the launcher's environment (torchrun, `accelerate launch`, `forge train
+    --nproc`): gloo on CPU, NCCL for CUDA tensors plus gloo for CPU ones on GPUs.
+    """
+
+    def __init__(self) -> None:
+        for variable, engine in _SHARDED_ENGINES.items():
+            if os.environ.get(variable, "false").lower() in ("1", "true", "yes"):
+                raise ValueError(
+                    f"accelerate launched Forge with {engine} ({variable}={os.environ[variable]}), which Forge does "
+                    f"not support: Forge trains data-parallel with the whole model on every rank (it samples "
+                    f"completions with the full weights and all-reduces gradients itself), so {engine}'s sharded "
+                    f"parameters and optimizer would not be used. Launch with a DDP config "
+                    f"(examples/accelerate/ddp_gpu.yaml or ddp_cpu.yaml) or `forge train --nproc N`; to fit a "
+                    f"bigger model per GPU use use_lora=True, dtype='bfloat16' and a smaller micro_batch_size.")
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.is_main = self.rank == 0
+        self.device = None  # the rank's GPU when there are several processes and GPUs
+        if self.world_size == 1:
+            return
+        if torch.cuda.is_available():
+            local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+            if local_rank >= gpus:
+                raise ValueError(f"process {local_rank} of this machine has no GPU of its own ({gpus} visible): start "
+                                 f"at most {gpus} processes per machine, or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+                                 f"to train on CPU")
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)  # "cuda" now means this rank's GPU, also in policy.load_model
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+
+    def broadcast_from_main(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite these tensors on every rank with rank 0's values."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for tensor in tensors:
+                torch.distributed.broadcast(tensor.data, src=0)
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum every parameter's gradient over the ranks (each rank's loss is its share of the global loss).
+
+        A parameter that has a gradient on some rank gets zeros where it has none, so every rank reduces the
+        same tensors; one without a gradient anywhere keeps grad None, as in a single process."""
+        if self.world_size == 1:
+            return
+        has_grad = self.sum([float(p.grad is not None) for p in params])  # (params,) ranks with a gradient
+        grads = []
+        for p, ranks in zip(params, has_grad):
+            if ranks and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if ranks:
+                grads.append(p.grad)
+        buckets, size = [[]], 0
+        for g in grads:
+            if buckets[-1] and size + g.numel() > _GRAD_BUCKET_ELEMENTS:
+                buckets, size = [*buckets, []], 0
+            buckets[-1].append(g)
+            size += g.numel()
+        for bucket in buckets:
+            if not bucket:
+                continue
+            flat = torch.cat([g.flatten() for g in bucket])  # (bucket elements,)
+            torch.distributed.all_reduce(flat)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def sum(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # on the GPU for an NCCL-only group
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def max(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t)
+
+    def any(self, flag: bool) -> bool:
+        return self.sum([float(flag)])[0] > 0
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's tensor in rank order (rank r holds the prompts after ranks 0..r-1)."""
+        if self.world_size == 1:
+            return values
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, values.cpu())
+        return torch.cat(out)
+
+    def gather_objects(self, value: Any) -> list:
+        """Every rank's picklable value, in rank order."""
+        if self.world_size == 1:
+            return [value]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, value)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
