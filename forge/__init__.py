@@ -4,22 +4,66 @@
     GRPOTrainer(model, tokenizer, reward_fn=ExactMatchReward(), config=GRPOConfig()).train(dataset)
 """
 
-from forge.core.grpo import GRPOConfig
-from forge.core.policy import apply_lora, load_model, merge_and_export
-from forge.core.reward import (
-    BaseReward,
-    CompositeReward,
-    ExactMatchReward,
-    FormatReward,
-    LengthPenaltyReward,
-    MathCorrectnessReward,
-    NumberReward,
-    RewardOutput,
-    TagFormatReward,
-)
-from forge.core.trainer import GRPOTrainer, TrainingInterrupted
-from forge.data.gsm8k import extract_answer, format_prompt, load_gsm8k, load_gsm8k_mock, load_gsm_hard
-from forge.logging.logger import ForgeLogger
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Names are imported on first use, so `forge --help` and `import forge.core.grpo` do not load transformers.
+_WHERE = {
+    "GRPOConfig": "forge.core.grpo",
+    "apply_lora": "forge.core.policy",
+    "load_model": "forge.core.policy",
+    "merge_and_export": "forge.core.policy",
+    "BaseReward": "forge.core.reward",
+    "CompositeReward": "forge.core.reward",
+    "ExactMatchReward": "forge.core.reward",
+    "FormatReward": "forge.core.reward",
+    "LengthPenaltyReward": "forge.core.reward",
+    "MathCorrectnessReward": "forge.core.reward",
+    "NumberReward": "forge.core.reward",
+    "RewardOutput": "forge.core.reward",
+    "TagFormatReward": "forge.core.reward",
+    "GRPOTrainer": "forge.core.trainer",
+    "TrainingInterrupted": "forge.core.trainer",
+    "extract_answer": "forge.data.gsm8k",
+    "format_prompt": "forge.data.gsm8k",
+    "load_gsm8k": "forge.data.gsm8k",
+    "load_gsm8k_mock": "forge.data.gsm8k",
+    "load_gsm_hard": "forge.data.gsm8k",
+    "ForgeLogger": "forge.logging.logger",
+}
+
+if TYPE_CHECKING:
+    from forge.core.grpo import GRPOConfig
+    from forge.core.policy import apply_lora, load_model, merge_and_export
+    from forge.core.reward import (
+        BaseReward,
+        CompositeReward,
+        ExactMatchReward,
+        FormatReward,
+        LengthPenaltyReward,
+        MathCorrectnessReward,
+        NumberReward,
+        RewardOutput,
+        TagFormatReward,
+    )
+    from forge.core.trainer import GRPOTrainer, TrainingInterrupted
+    from forge.data.gsm8k import extract_answer, format_prompt, load_gsm8k, load_gsm8k_mock, load_gsm_hard
+    from forge.logging.logger import ForgeLogger
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'forge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __version__ = "0.2.0"
 

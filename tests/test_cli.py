@@ -22,7 +22,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from forge.cli import build_config, build_parser, config_field_docs, main
+from forge.cli import build_config, build_parser, main
 from forge.core.grpo import GRPOConfig
 from forge.core.tiny import build_tiny_model
 
@@ -121,18 +121,36 @@ def test_help_lists_the_commands(capsys):
         assert re.search(rf"^\s+{name}\s", out, re.MULTILINE), f"`forge --help` does not list {name}"
 
 
-def test_train_help_lists_every_config_field_with_its_docstring(capsys):
+def test_cli_help_and_public_names_load_transformers_only_when_used():
+    """`forge --help` must not pay for transformers; `from forge import GRPOTrainer` still works."""
+    code = ("import sys, forge, forge.cli\n"
+            "assert 'transformers' not in sys.modules, 'import forge loaded transformers'\n"
+            "from forge import GRPOTrainer, GRPOConfig, ExactMatchReward, load_gsm8k\n"
+            "assert 'transformers' in sys.modules and GRPOTrainer.__module__ == 'forge.core.trainer'\n"
+            "try:\n    forge.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "no attribute 'no_such_name'" in done.stdout
+
+
+def test_train_help_lists_every_config_field_with_its_docstring(capsys, monkeypatch):
+    import forge.cli
+
+    real_docs = forge.cli.config_field_docs
+    # a '%' in a docstring must be printed as is (argparse %-formats help strings)
+    monkeypatch.setattr(forge.cli, "config_field_docs",
+                        lambda: {**real_docs(), "seed": "Seed (100% reproducible runs)."})
     with pytest.raises(SystemExit) as exit_info:
         forge_main("train", "--help")
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     flat = "".join(out.split())  # argparse re-wraps the text; compare without whitespace
-    docs = config_field_docs()
+    docs = forge.cli.config_field_docs()
     for name in (f.name for f in GRPOConfig.__dataclass_fields__.values()):
         assert f"--{name}" in out, f"--{name} missing from `forge train --help`"
         assert docs.get(name), f"GRPOConfig.{name} has no docstring"
         assert "".join(docs[name].split()) in flat, f"the docstring of {name} is not its help"
-    assert "Trade~20%speedforactivationmemory.[False]" in flat  # a '%' in a docstring is printed as is
+    assert "Seed(100%reproducibleruns).[42]" in flat
 
 
 # ----------------------------------------------------------------------------------------------------
