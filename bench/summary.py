@@ -31,15 +31,16 @@ def comparisons(results: Path) -> list[dict]:
 
 
 def table(summaries: list[dict]) -> str:
-    lines = [("| workload | model | mode | Forge s/step | TRL s/step | step time Forge/TRL | peak RSS Forge/TRL "
+    lines = [("| workload | model | mode | Forge s/step | TRL s/step | step time Forge/TRL | CPU time Forge/TRL | peak RSS Forge/TRL "
              "(MiB) | tokens through the model Forge/TRL | timed steps each | details |"),
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for s in summaries:
         args, forge, trl, ratios = s["args"], s["forge"], s["trl"], s["ratios"]
         lengths = "fixed-length" if args["model"] == "tiny" and not args.get("variable_length") else "EOS on"
         lines.append(
             f"| {args['workload']} | {args['model']} ({lengths}) | {args['mode']} | {forge['step_seconds']:.2f} | "
-            f"{trl['step_seconds']:.2f} | **{ratios['step_seconds']:.2f}x** | {ratios['peak_rss_mib']:.2f}x "
+            f"{trl['step_seconds']:.2f} | **{ratios['step_seconds']:.2f}x** | {ratios['cpu_seconds']:.2f}x | "
+            f"{ratios['peak_rss_mib']:.2f}x "
             f"({forge['peak_rss_mib']:.0f} / {trl['peak_rss_mib']:.0f}) | {ratios['tokens_forwarded_per_step']:.2f}x | "
             f"{forge['timed_steps']} | `bench/results/{s['file']}` |")
     return "\n".join(lines)
