@@ -136,8 +136,8 @@ class GRPOConfig:
     gradient_checkpointing: bool = False
     """Keep only each decoder layer's input in the loss pass and recompute the rest in backward: less activation
     memory for more compute. The loss pass then runs every completion with its own copy of the prompt
-    (a checkpointed layer cannot keep the shared prompt cache), so it pays off for long completions and
-    short prompts. Generation is unchanged."""
+    (a checkpointed layer cannot keep the shared prompt cache), which costs the most with long prompts and
+    large groups. Generation is unchanged."""
     dtype: str = "auto"
     """Model dtype when Forge loads the model: auto = fp32 on CPU, bf16 on a GPU that supports it."""
 

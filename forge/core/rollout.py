@@ -394,10 +394,13 @@ def checkpointed_layers(model, enabled: bool = True) -> Iterator[None]:
     switched to training mode here (their submodules, dropout included, are not). A checkpointed layer drops
     any KV cache, so use it with the full-sequence log-prob path (share_prompt_prefix=False).
     """
-    layers = [m for m in model.modules() if enabled and getattr(m, "gradient_checkpointing", False)]
-    if enabled and not layers:
+    if not enabled:
+        yield
+        return
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    if not layers:
         raise RuntimeError("gradient checkpointing was requested but the model has no checkpointing layers; "
-                           "call model.gradient_checkpointing_enable() first")
+                           "enable it first (forge.core.policy.enable_checkpointing)")
     modes = [layer.training for layer in layers]
     for layer in layers:
         layer.training = True

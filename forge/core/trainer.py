@@ -6,9 +6,10 @@ One optimizer step is a recipe:
             -> clipped-ratio loss + k3 KL, backward over micro-batches -> clip, AdamW, schedule -> log
 
 This module (with its helper core/distributed.py) is the only one that knows about processes: with several
-(accelerate / torchrun / forge train --nproc) each rank generates and scores whole groups of its share of the prompts, gradients are all-reduced,
-and rank 0 writes logs and checkpoints. The sampling noise is drawn per step for the whole batch and split
-like the prompts, so 1 and N processes give the same completions and the same update, up to fp32 rounding.
+(accelerate / torchrun / forge train --nproc) each rank generates and scores whole groups of its share of
+the prompts, gradients are all-reduced, and rank 0 writes logs and checkpoints. The sampling noise is drawn
+per step for the whole batch and split like the prompts, so 1 and N processes give the same completions and
+the same update, up to fp32 rounding.
 
 A run is never lost: a checkpoint holds weights, optimizer, schedule, step, (epoch, position) in the
 seeded per-epoch shuffle and every RNG state, taken right where the next step starts, so a resumed run
