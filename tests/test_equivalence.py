@@ -1,14 +1,16 @@
 """The speed-ups keep the math: the trainer's loss and gradients are the same with and without them.
 
 Three computations of one optimizer step's loss and gradients on the tiny model, for full fine-tuning and
-LoRA, every loss aggregation, with and without the KL term:
+LoRA, every loss aggregation, with and without the KL term, with and without masking (truncated
+completions, a NaN reward, a dropped flat group):
 
     optimised        GRPOTrainer.step with share_prompt_prefix=True (the prompt and a template shared by
                      all prompts run once, their cache expanded), micro-batches that split groups, and a
                      log-softmax chunk smaller than a completion
     straightforward  GRPOTrainer.step with share_prompt_prefix=False, one micro-batch, one huge chunk
-    by hand          each completion alone: unpadded prompt + completion through plain model(...), then
-                     grpo_loss over the whole batch
+    by hand          each completion alone: unpadded prompt + completion through plain model(...), then the
+                     advantages (Python's statistics module) and the loss of each aggregation written out
+                     in the test, so an error in Forge's own advantage or loss code cannot cancel out
 
 The rollouts are built by hand (patched in for the trainer's `_generate`), so every step sees the same
 completions: prompts of different lengths in one batch, some with a common chat template and some with
@@ -17,13 +19,14 @@ are captured where the optimizer would step, so nothing moves between the three.
 """
 
 import copy
+import math
+import statistics
 import types
 
 import pytest
 import torch
 
 from forge import GRPOConfig, GRPOTrainer
-from forge.core.grpo import LossNormaliser, compute_group_advantages, grpo_loss
 from forge.core.rollout import Rollout, completion_mask_from_ids, render_prompt, tokenize_prompts
 from forge.core.tiny import build_tiny_model
 from forge.data.arithmetic import chat_prompt
@@ -57,17 +60,23 @@ def hand_rollouts(tokenizer) -> list[Rollout]:
     return rollouts
 
 
+# The same rollouts with masking: a NaN reward (masked, out of its group's statistics), a group of equal
+# rewards that no float holds exactly (dropped as flat), and truncated completions (masked).
+MASKED_REWARDS = [[1.0, 0.0, float("nan"), 0.0, 0.7, 0.7, 0.7, 0.7], [0.0, 1.0, 0.0, 0.0, 2.0, 0.5, 1.0, 0.0]]
+MASKING = {"mask_truncated_completions": True, "drop_zero_std_groups": True, "on_reward_error": "score"}
+
+
 def make_trainer(base_model, tokenizer, tmp_path, optimised: bool, mode: str, loss_type: str, kl_beta: float,
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, masked: bool = False):
     config = GRPOConfig(
         gradient_checkpointing=gradient_checkpointing,
         group_size=GROUP, prompts_per_step=2, gradient_accumulation_steps=2, max_new_tokens=MAX_NEW,
         temperature=TEMPERATURE, loss_type=loss_type, kl_beta=kl_beta, max_grad_norm=0.0,
         use_lora=mode == "lora", lora_r=4, lora_alpha=8, output_dir=str(tmp_path / ("fast" if optimised else "slow")),
         share_prompt_prefix=optimised, micro_batch_size=3 if optimised else 0,
-        logprob_chunk_size=5 if optimised else 10**9,
+        logprob_chunk_size=5 if optimised else 10**9, **(MASKING if masked else {}),
     )
-    rollouts, rewards = iter(hand_rollouts(tokenizer)), iter(REWARDS)
+    rollouts, rewards = iter(hand_rollouts(tokenizer)), iter(MASKED_REWARDS if masked else REWARDS)
 
     def reward(prompts, completions, **kwargs):
         return next(rewards)
@@ -97,20 +106,56 @@ def rows():
 
 
 def _row_logprobs(network, ids, prompt_length: int, completion) -> torch.Tensor:
-    """log p of each completion token of one unpadded sequence ids (1, Lp + n), padded to (MAX_NEW,)."""
+    """log p of each completion token of one unpadded sequence ids (1, Lp + n), (n,)."""
     logits = network(input_ids=ids).logits[0, prompt_length - 1:-1] / TEMPERATURE  # (n, V)
-    picked = torch.log_softmax(logits.float(), dim=-1).gather(1, completion[:, None]).squeeze(1)  # (n,)
-    return torch.nn.functional.pad(picked, (0, MAX_NEW - completion.shape[0]))  # (MAX_NEW,)
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, completion[:, None]).squeeze(1)  # (n,)
 
 
-def by_hand(trainer, tokenizer, kl_beta: float, loss_type: str):
-    """Loss and gradients with each completion run alone on its unpadded prompt."""
+def hand_advantages(rewards: list[float], truncated: list[bool], masked: bool) -> tuple[list[float], list[bool]]:
+    """DeepSeekMath's A_i = (r_i - mean) / (std + 1e-4) per group, with Python's statistics module; with masking,
+    NaN rewards leave the statistics, flat groups and truncated completions leave the loss."""
+    advantages, kept = [], []
+    for start in range(0, len(rewards), GROUP):
+        group = rewards[start:start + GROUP]
+        finite = [r for r in group if math.isfinite(r)]
+        mean, std = statistics.fmean(finite), statistics.stdev(finite)
+        flat = len(set(finite)) == 1
+        for i, r in enumerate(group):
+            ok = math.isfinite(r)
+            advantages.append((r - mean) / (std + 1e-4) if ok and not flat else 0.0)
+            kept.append(not masked or (ok and not flat and not truncated[start + i]))
+    return advantages, kept
+
+
+def hand_loss(per_row: list[tuple[torch.Tensor, torch.Tensor | None, float]], kept: list[bool], kl_beta: float,
+              loss_type: str) -> torch.Tensor:
+    """The one-update GRPO loss written out: ratio = exp(logp - stopgrad(logp)) = 1 sits inside the clip range, so
+    pg_t = -A * ratio_t; kl_t = exp(ref - logp) - (ref - logp) - 1; then each paper's aggregation."""
+    sums, lengths = [], []
+    for (logprobs, ref, advantage), keep in zip(per_row, kept):
+        if not keep:
+            continue
+        per_token = -advantage * torch.exp(logprobs - logprobs.detach())  # (n,)
+        if kl_beta > 0:
+            per_token = per_token + kl_beta * (torch.exp(ref - logprobs) - (ref - logprobs) - 1)
+        sums.append(per_token.sum())
+        lengths.append(per_token.numel())
+    if loss_type == "grpo":  # 1/|kept| sum_i 1/|o_i| sum_t
+        return sum(total / n for total, n in zip(sums, lengths)) / len(sums)
+    if loss_type == "dapo":  # sum over every kept token / their number
+        return sum(sums) / sum(lengths)
+    assert loss_type == "dr_grpo"  # constant: every sampled completion x max_new_tokens
+    return sum(sums) / (len(per_row) * MAX_NEW)
+
+
+def by_hand(trainer, tokenizer, kl_beta: float, loss_type: str, masked: bool = False):
+    """Loss and gradients with each completion run alone on its unpadded prompt; no Forge math involved."""
     model = trainer.model
     model.zero_grad(set_to_none=True)
-    logprobs, ref_logprobs, masks, advantages = [], [], [], []
-    for rollout, prompts, rewards in zip(hand_rollouts(tokenizer), PROMPTS, REWARDS):
-        advantages.append(compute_group_advantages(torch.tensor(rewards), GROUP))
-        masks.append(rollout.completion_mask)
+    per_row, kept = [], []
+    for rollout, prompts, rewards in zip(hand_rollouts(tokenizer), PROMPTS, MASKED_REWARDS if masked else REWARDS):
+        advantages, keep = hand_advantages(rewards, rollout.truncated.tolist(), masked)
+        kept.extend(keep)
         for row in range(rollout.completion_ids.shape[0]):
             prompt = prompts[row // GROUP]
             prompt_tokens = tokenizer(render_prompt(tokenizer, prompt),
@@ -118,45 +163,52 @@ def by_hand(trainer, tokenizer, kl_beta: float, loss_type: str):
             length = int(rollout.completion_mask[row].sum())
             completion = rollout.completion_ids[row, :length]
             ids = torch.cat([torch.tensor(prompt_tokens), completion])[None]  # (1, Lp + length)
-            logprobs.append(_row_logprobs(model, ids, len(prompt_tokens), completion))
+            logprobs = _row_logprobs(model, ids, len(prompt_tokens), completion)
+            ref = None
             if kl_beta > 0:
                 with torch.no_grad():
                     if trainer.is_lora:
                         with model.disable_adapter():
-                            ref_logprobs.append(_row_logprobs(model, ids, len(prompt_tokens), completion))
+                            ref = _row_logprobs(model, ids, len(prompt_tokens), completion)
                     else:
-                        ref_logprobs.append(_row_logprobs(trainer.reference_model, ids, len(prompt_tokens),
-                                                          completion))
-    mask = torch.cat(masks)  # (N, T)
-    normaliser = LossNormaliser(float(mask.shape[0]), float(mask.sum()), MAX_NEW)
-    loss, _ = grpo_loss(torch.stack(logprobs), None, torch.stack(ref_logprobs) if kl_beta > 0 else None,
-                        torch.cat(advantages), mask, kl_beta=kl_beta, loss_type=loss_type, normaliser=normaliser)
+                        ref = _row_logprobs(trainer.reference_model, ids, len(prompt_tokens), completion)
+            per_row.append((logprobs, ref, advantages[row]))
+    loss = hand_loss(per_row, kept, kl_beta, loss_type)
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return float(loss.detach()), grads
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("kl_beta", [0.0, 0.1])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_optimised_update_equals_straightforward_and_by_hand(tmp_path, tiny_tokenizer, mode, loss_type, kl_beta):
+def test_optimised_update_equals_straightforward_and_by_hand(tmp_path, tiny_tokenizer, mode, loss_type, kl_beta,
+                                                             masked):
     base, _ = build_tiny_model(tiny_tokenizer, seed=0)
-    fast, fast_grads = make_trainer(base, tiny_tokenizer, tmp_path, True, mode, loss_type, kl_beta)
-    slow, slow_grads = make_trainer(base, tiny_tokenizer, tmp_path, False, mode, loss_type, kl_beta)
+    fast, fast_grads = make_trainer(base, tiny_tokenizer, tmp_path, True, mode, loss_type, kl_beta, masked=masked)
+    slow, slow_grads = make_trainer(base, tiny_tokenizer, tmp_path, False, mode, loss_type, kl_beta, masked=masked)
 
     fast_loss = fast.step(rows())["loss"]
     slow_loss = slow.step(rows())["loss"]
-    hand_loss, hand_grads = by_hand(fast, tiny_tokenizer, kl_beta, loss_type)
+    hand_loss_value, hand_grads = by_hand(fast, tiny_tokenizer, kl_beta, loss_type, masked)
 
     assert fast_grads.keys() == slow_grads.keys() == hand_grads.keys() and fast_grads
     assert any(g.abs().max() > 1e-4 for g in hand_grads.values())  # the comparison is not between zeros
     assert fast_loss == pytest.approx(slow_loss, rel=1e-5, abs=1e-7)
-    assert fast_loss == pytest.approx(hand_loss, rel=1e-5, abs=1e-7)
+    assert fast_loss == pytest.approx(hand_loss_value, rel=1e-5, abs=1e-7)
     for name, expected in hand_grads.items():
         scale = expected.abs().max().clamp(min=1e-3)
         torch.testing.assert_close(fast_grads[name] / scale, expected / scale, rtol=0, atol=1e-5, msg=name)
         torch.testing.assert_close(slow_grads[name] / scale, expected / scale, rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_masked_batch_masks_what_it_claims(tiny_tokenizer):
+    """The masked case drops one group as flat, one NaN sample and the truncated completions, and keeps rows."""
+    kept = [k for rollout, rewards in zip(hand_rollouts(tiny_tokenizer), MASKED_REWARDS)
+            for k in hand_advantages(rewards, rollout.truncated.tolist(), True)[1]]
+    assert 4 <= sum(kept) < len(kept) - 4
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])

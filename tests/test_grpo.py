@@ -471,3 +471,79 @@ def test_micro_batches_sum_to_the_full_batch(loss_type, level):
         total = total + part.item()
     assert total == pytest.approx(full.item(), abs=1e-10)
     torch.testing.assert_close(micro_lp.grad, full_lp.grad, atol=1e-10, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Equal groups are exactly flat; masked samples stay out of the statistics
+
+
+def _as_the_demo_scores(value: float, weight: float = 1.0) -> torch.Tensor:
+    """Eight copies of weight x value accumulated in float32, the way scoring.py sums weighted rewards."""
+    return torch.zeros(8) + weight * torch.full((8,), value)
+
+
+@pytest.mark.parametrize("value", [0.7, 1.1, 100.3])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_a_group_of_equal_unrepresentable_rewards_is_exactly_flat(value, scale):
+    # 0.7, 1.1 and 100.3 have no exact binary form: a float32 mean of eight copies can differ from the copies by
+    # one ulp, which a std of ~6e-8 (or ~7e-6 at 100.3) and eps = 1e-4 would turn into a same-signed advantage.
+    rewards = torch.cat([_as_the_demo_scores(value), torch.tensor([1.0, 0.0] * 4)])  # (16,): flat, then mixed
+    advantages = compute_group_advantages(rewards, group_size=8, scale=scale)
+    assert torch.equal(advantages[:8], torch.zeros(8))
+    assert (advantages[8:] != 0).all()
+    std = group_reward_std(rewards, 8)
+    assert std[0].item() == 0.0 and std[1].item() == pytest.approx(math.sqrt(8 * 0.25 / 7), abs=1e-6)
+
+
+def test_demo_reward_of_correct_plus_a_tenth_format_is_flat():
+    # correctness 1 + 0.1 x format 1, summed in float32 as two weighted components
+    rewards = torch.zeros(8) + 1.0 * torch.ones(8) + 0.1 * torch.ones(8)
+    assert torch.equal(compute_group_advantages(rewards, 8), torch.zeros(8))
+    assert group_reward_std(rewards, 8).item() == 0.0
+
+
+def test_invalid_samples_are_left_out_of_the_group_statistics():
+    # group 1: [1, 0, (5: invalid), 1] -> statistics of [1, 0, 1]: mean 2/3, deviations 1/3, -2/3, 1/3,
+    #          Bessel var = (1/9 + 4/9 + 1/9) / 2 = 1/3, std = 0.577350; A = dev / (0.577350 + 1e-4)
+    # group 2: [2, 4, 6, 8] all valid: mean 5, var = (9 + 1 + 1 + 9) / 3 = 20/3, std = 2.581989
+    rewards = torch.tensor([1.0, 0.0, 5.0, 1.0, 2.0, 4.0, 6.0, 8.0])
+    valid = torch.tensor([True, True, False, True, True, True, True, True])
+    s1, s2 = math.sqrt(1 / 3) + 1e-4, math.sqrt(20 / 3) + 1e-4
+    expected = torch.tensor([1 / 3 / s1, -2 / 3 / s1, 0.0, 1 / 3 / s1, -3 / s2, -1 / s2, 1 / s2, 3 / s2])
+    torch.testing.assert_close(compute_group_advantages(rewards, 4, valid=valid), expected, atol=1e-6, rtol=0)
+    assert compute_group_advantages(rewards, 4, valid=valid)[0].item() == pytest.approx(0.577250, abs=1e-6)
+    torch.testing.assert_close(group_reward_std(rewards, 4, valid), torch.tensor([math.sqrt(1 / 3),
+                                                                                  math.sqrt(20 / 3)]))
+    # scale='none': r - mean of the valid ones; scale='batch': std of the 7 valid rewards
+    # valid rewards [1, 0, 1, 2, 4, 6, 8]: sum 22, sum of squares 122, squared deviations 122 - 22**2/7 = 52.857143,
+    # Bessel std = sqrt(52.857143 / 6) = 2.968084
+    batch_std = 2.968084 + 1e-4
+    centred = [1 / 3, -2 / 3, 0.0, 1 / 3, -3.0, -1.0, 1.0, 3.0]
+    torch.testing.assert_close(compute_group_advantages(rewards, 4, "none", valid=valid), torch.tensor(centred))
+    torch.testing.assert_close(compute_group_advantages(rewards, 4, "batch", valid=valid),
+                               torch.tensor(centred) / batch_std, atol=1e-6, rtol=0)
+
+
+def test_a_group_with_one_valid_sample_has_no_signal():
+    rewards = torch.tensor([3.0, float("nan"), float("nan"), float("nan")])
+    valid = torch.tensor([True, False, False, False])
+    assert torch.equal(compute_group_advantages(rewards, 4, valid=valid), torch.zeros(4))
+    assert group_reward_std(rewards, 4, valid).item() == 0.0
+
+
+def test_dr_grpo_divides_by_every_sampled_completion_even_when_rows_are_masked():
+    # Two completions, ratio 1 (old = None): pg_t = -A. Row 0 (A = 1) keeps 3 tokens, row 1 (A = -1) is masked.
+    # Dr. GRPO's constant: 2 sampled completions x max_new_tokens 4 = 8, so the loss is -3 / 8 = -0.375;
+    # dividing by the 1 kept row instead would give -0.75 and make the normaliser depend on the mask.
+    logprobs = torch.zeros(2, 4, requires_grad=True)
+    advantages = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])
+    norm = LossNormaliser(num_sequences=1, num_tokens=3, max_completion_length=4, num_sampled=2)
+    loss, _ = grpo_loss(logprobs, None, None, advantages, mask, loss_type="dr_grpo", normaliser=norm)
+    assert loss.item() == pytest.approx(-0.375, abs=1e-7)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1 / 8, -1 / 8, -1 / 8, 0.0], [0.0] * 4]))
+    # grpo and dapo average over what is kept: 1 row of 3 tokens -> -1
+    for loss_type in ("grpo", "dapo"):
+        value, _ = grpo_loss(logprobs, None, None, advantages, mask, loss_type=loss_type, normaliser=norm)
+        assert value.item() == pytest.approx(-1.0, abs=1e-7)

@@ -447,6 +447,66 @@ def test_drop_zero_std_groups(tmp_path, tiny_model, tiny_tokenizer):
     assert all(row["frac_zero_std_groups"] == 0.5 for row in log)
 
 
+@pytest.mark.parametrize("value", [0.7, 100.3])
+def test_drop_zero_std_groups_drops_groups_of_equal_inexact_rewards(value, tmp_path, tiny_model, tiny_tokenizer):
+    """A group of eight 0.7s has a float32 std of ~6e-8, not 0: it must still count as flat and be dropped."""
+    def flat_for_flat_prompts(prompts, completions, **kwargs):
+        return [value if "flat" in prompt else float(i % 2) for i, prompt in enumerate(prompts)]
+
+    rows = [{"prompt": "flat yes"}, {"prompt": "the total"}]
+    config = fast_config(tmp_path, drop_zero_std_groups=True, group_size=8, prompts_per_step=2, max_steps=1,
+                         shuffle=False)
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, flat_for_flat_prompts, config)
+    batch, _ = trainer._collect(rows)
+    (loss_mask,), (advantages,) = batch.loss_mask, batch.advantages
+    assert loss_mask[:8].sum() == 0 and loss_mask[8:].sum() > 0
+    assert torch.equal(advantages[:8], torch.zeros(8))
+    trainer.train(rows)
+    (row,) = read_jsonl(tmp_path / "run" / "training_log.jsonl")
+    assert row["frac_zero_std_groups"] == 0.5
+
+
+def test_a_nonfinite_reward_sample_is_left_out_of_its_group_statistics(tmp_path, tiny_model, tiny_tokenizer):
+    def one_nan(prompts, completions, **kwargs):
+        return [1.0, 0.0, float("nan"), 1.0]
+
+    config = fast_config(tmp_path, on_reward_error="score", max_steps=1)
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, one_nan, config)
+    batch, stats = trainer._collect(ROWS[:1])
+    # statistics of [1, 0, 1]: mean 2/3, Bessel std sqrt(1/3); A = (r - 2/3) / (0.577350 + 1e-4)
+    scale = math.sqrt(1 / 3) + 1e-4
+    expected = torch.tensor([1 / 3 / scale, -2 / 3 / scale, 0.0, 1 / 3 / scale])  # [0.57725, -1.15450, 0, 0.57725]
+    torch.testing.assert_close(batch.advantages[0], expected, atol=1e-6, rtol=0)
+    assert batch.loss_mask[0][2].sum() == 0 and batch.loss_mask[0][[0, 1, 3]].sum() > 0
+    assert stats["nonfinite"] == 1
+
+
+def test_pi_old_is_the_sampling_policy_and_the_first_update_has_ratio_one(tmp_path, tiny_model, tiny_tokenizer):
+    """num_iterations > 1: pi_old must be the weights that sampled, not those after the first optimizer step."""
+    import copy
+
+    config = fast_config(tmp_path, num_iterations=3, max_steps=3, kl_beta=0.0, learning_rate=5e-2,
+                         micro_batch_size=2, prompts_per_step=2)
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, vowel_count, config)
+    sampler = copy.deepcopy(trainer.model)  # the policy as it samples the first rollout
+    collected, updates = [], []
+    real_collect, real_update = trainer._collect, trainer._update
+    trainer._collect = lambda rows: collected.append(real_collect(rows)) or collected[-1]
+    trainer._update = lambda batch: updates.append(real_update(batch)) or updates[-1]
+    trainer.train(ROWS[:2])
+
+    (batch, _), = collected
+    (rollout,), (old,) = batch.rollouts, batch.old_logprobs
+    with torch.no_grad():
+        expected = completion_logprobs(sampler, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                       rollout.prompt_index, config.temperature)
+    mask = rollout.completion_mask.bool()
+    torch.testing.assert_close(old[mask], expected[mask], atol=1e-5, rtol=1e-5)
+    assert len(updates) == 3
+    assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and updates[0]["clip_frac"] == 0
+    assert abs(updates[2]["ratio_mean"] - 1.0) > 1e-4  # later updates do move off pi_old
+
+
 # ----------------------------------------------------------------------------------------------------
 # bad inputs fail before any generation
 

@@ -247,48 +247,88 @@ class GRPOConfig:
 # Advantages
 
 
-# Each returns the divisor of the centred rewards, (N,); `eps` keeps a std of 0 from dividing by 0.
+# Each returns the divisor of the centred rewards, (N,), from float64 rewards and the (N,) mask of the
+# samples that enter the statistics; `eps` keeps a std of 0 from dividing by 0.
 
 
-def _group_scale(rewards: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
-    return rewards.view(-1, group_size).std(dim=1, keepdim=True).expand(-1, group_size).reshape(-1) + eps
+def _masked_std(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Bessel-corrected std of each row's valid entries, (rows, n) -> (rows,); exactly 0 where fewer than
+    two are valid or all valid entries are equal."""
+    weight = valid.to(values.dtype)  # (rows, n)
+    count = weight.sum(dim=1)  # (rows,)
+    mean = (values * weight).sum(dim=1, keepdim=True) / count.clamp(min=1)[:, None]  # (rows, 1)
+    var = ((values - mean) ** 2 * weight).sum(dim=1) / (count - 1).clamp(min=1)  # (rows,)
+    spread = (count >= 2) & ~_all_equal(values, valid)  # (rows,)
+    return torch.where(spread, var.sqrt(), 0.0)
 
 
-def _batch_scale(rewards: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
-    return rewards.std().expand_as(rewards) + eps
+def _all_equal(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(rows, n) -> (rows,): True where every valid entry holds the same value (or none is valid). Exact, so a
+    group of 0.7s or 1.1s, which no float type holds exactly, is recognised without rounding."""
+    big = torch.finfo(values.dtype).max
+    highest = torch.where(valid, values, -big).max(dim=1).values
+    lowest = torch.where(valid, values, big).min(dim=1).values
+    return highest <= lowest
 
 
-def _no_scale(rewards: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+def _group_scale(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    std = _masked_std(rewards.view(-1, group_size), valid.view(-1, group_size))  # (groups,)
+    return std.repeat_interleave(group_size) + eps
+
+
+def _batch_scale(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    return _masked_std(rewards[None], valid[None]).expand_as(rewards) + eps
+
+
+def _no_scale(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
     return torch.ones_like(rewards)  # no eps: the advantage is exactly r - mean
 
 
-ADVANTAGE_SCALES: dict[str, Callable[[torch.Tensor, int, float], torch.Tensor]] = {
+ADVANTAGE_SCALES: dict[str, Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]] = {
     "group": _group_scale,  # DeepSeekMath: std of the group (Bessel-corrected)
     "batch": _batch_scale,  # std over the whole batch (more robust for small groups)
     "none": _no_scale,  # Dr. GRPO (Liu et al. 2025): no std division, removes the difficulty bias
 }
 
 
-def compute_group_advantages(
-    rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
-) -> torch.Tensor:
-    """Group-relative advantages. rewards: (N,) laid out group by group, N = num_groups * group_size.
-
-    A_i = (r_i - mean(group)) / (std + eps), or r_i - mean(group) for scale='none'. A group whose rewards
-    are all equal gets exactly 0.
-    """
+def _check_rewards(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None) -> torch.Tensor:
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
                          f"got shape {tuple(rewards.shape)}")
-    rewards = rewards.float()
-    grouped = rewards.view(-1, group_size)  # (num_groups, G)
-    centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # (N,)
-    return centred / ADVANTAGE_SCALES[scale](rewards, group_size, eps)  # (N,)
+    if valid is None:
+        return torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device)
+    if valid.shape != rewards.shape:
+        raise ValueError(f"valid must have the rewards' shape {tuple(rewards.shape)}, got {tuple(valid.shape)}")
+    return valid.bool()
 
 
-def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Per-group std of the rewards, (num_groups,)."""
-    return rewards.float().view(-1, group_size).std(dim=1)
+def compute_group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Group-relative advantages. rewards: (N,) laid out group by group, N = num_groups * group_size.
+
+    A_i = (r_i - mean(group)) / (std + eps), or r_i - mean(group) for scale='none'.
+    valid: (N,) bool, False for samples left out of the statistics (e.g. a reward returned NaN); they get
+    advantage 0, and the mean and std are those of the group's valid samples.
+    A group whose valid rewards are all equal gets exactly 0, whatever their value: the statistics run in
+    float64 and an all-equal group is detected by max == min, not by a std that rounds to ~1e-8.
+    """
+    valid = _check_rewards(rewards, group_size, valid)
+    values = torch.where(valid, rewards.double(), 0.0)  # (N,) float64
+    grouped, grouped_valid = values.view(-1, group_size), valid.view(-1, group_size)  # (groups, G)
+    count = grouped_valid.sum(dim=1, keepdim=True).clamp(min=1)  # (groups, 1)
+    mean = grouped.sum(dim=1, keepdim=True) / count  # (groups, 1)
+    flat = _all_equal(grouped, grouped_valid)[:, None]  # (groups, 1)
+    centred = torch.where(flat | ~grouped_valid, 0.0, grouped - mean).reshape(-1)  # (N,)
+    return (centred / ADVANTAGE_SCALES[scale](values, valid, group_size, eps)).to(torch.float32)  # (N,)
+
+
+def group_reward_std(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-group std of the (valid) rewards, (num_groups,) float32; exactly 0 for a group of equal rewards."""
+    valid = _check_rewards(rewards, group_size, valid)
+    values = torch.where(valid, rewards.double(), 0.0).view(-1, group_size)  # (groups, G)
+    return _masked_std(values, valid.view(-1, group_size)).to(torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -378,9 +418,18 @@ IMPORTANCE_LEVELS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
 
 
 class LossNormaliser(NamedTuple):
-    num_sequences: float
-    num_tokens: float
-    max_completion_length: int
+    """What each aggregation divides by, counted over the whole optimizer batch.
+
+    When samples are masked out of the loss (truncated completions, dropped zero-std groups, non-finite
+    rewards), 'grpo' and 'bnpo'/'dapo' average over what is left, as if the masked samples had never been
+    drawn (DAPO's dynamic sampling keeps only the informative groups too). 'dr_grpo' divides by a constant,
+    as its paper does: every completion sampled, masked or not, times max_new_tokens.
+    """
+
+    num_sequences: float  # completions with at least one token in the loss
+    num_tokens: float  # tokens in the loss
+    max_completion_length: int  # max_new_tokens
+    num_sampled: float | None = None  # every completion sampled for this optimizer step; None = num_sequences
 
 
 def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormaliser) -> torch.Tensor:
@@ -396,7 +445,8 @@ def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormalise
 
 def _constant_normaliser(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormaliser) -> torch.Tensor:
     # Dr. GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783): no length bias, constant denominator
-    return (per_token * mask).sum() / (norm.num_sequences * norm.max_completion_length)
+    sampled = norm.num_sequences if norm.num_sampled is None else norm.num_sampled
+    return (per_token * mask).sum() / (sampled * norm.max_completion_length)
 
 
 LOSS_AGGREGATIONS = {

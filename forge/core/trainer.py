@@ -285,7 +285,7 @@ class GRPOTrainer:
         """Generate, score and compute advantages for every rollout of this optimizer step."""
         config = self.config
         batch = Batch([], [], [], [], [], [])
-        stats = {"scores": [], "components": {}, "errors": 0, "timeouts": 0, "nonfinite": 0, "gen_seconds": 0.0,
+        stats = {"scores": [], "valid": [], "components": {}, "errors": 0, "timeouts": 0, "nonfinite": 0, "gen_seconds": 0.0,
                  "samples": []}
         # Each rank takes its share of every rollout batch, whole groups only (rank r: prompts r*share..).
         share = config.prompts_per_step // self.dist.world_size
@@ -300,20 +300,23 @@ class GRPOTrainer:
             stats["gen_seconds"] += time.perf_counter() - t0
             scores = self._score_on_every_rank(mine, rollout)
             # Advantages of the whole rollout batch (scale_rewards='batch' needs every rank's rewards); keep ours.
+            # Samples whose reward was NaN/inf are masked from the loss and left out of the group statistics.
             advantages = compute_group_advantages(self.dist.gather(scores.total), config.group_size,
-                                                  config.scale_rewards, config.advantage_epsilon)  # (N_total,)
+                                                  config.scale_rewards, config.advantage_epsilon,
+                                                  valid=self.dist.gather(scores.valid))  # (N_total,)
             advantages = advantages[mine_rows]  # (N,)
             keep = scores.valid.clone()  # (N,)
             if config.mask_truncated_completions:
                 keep &= ~rollout.truncated
             if config.drop_zero_std_groups:
-                flat = group_reward_std(scores.total, config.group_size) > 0  # (P,)
-                keep &= flat.repeat_interleave(config.group_size)
+                informative = group_reward_std(scores.total, config.group_size, scores.valid) > 0  # (P,)
+                keep &= informative.repeat_interleave(config.group_size)
             batch.rollouts.append(rollout)
             batch.rows.append(mine)
             batch.advantages.append(advantages)
             batch.loss_mask.append(rollout.completion_mask * keep[:, None].long())
             stats["scores"].append(scores.total)
+            stats["valid"].append(scores.valid)
             for name, values in scores.components.items():
                 stats["components"].setdefault(name, []).append(values)
             stats["errors"] += scores.errors
@@ -410,8 +413,10 @@ class GRPOTrainer:
         # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
         num_sequences = sum(float((m.sum(dim=1) > 0).sum()) for m in batch.loss_mask)
         num_tokens = sum(float(m.sum()) for m in batch.loss_mask)
-        num_sequences, num_tokens = self.dist.sum([num_sequences, num_tokens])
-        normaliser = LossNormaliser(max(num_sequences, 1.0), max(num_tokens, 1.0), config.max_new_tokens)
+        num_sampled = sum(float(m.shape[0]) for m in batch.loss_mask)
+        num_sequences, num_tokens, num_sampled = self.dist.sum([num_sequences, num_tokens, num_sampled])
+        normaliser = LossNormaliser(max(num_sequences, 1.0), max(num_tokens, 1.0), config.max_new_tokens,
+                                    num_sampled)
         totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0,
                   "ratio_mean": 0.0}
         weight_sum = 0.0
@@ -491,7 +496,8 @@ class GRPOTrainer:
     def _metrics(self, batch: Batch, rollout_stats: dict, update_stats: dict, started, generated_at, finished):
         config = self.config
         rewards = self.dist.gather(torch.cat(rollout_stats["scores"]))  # (N_total,)
-        group_std = group_reward_std(rewards, config.group_size)  # (groups,)
+        valid = self.dist.gather(torch.cat(rollout_stats["valid"]))  # (N_total,)
+        group_std = group_reward_std(rewards, config.group_size, valid)  # (groups,)
         lengths = self.dist.gather(torch.cat([r.completion_lengths for r in batch.rollouts]).float())
         truncated = self.dist.gather(torch.cat([r.truncated for r in batch.rollouts]).float())
         errors, timeouts, nonfinite = self.dist.sum(
