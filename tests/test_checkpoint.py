@@ -1,20 +1,28 @@
 """Checkpoints: round trip of weights, optimizer and RNG; atomicity under a crash; pruning; LoRA adapters."""
 
+import hashlib
 import json
+import os
 import random
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from forge.checkpoint import (
+    CheckpointError,
     capture_rng_state,
     check_compatible,
     checkpoint_dir,
     latest_checkpoint,
+    latest_verified_checkpoint,
     load_checkpoint,
     load_model_weights,
     prune_checkpoints,
+    remove_stale_temporaries,
     restore_rng_state,
     save_checkpoint,
 )
@@ -116,7 +124,7 @@ def test_rng_restore_reproduces_draws(tmp_path, tiny_model, tiny_tokenizer):
 
     expected = draws()
     draws()  # move every generator on
-    restore_rng_state(load_checkpoint(path).rng_state)
+    restore_rng_state(load_checkpoint(path, require_training_state=False).rng_state)
     assert draws() == expected
 
 
@@ -140,7 +148,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, tiny_model, tiny_tok
         save(good, tiny_model, tiny_tokenizer, step=5)
 
     assert latest_checkpoint(tmp_path) == good
-    assert load_checkpoint(good).trainer_state["global_step"] == 1
+    assert load_checkpoint(good, require_training_state=False).trainer_state["global_step"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
 
 
@@ -159,7 +167,7 @@ def test_latest_ignores_final_tmp_and_incomplete(tmp_path, tiny_model, tiny_toke
 def test_overwrite_replaces_existing(tmp_path, tiny_model, tiny_tokenizer):
     path = save(tmp_path / "final", tiny_model, tiny_tokenizer, step=1)
     save(path, tiny_model, tiny_tokenizer, step=2)
-    assert load_checkpoint(path).trainer_state["global_step"] == 2
+    assert load_checkpoint(path, require_training_state=False).trainer_state["global_step"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
 
@@ -245,3 +253,157 @@ def test_check_compatible():
 def test_trainer_state_is_plain_json(tmp_path, tiny_model, tiny_tokenizer):
     path = save(tmp_path / "1", tiny_model, tiny_tokenizer, step=7)
     assert json.loads((path / "trainer_state.json").read_text())["global_step"] == 7
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checksums, damaged files, finite weights, stale temporaries (issue 18)
+
+
+def save_resumable(path, model, tokenizer, step):
+    """A checkpoint as the trainer writes it: with optimizer and scheduler state."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return save(path, model, tokenizer, step=step, optimizer=optimizer, scheduler=scheduler)
+
+
+def make_old_format(path):
+    """What a Forge from before checksums wrote: COMPLETE holds just 'ok'."""
+    (path / "COMPLETE").write_text("ok\n")
+
+
+def test_complete_marker_holds_the_sha256_of_every_other_file(tmp_path, tiny_model, tiny_tokenizer):
+    path = save_resumable(tmp_path / "1", tiny_model, tiny_tokenizer, step=1)
+    manifest = json.loads((path / "COMPLETE").read_text())
+    files = sorted(p.name for p in path.iterdir() if p.name != "COMPLETE")
+    assert sorted(manifest["sha256"]) == files
+    for name in files:
+        assert manifest["sha256"][name] == hashlib.sha256((path / name).read_bytes()).hexdigest(), name
+
+
+def test_a_bit_flip_in_the_weights_is_named_and_the_previous_checkpoint_offered(
+        tmp_path, tiny_model, tiny_tokenizer):
+    first = save_resumable(tmp_path / "1", tiny_model, tiny_tokenizer, step=1)
+    second = save_resumable(tmp_path / "2", tiny_model, tiny_tokenizer, step=2)
+    weights = second / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = bytes(b ^ 0xFF for b in data[middle:middle + 4096])  # a 4 KB bit flip
+    weights.write_bytes(bytes(data))
+
+    with pytest.raises(CheckpointError) as excinfo:
+        load_checkpoint(second)
+    message = str(excinfo.value)
+    assert f"checkpoint {second} is damaged: model.safetensors does not match the sha256" in message
+    assert f"resume_from='{first}'" in message
+    assert latest_checkpoint(tmp_path) == second  # still the newest complete one: resuming it is an error
+    assert latest_verified_checkpoint(tmp_path) == first
+    assert latest_verified_checkpoint(tmp_path, before_step=1) is None
+
+
+def _empty(file):
+    file.write_bytes(b"")
+
+
+def _halve(file):
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("old_format", [False, True], ids=["checksums", "no-checksums"])
+@pytest.mark.parametrize("name, damage, reason", [
+    ("model.safetensors", _empty, "is empty (0 bytes)"),
+    ("model.safetensors", _halve, "is truncated"),
+    ("optimizer.pt", os.remove, "is missing"),
+    ("scheduler.pt", os.remove, "is missing"),
+    ("rng_state.pt", os.remove, "is missing"),
+])
+def test_a_damaged_or_missing_file_next_to_complete_is_a_clear_error(
+        name, damage, reason, old_format, tmp_path, tiny_model, tiny_tokenizer):
+    first = save_resumable(tmp_path / "1", tiny_model, tiny_tokenizer, step=1)
+    second = save_resumable(tmp_path / "2", tiny_model, tiny_tokenizer, step=2)
+    if old_format:
+        make_old_format(second)
+    damage(second / name)
+    with pytest.raises(CheckpointError) as excinfo:
+        load_checkpoint(second)
+    message = str(excinfo.value)
+    assert f"checkpoint {second} is damaged: {name}" in message and reason in message
+    assert f"resume_from='{first}'" in message
+    if name == "model.safetensors":  # loading only the weights names the file too
+        with pytest.raises(CheckpointError, match=re.escape(f"{second} is damaged: {name} {reason}")):
+            load_model_weights(build_tiny_model(tiny_tokenizer)[0], second)
+
+
+def test_a_checkpoint_saved_without_optimizer_state_cannot_resume(tmp_path, tiny_model, tiny_tokenizer):
+    path = save(tmp_path / "4", tiny_model, tiny_tokenizer, step=4)
+    with pytest.raises(CheckpointError, match=r"4 cannot resume a run: optimizer.pt was not saved in it"):
+        load_checkpoint(path)
+    assert load_checkpoint(path, require_training_state=False).optimizer_state is None
+
+
+def test_an_old_checkpoint_without_checksums_loads_with_a_warning(tmp_path, tiny_model, tiny_tokenizer):
+    path = save_resumable(tmp_path / "3", tiny_model, tiny_tokenizer, step=3)
+    make_old_format(path)
+    with pytest.warns(UserWarning, match="has no checksums"):
+        state = load_checkpoint(path)
+    assert not state.verified and state.step == 3
+    fresh = build_tiny_model(tiny_tokenizer, seed=1)[0]
+    load_model_weights(fresh, path)
+    assert all(torch.equal(t, tiny_model.state_dict()[k]) for k, t in fresh.state_dict().items())
+    assert latest_verified_checkpoint(tmp_path) == path
+
+
+def test_load_says_which_checkpoint_it_loaded(tmp_path, tiny_model, tiny_tokenizer):
+    path = save_resumable(tmp_path / "7", tiny_model, tiny_tokenizer, step=7)
+    state = load_checkpoint(path)
+    assert (state.step, state.path, state.verified) == (7, path, True)
+    assert state.describe() == f"step 7 from {path} (sha256 verified)"
+
+
+def test_save_refuses_nonfinite_weights_and_writes_nothing(tmp_path, tiny_model, tiny_tokenizer):
+    with torch.no_grad():
+        tiny_model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"refusing to write checkpoint .*5: 1 weight tensors hold NaN/inf "
+                                              r"\(e.g. \['model.layers.0.mlp.up_proj.weight'\]\)"):
+        save_resumable(tmp_path / "5", tiny_model, tiny_tokenizer, step=5)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_old_nonfinite_checkpoint_is_never_offered(tmp_path, tiny_model, tiny_tokenizer):
+    from safetensors.torch import load_file, save_file
+
+    first = save_resumable(tmp_path / "1", tiny_model, tiny_tokenizer, step=1)
+    second = save_resumable(tmp_path / "2", tiny_model, tiny_tokenizer, step=2)
+    make_old_format(second)  # an older Forge wrote NaN weights and no checksums
+    weights = load_file(second / "model.safetensors")
+    weights["model.norm.weight"][0] = float("inf")
+    save_file(weights, second / "model.safetensors", metadata={"format": "pt"})
+    assert latest_verified_checkpoint(tmp_path) == first
+    with pytest.raises(CheckpointError, match="model.safetensors holds NaN/inf in 1 tensors"):
+        load_checkpoint(second)
+    with pytest.raises(CheckpointError, match=r"holds NaN/inf in 1 tensors \(e.g. \['model.norm.weight'\]\)"):
+        load_model_weights(build_tiny_model(tiny_tokenizer)[0], second)
+
+
+def dead_pid() -> int:
+    """The id of a process that has exited (and been reaped)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_stale_temporaries_are_cleaned_and_live_ones_kept(tmp_path, tiny_model, tiny_tokenizer):
+    gone, alive = dead_pid(), os.getppid()  # the parent of this test process is running
+    kept = save_resumable(tmp_path / "3", tiny_model, tiny_tokenizer, step=3)
+    (tmp_path / f"4.tmp-{gone}").mkdir()  # killed while writing step 4
+    (tmp_path / f"4.tmp-{gone}" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / f"5.tmp-{alive}").mkdir()  # another process is writing step 5 right now
+    (tmp_path / f"3.old-{gone}").mkdir()  # killed after step 3 was replaced: the new 3 is in place
+    moved = save_resumable(tmp_path / f"6.old-{gone}", tiny_model, tiny_tokenizer, step=6)  # killed between renames
+    (tmp_path / f"final.tmp-{os.getpid()}").mkdir()  # an earlier process with this process's id
+
+    cleaned = remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in cleaned) == sorted(
+        [f"4.tmp-{gone}", f"3.old-{gone}", moved.name, f"final.tmp-{os.getpid()}"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["3", "6", f"5.tmp-{alive}"])
+    assert load_checkpoint(tmp_path / "6").step == 6 and kept.is_dir()
+    assert remove_stale_temporaries(tmp_path / "missing") == []
