@@ -127,3 +127,45 @@ def test_to_dict_from_dict_round_trip():
     values = config.to_dict()
     assert values["group_size"] == 4 and values["lora_target_modules"] == ["q_proj"]
     assert GRPOConfig.from_dict(values) == config
+
+
+# Types from the annotations, finite numbers (issue 18): each value below passed validate() before.
+@pytest.mark.parametrize("overrides, message", [
+    ({"use_lora": "no"}, "use_lora='no' (str) must be a bool (true or false)"),  # turned LoRA on
+    ({"shuffle": "false"}, "shuffle='false' (str) must be a bool"),  # kept shuffling
+    ({"use_wandb": 1}, "use_wandb=1 (int) must be a bool"),
+    ({"max_steps": 2.5}, "max_steps=2.5 (float) must be an int"),  # ran 3 steps
+    ({"group_size": 4.0}, "group_size=4.0 (float) must be an int"),  # crashed inside generation
+    ({"group_size": "4"}, "group_size='4' (str) must be an int"),
+    ({"learning_rate": "1e-5"}, "learning_rate='1e-5' (str) must be a float"),
+    ({"max_prompt_length": 2.0}, "max_prompt_length=2.0 (float) must be an int (a whole number) or None"),
+    ({"reward_weights": [1.0, "0.5"]}, "reward_weights=[1.0, '0.5'] (list) must be a list of float values or None"),
+    ({"lora_target_modules": "q_proj"}, "lora_target_modules='q_proj' (str) must be a list of str values or None"),
+    ({"output_dir": None}, "output_dir=None (NoneType) must be a string"),
+    ({"learning_rate": float("inf")}, "learning_rate=inf must be a finite number"),
+    ({"learning_rate": float("nan")}, "learning_rate=nan must be a finite number"),
+    ({"weight_decay": float("inf")}, "weight_decay=inf must be a finite number"),
+    ({"reward_timeout": float("inf")}, "reward_timeout=inf must be a finite number (or None)"),
+    ({"max_grad_norm": float("inf")}, "max_grad_norm=inf must be a finite number"),
+    ({"reward_error_value": float("-inf")}, "reward_error_value=-inf must be a finite number"),
+    ({"reward_weights": [1.0, float("inf")]}, "reward_weights=[1.0, inf] must be a finite number"),
+])
+def test_validate_checks_every_type_and_finiteness_naming_the_field(overrides, message):
+    with pytest.raises(ValueError) as error:
+        GRPOConfig(**overrides).validate()
+    assert f"invalid GRPOConfig:\n  - {message}" in str(error.value)
+    assert str(error.value).count("\n  - ") == 1
+
+
+def test_float_fields_accept_ints_and_numpy_numbers_pass():
+    np = pytest.importorskip("numpy")
+    GRPOConfig(learning_rate=1, kl_beta=0, reward_timeout=3, reward_weights=[1, 0.5]).validate()
+    GRPOConfig(group_size=np.int64(4), learning_rate=np.float32(1e-4)).validate()
+
+
+def test_the_type_check_covers_every_field_generically():
+    """A value of the wrong type in any field, including ones added later, is named."""
+    for field in dataclasses.fields(GRPOConfig):
+        wrong = object()  # fits no annotation
+        with pytest.raises(ValueError, match=f"  - {field.name}=<object object"):
+            GRPOConfig(**{field.name: wrong}).validate()
