@@ -142,11 +142,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     rewards, weights = parse_rewards(args.reward)
     if config.reward_weights is None:
         config.reward_weights = weights
-    trainer = GRPOTrainer(args.model, None, rewards, config)
+    eval_rows = load_rows(args.eval_dataset) if args.eval_dataset else None
+    from forge.eval.evaluate import heldout_metrics  # eval/strict_accuracy, ... every eval_steps
+
+    trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics)
     dataset = load_rows(args.dataset)
     if args.max_samples:
         dataset = dataset[: args.max_samples]
-    eval_rows = load_rows(args.eval_dataset) if args.eval_dataset else None
     try:
         trainer.train(dataset, eval_dataset=eval_rows)
     except TrainingInterrupted as interrupted:  # SIGINT/SIGTERM: a checkpoint was saved; say how to go on

@@ -10,10 +10,11 @@ measure again with the same decoding; write the before/after report.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -87,12 +88,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_demo(settings: DemoSettings) -> dict:
-    from forge.core.grpo import GRPOConfig
     from forge.core.policy import load_model
-    from forge.core.reward import MathCorrectnessReward, TagFormatReward
     from forge.core.trainer import GRPOTrainer, seed_everything
     from forge.data.arithmetic import arithmetic_dataset, arithmetic_heldout
-    from forge.eval.evaluate import evaluate
+    from forge.eval.evaluate import evaluate, heldout_metrics
     from forge.eval.plot import plot_training_curves
     from forge.eval.report import build_comparison, write_comparison
     from forge.eval.screen import screen_prompts
@@ -131,18 +130,12 @@ def run_demo(settings: DemoSettings) -> dict:
                 : settings.prompts_per_step - len(train_rows)]
         (out / "screening.json").write_text(json.dumps(screened.report(), indent=2))
 
-    config = GRPOConfig(
-        group_size=settings.group_size, prompts_per_step=settings.prompts_per_step, gradient_accumulation_steps=1,
-        max_steps=settings.steps, learning_rate=settings.learning_rate, lr_scheduler="constant", warmup_ratio=0.0,
-        kl_beta=0.0, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens, use_lora=True,
-        lora_r=settings.lora_r, lora_alpha=2 * settings.lora_r, logging_steps=1, save_steps=0,
-        reward_weights=[1.0, settings.format_weight], output_dir=str(out), seed=settings.seed,
-        loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
-        drop_zero_std_groups=True, micro_batch_size=settings.group_size,
-    )
+    config = demo_config(settings, out)
     say(f"training: {settings.steps} steps x {settings.prompts_per_step} prompts x {settings.group_size} "
         f"completions, LoRA r={settings.lora_r}, lr {settings.learning_rate}")
-    trainer = GRPOTrainer(model, tokenizer, [MathCorrectnessReward(), TagFormatReward()], config)
+    # evaluator: what train(eval_dataset=...) logs as eval/<metric> (strict/soft accuracy, format rate)
+    trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config,
+                          evaluator=functools.partial(heldout_metrics, batch_size=eval_kw["batch_size"]))
     train_started = time.perf_counter()
     trainer.train(train_rows)
     train_seconds = time.perf_counter() - train_started
@@ -169,6 +162,29 @@ def run_demo(settings: DemoSettings) -> dict:
     print(f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     {out / 'training_log.jsonl'}, "
           f"{out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   {out / 'demo_result.json'}")
     return result
+
+
+def demo_config(settings: DemoSettings, output_dir, **overrides):
+    """The demo's GRPOConfig (bench/learning_vs_trl.py builds TRL's config from the same settings)."""
+    from forge.core.grpo import GRPOConfig
+
+    config = GRPOConfig(
+        group_size=settings.group_size, prompts_per_step=settings.prompts_per_step, gradient_accumulation_steps=1,
+        max_steps=settings.steps, learning_rate=settings.learning_rate, lr_scheduler="constant", warmup_ratio=0.0,
+        kl_beta=0.0, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens, use_lora=True,
+        lora_r=settings.lora_r, lora_alpha=2 * settings.lora_r, logging_steps=1, save_steps=0,
+        reward_weights=[1.0, settings.format_weight], output_dir=str(output_dir), seed=settings.seed,
+        loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
+        drop_zero_std_groups=True, micro_batch_size=settings.group_size,
+    )
+    return replace(config, **overrides) if overrides else config
+
+
+def demo_rewards() -> list:
+    """The demo's rewards, weighted [1, format_weight]: correctness of the final answer, and the tag format."""
+    from forge.core.reward import MathCorrectnessReward, TagFormatReward
+
+    return [MathCorrectnessReward(), TagFormatReward()]
 
 
 def _summary_line(label: str, metrics: dict) -> str:

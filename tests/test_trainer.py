@@ -478,7 +478,7 @@ def test_a_nonfinite_reward_sample_is_left_out_of_its_group_statistics(tmp_path,
     expected = torch.tensor([1 / 3 / scale, -2 / 3 / scale, 0.0, 1 / 3 / scale])  # [0.57725, -1.15450, 0, 0.57725]
     torch.testing.assert_close(batch.advantages[0], expected, atol=1e-6, rtol=0)
     assert batch.loss_mask[0][2].sum() == 0 and batch.loss_mask[0][[0, 1, 3]].sum() > 0
-    assert stats["nonfinite"] == 1
+    assert stats.nonfinite == 1
 
 
 def test_pi_old_is_the_sampling_policy_and_the_first_update_has_ratio_one(tmp_path, tiny_model, tiny_tokenizer):

@@ -177,6 +177,31 @@ def tokenize_prompts(
     return prompt_ids, prompt_mask
 
 
+def prompt_budget(context_length: int | None, max_new_tokens: int, max_prompt_length: int | None) -> int:
+    """The longest prompt a run may pass: max_prompt_length, or the model's context minus max_new_tokens."""
+    limit = context_length or 10**9
+    room = limit - max_new_tokens
+    if max_prompt_length is not None:
+        if max_prompt_length > room:
+            raise ValueError(f"max_prompt_length={max_prompt_length} + max_new_tokens={max_new_tokens} exceeds "
+                             f"the model's context of {limit} tokens; lower one of them")
+        return max_prompt_length
+    if room < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context "
+                         f"of {limit} tokens")
+    return room
+
+
+def check_prompt_lengths(tokenizer, rows: Sequence[dict], max_prompt_length: int, truncate: str = "error") -> None:
+    """Tokenize every row's prompt once up front, so an over-long one fails before any training."""
+    for start in range(0, len(rows), 64):
+        chunk = rows[start:start + 64]
+        try:
+            tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], max_prompt_length, truncate)
+        except ValueError as error:
+            raise ValueError(f"dataset rows {start}..{start + len(chunk) - 1}: {error}") from None
+
+
 def _common_prefix_length(encoded: list[list[int]]) -> int:
     """Tokens every prompt starts with, keeping at least one own token per prompt (0 for a single prompt)."""
     if len(encoded) < 2:

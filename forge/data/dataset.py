@@ -13,7 +13,9 @@ was expected, before any model is loaded.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import random
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,11 @@ __all__ = [
     "ROW_FORMAT",
     "builtin_dataset",
     "is_chat",
+    "iterate_steps",
     "load_jsonl",
     "load_rows",
     "reward_kwargs",
+    "rows_per_step",
     "validate_rows",
 ]
 
@@ -220,3 +224,38 @@ def reward_kwargs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
         key = "references" if column == "reference" else column
         kwargs[key] = [row[column] for row in rows]
     return kwargs
+
+
+# --------------------------------------------------------------------------------------------------
+# the order in which a run visits the rows
+
+
+def rows_per_step(num_rows: int, prompts_per_step: int, wanted: int) -> int:
+    """Rows one optimizer step uses: `wanted` (prompts_per_step x gradient_accumulation_steps), or every whole
+    rollout batch of a dataset smaller than that (with a warning), so a small dataset still trains."""
+    if num_rows >= wanted:
+        return wanted
+    usable = num_rows - num_rows % prompts_per_step
+    if usable == 0:
+        raise ValueError(f"the dataset has {num_rows} rows, fewer than prompts_per_step={prompts_per_step}; add "
+                         f"rows or lower prompts_per_step")
+    warnings.warn(f"the dataset has {num_rows} rows but one optimizer step asks for prompts_per_step x "
+                  f"gradient_accumulation_steps = {wanted}; each step uses {usable} rows instead", stacklevel=3)
+    return usable
+
+
+def iterate_steps(rows: Sequence[dict], per_step: int, *, seed: int, shuffle: bool, epoch: int = 0,
+                  position: int = 0, num_epochs: int | None = None) -> Iterator[tuple[list[dict], int, int]]:
+    """Yield (rows of one optimizer step, epoch, position after it) from (epoch, position) on: a seeded shuffle
+    per epoch (seed + epoch), so a resumed run sees the same order; stops after num_epochs (None = never)."""
+    while True:
+        order = list(range(len(rows)))
+        if shuffle:
+            random.Random(seed + epoch).shuffle(order)
+        while position + per_step <= len(rows):
+            picked = [rows[i] for i in order[position:position + per_step]]
+            position += per_step
+            yield picked, epoch, position
+        epoch, position = epoch + 1, 0
+        if num_epochs is not None and epoch >= num_epochs:
+            return

@@ -61,6 +61,15 @@ class EvalResult:
 # --------------------------------------------------------------------------------------------------
 
 
+def heldout_metrics(model, tokenizer, rows: Any, *, max_new_tokens: int = 256, max_prompt_length: int | None = None,
+                    **evaluate_kwargs: Any) -> dict[str, float]:
+    """Greedy strict/soft accuracy and format rate of `rows`: the evaluator `forge train --eval_dataset` and the
+    demo hand to GRPOTrainer(..., evaluator=heldout_metrics), logged as eval/<metric> during training.
+    evaluate_kwargs go to `evaluate` (e.g. batch_size)."""
+    return evaluate(model, tokenizer, rows, max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length,
+                    **evaluate_kwargs).metrics
+
+
 def evaluate(
     model,
     tokenizer,

@@ -1,0 +1,226 @@
+"""A run's lifecycle around the GRPO steps: the output directory, checkpoints of finished steps, resume, signals.
+
+A run is never lost. After every optimizer step the trainer hands a `FinishedStep` to `RunLifecycle`: the
+step number, where the data order stands, the counters a resumed run must continue, and every RNG state as
+the next step will find it. Whatever stops the run later (a signal, a failing reward, a non-finite abort),
+that step can still be saved, and a resumed run repeats the uninterrupted one bit for bit.
+
+    RunLifecycle(output_dir, parts)       what is saved: model, tokenizer, optimizer, schedule, config
+      .finished(FinishedStep)             the trainer reports each finished step
+      .save(finished[, name])             {output_dir}/{step}/ (or final/), atomic, pruned to save_total_limit
+      .where_to_resume()                  saves the last finished step if needed; says where it is, how to resume
+      .resume(where) -> FinishedStep      loads weights, optimizer, schedule and RNG; checks config and data
+    StopSignals                           SIGINT/SIGTERM: finish the step, save, raise TrainingInterrupted
+
+This module never reads the trainer: everything comes in through `CheckpointParts` and `FinishedStep`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT/SIGTERM arrived; a checkpoint was written and the message says how to resume."""
+
+
+@dataclass
+class FinishedStep:
+    """Where the last finished optimizer step left the run: what a checkpoint of it must hold."""
+
+    step: int
+    epoch: int
+    position: int  # rows of this epoch's shuffled order already used
+    rng_state: dict  # every generator, as the next step will find it
+    nonfinite_in_a_row: int = 0  # optimizer steps skipped for a NaN/inf in a row, up to this one
+    skipped_steps: int = 0  # optimizer steps skipped for a NaN/inf in the whole run
+
+
+@dataclass
+class CheckpointParts:
+    """What a checkpoint saves besides the FinishedStep: the objects of the run, and who they are."""
+
+    model: Any
+    tokenizer: Any
+    optimizer: Any
+    scheduler: Any
+    run_config: dict  # GRPOConfig as a dict plus the model's name: compared on resume
+    is_lora: bool
+    dataset_identity: dict = field(default_factory=dict)  # size and fingerprint of the training rows
+
+
+def dataset_identity(rows: list[dict]) -> dict:
+    """Size and content hash of the training rows, saved with checkpoints to catch a resume on other data."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode())
+    return {"dataset_size": len(rows), "dataset_fingerprint": digest.hexdigest()[:16]}
+
+
+def resume_hint(path: Path) -> str:
+    return (f"Resume with the same command plus --resume (`forge train ... --resume`), or in Python with "
+            f"GRPOConfig(..., resume_from={str(path)!r}).")
+
+
+def check_output_dir(output_dir: Path, is_main: bool) -> None:
+    """Refuse an output_dir that is a file or cannot be written, before any model work."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"output_dir={str(output_dir)!r} is a file; choose a directory path")
+    if is_main:
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            probe = output_dir / ".forge_write_test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as error:
+            raise ValueError(f"output_dir={str(output_dir)!r} is not writable ({error}); choose another") from None
+
+
+class RunLifecycle:
+    """Checkpoints of finished steps, and resume, for one run. Only the main process writes (is_main)."""
+
+    def __init__(self, output_dir: str | Path, parts: CheckpointParts, *, save_total_limit: int | None = None,
+                 is_main: bool = True):
+        self.output_dir = Path(output_dir)
+        self.parts = parts
+        self.save_total_limit = save_total_limit
+        self.is_main = is_main
+        self.last_finished: FinishedStep | None = None
+        self.saved: tuple[int, Path] | None = None  # (step, path) of the newest checkpoint of this run
+
+    def finished(self, step: FinishedStep) -> None:
+        self.last_finished = step
+
+    def save(self, finished: FinishedStep, name: str | None = None) -> Path:
+        """Write the checkpoint of `finished` to {output_dir}/{name or step}/ (main process only)."""
+        from forge import checkpoint as ckpt
+
+        parts = self.parts
+        path = self.output_dir / (name or str(finished.step))
+        state = {"global_step": finished.step, "epoch": finished.epoch, "position": finished.position,
+                 "nonfinite_in_a_row": finished.nonfinite_in_a_row, "skipped_steps": finished.skipped_steps,
+                 "model_name": parts.run_config["model_name"], "is_lora": parts.is_lora, **parts.dataset_identity}
+        ckpt.save_checkpoint(path, model=parts.model, tokenizer=parts.tokenizer, optimizer=parts.optimizer,
+                             scheduler=parts.scheduler, trainer_state=state, config=parts.run_config,
+                             rng_state=finished.rng_state)
+        if name is None:
+            self.saved = (finished.step, path)
+            ckpt.prune_checkpoints(self.output_dir, self.save_total_limit)
+        return path
+
+    def checkpoint_of_last_step(self, weights_are_of_it: bool) -> Path | None:
+        """A checkpoint of the last finished step, written now if this run has none; None before step 1.
+
+        `weights_are_of_it`: no optimizer step is under way, so the weights, optimizer and schedule are still
+        those of that step (its RNG state was captured when it finished)."""
+        last = self.last_finished
+        if last is None or last.step == 0 or not weights_are_of_it:
+            return None
+        if self.saved is not None and self.saved[0] == last.step:
+            return self.saved[1]
+        path = self.output_dir / str(last.step)
+        if self.is_main:
+            self.save(last)
+        return path
+
+    def where_to_resume(self, weights_are_of_last_step: bool = True) -> str:
+        """Save the last finished step if needed; say where it is and how to resume."""
+        path = self.checkpoint_of_last_step(weights_are_of_last_step)
+        if path is not None:
+            return f"The last finished step ({self.last_finished.step}) is saved in {path}. {resume_hint(path)}"
+        if self.saved is not None:
+            return f"The newest checkpoint is {self.saved[1]}. {resume_hint(self.saved[1])}"
+        return "No optimizer step had finished, so there is no checkpoint: start the run again."
+
+    def resume(self, where: str) -> FinishedStep:
+        """Load the checkpoint `where` ('latest' = the newest complete one) into the parts; its FinishedStep."""
+        from forge import checkpoint as ckpt
+
+        parts = self.parts
+        path = ckpt.latest_checkpoint(self.output_dir) if where == "latest" else Path(where)
+        if path is None:
+            raise FileNotFoundError(f"resume_from='latest' but {self.output_dir} holds no complete checkpoint")
+        state = ckpt.load_checkpoint(path)
+        ckpt.check_compatible(state.config, parts.run_config, checkpoint_path=path)
+        check_same_dataset(state.trainer_state, parts.dataset_identity, path)
+        ckpt.load_model_weights(parts.model, path)
+        parts.optimizer.load_state_dict(state.optimizer_state)
+        parts.scheduler.load_state_dict(state.scheduler_state)
+        ckpt.restore_rng_state(state.rng_state)
+        saved = state.trainer_state
+        step = int(saved["global_step"])
+        self.saved = (step, path)
+        newer = [str(p) for s, p in ckpt.numbered_checkpoints(self.output_dir) if s > step]
+        if newer:
+            warnings.warn(f"resuming from step {step} while {self.output_dir} holds later checkpoints {newer} of "
+                          f"the earlier run; this run replaces each as it reaches its step, until then "
+                          f"resume_from='latest' would pick them", stacklevel=3)
+        return FinishedStep(step, int(saved["epoch"]), int(saved["position"]), state.rng_state,
+                            int(saved.get("nonfinite_in_a_row", 0)), int(saved.get("skipped_steps", 0)))
+
+
+def check_same_dataset(saved_state: dict, identity: dict, path: Path) -> None:
+    """The saved (epoch, position) only means something on the same rows: refuse another size, warn on edits."""
+    saved_size, size = saved_state.get("dataset_size"), identity.get("dataset_size")
+    if saved_size is not None and saved_size != size:
+        raise ValueError(
+            f"cannot resume from checkpoint {path}: it was trained on a dataset of {saved_size} rows, this run "
+            f"has {size}. Resuming would skip or repeat rows; pass the same dataset (and --max_samples), or "
+            f"start a fresh run in a new output_dir.")
+    if saved_state.get("dataset_fingerprint") not in (None, identity.get("dataset_fingerprint")):
+        warnings.warn(f"the dataset's contents changed since checkpoint {path} was saved (same number of rows); "
+                      f"resuming at its position anyway", stacklevel=3)
+
+
+class StopSignals:
+    """SIGINT/SIGTERM during training: the first asks to finish the step under way, save and stop; a second
+    abandons the step (KeyboardInterrupt, weights untouched) unless its weights are being committed.
+
+    `next_step()` names the step under way in the console message. Use as a context manager around the loop;
+    `requested` is the signal number once one arrived; the trainer sets `committing` from the optimizer step
+    to the end of the step's bookkeeping."""
+
+    def __init__(self, next_step: Callable[[], int] = lambda: 0):
+        self.next_step = next_step
+        self.requested: int | None = None
+        self.committing = False
+        self._previous: dict = {}
+
+    def __enter__(self):
+        self.requested, self.committing = None, False
+        if hasattr(signal, "SIGTERM") and threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _request_stop(self, signum, frame) -> None:
+        if self.requested is not None and not self.committing:
+            raise KeyboardInterrupt  # second signal: abandon the step under way (weights untouched)
+        self.requested = signum
+        tqdm.write(f"forge: {signal.Signals(signum).name} received; finishing step {self.next_step()}, "
+                   f"then saving a checkpoint (send it again to abandon the step and stop sooner)")
+
+    def describe(self, step: int, total_steps: int, abandoned: bool = False) -> str:
+        """The start of TrainingInterrupted's message: which signal, which step (then: where to resume)."""
+        name = signal.Signals(self.requested).name if self.requested else "a signal"
+        if abandoned:
+            return f"stopped by a second {name}; step {step + 1} was abandoned."
+        return f"stopped by {name} after step {step} of {total_steps}."
+
+
+__all__ = ["CheckpointParts", "FinishedStep", "RunLifecycle", "StopSignals", "TrainingInterrupted",
+           "check_output_dir", "dataset_identity", "resume_hint"]

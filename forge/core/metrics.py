@@ -1,0 +1,112 @@
+"""What one optimizer step logs: reward, loss and rollout statistics, and the sample completions.
+
+Pure functions of the step's rollouts and statistics. The only distributed work is the gathers each caller
+passes in (`dist`: anything with gather / gather_objects / sum / max, see core/distributed.py), so every rank
+computes the same numbers over the whole batch, not over its own share.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from forge.core.grpo import group_reward_std
+from forge.core.rollout import Rollout
+
+
+@dataclass
+class RolloutStats:
+    """What collecting one optimizer step's rollouts measured on this rank (one entry per rollout batch)."""
+
+    scores: list[torch.Tensor] = field(default_factory=list)  # each (N,) total reward
+    valid: list[torch.Tensor] = field(default_factory=list)  # each (N,) bool, False where a reward was NaN/inf
+    components: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # reward name -> each (N,)
+    errors: int = 0
+    timeouts: int = 0
+    nonfinite: int = 0
+    gen_seconds: float = 0.0
+    samples: list[dict] = field(default_factory=list)  # one logged sample per prompt
+
+
+def step_metrics(rollouts: list[Rollout], stats: RolloutStats, update: dict, *, group_size: int, dist,
+                 seconds: float, skipped_steps: int, param_delta_norm: float) -> dict:
+    """The logged metrics of one optimizer step, over every rank's share of the batch."""
+    rewards = dist.gather(torch.cat(stats.scores))  # (N_total,)
+    valid = dist.gather(torch.cat(stats.valid))  # (N_total,)
+    group_std = group_reward_std(rewards, group_size, valid)  # (groups,)
+    lengths = dist.gather(torch.cat([r.completion_lengths for r in rollouts]).float())  # (N_total,)
+    truncated = dist.gather(torch.cat([r.truncated for r in rollouts]).float())  # (N_total,)
+    errors, timeouts, nonfinite = dist.sum([stats.errors, stats.timeouts, stats.nonfinite])
+    gen_seconds = dist.max(stats.gen_seconds)  # the ranks generate side by side
+    metrics = {
+        "loss": update["loss"],
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        **{key: update[key] for key in ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
+                                        "grad_norm", "learning_rate")},
+        "group_reward_std_mean": float(group_std.mean()),
+        "frac_zero_std_groups": float((group_std == 0).float().mean()),
+        "completion_length/mean": float(lengths.mean()),
+        "completion_length/min": float(lengths.min()),
+        "completion_length/max": float(lengths.max()),
+        "frac_truncated": float(truncated.mean()),
+        "tokens_per_second": float(lengths.sum()) / max(gen_seconds, 1e-9),
+        "step_seconds": seconds,
+        "generation_share": gen_seconds / max(seconds, 1e-9),
+        "rewards/errors": int(errors),
+        "rewards/timeouts": int(timeouts),
+        "rewards/nonfinite": int(nonfinite),
+        "skipped_steps": skipped_steps,
+        "param_delta_norm": param_delta_norm,
+    }
+    for name, parts in stats.components.items():
+        metrics[f"rewards/{name}"] = float(dist.gather(torch.cat(parts)).mean())
+    return metrics
+
+
+def warn_if_mostly_flat(metrics: dict) -> bool:
+    """Warn (once per run: the caller keeps the flag) when most groups carry no GRPO signal; True if it warned."""
+    if metrics["frac_zero_std_groups"] <= 0.75:
+        return False
+    warnings.warn(
+        f"{metrics['frac_zero_std_groups']:.0%} of groups have identical rewards, so they carry no "
+        "learning signal. Likely causes: the task is too hard or too easy for the model (screen the "
+        "prompts: `forge screen`), max_new_tokens cuts answers off, or the reward is too coarse.",
+        stacklevel=3)
+    return True
+
+
+def rollout_samples(rows: list[dict], rollout: Rollout, rewards: torch.Tensor, group_size: int) -> list[dict]:
+    """One logged sample per prompt of a rollout: its prompt (last chat message), reference, completion, reward."""
+    out = []
+    for i in range(0, len(rollout.completions), group_size):
+        row = rows[i // group_size]
+        prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
+        out.append({"prompt": prompt, "reference": row.get("reference"), "completion": rollout.completions[i],
+                    "reward": float(rewards[i])})
+    return out
+
+
+def gathered_samples(samples: list[dict], num_rollouts: int, limit: int, dist) -> list[dict]:
+    """The first `limit` samples of the step in prompt order, taken from every rank's share."""
+    every_rank = dist.gather_objects(samples)  # each: `share` samples per rollout batch
+    share = len(samples) // max(num_rollouts, 1)
+    ordered = [sample for r in range(num_rollouts) for rank_samples in every_rank
+               for sample in rank_samples[r * share:(r + 1) * share]]
+    return ordered[:limit]
+
+
+@torch.no_grad()
+def param_delta_norm(parameters: list[torch.Tensor], initial: list[torch.Tensor]) -> float:
+    """||theta - theta_0||: how far training has moved the trainable weights."""
+    total = 0.0
+    for p, p0 in zip(parameters, initial):
+        total += float((p.detach().cpu().float() - p0.float()).pow(2).sum())
+    return math.sqrt(total)
+
+
+__all__ = ["RolloutStats", "gathered_samples", "param_delta_norm", "rollout_samples", "step_metrics",
+           "warn_if_mostly_flat"]
