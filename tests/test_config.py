@@ -109,8 +109,8 @@ def test_validate_lists_the_choices_and_every_problem_at_once():
     message = str(error.value)
     assert message.count("\n  - ") == 3
     assert "group_size=1" in message
-    assert "['bnpo', 'dapo', 'dr_grpo', 'grpo']" in message  # the loss_type choices
-    assert "['batch', 'group', 'none']" in message  # the scale_rewards choices
+    assert "['bnpo', 'cispo', 'dapo', 'dr_grpo', 'grpo', 'sapo']" in message  # the loss_type choices
+    assert "['batch', 'group', 'none', 'reinforce_plus_plus_baseline', 'rloo']" in message  # scale_rewards
 
 
 def test_max_steps_allows_zero_epochs():

@@ -22,7 +22,7 @@ import math
 import numbers
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import NamedTuple
 
@@ -84,13 +84,17 @@ class GRPOConfig:
     num_iterations: int = 1
     """Optimizer passes over each rollout (mu). >1 computes pi_old once and reuses it."""
     loss_type: str = "grpo"
-    """Aggregation: grpo (per-sequence mean), bnpo / dapo (token mean), dr_grpo (sum / (B * max_new_tokens))."""
+    """grpo (per-sequence mean), bnpo / dapo (token mean), dr_grpo (sum / (B * max_new_tokens)): the clipped objective;
+    cispo (MiniMax-M1: stop-gradient weight min(ratio, 1 + clip_epsilon_high) x A x logp, token mean; TRL's
+    epsilon_high=5.0 is clip_epsilon_high=4.0 here); sapo (soft gate instead of the clip, per-sequence mean)."""
     importance_sampling_level: str = "token"
     """'token' (GRPO) or 'sequence' (GSPO: one length-normalised ratio per completion)."""
     clip_epsilon_high: float | None = None
     """Upper clip range (DAPO clip-higher, e.g. 0.28); None = clip_epsilon."""
     scale_rewards: str = "group"
-    """Advantage scaling: 'group' std, 'batch' std, or 'none' (Dr. GRPO)."""
+    """Advantage: r - group mean divided by the 'group' std, the 'batch' std, or nothing ('none', Dr. GRPO); 'rloo'
+    (r minus the mean of the other G-1 rewards); 'reinforce_plus_plus_baseline' (r - group mean, divided by the
+    batch std of those differences)."""
     reward_weights: list[float] | None = None
     """Weights when reward_fn is a list of rewards; None = all 1.0."""
     mask_truncated_completions: bool = False
@@ -99,6 +103,37 @@ class GRPOConfig:
     """Dynamic sampling (DAPO): leave groups whose rewards are all equal out of the loss."""
     advantage_epsilon: float = 1e-4
     """Added to the std when scaling advantages."""
+
+    # --- algorithm catalogue: objective caps, KL estimator, several rewards, entropy, sampler correction ---
+    # Every default below leaves the GRPO of the block above unchanged. Names follow TRL (delta, sapo_*,
+    # multi_objective_aggregation, top_entropy_quantile, entropy_coef) or verl (clip_ratio_c, kl_loss_type,
+    # rollout_is, rollout_is_threshold); README "The algorithm Forge computes" cites each paper and equation.
+    delta: float | None = None
+    """Two-sided clipping (INTELLECT-2): the ratio of a token with negative advantage is capped at delta, so its
+    loss stays bounded however far the policy moved. Must be > 1 + clip_epsilon_high; None = off."""
+    clip_ratio_c: float | None = None
+    """Dual-clip PPO (Ye et al. 2020): negative-advantage loss capped at -A x clip_ratio_c, the same bound as delta
+    under verl's name. verl applies 3.0 always; Forge keeps it off (None) so default runs are unchanged. Must be > 1."""
+    sapo_temperature_pos: float = 1.0
+    """loss_type='sapo': temperature of the soft gate for tokens with positive advantage."""
+    sapo_temperature_neg: float = 1.05
+    """loss_type='sapo': temperature of the soft gate for tokens with zero or negative advantage."""
+    kl_loss_type: str = "k3"
+    """Per-token estimator of KL(pi_theta || pi_ref) on sampled tokens, d = logp - ref: k1 = d, k2 = d^2 / 2,
+    k3 = exp(-d) + d - 1 (>= 0, the GRPO default)."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """Several rewards: 'sum_then_normalize' (weighted sum, then scale_rewards), or 'normalize_then_sum' (GDPO: each
+    reward normalised within its group, weighted sum, then normalised over the batch)."""
+    top_entropy_quantile: float = 1.0
+    """The policy gradient flows only through this top fraction of completion tokens by entropy (Wang et al. 2025
+    use 0.2); 1.0 = every token."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts entropy_coef x the mean entropy of the completion tokens (0 = off)."""
+    rollout_is: str = "none"
+    """Sampler/trainer mismatch correction with the sampler's log-probs: 'token_truncate' / 'sequence_truncate'
+    (weight min(w, C)), 'token_mask' / 'sequence_mask' (weight 0 where w > C), or 'none'."""
+    rollout_is_threshold: float = 3.0
+    """C for rollout_is: the largest importance weight pi_old / pi_sampler kept (TRL's default 3.0)."""
 
     # --- sampling ---
     top_p: float = 1.0
@@ -208,14 +243,38 @@ class GRPOConfig:
         need(self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step} must be >= 1")
         need(self.micro_batch_size >= 0, "micro_batch_size must be >= 0 (0 = whole rollout batch)")
         need(self.num_iterations >= 1, f"num_iterations={self.num_iterations} must be >= 1")
-        need(self.loss_type in LOSS_AGGREGATIONS,
-             f"loss_type={self.loss_type!r} unknown; choose one of {sorted(LOSS_AGGREGATIONS)}")
+        need(self.loss_type in LOSS_TYPES,
+             f"loss_type={self.loss_type!r} unknown; choose one of {sorted(LOSS_TYPES)}")
         need(self.importance_sampling_level in IMPORTANCE_LEVELS,
              f"importance_sampling_level={self.importance_sampling_level!r}; choose 'token' or 'sequence'")
         need(self.scale_rewards in ADVANTAGE_SCALES,
              f"scale_rewards={self.scale_rewards!r}; choose one of {sorted(ADVANTAGE_SCALES)}")
         need(self.reward_weights is None or all(math.isfinite(w) for w in self.reward_weights),
              "reward_weights must be finite numbers")
+        clipped = LOSS_TYPES.get(self.loss_type, LossType("clip", "")).objective == "clip"
+        need(self.delta is None or self.delta > 1 + self.epsilon_high,
+             f"delta={self.delta} must be > 1 + clip_epsilon_high = {1 + self.epsilon_high} (e.g. 4.0), or None")
+        need(self.clip_ratio_c is None or self.clip_ratio_c > 1,
+             f"clip_ratio_c={self.clip_ratio_c} must be > 1 (verl uses 3.0), or None")
+        need(clipped or (self.delta is None and self.clip_ratio_c is None),
+             f"delta / clip_ratio_c cap the clipped objective; loss_type={self.loss_type!r} has none, unset them")
+        need(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0,
+             "sapo_temperature_pos and sapo_temperature_neg must be > 0")
+        need(self.kl_loss_type in KL_ESTIMATORS,
+             f"kl_loss_type={self.kl_loss_type!r}; choose one of {sorted(KL_ESTIMATORS)}")
+        need(self.multi_objective_aggregation in MULTI_REWARD_AGGREGATIONS,
+             f"multi_objective_aggregation={self.multi_objective_aggregation!r}; choose one of "
+             f"{sorted(MULTI_REWARD_AGGREGATIONS)}")
+        need(self.multi_objective_aggregation != "normalize_then_sum" or self.scale_rewards == "group",
+             f"multi_objective_aggregation='normalize_then_sum' normalises each reward by its group std and the sum "
+             f"by the batch std itself; leave scale_rewards at 'group' (got {self.scale_rewards!r})")
+        need(0 <= self.top_entropy_quantile <= 1,
+             f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1 = every token, 0.2 = paper)")
+        need(math.isfinite(self.entropy_coef), f"entropy_coef={self.entropy_coef} must be a finite number")
+        need(self.rollout_is in ROLLOUT_IS_MODES,
+             f"rollout_is={self.rollout_is!r}; choose one of {sorted(ROLLOUT_IS_MODES)}")
+        need(self.rollout_is_threshold >= 1,
+             f"rollout_is_threshold={self.rollout_is_threshold} must be >= 1 (a cap below 1 cuts on-policy tokens)")
         need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
         need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)")
         need(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length must be >= 1")
@@ -311,8 +370,8 @@ def _field_type_problems(config: GRPOConfig) -> list[str]:
 # Advantages
 
 
-# Each returns the divisor of the centred rewards, (N,), from float64 rewards and the (N,) mask of the
-# samples that enter the statistics; `eps` keeps a std of 0 from dividing by 0.
+# Each returns the divisor of the centred rewards r - group mean, (N,), from the float64 rewards, the centred
+# rewards and the (N,) mask of the samples that enter the statistics; `eps` keeps a std of 0 from dividing by 0.
 
 
 def _masked_std(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -335,23 +394,39 @@ def _all_equal(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return highest <= lowest
 
 
-def _group_scale(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+def _group_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
     std = _masked_std(rewards.view(-1, group_size), valid.view(-1, group_size))  # (groups,)
     return std.repeat_interleave(group_size) + eps
 
 
-def _batch_scale(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+def _batch_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
     return _masked_std(rewards[None], valid[None]).expand_as(rewards) + eps
 
 
-def _no_scale(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+def _no_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
     return torch.ones_like(rewards)  # no eps: the advantage is exactly r - mean
 
 
-ADVANTAGE_SCALES: dict[str, Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]] = {
+def _leave_one_out_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
+    # RLOO (Ahmadian et al. 2024, arXiv 2402.14740, eq. 7): r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean),
+    # n = valid samples of the group; so the divisor is (n - 1) / n (no eps: nothing can be 0 here).
+    count = valid.view(-1, group_size).sum(dim=1).to(rewards.dtype)  # (groups,)
+    return ((count - 1).clamp(min=1) / count.clamp(min=1)).repeat_interleave(group_size)
+
+
+def _centred_batch_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
+    # REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262, sec. 3): the group mean is the baseline, then the
+    # differences are normalised by their std over the batch (their batch mean is already 0). One value per
+    # completion; verl whitens per token instead, which weighs long completions more.
+    return _masked_std(centred[None], valid[None]).expand_as(rewards) + eps
+
+
+ADVANTAGE_SCALES: dict[str, Callable[..., torch.Tensor]] = {
     "group": _group_scale,  # DeepSeekMath: std of the group (Bessel-corrected)
     "batch": _batch_scale,  # std over the whole batch (more robust for small groups)
     "none": _no_scale,  # Dr. GRPO (Liu et al. 2025): no std division, removes the difficulty bias
+    "rloo": _leave_one_out_scale,  # RLOO: leave-one-out baseline
+    "reinforce_plus_plus_baseline": _centred_batch_scale,  # REINFORCE++-baseline: group mean, batch std
 }
 
 
@@ -385,7 +460,57 @@ def compute_group_advantages(
     mean = grouped.sum(dim=1, keepdim=True) / count  # (groups, 1)
     flat = _all_equal(grouped, grouped_valid)[:, None]  # (groups, 1)
     centred = torch.where(flat | ~grouped_valid, 0.0, grouped - mean).reshape(-1)  # (N,)
-    return (centred / ADVANTAGE_SCALES[scale](values, valid, group_size, eps)).to(torch.float32)  # (N,)
+    return (centred / ADVANTAGE_SCALES[scale](values, centred, valid, group_size, eps)).to(torch.float32)  # (N,)
+
+
+# Several rewards: each fn(components (N, K), applies (N, K) bool, weights (K,), group_size, scale, eps, valid (N,))
+# -> (N,) advantages. `applies` is False where a reward returned None ("does not apply" to that sample): the sample
+# is scored by the rewards that apply, and when none applies it gets advantage 0 and leaves the statistics.
+# `valid` is False for samples left out for another reason (a NaN reward).
+
+
+def weighted_reward_sum(components: torch.Tensor, applies: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
+    """sum_k w_k r_k over the rewards that apply, (N, K) -> (N,) float32, summed reward by reward in float32 (the
+    order and precision of the scores Forge logs as `reward`, so both agree to the bit)."""
+    total = torch.zeros(components.shape[0], dtype=torch.float32)
+    for k, weight in enumerate(weights):
+        total = total + float(weight) * torch.where(applies[:, k], components[:, k].float(), 0.0)
+    return total
+
+
+def _sum_then_normalize(components, applies, weights, group_size, scale, eps, valid) -> torch.Tensor:
+    total = weighted_reward_sum(components, applies, weights)  # (N,)
+    return compute_group_advantages(total, group_size, scale, eps, valid=valid & applies.any(dim=1))
+
+
+def _normalize_then_sum(components, applies, weights, group_size, scale, eps, valid) -> torch.Tensor:
+    # GDPO (Liu et al. 2026, arXiv 2601.05242, eq. 4-6): A = normalise_batch(sum_k w_k (r_k - mean_g) / std_g)
+    per_reward = torch.stack([
+        compute_group_advantages(components[:, k].float(), group_size, "group", eps, valid=valid & applies[:, k])
+        for k in range(components.shape[1])], dim=1)  # (N, K), 0 where reward k does not apply
+    summed = (per_reward.double() * torch.tensor(list(weights), dtype=torch.float64)).sum(dim=1)  # (N,)
+    scored = valid & applies.any(dim=1)
+    return compute_group_advantages(summed, summed.numel(), "group", eps, valid=scored)  # one group: the batch
+
+
+MULTI_REWARD_AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "sum_then_normalize": _sum_then_normalize,  # GRPO: one scalar reward per completion, then scale_rewards
+    "normalize_then_sum": _normalize_then_sum,  # GDPO: rewards decoupled, so a large-scale reward cannot drown others
+}
+
+
+def multi_reward_advantages(
+    components: torch.Tensor, applies: torch.Tensor | None, weights: Sequence[float], group_size: int,
+    scale: str = "group", eps: float = 1e-4, aggregation: str = "sum_then_normalize",
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Advantages from K rewards per completion. components: (N, K) laid out group by group; applies: (N, K) bool
+    (None = every reward applies everywhere); valid: (N,) bool (None = all). Returns (N,) float32."""
+    if components.dim() != 2 or components.shape[1] != len(weights):
+        raise ValueError(f"components must be (N, K={len(weights)}), got shape {tuple(components.shape)}")
+    applies = torch.ones(components.shape, dtype=torch.bool) if applies is None else applies.bool()
+    valid = _check_rewards(components[:, 0], group_size, valid)
+    return MULTI_REWARD_AGGREGATIONS[aggregation](components, applies, weights, group_size, scale, eps, valid)
 
 
 def group_reward_std(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -400,22 +525,34 @@ def group_reward_std(rewards: torch.Tensor, group_size: int, valid: torch.Tensor
 
 
 def token_logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
-) -> torch.Tensor:
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024,
+    with_entropy: bool = False, entropy_grad: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(target_t) for each position. logits: (B, T, V), targets: (B, T) -> (B, T) float32.
 
     The log-softmax runs over chunks of positions, so the float32 (B*T, V) matrix is never all alive.
     Logits are divided by the sampling temperature so the ratio is taken against the policy that sampled.
+    with_entropy also returns each position's entropy H = logsumexp(z) - sum_v softmax(z)_v z_v, (B, T), from
+    the same chunk (no second pass); it carries a gradient only with entropy_grad (for an entropy bonus), so
+    logging it keeps no extra (c, V) tensor alive for backward.
     """
     batch, length, vocab = logits.shape
     flat_logits = logits.reshape(-1, vocab)  # (B*T, V)
     flat_targets = targets.reshape(-1)  # (B*T,)
     out = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device) if with_entropy else None
     for start in range(0, flat_targets.numel(), chunk_size):
         chunk = flat_logits[start:start + chunk_size].float() / temperature  # (c, V)
         picked = chunk.gather(1, flat_targets[start:start + chunk_size, None]).squeeze(1)  # (c,)
-        out[start:start + chunk_size] = picked - torch.logsumexp(chunk, dim=-1)
-    return out.view(batch, length)
+        normaliser = torch.logsumexp(chunk, dim=-1)  # (c,)
+        out[start:start + chunk_size] = picked - normaliser
+        if entropy is not None:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                probs = torch.exp(chunk - normaliser[:, None])  # (c, V)
+                entropy[start:start + chunk_size] = normaliser - (probs * chunk).sum(dim=-1)
+    if entropy is None:
+        return out.view(batch, length)
+    return out.view(batch, length), entropy.view(batch, length)
 
 
 def compute_token_log_probs(
@@ -446,6 +583,21 @@ def sequence_mean_log_probs(token_logprobs: torch.Tensor, mask: torch.Tensor) ->
 # KL
 
 
+# Each estimates KL(pi_theta || pi_ref) per sampled token (tokens drawn from the policy, d = logp - ref), from
+# http://joschu.net/blog/kl-approx.html: k1 = d is unbiased but goes negative and has high variance; k2 = d^2 / 2
+# is biased, >= 0, and its gradient is that of the reverse KL in expectation; k3 is unbiased and >= 0.
+
+
+def k1_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k1 estimate of KL(pi_theta || pi_ref): logp - ref (can be negative)."""
+    return logprobs - ref_logprobs
+
+
+def k2_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k2 estimate of KL(pi_theta || pi_ref): (logp - ref)^2 / 2, always >= 0."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi_theta || pi_ref): exp(d) - d - 1 with d = ref - logp; always >= 0.
 
@@ -455,6 +607,9 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     # expm1(d) - d == exp(d) - 1 - d, but without the cancellation that makes exp(d) - d - 1 lose the
     # d**2 / 2 signal (and go slightly negative) in float32 when the policy is close to the reference.
     return torch.expm1(delta) - delta
+
+
+KL_ESTIMATORS = {"k1": k1_kl, "k2": k2_kl, "k3": k3_kl}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -473,6 +628,61 @@ def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask:
 
 
 IMPORTANCE_LEVELS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Policy objectives: each fn(ratio (B, T), logprobs (B, T), adv (B, 1), settings) -> PolicyTerm, whose pg_loss is
+# the per-token loss to minimise and whose flags say which tokens a bound held back (for the clip statistics).
+
+
+class PolicyTerm(NamedTuple):
+    pg_loss: torch.Tensor  # (B, T)
+    clipped_low: torch.Tensor  # (B, T) bool: A < 0 and the lower clip bound holds the ratio
+    clipped_high: torch.Tensor  # (B, T) bool: the upper bound holds the ratio (A > 0; cispo: any A)
+    capped: torch.Tensor  # (B, T) bool: A < 0 and the ratio is over delta / clip_ratio_c
+
+
+def _clipped_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
+    # PPO / GRPO (DeepSeekMath eq. 3): max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+    low, high = settings.clip_eps_low, settings.epsilon_high
+    pg_loss1 = -adv * ratio  # (B, T)
+    pg_loss2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)  # (B, T)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
+    capped = torch.zeros_like(ratio, dtype=torch.bool)
+    cap = settings.negative_ratio_cap
+    if cap is not None:
+        # Dual-clip (Ye et al. 2020, arXiv 1912.09729, eq. 5) = two-sided clip (INTELLECT-2, arXiv 2505.07291):
+        # for A < 0 the loss is min(max(-A r, -A clip(r)), -A c), so it stops growing once r > c.
+        pg_loss3 = -adv * cap  # (B, 1)
+        capped = (adv < 0) & (ratio > cap)
+        pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)
+    return PolicyTerm(pg_loss, (ratio < 1 - low) & (adv < 0), (ratio > 1 + high) & (adv > 0), capped)
+
+
+def _cispo_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
+    # CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): -sg(min(r, 1 + eps_high)) * A * log pi_theta. The weight is
+    # clipped, never the token: every token keeps its gradient -w A grad log pi. No lower bound, as in the paper.
+    cap = 1 + settings.epsilon_high
+    weight = torch.clamp(ratio, max=cap).detach()  # (B, T)
+    over = ratio > cap
+    return PolicyTerm(-weight * adv * logprobs, torch.zeros_like(over), over, torch.zeros_like(over))
+
+
+def _sapo_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
+    # SAPO (Gao et al. 2025, arXiv 2511.20347, eq. 5-6): -f(r) A with the gate f(r) = sigmoid(tau (r - 1)) * 4 / tau,
+    # tau = tau_pos for A > 0, tau_neg otherwise. f'(1) = 1, so on-policy it is the policy gradient; far off-policy
+    # the gradient fades smoothly instead of stopping at a hard bound.
+    tau = torch.where(adv > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)  # (B, 1)
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # (B, T)
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    return PolicyTerm(-gate * adv, none, none, none)
+
+
+POLICY_OBJECTIVES: dict[str, Callable[..., PolicyTerm]] = {
+    "clip": _clipped_objective,
+    "cispo": _cispo_objective,
+    "sapo": _sapo_objective,
+}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -521,8 +731,123 @@ LOSS_AGGREGATIONS = {
 }
 
 
+class LossType(NamedTuple):
+    objective: str  # key of POLICY_OBJECTIVES
+    aggregation: str  # key of LOSS_AGGREGATIONS
+
+
+LOSS_TYPES = {
+    "grpo": LossType("clip", "grpo"),
+    "bnpo": LossType("clip", "bnpo"),
+    "dapo": LossType("clip", "dapo"),
+    "dr_grpo": LossType("clip", "dr_grpo"),
+    "cispo": LossType("cispo", "dapo"),  # MiniMax-M1 eq. 4 averages over all tokens
+    "sapo": LossType("sapo", "grpo"),  # per-sequence mean, as in TRL and verl
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampler/trainer mismatch: each fn(old_logprobs, sampler_logprobs, mask, threshold) -> (B, T) detached weight
+# w = pi_old / pi_sampler, multiplying the policy term (Yao et al. 2025, "Your efficient RL framework secretly
+# brings you off-policy RL training", https://fengyao.notion.site/off-policy-rl: truncated IS; masked IS drops
+# the token or sequence instead). Sequence level: w = exp(sum_t (old_t - sampler_t)), one weight per completion.
+
+
+def _token_log_weight(old, sampler, mask):
+    return (old - sampler) * mask  # (B, T)
+
+
+def _sequence_log_weight(old, sampler, mask):
+    return ((old - sampler) * mask).sum(dim=1, keepdim=True).expand_as(old)  # (B, T)
+
+
+def _truncated(log_weight: torch.Tensor, threshold: float) -> torch.Tensor:
+    return torch.exp(torch.clamp(log_weight, max=math.log(threshold)))
+
+
+def _masked(log_weight: torch.Tensor, threshold: float) -> torch.Tensor:
+    limit = math.log(threshold)
+    return torch.where(log_weight <= limit, torch.exp(torch.clamp(log_weight, max=limit)), 0.0)
+
+
+ROLLOUT_IS_MODES: dict[str, Callable[..., torch.Tensor] | None] = {
+    "none": None,
+    "token_truncate": lambda old, sampler, mask, c: _truncated(_token_log_weight(old, sampler, mask), c),
+    "token_mask": lambda old, sampler, mask, c: _masked(_token_log_weight(old, sampler, mask), c),
+    "sequence_truncate": lambda old, sampler, mask, c: _truncated(_sequence_log_weight(old, sampler, mask), c),
+    "sequence_mask": lambda old, sampler, mask, c: _masked(_sequence_log_weight(old, sampler, mask), c),
+}
+
+
+def rollout_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
+                               mode: str, threshold: float) -> torch.Tensor | None:
+    """(B, T) detached weights pi_old / pi_sampler under `mode` (None for 'none'); old and sampler: (B, T)."""
+    weigh = ROLLOUT_IS_MODES[mode]
+    if weigh is None:
+        return None
+    return weigh(old_logprobs.detach().float(), sampler_logprobs.float(), mask.float(), threshold).detach()
+
+
+def logprob_gap(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(mean, max) of |trainer - sampler| log-prob over the masked tokens: ~0 when both are one computation."""
+    gap = (logprobs.detach().float() - sampler_logprobs.float()).abs()[mask.bool()]
+    return (float(gap.mean()), float(gap.max())) if gap.numel() else (0.0, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entropy
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """(B, T) bool: the completion tokens whose entropy is in the top `quantile` fraction of this batch's tokens
+    (Wang et al. 2025, "Beyond the 80/20 rule", arXiv 2506.01939, eq. 4: entropy >= the (1 - q) quantile)."""
+    keep = mask.bool()
+    values = entropy.detach().float()[keep]
+    if values.numel() == 0:
+        return keep
+    threshold = torch.quantile(values, 1 - quantile)
+    return keep & (entropy.detach() >= threshold)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The loss
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Everything grpo_loss needs besides tensors; `from_config` reads it off a GRPOConfig."""
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float | None = None  # None = clip_eps_low
+    kl_beta: float = 0.0
+    loss_type: str = "grpo"  # key of LOSS_TYPES
+    importance_level: str = "token"  # key of IMPORTANCE_LEVELS
+    kl_estimator: str = "k3"  # key of KL_ESTIMATORS
+    negative_ratio_cap: float | None = None  # delta / clip_ratio_c (the smaller when both are set)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    rollout_is: str = "none"  # key of ROLLOUT_IS_MODES
+    rollout_is_threshold: float = 3.0
+
+    @property
+    def epsilon_high(self) -> float:
+        return self.clip_eps_low if self.clip_eps_high is None else self.clip_eps_high
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+
+    @classmethod
+    def from_config(cls, config: GRPOConfig) -> LossSettings:
+        caps = [c for c in (config.delta, config.clip_ratio_c) if c is not None]
+        return cls(clip_eps_low=config.clip_epsilon, clip_eps_high=config.epsilon_high, kl_beta=config.kl_beta,
+                   loss_type=config.loss_type, importance_level=config.importance_sampling_level,
+                   kl_estimator=config.kl_loss_type, negative_ratio_cap=min(caps) if caps else None,
+                   sapo_temperature_pos=config.sapo_temperature_pos, sapo_temperature_neg=config.sapo_temperature_neg,
+                   top_entropy_quantile=config.top_entropy_quantile, entropy_coef=config.entropy_coef,
+                   rollout_is=config.rollout_is, rollout_is_threshold=config.rollout_is_threshold)
 
 
 class LossStats(NamedTuple):
@@ -534,6 +859,10 @@ class LossStats(NamedTuple):
     clip_frac_low: torch.Tensor
     clip_frac_high: torch.Tensor
     clip_frac: torch.Tensor
+    clip_frac_capped: torch.Tensor | None = None  # A < 0 tokens held by delta / clip_ratio_c
+    entropy: torch.Tensor | None = None  # mean token entropy; 0 when grpo_loss was given no entropy
+    rollout_is_weight_mean: torch.Tensor | None = None  # mean pi_old / pi_sampler weight; 1 when rollout_is is off
+    rollout_is_dropped_frac: torch.Tensor | None = None  # tokens a mask mode set to weight 0
 
 
 def grpo_loss(
@@ -549,51 +878,82 @@ def grpo_loss(
     loss_type: str = "grpo",
     importance_level: str = "token",
     normaliser: LossNormaliser | None = None,
+    settings: LossSettings | None = None,
+    entropy: torch.Tensor | None = None,
+    sampler_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """The GRPO objective for a batch of completions.
+    """The GRPO objective (or a variant of it) for a batch of completions.
 
-    logprobs:        (B, T) log pi_theta of each completion token (with grad)
-    old_logprobs:    (B, T) log pi_old, the policy that sampled; None = logprobs.detach() (one update per
-                     rollout: the ratio is 1, the loss value ~0, and its gradient is the policy gradient)
-    ref_logprobs:    (B, T) log pi_ref, or None when kl_beta == 0
-    advantages:      (B,)   group-relative advantage of each completion
-    completion_mask: (B, T) 1 on completion tokens up to and including EOS, 0 on padding
+    logprobs:         (B, T) log pi_theta of each completion token (with grad)
+    old_logprobs:     (B, T) log pi_old, the policy that sampled; None = logprobs.detach() (one update per
+                      rollout: the ratio is 1, the loss value ~0, and its gradient is the policy gradient)
+    ref_logprobs:     (B, T) log pi_ref, or None when kl_beta == 0
+    advantages:       (B,)   group-relative advantage of each completion
+    completion_mask:  (B, T) 1 on completion tokens up to and including EOS, 0 on padding
+    settings:         the variant (LossSettings); when given it replaces clip_eps_low .. importance_level
+    entropy:          (B, T) token entropies, needed for top_entropy_quantile < 1 and entropy_coef != 0 (with grad
+                      for the bonus), logged otherwise
+    sampler_logprobs: (B, T) log-probs recorded while sampling, needed for rollout_is != 'none'
     """
+    if settings is None:
+        settings = LossSettings(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_beta=kl_beta,
+                                loss_type=loss_type, importance_level=importance_level)
     mask = completion_mask.to(logprobs.dtype)  # (B, T)
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
-    clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     if normaliser is None:
         normaliser = LossNormaliser(float(mask.shape[0]), float(mask.sum()), int(mask.shape[1]))
+    if settings.needs_entropy and entropy is None:
+        raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the token entropies (entropy=...)")
+    objective, aggregation = LOSS_TYPES[settings.loss_type]
 
-    log_ratio = IMPORTANCE_LEVELS[importance_level](logprobs, old_logprobs, mask)  # (B, T)
+    log_ratio = IMPORTANCE_LEVELS[settings.importance_level](logprobs, old_logprobs, mask)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = advantages[:, None].to(logprobs.dtype)  # (B, 1)
-    pg_loss1 = -adv * ratio  # (B, T)
-    pg_loss2 = -adv * torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (B, T)
-    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
+    term = POLICY_OBJECTIVES[objective](ratio, logprobs, adv, settings)
+    pg_loss = term.pg_loss  # (B, T)
+    if settings.top_entropy_quantile < 1.0:
+        pg_loss = pg_loss * high_entropy_mask(entropy, mask, settings.top_entropy_quantile).to(pg_loss.dtype)
+    is_weight = None
+    if settings.rollout_is != "none":
+        if sampler_logprobs is None:
+            raise ValueError(f"rollout_is={settings.rollout_is!r} needs the sampler's log-probs (sampler_logprobs=...)")
+        is_weight = rollout_importance_weights(old_logprobs, sampler_logprobs, mask, settings.rollout_is,
+                                               settings.rollout_is_threshold)  # (B, T)
+        pg_loss = pg_loss * is_weight
 
     per_token = pg_loss
-    if kl_beta > 0:
+    estimate_kl = KL_ESTIMATORS[settings.kl_estimator]
+    if settings.kl_beta > 0:
         if ref_logprobs is None:
             raise ValueError("kl_beta > 0 needs ref_logprobs")
-        kl = k3_kl(logprobs, ref_logprobs)  # (B, T)
-        per_token = pg_loss + kl_beta * kl
+        kl = estimate_kl(logprobs, ref_logprobs)  # (B, T)
+        per_token = pg_loss + settings.kl_beta * kl
     else:
-        kl = torch.zeros_like(logprobs) if ref_logprobs is None else k3_kl(logprobs, ref_logprobs)
+        kl = torch.zeros_like(logprobs) if ref_logprobs is None else estimate_kl(logprobs, ref_logprobs)
 
-    loss = LOSS_AGGREGATIONS[loss_type](per_token, mask, normaliser)
+    aggregate = LOSS_AGGREGATIONS[aggregation]
+    loss = aggregate(per_token, mask, normaliser)
+    if settings.entropy_coef != 0.0:
+        # the bonus is the token mean over the whole optimizer batch, whatever the aggregation (as TRL does), so
+        # entropy_coef means the same for every loss_type; micro-batch shares sum to it
+        loss = loss - settings.entropy_coef * (entropy * mask).sum() / max(normaliser.num_tokens, 1.0)
 
     with torch.no_grad():
-        low = ((ratio < 1 - clip_eps_low) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1 + clip_eps_high) & (adv > 0)).to(mask.dtype)
+        low, high = term.clipped_low.to(mask.dtype), term.clipped_high.to(mask.dtype)
+        nothing = torch.zeros((), device=mask.device)
         stats = LossStats(
-            policy_loss=LOSS_AGGREGATIONS[loss_type](pg_loss.detach(), mask, normaliser),
+            policy_loss=aggregate(pg_loss.detach(), mask, normaliser),
             kl=masked_mean(kl.detach(), mask),
             ratio_mean=masked_mean(ratio.detach(), mask),
             clip_frac_low=masked_mean(low, mask),
             clip_frac_high=masked_mean(high, mask),
             clip_frac=masked_mean(torch.clamp(low + high, max=1), mask),
+            clip_frac_capped=masked_mean(term.capped.to(mask.dtype), mask),
+            entropy=masked_mean(entropy.detach().float(), mask) if entropy is not None else nothing,
+            rollout_is_weight_mean=masked_mean(is_weight, mask) if is_weight is not None else nothing.add(1.0),
+            rollout_is_dropped_frac=masked_mean((is_weight == 0).to(mask.dtype), mask) if is_weight is not None
+            else nothing,
         )
     return loss, stats
 
@@ -601,16 +961,31 @@ def grpo_loss(
 __all__ = [
     "ADVANTAGE_SCALES",
     "IMPORTANCE_LEVELS",
+    "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "LOSS_TYPES",
+    "MULTI_REWARD_AGGREGATIONS",
+    "POLICY_OBJECTIVES",
+    "ROLLOUT_IS_MODES",
     "GRPOConfig",
     "LossNormaliser",
+    "LossSettings",
     "LossStats",
+    "LossType",
+    "PolicyTerm",
     "compute_group_advantages",
     "compute_token_log_probs",
     "group_reward_std",
     "grpo_loss",
+    "high_entropy_mask",
+    "k1_kl",
+    "k2_kl",
     "k3_kl",
+    "logprob_gap",
     "masked_mean",
+    "multi_reward_advantages",
+    "rollout_importance_weights",
     "sequence_mean_log_probs",
     "token_logprobs_from_logits",
+    "weighted_reward_sum",
 ]
