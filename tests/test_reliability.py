@@ -152,6 +152,77 @@ def test_score_mode_error_value_and_counts_unit():
     assert "'" + "b" * 200 + "'" in message and "b" * 201 not in message  # completion text truncated
 
 
+# sys.exit() / KeyboardInterrupt inside a reward (issue 18): a reward failure, never a silent end of the run
+
+
+@pytest.fixture
+def forge_sigint_handler():
+    """A SIGINT handler other than Python's default is installed, as during GRPOTrainer.train()."""
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def exits_on_b(error):
+    def reward(prompts, completions, **kwargs):
+        if "b" in completions:
+            raise error
+        return [1.0] * len(completions)
+    return reward
+
+
+@pytest.mark.parametrize("error, shown", [
+    (SystemExit(0), "SystemExit(0) (sys.exit() inside the reward"),
+    (SystemExit("bye"), "SystemExit('bye')"),
+    (KeyboardInterrupt(), "KeyboardInterrupt"),
+])
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["same-thread", "timeout-thread"])
+def test_sys_exit_or_keyboard_interrupt_in_a_reward_is_a_reward_failure(error, shown, timeout, forge_sigint_handler):
+    rewards = build_reward_list(exits_on_b(error))
+    with pytest.raises(RewardError, match=re.escape(f"raised {shown}") + r".* at step 4, on completion 1") as caught:
+        score_completions(rewards, ["p"] * 3, ["a", "b", "c"], {}, step=4, timeout=timeout)
+    assert caught.value.__cause__ is error
+    scores = score_completions(rewards, ["p"] * 3, ["a", "b", "c"], {}, on_error="score", error_value=-1.0,
+                               timeout=timeout)
+    assert scores.total.tolist() == [1.0, -1.0, 1.0] and scores.errors == 1
+
+
+def test_the_users_ctrl_c_goes_through_the_scoring(forge_sigint_handler):
+    from forge.core.scoring import note_user_interrupt
+
+    def interrupted(prompts, completions, **kwargs):  # what Forge's signal handler does inside a reward call
+        note_user_interrupt()
+        raise KeyboardInterrupt
+    for mode in ("raise", "score"):
+        with pytest.raises(KeyboardInterrupt):
+            score_completions(build_reward_list(interrupted), ["p"], ["a"], {}, on_error=mode)
+    # the mark is used up: a KeyboardInterrupt the reward raises itself is its failure again
+    with pytest.raises(RewardError, match="raised KeyboardInterrupt"):
+        score_completions(build_reward_list(exits_on_b(KeyboardInterrupt())), ["p"], ["b"], {})
+
+
+def test_without_a_forge_handler_every_keyboard_interrupt_is_the_users():
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        score_completions(build_reward_list(exits_on_b(KeyboardInterrupt())), ["p"], ["b"], {}, on_error="score")
+
+
+def test_a_reward_calling_sys_exit_stops_the_run_with_a_reward_error_and_a_checkpoint(tmp_path):
+    import sys
+
+    def exits_at_poison(prompts, completions, **kwargs):
+        if POISON in prompts:
+            sys.exit(0)
+        return text_length(prompts, completions)
+
+    rows = [*ROWS[:2], {"prompt": POISON, "reference": "0"}, ROWS[2]]
+    trainer = trainer_for(tmp_path, exits_at_poison, max_steps=3)
+    with pytest.raises(RewardError, match=r"raised SystemExit\(0\).* at step 2") as caught:
+        trainer.train(rows)
+    assert "The last finished step (1) is saved in" in str(caught.value)
+    assert (tmp_path / "run" / "1" / COMPLETE_MARKER).is_file()
+
+
 @pytest.mark.parametrize(
     ("returned", "match"),
     [

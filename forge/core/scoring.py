@@ -13,10 +13,17 @@ instead and counts them, so a long run can go on past one odd completion:
 
 A timed-out call keeps running in a daemon thread (Python cannot kill a thread); for code that may
 never return, run it in a subprocess with `forge.sandbox.run_python`, which is killed on its timeout.
+
+`sys.exit()` (SystemExit) or a KeyboardInterrupt raised inside a reward is a reward failure like any other
+exception, so it can never end a run silently. A real Ctrl-C is told apart by who raised it: Forge's
+SIGINT/SIGTERM handler calls `note_user_interrupt()` right before it raises KeyboardInterrupt, and that
+one goes through untouched. Where no handler of Forge's is installed (Python's default SIGINT handler),
+every KeyboardInterrupt is taken for the user's.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +36,25 @@ from forge.core.reward import BaseReward, as_reward, call_with_accepted_kwargs
 
 class RewardError(RuntimeError):
     """A reward function failed; the message names the reward, the sample and what to do."""
+
+
+# What reward code may raise that counts as a failure of the reward (a user's Ctrl-C is re-raised, see below).
+REWARD_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
+_user_interrupt = threading.Event()
+
+
+def note_user_interrupt() -> None:
+    """Mark the KeyboardInterrupt about to be raised as the user's; a signal handler calls this right before
+    `raise KeyboardInterrupt`, so the scoring code lets it through instead of blaming the reward."""
+    _user_interrupt.set()
+
+
+def reraise_user_interrupt(error: BaseException) -> None:
+    """Re-raise `error` if it is the user's Ctrl-C (see the module docstring); else it is the reward's failure."""
+    if isinstance(error, KeyboardInterrupt) and (
+            _user_interrupt.is_set() or signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        _user_interrupt.clear()
+        raise error
 
 
 @dataclass
@@ -157,7 +183,8 @@ def score_completions(
             values, meta = [error_value] * n, {}
         except RewardError:
             raise
-        except Exception as batch_error:  # user code: re-raised with the sample named, or isolated below
+        except REWARD_FAILURES as batch_error:  # user code: re-raised with the sample named, or isolated below
+            reraise_user_interrupt(batch_error)
             if on_error != "score":
                 culprit = _first_failing_sample(call, n, timeout)
                 raise RewardError(_describe_failure(name, batch_error, prompts, completions, culprit, where,
@@ -166,7 +193,8 @@ def score_completions(
             for i in range(n):  # find the failing samples, keep the rest
                 try:
                     values.append(_as_scores(_call_with_timeout(lambda i=i: call([i]), timeout), name, 1)[0][0])
-                except Exception:  # noqa: BLE001 - counted in rewards/errors, never silent
+                except REWARD_FAILURES as error:  # counted in rewards/errors, never silent
+                    reraise_user_interrupt(error)
                     values.append(error_value)
                     errors += 1
         component = torch.tensor(values, dtype=torch.float32)
@@ -193,13 +221,17 @@ def _first_failing_sample(call: Callable, n: int, timeout: float | None = None) 
     for i in range(n):
         try:
             _call_with_timeout(lambda i=i: call([i]), timeout)
-        except Exception:  # noqa: BLE001 - we are only locating the failure
+        except REWARD_FAILURES as error:  # we are only locating the failure
+            reraise_user_interrupt(error)
             return i
     return 0
 
 
 def _describe_failure(name, error, prompts, completions, index, where, row_index) -> str:
     row = f" (dataset row {row_index[index]})" if row_index else ""
-    return (f"reward '{name}' raised {type(error).__name__}: {error}{where}, on completion {index}{row} "
+    detail = f"{type(error).__name__}: {error}"
+    if isinstance(error, SystemExit):  # str(SystemExit(0)) is just "0"
+        detail = f"SystemExit({error.code!r}) (sys.exit() inside the reward; return scores instead)"
+    return (f"reward '{name}' raised {detail}{where}, on completion {index}{row} "
             f"({completions[index][:200]!r}) of prompt {str(prompts[index])[:120]!r}. Fix the reward, or "
             f"set on_reward_error='score' to give failing samples reward_error_value and go on.")
