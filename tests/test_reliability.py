@@ -487,6 +487,26 @@ def test_prompt_of_the_wrong_type(tmp_path):
         trainer_for(tmp_path).train([ROWS[0], {"prompt": 42, "reference": "1"}])
 
 
+def test_a_gzipped_or_non_utf8_dataset_names_the_file_and_line(tmp_path):
+    import gzip
+
+    from forge.data.dataset import load_rows
+
+    good = '{"prompt": "What is 2 + 3?", "reference": "5"}\n'
+    packed = tmp_path / "train.jsonl.gz"
+    packed.write_bytes(gzip.compress(good.encode()))
+    with pytest.raises(ValueError, match=re.escape(f"{packed} is a gzip-compressed file, not JSON Lines text")):
+        load_rows(packed)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(good.encode() + '{"prompt": "Caf\u00e9?", "reference": "1"}\n'.encode("latin-1"))
+    # line 2 is {"prompt": "Caf + 0xe9: the 16th byte, which UTF-8 cannot start a character with
+    with pytest.raises(ValueError, match=re.escape(f"{latin1}, line 2: not UTF-8 text (byte 0xe9 at column 16)")):
+        load_rows(latin1)
+    with_bom = tmp_path / "bom.jsonl"
+    with_bom.write_bytes(b"\xef\xbb\xbf" + good.encode())  # what some Windows editors write: still fine
+    assert load_rows(with_bom) == [{"prompt": "What is 2 + 3?", "reference": "5"}]
+
+
 def test_output_dir_not_writable(tmp_path):
     (tmp_path / "file").write_text("x")
     trainer = trainer_for(tmp_path, output_dir=str(tmp_path / "file" / "run"))

@@ -83,12 +83,37 @@ def builtin_dataset(name: str, **kwargs: Any) -> list[dict]:
     return BUILTIN_DATASETS[name](**kwargs)
 
 
+# The first bytes of compressed files someone may pass for a .jsonl: name -> magic number.
+_COMPRESSED_MAGIC = {"gzip": b"\x1f\x8b", "zip": b"PK\x03\x04", "bzip2": b"BZh", "xz": b"\xfd7zXZ",
+                     "zstd": b"\x28\xb5\x2f\xfd"}
+
+
+def _decode_line(path: Path, line_number: int, raw: bytes) -> str:
+    """One line of a JSONL file as text; a ValueError naming file, line and byte when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8-sig" if line_number == 1 else "utf-8")  # a leading BOM is tolerated
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path}, line {line_number}: not UTF-8 text (byte {raw[error.start]:#04x} at column "
+            f"{error.start + 1}); save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+        ) from None
+
+
 def load_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a JSON Lines file, one JSON object per line; blank lines are skipped."""
+    """Rows of a JSON Lines file (UTF-8), one JSON object per line; blank lines are skipped.
+
+    A compressed file or one that is not UTF-8 is a ValueError naming the file (and the line)."""
     path = Path(path)
     rows = []
-    with path.open(encoding="utf-8") as file:
-        for line_number, line in enumerate(file, start=1):
+    with path.open("rb") as file:
+        head = file.read(8)
+        for kind, magic in _COMPRESSED_MAGIC.items():
+            if head.startswith(magic):
+                raise ValueError(f"{path} is a {kind}-compressed file, not JSON Lines text; decompress it first "
+                                 f"(e.g. `gunzip -k {path}` for gzip) and pass the .jsonl")
+        file.seek(0)
+        for line_number, raw in enumerate(file, start=1):
+            line = _decode_line(path, line_number, raw)
             if not line.strip():
                 continue
             try:
