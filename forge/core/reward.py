@@ -10,6 +10,14 @@ Plain TRL-style functions ``f(prompts, completions, **kwargs) -> list[float]`` a
 (`as_reward`). Answer extraction and equivalence live in `forge.data.answers`, shared with the
 evaluation code so that the training reward and the reported accuracy agree.
 
+A score may be ``None``: the reward does not apply to that sample (e.g. a code reward on a math
+prompt). The sample is then scored by the rewards that apply, and left out of the advantage
+statistics if none does. A reward may be ``async def`` (a remote judge): the async rewards of a
+step run concurrently. A reward that names a ``trainer_state`` parameter receives a `TrainerState`
+(the optimizer step, for curricula), as TRL's do. A HuggingFace sequence-classification model (a
+reward model) is a reward too: `SequenceClassificationReward`, or pass the model, its hub id or
+its folder wherever a reward goes.
+
 This module does not check the scores it returns (length, NaN, type): the trainer validates
 every reward output in one place. Exceptions raised by a reward propagate unchanged.
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import sys
 from abc import ABC, abstractmethod
@@ -45,11 +54,14 @@ __all__ = [
     "MathCorrectnessReward",
     "NumberReward",
     "RewardOutput",
+    "SequenceClassificationReward",
     "TagFormatReward",
+    "TrainerState",
     "accepted_kwargs",
     "as_reward",
     "build_reward",
     "call_with_accepted_kwargs",
+    "is_async_reward",
     "load_reward_from_path",
 ]
 
@@ -58,10 +70,22 @@ __all__ = [
 class RewardOutput:
     """What a reward returns for a batch of B responses."""
 
-    scores: list[float]
-    """One score per response, in the order the responses were given. (B,)"""
+    scores: list[float | None]
+    """One score per response, in the order the responses were given; None = this reward does not apply. (B,)"""
     metadata: dict[str, Any] | None = None
     """Anything worth logging next to the scores, e.g. per-component scores of a CompositeReward."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward with a ``trainer_state`` parameter receives: where the run is (as TRL's TrainerState)."""
+
+    global_step: int
+    """Optimizer steps finished before the step being scored (0 while scoring the first)."""
+    max_steps: int
+    """Optimizer steps this run will take in all."""
+    device: Any = None
+    """The policy's device; reward models run there."""
 
 
 def _snake_case(class_name: str) -> str:
@@ -156,14 +180,39 @@ class FunctionReward(BaseReward):
         self.name = name or _callable_name(fn)
 
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
-        return _as_output(call_with_accepted_kwargs(self.fn, prompts, responses, kwargs))
+        result = call_with_accepted_kwargs(self.fn, prompts, responses, kwargs)
+        if inspect.isawaitable(result):  # an async def reward: awaited (with the other async rewards) by the caller
+            return _awaited_output(result)
+        return _as_output(result)
 
 
-def as_reward(fn_or_reward: BaseReward | Callable[..., Any]) -> BaseReward:
-    """A BaseReward for a BaseReward (returned unchanged) or for a plain callable (wrapped in a
-    `FunctionReward`). A BaseReward subclass passed by mistake instead of an instance is an error."""
+async def _awaited_output(result: Any) -> RewardOutput:
+    return _as_output(await result)
+
+
+def is_async_reward(reward: Any) -> bool:
+    """True for an ``async def`` reward (a coroutine function, or an object whose ``__call__`` is one)."""
+    target = reward.fn if isinstance(reward, FunctionReward) else reward
+    if inspect.iscoroutinefunction(target):
+        return True
+    return callable(target) and inspect.iscoroutinefunction(type(target).__call__)
+
+
+def as_reward(fn_or_reward: Any) -> BaseReward:
+    """A BaseReward for a BaseReward (returned unchanged), a plain callable (wrapped in a `FunctionReward`), a
+    sequence-classification model, or a string: a built-in reward's name, a ``module:function`` path, or else a
+    reward model's hub id or folder. A BaseReward subclass passed by mistake instead of an instance is an error."""
     if isinstance(fn_or_reward, BaseReward):
         return fn_or_reward
+    if isinstance(fn_or_reward, (str, os.PathLike)):
+        text = str(fn_or_reward)
+        if text in REWARD_REGISTRY:
+            return build_reward(text)
+        if ":" in text and not os.path.isdir(text):
+            return load_reward_from_path(text)
+        return SequenceClassificationReward(text)
+    if _is_sequence_classifier(fn_or_reward):
+        return SequenceClassificationReward(fn_or_reward)
     if isinstance(fn_or_reward, type) and issubclass(fn_or_reward, BaseReward):
         raise TypeError(
             f"got the class {fn_or_reward.__name__}, not an instance; pass {fn_or_reward.__name__}(...)"
@@ -364,6 +413,95 @@ class NumberReward(BaseReward):
             1.0 if parse_number(extract_final_answer(response, self.answer_tag)) is not None else 0.0
             for response in responses
         ]
+        return RewardOutput(scores=scores)
+
+
+def _is_sequence_classifier(obj: Any) -> bool:
+    """A HF ``*ForSequenceClassification`` model (a torch module with a config and a classification head)."""
+    return hasattr(obj, "config") and callable(getattr(obj, "forward", None)) and (
+        type(obj).__name__.endswith("ForSequenceClassification")
+        or any(a.endswith("ForSequenceClassification") for a in getattr(obj.config, "architectures", None) or []))
+
+
+def is_model_and_tokenizer(obj: Any) -> bool:
+    """``(model, tokenizer)``: a reward model given with its tokenizer, one reward (not a list of two)."""
+    return (isinstance(obj, tuple) and len(obj) == 2 and _is_sequence_classifier(obj[0])
+            and hasattr(obj[1], "pad_token_id") and not _is_sequence_classifier(obj[1]))
+
+
+class SequenceClassificationReward(BaseReward):
+    """A reward model: a HuggingFace sequence-classification model scores prompt + completion, and the score is
+    its logit ``label_index`` (0: the usual single-output reward model, as TRL uses).
+
+    ``model`` is a loaded ``*ForSequenceClassification`` model, a hub id or a local folder; ``tokenizer`` is
+    read from the same place when not given. Scoring runs batched (``batch_size`` texts a forward), without
+    gradients, on ``device``, or when that is None on the policy's device (from ``trainer_state``), else
+    where the model is. A chat prompt (list of messages) is rendered with the tokenizer's chat template with
+    the completion as the assistant's message; a plain prompt is prompt + completion.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, batch_size: int = 16, max_length: int | None = None,
+                 label_index: int = 0, device: Any = None, name: str | None = None) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if isinstance(model, (str, os.PathLike)):
+            source = str(model)
+            model = AutoModelForSequenceClassification.from_pretrained(source)
+            name = name or Path(source.rstrip("/")).name
+        if not _is_sequence_classifier(model):
+            raise TypeError(f"{type(model).__name__} is not a sequence-classification model; a reward model must be a "
+                            f"*ForSequenceClassification model (e.g. AutoModelForSequenceClassification), its hub id "
+                            f"or its folder")
+        if tokenizer is None:
+            source = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
+            if not source:
+                raise ValueError("this reward model has no name or path to load its tokenizer from; pass it: "
+                                 "SequenceClassificationReward(model, tokenizer)")
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        num_labels = getattr(model.config, "num_labels", 1)
+        if not 0 <= label_index < num_labels:
+            raise ValueError(f"label_index={label_index} is outside the model's {num_labels} outputs")
+        if tokenizer.pad_token_id is None:  # batches need padding; the classifier finds the last real token
+            tokenizer.pad_token = tokenizer.eos_token
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+        model.eval()
+        model.requires_grad_(False)
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size, self.max_length, self.label_index, self.device = batch_size, max_length, label_index, device
+        if name:
+            self.name = name
+
+    def text(self, prompt: Any, response: str) -> tuple[str, bool]:
+        """The text scored for one sample, and whether the tokenizer should add its special tokens."""
+        if isinstance(prompt, str):
+            return prompt + response, True
+        messages = [*prompt, {"role": "assistant", "content": response}]
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(messages, tokenize=False), False
+        return "\n".join(str(m.get("content", "")) for m in messages), True
+
+    def __call__(self, prompts: list, responses: list[str], trainer_state: TrainerState | None = None,
+                 **kwargs: Any) -> RewardOutput:
+        import torch
+
+        device = self.device or getattr(trainer_state, "device", None)
+        if device is not None and next(self.model.parameters()).device != torch.device(device):
+            self.model.to(device)
+        device = next(self.model.parameters()).device
+        texts = [self.text(p, r) for p, r in zip(prompts, responses)]
+        scores: list[float] = []
+        with torch.no_grad():
+            for start in range(0, len(texts), self.batch_size):
+                chunk = texts[start:start + self.batch_size]
+                special = chunk[0][1]
+                encoded = self.tokenizer([t for t, _ in chunk], padding=True, padding_side="right",
+                                         truncation=self.max_length is not None, max_length=self.max_length,
+                                         add_special_tokens=special, return_tensors="pt").to(device)
+                logits = self.model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
+                scores.extend(logits[:, self.label_index].float().cpu().tolist())  # (b,)
         return RewardOutput(scores=scores)
 
 

@@ -11,6 +11,12 @@ instead and counts them, so a long run can go on past one odd completion:
     returns NaN / inf  RewardError                              masked from the loss, counted in `nonfinite`
     returns a wrong count or a non-number: always a RewardError (a bug in the reward, not one sample)
 
+A score of None means the reward does not apply to that sample: it is left out of that reward (the total is
+the weighted sum over the rewards that apply; `Scores.applies`), and a sample no reward applies to gets
+advantage 0 and stays out of the group statistics (`Scores.scored`). `async def` rewards of a step are
+started together and awaited concurrently (one event loop in a helper thread), each under reward_timeout,
+with the same error rules as the others.
+
 A timed-out call keeps running in a daemon thread (Python cannot kill a thread); for code that may
 never return, run it in a subprocess with `forge.sandbox.run_python`, which is killed on its timeout.
 
@@ -23,6 +29,8 @@ every KeyboardInterrupt is taken for the user's.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -31,7 +39,13 @@ from typing import Any
 
 import torch
 
-from forge.core.reward import BaseReward, as_reward, call_with_accepted_kwargs
+from forge.core.reward import (
+    BaseReward,
+    as_reward,
+    call_with_accepted_kwargs,
+    is_async_reward,
+    is_model_and_tokenizer,
+)
 
 
 class RewardError(RuntimeError):
@@ -68,13 +82,28 @@ class Scores:
     timeouts: int = 0  # reward calls that ran past the timeout
     nonfinite: int = 0  # samples masked from the loss because a reward returned NaN/inf
     metadata: dict[str, Any] = field(default_factory=dict)
+    applies: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (N,) bool, False where it returned None
+
+    @property
+    def scored(self) -> torch.Tensor:
+        """(N,) bool: at least one reward applies to the sample (else: advantage 0, out of the statistics)."""
+        if len(self.applies) < len(self.components):  # a reward absent from `applies` applies everywhere
+            return torch.ones_like(self.valid)
+        return torch.stack(list(self.applies.values()), dim=1).any(dim=1)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(components (N, K), applies (N, K)) in reward order, for multi_reward_advantages."""
+        names = list(self.components)
+        applies = [self.applies.get(k, torch.ones_like(self.valid)) for k in names]
+        return torch.stack([self.components[k] for k in names], dim=1), torch.stack(applies, dim=1)
 
 
 def build_reward_list(
     reward_fn: Any, weights: Sequence[float] | None = None
 ) -> list[tuple[str, BaseReward, float]]:
     """One reward, or a list of rewards (weighted by `weights`), as (unique name, reward, weight)."""
-    rewards = list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
+    is_list = isinstance(reward_fn, (list, tuple)) and not is_model_and_tokenizer(reward_fn)
+    rewards = list(reward_fn) if is_list else [reward_fn]
     if not rewards:
         raise ValueError("reward_fn is empty; pass a reward (e.g. ExactMatchReward()) or a list of them")
     weights = list(weights) if weights is not None else [1.0] * len(rewards)
@@ -82,8 +111,13 @@ def build_reward_list(
         raise ValueError(f"reward_weights has {len(weights)} entries for {len(rewards)} reward functions")
     named, seen = [], {}
     for reward, weight in zip(rewards, weights):
-        if not callable(reward):
-            raise TypeError(f"reward {reward!r} is not callable; pass a BaseReward or f(prompts, completions)")
+        if is_model_and_tokenizer(reward):
+            from forge.core.reward import SequenceClassificationReward
+
+            reward = SequenceClassificationReward(*reward)
+        if not callable(reward) and not isinstance(reward, str):
+            raise TypeError(f"reward {reward!r} is not callable; pass a BaseReward, f(prompts, completions), or a "
+                            f"reward model (its hub id, folder, or (model, tokenizer))")
         wrapped = as_reward(reward)
         name = getattr(wrapped, "name", None) or type(wrapped).__name__
         seen[name] = seen.get(name, 0) + 1
@@ -120,8 +154,53 @@ def _call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
     return outcome["value"]
 
 
+def _settle(awaitables: list, timeout: float | None) -> list[tuple[bool, Any]]:
+    """Await every awaitable concurrently, each under `timeout`: [(True, value) or (False, exception)].
+
+    One event loop in a helper thread, so this works where a loop already runs (a notebook)."""
+    async def one(awaitable) -> tuple[bool, Any]:
+        task = asyncio.ensure_future(awaitable)
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            task.cancel()
+            return False, RewardTimeout(f"no result after {timeout}s")
+        try:
+            return True, task.result()
+        except BaseException as error:  # noqa: BLE001 - handed back to the caller, who applies the error rules
+            return False, error
+
+    async def every() -> list:
+        return list(await asyncio.gather(*(one(a) for a in awaitables)))
+
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        outcome["value"] = asyncio.run(every())
+
+    worker = threading.Thread(target=target, name="forge-async-rewards", daemon=True)
+    worker.start()
+    worker.join(None if timeout is None else timeout + 10)  # a coroutine that blocks its loop cannot time out
+    return outcome.get("value") or [(False, RewardTimeout(f"no result after {timeout}s"))] * len(awaitables)
+
+
+def _outcome(settled: tuple[bool, Any]) -> Any:
+    ok, value = settled
+    if not ok:
+        raise value
+    return value
+
+
+def _call_reward(fn: Callable[[], Any], timeout: float | None) -> Any:
+    """_call_with_timeout, then await the result if the reward is async."""
+    result = _call_with_timeout(fn, timeout)
+    if inspect.isawaitable(result):
+        return _outcome(_settle([result], timeout)[0])
+    return result
+
+
 def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[list[float], dict]:
-    """Check a reward's return value: RewardOutput or a list of numbers, one per completion."""
+    """Check a reward's return value: RewardOutput or a list of numbers (or None: does not apply), one per
+    completion. A None comes back as NaN here, told apart from a returned NaN by `_applies`."""
     scores = getattr(output, "scores", output)
     metadata = getattr(output, "metadata", None) or {}
     if isinstance(scores, torch.Tensor):
@@ -135,12 +214,26 @@ def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[
                           f"return exactly one score per completion")
     values = []
     for i, value in enumerate(scores):
+        if value is None:
+            values.append(_NOT_APPLIED)
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RewardError(f"reward '{name}' returned {value!r} (a {type(value).__name__}) for completion {i}"
                               f"{where}; "
                               f"scores must be int or float")
         values.append(float(value))
     return values, metadata
+
+
+class _NotApplied(float):
+    """The float a None score becomes in `_as_scores`: NaN, recognised by identity (`_applies`)."""
+
+
+_NOT_APPLIED = _NotApplied("nan")
+
+
+def _applies(values: list[float]) -> torch.Tensor:
+    return torch.tensor([value is not _NOT_APPLIED for value in values], dtype=torch.bool)
 
 
 def score_completions(
@@ -154,26 +247,46 @@ def score_completions(
     timeout: float | None = None,
     step: int | None = None,
     row_index: list[int] | None = None,
+    trainer_state: Any = None,
 ) -> Scores:
     """Score N completions with every reward; prompts and each kwarg list have N entries.
 
-    row_index (N,) names each completion's dataset row in error messages."""
+    row_index (N,) names each completion's dataset row in error messages. trainer_state (a TrainerState) goes
+    to the rewards that name a `trainer_state` parameter."""
     n = len(completions)
     total = torch.zeros(n)
     valid = torch.ones(n, dtype=torch.bool)
-    components, metadata = {}, {}
+    components, metadata, applies = {}, {}, {}
     errors = timeouts = 0
     where = f" at step {step}" if step is not None else ""
-    for name, reward, weight in rewards:
-        def call(indices=None, reward=reward):
+    extra = {} if trainer_state is None else {"trainer_state": trainer_state}
+
+    def caller(reward):
+        def call(indices=None):
             if indices is None:
-                return call_with_accepted_kwargs(reward, prompts, completions, reward_kwargs)
+                return call_with_accepted_kwargs(reward, prompts, completions, {**reward_kwargs, **extra})
             picked = {k: [v[i] for i in indices] for k, v in reward_kwargs.items()}
             return call_with_accepted_kwargs(reward, [prompts[i] for i in indices],
-                                             [completions[i] for i in indices], picked)
+                                             [completions[i] for i in indices], {**picked, **extra})
+        return call
 
+    # The async rewards start first, together; their results wait here for the loop below.
+    started: dict[str, tuple[bool, Any]] = {}
+    for name, reward, _ in rewards:
+        if is_async_reward(reward):
+            try:
+                started[name] = (True, caller(reward)())
+            except REWARD_FAILURES as error:  # raised before its first await
+                started[name] = (False, error)
+    pending = [name for name, (ok, _) in started.items() if ok]
+    settled = dict(zip(pending, _settle([started[name][1] for name in pending], timeout))) if pending else {}
+    settled.update({name: outcome for name, outcome in started.items() if not outcome[0]})
+
+    for name, reward, weight in rewards:
+        call = caller(reward)
         try:
-            values, meta = _as_scores(_call_with_timeout(call, timeout), name, n, where)
+            output = _outcome(settled[name]) if name in settled else _call_reward(call, timeout)
+            values, meta = _as_scores(output, name, n, where)
         except RewardTimeout:
             if on_error != "score":
                 raise RewardError(f"reward '{name}' took longer than reward_timeout={timeout}s{where}; raise "
@@ -192,12 +305,13 @@ def score_completions(
             values, meta = [], {}
             for i in range(n):  # find the failing samples, keep the rest
                 try:
-                    values.append(_as_scores(_call_with_timeout(lambda i=i: call([i]), timeout), name, 1)[0][0])
+                    values.append(_as_scores(_call_reward(lambda i=i, call=call: call([i]), timeout), name, 1)[0][0])
                 except REWARD_FAILURES as error:  # counted in rewards/errors, never silent
                     reraise_user_interrupt(error)
                     values.append(error_value)
                     errors += 1
-        component = torch.tensor(values, dtype=torch.float32)
+        applied = _applies(values)  # (N,)
+        component = torch.where(applied, torch.tensor(values, dtype=torch.float32), 0.0)
         finite = torch.isfinite(component)
         if not finite.all():
             bad = int((~finite).nonzero()[0])
@@ -209,18 +323,20 @@ def score_completions(
             valid &= finite
             component = torch.where(finite, component, torch.zeros_like(component))  # masked anyway
         components[name] = component
+        if not applied.all():
+            applies[name] = applied
         total += weight * component
         if meta:
             metadata[name] = meta
     nonfinite = int((~valid).sum())
-    return Scores(total, components, valid, errors, timeouts, nonfinite, metadata)
+    return Scores(total, components, valid, errors, timeouts, nonfinite, metadata, applies)
 
 
 def _first_failing_sample(call: Callable, n: int, timeout: float | None = None) -> int:
     """Index of the first completion the reward fails on when scored alone (0 if none fails alone)."""
     for i in range(n):
         try:
-            _call_with_timeout(lambda i=i: call([i]), timeout)
+            _call_reward(lambda i=i: call([i]), timeout)
         except REWARD_FAILURES as error:  # we are only locating the failure
             reraise_user_interrupt(error)
             return i
