@@ -23,7 +23,9 @@ class RolloutStats:
 
     scores: list[torch.Tensor] = field(default_factory=list)  # each (N,) total reward
     valid: list[torch.Tensor] = field(default_factory=list)  # each (N,) bool, False where a reward was NaN/inf
+    # or where no reward applied (every one returned None)
     components: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # reward name -> each (N,)
+    applies: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # reward name -> each (N,) bool
     errors: int = 0
     timeouts: int = 0
     nonfinite: int = 0
@@ -39,6 +41,7 @@ def step_metrics(rollouts: list[Rollout], stats: RolloutStats, update: dict, *, 
     group_std = group_reward_std(rewards, group_size, valid)  # (groups,)
     lengths = dist.gather(torch.cat([r.completion_lengths for r in rollouts]).float())  # (N_total,)
     truncated = dist.gather(torch.cat([r.truncated for r in rollouts]).float())  # (N_total,)
+    terminated = lengths[truncated == 0]  # (n_eos,) completions that ended with EOS
     errors, timeouts, nonfinite = dist.sum([stats.errors, stats.timeouts, stats.nonfinite])
     gen_seconds = dist.max(stats.gen_seconds)  # the ranks generate side by side
     metrics = {
@@ -47,11 +50,16 @@ def step_metrics(rollouts: list[Rollout], stats: RolloutStats, update: dict, *, 
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         **{key: update[key] for key in ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
                                         "grad_norm", "learning_rate")},
+        # added with the algorithm catalogue; .get keeps callers that pass only the keys above working
+        **{key: update[key] for key in ("entropy", "clip_frac_capped", "rollout_is_weight_mean",
+                                        "sampling/logp_diff_mean", "sampling/logp_diff_max") if key in update},
         "group_reward_std_mean": float(group_std.mean()),
         "frac_zero_std_groups": float((group_std == 0).float().mean()),
+        "frac_reward_zero_std": float((group_std == 0).float().mean()),  # TRL's name for frac_zero_std_groups
         "completion_length/mean": float(lengths.mean()),
         "completion_length/min": float(lengths.min()),
         "completion_length/max": float(lengths.max()),
+        "completion_length/mean_terminated": float(terminated.mean()) if terminated.numel() else 0.0,
         "frac_truncated": float(truncated.mean()),
         "tokens_per_second": float(lengths.sum()) / max(gen_seconds, 1e-9),
         "step_seconds": seconds,
@@ -63,7 +71,11 @@ def step_metrics(rollouts: list[Rollout], stats: RolloutStats, update: dict, *, 
         "param_delta_norm": param_delta_norm,
     }
     for name, parts in stats.components.items():
-        metrics[f"rewards/{name}"] = float(dist.gather(torch.cat(parts)).mean())
+        values = dist.gather(torch.cat(parts))  # (N_total,)
+        if name in stats.applies:  # over the samples the reward applies to (it returned a number)
+            values = values[dist.gather(torch.cat(stats.applies[name]))]
+        metrics[f"rewards/{name}"] = float(values.mean()) if values.numel() else 0.0
+        metrics[f"rewards/{name}/std"] = float(values.std()) if values.numel() > 1 else 0.0
     return metrics
 
 

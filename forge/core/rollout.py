@@ -116,6 +116,8 @@ class Rollout:
     truncated: torch.Tensor  # (N,) bool, True when no EOS within max_new_tokens
     group_size: int
     completions: list[str] = field(default_factory=list)  # (N,) decoded text, special tokens removed
+    sampler_logprobs: torch.Tensor | None = None  # (N, T) log-prob of each sampled token under the sampling
+    # softmax (logits / temperature, before top-k / top-p), 0 on padding: what the trainer's log-probs should equal
 
     @property
     def num_prompts(self) -> int:
@@ -329,6 +331,7 @@ def generate(
     cache = _preallocated(cache, mask.shape[1] + settings.max_new_tokens)
 
     completion_ids = torch.full((num_rows, settings.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
+    sampler_logprobs = torch.zeros((num_rows, settings.max_new_tokens), dtype=torch.float32)
     active = torch.arange(num_rows, device=device)  # rows still decoding
     next_position = mask.sum(dim=1)  # (N,)
     if noise is not None:
@@ -336,6 +339,8 @@ def generate(
     for step in range(settings.max_new_tokens):
         tokens = sample_next_token(next_logits, settings, None if noise is None else noise[active, step])  # (n,)
         completion_ids[active.cpu(), step] = tokens.cpu()
+        logp = torch.log_softmax(next_logits.float() / settings.temperature, dim=-1)  # (n, V)
+        sampler_logprobs[active.cpu(), step] = logp.gather(1, tokens[:, None]).squeeze(1).cpu()
         running = ~torch.isin(tokens, stop_ids)  # (n,)
         if step == settings.max_new_tokens - 1 or not running.any():
             break
@@ -353,7 +358,8 @@ def generate(
     lengths = completion_mask.sum(dim=1).tolist()
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(completion_ids.tolist(), lengths)],
                                    skip_special_tokens=True)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
+                   sampler_logprobs * completion_mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -369,8 +375,11 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     share_prompt_prefix: bool = True,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(completion token) for each completion token, (n, T); differentiable when grad is enabled.
+    with_entropy: also each position's entropy (n, T), from the same log-softmax pass (token_logprobs_from_logits).
 
     prompt_ids/mask: (P, Lp) the prompts; completion_ids: (n, T); prompt_index: (n,) the prompt of each
     completion. With share_prompt_prefix, each distinct prompt is run once and its cache expanded.
@@ -380,7 +389,7 @@ def completion_logprobs(
     completion_ids, prompt_index = completion_ids.to(device), prompt_index.to(device)
     if not share_prompt_prefix:
         return _full_sequence_logprobs(model, prompt_ids[prompt_index], prompt_mask[prompt_index],
-                                       completion_ids, temperature, chunk_size)
+                                       completion_ids, temperature, chunk_size, with_entropy, entropy_grad)
 
     used, expand = torch.unique(prompt_index, return_inverse=True)  # (u,), (n,)
     ids, mask = prompt_ids[used], prompt_mask[used]  # (u, Lp)
@@ -396,17 +405,19 @@ def completion_logprobs(
     logits = model(input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
                    use_cache=True, **{_CACHE_ARG: cache}).logits  # (n, T, V)
     logits = torch.cat([first_logits[:, None], logits[:, :-1]], dim=1)  # (n, T, V) aligned with targets
-    return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size)  # (n, T)
+    return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size, with_entropy,
+                                      entropy_grad)  # (n, T), and (n, T) entropies with_entropy
 
 
-def _full_sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, temperature, chunk_size):
+def _full_sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, temperature, chunk_size,
+                            with_entropy=False, entropy_grad=False):
     """The straightforward path: every completion re-reads its own copy of the prompt."""
     prompt_len = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, Lp + T)
     mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=_positions(mask), use_cache=False).logits
     logits = logits[:, prompt_len - 1:-1]  # (n, T, V): position t predicts completion token t
-    return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size)
+    return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size, with_entropy, entropy_grad)
 
 
 @contextmanager

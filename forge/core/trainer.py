@@ -34,7 +34,15 @@ from tqdm.auto import tqdm
 
 from forge.core import metrics as step_stats
 from forge.core.distributed import DataParallel
-from forge.core.grpo import GRPOConfig, LossNormaliser, compute_group_advantages, group_reward_std, grpo_loss
+from forge.core.grpo import (
+    GRPOConfig,
+    LossNormaliser,
+    LossSettings,
+    group_reward_std,
+    grpo_loss,
+    logprob_gap,
+    multi_reward_advantages,
+)
 from forge.core.lifecycle import (
     CheckpointParts,
     FinishedStep,
@@ -44,6 +52,7 @@ from forge.core.lifecycle import (
     check_output_dir,
     dataset_identity,
 )
+from forge.core.reward import TrainerState
 from forge.core.rollout import (
     Rollout,
     SamplingSettings,
@@ -333,24 +342,28 @@ class GRPOTrainer:
             stats.gen_seconds += time.perf_counter() - t0
             scores = self._score_on_every_rank(mine, rollout)
             # Advantages of the whole rollout batch (scale_rewards='batch' needs every rank's rewards); keep ours.
-            # Samples whose reward was NaN/inf are masked from the loss and left out of the group statistics.
-            advantages = compute_group_advantages(self.dist.gather(scores.total), group, config.scale_rewards,
-                                                  config.advantage_epsilon,
-                                                  valid=self.dist.gather(scores.valid))[mine_rows]  # (N,)
+            # Samples whose reward was NaN/inf are masked from the loss and left out of the group statistics; a
+            # sample no reward applies to (all returned None) gets advantage 0 and leaves the statistics too.
+            components, applies = scores.stacked()  # (N, K) each
+            advantages = multi_reward_advantages(
+                self.dist.gather(components), self.dist.gather(applies), [w for _, _, w in self.rewards], group,
+                config.scale_rewards, config.advantage_epsilon, config.multi_objective_aggregation,
+                valid=self.dist.gather(scores.valid))[mine_rows]  # (N,)
             keep = scores.valid.clone()  # (N,)
             if config.mask_truncated_completions:
                 keep &= ~rollout.truncated
             if config.drop_zero_std_groups:
-                informative = group_reward_std(scores.total, group, scores.valid) > 0  # (P,)
+                informative = group_reward_std(scores.total, group, scores.valid & scores.scored) > 0  # (P,)
                 keep &= informative.repeat_interleave(group)
             batch.rollouts.append(rollout)
             batch.rows.append(mine)
             batch.advantages.append(advantages)
             batch.loss_mask.append(rollout.completion_mask * keep[:, None].long())  # (N, T)
             stats.scores.append(scores.total)
-            stats.valid.append(scores.valid)
+            stats.valid.append(scores.valid & scores.scored)
             for name, values in scores.components.items():
                 stats.components.setdefault(name, []).append(values)
+                stats.applies.setdefault(name, []).append(scores.applies.get(name, torch.ones_like(scores.valid)))
             stats.errors += scores.errors
             stats.timeouts += scores.timeouts
             stats.nonfinite += scores.nonfinite
@@ -389,7 +402,9 @@ class GRPOTrainer:
             scores, failure = score_completions(
                 self.rewards, prompts, rollout.completions, kwargs, on_error=config.on_reward_error,
                 error_value=config.reward_error_value, timeout=config.reward_timeout, step=self.global_step + 1,
-                row_index=row_ids), None
+                row_index=row_ids, trainer_state=TrainerState(self.global_step, getattr(self, "total_steps",
+                                                                                         config.max_steps),
+                                                              self.device)), None
         except RewardError as error:
             scores, failure = None, error
         if self.dist.any(failure is not None):
@@ -397,13 +412,15 @@ class GRPOTrainer:
                                          f"its error message says which reward and sample, and what to do")
         return scores
 
-    def _logprobs(self, model, rollout: Rollout, indices: torch.Tensor, share_prompt: bool | None = None):
-        """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion."""
+    def _logprobs(self, model, rollout: Rollout, indices: torch.Tensor, share_prompt: bool | None = None,
+                  **entropy):
+        """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion (and their
+        entropies with with_entropy=True, see completion_logprobs)."""
         length = int(rollout.completion_mask[indices].sum(dim=1).max().clamp(min=1))
         share_prompt = self.config.share_prompt_prefix if share_prompt is None else share_prompt
         return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask,
                                    rollout.completion_ids[indices, :length], rollout.prompt_index[indices],
-                                   self.config.temperature, self.config.logprob_chunk_size, share_prompt)
+                                   self.config.temperature, self.config.logprob_chunk_size, share_prompt, **entropy)
 
     def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
         size = self.config.micro_batch_size or rollout.completion_ids.shape[0]
@@ -447,8 +464,10 @@ class GRPOTrainer:
         num_sequences, num_tokens, num_sampled = self.dist.sum([num_sequences, num_tokens, num_sampled])
         normaliser = LossNormaliser(max(num_sequences, 1.0), max(num_tokens, 1.0), config.max_new_tokens,
                                     num_sampled)
-        keys = ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean")
-        totals, weight_sum = dict.fromkeys(("loss", *keys), 0.0), 0.0
+        settings = LossSettings.from_config(config)
+        keys = ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "clip_frac_capped", "entropy",
+                "rollout_is_weight_mean", "sampling/logp_diff_mean")
+        totals, weight_sum, gap_max = dict.fromkeys(("loss", *keys), 0.0), 0.0, 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for r, rollout in enumerate(batch.rollouts):
             for indices in self._micro_batches(rollout):
@@ -458,24 +477,29 @@ class GRPOTrainer:
                 # Gradient checkpointing recomputes layers in backward, which a shared prompt cache cannot
                 # survive: each completion then carries its own copy of the prompt.
                 with checkpointed_layers(self.model, config.gradient_checkpointing):
-                    logprobs = self._logprobs(self.model, rollout, indices,
-                                              share_prompt=config.share_prompt_prefix
-                                              and not config.gradient_checkpointing)  # (n, T')
+                    logprobs, entropy = self._logprobs(self.model, rollout, indices,
+                                                       share_prompt=config.share_prompt_prefix
+                                                       and not config.gradient_checkpointing, with_entropy=True,
+                                                       entropy_grad=config.entropy_coef != 0)  # (n, T') each
                 length = logprobs.shape[1]
-                old, ref = batch.old_logprobs[r], batch.ref_logprobs[r]
+                old, ref, sampler = batch.old_logprobs[r], batch.ref_logprobs[r], rollout.sampler_logprobs
+                old = None if old is None else old[indices, :length].to(self.device)
+                sampler = None if sampler is None else sampler[indices, :length].to(self.device)
+                part_mask = mask[:, :length].to(self.device)
                 loss, stats = grpo_loss(
-                    logprobs, None if old is None else old[indices, :length].to(self.device),
-                    None if ref is None else ref[indices, :length].to(self.device),
-                    batch.advantages[r][indices].to(self.device), mask[:, :length].to(self.device),
-                    clip_eps_low=config.clip_epsilon, clip_eps_high=config.epsilon_high, kl_beta=config.kl_beta,
-                    loss_type=config.loss_type, importance_level=config.importance_sampling_level,
-                    normaliser=normaliser)
+                    logprobs, old, None if ref is None else ref[indices, :length].to(self.device),
+                    batch.advantages[r][indices].to(self.device), part_mask, normaliser=normaliser,
+                    settings=settings, entropy=entropy, sampler_logprobs=sampler)
                 # Each rank's loss carries its share; all-reduce (sum) of gradients gives the global loss.
                 loss.backward()
                 tokens = float(mask.sum())
                 totals["loss"] += float(loss.detach())
+                gap_mean, gap_largest = (0.0, 0.0) if sampler is None else logprob_gap(
+                    logprobs if old is None else old, sampler, part_mask)  # sampler vs the trainer's pi_old
+                gap_max = max(gap_max, gap_largest)
                 for key in keys:
-                    totals[key] += float(getattr(stats, key)) * tokens
+                    value = gap_mean if key == "sampling/logp_diff_mean" else float(getattr(stats, key))
+                    totals[key] += value * tokens
                 weight_sum += tokens
         self.dist.all_reduce_grads(self.trainable)
         # The loss is the sum of the ranks' shares; the statistics are token-weighted means over every rank.
@@ -483,6 +507,9 @@ class GRPOTrainer:
         totals["loss"], weight_sum = summed[0], summed[1]
         for key, value in zip(keys, summed[2:]):
             totals[key] = value / max(weight_sum, 1.0)
+        totals["sampling/logp_diff_max"] = self.dist.max(gap_max)
+        if config.rollout_is == "none":
+            del totals["rollout_is_weight_mean"]
         totals["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         totals["grad_norm"] = self._clip_and_step(loss_is_finite=math.isfinite(totals["loss"]))
         return totals
