@@ -10,9 +10,9 @@ measure again with the same decoding; write the before/after report.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -47,8 +47,18 @@ class DemoSettings:
     whose completions all score the same are left out of the backward pass instead)."""
     screen_group_size: int = 4
     """Samples per candidate prompt while screening."""
-    heldout: int = 60
-    """Held-out problems (fixed set, disjoint from training)."""
+    heldout: int = 240
+    """Held-out problems (fixed set, disjoint from training), evaluated greedily before and after training."""
+    eval_every: int = 12
+    """During training, evaluate the first eval_subset held-out problems (greedy) every N steps; drawn in
+    training_curves.png next to the reward (0 = only before and after)."""
+    eval_subset: int = 60
+    """Held-out problems evaluated during training (the first ones of the held-out set)."""
+    eval_batch_size: int = 60
+    """Prompts per generation call when evaluating."""
+    ceiling: bool = False
+    """Instead of training: measure the base model's pass@group_size at the training temperature on the
+    held-out set (the ceiling that sharpening alone can reach), write ceiling.json and stop."""
     seed: int = 0
     """Seed for the training set, sampling and LoRA init."""
     output_dir: str = "forge_demo"
@@ -69,7 +79,8 @@ class DemoSettings:
         return settings
 
 
-QUICK = {"steps": 3, "heldout": 20, "prompts_per_step": 2, "max_new_tokens": 48}
+QUICK = {"steps": 3, "heldout": 20, "prompts_per_step": 2, "max_new_tokens": 48, "eval_every": 2,
+         "eval_subset": 10}
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +102,7 @@ def run_demo(settings: DemoSettings) -> dict:
     from forge.core.policy import load_model
     from forge.core.trainer import GRPOTrainer, seed_everything
     from forge.data.arithmetic import arithmetic_dataset, arithmetic_heldout
-    from forge.eval.evaluate import evaluate, heldout_metrics
+    from forge.eval.evaluate import evaluate
     from forge.eval.plot import plot_training_curves
     from forge.eval.report import build_comparison, write_comparison
     from forge.eval.screen import screen_prompts
@@ -109,10 +120,17 @@ def run_demo(settings: DemoSettings) -> dict:
     candidates = arithmetic_dataset(n=max(settings.screen_candidates, settings.steps * settings.prompts_per_step),
                                     seed=settings.seed, chat=True)
 
+    timings = {"load": time.perf_counter() - started}
+    if settings.ceiling:
+        return _measure_ceiling(settings, model, tokenizer, heldout, out, say, started)
+
     say(f"evaluating the base model on {len(heldout)} held-out problems (greedy)")
-    eval_kw = {"max_new_tokens": settings.max_new_tokens, "batch_size": 30}
+    eval_kw = {"max_new_tokens": settings.max_new_tokens, "batch_size": settings.eval_batch_size}
+    t0 = time.perf_counter()
     before = evaluate(model, tokenizer, heldout, **eval_kw)
+    timings["base_eval"] = time.perf_counter() - t0
     say(_summary_line("base", before.metrics))
+    load_before = _load_average()
 
     train_rows = candidates
     if settings.screen_candidates:
@@ -130,22 +148,32 @@ def run_demo(settings: DemoSettings) -> dict:
                 : settings.prompts_per_step - len(train_rows)]
         (out / "screening.json").write_text(json.dumps(screened.report(), indent=2))
 
-    config = demo_config(settings, out)
+    subset = heldout[: settings.eval_subset] if settings.eval_every else None
+    config = demo_config(settings, out, eval_steps=settings.eval_every, eval_before_training=subset is not None)
     say(f"training: {settings.steps} steps x {settings.prompts_per_step} prompts x {settings.group_size} "
-        f"completions, LoRA r={settings.lora_r}, lr {settings.learning_rate}")
-    # evaluator: what train(eval_dataset=...) logs as eval/<metric> (strict/soft accuracy, format rate)
-    trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config,
-                          evaluator=functools.partial(heldout_metrics, batch_size=eval_kw["batch_size"]))
+        f"completions, LoRA r={settings.lora_r}, lr {settings.learning_rate}"
+        + (f"; held-out curve: the first {len(subset)} problems every {settings.eval_every} steps" if subset else ""))
+    curve = HeldoutCurve(heldout, len(subset or ()), settings.steps, eval_kw, before)
+    trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config, evaluator=curve)
+    curve.trainer = trainer
     train_started = time.perf_counter()
-    trainer.train(train_rows)
-    train_seconds = time.perf_counter() - train_started
+    trainer.train(train_rows, eval_dataset=subset)
+    timings["training"] = time.perf_counter() - train_started - curve.seconds
+    timings["curve_evals"] = curve.seconds - curve.final_seconds
 
-    say("evaluating the trained policy on the same held-out problems (greedy)")
-    after = evaluate(trainer.model, tokenizer, heldout, **eval_kw)
+    say(f"evaluating the trained policy on the same {len(heldout)} held-out problems (greedy)")
+    t0 = time.perf_counter()
+    after = curve.final if curve.final is not None else evaluate(trainer.model, tokenizer, heldout, **eval_kw)
+    timings["final_eval"] = curve.final_seconds + time.perf_counter() - t0
+    say(_summary_line("trained", after.metrics))
+    t0 = time.perf_counter()
     report = build_comparison(before, after, labels=("base", "trained"))
     json_path, md_path = write_comparison(report, out)
     curves = plot_training_curves(out)
+    timings["report_and_plot"] = time.perf_counter() - t0
     total = time.perf_counter() - started
+    timings["total"] = total
+    train_seconds = timings["training"]
 
     rows = [("strict accuracy", "strict_accuracy"), ("soft accuracy", "soft_accuracy"),
             ("format rate", "format_rate"), ("mean length", "mean_completion_length")]
@@ -154,14 +182,104 @@ def run_demo(settings: DemoSettings) -> dict:
         b, a = before.metrics[key], after.metrics[key]
         fmt = "{:6.1%}" if key != "mean_completion_length" else "{:6.1f}"
         print(f"{label:>18} | {fmt.format(b)} | {fmt.format(a)}")
-    result = {"settings": asdict(settings), "before": before.metrics, "after": after.metrics,
+    result = {"settings": asdict(settings), "heldout_size": len(heldout), "before": before.metrics,
+              "after": after.metrics, "gain": after.metrics["strict_accuracy"] - before.metrics["strict_accuracy"],
+              "eval_curve": curve.points, "eval_curve_size": len(subset or ()),
               "train_seconds": train_seconds, "total_seconds": total,
-              "seconds_per_step": train_seconds / max(1, settings.steps)}
+              "seconds_per_step": train_seconds / max(1, settings.steps), "timings": timings,
+              "load_average": {"start": load_before, "end": _load_average()}, "machine": _machine()}
     (out / "demo_result.json").write_text(json.dumps(result, indent=2))
-    print(f"\ntraining {train_seconds:.0f}s ({result['seconds_per_step']:.1f} s/step), total {total:.0f}s")
+    print(f"\ntraining {train_seconds:.0f}s ({result['seconds_per_step']:.1f} s/step), total {total:.0f}s ("
+          + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items() if k != "total") + ")")
     print(f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     {out / 'training_log.jsonl'}, "
           f"{out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   {out / 'demo_result.json'}")
     return result
+
+
+class HeldoutCurve:
+    """The demo's evaluator for GRPOTrainer(evaluator=...): greedy metrics of the held-out subset during training.
+
+    Step 0 is not generated again: it is the first `subset` problems of the base model's full evaluation
+    (the same greedy decode). At the last step the whole held-out set is evaluated once (the subset comes
+    first, so its metrics are those problems' share of that evaluation) and kept as the demo's "after"
+    result; the trainer's closing evaluation at the same step is answered from the cache."""
+
+    def __init__(self, heldout, subset: int, total_steps: int, eval_kw: dict, before):
+        from forge.eval.evaluate import aggregate_metrics
+
+        self.heldout, self.subset, self.total_steps, self.eval_kw = heldout, subset, total_steps, eval_kw
+        self.trainer = None
+        self.cache = {0: self._subset_metrics(before, aggregate_metrics)}
+        self.points: list[dict] = []
+        self.seconds = self.final_seconds = 0.0
+        self.final = None
+
+    def _subset_metrics(self, result, aggregate_metrics) -> dict:
+        metrics = aggregate_metrics(result.records[: self.subset], 1)
+        return {**metrics, "seconds": 0.0}
+
+    def __call__(self, model, tokenizer, rows, *, max_new_tokens, max_prompt_length) -> dict:
+        from forge.eval.evaluate import aggregate_metrics, evaluate
+
+        step = self.trainer.global_step
+        if step not in self.cache:
+            t0 = time.perf_counter()
+            if step >= self.total_steps:  # the whole held-out set once; the subset's share of it
+                self.final = evaluate(model, tokenizer, self.heldout, **self.eval_kw)
+                metrics = self._subset_metrics(self.final, aggregate_metrics)
+                self.final_seconds = time.perf_counter() - t0
+            else:
+                metrics = evaluate(model, tokenizer, rows, **self.eval_kw).metrics
+            self.seconds += time.perf_counter() - t0
+            self.cache[step] = metrics
+        if not any(point["step"] == step for point in self.points):
+            m = self.cache[step]
+            self.points.append({"step": step, "strict_accuracy": m["strict_accuracy"], "soft_accuracy":
+                                m["soft_accuracy"], "format_rate": m["format_rate"], "n": m["n"]})
+        return {k: v for k, v in self.cache[step].items() if k in HELDOUT_KEYS}
+
+
+HELDOUT_KEYS = ("strict_accuracy", "soft_accuracy", "format_rate", "mean_completion_length", "n")
+
+
+def _measure_ceiling(settings: DemoSettings, model, tokenizer, heldout, out: Path, say, started: float) -> dict:
+    """pass@group_size of the base model at the training temperature: what sharpening alone can reach."""
+    from forge.eval.evaluate import evaluate
+
+    k = settings.group_size
+    say(f"measuring the ceiling: {k} samples per problem at temperature {settings.temperature} on "
+        f"{len(heldout)} held-out problems")
+    load_before = _load_average()
+    result = evaluate(model, tokenizer, heldout, max_new_tokens=settings.max_new_tokens, num_samples=k,
+                      temperature=settings.temperature, k_values=(1, k), seed=settings.seed,
+                      batch_size=max(1, settings.eval_batch_size // k))
+    say(result.summary())
+    ceiling = {"settings": asdict(settings), "heldout_size": len(heldout), "metrics": result.metrics,
+               "decoding": result.settings, "total_seconds": time.perf_counter() - started,
+               "load_average": {"start": load_before, "end": _load_average()}, "machine": _machine()}
+    (out / "ceiling.json").write_text(json.dumps(ceiling, indent=2))
+    print(f"pass@{k} {result.metrics[f'pass@{k}']:.1%}, pass@1 {result.metrics['pass@1']:.1%}\n"
+          f"result:   {out / 'ceiling.json'}")
+    return ceiling
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _machine() -> dict:
+    import platform
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def demo_config(settings: DemoSettings, output_dir, **overrides):

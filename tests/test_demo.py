@@ -1,7 +1,8 @@
 """`forge demo` end to end on the tiny offline model: every file it promises, settings taken from flags.
 
-The real demo (SmolLM2-135M, 60 steps) takes ~10 minutes and is measured by hand (README); here the same
-code path runs in seconds with a random 2-layer model, so only the plumbing is checked, not learning.
+The real demo (SmolLM2-135M, 60 steps, 240 held-out problems) takes ~10-12 minutes and is measured by hand
+(README, bench/results/demo/); here the same code path runs in seconds with a random 2-layer model, so only the
+plumbing is checked, not learning.
 """
 
 import json
@@ -25,7 +26,8 @@ def tiny_folder(tmp_path_factory):
 def test_demo_writes_the_report_curves_logs_and_adapter(tiny_folder, tmp_path, capsys):
     out = tmp_path / "demo_out"
     main(["demo", "--model", str(tiny_folder), "--steps", "2", "--prompts_per_step", "2", "--group_size", "2",
-          "--heldout", "6", "--max_new_tokens", "6", "--threads", "1", "--seed", "3", "--output_dir", str(out)])
+          "--heldout", "6", "--max_new_tokens", "6", "--threads", "1", "--seed", "3", "--output_dir", str(out),
+          "--eval_every", "1", "--eval_subset", "3", "--eval_batch_size", "3"])
     printed = capsys.readouterr().out
     for name in ("comparison.md", "comparison.json", "training_curves.png", "training_log.jsonl",
                  "samples.jsonl", "demo_result.json"):
@@ -36,7 +38,15 @@ def test_demo_writes_the_report_curves_logs_and_adapter(tiny_folder, tmp_path, c
     assert result["settings"]["steps"] == 2 and result["settings"]["seed"] == 3
     for phase in ("before", "after"):
         assert 0.0 <= result[phase]["strict_accuracy"] <= 1.0 and result[phase]["n"] == 6
-    assert len((out / "training_log.jsonl").read_text().splitlines()) == 2
+    log = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log if "reward" in row] == [1, 2]
+    # the held-out curve during training: the first 3 problems at steps 0 (the base eval's share), 1 and 2
+    assert sorted({row["step"] for row in log if "eval/strict_accuracy" in row}) == [0, 1, 2]
+    assert result["heldout_size"] == 6 and result["eval_curve_size"] == 3
+    assert [point["step"] for point in result["eval_curve"]] == [0, 1, 2]
+    assert all(point["n"] == 3 for point in result["eval_curve"])
+    assert {"load", "base_eval", "training", "curve_evals", "final_eval", "total"} <= set(result["timings"])
+    assert result["gain"] == result["after"]["strict_accuracy"] - result["before"]["strict_accuracy"]
     assert "strict accuracy" in printed and "base" in printed and "trained" in printed
 
 
@@ -46,3 +56,15 @@ def test_demo_help_lists_every_setting(capsys):
     out = capsys.readouterr().out
     for name in DemoSettings.__dataclass_fields__:
         assert f"--{name}" in out, f"--{name} missing from `forge demo --help`"
+
+
+def test_demo_ceiling_measures_pass_at_k_and_does_not_train(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "ceiling"
+    main(["demo", "--model", str(tiny_folder), "--ceiling", "--heldout", "4", "--group_size", "2",
+          "--max_new_tokens", "6", "--threads", "1", "--output_dir", str(out)])
+    ceiling = json.loads((out / "ceiling.json").read_text())
+    assert ceiling["heldout_size"] == 4 and ceiling["metrics"]["num_samples"] == 2
+    assert 0.0 <= ceiling["metrics"]["pass@1"] <= ceiling["metrics"]["pass@2"] <= 1.0
+    assert ceiling["decoding"]["temperature"] == 0.7
+    assert not (out / "training_log.jsonl").exists()
+    assert "pass@2" in capsys.readouterr().out

@@ -97,3 +97,12 @@ def test_default_smoothing_leaves_few_points_raw():
     assert default_smoothing(3) == 0.0
     assert default_smoothing(1000) == 0.9
     assert ema([0.0, 1.0, 0.0], default_smoothing(3)) == [0.0, 1.0, 0.0]
+
+
+def test_heldout_panel_names_the_number_of_problems():
+    rows = [{"step": 1, "reward": 0.5}, {"step": 0, "eval/strict_accuracy": 0.1, "eval/n": 60},
+            {"step": 10, "eval/strict_accuracy": 0.2, "eval/n": 60}]
+    panels = {panel.title: panel for panel in build_panels(rows)}
+    assert "Held-out accuracy (60 problems)" in panels
+    assert panels["Held-out accuracy (60 problems)"].series[0].steps == [0, 10]
+    assert "Held-out accuracy" in {panel.title for panel in build_panels(synthetic_rows())}

@@ -88,7 +88,7 @@ def build_panels(rows: list[dict]) -> list[Panel]:
     length_key = "completion_length/mean" if "completion_length/mean" in keys else "completion_length"
     candidates = [
         Panel("Reward", "mean reward", [extract_series(rows, k) for k in reward_keys]),
-        Panel("Held-out accuracy", "accuracy", [extract_series(rows, k) for k in accuracy_keys]),
+        Panel(_heldout_title(rows), "accuracy", [extract_series(rows, k) for k in accuracy_keys]),
         Panel("KL to reference", "KL", [extract_series(rows, "kl")]),
         Panel("Completion length", "tokens", [extract_series(rows, length_key, "completion length")]),
         Panel(
@@ -103,6 +103,14 @@ def build_panels(rows: list[dict]) -> list[Panel]:
         if panel.series:
             panels.append(panel)
     return panels
+
+
+def _heldout_title(rows: list[dict]) -> str:
+    """'Held-out accuracy', with the number of problems when the evaluator logged it (eval/n)."""
+    sizes = sorted({int(row["eval/n"]) for row in rows if isinstance(row.get("eval/n"), (int, float))})
+    if not sizes:
+        return "Held-out accuracy"
+    return f"Held-out accuracy ({'/'.join(map(str, sizes))} problems)"
 
 
 def plot_training_curves(
