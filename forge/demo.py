@@ -294,6 +294,7 @@ def demo_config(settings: DemoSettings, output_dir, **overrides):
         reward_weights=[1.0, settings.format_weight], output_dir=str(output_dir), seed=settings.seed,
         loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
         drop_zero_std_groups=True, micro_batch_size=settings.group_size,
+        overwrite_output_dir=True,  # each demo run replaces the previous one in its output dir
     )
     return replace(config, **overrides) if overrides else config
 

@@ -182,6 +182,10 @@ class GRPOConfig:
     # --- logging, eval, checkpoints ---
     use_tensorboard: bool = False
     """Write TensorBoard events under {output_dir}/tensorboard."""
+    use_trackio: bool = False
+    """Mirror metrics to trackio, stored locally under TRACKIO_DIR (falls back with a warning when trackio is missing)."""
+    trackio_project: str = "forge"
+    """trackio project name (the run is named wandb_run_name)."""
     log_completions: int = 2
     """Sample completions written to samples.jsonl per logging step."""
     eval_steps: int = 0
@@ -192,6 +196,9 @@ class GRPOConfig:
     """Keep only the newest N numbered checkpoints."""
     resume_from: str | None = None
     """Checkpoint directory to resume from, or 'latest' for the newest one in output_dir."""
+    overwrite_output_dir: bool = False
+    """Let a new run (not resuming) delete the checkpoints and logs another run left in output_dir; without it
+    such a directory is refused."""
 
     # --- failure handling ---
     on_reward_error: str = "raise"

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import signal
 import threading
 import warnings
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+
+from forge.core.optim import apply_new_hyperparameters
 
 
 class TrainingInterrupted(RuntimeError):
@@ -84,6 +88,92 @@ def check_output_dir(output_dir: Path, is_main: bool) -> None:
             probe.unlink()
         except OSError as error:
             raise ValueError(f"output_dir={str(output_dir)!r} is not writable ({error}); choose another") from None
+
+
+RUN_ARTIFACTS = ("final", "training_log.jsonl", "samples.jsonl", "tensorboard")
+"""What a run writes into output_dir besides its numbered checkpoints."""
+LOCK_NAME = ".forge.lock"
+
+
+class OutputDirInUse(ValueError):
+    """output_dir holds another run, or a live run is writing to it."""
+
+
+def previous_run(output_dir: Path) -> list[str]:
+    """What an earlier run left in output_dir: numbered checkpoints (complete or not) and run artifacts."""
+    if not output_dir.is_dir():
+        return []
+    return sorted(child.name for child in output_dir.iterdir()
+                  if (child.name.isdigit() and child.is_dir()) or child.name in RUN_ARTIFACTS)
+
+
+def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_main: bool) -> RunLock | None:
+    """Make output_dir this run's own, before any model work.
+
+    - A run that does not resume refuses a directory that holds another run's checkpoints or logs, unless
+      `overwrite` (then those are deleted first): a new run never mixes its steps with an old one's.
+    - The main process holds an exclusive lock on {output_dir}/.forge.lock for the run's lifetime, so a second
+      run into the same directory stops with a message instead of interleaving logs and checkpoints.
+    - Temporary checkpoint directories left by killed saves (N.tmp-PID of a dead process) are cleaned up."""
+    from forge import checkpoint as ckpt
+
+    check_output_dir(output_dir, is_main)
+    lock = RunLock(output_dir / LOCK_NAME) if is_main else None
+    left = previous_run(output_dir)
+    if left and not resuming:
+        if not overwrite:
+            if lock is not None:
+                lock.release()
+            raise OutputDirInUse(
+                f"output_dir={str(output_dir)!r} already holds a run ({', '.join(left[:6])}"
+                f"{', ...' if len(left) > 6 else ''}). Continue it with --resume (resume_from='latest'), write this "
+                f"run to another --output_dir, or pass --overwrite_output_dir (overwrite_output_dir=True) to "
+                f"delete that run's checkpoints and logs first.")
+        if is_main:
+            for name in left:
+                target = output_dir / name
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+    if is_main:
+        ckpt.remove_stale_temporaries(output_dir)
+    return lock
+
+
+class RunLock:
+    """An exclusive advisory lock (fcntl.flock) on {output_dir}/.forge.lock, held while a run writes there and
+    removed when it ends; the OS drops it when the process dies, so a killed run never leaves a stale lock
+    (the file may stay; it is taken over). No lock where fcntl is missing (Windows)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = None
+        try:
+            import fcntl
+        except ImportError:
+            return
+        while True:
+            handle = path.open("a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.seek(0)
+                owner = handle.read().strip() or "unknown"
+                handle.close()
+                raise OutputDirInUse(f"another Forge run (pid {owner}) is writing to {str(path.parent)!r}; wait "
+                                     f"for it to finish or choose another output_dir") from None
+            if path.exists() and os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                break
+            handle.close()  # the holder removed the file between our open and our lock: take the new one
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        if self._file is not None:
+            self.path.unlink(missing_ok=True)
+            self._file.close()  # closing drops the flock
+            self._file = None
 
 
 class RunLifecycle:
@@ -160,6 +250,12 @@ class RunLifecycle:
         saved = state.trainer_state
         step = int(saved["global_step"])
         self.saved = (step, path)
+        # This run's learning_rate / weight_decay apply from here on (the saved optimizer state would win).
+        changed = apply_new_hyperparameters(parts.optimizer, parts.scheduler, parts.run_config["learning_rate"],
+                                            parts.run_config["weight_decay"])
+        if self.is_main:
+            tqdm.write(f"forge: resumed from step {step} ({path})"
+                       + (f"; applying this run's {', '.join(changed)} from step {step + 1}" if changed else ""))
         newer = [str(p) for s, p in ckpt.numbered_checkpoints(self.output_dir) if s > step]
         if newer:
             warnings.warn(f"resuming from step {step} while {self.output_dir} holds later checkpoints {newer} of "
@@ -209,6 +305,9 @@ class StopSignals:
 
     def _request_stop(self, signum, frame) -> None:
         if self.requested is not None and not self.committing:
+            from forge.core.scoring import note_user_interrupt
+
+            note_user_interrupt()  # if it lands inside a reward: the user's interrupt, not the reward's failure
             raise KeyboardInterrupt  # second signal: abandon the step under way (weights untouched)
         self.requested = signum
         tqdm.write(f"forge: {signal.Signals(signum).name} received; finishing step {self.next_step()}, "
@@ -222,5 +321,6 @@ class StopSignals:
         return f"stopped by {name} after step {step} of {total_steps}."
 
 
-__all__ = ["CheckpointParts", "FinishedStep", "RunLifecycle", "StopSignals", "TrainingInterrupted",
-           "check_output_dir", "dataset_identity", "resume_hint"]
+__all__ = ["CheckpointParts", "FinishedStep", "OutputDirInUse", "RunLifecycle", "RunLock", "StopSignals",
+           "TrainingInterrupted", "check_output_dir", "claim_output_dir", "dataset_identity", "previous_run",
+           "resume_hint"]

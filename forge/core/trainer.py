@@ -22,7 +22,6 @@ import math
 import os
 import random
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +48,10 @@ from forge.core.lifecycle import (
     RunLifecycle,
     StopSignals,
     TrainingInterrupted,
-    check_output_dir,
+    claim_output_dir,
     dataset_identity,
 )
+from forge.core.optim import WHAT_TO_DO, GuardedStep, advance_schedule, make_scheduler
 from forge.core.reward import TrainerState
 from forge.core.rollout import (
     Rollout,
@@ -140,11 +140,12 @@ class GRPOTrainer:
         self.initial_params = [p.detach().to("cpu", copy=True) for p in self.trainable]
         self._sampling_rng = torch.Generator().manual_seed(_sampling_seed(config.seed, 0))  # reseeded each step
         self.global_step = 0
-        self._nonfinite_in_a_row = 0
-        self._skipped_steps = 0
+        self.guard = GuardedStep(self.trainable, self.optimizer, config.max_grad_norm,
+                                 config.max_consecutive_nonfinite, any_rank=self.dist.any)
         self._warned_zero_std = False
         self.logger: ForgeLogger | None = None
         self.lifecycle: RunLifecycle | None = None  # built in train()
+        self._lock = None  # held on output_dir while train() runs
         self.signals = StopSignals(next_step=lambda: self.global_step + 1)
         context = getattr(model.config, "max_position_embeddings", None)
         self.max_prompt_length = prompt_budget(context, config.max_new_tokens, config.max_prompt_length)
@@ -154,12 +155,19 @@ class GRPOTrainer:
 
     def train(self, dataset: Any, eval_dataset: Any = None) -> dict:
         """Run GRPO over `dataset` (list of {"prompt", "reference", ...}, a HF Dataset, or a JSONL path)."""
+        rows, eval_rows, identity = self._load_data(dataset, eval_dataset)  # and claims output_dir
+        try:
+            return self._run(rows, eval_rows, identity)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def _run(self, rows: list[dict], eval_rows: list[dict] | None, identity: dict) -> dict:
         config = self.config
-        rows, eval_rows, identity = self._load_data(dataset, eval_dataset)
         steps_per_epoch = len(rows) // self.rows_per_step * config.num_iterations  # optimizer steps
         total_steps = config.max_steps if config.max_steps > 0 else steps_per_epoch * config.num_train_epochs
         self.total_steps = total_steps
-        self.scheduler = _make_scheduler(self.optimizer, config, total_steps)
+        self.scheduler = make_scheduler(self.optimizer, config.lr_scheduler, config.warmup_ratio, total_steps)
         self.lifecycle = RunLifecycle(config.output_dir, CheckpointParts(
             self.model, self.tokenizer, self.optimizer, self.scheduler, self._run_config(), self.is_lora,
             identity), save_total_limit=config.save_total_limit, is_main=self.dist.is_main)
@@ -168,8 +176,8 @@ class GRPOTrainer:
         if config.resume_from:
             resumed = self.lifecycle.resume(config.resume_from)
             epoch, position = resumed.epoch, resumed.position
-            self.global_step, self._nonfinite_in_a_row = resumed.step, resumed.nonfinite_in_a_row
-            self._skipped_steps = resumed.skipped_steps
+            self.global_step, self.guard.nonfinite_in_a_row = resumed.step, resumed.nonfinite_in_a_row
+            self.guard.skipped_steps = resumed.skipped_steps
         self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
                                   wandb_run_name=config.wandb_run_name, use_tensorboard=config.use_tensorboard,
                                   config=self._run_config(), enabled=self.dist.is_main)
@@ -192,7 +200,7 @@ class GRPOTrainer:
                     metrics["epoch"] = epoch + position / max(1, len(rows))
                     self._after_step(metrics, epoch, position, eval_rows, bar)
                     self._stop_if_asked()
-        except RewardError as error:  # raised while scoring: the weights are still those of the last step
+        except (RewardError, FloatingPointError) as error:  # the weights are still those of the last step
             error.args = (f"{error.args[0]}\n{self._where_to_resume()}",)
             self.dist.barrier()  # raised on every rank at once: none exits before rank 0 has saved
             self.logger.close()
@@ -233,8 +241,9 @@ class GRPOTrainer:
         if config.prompts_per_step % self.dist.world_size:
             raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the number of "
                              f"processes ({self.dist.world_size}) so every rank gets whole groups")
-        check_output_dir(Path(config.output_dir), self.dist.is_main)
         check_prompt_lengths(self.tokenizer, rows, self.max_prompt_length, config.truncate_prompts)
+        self._lock = claim_output_dir(Path(config.output_dir), resuming=bool(config.resume_from),
+                                      overwrite=config.overwrite_output_dir, is_main=self.dist.is_main)
         return rows, eval_rows, identity
 
     def _after_step(self, metrics: dict, epoch: int, position: int, eval_rows, bar) -> None:
@@ -515,35 +524,35 @@ class GRPOTrainer:
         return totals
 
     def _clip_and_step(self, loss_is_finite: bool = True) -> float:
-        """Clip, then step the optimizer unless the loss or gradient went non-finite (then skip, and count)."""
-        config = self.config
-        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        grads = [p for p in self.trainable if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
-        ranks_with_bad_loss = self.dist.sum([0.0 if loss_is_finite else 1.0])[0]  # every rank skips, or none
-        if not math.isfinite(grad_norm) or ranks_with_bad_loss > 0:
-            self._nonfinite_in_a_row += 1
-            self._skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            what = "loss" if ranks_with_bad_loss > 0 else "gradient"
-            if self._nonfinite_in_a_row >= config.max_consecutive_nonfinite:
+        """Clip and step (core/optim.py GuardedStep: a NaN/inf loss, gradient or resulting weight skips the
+        step and leaves the weights as they were), advance the schedule, count the step."""
+        outcome = self.guard(loss_is_finite, before_commit=self._commit)
+        if not outcome.stepped:
+            self.signals.committing = False  # the weights are (back to) those of the last finished step
+            what, advice = outcome.problem, WHAT_TO_DO[outcome.problem]
+            if self.guard.must_abort:
                 raise FloatingPointError(
-                    f"{self._nonfinite_in_a_row} optimizer steps in a row had a non-finite {what} (last at step "
-                    f"{self.global_step + 1}); the weights were not updated by any of them. Lower learning_rate, "
-                    f"check the rewards for huge values, or use fp32 (dtype='float32'). Checkpoints already "
-                    f"written in {config.output_dir} are intact: resume from the newest with --resume.")
+                    f"{self.guard.nonfinite_in_a_row} optimizer steps in a row had a non-finite {what} (last at "
+                    f"step {self.global_step + 1}); the weights were not updated by any of them and are finite. "
+                    f"{advice}")
             if self.dist.is_main:
                 tqdm.write(f"forge: step {self.global_step + 1}: non-finite {what}; optimizer step skipped "
-                           f"({self._nonfinite_in_a_row} in a row, abort at {config.max_consecutive_nonfinite})")
-        else:
-            self._nonfinite_in_a_row = 0
-            self.signals.committing = True  # the weights now move to the next step: a second signal must wait
-            self.optimizer.step()
-        with warnings.catch_warnings():  # a skipped first step makes torch warn that the order looks wrong
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-            self.scheduler.step()
+                           f"({self.guard.nonfinite_in_a_row} in a row, abort at "
+                           f"{self.config.max_consecutive_nonfinite}). {advice}")
+        advance_schedule(self.scheduler)
         self.global_step += 1
-        return grad_norm
+        return outcome.grad_norm
+
+    def _commit(self) -> None:
+        self.signals.committing = True  # the weights now move to the next step: a second signal must wait
+
+    @property
+    def _nonfinite_in_a_row(self) -> int:
+        return self.guard.nonfinite_in_a_row
+
+    @property
+    def _skipped_steps(self) -> int:
+        return self.guard.skipped_steps
 
 
 def _sampling_seed(seed: int, step: int) -> int:
@@ -555,22 +564,6 @@ def _reached(step: int, every: int, stride: int) -> bool:
     """Whether the last `stride` optimizer steps (the updates of one rollout) reached or passed a multiple of
     `every` (0 = never); with stride 1 this is step % every == 0."""
     return every > 0 and step // every > (step - stride) // every
-
-
-def _make_scheduler(optimizer, config: GRPOConfig, total_steps: int):
-    warmup = int(config.warmup_ratio * total_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        if config.lr_scheduler == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        if config.lr_scheduler == "linear":
-            return max(0.0, 1 - progress)
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 __all__ = ["Batch", "GRPOTrainer", "RewardError", "TrainingInterrupted", "seed_everything"]

@@ -1,0 +1,147 @@
+"""The optimizer step of a run: AdamW, the learning-rate schedule, clipping, and never a non-finite weight.
+
+    GuardedStep(...)(loss_is_finite)
+        clip the gradient to max_grad_norm
+        a NaN/inf loss or gradient    -> skip the AdamW step (weights and moments untouched), count it
+        AdamW step
+        a NaN/inf weight afterwards   -> put the weights back as they were, restart the AdamW moments, count it
+        advance the schedule
+    after max_consecutive_nonfinite skipped steps in a row -> FloatingPointError (the weights are finite)
+
+The roll-back keeps one copy of the trainable weights (4 bytes per trainable parameter in fp32; the LoRA
+adapters only, under LoRA), refreshed before every step.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler: str, warmup_ratio: float, total_steps: int):
+    """Linear warmup over warmup_ratio x total_steps, then 'cosine' to 0, 'linear' to 0, or 'constant'."""
+    warmup = int(warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        if lr_scheduler == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        if lr_scheduler == "linear":
+            return max(0.0, 1 - progress)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def apply_new_hyperparameters(optimizer, scheduler, learning_rate: float, weight_decay: float) -> list[str]:
+    """After loading a checkpoint's optimizer and schedule: make this run's learning_rate and weight_decay the
+    ones that apply from here on (the saved state would otherwise win). Returns what changed, for the log."""
+    changes = []
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+        if base != learning_rate:
+            changes.append(f"learning_rate {base:g} -> {learning_rate:g}")
+        if group.get("weight_decay") != weight_decay:
+            changes.append(f"weight_decay {group.get('weight_decay'):g} -> {weight_decay:g}")
+    if not changes:
+        return []  # nothing to do: the resumed run stays bit for bit the uninterrupted one
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["weight_decay"] = learning_rate, weight_decay
+    scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = learning_rate * factor(scheduler.last_epoch)  # the rate the next step uses
+    return sorted(set(changes))
+
+
+@dataclass
+class StepOutcome:
+    grad_norm: float
+    stepped: bool  # False: skipped (non-finite loss or gradient) or rolled back (non-finite weights)
+    problem: str = ""  # "loss", "gradient" or "weight" when not stepped
+
+
+class GuardedStep:
+    """One optimizer step that never leaves a NaN/inf weight; counts the steps it had to skip."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_grad_norm: float,
+                 max_consecutive_nonfinite: int, any_rank: Callable[[bool], bool] = bool):
+        self.params = params
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.any_rank = any_rank  # True if the flag is True on any process (every process then decides alike)
+        self.nonfinite_in_a_row = 0
+        self.skipped_steps = 0
+        self._backup: list[torch.Tensor] | None = None
+
+    def __call__(self, loss_is_finite: bool, before_commit: Callable[[], None] = lambda: None) -> StepOutcome:
+        grads = [p for p in self.params if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)) if grads else 0.0
+        if self.any_rank(not loss_is_finite):
+            return self._skip(grad_norm, "loss")
+        if not math.isfinite(grad_norm):
+            return self._skip(grad_norm, "gradient")
+        self._remember_weights()
+        before_commit()
+        self.optimizer.step()
+        if self.any_rank(not self._weights_are_finite()):
+            self._restore_weights()
+            return self._skip(grad_norm, "weight")
+        self.nonfinite_in_a_row = 0
+        return StepOutcome(grad_norm, True)
+
+    def _skip(self, grad_norm: float, problem: str) -> StepOutcome:
+        self.nonfinite_in_a_row += 1
+        self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(grad_norm, False, problem)
+
+    @property
+    def must_abort(self) -> bool:
+        return self.nonfinite_in_a_row >= self.max_consecutive_nonfinite
+
+    @torch.no_grad()
+    def _remember_weights(self) -> None:
+        if self._backup is None:
+            self._backup = [torch.empty_like(p) for p in self.params]
+        for backup, p in zip(self._backup, self.params):
+            backup.copy_(p)
+
+    @torch.no_grad()
+    def _weights_are_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.params)
+
+    @torch.no_grad()
+    def _restore_weights(self) -> None:
+        for backup, p in zip(self._backup, self.params):
+            p.copy_(backup)
+        self.optimizer.state.clear()  # the moments saw the bad update: AdamW restarts them from zero
+
+
+def advance_schedule(scheduler) -> None:
+    with warnings.catch_warnings():  # a skipped first step makes torch warn that the order looks wrong
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        scheduler.step()
+
+
+WHAT_TO_DO = {
+    "loss": "Lower learning_rate, check the rewards for huge values, or use fp32 (dtype='float32').",
+    "gradient": "Lower learning_rate or max_grad_norm, or use fp32 (dtype='float32').",
+    "weight": "The update overflowed the weights' dtype: use fp32 (dtype='float32') or lower learning_rate.",
+}
+"""What the console and the abort message advise for each kind of non-finite step."""
+
+
+__all__ = [
+    "WHAT_TO_DO",
+    "GuardedStep",
+    "StepOutcome",
+    "advance_schedule",
+    "apply_new_hyperparameters",
+    "make_scheduler",
+]
