@@ -2,6 +2,11 @@
 
 Every GRPOConfig field is a `forge train` flag whose help is the field's docstring; a YAML file given
 with --config sets fields too, and flags override it.
+
+A failure the user can act on (bad input, a failing reward, NaN/inf training, a full disk, a damaged
+checkpoint) prints one message saying what happened and what to do, and exits non-zero: 2 for bad
+input, 1 for a run that failed, 130 when interrupted. `--debug` anywhere on the line (or FORGE_DEBUG=1)
+shows the Python traceback instead. Any other exception is a bug in Forge and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import math
 import os
 import sys
 import typing
@@ -73,15 +79,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace, overrides: dict | None = None) -> GRPOConfig:
     values: dict = {}
     if getattr(args, "config", None):
-        import yaml
-
-        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{args.config} must hold a mapping of GRPOConfig fields")
+        loaded = _read_yaml_config(Path(args.config))
         # fields at the top level, or under `grpo:` next to top-level model / dataset / reward / eval_dataset
         nested = loaded.get("grpo")
-        values.update(loaded if nested is None else
-                      {**{k: v for k, v in loaded.items() if k in _RUN_SETTINGS}, **nested})
+        if nested is not None and not isinstance(nested, dict):
+            raise ValueError(f"{args.config}: `grpo:` must hold a mapping of GRPOConfig fields, got {nested!r:.60}")
+        values.update(_yaml_numbers(loaded if nested is None else
+                                    {**{k: v for k, v in loaded.items() if k in _RUN_SETTINGS}, **nested}))
     values.update(overrides or {})
     for f in dataclasses.fields(GRPOConfig):
         value = getattr(args, f.name, None)
@@ -92,7 +96,53 @@ def build_config(args: argparse.Namespace, overrides: dict | None = None) -> GRP
     for key, value in yaml_only.items():  # run settings may also live in the YAML file
         if getattr(args, key, None) in (None, DEFAULTS.get(key)):
             setattr(args, key, value)
-    return GRPOConfig.from_dict(values).validate()
+    config = GRPOConfig.from_dict(values).validate()
+    args.resolved_config = config  # for the error message of a run that fails (where its checkpoints are)
+    return config
+
+
+def _read_yaml_config(path: Path) -> dict:
+    """The mapping in a --config YAML file; a ValueError naming the file (and line) when it is not one."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                         f"{error.start}); save it as UTF-8") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f", line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise ValueError(f"{path}{where}: not valid YAML ({problem}); fields are written `name: value`, "
+                         f"one per line") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(  # noqa: TRY004 - bad input in a file, reported like the others
+            f"{path} must hold a mapping of GRPOConfig fields (`name: value` lines), got a {type(loaded).__name__}")
+    return loaded
+
+
+def _yaml_numbers(values: dict) -> dict:
+    """PyYAML reads `learning_rate: 1e-5` (no dot) as the string '1e-5': make numeric strings of float fields
+    floats. A string in any other field stays one, and validate() names the field."""
+    hints = typing.get_type_hints(GRPOConfig)
+
+    def number(value):
+        if not isinstance(value, str):
+            return value
+        try:
+            return float(value)
+        except ValueError:
+            return value
+
+    converted = dict(values)
+    for key, value in values.items():
+        kinds = typing.get_args(hints[key]) or (hints[key],) if key in hints else ()
+        if float in kinds:
+            converted[key] = number(value)
+        elif list[float] in kinds and isinstance(value, list):
+            converted[key] = [number(item) for item in value]
+    return converted
 
 
 _RUN_SETTINGS = ("model", "dataset", "reward", "eval_dataset")  # `forge train` options a YAML file may set
@@ -101,7 +151,7 @@ DEFAULTS = {"model": "default", "dataset": "arithmetic", "reward": "math_correct
 
 def parse_rewards(spec: str):
     """'math_correctness:1.0,tag_format:0.1' or 'mymodule:my_reward' -> (rewards, weights)."""
-    from forge.core.reward import build_reward, load_reward_from_path
+    from forge.core.reward import build_reward
 
     rewards, weights = [], []
     for item in (part.strip() for part in spec.split(",") if part.strip()):
@@ -109,14 +159,29 @@ def parse_rewards(spec: str):
             else (item, "", "1.0")
         if not name:
             name = item
+        if not math.isfinite(float(weight or 1.0)):
+            raise ValueError(f"--reward {item!r}: the weight {weight!r} is not a finite number; give a weight "
+                             f"like {name}:0.5 (a reward function cannot be called {weight!r})")
         if ":" in name or "." in name:
-            rewards.append(load_reward_from_path(name))
+            rewards.append(_load_user_reward(name, item))
         else:
             rewards.append(build_reward(name))
         weights.append(float(weight or 1.0))
     if not rewards:
         raise ValueError(f"--reward {spec!r} names no reward")
     return rewards, weights
+
+
+def _load_user_reward(name: str, item: str):
+    """load_reward_from_path, with a missing function or a broken reward file said as a one-line ValueError."""
+    from forge.core.reward import load_reward_from_path
+
+    try:
+        return load_reward_from_path(name)
+    except AttributeError as error:
+        raise ValueError(f"--reward {item!r}: {error}; check the function's name") from None
+    except SyntaxError as error:
+        raise ValueError(f"--reward {item!r}: {error.filename}, line {error.lineno}: {error.msg}") from None
 
 
 def _is_number(text: str) -> bool:
@@ -248,7 +313,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="forge", description="GRPO fine-tuning for HuggingFace causal LMs.")
+    parser = argparse.ArgumentParser(prog="forge", description="GRPO fine-tuning for HuggingFace causal LMs.",
+                                     epilog="--debug (anywhere on the line) or FORGE_DEBUG=1: show the Python "
+                                            "traceback of an error instead of only its message.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="fine-tune a model with GRPO",
@@ -312,14 +379,80 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)  # what `forge train --nproc N` runs N times
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Arguments that argparse accepts but that mean nothing (or something else): refused before any work."""
+    max_samples = getattr(args, "max_samples", None)
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"--max_samples {max_samples}: must be >= 1 (leave it out to use every row)")
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and _looks_like_a_path(model) and not Path(model).expanduser().exists():
+        raise FileNotFoundError(f"--model {model}: no such file or folder; pass a local model folder, a .gguf "
+                                f"file, a hub id like HuggingFaceTB/SmolLM2-135M-Instruct, or 'default'")
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """A hub id is 'name' or 'org/name'; anything rooted, relative, nested deeper or a .gguf is a path."""
+    return name.startswith(("/", "./", "../", "~", "\\")) or name.count("/") > 1 or name.endswith(".gguf") \
+        or (len(name) > 1 and name[1] == ":")  # C:\...
+
+
+def _newest_intact_checkpoint_hint(args: argparse.Namespace) -> str:
+    config = getattr(args, "resolved_config", None)
+    output_dir = getattr(config, "output_dir", None) or getattr(args, "output_dir", None)
+    if not output_dir or getattr(args, "command", None) != "train":
+        return ""
+    from forge.checkpoint import latest_verified_checkpoint
+
     try:
+        newest = latest_verified_checkpoint(output_dir)
+    except OSError:
+        newest = None
+    if newest is None:
+        return f" {output_dir} holds no intact checkpoint to resume from."
+    return (f" The newest intact checkpoint is {newest}: fix the cause (free disk space, make {output_dir} "
+            f"writable) and continue with the same command plus --resume.")
+
+
+def _user_error(error: BaseException, args: argparse.Namespace) -> tuple[str, int] | None:
+    """(message, exit code) for an error the user can act on; None for a bug in Forge (keeps its traceback)."""
+    if isinstance(error, KeyboardInterrupt):
+        return f"interrupted (Ctrl-C).{_newest_intact_checkpoint_hint(args)}", 130
+    run_failures = [FloatingPointError]  # Forge's own, looked up only if loaded: `forge` must start fast
+    for module, name in (("forge.core.scoring", "RewardError"), ("forge.checkpoint", "CheckpointError")):
+        if module in sys.modules:
+            run_failures.append(getattr(sys.modules[module], name))
+    if isinstance(error, tuple(run_failures)):
+        return str(error), 1
+    if isinstance(error, (FileNotFoundError, ValueError, ImportError)):
+        return str(error), 2  # bad input: a missing file, a bad value, a reward module that does not import
+    if isinstance(error, OSError):  # disk full, read-only or vanished output dir, no network for a hub id
+        return f"{error}.{_newest_intact_checkpoint_hint(args)}", 1
+    return None
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    """--debug anywhere on the command line, or FORGE_DEBUG=1."""
+    return "--debug" in argv or os.environ.get("FORGE_DEBUG", "").lower() not in ("", "0", "false", "no")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = _debug_requested(argv)
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    args.argv = argv  # what `forge train --nproc N` runs N times (--debug included)
+    try:
+        _check_arguments(args)
         return args.func(args)
-    except (ValueError, FileNotFoundError, ImportError) as error:
-        print(f"forge: error: {error}", file=sys.stderr)
-        return 2
+    except BaseException as error:  # sorted below: a message for the user, or re-raised
+        if debug or isinstance(error, SystemExit):
+            raise
+        known = _user_error(error, args)
+        if known is None:
+            raise
+        message, code = known
+        print(f"forge: error: {message}\n(run again with --debug, or FORGE_DEBUG=1, to see the traceback)",
+              file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ def commands(workspace):
         "train": Command([*forge, "train", "--config", workspace / "run.yaml", *common_flags(workspace),
                           "--max_steps", "2", "--save_steps", "1", "--output_dir", workspace / "out"], workspace, env),
         "train_math": Command([sys.executable, REPO / "examples" / "train_math.py", "--dry-run"], workspace, env),
+        "bad_input": Command([*forge, "train", "--max_samples", "0"], workspace, env),  # fails before any import
     }
     yield started
     for command in started.values():
@@ -232,6 +233,150 @@ def test_bad_flags_exit_with_code_2_and_the_reason(capsys):
         forge_main("train", "--use_lora", "maybe")
     assert exit_info.value.code == 2
     assert "expected true/false, got 'maybe'" in capsys.readouterr().err
+
+
+def test_a_user_error_is_one_message_and_exit_2_without_a_traceback(commands):
+    result = commands["bad_input"].result()
+    assert result.returncode == 2
+    assert result.stderr == ("forge: error: --max_samples 0: must be >= 1 (leave it out to use every row)\n"
+                             "(run again with --debug, or FORGE_DEBUG=1, to see the traceback)\n")
+
+
+def write_yaml(tmp_path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_numbers_without_a_dot_are_floats_for_float_fields(tmp_path):
+    # PyYAML (YAML 1.1) reads 1e-5 as the string '1e-5'; for a float field Forge takes the number
+    path = write_yaml(tmp_path, "learning_rate: 1e-5\nweight_decay: 1E-2\nreward_weights: [1e-1, 2]\ngroup_size: 4\n")
+    assert yaml.safe_load(path.read_text())["learning_rate"] == "1e-5"
+    config = build_config(build_parser().parse_args(["train", "--config", str(path)]))
+    assert (config.learning_rate, config.weight_decay, config.reward_weights) == (1e-5, 1e-2, [0.1, 2])
+
+
+@pytest.mark.parametrize("text, message", [
+    ('group_size: "4"\n', "group_size='4' (str) must be an int"),
+    ('use_lora: "no"\n', "use_lora='no' (str) must be a bool (true or false)"),
+    ("shuffle: 'false'\n", "shuffle='false' (str) must be a bool"),
+    ("max_steps: 2.5\n", "max_steps=2.5 (float) must be an int"),
+    ("learning_rate: .inf\n", "learning_rate=inf must be a finite number"),
+    ("learning_rate: fast\n", "learning_rate='fast' (str) must be a float"),
+    ("group_size: 4\n  seed: 1\n", "run.yaml, line 2 column 7: not valid YAML (mapping values are not allowed here)"),
+    ("- group_size\n", "run.yaml must hold a mapping of GRPOConfig fields (`name: value` lines), got a list"),
+    ("grpo: 4\n", "run.yaml: `grpo:` must hold a mapping of GRPOConfig fields, got 4"),
+])
+def test_yaml_type_and_syntax_errors_are_one_message_naming_the_field(text, message, tmp_path, capsys):
+    path = write_yaml(tmp_path, text)
+    assert forge_main("train", "--config", path, "--model", "unused") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("forge: error: ") and message in err and "Traceback" not in err
+
+
+def test_bad_reward_model_and_max_samples_arguments_are_refused(workspace, tmp_path, capsys):
+    (tmp_path / "rewards.py").write_text("def nan(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    cases = [
+        (["--reward", f"{tmp_path / 'rewards.py'}:missing_name"], "has no attribute 'missing_name'"),
+        (["--reward", f"{tmp_path / 'rewards.py'}:nan"], "the weight 'nan' is not a finite number"),
+        (["--reward", "math_correctness:inf"], "'math_correctness:inf': the weight 'inf' is not a finite number"),
+        (["--model", tmp_path / "no" / "such" / "model"], "no such file or folder"),
+        (["--model", "/nonexistent/path"], "--model /nonexistent/path: no such file or folder"),
+        (["--max_samples", "0"], "--max_samples 0: must be >= 1"),
+        (["--max_samples", "-3"], "--max_samples -3: must be >= 1"),
+        (["--reward_timeout", "inf"], "reward_timeout=inf must be a finite number (or None)"),
+        (["--learning_rate", "inf"], "learning_rate=inf must be a finite number"),
+    ]
+    for flags, message in cases:
+        argv = ["train", "--model", workspace / "tiny", "--output_dir", tmp_path / "out", *flags]
+        assert forge_main(*argv) == 2, flags
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (flags, err)
+
+
+def error_message(capsys) -> str:
+    """stderr from Forge's message on (the model loading's progress bars come before it)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "forge: error: " in err, err
+    return err[err.index("forge: error: "):]
+
+
+@pytest.fixture
+def reward_importable(workspace, monkeypatch):
+    """common_flags' reward module (cli_rewards, in the workspace) importable in this process."""
+    monkeypatch.syspath_prepend(str(workspace))
+
+
+def test_a_gzipped_dataset_is_named_in_one_message(workspace, tmp_path, capsys, reward_importable):
+    import gzip
+
+    packed = tmp_path / "data.jsonl.gz"
+    packed.write_bytes(gzip.compress((workspace / "data.jsonl").read_bytes()))
+    assert forge_main("train", *common_flags(workspace), "--dataset", packed, "--output_dir", tmp_path / "out") == 2
+    assert f"forge: error: {packed} is a gzip-compressed file" in capsys.readouterr().err
+
+
+def test_a_failing_reward_is_one_message_and_exit_1(workspace, tmp_path, capsys):
+    (tmp_path / "failing.py").write_text("def broken(prompts, completions, **kwargs):\n    return 1 / 0\n")
+    flags = [*common_flags(workspace), "--reward", f"{tmp_path / 'failing.py'}:broken", "--max_steps", "1",
+             "--output_dir", tmp_path / "out"]
+    assert forge_main("train", *flags) == 1
+    err = error_message(capsys)
+    assert err.startswith("forge: error: reward 'broken' raised ZeroDivisionError: division by zero at step 1")
+    assert "Traceback" not in err and "No optimizer step had finished" in err
+    from forge.core.scoring import RewardError
+
+    with pytest.raises(RewardError):  # --debug: the exception (and so its traceback) comes through
+        forge_main("train", *flags, "--debug")
+
+
+def save_resumable_checkpoint(path: Path, step: int) -> Path:
+    from forge.checkpoint import save_checkpoint
+
+    model, tokenizer = build_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return save_checkpoint(path, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                           trainer_state={"global_step": step}, config={})
+
+
+@pytest.mark.parametrize("error, code, message", [
+    (OSError(28, "No space left on device"), 1, "[Errno 28] No space left on device. The newest intact checkpoint is"),
+    (PermissionError(13, "Permission denied"), 1, "[Errno 13] Permission denied. The newest intact checkpoint is"),
+    (FloatingPointError("3 optimizer steps in a row were non-finite"), 1, "3 optimizer steps in a row were"),
+    (KeyboardInterrupt(), 130, "interrupted (Ctrl-C). The newest intact checkpoint is"),
+])
+def test_run_failures_are_one_message_that_points_to_the_newest_intact_checkpoint(
+        error, code, message, workspace, tmp_path, monkeypatch, capsys, reward_importable):
+    import forge.core.trainer
+
+    out = tmp_path / "out"
+    intact = save_resumable_checkpoint(out / "2", step=2)
+    damaged = save_resumable_checkpoint(out / "3", step=3)
+    (damaged / "model.safetensors").write_bytes(b"")  # the newest is damaged: not the one to offer
+
+    def fails(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(forge.core.trainer.GRPOTrainer, "train", fails)
+    assert forge_main("train", *common_flags(workspace), "--output_dir", out) == code
+    err = error_message(capsys)
+    assert err.startswith(f"forge: error: {message}") and "Traceback" not in err
+    if "intact" in message:
+        assert f"is {intact}: " in err and "--resume" in err
+    monkeypatch.setenv("FORGE_DEBUG", "1")
+    with pytest.raises(type(error)):
+        forge_main("train", *common_flags(workspace), "--output_dir", out)
+
+
+def test_a_damaged_checkpoint_on_resume_is_one_message(workspace, tmp_path, capsys, reward_importable):
+    out = tmp_path / "out"
+    save_resumable_checkpoint(out / "1", step=1)
+    (out / "1" / "optimizer.pt").unlink()
+    assert forge_main("train", *common_flags(workspace), "--output_dir", out, "--resume") == 1
+    err = capsys.readouterr().err
+    assert f"forge: error: checkpoint {out / '1'} is damaged: optimizer.pt is missing" in err
+    assert "Traceback" not in err
 
 
 def test_yaml_may_hold_run_settings_flat_or_next_to_a_grpo_section(tmp_path):
