@@ -415,7 +415,7 @@ def _no_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Ten
 
 
 def _leave_one_out_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
-    # RLOO (Ahmadian et al. 2024, arXiv 2402.14740, eq. 7): r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean),
+    # RLOO (Ahmadian et al. 2024, arXiv 2402.14740, sec. 3): r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean),
     # n = valid samples of the group; so the divisor is (n - 1) / n (no eps: nothing can be 0 here).
     count = valid.view(-1, group_size).sum(dim=1).to(rewards.dtype)  # (groups,)
     return ((count - 1).clamp(min=1) / count.clamp(min=1)).repeat_interleave(group_size)
@@ -491,7 +491,7 @@ def _sum_then_normalize(components, applies, weights, group_size, scale, eps, va
 
 
 def _normalize_then_sum(components, applies, weights, group_size, scale, eps, valid) -> torch.Tensor:
-    # GDPO (Liu et al. 2026, arXiv 2601.05242, eq. 4-6): A = normalise_batch(sum_k w_k (r_k - mean_g) / std_g)
+    # GDPO (Liu et al. 2026, arXiv 2601.05242, sec. 3): A = normalise_batch(sum_k w_k (r_k - mean_g) / std_g)
     per_reward = torch.stack([
         compute_group_advantages(components[:, k].float(), group_size, "group", eps, valid=valid & applies[:, k])
         for k in range(components.shape[1])], dim=1)  # (N, K), 0 where reward k does not apply
@@ -658,7 +658,7 @@ def _clipped_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTe
     capped = torch.zeros_like(ratio, dtype=torch.bool)
     cap = settings.negative_ratio_cap
     if cap is not None:
-        # Dual-clip (Ye et al. 2020, arXiv 1912.09729, eq. 5) = two-sided clip (INTELLECT-2, arXiv 2505.07291):
+        # Dual-clip (Ye et al. 2020, arXiv 1912.09729) = two-sided clip (INTELLECT-2, arXiv 2505.07291):
         # for A < 0 the loss is min(max(-A r, -A clip(r)), -A c), so it stops growing once r > c.
         pg_loss3 = -adv * cap  # (B, 1)
         capped = (adv < 0) & (ratio > cap)
@@ -667,7 +667,7 @@ def _clipped_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTe
 
 
 def _cispo_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
-    # CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): -sg(min(r, 1 + eps_high)) * A * log pi_theta. The weight is
+    # CISPO (MiniMax-M1, arXiv 2506.13585, the J_CISPO objective of sec. 3.1): -sg(min(r, 1 + eps_high)) * A * log pi_theta. The weight is
     # clipped, never the token: every token keeps its gradient -w A grad log pi. No lower bound, as in the paper.
     cap = 1 + settings.epsilon_high
     weight = torch.clamp(ratio, max=cap).detach()  # (B, T)
@@ -676,7 +676,7 @@ def _cispo_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm
 
 
 def _sapo_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
-    # SAPO (Gao et al. 2025, arXiv 2511.20347, eq. 5-6): -f(r) A with the gate f(r) = sigmoid(tau (r - 1)) * 4 / tau,
+    # SAPO (Gao et al. 2025, arXiv 2511.20347, the soft gate of sec. 3): -f(r) A with the gate f(r) = sigmoid(tau (r - 1)) * 4 / tau,
     # tau = tau_pos for A > 0, tau_neg otherwise. f'(1) = 1, so on-policy it is the policy gradient; far off-policy
     # the gradient fades smoothly instead of stopping at a hard bound.
     tau = torch.where(adv > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)  # (B, 1)
@@ -748,7 +748,7 @@ LOSS_TYPES = {
     "bnpo": LossType("clip", "bnpo"),
     "dapo": LossType("clip", "dapo"),
     "dr_grpo": LossType("clip", "dr_grpo"),
-    "cispo": LossType("cispo", "dapo"),  # MiniMax-M1 eq. 4 averages over all tokens
+    "cispo": LossType("cispo", "dapo"),  # J_CISPO divides by the total token count
     "sapo": LossType("sapo", "grpo"),  # per-sequence mean, as in TRL and verl
 }
 
@@ -807,7 +807,7 @@ def logprob_gap(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: to
 
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """(B, T) bool: the completion tokens whose entropy is in the top `quantile` fraction of this batch's tokens
-    (Wang et al. 2025, "Beyond the 80/20 rule", arXiv 2506.01939, eq. 4: entropy >= the (1 - q) quantile)."""
+    (Wang et al. 2025, "Beyond the 80/20 rule", arXiv 2506.01939: entropy >= the batch's (1 - q) quantile)."""
     keep = mask.bool()
     values = entropy.detach().float()[keep]
     if values.numel() == 0:
