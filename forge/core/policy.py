@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ _LORA_TARGET_CANDIDATES: list[tuple[str, list[str]]] = [
 ]
 
 
-def _note(message: str) -> None:
+def note(message: str) -> None:
     """A one-line note for the user: through the "forge" logger when it is configured, else on stderr."""
     if logger.hasHandlers() and logger.isEnabledFor(logging.INFO):
         logger.info(message)
@@ -82,6 +83,80 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device 
     if device.type != "cuda":
         return torch.float32
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def cpu_has_bf16_units() -> tuple[bool, str]:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX-BF16 tiles or AVX512-BF16), and its name.
+
+    Without them (e.g. AVX2-only CPUs) bf16 matmuls are emulated and run 10-25x slower than fp32; with them
+    they run several times faster (see the README's precision section for what was measured where)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if amx:
+        return True, "AMX tiles"
+    if avx512_bf16:
+        return True, "AVX512-BF16"
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    return False, f"{capability}, no bf16 matrix units"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a run computes. Trainable weights (and AdamW's moments) are always float32 "master" weights; `compute`
+    is the dtype of the forward and backward passes and of generation, under torch.autocast when it is not
+    float32. Frozen weights (the LoRA base, the full-fine-tuning reference) may be stored in `compute`."""
+
+    compute: torch.dtype
+    device_type: str  # "cpu" or "cuda"
+    reason: str  # why, for the log
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute != torch.float32
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.compute)
+
+
+def choose_precision(dtype: str = "auto", device: str | torch.device | None = None) -> Precision:
+    """dtype 'float32' / 'bfloat16' / 'float16' as given; 'auto' = bf16 where the hardware runs it fast (a GPU
+    that supports it, a CPU with bf16 matrix units), fp32 elsewhere."""
+    device = resolve_device(device)
+    if dtype != "auto":
+        compute = resolve_dtype(dtype, device)
+        return Precision(compute, device.type, f"dtype={dtype!r} was asked for")
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return Precision(torch.bfloat16, "cuda", "the GPU supports bf16")
+        return Precision(torch.float32, "cuda", "the GPU has no bf16; dtype='float16' (with loss scaling) is "
+                                                "faster there but must be asked for")
+    fast, what = cpu_has_bf16_units()
+    if fast:
+        return Precision(torch.bfloat16, "cpu", f"the CPU has bf16 matrix units ({what})")
+    return Precision(torch.float32, "cpu", f"the CPU has no bf16 matrix units ({what}): bf16 would be slower")
+
+
+def as_master_weights(model: nn.Module, precision: Precision, lora: bool) -> nn.Module:
+    """Trainable weights in float32, whatever dtype the model came in. Full fine-tuning of a bf16/fp16 model:
+    the whole model becomes float32 (updates below 1/256 of a weight would round away in bf16), with a note.
+    LoRA: the frozen base stays as it is (or is stored in the compute dtype), the adapters become float32."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in trainable if p.dtype != torch.float32})
+    if not lora:
+        if low:
+            note(f"the model's weights are {', '.join(low)}: training float32 master weights (computing in "
+                  f"{str(precision.compute).removeprefix('torch.')}); bf16 weights would lose updates below 1/256 "
+                  f"of a weight")
+        return model.float() if low else model
+    if precision.mixed:  # the frozen base in the compute dtype: half the memory, no re-cast per forward
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(precision.compute)
+    for p in trainable:
+        p.data = p.data.float()
+    return model
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,7 +278,7 @@ def packaged_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     gguf_path = packaged_gguf_file()
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    _note(f"converting the packaged SmolLM2-135M-Instruct GGUF to a HF folder at {target} (once, ~20 s) ...")
+    note(f"converting the packaged SmolLM2-135M-Instruct GGUF to a HF folder at {target} (once, ~20 s) ...")
     started = time.perf_counter()
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
@@ -225,7 +300,7 @@ def packaged_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    _note(f"converted in {time.perf_counter() - started:.1f} s")
+    note(f"converted in {time.perf_counter() - started:.1f} s")
     return target
 
 

@@ -109,8 +109,12 @@ class GRPOTrainer:
         self.rewards = build_reward_list(reward_fn, config.reward_weights)
         self.evaluator = evaluator or self.mean_greedy_reward
         self.dist = DataParallel()
-        if isinstance(model, (str, os.PathLike)):
-            model, tokenizer = policy.load_model(str(model), dtype=config.dtype)
+        named = isinstance(model, (str, os.PathLike))
+        device = self.dist.device or (None if named else next(model.parameters()).device)
+        self.precision = policy.choose_precision(config.dtype, device)
+        if named:  # LoRA: the frozen base in the compute dtype; full: fp32 master weights
+            model, tokenizer = policy.load_model(str(model), dtype=self.precision.compute if config.use_lora
+                                                 else torch.float32)
         if tokenizer is None:
             raise ValueError("GRPOTrainer needs the model's tokenizer")
         self.tokenizer = policy.prepare_tokenizer(tokenizer)
@@ -118,6 +122,7 @@ class GRPOTrainer:
             seed_everything(config.seed)  # the adapters' random init is part of the seeded run
             model = policy.apply_lora(model, r=config.lora_r, alpha=config.lora_alpha,
                                       dropout=config.lora_dropout, target_modules=config.lora_target_modules)
+        model = policy.as_master_weights(model, self.precision, lora=policy.is_peft_model(model))
         if self.dist.device is not None:
             model = model.to(self.dist.device)  # several processes on GPUs: one GPU per rank
         # Every rank must start from the same weights: the seeded LoRA init already is, rank 0's copy makes sure.
@@ -129,8 +134,12 @@ class GRPOTrainer:
         # LoRA: the reference is the same weights with adapters off. Full: a frozen copy, only if needed.
         self.reference_model = None
         if config.kl_beta > 0 and not self.is_lora:
-            self.reference_model = policy.make_reference_model(model)
+            self.reference_model = policy.make_reference_model(model).to(self.precision.compute)
         self.device = next(model.parameters()).device
+        if self.dist.is_main:
+            policy.note(f"precision: {str(self.precision.compute).removeprefix('torch.')} compute, float32 master "
+                        f"weights ({self.precision.reason})" if self.precision.mixed else
+                        f"precision: float32 ({self.precision.reason})")
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the model has no trainable parameters (all requires_grad=False)")
@@ -289,8 +298,9 @@ class GRPOTrainer:
         return {**self.config.to_dict(), "model_name": getattr(self.model.config, "_name_or_path", "") or ""}
 
     def _evaluate(self, eval_rows: list[dict], epoch: int) -> None:
-        metrics = self.evaluator(self.model, self.tokenizer, eval_rows, max_new_tokens=self.config.max_new_tokens,
-                                 max_prompt_length=self.max_prompt_length)
+        with self.precision.autocast():
+            metrics = self.evaluator(self.model, self.tokenizer, eval_rows,
+                                     max_new_tokens=self.config.max_new_tokens, max_prompt_length=self.max_prompt_length)
         self.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.global_step, epoch=epoch)
 
     @torch.no_grad()
@@ -384,9 +394,10 @@ class GRPOTrainer:
     def _generate(self, prompts: list) -> Rollout:
         config = self.config
         settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
-        return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
-                        self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix,
-                        noise=self._sampling_noise(len(prompts)))
+        with self.precision.autocast():  # bf16 / fp16 compute over the fp32 master weights, when chosen
+            return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
+                            self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix,
+                            noise=self._sampling_noise(len(prompts)))
 
     def _sampling_noise(self, num_prompts: int) -> torch.Tensor:
         """(num_prompts * G, max_new_tokens) uniforms that sample this rank's completions.
@@ -427,9 +438,11 @@ class GRPOTrainer:
         entropies with with_entropy=True, see completion_logprobs)."""
         length = int(rollout.completion_mask[indices].sum(dim=1).max().clamp(min=1))
         share_prompt = self.config.share_prompt_prefix if share_prompt is None else share_prompt
-        return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask,
-                                   rollout.completion_ids[indices, :length], rollout.prompt_index[indices],
-                                   self.config.temperature, self.config.logprob_chunk_size, share_prompt, **entropy)
+        with self.precision.autocast():  # the same numerics as generation: pi_old = stopgrad(pi) holds
+            return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask,
+                                       rollout.completion_ids[indices, :length], rollout.prompt_index[indices],
+                                       self.config.temperature, self.config.logprob_chunk_size, share_prompt,
+                                       **entropy)
 
     def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
         size = self.config.micro_batch_size or rollout.completion_ids.shape[0]

@@ -1,0 +1,104 @@
+"""bf16 done right: float32 master weights under bf16 autocast, and dtype='auto' chosen by what the hardware does.
+
+Before: a bf16 model was trained by AdamW directly on bf16 weights, where an update below ~1/256 of a weight
+rounds away (measured on a tiny Llama, lr 5e-6, 3 steps: 81.7% more weights never moved than in fp32, update
+norm 0.34x). Now the trainable weights are float32 and only the compute is bf16.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from forge import GRPOConfig, GRPOTrainer
+from forge.core import policy
+from forge.core.tiny import build_tiny_model
+
+ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
+
+
+def text_length(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def config(tmp_path, name, **overrides) -> GRPOConfig:
+    values = {"group_size": 4, "max_new_tokens": 6, "gradient_accumulation_steps": 1, "prompts_per_step": 2,
+              "lr_scheduler": "constant", "warmup_ratio": 0.0, "logging_steps": 1, "save_steps": 0, "max_steps": 3,
+              "kl_beta": 0.0, "output_dir": str(tmp_path / name)}  # learning_rate: Forge's default 5e-6
+    return GRPOConfig(**(values | overrides))
+
+
+def moved(before: dict, after: dict) -> tuple[float, float]:
+    """(share of weights that never moved, norm of the update) over every weight."""
+    unchanged = sum(int((after[k] == before[k]).sum()) for k in before)
+    total = sum(before[k].numel() for k in before)
+    norm = sum(float((after[k].float() - before[k].float()).pow(2).sum()) for k in before) ** 0.5
+    return unchanged / total, norm
+
+
+def test_bf16_full_finetuning_moves_as_many_weights_as_fp32(tmp_path, tiny_tokenizer):
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        model, _ = build_tiny_model(tiny_tokenizer, seed=0)
+        model = model.to(getattr(torch, dtype))  # a user's bf16 model, as from_pretrained(dtype=bfloat16) gives
+        before = {k: v.detach().float().clone() for k, v in model.named_parameters()}
+        trainer = GRPOTrainer(model, tiny_tokenizer, text_length, config(tmp_path, dtype, dtype=dtype))
+        trainer.train(ROWS)
+        results[dtype] = moved(before, {k: v.detach().float() for k, v in trainer.model.named_parameters()})
+        assert all(p.dtype == torch.float32 for p in trainer.trainable)  # master weights
+    (fp32_unchanged, fp32_norm), (bf16_unchanged, bf16_norm) = results["float32"], results["bfloat16"]
+    assert bf16_unchanged <= fp32_unchanged + 0.05, results
+    assert 0.5 <= bf16_norm / fp32_norm <= 2.0, results
+
+
+def test_bf16_compute_keeps_the_first_update_ratio_at_one(tmp_path, tiny_model, tiny_tokenizer):
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, text_length,
+                          config(tmp_path, "ratio", dtype="bfloat16", num_iterations=2, max_steps=2,
+                                 learning_rate=5e-2))
+    updates, real_update = [], trainer._update
+    trainer._update = lambda batch: updates.append(real_update(batch)) or updates[-1]
+    assert trainer.precision.compute == torch.bfloat16
+    trainer.train(ROWS[:2])
+    # pi_old is computed by the same bf16 forward as pi_theta on unchanged weights: ratio exactly 1
+    assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and updates[0]["clip_frac"] == 0
+    assert abs(updates[1]["ratio_mean"] - 1.0) > 1e-5  # the second update moved
+
+
+def test_bf16_lora_keeps_a_bf16_base_and_fp32_adapters_and_saves_fp32(tmp_path, tiny_model, tiny_tokenizer):
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, text_length,
+                          config(tmp_path, "lora", dtype="bfloat16", use_lora=True, lora_r=4, save_steps=3))
+    trainer.train(ROWS)
+    frozen = {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
+    assert frozen == {torch.bfloat16} and {p.dtype for p in trainer.trainable} == {torch.float32}
+    saved = load_file(tmp_path / "lora" / "3" / "adapter_model.safetensors")
+    assert saved and all(t.dtype == torch.float32 for t in saved.values())
+
+
+def test_bf16_full_checkpoint_holds_fp32_masters(tmp_path, tiny_model, tiny_tokenizer):
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, text_length,
+                          config(tmp_path, "full", dtype="bfloat16", kl_beta=0.1, max_steps=1))
+    assert {p.dtype for p in trainer.reference_model.parameters()} == {torch.bfloat16}  # frozen: bf16 is enough
+    trainer.train(ROWS)
+    saved = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in saved.values())
+    log = [json.loads(line) for line in (tmp_path / "full" / "training_log.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(row["loss"])) for row in log)
+
+
+@pytest.mark.parametrize(("amx", "avx512_bf16", "expected", "why"), [
+    (True, False, torch.bfloat16, "AMX"),
+    (False, True, torch.bfloat16, "AVX512-BF16"),
+    (False, False, torch.float32, "no bf16 matrix units"),
+])
+def test_auto_picks_bf16_only_on_cpus_with_bf16_units(monkeypatch, amx, avx512_bf16, expected, why):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    chosen = policy.choose_precision("auto", "cpu")
+    assert chosen.compute == expected and why in chosen.reason
+    assert policy.choose_precision("float32", "cpu").compute == torch.float32  # forced, whatever the CPU
+
+
+def test_the_choice_is_logged(tmp_path, tiny_model, tiny_tokenizer, capsys):
+    GRPOTrainer(tiny_model, tiny_tokenizer, text_length, config(tmp_path, "log", dtype="float32"))
+    assert "precision: float32 (dtype='float32' was asked for)" in capsys.readouterr().err
