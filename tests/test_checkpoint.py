@@ -407,3 +407,12 @@ def test_stale_temporaries_are_cleaned_and_live_ones_kept(tmp_path, tiny_model, 
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["3", "6", f"5.tmp-{alive}"])
     assert load_checkpoint(tmp_path / "6").step == 6 and kept.is_dir()
     assert remove_stale_temporaries(tmp_path / "missing") == []
+
+
+def test_finite_weights_whose_sum_overflows_are_not_taken_for_nan(tmp_path, tiny_model, tiny_tokenizer):
+    with torch.no_grad():  # 3e38 + 3e38 overflows float32 (max 3.4e38): the sum is inf, every value finite
+        tiny_model.model.norm.weight[:2] = 3e38
+    path = save_resumable(tmp_path / "1", tiny_model, tiny_tokenizer, step=1)
+    fresh = build_tiny_model(tiny_tokenizer, seed=1)[0]
+    load_model_weights(fresh, path)
+    assert fresh.model.norm.weight[0].item() == pytest.approx(3e38)

@@ -593,6 +593,30 @@ def test_every_torch_load_is_weights_only():
     assert all("weights_only=True" in line for _, line in calls), calls
 
 
+def test_a_pytorch_model_bin_folder_loads_and_pickled_code_in_it_never_runs(tmp_path):
+    import pickle
+
+    from forge.core.policy import load_model
+
+    model, tokenizer = build_tiny_model()
+    model.config.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # the pre-safetensors format
+    loaded, _ = load_model(str(tmp_path))
+    assert all(torch.equal(tensor, loaded.state_dict()[name]) for name, tensor in model.state_dict().items())
+
+    ran = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {ran}",))
+
+    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps({"model.norm.weight": Payload()}))
+    with pytest.raises(Exception, match="Weights only load failed"):  # torch's UnpicklingError
+        load_model(str(tmp_path))
+    assert not ran.exists()
+
+
 def test_no_eval_exec_or_pickle_in_the_package():
     pattern = re.compile(r"(?<![\w.])(eval|exec)\(|\bimport pickle\b|\bpickle\.loads?\(|\bmarshal\.loads\(")
     hits = [f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}" for path in PACKAGE.rglob("*.py")
