@@ -102,3 +102,24 @@ def test_auto_picks_bf16_only_on_cpus_with_bf16_units(monkeypatch, amx, avx512_b
 def test_the_choice_is_logged(tmp_path, tiny_model, tiny_tokenizer, capsys):
     GRPOTrainer(tiny_model, tiny_tokenizer, text_length, config(tmp_path, "log", dtype="float32"))
     assert "precision: float32 (dtype='float32' was asked for)" in capsys.readouterr().err
+
+
+def test_fp16_uses_a_dynamic_loss_scale_and_an_overflow_only_halves_it(tmp_path, tiny_model, tiny_tokenizer):
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, text_length,
+                          config(tmp_path, "fp16", dtype="float16", max_consecutive_nonfinite=1, learning_rate=1e-2))
+    assert trainer.guard.loss_scale == 2.0**16
+    overflowed = []
+
+    def overflow_once(grad):  # what an fp16 backward that overflowed hands back
+        if not overflowed:
+            overflowed.append(1)
+            return torch.full_like(grad, float("inf"))
+        return grad
+
+    trainer.trainable[0].register_hook(overflow_once)
+    before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    trainer.train(ROWS)  # an overflow is not a failure: no abort even with max_consecutive_nonfinite=1
+    assert trainer.guard.loss_scale == 2.0**15 and trainer.guard.skipped_steps == 1
+    after = dict(trainer.model.named_parameters())
+    assert all(bool(torch.isfinite(p).all()) for p in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # steps 2 and 3 trained

@@ -177,7 +177,9 @@ class GRPOConfig:
     (a checkpointed layer cannot keep the shared prompt cache), which costs the most with long prompts and
     large groups. Generation is unchanged."""
     dtype: str = "auto"
-    """Model dtype when Forge loads the model: auto = fp32 on CPU, bf16 on a GPU that supports it."""
+    """Compute precision; trainable weights are always float32 masters. 'bfloat16'/'float16' = forward, backward
+    and generation under autocast (fp16 adds a dynamic loss scale); 'auto' = bf16 on a GPU that supports it or
+    a CPU with bf16 matrix units (AMX / AVX512-BF16), else fp32 (logged, with the reason); 'float32' forces fp32."""
 
     # --- logging, eval, checkpoints ---
     use_tensorboard: bool = False

@@ -48,6 +48,7 @@ class FinishedStep:
     rng_state: dict  # every generator, as the next step will find it
     nonfinite_in_a_row: int = 0  # optimizer steps skipped for a NaN/inf in a row, up to this one
     skipped_steps: int = 0  # optimizer steps skipped for a NaN/inf in the whole run
+    loss_scale: float = 1.0  # fp16's dynamic loss scale (1 in fp32 / bf16)
 
 
 @dataclass
@@ -199,6 +200,7 @@ class RunLifecycle:
         path = self.output_dir / (name or str(finished.step))
         state = {"global_step": finished.step, "epoch": finished.epoch, "position": finished.position,
                  "nonfinite_in_a_row": finished.nonfinite_in_a_row, "skipped_steps": finished.skipped_steps,
+                 "loss_scale": finished.loss_scale,
                  "model_name": parts.run_config["model_name"], "is_lora": parts.is_lora, **parts.dataset_identity}
         ckpt.save_checkpoint(path, model=parts.model, tokenizer=parts.tokenizer, optimizer=parts.optimizer,
                              scheduler=parts.scheduler, trainer_state=state, config=parts.run_config,
@@ -262,7 +264,8 @@ class RunLifecycle:
                           f"the earlier run; this run replaces each as it reaches its step, until then "
                           f"resume_from='latest' would pick them", stacklevel=3)
         return FinishedStep(step, int(saved["epoch"]), int(saved["position"]), state.rng_state,
-                            int(saved.get("nonfinite_in_a_row", 0)), int(saved.get("skipped_steps", 0)))
+                            int(saved.get("nonfinite_in_a_row", 0)), int(saved.get("skipped_steps", 0)),
+                            float(saved.get("loss_scale", 1.0)))
 
 
 def check_same_dataset(saved_state: dict, identity: dict, path: Path) -> None:

@@ -1,6 +1,7 @@
 """The optimizer step of a run: AdamW, the learning-rate schedule, clipping, and never a non-finite weight.
 
     GuardedStep(...)(loss_is_finite)
+        fp16 only: divide the gradient by the loss scale; an overflow halves the scale and skips the step
         clip the gradient to max_grad_norm
         a NaN/inf loss or gradient    -> skip the AdamW step (weights and moments untouched), count it
         AdamW step
@@ -10,6 +11,11 @@
 
 The roll-back keeps one copy of the trainable weights (4 bytes per trainable parameter in fp32; the LoRA
 adapters only, under LoRA), refreshed before every step.
+
+fp16 compute (dtype='float16') multiplies the loss by a dynamic scale before backward, so small gradients do
+not underflow in fp16 (mixed-precision training, Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740):
+it starts at 2**16, halves on every overflow (that step is skipped, not counted towards the abort) and
+doubles after 200 steps in a row without one. bf16 and fp32 need no scale (loss_scale stays 1).
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ class GuardedStep:
     """One optimizer step that never leaves a NaN/inf weight; counts the steps it had to skip."""
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_grad_norm: float,
-                 max_consecutive_nonfinite: int, any_rank: Callable[[bool], bool] = bool):
+                 max_consecutive_nonfinite: int, any_rank: Callable[[bool], bool] = bool, scale_loss: bool = False):
         self.params = params
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
@@ -78,12 +84,23 @@ class GuardedStep:
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self._backup: list[torch.Tensor] | None = None
+        self.scale_loss = scale_loss
+        self.loss_scale = 2.0**16 if scale_loss else 1.0  # what the trainer multiplies the loss by before backward
+        self._good_steps = 0
 
     def __call__(self, loss_is_finite: bool, before_commit: Callable[[], None] = lambda: None) -> StepOutcome:
         grads = [p for p in self.params if p.grad is not None]
+        if self.scale_loss:
+            for p in grads:
+                p.grad.div_(self.loss_scale)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)) if grads else 0.0
         if self.any_rank(not loss_is_finite):
             return self._skip(grad_norm, "loss")
+        if self.scale_loss and not math.isfinite(grad_norm):  # fp16 overflow: a smaller scale, try again
+            self.loss_scale, self._good_steps = max(self.loss_scale / 2, 1.0), 0
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepOutcome(grad_norm, False, "overflow")
         if not math.isfinite(grad_norm):
             return self._skip(grad_norm, "gradient")
         self._remember_weights()
@@ -93,6 +110,9 @@ class GuardedStep:
             self._restore_weights()
             return self._skip(grad_norm, "weight")
         self.nonfinite_in_a_row = 0
+        self._good_steps += 1
+        if self.scale_loss and self._good_steps % 200 == 0:
+            self.loss_scale = min(self.loss_scale * 2, 2.0**24)
         return StepOutcome(grad_norm, True)
 
     def _skip(self, grad_norm: float, problem: str) -> StepOutcome:
@@ -132,6 +152,7 @@ def advance_schedule(scheduler) -> None:
 WHAT_TO_DO = {
     "loss": "Lower learning_rate, check the rewards for huge values, or use fp32 (dtype='float32').",
     "gradient": "Lower learning_rate or max_grad_norm, or use fp32 (dtype='float32').",
+    "overflow": "fp16 gradients overflowed: the loss scale was halved (this is expected now and then).",
     "weight": "The update overflowed the weights' dtype: use fp32 (dtype='float32') or lower learning_rate.",
 }
 """What the console and the abort message advise for each kind of non-finite step."""

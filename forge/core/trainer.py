@@ -150,7 +150,8 @@ class GRPOTrainer:
         self._sampling_rng = torch.Generator().manual_seed(_sampling_seed(config.seed, 0))  # reseeded each step
         self.global_step = 0
         self.guard = GuardedStep(self.trainable, self.optimizer, config.max_grad_norm,
-                                 config.max_consecutive_nonfinite, any_rank=self.dist.any)
+                                 config.max_consecutive_nonfinite, any_rank=self.dist.any,
+                                 scale_loss=self.precision.compute == torch.float16)
         self._warned_zero_std = False
         self.logger: ForgeLogger | None = None
         self.lifecycle: RunLifecycle | None = None  # built in train()
@@ -186,7 +187,7 @@ class GRPOTrainer:
             resumed = self.lifecycle.resume(config.resume_from)
             epoch, position = resumed.epoch, resumed.position
             self.global_step, self.guard.nonfinite_in_a_row = resumed.step, resumed.nonfinite_in_a_row
-            self.guard.skipped_steps = resumed.skipped_steps
+            self.guard.skipped_steps, self.guard.loss_scale = resumed.skipped_steps, resumed.loss_scale
         self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
                                   wandb_run_name=config.wandb_run_name, use_tensorboard=config.use_tensorboard,
                                   config=self._run_config(), enabled=self.dist.is_main)
@@ -291,7 +292,7 @@ class GRPOTrainer:
         from forge import checkpoint as ckpt
 
         return FinishedStep(self.global_step, epoch, position, ckpt.capture_rng_state(), self._nonfinite_in_a_row,
-                            self._skipped_steps)
+                            self._skipped_steps, self.guard.loss_scale)
 
     def _run_config(self) -> dict:
         """The config as saved with checkpoints and compared on resume: GRPOConfig plus the model's name."""
@@ -513,7 +514,7 @@ class GRPOTrainer:
                     batch.advantages[r][indices].to(self.device), part_mask, normaliser=normaliser,
                     settings=settings, entropy=entropy, sampler_logprobs=sampler)
                 # Each rank's loss carries its share; all-reduce (sum) of gradients gives the global loss.
-                loss.backward()
+                (loss * self.guard.loss_scale).backward()  # the scale is 1 but under fp16 (core/optim.py)
                 tokens = float(mask.sum())
                 totals["loss"] += float(loss.detach())
                 gap_mean, gap_largest = (0.0, 0.0) if sampler is None else logprob_gap(
@@ -542,7 +543,7 @@ class GRPOTrainer:
         outcome = self.guard(loss_is_finite, before_commit=self._commit)
         if not outcome.stepped:
             self.signals.committing = False  # the weights are (back to) those of the last finished step
-            what, advice = outcome.problem, WHAT_TO_DO[outcome.problem]
+            what, advice = outcome.problem.replace("overflow", "fp16 gradient"), WHAT_TO_DO[outcome.problem]
             if self.guard.must_abort:
                 raise FloatingPointError(
                     f"{self.guard.nonfinite_in_a_row} optimizer steps in a row had a non-finite {what} (last at "
