@@ -557,8 +557,8 @@ def token_logprobs_from_logits(
         out[start:start + chunk_size] = picked - normaliser
         if entropy is not None:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                probs = torch.exp(chunk - normaliser[:, None])  # (c, V)
-                entropy[start:start + chunk_size] = normaliser - (probs * chunk).sum(dim=-1)
+                probs = (chunk - normaliser[:, None]).exp_()  # (c, V), in place: one (c, V) buffer
+                entropy[start:start + chunk_size] = normaliser - torch.linalg.vecdot(probs, chunk)  # no product kept
     if entropy is None:
         return out.view(batch, length)
     return out.view(batch, length), entropy.view(batch, length)
