@@ -9,9 +9,19 @@ eq. 3), not the per-sequence, ratio-against-the-reference shortcut of the first 
     loss      = aggregate(pg_t + beta * kl_t)
 
 `A` is the group-relative advantage of the completion: its reward minus the group mean, divided by the
-group std (or the batch std, or nothing: Dr. GRPO). The published variants differ only in the
-importance-ratio level (token or sequence: GSPO) and in how per-token losses are aggregated; each is
-one small function plus one entry in a dict below, so adding a variant touches no other code.
+group std (or the batch std, or nothing: Dr. GRPO). The published variants change one piece of this, and
+each is one small function plus one entry in a dict below, so adding a variant touches no other code:
+
+    ADVANTAGE_SCALES           group / batch / none / rloo / reinforce_plus_plus_baseline
+    MULTI_REWARD_AGGREGATIONS  sum_then_normalize / normalize_then_sum (GDPO); None rewards do not apply
+    IMPORTANCE_LEVELS          token / sequence (GSPO)
+    POLICY_OBJECTIVES          clip (+ dual-clip / two-sided cap) / cispo / sapo
+    LOSS_AGGREGATIONS          per-sequence mean / token mean / constant (Dr. GRPO); LOSS_TYPES pairs them
+    KL_ESTIMATORS              k1 / k2 / k3
+    ROLLOUT_IS_MODES           none / token or sequence, truncated or masked sampler importance weights
+
+plus the token entropy (from the same chunked log-softmax as the log-probs), its top-quantile mask and bonus.
+grpo_loss takes the variant as one LossSettings (LossSettings.from_config reads a GRPOConfig).
 
 This module imports only torch and the standard library: everything comes in as tensors and numbers.
 """
