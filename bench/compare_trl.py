@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="completions per loss forward/backward in both frameworks (default: the workload's; "
                         "0 = the whole rollout)")
+    p.add_argument("--precision", choices=["float32", "best"], default="float32",
+                   help="float32 for both, or each framework at its best dtype on this machine: Forge dtype='auto'; "
+                        "TRL bf16=True where the CPU has bf16 matrix units (its default), fp32 where it has not")
     p.add_argument("--variable-length", action="store_true",
                    help="let the tiny model stop at EOS too (default: fixed-length completions for tiny)")
     p.add_argument("--out-dir", default=str(HERE / "results"))
@@ -113,6 +116,7 @@ def base_spec(args, framework: str, **overrides) -> dict:
             "micro_batch_size": workload.micro_batch_size if args.micro_batch_size is None else args.micro_batch_size,
             "steps": args.steps, "warmup": args.warmup,
             "threads": args.threads, "fixed_length": args.model == "tiny" and not args.variable_length,
+            "precision": args.precision,
             "one_token_prompt": False}
     spec.update(overrides)
     return spec
@@ -197,6 +201,17 @@ def scaling_table(args, scaling: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def precision_text(precision: str) -> str:
+    if precision == "float32":
+        return "fp32 for both"
+    from forge.core.policy import choose_precision, cpu_has_bf16_units
+
+    chosen = choose_precision("auto", "cpu")
+    trl_bf16 = cpu_has_bf16_units()[0]
+    return (f"each at its best dtype here: Forge dtype='auto' -> {str(chosen.compute).removeprefix('torch.')} "
+            f"({chosen.reason}), TRL bf16={trl_bf16}")
+
+
 def report(args, command: str, info: dict, forge=None, trl=None, scaling=None) -> tuple[str, dict]:
     workload = WORKLOADS[args.workload]
     fixed = args.model == "tiny" and not args.variable_length
@@ -209,7 +224,8 @@ def report(args, command: str, info: dict, forge=None, trl=None, scaling=None) -
     setup = (f"Workload: {workload.description}; {workload.prompts_per_step} prompts x group {workload.group_size} "
              f"per optimizer step, max_new_tokens {workload.max_new_tokens}, {micro} completions per loss "
              f"forward/backward (micro-batch, both frameworks), {lengths}; {args.mode} fine-tuning, "
-             f"fp32, kl beta 0, loss_type 'grpo', temperature 0.9. {args.rounds} processes per framework "
+             f"{precision_text(args.precision)}, kl beta 0, loss_type 'grpo', temperature 0.9. {args.rounds} "
+             f"processes per framework "
              f"alternating Forge/TRL, each {args.warmup} warm-up + {args.steps} timed step(s); medians over all "
              f"timed steps.")
     parts = [f"# Forge vs TRL GRPOTrainer: {args.workload} / {args.model} / {args.mode}", "",
@@ -238,7 +254,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.workload}_{args.model}_{args.mode}" + ("_scaling" if args.scaling_only else "")
+    stem = (f"{args.workload}_{args.model}_{args.mode}" + ("_scaling" if args.scaling_only else "")
+            + ("_best" if args.precision == "best" else ""))
     if args.from_raw:
         raw = json.loads(Path(args.from_raw).read_text())
         command, info = raw["command"], raw.get("machine") or machine_info(args.threads)

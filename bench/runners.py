@@ -95,7 +95,8 @@ def run_forge(spec: dict, model, tokenizer, rows: list[dict], recorder: Recorder
         loss_type=LOSS_TYPE, scale_rewards="group", clip_epsilon=0.2, num_iterations=1,
         learning_rate=LEARNING_RATE, lr_scheduler="constant", warmup_ratio=0.0, weight_decay=0.0,
         max_grad_norm=1.0, max_steps=recorder.total_steps, shuffle=False, seed=SEED, output_dir=output_dir,
-        logging_steps=10**6, save_steps=0, log_completions=0, dtype="float32",
+        logging_steps=10**6, save_steps=0, log_completions=0,
+        dtype="auto" if spec.get("precision") == "best" else "float32",
         use_lora=spec["mode"] == "lora", lora_r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
         lora_target_modules=LORA_TARGETS, share_prompt_prefix=spec.get("share_prompt_prefix", True),
         micro_batch_size=spec["micro_batch_size"], gradient_checkpointing=spec.get("gradient_checkpointing", False),
@@ -132,6 +133,8 @@ def run_trl(spec: dict, model, tokenizer, rows: list[dict], recorder: Recorder, 
     from transformers import TrainerCallback
     from workloads import LORA_ALPHA, LORA_R, LORA_TARGETS, correctness_reward
 
+    from forge.core.policy import cpu_has_bf16_units
+
     completions_per_step = spec["prompts_per_step"] * spec["group_size"]
     micro_batch = spec["micro_batch_size"] or completions_per_step
     if completions_per_step % micro_batch:
@@ -147,8 +150,10 @@ def run_trl(spec: dict, model, tokenizer, rows: list[dict], recorder: Recorder, 
         learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, optim="adamw_torch", max_steps=recorder.total_steps, seed=SEED,
         shuffle_dataset=False,
-        # TRL defaults that differ from Forge's: bf16=True, gradient_checkpointing=True. Same settings here.
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, use_vllm=False,
+        # TRL defaults that differ from Forge's: bf16=True, gradient_checkpointing=True. Same settings here;
+        # --precision best gives TRL its default bf16=True where the CPU runs bf16 fast.
+        bf16=spec.get("precision") == "best" and cpu_has_bf16_units()[0], fp16=False,
+        gradient_checkpointing=False, use_cpu=True, use_vllm=False,
         report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no", log_completions=False,
         disable_tqdm=True, dataloader_num_workers=0,
     )

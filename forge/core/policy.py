@@ -97,7 +97,7 @@ def cpu_has_bf16_units() -> tuple[bool, str]:
     if avx512_bf16:
         return True, "AVX512-BF16"
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
-    return False, f"{capability}, no bf16 matrix units"
+    return False, f"its best vector unit is {capability}"
 
 
 @dataclass(frozen=True)
