@@ -200,20 +200,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:])
     from forge.core.trainer import GRPOTrainer, TrainingInterrupted
-    from forge.data.dataset import load_rows
 
     overrides = {"resume_from": "latest"} if args.resume else {}
     config = build_config(args, overrides)
-    rewards, weights = parse_rewards(args.reward)
+    rewards, weights = parse_rewards(_default_reward_for(args))
     if config.reward_weights is None:
         config.reward_weights = weights
-    eval_rows = load_rows(args.eval_dataset) if args.eval_dataset else None
     from forge.eval.evaluate import heldout_metrics  # eval/strict_accuracy, ... every eval_steps
 
     trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics)
-    dataset = load_rows(args.dataset)
-    if args.max_samples:
-        dataset = dataset[: args.max_samples]
+    dataset, eval_rows = _training_data(args, trainer.tokenizer)
     try:
         trainer.train(dataset, eval_dataset=eval_rows)
     except TrainingInterrupted as interrupted:  # SIGINT/SIGTERM: a checkpoint was saved; say how to go on
@@ -223,6 +219,47 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.dist.is_main:
         print(f"done: {trainer.global_step} optimizer steps; checkpoints and logs in {config.output_dir}")
     return 0
+
+
+REASONING_GYM_REWARD = "forge.data.reasoning_gym_tasks:ReasoningGymReward:1.0,tag_format:0.1"
+"""The default reward of `forge train --dataset reasoning-gym:NAME`: the task's own scorer, plus format."""
+
+
+def _default_reward_for(args: argparse.Namespace) -> str:
+    """--reward as given; when left at the default for a reasoning-gym dataset, the task's own scorer."""
+    if args.reward == DEFAULTS["reward"] and str(args.dataset).startswith("reasoning-gym:"):
+        print(f"forge: {args.dataset}: reward {REASONING_GYM_REWARD} (the task's own score_answer)", file=sys.stderr)
+        return REASONING_GYM_REWARD
+    return args.reward
+
+
+def _training_data(args: argparse.Namespace, tokenizer) -> tuple[list[dict], list[dict] | None]:
+    """The training rows and the optional eval rows of `forge train`: prompts as chat messages when the
+    tokenizer has a chat template, unless --chat says otherwise; --eval_dataset's held-out split."""
+    from forge.data.dataset import load_rows, pick_chat, source_kwargs
+
+    columns = {"prompt_column": getattr(args, "prompt_column", None),
+               "reference_column": getattr(args, "reference_column", None)}
+    chat = pick_chat(getattr(args, "chat", None), tokenizer, args.dataset)
+    dataset = load_rows(args.dataset, **source_kwargs(args.dataset, chat=chat, n=args.max_samples, **columns))
+    if args.max_samples:
+        dataset = dataset[: args.max_samples]
+    eval_rows = None
+    if args.eval_dataset:
+        eval_chat = pick_chat(getattr(args, "chat", None), tokenizer, args.eval_dataset, announce=False)
+        eval_rows = load_rows(args.eval_dataset, **source_kwargs(args.eval_dataset, chat=eval_chat, heldout=True,
+                                                                 **columns))
+    return dataset, eval_rows
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """--chat, --prompt_column, --reference_column (of `forge train` and `forge eval`)."""
+    parser.add_argument("--chat", type=_parse_bool, default=None, metavar="BOOL",
+                        help="prompts as chat messages (true) or plain text (false), for the datasets whose prompts "
+                             "Forge writes (gsm8k, gsm-hard, arithmetic, reasoning-gym:, hf:); default: true when "
+                             "the tokenizer has a chat template")
+    parser.add_argument("--prompt_column", default=None, help="hf: datasets: the question column [question]")
+    parser.add_argument("--reference_column", default=None, help="hf: datasets: the reference answer column [answer]")
 
 
 def _relaunch(nproc: int, argv: list[str]) -> int:
@@ -257,6 +294,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     common = {"data": args.data, "split": args.split, "n": args.n, "max_new_tokens": args.max_new_tokens,
               "num_samples": args.num_samples, "temperature": args.temperature, "seed": args.seed}
+    data_options = {"chat": args.chat, "prompt_column": args.prompt_column, "reference_column": args.reference_column}
     if args.compare:
         from forge.eval.report import compare_models
 
@@ -265,7 +303,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(summary)
         print(f"report: {md_path}\n        {json_path}")
         return 0
-    result = evaluate_model(args.model, adapter=args.adapter, **common)
+    result = evaluate_model(args.model, adapter=args.adapter, **common, **data_options)
     print(json.dumps(result.metrics, indent=2))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -324,8 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--model", default=DEFAULTS["model"],
                        help="hub id, local folder, .gguf file, or 'default' (packaged SmolLM2-135M-Instruct)")
     train.add_argument("--dataset", default=DEFAULTS["dataset"],
-                       help="gsm8k, gsm8k-mock, gsm-hard, arithmetic, or a JSONL file of {prompt, reference}")
-    train.add_argument("--eval_dataset", default=None, help="held-out data evaluated per eval_steps (same names)")
+                       help="gsm8k, gsm8k-mock, gsm-hard, arithmetic, reasoning-gym:NAME, "
+                            "hf:ORG/NAME[:CONFIG][@SPLIT], or a JSONL file of {prompt, reference}")
+    train.add_argument("--eval_dataset", default=None, help="held-out data evaluated per eval_steps (same names; "
+                       "reasoning-gym:NAME gives its held-out problems, hf: its test split unless @SPLIT says)")
+    _add_data_arguments(train)
     train.add_argument("--max_samples", type=int, default=None, help="use only the first N dataset rows")
     train.add_argument("--reward", default=DEFAULTS["reward"],
                        help="comma-separated name[:weight] (exact_match, math_correctness, tag_format, number, "
@@ -339,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate a model on held-out problems (strict/soft accuracy, pass@k)")
     ev.add_argument("--model", default="default", help="hub id, local folder, checkpoint, or 'default'")
     ev.add_argument("--adapter", default=None, help="LoRA adapter folder to apply on --model")
-    ev.add_argument("--data", default="arithmetic", help="arithmetic, gsm8k, gsm-hard, gsm8k-mock, or a JSONL path")
+    ev.add_argument("--data", default="arithmetic", help="arithmetic, gsm8k, gsm-hard, gsm8k-mock, "
+                    "reasoning-gym:NAME (its held-out problems), hf:ORG/NAME[:CONFIG][@SPLIT], or a JSONL path")
+    _add_data_arguments(ev)
     ev.add_argument("--split", default="test")
     ev.add_argument("--n", type=int, default=None, help="number of problems (default: all)")
     ev.add_argument("--max_new_tokens", type=int, default=256)

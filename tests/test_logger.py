@@ -175,3 +175,85 @@ def test_tensorboard_writes_event_file(tmp_path):
     with ForgeLogger(tmp_path, use_tensorboard=True, console=False) as logger:
         logger.log({"loss": 0.5, "kl": math.nan}, step=1, epoch=0)
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# trackio
+
+
+def test_missing_trackio_warns_and_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "trackio", None)
+    with pytest.warns(UserWarning, match="trackio is not installed"):
+        logger = ForgeLogger(tmp_path, use_trackio=True, console=False)
+    logger.log({"loss": 1.0}, step=1, epoch=0)
+    logger.close()
+    assert len(read_rows(tmp_path / "training_log.jsonl")) == 1
+
+
+def test_trackio_sink_receives_numeric_metrics(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, metrics, step):
+            calls.append(("log", metrics, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    class FakeTrackio:
+        @staticmethod
+        def init(project, name, config, **kwargs):
+            calls.append(("init", project, name, config))
+            return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "trackio", FakeTrackio)
+    with ForgeLogger(tmp_path, use_trackio=True, trackio_project="proj", wandb_run_name="r1", config={"lr": 1e-5},
+                     console=False) as logger:
+        logger.log({"loss": 0.5, "kl": math.nan, "names": ["x"]}, step=7, epoch=0)
+    assert calls == [("init", "proj", "r1", {"lr": 1e-5}), ("log", {"loss": 0.5}, 7), ("finish",)]
+
+
+def test_a_failing_trackio_init_warns_and_training_goes_on(tmp_path, monkeypatch):
+    class BrokenTrackio:
+        @staticmethod
+        def init(**kwargs):
+            raise RuntimeError("no space")
+
+    monkeypatch.setitem(sys.modules, "trackio", BrokenTrackio)
+    with pytest.warns(UserWarning, match="trackio.init failed"):
+        logger = ForgeLogger(tmp_path, use_trackio=True, console=False)
+    logger.log({"loss": 1.0}, step=1, epoch=0)
+    logger.close()
+
+
+TRACKIO_SCRIPT = """
+import json, sys
+from forge.logging import ForgeLogger
+with ForgeLogger(sys.argv[1], use_trackio=True, trackio_project="forge-test", wandb_run_name="run-1",
+                 config={"lr": 0.001}, console=False) as logger:
+    logger.log({"loss": 0.5, "reward": 1.0}, step=1, epoch=0)
+    logger.log({"loss": 0.25, "reward": float("nan")}, step=2, epoch=0)
+from trackio.sqlite_storage import SQLiteStorage
+logs = SQLiteStorage.get_logs("forge-test", "run-1")
+print("LOGS " + json.dumps([{k: v for k, v in row.items() if k in ("step", "loss", "reward")} for row in logs]))
+"""
+
+
+def test_trackio_logs_locally_and_offline(tmp_path):
+    """The real trackio, in a subprocess (it reads TRACKIO_DIR when imported): metrics land in a local SQLite
+    file under TRACKIO_DIR, with the hub switched off and no Space or server configured."""
+    pytest.importorskip("trackio")
+    import os
+    import subprocess
+
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "TRACKIO_BUCKET_ID", "TRACKIO_DATASET_ID")}
+    env.update(TRACKIO_DIR=str(tmp_path / "trackio"), HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False",
+               HF_HUB_DISABLE_TELEMETRY="1")
+    result = subprocess.run([sys.executable, "-c", TRACKIO_SCRIPT, str(tmp_path / "out")], env=env, check=False,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = json.loads(next(line[5:] for line in result.stdout.splitlines() if line.startswith("LOGS ")))
+    assert logs == [{"step": 1, "loss": 0.5, "reward": 1.0}, {"step": 2, "loss": 0.25}]
+    assert list((tmp_path / "trackio").glob("forge-test*.db"))
+    assert len(read_rows(tmp_path / "out" / "training_log.jsonl")) == 2

@@ -21,14 +21,18 @@ from typing import Any
 
 __all__ = [
     "BUILTIN_DATASETS",
+    "CHAT_PROMPT_SOURCES",
     "ROW_FORMAT",
+    "builds_prompts",
     "builtin_dataset",
     "is_chat",
     "iterate_steps",
     "load_jsonl",
     "load_rows",
+    "pick_chat",
     "reward_kwargs",
     "rows_per_step",
+    "source_kwargs",
     "validate_rows",
 ]
 
@@ -74,6 +78,61 @@ BUILTIN_DATASETS: dict[str, Callable[..., list[dict]]] = {
     "arithmetic-heldout": _arithmetic_heldout,
 }
 """Dataset names `load_rows` understands; keyword arguments go to the loader."""
+
+
+_PREFIXED_SOURCES = ("reasoning-gym:", "hf:")
+
+
+def _prefixed_source(source: str, **kwargs: Any) -> list[dict]:
+    """Rows of ``reasoning-gym:NAME[@heldout]`` or ``hf:ORG/NAME[:CONFIG][@SPLIT]``; keyword arguments go
+    to `forge.data.reasoning_gym_tasks.load_reasoning_gym_spec` / `forge.data.hf_dataset.load_hf_rows`."""
+    if source.startswith("reasoning-gym:"):
+        from forge.data.reasoning_gym_tasks import load_reasoning_gym_spec
+
+        return load_reasoning_gym_spec(source, **kwargs)
+    from forge.data.hf_dataset import load_hf_rows
+
+    return load_hf_rows(source, **kwargs)
+
+
+CHAT_PROMPT_SOURCES = ("gsm8k", "gsm8k-mock", "gsm-hard", "arithmetic", "arithmetic-heldout")
+"""Built-in names whose loaders build the prompt and take ``chat=``, as do ``reasoning-gym:`` and ``hf:``."""
+
+
+def builds_prompts(source: Any) -> bool:
+    """Whether Forge writes the prompts of ``source`` (and so can write them as chat messages or plain text)."""
+    return isinstance(source, str) and (source in CHAT_PROMPT_SOURCES or source.startswith(_PREFIXED_SOURCES))
+
+
+def pick_chat(chat: bool | None, tokenizer: Any, source: Any = None, announce: bool = True) -> bool:
+    """``chat`` when given; else True when the tokenizer has a chat template. With ``announce`` the
+    automatic choice is printed to stderr for a source whose prompts Forge builds (`builds_prompts`)."""
+    if chat is not None:
+        return bool(chat)
+    chosen = bool(getattr(tokenizer, "chat_template", None))
+    if announce and builds_prompts(source):
+        import sys
+
+        reason = ("the tokenizer has a chat template, so its prompts are chat messages (--chat false for plain text)"
+                  if chosen else "the tokenizer has no chat template, so its prompts are plain text")
+        print(f"forge: {source}: {reason}", file=sys.stderr)
+    return chosen
+
+
+def source_kwargs(source: Any, *, chat: bool, heldout: bool = False, n: int | None = None,
+                  split: str | None = None, prompt_column: str | None = None,
+                  reference_column: str | None = None) -> dict[str, Any]:
+    """The `load_rows` keyword arguments that fit ``source``: ``chat`` for sources that build prompts, the
+    split (held-out rows for ``reasoning-gym:`` when ``heldout``), the row count and the column names for
+    ``hf:``. Other sources (JSONL files) take none."""
+    if not builds_prompts(source):
+        return {}
+    if source.startswith("hf:"):
+        return {"chat": chat, "split": split or ("test" if heldout else "train"), "n": n,
+                "prompt_column": prompt_column, "reference_column": reference_column}
+    if source.startswith("reasoning-gym:"):
+        return {"chat": chat, "split": "heldout" if heldout else "train", "n": n}
+    return {"chat": chat}
 
 
 def builtin_dataset(name: str, **kwargs: Any) -> list[dict]:
@@ -144,12 +203,14 @@ def load_rows(source: Any, *, validate: bool = True, **builtin_kwargs: Any) -> l
         path = Path(source)
         if isinstance(source, str) and source in BUILTIN_DATASETS:
             rows = builtin_dataset(source, **builtin_kwargs)
+        elif isinstance(source, str) and source.startswith(_PREFIXED_SOURCES):
+            rows = _prefixed_source(source, **builtin_kwargs)
         elif path.is_file():
             rows = load_jsonl(path)
         else:
             raise ValueError(
                 f"dataset '{source}' is neither an existing .jsonl file nor a built-in dataset "
-                f"({', '.join(BUILTIN_DATASETS)})"
+                f"({', '.join(BUILTIN_DATASETS)}) nor 'reasoning-gym:NAME' / 'hf:ORG/NAME[:CONFIG][@SPLIT]'"
             )
     elif isinstance(source, Mapping):
         raise TypeError(

@@ -8,7 +8,15 @@ evaluation code). GSM-Hard (Gao et al. 2022, PAL, https://arxiv.org/abs/2211.104
 same questions with larger numbers.
 
 Rows returned by the loaders have the shape Forge trains on:
-``{"prompt": str, "reference": str, "question": str}``.
+``{"prompt": str | list[message], "reference": str, "question": str}``.
+
+Two prompt styles. ``chat=False`` (the loaders' default) is `format_prompt`, the original design's
+plain-text prompt for base models, unchanged. ``chat=True`` is `chat_prompt`: chat messages with a
+system prompt and worked examples as user/assistant turns, answering in
+``<think>...</think><answer>N</answer>``, the format the default rewards (``math_correctness``,
+``tag_format``) and the evaluation's strict grader read. Instruct models need it: on the plain prompt
+the packaged SmolLM2-135M-Instruct ends its turn right after "Solution:" on most problems (0% on the
+mock set), on the chat prompt it answers every one (see the README's Data section).
 """
 
 from __future__ import annotations
@@ -19,7 +27,10 @@ from typing import Any
 from forge.data.answers import extract_answer_line, first_number, last_number
 
 __all__ = [
+    "CHAT_FEW_SHOT",
+    "GSM8K_CHAT_SYSTEM_PROMPT",
     "GSM8K_MOCK_PROBLEMS",
+    "chat_prompt",
     "extract_answer",
     "few_shot_gsm8k_prompt",
     "format_prompt",
@@ -68,8 +79,12 @@ def parse_gsm8k_answer(answer_field: str) -> str:
     return answer
 
 
+def _prompt(question: str, chat: bool) -> str | list[dict[str, str]]:
+    return chat_prompt(question) if chat else format_prompt(question)
+
+
 def _rows_from_records(records: Iterable[Mapping[str, Any]], max_samples: int | None, name: str,
-                       question_key: str, answer_key: str, parse_answer) -> list[dict]:
+                       question_key: str, answer_key: str, parse_answer, chat: bool = False) -> list[dict]:
     """Forge rows {"prompt", "reference", "question"} from a math dataset's records."""
     rows = []
     for index, record in enumerate(records):
@@ -79,16 +94,17 @@ def _rows_from_records(records: Iterable[Mapping[str, Any]], max_samples: int | 
             raise ValueError(f"{name} record {index} needs '{question_key}' and '{answer_key}' keys; "
                              f"got {sorted(record)}")
         question = record[question_key]
-        rows.append({"prompt": format_prompt(question), "reference": parse_answer(record[answer_key]),
+        rows.append({"prompt": _prompt(question, chat), "reference": parse_answer(record[answer_key]),
                      "question": question})
     return rows
 
 
 def gsm8k_rows_from_records(
-    records: Iterable[Mapping[str, Any]], max_samples: int | None = None
+    records: Iterable[Mapping[str, Any]], max_samples: int | None = None, chat: bool = False
 ) -> list[dict]:
-    """Forge rows from GSM8K records ``{"question": ..., "answer": "... #### 72"}``."""
-    return _rows_from_records(records, max_samples, "GSM8K", "question", "answer", parse_gsm8k_answer)
+    """Forge rows from GSM8K records ``{"question": ..., "answer": "... #### 72"}``; ``chat`` picks
+    `chat_prompt` over `format_prompt`."""
+    return _rows_from_records(records, max_samples, "GSM8K", "question", "answer", parse_gsm8k_answer, chat)
 
 
 def _number_text(value: Any) -> str:
@@ -99,10 +115,10 @@ def _number_text(value: Any) -> str:
 
 
 def gsm_hard_rows_from_records(
-    records: Iterable[Mapping[str, Any]], max_samples: int | None = None
+    records: Iterable[Mapping[str, Any]], max_samples: int | None = None, chat: bool = False
 ) -> list[dict]:
     """Forge rows from GSM-Hard records ``{"input": question, "target": number, ...}``."""
-    return _rows_from_records(records, max_samples, "GSM-Hard", "input", "target", _number_text)
+    return _rows_from_records(records, max_samples, "GSM-Hard", "input", "target", _number_text, chat)
 
 
 def _load_hf_split(dataset_id: str, config: str | None, split: str) -> Any:
@@ -115,18 +131,20 @@ def _load_hf_split(dataset_id: str, config: str | None, split: str) -> Any:
     return datasets.load_dataset(dataset_id, config, split=split)
 
 
-def load_gsm8k(split: str = "train", max_samples: int | None = 500) -> list[dict]:
+def load_gsm8k(split: str = "train", max_samples: int | None = 500, chat: bool = False) -> list[dict]:
     """GSM8K (``openai/gsm8k``, config ``main``) from the Hugging Face hub as Forge rows.
 
     Needs ``pip install forge-rl[data]`` and network access (or a warm HF cache).
-    ``max_samples=None`` keeps every record of the split.
+    ``max_samples=None`` keeps every record of the split. ``chat=True`` gives chat-message prompts
+    (`chat_prompt`, for instruct models); the default is the plain `format_prompt`.
     """
-    return gsm8k_rows_from_records(_load_hf_split("openai/gsm8k", "main", split), max_samples)
+    return gsm8k_rows_from_records(_load_hf_split("openai/gsm8k", "main", split), max_samples, chat)
 
 
-def load_gsm_hard(split: str = "train", max_samples: int | None = 500) -> list[dict]:
-    """GSM-Hard (``reasoning-machines/gsm-hard``) as Forge rows; same shape as `load_gsm8k`."""
-    return gsm_hard_rows_from_records(_load_hf_split("reasoning-machines/gsm-hard", None, split), max_samples)
+def load_gsm_hard(split: str = "train", max_samples: int | None = 500, chat: bool = False) -> list[dict]:
+    """GSM-Hard (``reasoning-machines/gsm-hard``) as Forge rows; same shape and ``chat`` as `load_gsm8k`."""
+    return gsm_hard_rows_from_records(_load_hf_split("reasoning-machines/gsm-hard", None, split), max_samples,
+                                      chat)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,17 +247,17 @@ GSM8K_MOCK_PROBLEMS: tuple[tuple[str, str], ...] = (
 """(question, answer) pairs; the tests recompute every answer independently."""
 
 
-def load_gsm8k_mock(n: int = 20) -> list[dict]:
+def load_gsm8k_mock(n: int = 20, chat: bool = False) -> list[dict]:
     """``n`` rows of hand-written GSM8K-style problems, for offline tests and demos.
 
-    There are 20 distinct problems; for ``n > 20`` they repeat in order.
+    There are 20 distinct problems; for ``n > 20`` they repeat in order. ``chat`` as in `load_gsm8k`.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rows = []
     for index in range(n):
         question, answer = GSM8K_MOCK_PROBLEMS[index % len(GSM8K_MOCK_PROBLEMS)]
-        rows.append({"prompt": format_prompt(question), "reference": answer, "question": question})
+        rows.append({"prompt": _prompt(question, chat), "reference": answer, "question": question})
     return rows
 
 
@@ -358,3 +376,31 @@ def few_shot_gsm8k_prompt(question: str, n_shots: int = 4) -> str:
         for example_question, solution, answer in FEW_SHOT_EXAMPLES[:n_shots]
     )
     return f"{_INSTRUCTIONS}\n\n{shots}Problem: {question}\n\nSolution:"
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat prompts (for instruct models)
+
+GSM8K_CHAT_SYSTEM_PROMPT = (
+    "You are a math reasoning assistant. Solve the math word problem step by step inside <think> </think>, "
+    "then give only the final number inside <answer> </answer>."
+)
+"""The system message of `chat_prompt`. It asks for the ``<answer>`` tag that the strict grader and the
+default rewards read (``math_correctness`` also accepts ``#### N`` and ``Answer: N``)."""
+
+CHAT_FEW_SHOT = 2
+"""Worked examples `chat_prompt` puts before the problem by default (from `FEW_SHOT_EXAMPLES`)."""
+
+
+def chat_prompt(question: str, n_shots: int = CHAT_FEW_SHOT) -> list[dict[str, str]]:
+    """The GSM8K prompt as chat messages: `GSM8K_CHAT_SYSTEM_PROMPT`, ``n_shots`` worked examples of
+    `FEW_SHOT_EXAMPLES` as user/assistant turns (``<think>solution</think>\n<answer>N</answer>``), and
+    the problem as the last user message."""
+    if not 0 <= n_shots <= len(FEW_SHOT_EXAMPLES):
+        raise ValueError(f"n_shots must be between 0 and {len(FEW_SHOT_EXAMPLES)}, got {n_shots}")
+    messages = [{"role": "system", "content": GSM8K_CHAT_SYSTEM_PROMPT}]
+    for example_question, solution, answer in FEW_SHOT_EXAMPLES[:n_shots]:
+        messages.append({"role": "user", "content": example_question})
+        messages.append({"role": "assistant", "content": f"<think>{solution}</think>\n<answer>{answer}</answer>"})
+    messages.append({"role": "user", "content": question})
+    return messages

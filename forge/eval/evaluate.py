@@ -23,7 +23,17 @@ import torch
 from forge.core.rollout import SamplingSettings, generate
 from forge.data.answers import answers_match
 from forge.data.dataset import load_rows
-from forge.eval.metrics import ANSWER_FORMATS, detect_answer_format, grade, majority_vote, pass_at_k
+from forge.eval.metrics import (
+    ANSWER_FORMATS,
+    CORRECT,
+    NO_ANSWER,
+    WRONG_ANSWER,
+    Grade,
+    detect_answer_format,
+    grade,
+    majority_vote,
+    pass_at_k,
+)
 
 EVAL_DATASETS = ("arithmetic", "gsm8k", "gsm-hard", "gsm8k-mock")
 """Names `load_eval_rows` understands, besides JSONL paths and the built-in names of `load_rows`."""
@@ -34,8 +44,10 @@ class EvalResult:
     """What `evaluate` measured: aggregate metrics, and one record per problem with every response."""
 
     metrics: dict[str, float]
-    """strict_accuracy, soft_accuracy, format_rate, mean_completion_length (tokens), frac_truncated, n
-    (problems), num_samples, seconds; with num_samples > 1 also pass@k, maj@k, soft_pass@k, soft_maj@k."""
+    """strict_accuracy, soft_accuracy, format_rate, mean_completion_length (tokens), frac_truncated,
+    nonempty_rate (share of responses with any text), n (problems), num_samples, seconds; task_score (mean
+    score of the task's own scorer) for rows that carry one (reasoning-gym); with num_samples > 1 also
+    pass@k, maj@k, soft_pass@k, soft_maj@k."""
     records: list[dict[str, Any]]
     """Per problem: index, question, prompt, reference, answer_format, fields (other dataset columns), and per
     sample: responses, answers (in the required format), soft_answers, statuses, strict, soft, format_ok,
@@ -99,7 +111,7 @@ def evaluate(
     """
     rows = load_rows(rows)
     for index, row in enumerate(rows):
-        if row.get("reference") is None or not str(row["reference"]).strip():
+        if (row.get("reference") is None or not str(row["reference"]).strip()) and _task_scorer(row) is None:
             raise ValueError(f"evaluation row {index} has no 'reference' answer; every row needs "
                              "{'prompt': ..., 'reference': '42'}")
     _check_decoding(num_samples, temperature, k_values, batch_size, answer_format)
@@ -169,11 +181,35 @@ def question_text(row: dict) -> str:
     return user_messages[-1] if user_messages else prompt[-1]["content"]
 
 
+def _task_scorer(row: dict):
+    """The task's own scorer (answer -> score in [0, 1]) for a row that carries one (reasoning-gym rows), else
+    None. Checked by column, so rows of other datasets never import reasoning-gym."""
+    if "rg_task" not in row:
+        return None
+    from forge.data.reasoning_gym_tasks import task_scorer
+
+    return task_scorer(row)
+
+
+def _task_grade(g: Grade, scorer) -> tuple[Grade, float]:
+    """Re-grade with a task's own scorer, as its training reward does: correct means score 1.0 (strict: the
+    answer in the required format; soft: the final answer anywhere). Also returns the soft score."""
+    strict_score, soft_score = scorer(g.answer), scorer(g.soft_answer)
+    strict_correct, soft_correct = strict_score >= 1.0, soft_score >= 1.0
+    status = NO_ANSWER if g.answer is None else CORRECT if strict_correct else WRONG_ANSWER
+    return Grade(g.answer, g.soft_answer, strict_correct, soft_correct, g.format_ok, status), soft_score
+
+
 def _record(index: int, row: dict, answer_format: str, responses: list[str], lengths: list[int],
             truncated: list[bool]) -> dict:
-    """Grade one problem's responses."""
+    """Grade one problem's responses (with the task's own scorer when the row carries one)."""
     grades = [grade(response, row["reference"], answer_format) for response in responses]
-    return {
+    scorer = _task_scorer(row)
+    task_scores = None
+    if scorer is not None:
+        graded = [_task_grade(g, scorer) for g in grades]
+        grades, task_scores = [g for g, _ in graded], [score for _, score in graded]
+    record = {
         "index": index,
         "question": question_text(row),
         "prompt": row["prompt"],
@@ -192,6 +228,9 @@ def _record(index: int, row: dict, answer_format: str, responses: list[str], len
         "num_strict_correct": sum(g.strict_correct for g in grades),
         "num_soft_correct": sum(g.soft_correct for g in grades),
     }
+    if task_scores is not None:
+        record["task_scores"] = task_scores  # the task scorer's value of each soft answer (the default reward)
+    return record
 
 
 def aggregate_metrics(records: Sequence[dict], num_samples: int, k_values: Sequence[int] = (1,)) -> dict:
@@ -209,9 +248,12 @@ def aggregate_metrics(records: Sequence[dict], num_samples: int, k_values: Seque
         "format_rate": sum(s[1] for s in samples) / count,
         "mean_completion_length": sum(s[4] for s in samples) / count,
         "frac_truncated": sum(s[5] for s in samples) / count,
+        "nonempty_rate": sum(bool(str(text).strip()) for r in records for text in r["responses"]) / count,
         "n": len(records),
         "num_samples": num_samples,
     }
+    if records and all("task_scores" in r for r in records):  # rows graded by their task's own scorer
+        metrics["task_score"] = _mean(score for r in records for score in r["task_scores"])
     if num_samples > 1 and records:
         for k in k_values:
             metrics[f"pass@{k}"] = _mean(pass_at_k(num_samples, r["num_strict_correct"], k) for r in records)
@@ -233,24 +275,41 @@ def _mean(values) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_eval_rows(data: Any = "arithmetic", split: str = "test", n: int | None = None, chat: bool = True) -> list[dict]:
+def load_eval_rows(data: Any = "arithmetic", split: str = "test", n: int | None = None, chat: bool | None = None,
+                   *, prompt_column: str | None = None, reference_column: str | None = None) -> list[dict]:
     """Held-out rows by name: "arithmetic" (the fixed held-out arithmetic set, 60 problems unless n says
     otherwise), "gsm8k" (the hub split), "gsm-hard" (its only split; the name's split is ignored),
-    "gsm8k-mock" (20 offline GSM8K-style problems); or a JSONL path, a list of rows, or any built-in name
-    of `load_rows`. ``n`` keeps the first n problems. ``chat`` picks chat-message prompts for "arithmetic"."""
+    "gsm8k-mock" (20 offline GSM8K-style problems), "reasoning-gym:NAME" (the task's held-out problems,
+    50 unless n says otherwise, graded by the task's own scorer), "hf:ORG/NAME[:CONFIG][@SPLIT]" (``split``
+    unless the name has one; ``prompt_column`` / ``reference_column`` name the columns); or a JSONL path, a
+    list of rows, or any built-in name of `load_rows`. ``n`` keeps the first n problems.
+
+    ``chat`` picks chat-message prompts (True) or plain text (False) for every named set; None keeps each
+    set's own default: chat for "arithmetic" and reasoning-gym, the plain `format_prompt` for GSM8K and
+    GSM-Hard, plain text for hf:. (`evaluate_model` passes the tokenizer's choice: chat with a chat template.)
+    """
     from forge.data.arithmetic import arithmetic_heldout
     from forge.data.gsm8k import load_gsm8k, load_gsm8k_mock, load_gsm_hard
 
     if isinstance(data, (str, Path)) and str(data) in EVAL_DATASETS:
         name = str(data)
         if name == "arithmetic":
-            rows = arithmetic_heldout(n=60 if n is None else n, chat=chat)
+            rows = arithmetic_heldout(n=60 if n is None else n, chat=True if chat is None else chat)
         elif name == "gsm8k":
-            rows = load_gsm8k(split=split, max_samples=n)
+            rows = load_gsm8k(split=split, max_samples=n, chat=bool(chat))
         elif name == "gsm-hard":
-            rows = load_gsm_hard(split="train", max_samples=n)  # GSM-Hard ships one split, all held out
+            rows = load_gsm_hard(split="train", max_samples=n, chat=bool(chat))  # one split, all held out
         else:
-            rows = load_gsm8k_mock(n=20 if n is None else n)
+            rows = load_gsm8k_mock(n=20 if n is None else n, chat=bool(chat))
+    elif isinstance(data, str) and data.startswith("reasoning-gym:"):
+        from forge.data.reasoning_gym_tasks import load_reasoning_gym_spec
+
+        rows = load_reasoning_gym_spec(data, split="heldout", n=n, chat=True if chat is None else chat)
+    elif isinstance(data, str) and data.startswith("hf:"):
+        from forge.data.hf_dataset import load_hf_rows
+
+        rows = load_hf_rows(data, split=split, n=n, chat=bool(chat), prompt_column=prompt_column,
+                            reference_column=reference_column)
     else:
         rows = load_rows(data)
     return rows if n is None else rows[:n]
@@ -262,16 +321,24 @@ def evaluate_model(
     data: Any = "arithmetic",
     split: str = "test",
     n: int | None = None,
+    *,
+    chat: bool | None = None,
+    prompt_column: str | None = None,
+    reference_column: str | None = None,
     **eval_kw: Any,
 ) -> EvalResult:
     """Load a model (hub id, local folder, .gguf, "default", or a loaded (model, tokenizer) pair) with an
     optional LoRA adapter, load held-out rows by name (`load_eval_rows`), and `evaluate` it.
-    ``eval_kw`` go to `evaluate`."""
+    ``chat`` None: chat-message prompts when the tokenizer has a chat template (said on stderr for the sets
+    whose prompts Forge writes). ``eval_kw`` go to `evaluate`."""
     from forge.core.policy import load_for_eval
+    from forge.data.dataset import pick_chat
 
     if isinstance(model_name_or_path, tuple):
         model, tokenizer = load_for_eval(model_name_or_path[0], adapter, tokenizer=model_name_or_path[1])
     else:
         model, tokenizer = load_for_eval(model_name_or_path, adapter)
-    rows = load_eval_rows(data, split=split, n=n, chat=bool(getattr(tokenizer, "chat_template", None)))
+    chat = pick_chat(chat, tokenizer, data if isinstance(data, str) else None)
+    rows = load_eval_rows(data, split=split, n=n, chat=chat, prompt_column=prompt_column,
+                          reference_column=reference_column)
     return evaluate(model, tokenizer, rows, **eval_kw)

@@ -1,10 +1,15 @@
-"""ForgeLogger: one `log()` call feeds the console, a JSONL file, TensorBoard and W&B.
+"""ForgeLogger: one `log()` call feeds the console, a JSONL file, TensorBoard, W&B and trackio.
 
 Each destination is a small "sink" with the same two methods, `log(metrics, step)` and `close()`.
 A sink that is switched off, or whose package is not installed, is a `NullSink`, so the logger never
 branches on `if wandb:`. The JSONL files are the source of truth: `forge plot` reads
 `training_log.jsonl`, and `truncate_after(step)` trims both files when a run resumes from a
 checkpoint, so a resumed run does not write the same step twice.
+
+trackio (https://github.com/gradio-app/trackio, ``pip install forge-rl[trackio]``) is Hugging Face's
+local-first tracker with a wandb-like API: without a Space or server configured it writes a SQLite file
+under ``TRACKIO_DIR`` (default ``~/.cache/huggingface/trackio``) and needs no network; ``trackio show``
+opens the dashboard.
 """
 
 from __future__ import annotations
@@ -152,6 +157,34 @@ class TensorBoardSink:
         self.writer.close()
 
 
+class TrackioSink:
+    """A trackio run; created only after `import trackio` succeeded. Logs locally unless the user pointed
+    trackio at a Space or server (``TRACKIO_SPACE_ID`` / ``TRACKIO_SERVER_URL``)."""
+
+    def __init__(self, trackio_module: Any, project: str, run_name: str, config: dict | None) -> None:
+        self.run = trackio_module.init(project=project, name=run_name, config=config or {}, embed=False,
+                                       auto_log_gpu=False, auto_log_cpu=False)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.run.log({key: value for key, value in metrics.items() if value is not None}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def make_trackio_sink(project: str, run_name: str, config: dict | None) -> TrackioSink | NullSink:
+    try:
+        import trackio
+    except ImportError:
+        warnings.warn("use_trackio=True but trackio is not installed (pip install trackio); not logging to trackio")
+        return NullSink()
+    try:
+        return TrackioSink(trackio, project, run_name, config)
+    except Exception as err:  # noqa: BLE001 -- a tracker failure must not stop training
+        warnings.warn(f"trackio.init failed ({err!r}); not logging to trackio")
+        return NullSink()
+
+
 def make_wandb_sink(project: str, run_name: str, config: dict | None) -> WandbSink | NullSink:
     try:
         import wandb
@@ -183,10 +216,11 @@ def make_tensorboard_sink(log_dir: Path) -> TensorBoardSink | NullSink:
 
 
 class ForgeLogger:
-    """Console + `training_log.jsonl` + `samples.jsonl` + optional TensorBoard / W&B.
+    """Console + `training_log.jsonl` + `samples.jsonl` + optional TensorBoard / W&B / trackio.
 
     `enabled=False` (every rank but the main one in a multi-process run) turns every method into a
-    no-op, and no file or directory is created.
+    no-op, and no file or directory is created. The trackio run is named `wandb_run_name` (one run name
+    for both trackers) in project `trackio_project`.
     """
 
     def __init__(
@@ -199,6 +233,8 @@ class ForgeLogger:
         config: dict | None = None,
         enabled: bool = True,
         console: bool = True,
+        use_trackio: bool = False,
+        trackio_project: str = "forge",
     ) -> None:
         self.output_dir = Path(output_dir)
         self.enabled = enabled
@@ -214,6 +250,7 @@ class ForgeLogger:
         self.sinks = [
             make_wandb_sink(wandb_project, wandb_run_name, config) if use_wandb else NullSink(),
             make_tensorboard_sink(self.output_dir / "tensorboard") if use_tensorboard else NullSink(),
+            make_trackio_sink(trackio_project, wandb_run_name, config) if use_trackio else NullSink(),
         ]
 
     # -- writing ------------------------------------------------------------------------------------
