@@ -147,6 +147,17 @@ def test_rewards_that_ask_for_trainer_state_receive_it():
         score(curriculum)
 
 
+def test_only_rewards_that_name_trainer_state_receive_it():
+    seen = []
+
+    def columns(prompts, completions, **kwargs):  # **kwargs means "the dataset columns": lists, one per sample
+        seen.append(sorted(kwargs))
+        return [0.0] * len(completions)
+
+    score(columns, trainer_state=TrainerState(global_step=1, max_steps=2))
+    assert seen == [[]]
+
+
 # ----------------------------------------------------------------------------------------------------
 # reward models
 

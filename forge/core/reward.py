@@ -63,6 +63,7 @@ __all__ = [
     "call_with_accepted_kwargs",
     "is_async_reward",
     "load_reward_from_path",
+    "wants_trainer_state",
 ]
 
 
@@ -196,6 +197,17 @@ def is_async_reward(reward: Any) -> bool:
     if inspect.iscoroutinefunction(target):
         return True
     return callable(target) and inspect.iscoroutinefunction(type(target).__call__)
+
+
+def wants_trainer_state(reward: Any) -> bool:
+    """True when the reward's signature names a ``trainer_state`` parameter; only such rewards receive it (a
+    ``**kwargs`` reward gets the dataset columns, each a list with one entry per completion, and nothing else)."""
+    target = reward.fn if isinstance(reward, FunctionReward) else reward
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+    return "trainer_state" in parameters and parameters["trainer_state"].kind is not inspect.Parameter.VAR_KEYWORD
 
 
 def as_reward(fn_or_reward: Any) -> BaseReward:

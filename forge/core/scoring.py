@@ -45,6 +45,7 @@ from forge.core.reward import (
     call_with_accepted_kwargs,
     is_async_reward,
     is_model_and_tokenizer,
+    wants_trainer_state,
 )
 
 
@@ -252,16 +253,16 @@ def score_completions(
     """Score N completions with every reward; prompts and each kwarg list have N entries.
 
     row_index (N,) names each completion's dataset row in error messages. trainer_state (a TrainerState) goes
-    to the rewards that name a `trainer_state` parameter."""
+    only to the rewards whose signature names a `trainer_state` parameter (not to every **kwargs reward)."""
     n = len(completions)
     total = torch.zeros(n)
     valid = torch.ones(n, dtype=torch.bool)
     components, metadata, applies = {}, {}, {}
     errors = timeouts = 0
     where = f" at step {step}" if step is not None else ""
-    extra = {} if trainer_state is None else {"trainer_state": trainer_state}
-
     def caller(reward):
+        extra = {"trainer_state": trainer_state} if trainer_state is not None and wants_trainer_state(reward) else {}
+
         def call(indices=None):
             if indices is None:
                 return call_with_accepted_kwargs(reward, prompts, completions, {**reward_kwargs, **extra})
