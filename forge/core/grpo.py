@@ -724,6 +724,15 @@ class LossNormaliser(NamedTuple):
     max_completion_length: int  # max_new_tokens
     num_sampled: float | None = None  # every completion sampled for this optimizer step; None = num_sequences
 
+    @classmethod
+    def count(cls, loss_masks: list[torch.Tensor], max_completion_length: int,
+              total: Callable[[list[float]], list[float]] = lambda counts: counts) -> LossNormaliser:
+        """Count the optimizer batch's loss masks, each (N, T); `total` sums the counts over processes."""
+        sequences, tokens, sampled = total([sum(float((m.sum(dim=1) > 0).sum()) for m in loss_masks),
+                                            sum(float(m.sum()) for m in loss_masks),
+                                            sum(float(m.shape[0]) for m in loss_masks)])
+        return cls(max(sequences, 1.0), max(tokens, 1.0), max_completion_length, sampled)
+
 
 def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormaliser) -> torch.Tensor:
     # DeepSeekMath eq. 3: 1/G sum_i 1/|o_i| sum_t

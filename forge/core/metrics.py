@@ -111,6 +111,68 @@ def gathered_samples(samples: list[dict], num_rollouts: int, limit: int, dist) -
     return ordered[:limit]
 
 
+class UpdateTotals:
+    """The statistics of one update, accumulated over its micro-batches and then over every rank: the loss is
+    the sum of the ranks' shares; every other statistic is a token-weighted mean over the whole batch."""
+
+    KEYS = ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "clip_frac_capped", "entropy",
+            "rollout_is_weight_mean")
+
+    def __init__(self):
+        self.loss, self.tokens, self.gap_max = 0.0, 0.0, 0.0
+        self.weighted = dict.fromkeys((*self.KEYS, "sampling/logp_diff_mean"), 0.0)
+
+    def add(self, loss: torch.Tensor, stats, tokens: float, gap: tuple[float, float] | None = None) -> None:
+        """One micro-batch: its loss, LossStats, token count and (mean, max) sampler/trainer log-prob gap."""
+        self.loss += float(loss.detach())
+        self.tokens += tokens
+        for key in self.KEYS:
+            self.weighted[key] += float(getattr(stats, key)) * tokens
+        gap_mean, gap_max = gap or (0.0, 0.0)
+        self.weighted["sampling/logp_diff_mean"] += gap_mean * tokens
+        self.gap_max = max(self.gap_max, gap_max)
+
+    def over_every_rank(self, dist, with_rollout_is: bool = True) -> dict:
+        loss, tokens, *weighted = dist.sum([self.loss, self.tokens, *self.weighted.values()])
+        totals = {"loss": loss, **{k: v / max(tokens, 1.0) for k, v in zip(self.weighted, weighted)},
+                  "sampling/logp_diff_max": dist.max(self.gap_max)}
+        if not with_rollout_is:
+            del totals["rollout_is_weight_mean"]
+        return totals
+
+
+def greedy_reward_evaluator(rewards: list, config):
+    """The trainer's default evaluator: one greedy completion per held-out row, scored by the run's own rewards
+    (eval/reward, eval/rewards/<name>, eval/n). The global RNG state is restored afterwards, so evaluating in
+    the middle of a run does not change its later samples."""
+    from forge import checkpoint as ckpt
+    from forge.core.rollout import SamplingSettings, generate
+    from forge.core.scoring import score_completions
+    from forge.data.dataset import reward_kwargs
+
+    @torch.no_grad()
+    def evaluate(model, tokenizer, rows: list[dict], *, max_new_tokens: int, max_prompt_length: int) -> dict:
+        rng_state, was_training = ckpt.capture_rng_state(), model.training
+        model.eval()
+        settings, prompts = SamplingSettings(max_new_tokens, do_sample=False), [row["prompt"] for row in rows]
+        completions = [text for start in range(0, len(rows), 32)
+                       for text in generate(model, tokenizer, prompts[start:start + 32], 1, settings,
+                                            max_prompt_length, config.truncate_prompts,
+                                            config.share_prompt_prefix).completions]
+        scores = score_completions(rewards, prompts, completions, reward_kwargs(rows),
+                                   on_error=config.on_reward_error, error_value=config.reward_error_value,
+                                   timeout=config.reward_timeout)
+        ckpt.restore_rng_state(rng_state)
+        model.train(was_training)
+        kept = scores.valid
+        if not kept.any():
+            return {"reward": float("nan"), "n": len(rows)}
+        return {"reward": float(scores.total[kept].mean()), "n": len(rows),
+                **{f"rewards/{name}": float(v[kept].mean()) for name, v in scores.components.items()}}
+
+    return evaluate
+
+
 @torch.no_grad()
 def param_delta_norm(parameters: list[torch.Tensor], initial: list[torch.Tensor]) -> float:
     """||theta - theta_0||: how far training has moved the trainable weights."""
@@ -120,5 +182,13 @@ def param_delta_norm(parameters: list[torch.Tensor], initial: list[torch.Tensor]
     return math.sqrt(total)
 
 
-__all__ = ["RolloutStats", "gathered_samples", "param_delta_norm", "rollout_samples", "step_metrics",
-           "warn_if_mostly_flat"]
+__all__ = [
+    "RolloutStats",
+    "UpdateTotals",
+    "gathered_samples",
+    "greedy_reward_evaluator",
+    "param_delta_norm",
+    "rollout_samples",
+    "step_metrics",
+    "warn_if_mostly_flat",
+]

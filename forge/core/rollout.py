@@ -10,6 +10,7 @@ once for prompt + max_new_tokens and written in place, so a decode step does not
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -118,6 +119,9 @@ class Rollout:
     completions: list[str] = field(default_factory=list)  # (N,) decoded text, special tokens removed
     sampler_logprobs: torch.Tensor | None = None  # (N, T) log-prob of each sampled token under the sampling
     # softmax (logits / temperature, before top-k / top-p), 0 on padding: what the trainer's log-probs should equal
+    action_mask: torch.Tensor | None = None  # (N, T) 1 on tokens the model sampled, 0 on tool results fed to it
+    # (core/tool_rollout.py); None = every completion token was sampled
+    tool_calls: list[list] | None = None  # (N,) each completion's calls, in order (core/tools.py ToolResult)
 
     @property
     def num_prompts(self) -> int:
@@ -132,26 +136,36 @@ class Rollout:
     def completion_lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(dim=1)  # (N,)
 
+    @property
+    def sampled_mask(self) -> torch.Tensor:
+        """(N, T) 1 on the completion tokens the model sampled: the tokens that are actions in the loss."""
+        return self.completion_mask if self.action_mask is None else self.completion_mask * self.action_mask
+
 
 # ----------------------------------------------------------------------------------------------------
 # Prompts -> token ids
 
 
-def render_prompt(tokenizer, prompt: Prompt) -> str:
-    """Plain prompts pass through; chat prompts are rendered with the tokenizer's chat template."""
+def render_prompt(tokenizer, prompt: Prompt, tools: list[dict] | None = None) -> str:
+    """Plain prompts pass through; chat prompts are rendered with the tokenizer's chat template (given the
+    tools' JSON schemas when `tools` is set, for templates that describe tools)."""
     if isinstance(prompt, str):
         return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("a chat prompt (list of messages) needs a tokenizer with a chat template; "
                          "set tokenizer.chat_template or pass the prompt as a plain string")
+    if tools:
+        return tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
 def tokenize_prompts(
-    tokenizer, prompts: Sequence[Prompt], max_prompt_length: int, truncate: str = "error"
+    tokenizer, prompts: Sequence[Prompt], max_prompt_length: int, truncate: str = "error",
+    tools: list[dict] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask, (P, Lp). Over-long prompts raise or keep their last tokens."""
-    texts = [render_prompt(tokenizer, p) for p in prompts]
+    """Left-padded prompt ids and mask, (P, Lp). Over-long prompts raise or keep their last tokens.
+    tools: JSON schemas given to chat templates (render_prompt)."""
+    texts = [render_prompt(tokenizer, p, tools) for p in prompts]
     # chat templates already hold the BOS token when the model wants one
     encoded = [tokenizer(t, add_special_tokens=isinstance(p, str))["input_ids"] for t, p in zip(texts, prompts)]
     for i, ids in enumerate(encoded):
@@ -445,3 +459,33 @@ def checkpointed_layers(model, enabled: bool = True) -> Iterator[None]:
     finally:
         for layer, mode in zip(layers, modes):
             layer.training = mode
+
+# --------------------------------------------------------------------------------------------------
+# the sampling noise of a step, and padding per-micro-batch results back to the rollout's shape
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The seed of an optimizer step's sampling noise: a hash of (seed, step), the same on every rank."""
+    return int.from_bytes(hashlib.sha256(f"forge-sampling:{seed}:{step}".encode()).digest()[:8], "little")
+
+
+def sampling_noise(generator: torch.Generator, rows: int, max_new_tokens: int, rank: int = 0,
+                   world_size: int = 1) -> torch.Tensor:
+    """(rows, max_new_tokens) uniforms that sample this rank's `rows` completions.
+
+    Every rank draws the noise of the whole rollout batch (all ranks' rows) from a generator seeded by
+    (seed, step) and keeps its own rows: ranks never share draws, yet each prompt gets the same draws on 1 or
+    N processes, so a run's completions do not depend on the number of processes, and resuming at a step needs
+    no saved sampler state."""
+    noise = torch.rand(rows * world_size, max_new_tokens, dtype=torch.float64, generator=generator)  # (N_total, T)
+    return noise[rank * rows:(rank + 1) * rows]  # (N, T)
+
+
+def padded_rows(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Stack per-micro-batch (n_i, T_i) results into a float32 zero tensor shaped like `like` (N, T), on CPU."""
+    full = torch.zeros(like.shape, dtype=torch.float32)  # (N, T)
+    row = 0
+    for part in parts:
+        full[row:row + part.shape[0], :part.shape[1]] = part.cpu()
+        row += part.shape[0]
+    return full

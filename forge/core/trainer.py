@@ -17,7 +17,6 @@ the same update, up to fp32 rounding. A NaN/inf loss or gradient skips the optim
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import random
@@ -60,7 +59,10 @@ from forge.core.rollout import (
     checkpointed_layers,
     completion_logprobs,
     generate,
+    padded_rows,
     prompt_budget,
+    sampling_noise,
+    sampling_seed,
 )
 from forge.core.scoring import RewardError, build_reward_list, score_completions
 from forge.data.dataset import iterate_steps, load_rows, reward_kwargs, rows_per_step, validate_rows
@@ -107,7 +109,7 @@ class GRPOTrainer:
         if reward_fn is None:
             raise ValueError("GRPOTrainer needs reward_fn, e.g. reward_fn=ExactMatchReward()")
         self.rewards = build_reward_list(reward_fn, config.reward_weights)
-        self.evaluator = evaluator or self.mean_greedy_reward
+        self.evaluator = evaluator or step_stats.greedy_reward_evaluator(self.rewards, config)
         self.dist = DataParallel()
         named = isinstance(model, (str, os.PathLike))
         device = self.dist.device or (None if named else next(model.parameters()).device)
@@ -147,7 +149,7 @@ class GRPOTrainer:
                                            weight_decay=config.weight_decay)
         self.scheduler = None  # built in train(), once the number of steps is known
         self.initial_params = [p.detach().to("cpu", copy=True) for p in self.trainable]
-        self._sampling_rng = torch.Generator().manual_seed(_sampling_seed(config.seed, 0))  # reseeded each step
+        self._sampling_rng = torch.Generator().manual_seed(sampling_seed(config.seed, 0))  # reseeded each step
         self.global_step = 0
         self.guard = GuardedStep(self.trainable, self.optimizer, config.max_grad_norm,
                                  config.max_consecutive_nonfinite, any_rank=self.dist.any,
@@ -304,29 +306,6 @@ class GRPOTrainer:
                                      max_new_tokens=self.config.max_new_tokens, max_prompt_length=self.max_prompt_length)
         self.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.global_step, epoch=epoch)
 
-    @torch.no_grad()
-    def mean_greedy_reward(self, model, tokenizer, rows: list[dict], *, max_new_tokens: int,
-                           max_prompt_length: int) -> dict:
-        """The default evaluator: one greedy completion per row, scored by the run's own rewards."""
-        from forge import checkpoint as ckpt
-
-        rng_state, was_training = ckpt.capture_rng_state(), model.training
-        model.eval()
-        settings = SamplingSettings(max_new_tokens, do_sample=False)
-        prompts = [row["prompt"] for row in rows]
-        completions = [text for start in range(0, len(rows), 32)
-                       for text in generate(model, tokenizer, prompts[start:start + 32], 1, settings,
-                                            max_prompt_length, self.config.truncate_prompts,
-                                            self.config.share_prompt_prefix).completions]
-        scores = score_completions(self.rewards, prompts, completions, reward_kwargs(rows),
-                                   on_error=self.config.on_reward_error,
-                                   error_value=self.config.reward_error_value, timeout=self.config.reward_timeout)
-        ckpt.restore_rng_state(rng_state)  # evaluation must not change the run's later samples
-        model.train(was_training)
-        kept = scores.valid
-        return {"reward": float(scores.total[kept].mean()) if kept.any() else float("nan"), "n": len(rows),
-                **{f"rewards/{name}": float(v[kept].mean()) for name, v in scores.components.items() if kept.any()}}
-
     # ------------------------------------------------------------------------------------------------
     # one optimizer step
 
@@ -354,7 +333,7 @@ class GRPOTrainer:
         # Each rank takes its share of every rollout batch, whole groups only (rank r: prompts r*share..).
         share = config.prompts_per_step // self.dist.world_size
         mine_rows = slice(self.dist.rank * share * group, (self.dist.rank + 1) * share * group)
-        self._sampling_rng.manual_seed(_sampling_seed(config.seed, self.global_step))
+        self._sampling_rng.manual_seed(sampling_seed(config.seed, self.global_step))
         for start in range(0, len(rows), config.prompts_per_step):
             mine = rows[start:start + config.prompts_per_step][self.dist.rank * share:(self.dist.rank + 1) * share]
             t0 = time.perf_counter()
@@ -398,19 +377,8 @@ class GRPOTrainer:
         with self.precision.autocast():  # bf16 / fp16 compute over the fp32 master weights, when chosen
             return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
                             self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix,
-                            noise=self._sampling_noise(len(prompts)))
-
-    def _sampling_noise(self, num_prompts: int) -> torch.Tensor:
-        """(num_prompts * G, max_new_tokens) uniforms that sample this rank's completions.
-
-        Every rank draws the noise of the whole rollout batch (all ranks' prompts) from a generator seeded by
-        (seed, step) and keeps its own rows: ranks never share draws, yet each prompt gets the same draws on
-        1 or N processes, so a run's completions do not depend on the number of processes, and resuming at
-        a step needs no saved sampler state."""
-        rows = num_prompts * self.config.group_size
-        noise = torch.rand(rows * self.dist.world_size, self.config.max_new_tokens, dtype=torch.float64,
-                           generator=self._sampling_rng)  # (N_total, T)
-        return noise[self.dist.rank * rows:(self.dist.rank + 1) * rows]  # (N, T)
+                            noise=sampling_noise(self._sampling_rng, len(prompts) * config.group_size,
+                                                 config.max_new_tokens, self.dist.rank, self.dist.world_size))
 
     def _score_on_every_rank(self, rows: list[dict], rollout: Rollout):
         """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so
@@ -453,7 +421,8 @@ class GRPOTrainer:
     def _old_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
         if self.config.num_iterations == 1:
             return None  # pi_old = stopgrad(pi_theta): no extra forward
-        return self._padded([self._logprobs(self.model, rollout, i) for i in self._micro_batches(rollout)], rollout)
+        return padded_rows([self._logprobs(self.model, rollout, i) for i in self._micro_batches(rollout)],
+                           rollout.completion_ids)
 
     @torch.no_grad()
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
@@ -466,31 +435,14 @@ class GRPOTrainer:
                     parts.append(self._logprobs(self.model, rollout, indices))
             else:
                 parts.append(self._logprobs(self.reference_model, rollout, indices))
-        return self._padded(parts, rollout)
-
-    @staticmethod
-    def _padded(parts: list[torch.Tensor], rollout: Rollout) -> torch.Tensor:
-        full = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # (N, T)
-        row = 0
-        for part in parts:
-            full[row:row + part.shape[0], :part.shape[1]] = part.cpu()
-            row += part.shape[0]
-        return full
+        return padded_rows(parts, rollout.completion_ids)
 
     def _update(self, batch: Batch) -> dict:
         """Loss and backward over all micro-batches of all rollouts, then one optimizer step."""
         config = self.config
         # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
-        num_sequences = sum(float((m.sum(dim=1) > 0).sum()) for m in batch.loss_mask)
-        num_tokens = sum(float(m.sum()) for m in batch.loss_mask)
-        num_sampled = sum(float(m.shape[0]) for m in batch.loss_mask)
-        num_sequences, num_tokens, num_sampled = self.dist.sum([num_sequences, num_tokens, num_sampled])
-        normaliser = LossNormaliser(max(num_sequences, 1.0), max(num_tokens, 1.0), config.max_new_tokens,
-                                    num_sampled)
-        settings = LossSettings.from_config(config)
-        keys = ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "clip_frac_capped", "entropy",
-                "rollout_is_weight_mean", "sampling/logp_diff_mean")
-        totals, weight_sum, gap_max = dict.fromkeys(("loss", *keys), 0.0), 0.0, 0.0
+        normaliser = LossNormaliser.count(batch.loss_mask, config.max_new_tokens, total=self.dist.sum)
+        settings, totals = LossSettings.from_config(config), step_stats.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
         for r, rollout in enumerate(batch.rollouts):
             for indices in self._micro_batches(rollout):
@@ -515,24 +467,11 @@ class GRPOTrainer:
                     settings=settings, entropy=entropy, sampler_logprobs=sampler)
                 # Each rank's loss carries its share; all-reduce (sum) of gradients gives the global loss.
                 (loss * self.guard.loss_scale).backward()  # the scale is 1 but under fp16 (core/optim.py)
-                tokens = float(mask.sum())
-                totals["loss"] += float(loss.detach())
-                gap_mean, gap_largest = (0.0, 0.0) if sampler is None else logprob_gap(
-                    logprobs if old is None else old, sampler, part_mask)  # sampler vs the trainer's pi_old
-                gap_max = max(gap_max, gap_largest)
-                for key in keys:
-                    value = gap_mean if key == "sampling/logp_diff_mean" else float(getattr(stats, key))
-                    totals[key] += value * tokens
-                weight_sum += tokens
+                gap = None if sampler is None else logprob_gap(logprobs if old is None else old, sampler,
+                                                               part_mask)  # sampler vs the trainer's pi_old
+                totals.add(loss, stats, float(mask.sum()), gap)
         self.dist.all_reduce_grads(self.trainable)
-        # The loss is the sum of the ranks' shares; the statistics are token-weighted means over every rank.
-        summed = self.dist.sum([totals["loss"], weight_sum, *(totals[key] for key in keys)])
-        totals["loss"], weight_sum = summed[0], summed[1]
-        for key, value in zip(keys, summed[2:]):
-            totals[key] = value / max(weight_sum, 1.0)
-        totals["sampling/logp_diff_max"] = self.dist.max(gap_max)
-        if config.rollout_is == "none":
-            del totals["rollout_is_weight_mean"]
+        totals = totals.over_every_rank(self.dist, with_rollout_is=config.rollout_is != "none")
         totals["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         totals["grad_norm"] = self._clip_and_step(loss_is_finite=math.isfinite(totals["loss"]))
         return totals
@@ -567,11 +506,6 @@ class GRPOTrainer:
     @property
     def _skipped_steps(self) -> int:
         return self.guard.skipped_steps
-
-
-def _sampling_seed(seed: int, step: int) -> int:
-    """The seed of an optimizer step's sampling noise: a hash of (seed, step), the same on every rank."""
-    return int.from_bytes(hashlib.sha256(f"forge-sampling:{seed}:{step}".encode()).digest()[:8], "little")
 
 
 def _reached(step: int, every: int, stride: int) -> bool:
