@@ -17,8 +17,6 @@ This module never reads the trainer: everything comes in through `CheckpointPart
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import signal
@@ -32,6 +30,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from forge.core.optim import apply_new_hyperparameters
+from forge.data.dataset import dataset_identity
 
 
 class TrainingInterrupted(RuntimeError):
@@ -62,14 +61,6 @@ class CheckpointParts:
     run_config: dict  # GRPOConfig as a dict plus the model's name: compared on resume
     is_lora: bool
     dataset_identity: dict = field(default_factory=dict)  # size and fingerprint of the training rows
-
-
-def dataset_identity(rows: list[dict]) -> dict:
-    """Size and content hash of the training rows, saved with checkpoints to catch a resume on other data."""
-    digest = hashlib.sha256()
-    for row in rows:
-        digest.update(json.dumps(row, sort_keys=True, default=str).encode())
-    return {"dataset_size": len(rows), "dataset_fingerprint": digest.hexdigest()[:16]}
 
 
 def resume_hint(path: Path) -> str:

@@ -125,6 +125,15 @@ class GuardedStep:
     def must_abort(self) -> bool:
         return self.nonfinite_in_a_row >= self.max_consecutive_nonfinite
 
+    def abort_message(self, outcome: StepOutcome, step: int) -> str:
+        return (f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite {_named(outcome)} (last at "
+                f"step {step}); the weights were not updated by any of them and are finite. "
+                f"{WHAT_TO_DO[outcome.problem]}")
+
+    def skip_message(self, outcome: StepOutcome, step: int) -> str:
+        return (f"forge: step {step}: non-finite {_named(outcome)}; optimizer step skipped ({self.nonfinite_in_a_row} "
+                f"in a row, abort at {self.max_consecutive_nonfinite}). {WHAT_TO_DO[outcome.problem]}")
+
     @torch.no_grad()
     def _remember_weights(self) -> None:
         if self._backup is None:
@@ -141,6 +150,10 @@ class GuardedStep:
         for backup, p in zip(self._backup, self.params):
             p.copy_(backup)
         self.optimizer.state.clear()  # the moments saw the bad update: AdamW restarts them from zero
+
+
+def _named(outcome: StepOutcome) -> str:
+    return "fp16 gradient" if outcome.problem == "overflow" else outcome.problem
 
 
 def advance_schedule(scheduler) -> None:

@@ -48,9 +48,8 @@ from forge.core.lifecycle import (
     StopSignals,
     TrainingInterrupted,
     claim_output_dir,
-    dataset_identity,
 )
-from forge.core.optim import WHAT_TO_DO, GuardedStep, advance_schedule, make_scheduler
+from forge.core.optim import GuardedStep, advance_schedule, make_scheduler
 from forge.core.reward import TrainerState
 from forge.core.rollout import (
     Rollout,
@@ -65,7 +64,9 @@ from forge.core.rollout import (
     sampling_seed,
 )
 from forge.core.scoring import RewardError, build_reward_list, score_completions
-from forge.data.dataset import iterate_steps, load_rows, reward_kwargs, rows_per_step, validate_rows
+from forge.core.tool_rollout import generate_with_tools
+from forge.core.tools import ToolSettings, as_tools, resolve_format
+from forge.data.dataset import checked_rows, iterate_steps, reward_kwargs, rows_per_step, training_rows
 from forge.logging.logger import ForgeLogger
 
 Evaluator = Callable[..., dict]
@@ -99,10 +100,12 @@ class GRPOTrainer:
     config:    GRPOConfig
     evaluator: what train(eval_dataset=...) measures; None = the mean reward of greedy completions under
                reward_fn (eval/reward, eval/rewards/<name>); `forge.eval.heldout_metrics` gives accuracy
+    tools:     typed, docstringed functions the policy may call during rollouts (core/tools.py,
+               core/tool_rollout.py; GRPOConfig's tool block); their result tokens are context, not actions
     """
 
     def __init__(self, model, tokenizer=None, reward_fn=None, config: GRPOConfig | None = None,
-                 evaluator: Evaluator | None = None):
+                 evaluator: Evaluator | None = None, tools: list[Callable] | None = None):
         from forge.core import policy
 
         self.config = config = (config or GRPOConfig()).validate()
@@ -120,6 +123,9 @@ class GRPOTrainer:
         if tokenizer is None:
             raise ValueError("GRPOTrainer needs the model's tokenizer")
         self.tokenizer = policy.prepare_tokenizer(tokenizer)
+        self.tool_settings = None if not tools else ToolSettings(
+            as_tools(tools), resolve_format(config.tool_format, self.tokenizer), config.max_tool_calling_iterations,
+            config.tool_timeout, config.max_tool_output_chars)
         if config.use_lora or policy.is_peft_model(model):
             seed_everything(config.seed)  # the adapters' random init is part of the seeded run
             model = policy.apply_lora(model, r=config.lora_r, alpha=config.lora_alpha,
@@ -240,16 +246,9 @@ class GRPOTrainer:
         """Load and check everything the run reads before any model work: rows, eval rows, output dir.
         Returns the rows, the eval rows and the rows' identity (size and fingerprint, saved with checkpoints)."""
         config = self.config
-        rows = load_rows(dataset)
-        validate_rows(rows)
-        identity = dataset_identity(rows)
+        rows, identity = training_rows(dataset)
         self.rows_per_step = rows_per_step(len(rows), config.prompts_per_step, config.prompts_per_optimizer_step)
-        for index, row in enumerate(rows):
-            row["_row"] = index  # named in reward error messages; never passed to the rewards
-        eval_rows = None
-        if eval_dataset is not None:
-            eval_rows = load_rows(eval_dataset)
-            validate_rows(eval_rows)
+        eval_rows = None if eval_dataset is None else checked_rows(eval_dataset)
         if config.prompts_per_step % self.dist.world_size:
             raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the number of "
                              f"processes ({self.dist.world_size}) so every rank gets whole groups")
@@ -357,7 +356,7 @@ class GRPOTrainer:
             batch.rollouts.append(rollout)
             batch.rows.append(mine)
             batch.advantages.append(advantages)
-            batch.loss_mask.append(rollout.completion_mask * keep[:, None].long())  # (N, T)
+            batch.loss_mask.append(rollout.sampled_mask * keep[:, None].long())  # (N, T), tool results excluded
             stats.scores.append(scores.total)
             stats.valid.append(scores.valid & scores.scored)
             for name, values in scores.components.items():
@@ -374,11 +373,16 @@ class GRPOTrainer:
     def _generate(self, prompts: list) -> Rollout:
         config = self.config
         settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
+        noise = sampling_noise(self._sampling_rng, len(prompts) * config.group_size, config.max_new_tokens,
+                               self.dist.rank, self.dist.world_size)
         with self.precision.autocast():  # bf16 / fp16 compute over the fp32 master weights, when chosen
+            if self.tool_settings is not None:
+                return generate_with_tools(self.model, self.tokenizer, prompts, config.group_size, settings,
+                                           self.tool_settings, self.max_prompt_length, config.truncate_prompts,
+                                           config.share_prompt_prefix, noise=noise)
             return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
                             self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix,
-                            noise=sampling_noise(self._sampling_rng, len(prompts) * config.group_size,
-                                                 config.max_new_tokens, self.dist.rank, self.dist.world_size))
+                            noise=noise)
 
     def _score_on_every_rank(self, rows: list[dict], rollout: Rollout):
         """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so
@@ -387,6 +391,8 @@ class GRPOTrainer:
         prompts = [row["prompt"] for row in rows for _ in range(group)]
         kwargs = {k: [v for v in values for _ in range(group)] for k, values in reward_kwargs(rows).items()}
         row_ids = [row.get("_row", i) for i, row in enumerate(rows) for _ in range(group)]
+        if rollout.tool_calls is not None:  # with tools: each completion's calls and results, in order
+            kwargs["tool_calls"] = [[result.as_dict() for result in calls] for calls in rollout.tool_calls]
         try:
             scores, failure = score_completions(
                 self.rewards, prompts, rollout.completions, kwargs, on_error=config.on_reward_error,
@@ -482,16 +488,10 @@ class GRPOTrainer:
         outcome = self.guard(loss_is_finite, before_commit=self._commit)
         if not outcome.stepped:
             self.signals.committing = False  # the weights are (back to) those of the last finished step
-            what, advice = outcome.problem.replace("overflow", "fp16 gradient"), WHAT_TO_DO[outcome.problem]
             if self.guard.must_abort:
-                raise FloatingPointError(
-                    f"{self.guard.nonfinite_in_a_row} optimizer steps in a row had a non-finite {what} (last at "
-                    f"step {self.global_step + 1}); the weights were not updated by any of them and are finite. "
-                    f"{advice}")
+                raise FloatingPointError(self.guard.abort_message(outcome, self.global_step + 1))
             if self.dist.is_main:
-                tqdm.write(f"forge: step {self.global_step + 1}: non-finite {what}; optimizer step skipped "
-                           f"({self.guard.nonfinite_in_a_row} in a row, abort at "
-                           f"{self.config.max_consecutive_nonfinite}). {advice}")
+                tqdm.write(self.guard.skip_message(outcome, self.global_step + 1))
         advance_schedule(self.scheduler)
         self.global_step += 1
         return outcome.grad_norm

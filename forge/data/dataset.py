@@ -12,6 +12,7 @@ was expected, before any model is loaded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import warnings
@@ -25,6 +26,8 @@ __all__ = [
     "ROW_FORMAT",
     "builds_prompts",
     "builtin_dataset",
+    "checked_rows",
+    "dataset_identity",
     "is_chat",
     "iterate_steps",
     "load_jsonl",
@@ -33,6 +36,7 @@ __all__ = [
     "reward_kwargs",
     "rows_per_step",
     "source_kwargs",
+    "training_rows",
     "validate_rows",
 ]
 
@@ -345,3 +349,28 @@ def iterate_steps(rows: Sequence[dict], per_step: int, *, seed: int, shuffle: bo
         epoch, position = epoch + 1, 0
         if num_epochs is not None and epoch >= num_epochs:
             return
+
+
+def checked_rows(source: Any) -> list[dict]:
+    """`load_rows` then `validate_rows`: the rows of `source`, or a ValueError that names the first bad one."""
+    rows = load_rows(source)
+    validate_rows(rows)
+    return rows
+
+
+def dataset_identity(rows: Sequence[Mapping[str, Any]]) -> dict:
+    """Size and content hash of the training rows, saved with checkpoints to catch a resume on other data."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode())
+    return {"dataset_size": len(rows), "dataset_fingerprint": digest.hexdigest()[:16]}
+
+
+def training_rows(source: Any) -> tuple[list[dict], dict]:
+    """The checked training rows, each with its index as ``_row`` (named in reward errors, never passed to the
+    rewards), and their identity (computed before ``_row`` is added)."""
+    rows = checked_rows(source)
+    identity = dataset_identity(rows)
+    for index, row in enumerate(rows):
+        row["_row"] = index
+    return rows, identity
