@@ -212,6 +212,18 @@ class GRPOConfig:
     """Let a new run (not resuming) delete the checkpoints and logs another run left in output_dir; without it
     such a directory is refused."""
 
+    # --- tools (multi-turn rollouts; used only when GRPOTrainer gets tools=[...], README "Tools") ---
+    max_tool_calling_iterations: int = 4
+    """Most tool calls per completion (TRL's name); a further call ends the completion there, unanswered."""
+    tool_timeout: float = 10.0
+    """Seconds one tool call may take; a slower call is answered with an error text and counted."""
+    max_tool_output_chars: int = 1000
+    """Longest tool output given back to the model; a longer one keeps its start and says it was truncated."""
+    tool_format: str = "auto"
+    """How calls are written: 'text' (<calc>expr</calc> -> <result>v</result>, shown by the prompt's worked
+    examples), 'template' (the chat template's <tool_call>{json}</tool_call> and tool messages) or 'auto'
+    (template when the tokenizer's chat template supports tools, else text)."""
+
     # --- failure handling ---
     on_reward_error: str = "raise"
     """'raise' stops with the failing sample named; 'score' gives it reward_error_value and counts it."""
@@ -312,6 +324,10 @@ class GRPOConfig:
         need(self.on_reward_error in ("raise", "score"), "on_reward_error must be 'raise' or 'score'")
         need(self.reward_timeout is None or self.reward_timeout > 0, "reward_timeout must be > 0 seconds")
         need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
+        need(self.max_tool_calling_iterations >= 0, "max_tool_calling_iterations must be >= 0")
+        need(self.tool_timeout > 0, "tool_timeout must be > 0 seconds")
+        need(self.max_tool_output_chars >= 1, "max_tool_output_chars must be >= 1")
+        need(self.tool_format in ("auto", "text", "template"), "tool_format must be 'auto', 'text' or 'template'")
         need(bool(self.output_dir), "output_dir must be a non-empty path")
         if problems:
             raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))

@@ -70,6 +70,7 @@ def step_metrics(rollouts: list[Rollout], stats: RolloutStats, update: dict, *, 
         "skipped_steps": skipped_steps,
         "param_delta_norm": param_delta_norm,
     }
+    metrics.update(tool_metrics(rollouts, dist))
     for name, parts in stats.components.items():
         values = dist.gather(torch.cat(parts))  # (N_total,)
         if name in stats.applies:  # over the samples the reward applies to (it returned a number)
@@ -77,6 +78,32 @@ def step_metrics(rollouts: list[Rollout], stats: RolloutStats, update: dict, *, 
         metrics[f"rewards/{name}"] = float(values.mean()) if values.numel() else 0.0
         metrics[f"rewards/{name}/std"] = float(values.std()) if values.numel() > 1 else 0.0
     return metrics
+
+
+def tool_metrics(rollouts: list[Rollout], dist) -> dict:
+    """tools/*: calls per completion (TRL's call_frequency), the share of completions with a call, failures by
+    kind, turns (model segments) and fed result tokens per completion; {} for rollouts without tools."""
+    if not rollouts or rollouts[0].tool_calls is None:
+        return {}
+    calls = [c for r in rollouts for c in r.tool_calls]  # (N,) each completion's results
+    failures = [x.failure for c in calls for x in c]
+    counts = dist.gather(torch.tensor([len(c) for c in calls], dtype=torch.float32))  # (N_total,)
+    fed = dist.gather(torch.cat([(r.completion_mask * (1 - r.action_mask)).sum(dim=1) for r in rollouts]).float())
+    errors, timeouts, malformed, truncated = dist.sum([
+        failures.count("error"), failures.count("timeout"),
+        failures.count("malformed") + failures.count("unknown_tool"), sum(x.truncated for c in calls for x in c)])
+    total_calls = float(counts.sum())
+    return {
+        "tools/call_frequency": float(counts.mean()),
+        "tools/frac_completions_with_call": float((counts > 0).float().mean()),
+        "tools/failure_frequency": (errors + timeouts + malformed) / total_calls if total_calls else 0.0,
+        "tools/errors": int(errors),
+        "tools/timeouts": int(timeouts),
+        "tools/malformed": int(malformed),
+        "tools/truncated_outputs": int(truncated),
+        "tools/turns_mean": float(counts.mean()) + 1.0,
+        "tools/result_tokens_mean": float(fed.mean()),
+    }
 
 
 def warn_if_mostly_flat(metrics: dict) -> bool:
@@ -97,8 +124,11 @@ def rollout_samples(rows: list[dict], rollout: Rollout, rewards: torch.Tensor, g
     for i in range(0, len(rollout.completions), group_size):
         row = rows[i // group_size]
         prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
-        out.append({"prompt": prompt, "reference": row.get("reference"), "completion": rollout.completions[i],
-                    "reward": float(rewards[i])})
+        sample = {"prompt": prompt, "reference": row.get("reference"), "completion": rollout.completions[i],
+                  "reward": float(rewards[i])}
+        if rollout.tool_calls is not None:  # the calls and the results fed back, in order
+            sample["tool_calls"] = [result.as_dict() for result in rollout.tool_calls[i]]
+        out.append(sample)
     return out
 
 
@@ -190,5 +220,6 @@ __all__ = [
     "param_delta_norm",
     "rollout_samples",
     "step_metrics",
+    "tool_metrics",
     "warn_if_mostly_flat",
 ]

@@ -1,0 +1,386 @@
+"""Tools a policy may call during a rollout: the tool wrapper, the two call formats, and running the calls.
+
+A tool is a plain Python function with type hints and a Google-style docstring; its JSON schema comes from
+`transformers.utils.get_json_schema`, the way chat templates describe tools. Calls run in parallel daemon
+threads, each with a timeout. Whatever goes wrong (the tool raises, hangs, returns megabytes, the model
+writes a malformed call or names an unknown tool) becomes an error *text* that the model reads as the result
+and is counted; it never stops the run.
+
+Two call formats (CallFormat, `call_format`):
+    text      for models without a tool chat template: the model writes `<calc>745 * 48</calc>` (the tag is
+              the tool's `text_tag`, default its name) and Forge appends `<result>35760</result>`.
+    template  for chat templates that take `tools=` (Qwen2.5-style): the model writes
+              `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` and Forge appends what the template
+              renders for the end of the assistant turn, a `tool` role message holding the result, and the
+              start of the next assistant turn.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import math
+import operator
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# ----------------------------------------------------------------------------------------------------
+# Tools
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable the model may use: its name, JSON schema (for chat templates) and text-protocol tag."""
+
+    function: Callable[..., Any]
+    name: str
+    schema: dict
+    text_tag: str  # the text protocol's <tag>...</tag>
+
+    @property
+    def parameters(self) -> list[str]:
+        return list(self.schema["function"]["parameters"].get("properties", {}))
+
+
+def as_tool(tool: Callable[..., Any] | Tool) -> Tool:
+    """A Tool for a typed, docstringed function (or a Tool, unchanged). Raises with what to add otherwise."""
+    if isinstance(tool, Tool):
+        return tool
+    if not callable(tool):
+        raise TypeError(f"a tool must be a function, got {type(tool).__name__}")
+    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+
+    try:
+        schema = get_json_schema(tool)
+    except (DocstringParsingException, TypeHintParsingException) as error:
+        raise ValueError(f"tool {getattr(tool, '__name__', tool)!r}: {error}. A tool needs a type hint on every "
+                         f"argument and a docstring with an 'Args:' section describing each one") from None
+    name = schema["function"]["name"]
+    return Tool(tool, name, schema, getattr(tool, "text_tag", name))
+
+
+def as_tools(tools: Sequence[Callable[..., Any] | Tool] | None) -> list[Tool]:
+    out = [as_tool(t) for t in tools or []]
+    for kind, key in (("name", lambda t: t.name), ("text tag", lambda t: t.text_tag)):
+        keys = [key(t) for t in out]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"two tools share a {kind}: {keys}; give each tool its own")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The built-in calculator: arithmetic parsed with `ast`, never eval
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_EXPRESSION_CHARS = 200
+MAX_MAGNITUDE = 10**30  # bigger numbers (inputs, intermediate or final results) are refused
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        value = node.value
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        value = _UNARY[type(node.op)](_evaluate(node.operand))
+    elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or (abs(left) > 1 and right * math.log10(abs(left)) > 30)):
+            raise ValueError("power too large")
+        value = _BINARY[type(node.op)](left, right)
+    else:
+        raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
+    if isinstance(value, complex) or not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
+        raise ValueError("number too large")
+    return value
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression and return its value.
+
+    Args:
+        expression: numbers combined with + - * / // % ** and parentheses, e.g. "745 * 48" or "(12 + 30) / 7"
+    """
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot parse {expression.strip()!r} as arithmetic") from None
+    value = _evaluate(tree.body)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        value = int(value)
+    return str(value) if isinstance(value, int) else format(value, ".10g")
+
+
+calculator.text_tag = "calc"  # the text protocol writes <calc>745 * 48</calc>
+
+
+# ----------------------------------------------------------------------------------------------------
+# Calls and results
+
+
+@dataclass
+class ToolCall:
+    """One call as the model wrote it."""
+
+    text: str  # the call's text, markers included
+    name: str | None  # the tool named (None when it could not be read)
+    arguments: dict | None  # None when malformed
+    error: str | None = None  # why the call is malformed
+
+
+@dataclass
+class ToolResult:
+    """One call's outcome: what the model reads back, and what went wrong if anything."""
+
+    call: ToolCall
+    output: str  # the text given to the model (an error text on failure), after truncation
+    failure: str | None = None  # None | 'malformed' | 'unknown_tool' | 'error' | 'timeout'
+    truncated: bool = False
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        """What rewards (`tool_calls=`) and samples.jsonl see."""
+        return {"name": self.call.name, "arguments": self.call.arguments, "call": self.call.text,
+                "output": self.output, "failure": self.failure, "truncated": self.truncated}
+
+
+@dataclass
+class ToolSettings:
+    """How a rollout uses tools: which tools, which call format, and the limits (GRPOConfig's tool block)."""
+
+    tools: list[Tool]
+    format: str = "text"  # 'text' | 'template' (resolved from 'auto' by `resolve_format`)
+    max_calls: int = 4  # calls per completion; a further call ends the completion there
+    timeout: float = 10.0  # seconds per call
+    max_output_chars: int = 1000  # a longer output keeps its start and says it was cut
+
+    def by_name(self) -> dict[str, Tool]:
+        return {t.name: t for t in self.tools}
+
+
+def truncate_output(text: str, limit: int) -> tuple[str, bool]:
+    if len(text) <= limit:
+        return text, False
+    return f"{text[:limit]}... [output truncated: {len(text) - limit} more characters]", True
+
+
+def _bind(tool: Tool, arguments: dict) -> str | None:
+    """None when the arguments fit the tool's signature, else why not."""
+    try:
+        inspect.signature(tool.function).bind(**arguments)
+    except TypeError as error:
+        return f"bad arguments for {tool.name}: {error}"
+    return None
+
+
+def run_calls(calls: Sequence[ToolCall], settings: ToolSettings) -> list[ToolResult]:
+    """Run a round of calls in parallel, each in its own daemon thread with `settings.timeout` seconds.
+
+    A thread that outlives its timeout is abandoned (Python cannot kill it; as a daemon it does not keep the
+    process alive) and its call is answered with a timeout error."""
+    tools = settings.by_name()
+    results: list[ToolResult | None] = [None] * len(calls)
+    boxes: list[dict] = [{} for _ in calls]
+    threads: list[tuple[int, threading.Thread, float]] = []
+    for i, call in enumerate(calls):
+        problem, failure = call.error, "malformed"
+        if problem is None and call.name not in tools:
+            problem, failure = f"no tool named {call.name!r}; the tools are {sorted(tools)}", "unknown_tool"
+        if problem is None:
+            problem = _bind(tools[call.name], call.arguments or {})
+        if problem is not None:
+            results[i] = ToolResult(call, f"error: {problem}", failure)
+            continue
+
+        def work(box=boxes[i], function=tools[call.name].function, arguments=call.arguments):
+            try:
+                box["value"] = function(**arguments)
+            except BaseException as error:  # noqa: BLE001 - a tool's failure is the model's to read, not the run's
+                box["error"] = f"{type(error).__name__}: {error}"
+
+        thread = threading.Thread(target=work, daemon=True, name=f"forge-tool-{call.name}")
+        threads.append((i, thread, time.perf_counter()))
+        thread.start()
+    deadline = time.perf_counter() + settings.timeout
+    for i, thread, started in threads:
+        thread.join(max(0.0, deadline - time.perf_counter()))
+        seconds, box = time.perf_counter() - started, boxes[i]
+        if thread.is_alive():
+            results[i] = ToolResult(calls[i], f"error: the call took longer than {settings.timeout:g} s and was "
+                                    f"abandoned", "timeout", seconds=seconds)
+        elif "error" in box:
+            text, cut = truncate_output(f"error: {box['error']}", settings.max_output_chars)
+            results[i] = ToolResult(calls[i], text, "error", cut, seconds)
+        else:
+            text, cut = truncate_output(_as_text(box.get("value")), settings.max_output_chars)
+            results[i] = ToolResult(calls[i], text, None, cut, seconds)
+    return results  # type: ignore[return-value]
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Call formats: where a call ends in the model's text, how to read it, what to append after it
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """A call protocol as data. `closers`: text that ends a call; `parse(segment)`: the call that the model
+    text `segment` (since the last tool result) ends with; `render(result)`: the text appended after it."""
+
+    kind: str
+    closers: tuple[str, ...]
+    parse: Callable[[str], ToolCall | None]
+    render: Callable[[ToolResult], str]
+    stops_at_eos: bool = True  # EOS ends the completion
+    extra: dict = field(default_factory=dict)
+
+
+def _parse_text_call(segment: str, tools: list[Tool]) -> ToolCall | None:
+    """`... <calc>745 * 48</calc>` -> ToolCall('calculator', {'expression': '745 * 48'})."""
+    for tool in tools:
+        close = f"</{tool.text_tag}>"
+        if not segment.endswith(close):
+            continue
+        opening = f"<{tool.text_tag}>"
+        start = segment.rfind(opening)
+        text = segment[start:] if start >= 0 else segment[-len(close):]
+        if start < 0:
+            return ToolCall(text, tool.name, None, f"{close} without an opening {opening}")
+        argument = segment[start + len(opening):-len(close)].strip()
+        names = tool.parameters
+        if len(names) == 1:
+            return ToolCall(text, tool.name, {names[0]: argument})
+        try:  # several parameters: the tag holds a JSON object of them
+            arguments = json.loads(argument)
+        except json.JSONDecodeError as error:
+            return ToolCall(text, tool.name, None, f"{opening} of a tool with parameters {names} must hold a "
+                            f"JSON object ({error})")
+        if not isinstance(arguments, dict):
+            return ToolCall(text, tool.name, None, f"{opening} must hold a JSON object of {names}")
+        return ToolCall(text, tool.name, arguments)
+    return None
+
+
+def _parse_template_call(segment: str) -> ToolCall | None:
+    """`<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>`."""
+    if not segment.endswith("</tool_call>"):
+        return None
+    start = segment.rfind("<tool_call>")
+    if start < 0:
+        return ToolCall(segment[-len("</tool_call>"):], None, None, "</tool_call> without an opening <tool_call>")
+    text = segment[start:]
+    body = text[len("<tool_call>"):-len("</tool_call>")].strip()
+    try:
+        payload = json.loads(body)
+    except json.JSONDecodeError as error:
+        return ToolCall(text, None, None, f"the call is not JSON ({error}); write "
+                        '{"name": <tool>, "arguments": {...}}')
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return ToolCall(text, None, None, 'a call is a JSON object {"name": <tool>, "arguments": {...}}')
+    arguments = payload.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCall(text, payload["name"], None, '"arguments" must be a JSON object')
+    return ToolCall(text, payload["name"], arguments)
+
+
+_ASSISTANT, _RESULT = "FORGE_ASSISTANT_TEXT_4d1c", "FORGE_TOOL_RESULT_9e2b"
+
+
+def template_supports_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template reads a `tools` list and renders `tool` messages."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return "tools" in template and "tool" in template and "<tool_call>" in template
+
+
+def _template_wrapper(tokenizer) -> tuple[str, str]:
+    """(before, after): the text the chat template puts between the end of an assistant message's text and a
+    tool result, and between the result and the next assistant message's text."""
+    turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _ASSISTANT}]
+    without = tokenizer.apply_chat_template(turn, tokenize=False)
+    with_tool = tokenizer.apply_chat_template(turn + [{"role": "tool", "content": _RESULT}], tokenize=False,
+                                              add_generation_prompt=True)
+    if not with_tool.startswith(without.rstrip()) or _RESULT not in with_tool or _ASSISTANT not in without:
+        raise ValueError("this chat template does not render a tool message after an assistant turn; use "
+                         "tool_format='text'")
+    rendered = with_tool[with_tool.index(_ASSISTANT) + len(_ASSISTANT):]
+    before, after = rendered.split(_RESULT, 1)
+    return before, after
+
+
+def resolve_format(requested: str, tokenizer) -> str:
+    if requested == "auto":
+        return "template" if template_supports_tools(tokenizer) else "text"
+    if requested == "template" and not template_supports_tools(tokenizer):
+        raise ValueError("tool_format='template' but the tokenizer's chat template takes no tools "
+                         "(no <tool_call> in it); use tool_format='text' with worked examples in the prompt")
+    return requested
+
+
+def call_format(kind: str, tools: list[Tool], tokenizer=None) -> CallFormat:
+    """The CallFormat of `kind` ('text' or 'template') for these tools."""
+    if kind == "text":
+        return CallFormat("text", tuple(f"</{t.text_tag}>" for t in tools),
+                          lambda segment: _parse_text_call(segment, tools),
+                          lambda result: f"<result>{result.output}</result>")
+    if kind == "template":
+        before, after = _template_wrapper(tokenizer)
+        return CallFormat("template", ("</tool_call>",), _parse_template_call,
+                          lambda result: f"{before}{result.output}{after}")
+    raise ValueError(f"tool_format must be 'auto', 'text' or 'template', got {kind!r}")
+
+
+def load_tools(spec: str) -> list[Callable[..., Any]]:
+    """`module:function,module:function` (or a bare `calculator`) -> the functions, for `forge train --tools`."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    functions = []
+    for item in (part.strip() for part in spec.split(",") if part.strip()):
+        if item == "calculator":
+            functions.append(calculator)
+            continue
+        module_name, _, function_name = item.rpartition(":")
+        if not module_name or not function_name:
+            raise ValueError(f"--tools entry {item!r}: write module:function (or path/to/file.py:function)")
+        if module_name.endswith(".py"):
+            loaded = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if loaded is None or not Path(module_name).exists():
+                raise ValueError(f"--tools entry {item!r}: no file {module_name}")
+            module = importlib.util.module_from_spec(loaded)
+            loaded.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        if not callable(getattr(module, function_name, None)):
+            raise ValueError(  # noqa: TRY004 - a bad command-line value
+                f"--tools entry {item!r}: {module_name} has no function {function_name}")
+        functions.append(getattr(module, function_name))
+    return functions
+
+
+__all__ = ["CallFormat", "Tool", "ToolCall", "ToolResult", "ToolSettings", "as_tool", "as_tools", "calculator",
+           "call_format", "load_tools", "resolve_format", "run_calls", "template_supports_tools",
+           "truncate_output"]
