@@ -206,9 +206,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     rewards, weights = parse_rewards(_default_reward_for(args))
     if config.reward_weights is None:
         config.reward_weights = weights
+    from forge.core.tools import load_tools
     from forge.eval.evaluate import heldout_metrics  # eval/strict_accuracy, ... every eval_steps
 
-    trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics)
+    tools = load_tools(args.tools) if args.tools else None
+    trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics, tools=tools)
     dataset, eval_rows = _training_data(args, trainer.tokenizer)
     try:
         trainer.train(dataset, eval_dataset=eval_rows)
@@ -371,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--reward", default=DEFAULTS["reward"],
                        help="comma-separated name[:weight] (exact_match, math_correctness, tag_format, number, "
                             "length) or module:function[:weight]")
+    train.add_argument("--tools", default=None,
+                       help="comma-separated module:function (or path/file.py:function, or the built-in "
+                            "'calculator') the model may call during rollouts; see GRPOConfig's tool fields")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     train.add_argument("--nproc", type=int, default=None, help="train data-parallel in N processes on this machine "
                        "(one per GPU, or gloo on CPU); the same as torchrun / accelerate launch")
