@@ -422,3 +422,20 @@ def test_tool_metrics_samples_and_bitwise_resume(scripted, tmp_path):
     resumed = run(resume_from=str(tmp_path / "run" / "1"))
     assert resumed.keys() == expected.keys() and all(torch.equal(resumed[k], expected[k]) for k in expected)
     assert any(not torch.equal(resumed[k], build_tiny_model(seed=0)[0].state_dict()[k]) for k in expected)
+
+
+def test_forge_train_with_tools_on_the_command_line(tmp_path):
+    from forge.cli import main as forge_main
+
+    model, tokenizer = build_tiny_model(seed=0)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    args = ["train", "--model", str(tmp_path / "tiny"), "--dataset", str(tmp_path / "data.jsonl"),
+            "--reward", "length", "--group_size", "2", "--prompts_per_step", "2", "--max_new_tokens", "4",
+            "--max_steps", "1", "--logging_steps", "1", "--tools", "calculator", "--max_tool_calling_iterations",
+            "2"]
+    assert forge_main([*args, "--output_dir", str(tmp_path / "run")]) == 0
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "training_log.jsonl").read_text().splitlines()]
+    assert "tools/call_frequency" in row  # the random tiny model makes no call, but the tool loop ran
+    assert forge_main([*args, "--output_dir", str(tmp_path / "bad"), "--tools", "nowhere"]) != 0
