@@ -408,6 +408,58 @@ def make_reference_model(model: nn.Module) -> nn.Module:
 
 
 # --------------------------------------------------------------------------------------------------
+# the policy of a run
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Policy:
+    """The networks of a run, ready to train: `model` (float32 trainable weights), its tokenizer, the frozen
+    reference (None under LoRA, where it is the adapter-disabled model, or when kl_beta == 0)."""
+
+    model: nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    reference: nn.Module | None
+    is_lora: bool
+    precision: Precision
+
+
+def prepare_policy(model, tokenizer, config, *, device: torch.device | None = None,
+                   seed=lambda seed: torch.manual_seed(seed), sync=lambda params: None,
+                   announce: bool = True) -> Policy:
+    """What GRPOTrainer does to the model it is given (a model object, or a name `load_model` understands):
+    choose the precision, load, prepare the tokenizer, add LoRA (its random init seeded by `seed(config.seed)`),
+    make the trainable weights float32 masters, move to `device`, `sync(trainable parameters)` (every process
+    starts from the same weights), enable checkpointing, build the reference; `announce` logs the precision."""
+    named = isinstance(model, (str, os.PathLike))
+    precision = choose_precision(config.dtype, device or (None if named else next(model.parameters()).device))
+    if named:  # LoRA: the frozen base in the compute dtype; full fine-tuning: fp32 master weights
+        model, tokenizer = load_model(str(model), dtype=precision.compute if config.use_lora else torch.float32)
+    if tokenizer is None:
+        raise ValueError("GRPOTrainer needs the model's tokenizer")
+    tokenizer = prepare_tokenizer(tokenizer)
+    if config.use_lora or is_peft_model(model):
+        seed(config.seed)  # the adapters' random init is part of the seeded run
+        model = apply_lora(model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                           target_modules=config.lora_target_modules)
+    lora = is_peft_model(model)
+    model = as_master_weights(model, precision, lora=lora)
+    if device is not None:
+        model = model.to(device)  # several processes on GPUs: one GPU per rank
+    sync([p for p in model.parameters() if p.requires_grad])
+    if config.gradient_checkpointing:
+        enable_checkpointing(model)
+    reference = None  # LoRA: the same weights with adapters off. Full: a frozen copy, only if needed.
+    if config.kl_beta > 0 and not lora:
+        reference = make_reference_model(model).to(precision.compute)
+    if announce:
+        compute = str(precision.compute).removeprefix("torch.")
+        note(f"precision: {compute} compute, float32 master weights ({precision.reason})" if precision.mixed
+             else f"precision: float32 ({precision.reason})")
+    return Policy(model, tokenizer, reference, lora, precision)
+
+
+# --------------------------------------------------------------------------------------------------
 # export and evaluation
 # --------------------------------------------------------------------------------------------------
 

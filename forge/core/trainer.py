@@ -18,7 +18,6 @@ the same update, up to fp32 rounding. A NaN/inf loss or gradient skips the optim
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -114,40 +113,14 @@ class GRPOTrainer:
         self.rewards = build_reward_list(reward_fn, config.reward_weights)
         self.evaluator = evaluator or step_stats.greedy_reward_evaluator(self.rewards, config)
         self.dist = DataParallel()
-        named = isinstance(model, (str, os.PathLike))
-        device = self.dist.device or (None if named else next(model.parameters()).device)
-        self.precision = policy.choose_precision(config.dtype, device)
-        if named:  # LoRA: the frozen base in the compute dtype; full: fp32 master weights
-            model, tokenizer = policy.load_model(str(model), dtype=self.precision.compute if config.use_lora
-                                                 else torch.float32)
-        if tokenizer is None:
-            raise ValueError("GRPOTrainer needs the model's tokenizer")
-        self.tokenizer = policy.prepare_tokenizer(tokenizer)
+        ready = policy.prepare_policy(model, tokenizer, config, device=self.dist.device, seed=seed_everything,
+                                      sync=self.dist.broadcast_from_main, announce=self.dist.is_main)
+        self.model = model = ready.model
+        self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
+        self.precision, self.device = ready.precision, next(model.parameters()).device
         self.tool_settings = None if not tools else ToolSettings(
             as_tools(tools), resolve_format(config.tool_format, self.tokenizer), config.max_tool_calling_iterations,
             config.tool_timeout, config.max_tool_output_chars)
-        if config.use_lora or policy.is_peft_model(model):
-            seed_everything(config.seed)  # the adapters' random init is part of the seeded run
-            model = policy.apply_lora(model, r=config.lora_r, alpha=config.lora_alpha,
-                                      dropout=config.lora_dropout, target_modules=config.lora_target_modules)
-        model = policy.as_master_weights(model, self.precision, lora=policy.is_peft_model(model))
-        if self.dist.device is not None:
-            model = model.to(self.dist.device)  # several processes on GPUs: one GPU per rank
-        # Every rank must start from the same weights: the seeded LoRA init already is, rank 0's copy makes sure.
-        self.dist.broadcast_from_main([p for p in model.parameters() if p.requires_grad])
-        self.model = model
-        self.is_lora = policy.is_peft_model(model)
-        if config.gradient_checkpointing:
-            policy.enable_checkpointing(model)
-        # LoRA: the reference is the same weights with adapters off. Full: a frozen copy, only if needed.
-        self.reference_model = None
-        if config.kl_beta > 0 and not self.is_lora:
-            self.reference_model = policy.make_reference_model(model).to(self.precision.compute)
-        self.device = next(model.parameters()).device
-        if self.dist.is_main:
-            policy.note(f"precision: {str(self.precision.compute).removeprefix('torch.')} compute, float32 master "
-                        f"weights ({self.precision.reason})" if self.precision.mixed else
-                        f"precision: float32 ({self.precision.reason})")
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the model has no trainable parameters (all requires_grad=False)")
