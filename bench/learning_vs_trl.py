@@ -32,6 +32,7 @@ time) and bench/results/learning_vs_trl.png (accuracy vs steps, accuracy vs trai
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -86,6 +87,7 @@ class Curve:
 
     def start(self):
         self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.eval_wall = self.eval_cpu = 0.0  # the step-0 evaluation ran before the clocks started
 
     def clocks(self) -> tuple[float, float]:
         if self.wall0 is None:  # before training starts
@@ -99,14 +101,16 @@ class Curve:
         w0, c0 = time.perf_counter(), time.process_time()
         result = evaluate(model or self.model, self.tokenizer, self.heldout, max_new_tokens=self.args.max_new_tokens,
                           batch_size=self.args.eval_batch_size)
-        self.eval_wall += time.perf_counter() - w0
-        self.eval_cpu += time.process_time() - c0
+        eval_wall, eval_cpu = time.perf_counter() - w0, time.process_time() - c0
+        self.eval_wall += eval_wall
+        self.eval_cpu += eval_cpu
         m = result.metrics
         point = {"step": step, "train_wall_seconds": wall, "train_cpu_seconds": cpu,
                  "strict_accuracy": m["strict_accuracy"], "soft_accuracy": m["soft_accuracy"],
                  "format_rate": m["format_rate"], "mean_completion_length": m["mean_completion_length"],
                  "num_strict_correct": sum(r["num_strict_correct"] for r in result.records), "n": m["n"],
-                 "eval_seconds": m["seconds"], "load_average": os.getloadavg(), "time": time.strftime("%H:%M:%S")}
+                 "eval_seconds": m["seconds"], "eval_wall_seconds": eval_wall, "eval_cpu_seconds": eval_cpu,
+                 "load_average": os.getloadavg(), "time": time.strftime("%H:%M:%S")}
         self.data["evals"].append(point)
         print(f"[{self.data['framework']}] step {step}: strict {m['strict_accuracy']:.1%} "
               f"({point['num_strict_correct']}/{m['n']}), train {wall:.0f}s wall / {cpu:.0f}s cpu, "
@@ -119,6 +123,8 @@ class Curve:
                                           "train_cpu_seconds": cpu})
         if step % self.args.eval_every == 0 or step == self.args.steps:
             self.evaluate(step)
+        else:
+            self.save()
 
     def save(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,11 +285,32 @@ def time_to(evals: list[dict], target: float, clock: str) -> float | None:
     return None
 
 
+def step_clock_stats(run: dict) -> dict:
+    """Per-step wall and CPU seconds (from the cumulative clocks) and how much each varies from step to step."""
+    import statistics
+
+    points = [{"train_wall_seconds": 0.0, "train_cpu_seconds": 0.0}] + run["step_rewards"]
+    wall = [b["train_wall_seconds"] - a["train_wall_seconds"] for a, b in itertools.pairwise(points)]
+    cpu = [b["train_cpu_seconds"] - a["train_cpu_seconds"] for a, b in itertools.pairwise(points)]
+    if len(wall) < 2:
+        return {"wall": wall, "cpu": cpu}
+    cv = lambda xs: statistics.stdev(xs) / statistics.mean(xs)
+    return {"wall": wall, "cpu": cpu, "wall_per_cpu": [w / c for w, c in zip(wall, cpu)],
+            "wall_cv": cv(wall), "cpu_cv": cv(cpu)}
+
+
 def report(args) -> dict:
     raw_dir = Path(args.raw_dir)
     runs = [json.loads(p.read_text()) for p in sorted(raw_dir.glob("*_seed*.json"))]
     if not any(r["framework"] == "trl" for r in runs) or not any(r["framework"] == "forge" for r in runs):
         raise SystemExit(f"need at least one forge and one trl run in {raw_dir}")
+    for r in runs:  # see "clock_correction" in the raw file: a fixed offset, added to every training clock
+        c = r.get("clock_correction")
+        if c and not c.get("applied"):
+            for point in [p for p in r["evals"] if p["step"] > 0] + r["step_rewards"]:
+                point["train_wall_seconds"] += c["wall_seconds"]
+                point["train_cpu_seconds"] += c["cpu_seconds"]
+            c["applied"] = True
     base = next((p for r in runs for p in r["evals"] if p["step"] == 0), None)
     for r in runs:  # a run started with --skip-base-eval: the base model's (deterministic) greedy result
         if base is not None and not any(p["step"] == 0 for p in r["evals"]):
@@ -305,15 +332,15 @@ def report(args) -> dict:
         wall, cpu = time_to(r["evals"], target, "train_wall_seconds"), time_to(r["evals"], target, "train_cpu_seconds")
         per_run.append({"seed": r["seed"], "forge_wall_seconds": wall, "forge_cpu_seconds": cpu,
                         "wall_ratio": None if wall is None or not trl_wall else wall / trl_wall,
-                        "cpu_ratio": None if cpu is None or not trl_cpu else cpu / trl_cpu})
+                        "cpu_ratio": None if cpu is None or not trl_cpu else cpu / trl_cpu,
+                        "reached": wall is not None})
     wall_ratios = [p["wall_ratio"] for p in per_run if p["wall_ratio"] is not None]
     cpu_ratios = [p["cpu_ratio"] for p in per_run if p["cpu_ratio"] is not None]
     summary["time_to_target_ratio"] = (sum(wall_ratios) / len(wall_ratios)) if wall_ratios else None
     summary["time_to_target_ratio_cpu"] = (sum(cpu_ratios) / len(cpu_ratios)) if cpu_ratios else None
     summary["time_to_target"] = {"trl_wall_seconds": trl_wall, "trl_cpu_seconds": trl_cpu, "forge": per_run,
-                                 "note": "first evaluation at or above the target; evaluations every "
-                                         f"{reference['eval_every']} steps, so these are upper bounds at that "
-                                         "granularity"}
+                                 "note": "training seconds at the first evaluation at or above the target "
+                                         f"(evaluations every {reference['eval_every']} steps in both)"}
     # per-step accuracy: the gap at each shared evaluation step against the binomial standard error
     table = []
     steps = sorted({p["step"] for r in runs for p in r["evals"]})
@@ -341,8 +368,9 @@ def report(args) -> dict:
     summary["prompt_order_matches"] = all(
         r["step_questions"][: len(reference["step_questions"])] == reference["step_questions"][: len(r["step_questions"])]
         for r in forge_runs)
+    summary["per_step_clocks"] = {f"{r['framework']}_seed{r['seed']}": step_clock_stats(r) for r in runs}
     summary["runs"] = runs
-    summary["commands"] = sorted({r["command"] for r in runs}) + ["python bench/learning_vs_trl.py report"]
+    summary["commands"] = sorted({"python " + r["command"] for r in runs}) + ["python bench/learning_vs_trl.py report"]
     Path(args.out_json).write_text(json.dumps(summary, indent=1))
     plot(runs, target, n, Path(args.out_png))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("runs", "table")}, indent=1))

@@ -3,8 +3,10 @@
 The recipe: build a seeded training set and a fixed, disjoint held-out set of arithmetic problems in a
 chat prompt that asks for <think>...</think><answer>...</answer>; measure the base model on the held-out
 set (greedy); train on fresh prompts every step (a group whose completions all score the same carries no
-GRPO signal and skips the backward pass; --screen_candidates instead keeps only prompts with mixed results);
-measure again with the same decoding; write the before/after report.
+GRPO signal and skips the backward pass; --screen_candidates instead keeps only prompts with mixed results),
+evaluating the first --eval_subset held-out problems every --eval_every steps for the held-out curve; measure
+again with the same decoding; write the before/after report. --ceiling measures the base model's pass@k at the
+training temperature on the held-out set instead (what sharpening alone can reach).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class DemoSettings:
     """Samples per candidate prompt while screening."""
     heldout: int = 240
     """Held-out problems (fixed set, disjoint from training), evaluated greedily before and after training."""
-    eval_every: int = 12
+    eval_every: int = 15
     """During training, evaluate the first eval_subset held-out problems (greedy) every N steps; drawn in
     training_curves.png next to the reward (0 = only before and after)."""
     eval_subset: int = 60
