@@ -439,3 +439,21 @@ def test_forge_train_with_tools_on_the_command_line(tmp_path):
     (row,) = [json.loads(line) for line in (tmp_path / "run" / "training_log.jsonl").read_text().splitlines()]
     assert "tools/call_frequency" in row  # the random tiny model makes no call, but the tool loop ran
     assert forge_main([*args, "--output_dir", str(tmp_path / "bad"), "--tools", "nowhere"]) != 0
+
+
+def test_a_closer_merged_with_the_next_characters_in_one_token(scripted):
+    """BPE often makes '><' one token ('</calc><result>' in a worked example): the call still ends there, and
+    since the model began the result's '<' itself, only the rest of '<result>5</result>' is fed."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens(["><"])
+    model, _ = build_tiny_model(tokenizer, seed=0)
+    merged = tokenizer.convert_tokens_to_ids("><")
+    ids = tokenizer("<calc>2+3</calc", add_special_tokens=False)["input_ids"] + [merged]
+    scripted(tokenizer, "<calc>2+3</calc").append(merged)  # the list the patched sampler reads
+    rollout = tool_rollout.generate_with_tools(model, tokenizer, PROMPTS[:1], 1, SamplingSettings(30, TEMPERATURE),
+                                               settings_for(calculator))
+    length = int(rollout.completion_lengths[0])
+    assert rollout.completion_ids[0, :len(ids)].tolist() == ids
+    fed = rollout.completion_ids[0, :length][rollout.action_mask[0, :length] == 0]
+    assert tokenizer.decode(fed) == "result>5</result>"
+    assert rollout.completions[0].startswith("<calc>2+3</calc><result>5</result>")

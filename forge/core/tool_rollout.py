@@ -68,6 +68,20 @@ def _closing_token_ids(tokenizer, closers: Sequence[str]) -> torch.Tensor:
     return table
 
 
+def _ended_call(tokenizer, fmt: CallFormat, segment_ids: list[int]):
+    """(call, overflow) when the segment's last token completes a closer, else (None, ''). overflow: the text
+    of that token after the closer (BPE may merge a closer with what follows, e.g. '><')."""
+    text = tokenizer.decode(segment_ids, skip_special_tokens=True)
+    before = len(tokenizer.decode(segment_ids[:-1], skip_special_tokens=True))
+    for closer in fmt.closers:
+        end = text.rfind(closer) + len(closer)
+        if end >= len(closer) and end > before:  # the closer ends inside the last token
+            call = fmt.parse(text[:end])
+            if call is not None:
+                return call, text[end:]
+    return None, ""
+
+
 def _grow(cache, needed: int) -> None:
     """Give preallocated cache layers room for `needed` positions (fed result tokens were not in the plan)."""
     for layer in getattr(cache, "layers", []):
@@ -159,22 +173,25 @@ def generate_with_tools(
                 row.done = row.eos = True
                 continue
             if token < closing.numel() and bool(closing[token]):
-                call = fmt.parse(tokenizer.decode(row.tokens[row.segment_start:], skip_special_tokens=True))
+                call, overflow = _ended_call(tokenizer, fmt, row.tokens[row.segment_start:])
                 if call is not None:
                     if len(row.calls) >= tools.max_calls:
                         row.done = row.hit_call_limit = True
                         continue
                     if row.model_tokens < settings.max_new_tokens:  # a call the model can still read
-                        round_calls.append((i, call))
+                        round_calls.append((i, call, overflow))
                         continue
             if row.model_tokens >= settings.max_new_tokens:
                 row.done = True
         if round_calls:
-            results = run_calls([call for _, call in round_calls], tools)
-            for (i, _), result in zip(round_calls, results):
+            results = run_calls([call for _, call, _ in round_calls], tools)
+            for (i, _, overflow), result in zip(round_calls, results):
                 rows[i].calls.append(result)
-                rows[i].fed = tokenizer(fmt.render(result), add_special_tokens=False)["input_ids"] or [
-                    tokenizer.pad_token_id]
+                rendered = fmt.render(result)
+                # The call's last token may run past the closer ("</calc><" as one token, the model starting
+                # "<result>" itself): feed only the rest of the result then.
+                rendered = rendered[len(overflow):] if overflow and rendered.startswith(overflow) else rendered
+                rows[i].fed = tokenizer(rendered, add_special_tokens=False)["input_ids"] or [tokenizer.pad_token_id]
 
         running = torch.tensor([not rows[i].done for i in active_list], device=device)  # (n,)
         if not running.any():
