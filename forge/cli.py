@@ -256,8 +256,9 @@ def _training_data(args: argparse.Namespace, tokenizer) -> tuple[list[dict], lis
 
 def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """--chat, --prompt_column, --reference_column (of `forge train` and `forge eval`)."""
-    parser.add_argument("--chat", type=_parse_bool, default=None, metavar="BOOL",
-                        help="prompts as chat messages (true) or plain text (false), for the datasets whose prompts "
+    parser.add_argument("--chat", type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                        help="prompts as chat messages (--chat, --chat true) or plain text (--chat false), for the "
+                             "datasets whose prompts "
                              "Forge writes (gsm8k, gsm-hard, arithmetic, reasoning-gym:, hf:); default: true when "
                              "the tokenizer has a chat template")
     parser.add_argument("--prompt_column", default=None, help="hf: datasets: the question column [question]")

@@ -20,6 +20,7 @@ from forge.data.dataset import (
 )
 from forge.data.gsm8k import (
     FEW_SHOT_EXAMPLES,
+    GSM8K_CHAT_REMINDER,
     GSM8K_CHAT_SYSTEM_PROMPT,
     GSM8K_MOCK_PROBLEMS,
     chat_prompt,
@@ -49,9 +50,10 @@ def test_gsm8k_chat_prompt_has_a_system_prompt_and_worked_examples_as_turns():
     messages = chat_prompt(question)
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert messages[0]["content"] == GSM8K_CHAT_SYSTEM_PROMPT and "<answer>" in GSM8K_CHAT_SYSTEM_PROMPT
-    assert messages[-1] == {"role": "user", "content": question}
+    assert messages[-1] == {"role": "user", "content": question + GSM8K_CHAT_REMINDER}
+    assert "<answer>" in GSM8K_CHAT_REMINDER
     for (example_question, _solution, answer), user, assistant in zip(FEW_SHOT_EXAMPLES, messages[1::2], messages[2::2]):
-        assert user["content"] == example_question
+        assert user["content"] == example_question + GSM8K_CHAT_REMINDER
         # every worked example is graded correct by the same code the rewards and the evaluation use
         assert grade(assistant["content"], answer, "tag").strict_correct
         assert MathCorrectnessReward(strict=True)([""], [assistant["content"]], references=[answer]).scores == [1.0]
@@ -93,6 +95,16 @@ def test_chat_default_follows_the_tokenizer_and_says_so(tiny_tokenizer, capsys):
     assert pick_chat(None, tiny_tokenizer, "rows.jsonl") is True and capsys.readouterr().err == ""  # not announced
     assert builds_prompts("reasoning-gym:chain_sum") and builds_prompts("hf:a/b") and not builds_prompts("x.jsonl")
     assert source_kwargs("x.jsonl", chat=True) == {}
+
+
+def test_chat_flag_bare_or_with_a_value():
+    from forge.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["train", "--dataset", "gsm8k", "--chat"]).chat is True
+    assert parse(["train", "--chat", "false"]).chat is False
+    assert parse(["eval", "--data", "gsm8k-mock"]).chat is None
+    assert parse(["eval", "--chat", "true", "--prompt_column", "q", "--reference_column", "a"]).prompt_column == "q"
 
 
 def test_evaluate_model_on_the_mock_set_picks_chat_prompts_for_a_chat_tokenizer(tiny_model, tiny_tokenizer):

