@@ -140,3 +140,26 @@ def test_resume_with_the_same_settings_changes_nothing(tmp_path, capsys):
     run(tmp_path, max_steps=3, resume_from="latest").train(ROWS)
     out = capsys.readouterr()
     assert "resumed from step 2" in out.out + out.err and "applying" not in out.out + out.err
+
+
+def test_use_trackio_in_the_config_reaches_the_trackio_sink(tmp_path, monkeypatch):
+    import sys
+
+    logged = []
+
+    class FakeRun:
+        def log(self, metrics, step):
+            logged.append(step)
+
+        def finish(self):
+            logged.append("finish")
+
+    class FakeTrackio:
+        @staticmethod
+        def init(project, name, config, **kwargs):
+            logged.append(project)
+            return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "trackio", FakeTrackio)
+    run(tmp_path, max_steps=2, use_trackio=True, trackio_project="mine").train(ROWS)
+    assert logged == ["mine", 1, 2, "finish"]

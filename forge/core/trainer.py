@@ -171,6 +171,7 @@ class GRPOTrainer:
             self.guard.skipped_steps, self.guard.loss_scale = resumed.skipped_steps, resumed.loss_scale
         self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
                                   wandb_run_name=config.wandb_run_name, use_tensorboard=config.use_tensorboard,
+                                  use_trackio=config.use_trackio, trackio_project=config.trackio_project,
                                   config=self._run_config(), enabled=self.dist.is_main)
         if config.resume_from:
             self.logger.truncate_after(self.global_step)  # rows past the checkpoint come again, once
