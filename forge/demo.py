@@ -69,6 +69,9 @@ class DemoSettings:
     """torch threads (0 = all cores)."""
     quick: bool = False
     """Smoke run (~2 minutes): 3 steps, 20 held-out problems, small screening; learning not expected."""
+    tools: bool = False
+    """Instead: the calculator-tool demo (forge/tool_demo.py): arithmetic with a <calc> tool, base model without
+    and with the tool, trained model with the tool, on the same held-out set."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoSettings:
@@ -109,6 +112,10 @@ def run_demo(settings: DemoSettings) -> dict:
     from forge.eval.report import build_comparison, write_comparison
     from forge.eval.screen import screen_prompts
 
+    if settings.tools:
+        from forge.tool_demo import run_tool_demo
+
+        return run_tool_demo(settings)
     started = time.perf_counter()
     if settings.threads:
         torch.set_num_threads(settings.threads)

@@ -457,3 +457,20 @@ def test_a_closer_merged_with_the_next_characters_in_one_token(scripted):
     fed = rollout.completion_ids[0, :length][rollout.action_mask[0, :length] == 0]
     assert tokenizer.decode(fed) == "result>5</result>"
     assert rollout.completions[0].startswith("<calc>2+3</calc><result>5</result>")
+
+
+def test_tool_demo_problems_prompt_and_rewards():
+    from forge.tool_demo import HELDOUT_SEED, answer_correct, answer_format, tool_problems, tool_rows
+
+    heldout = tool_problems(240, HELDOUT_SEED)
+    assert heldout == tool_problems(240, HELDOUT_SEED)  # fixed
+    assert [p["kind"] for p in heldout[:3]] == ["product", "boxes", "two_step"]
+    two_step = heldout[2]
+    a, b, c = (int(x) for x in __import__("re").findall(r"\d+", two_step["question"])[:3])
+    assert two_step["answer"] == a * b + c  # bags x apples + single apples; the workers are a distractor
+    (row,) = tool_rows(heldout[:1])
+    assert "<calc>expression</calc>" in row["prompt"][0]["content"] and row["reference"] == str(heldout[0]["answer"])
+    texts = ["<calc>2*3</calc><result>6</result> <answer>6</answer>", "<calc>2*3</calc><result>6</result>",
+             "<answer>5</answer> then <answer>6</answer>", "<answer>1,234</answer>"]
+    assert answer_correct(None, texts, ["6", "6", "6", "1234"]) == [1.0, 0.0, 1.0, 1.0]  # a <result> alone: 0
+    assert answer_format(None, texts) == [1.0, 0.0, 1.0, 1.0]
