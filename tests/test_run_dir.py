@@ -163,3 +163,17 @@ def test_use_trackio_in_the_config_reaches_the_trackio_sink(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "trackio", FakeTrackio)
     run(tmp_path, max_steps=2, use_trackio=True, trackio_project="mine").train(ROWS)
     assert logged == ["mine", 1, 2, "finish"]
+
+
+def test_the_default_evaluator_of_a_tool_run_generates_with_the_tools(tmp_path):
+    from forge.core.tools import calculator
+
+    def calls_made(prompts, completions, tool_calls, **kwargs):  # needs the tool transcript
+        return [float(len(calls)) for calls in tool_calls]
+
+    model, tokenizer = build_tiny_model()
+    config = GRPOConfig(group_size=4, max_new_tokens=6, gradient_accumulation_steps=1, max_steps=1, save_steps=0,
+                        kl_beta=0.0, output_dir=str(tmp_path / "run"))
+    trainer = GRPOTrainer(model, tokenizer, [text_length, calls_made], config, tools=[calculator])
+    metrics = trainer.evaluator(trainer.model, tokenizer, ROWS, max_new_tokens=6, max_prompt_length=512)
+    assert metrics["n"] == 4 and metrics["rewards/calls_made"] == 0.0  # the random model calls nothing

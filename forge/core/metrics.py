@@ -171,13 +171,14 @@ class UpdateTotals:
         return totals
 
 
-def greedy_reward_evaluator(rewards: list, config):
+def greedy_reward_evaluator(rewards: list, config, tools=None):
     """The trainer's default evaluator: one greedy completion per held-out row, scored by the run's own rewards
-    (eval/reward, eval/rewards/<name>, eval/n). The global RNG state is restored afterwards, so evaluating in
-    the middle of a run does not change its later samples."""
+    (eval/reward, eval/rewards/<name>, eval/n), with the run's tools when it has them (`tools`: ToolSettings).
+    The global RNG state is restored afterwards, so evaluating mid-run does not change later samples."""
     from forge import checkpoint as ckpt
     from forge.core.rollout import SamplingSettings, generate
     from forge.core.scoring import score_completions
+    from forge.core.tool_rollout import generate_with_tools
     from forge.data.dataset import reward_kwargs
 
     @torch.no_grad()
@@ -185,11 +186,19 @@ def greedy_reward_evaluator(rewards: list, config):
         rng_state, was_training = ckpt.capture_rng_state(), model.training
         model.eval()
         settings, prompts = SamplingSettings(max_new_tokens, do_sample=False), [row["prompt"] for row in rows]
-        completions = [text for start in range(0, len(rows), 32)
-                       for text in generate(model, tokenizer, prompts[start:start + 32], 1, settings,
-                                            max_prompt_length, config.truncate_prompts,
-                                            config.share_prompt_prefix).completions]
-        scores = score_completions(rewards, prompts, completions, reward_kwargs(rows),
+        completions, calls = [], []
+        for start in range(0, len(rows), 32):
+            chunk = prompts[start:start + 32]
+            if tools is None:
+                rollout = generate(model, tokenizer, chunk, 1, settings, max_prompt_length, config.truncate_prompts,
+                                   config.share_prompt_prefix)
+            else:
+                rollout = generate_with_tools(model, tokenizer, chunk, 1, settings, tools, max_prompt_length,
+                                              config.truncate_prompts, config.share_prompt_prefix)
+                calls += [[result.as_dict() for result in row] for row in rollout.tool_calls]
+            completions += rollout.completions
+        kwargs = reward_kwargs(rows) | ({"tool_calls": calls} if tools is not None else {})
+        scores = score_completions(rewards, prompts, completions, kwargs,
                                    on_error=config.on_reward_error, error_value=config.reward_error_value,
                                    timeout=config.reward_timeout)
         ckpt.restore_rng_state(rng_state)

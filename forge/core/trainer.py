@@ -111,7 +111,6 @@ class GRPOTrainer:
         if reward_fn is None:
             raise ValueError("GRPOTrainer needs reward_fn, e.g. reward_fn=ExactMatchReward()")
         self.rewards = build_reward_list(reward_fn, config.reward_weights)
-        self.evaluator = evaluator or step_stats.greedy_reward_evaluator(self.rewards, config)
         self.dist = DataParallel()
         ready = policy.prepare_policy(model, tokenizer, config, device=self.dist.device, seed=seed_everything,
                                       sync=self.dist.broadcast_from_main, announce=self.dist.is_main)
@@ -121,6 +120,7 @@ class GRPOTrainer:
         self.tool_settings = None if not tools else ToolSettings(
             as_tools(tools), resolve_format(config.tool_format, self.tokenizer), config.max_tool_calling_iterations,
             config.tool_timeout, config.max_tool_output_chars)
+        self.evaluator = evaluator or step_stats.greedy_reward_evaluator(self.rewards, config, self.tool_settings)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the model has no trainable parameters (all requires_grad=False)")
