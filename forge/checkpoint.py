@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from forge.core.optim import all_finite
+
 COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE_NAME = "trainer_state.json"
 CONFIG_NAME = "forge_config.json"
@@ -198,14 +200,10 @@ def _write_complete_marker(directory: Path) -> None:
 
 
 def _nonfinite_tensors(state_dict: dict[str, Any]) -> list[str]:
-    """Names of the floating-point tensors that hold a NaN or inf.
-
-    A NaN or inf anywhere makes the sum NaN or inf, so a finite sum clears a tensor without the
-    elementwise check (20x faster: 0.07 s instead of 1.3 s for SmolLM2-135M on one CPU thread); only a
-    non-finite sum, which can also be an overflow of finite values, is checked element by element."""
+    """Names of the floating-point tensors that hold a NaN or inf (`all_finite`: the sum first, 0.07 s instead of
+    1.3 s for SmolLM2-135M on one CPU thread)."""
     return [name for name, tensor in state_dict.items()
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
-            and not bool(torch.isfinite(tensor.sum())) and not bool(torch.isfinite(tensor).all())]
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not all_finite(tensor)]
 
 
 def _fsync_directory(directory: Path) -> None:
