@@ -312,6 +312,23 @@ def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
     return _returned_cache(out), out.logits[:, -1]
 
 
+def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+                   share_prompt_prefix: bool, max_new_tokens: int):
+    """Prefill P prompts (P, Lp) for P * group_size completions, ready to decode: the prompt runs once and its
+    cache is expanded to the group (share_prompt_prefix), or runs once per completion.
+    Returns (a cache with room for max_new_tokens more, next-token logits (N, V), the attention mask (N, Lp))."""
+    device = next(model.parameters()).device
+    ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
+    if not share_prompt_prefix:
+        ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
+    cache, next_logits = _prefill(model, ids, mask)  # (P or N, V)
+    if share_prompt_prefix:
+        cache.batch_repeat_interleave(group_size)
+        next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
+        mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
+    return _preallocated(cache, mask.shape[1] + max_new_tokens), next_logits, mask
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -334,15 +351,8 @@ def generate(
     stop_ids = torch.tensor(eos_ids(tokenizer, model), device=device)
     num_rows = len(prompts) * group_size
 
-    ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
-    if not share_prompt_prefix:
-        ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    cache, next_logits = _prefill(model, ids, mask)  # (P or N, V)
-    if share_prompt_prefix:
-        cache.batch_repeat_interleave(group_size)
-        next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
-        mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    cache = _preallocated(cache, mask.shape[1] + settings.max_new_tokens)
+    cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
+                                              settings.max_new_tokens)  # (N, V), (N, Lp)
 
     completion_ids = torch.full((num_rows, settings.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
     sampler_logprobs = torch.zeros((num_rows, settings.max_new_tokens), dtype=torch.float32)

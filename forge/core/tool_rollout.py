@@ -27,9 +27,8 @@ from forge.core.rollout import (
     Prompt,
     Rollout,
     SamplingSettings,
-    _preallocated,
-    _prefill,
     eos_ids,
+    prefill_groups,
     sample_next_token,
     tokenize_prompts,
 )
@@ -123,15 +122,8 @@ def generate_with_tools(
     closing = _closing_token_ids(tokenizer, fmt.closers)
     num_rows = len(prompts) * group_size
 
-    ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
-    if not share_prompt_prefix:
-        ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    cache, next_logits = _prefill(model, ids, mask)  # (P or N, V)
-    if share_prompt_prefix:
-        cache.batch_repeat_interleave(group_size)
-        next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
-        mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    cache = _preallocated(cache, mask.shape[1] + settings.max_new_tokens)
+    cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
+                                              settings.max_new_tokens)  # (N, V), (N, Lp)
     if noise is not None:
         noise = noise.to(device)  # (N, max_new_tokens)
 
