@@ -30,7 +30,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from forge.core.optim import apply_new_hyperparameters
-from forge.data.dataset import dataset_identity
 
 
 class TrainingInterrupted(RuntimeError):
@@ -316,5 +315,5 @@ class StopSignals:
 
 
 __all__ = ["CheckpointParts", "FinishedStep", "OutputDirInUse", "RunLifecycle", "RunLock", "StopSignals",
-           "TrainingInterrupted", "check_output_dir", "claim_output_dir", "dataset_identity", "previous_run",
+           "TrainingInterrupted", "check_output_dir", "claim_output_dir", "previous_run",
            "resume_hint"]
