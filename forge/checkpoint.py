@@ -11,6 +11,10 @@ A checkpoint directory holds everything needed to continue a run exactly where i
         forge_config.json                                 the run's config, to refuse an incompatible resume
         COMPLETE                                          written last: the sha256 of every other file
 
+An FSDP2 run (fsdp=True) saves `sharded/` instead of the weight files and optimizer.pt: every rank's shards
+of both, written by torch.distributed.checkpoint (`save_sharded_checkpoint`, called on every rank); its
+final/ also holds the whole gathered weights, so final/ loads with from_pretrained as usual.
+
 Everything is first written to a temporary sibling `{path}.tmp-<pid>` and renamed into place, so a
 crash mid-save never leaves a directory that looks like a checkpoint. Non-weight state is saved so
 that `torch.load(..., weights_only=True)` can read it back: no pickled code runs on load.
@@ -53,6 +57,7 @@ RNG_STATE_NAME = "rng_state.pt"
 FULL_WEIGHTS_NAME = "model.safetensors"
 FULL_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+SHARDED_METADATA = "sharded/.metadata"  # torch.distributed.checkpoint's index of an FSDP2 run's shards
 
 # Numbered checkpoints are `{output_dir}/{step}`; `checkpoint-{step}` is accepted when reading.
 _STEP_DIR_PATTERN = re.compile(r"^(?:checkpoint-)?(\d+)$")
@@ -260,27 +265,44 @@ def save_checkpoint(
             "with a lower learning_rate (or float32 / bfloat16 instead of float16)."
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    if tmp_path.exists():
-        shutil.rmtree(tmp_path)
-    tmp_path.mkdir()
+    tmp_path = _fresh_temporary(path, os.getpid())
     try:
         with _quiet_transformers_progress():
             model.save_pretrained(tmp_path, safe_serialization=True)
-        tokenizer.save_pretrained(tmp_path)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp_path / OPTIMIZER_NAME)
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp_path / SCHEDULER_NAME)
-        _write_json(tmp_path / TRAINER_STATE_NAME, trainer_state)
-        torch.save(rng_state if rng_state is not None else capture_rng_state(), tmp_path / RNG_STATE_NAME)
-        _write_json(tmp_path / CONFIG_NAME, config)
-        _write_complete_marker(tmp_path)
+        _write_run_files(tmp_path, tokenizer, scheduler, trainer_state, config, rng_state)
     except BaseException:
         shutil.rmtree(tmp_path, ignore_errors=True)
         raise
+    _swap_into_place(tmp_path, path)
+    return path
 
-    # Swap into place. Between the two renames `path` is briefly absent, never half-written.
+
+def _fresh_temporary(path: Path, pid: int) -> Path:
+    """An empty `{path}.tmp-{pid}` to write a checkpoint into."""
+    tmp_path = path.with_name(f"{path.name}.tmp-{pid}")
+    if tmp_path.exists():
+        shutil.rmtree(tmp_path)
+    tmp_path.mkdir()
+    return tmp_path
+
+
+def _write_run_files(tmp_path: Path, tokenizer, scheduler, trainer_state: dict, config: dict,
+                     rng_state: dict | None) -> None:
+    """Everything of a checkpoint but the weights and the optimizer, then COMPLETE (written last)."""
+    tokenizer.save_pretrained(tmp_path)
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), tmp_path / SCHEDULER_NAME)
+    _write_json(tmp_path / TRAINER_STATE_NAME, trainer_state)
+    torch.save(rng_state if rng_state is not None else capture_rng_state(), tmp_path / RNG_STATE_NAME)
+    _write_json(tmp_path / CONFIG_NAME, config)
+    _write_complete_marker(tmp_path)
+
+
+def _swap_into_place(tmp_path: Path, path: Path) -> None:
+    """Replace `path` by the finished `tmp_path`; between the two renames `path` is briefly absent, never
+    half-written."""
     old_path = path.with_name(f"{path.name}.old-{os.getpid()}")
     if path.exists():
         if old_path.exists():
@@ -289,6 +311,57 @@ def save_checkpoint(
     os.replace(tmp_path, path)
     _fsync_directory(path.parent)
     shutil.rmtree(old_path, ignore_errors=True)
+
+
+def save_sharded_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+    rng_state: dict[str, Any] | None,
+    ranks: Any,
+    full_weights: bool = False,
+) -> Path:
+    """The checkpoint of an FSDP2 run (core/sharding.py); every rank calls it, rank 0 writes all but the shards.
+
+    `{path}/sharded/` holds every rank's shards of the weights and AdamW state (torch.distributed.checkpoint);
+    the other files are those of `save_checkpoint`, and COMPLETE hashes the shards too. `full_weights` also
+    gathers the whole weights into model.safetensors / adapter_model.safetensors (final/: a folder that
+    from_pretrained loads). `ranks`: is_main, main_pid, barrier() and any(flag) of the run's processes.
+    Atomic like save_checkpoint: the ranks write into rank 0's `{path}.tmp-<pid>`, which rank 0 renames."""
+    from forge.core import sharding
+
+    path = Path(path)
+    if ranks.any(not all(all_finite(sharding.local(p.detach())) for p in model.parameters()
+                         if p.is_floating_point())):
+        raise CheckpointError(
+            f"refusing to write checkpoint {path}: some weight shards hold NaN/inf. The weights are garbage, so "
+            "there is nothing worth saving; resume from an earlier checkpoint with a lower learning_rate.")
+    tmp_path = path.with_name(f"{path.name}.tmp-{ranks.main_pid}")
+    if ranks.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _fresh_temporary(path, ranks.main_pid)
+    ranks.barrier()
+    try:
+        sharding.save(tmp_path / sharding.SHARDED_DIR, model, optimizer)
+        whole = sharding.full_state_dict(model) if full_weights else None
+        if ranks.is_main:
+            if whole is not None:
+                with _quiet_transformers_progress():
+                    model.save_pretrained(tmp_path, state_dict=whole, safe_serialization=True)
+                sharding.fix_architectures(tmp_path, model)
+            _write_run_files(tmp_path, tokenizer, scheduler, trainer_state, config, rng_state)
+    except BaseException:
+        if ranks.is_main:
+            shutil.rmtree(tmp_path, ignore_errors=True)
+        raise
+    if ranks.is_main:
+        _swap_into_place(tmp_path, path)
+    ranks.barrier()
     return path
 
 
@@ -299,6 +372,15 @@ def save_checkpoint(
 
 def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint was saved by an FSDP2 run (its weights and optimizer state are in sharded/)."""
+    return (Path(path) / SHARDED_METADATA).is_file()
+
+
+def _has_whole_weights(path: Path) -> bool:
+    return any((path / name).exists() for name in (ADAPTER_WEIGHTS_NAME, FULL_WEIGHTS_NAME, FULL_WEIGHTS_INDEX_NAME))
 
 
 class _Damaged(Exception):
@@ -369,10 +451,13 @@ def _verify(path: Path, require_training_state: bool) -> bool:
     Raises _Damaged for the first file that is missing, does not match its sha256, or (without checksums)
     is a truncated safetensors file or holds NaN/inf weights."""
     manifest = _read_manifest(path)
-    weights = _weight_files(path)
+    sharded = is_sharded(path)  # an FSDP2 run's: weights and optimizer in sharded/, whole weights only in final/
+    weights = _weight_files(path) if not sharded or _has_whole_weights(path) else []
     required = [*weights, TRAINER_STATE_NAME, CONFIG_NAME, RNG_STATE_NAME]
+    if sharded:
+        required.append(SHARDED_METADATA)
     if require_training_state:
-        required += [OPTIMIZER_NAME, SCHEDULER_NAME]
+        required += [SCHEDULER_NAME] if sharded else [OPTIMIZER_NAME, SCHEDULER_NAME]
     for name in required:
         if not (path / name).is_file():
             if manifest is not None and name not in manifest:

@@ -71,9 +71,12 @@ def _field_parser(annotation):
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     docs = config_field_docs()
     group = parser.add_argument_group("GRPOConfig fields (defaults in brackets)")
+    hints = typing.get_type_hints(GRPOConfig)
     for f in dataclasses.fields(GRPOConfig):
+        flag = {"nargs": "?", "const": True} if hints[f.name] is bool else {}  # `--fsdp` alone means true
         group.add_argument(f"--{f.name}", type=_field_parser(f.name), default=None, metavar=f.name.upper(),
-                           help=f"{docs.get(f.name, '')} [{f.default}]".replace("%", "%%"))  # argparse %-formats help
+                           help=f"{docs.get(f.name, '')} [{f.default}]".replace("%", "%%"),  # argparse %-formats
+                           **flag)
 
 
 def build_config(args: argparse.Namespace, overrides: dict | None = None) -> GRPOConfig:

@@ -21,7 +21,7 @@ completions match the single run's; one training_log.jsonl with each step once, 
 written once, by rank 0; the resumed run ends with the uninterrupted run's weights and logs step 3 once.
 
 In one process: the noise sampler by hand, generation that does not depend on the batch, the refusal of
-FSDP/DeepSpeed launches, and the cross-rank agreements (a reward failing or a signal arriving on another
+DeepSpeed/Megatron-LM launches, and the cross-rank agreements (a reward failing or a signal arriving on another
 rank stops every rank at the same point) with the other rank's answer faked.
 """
 
@@ -266,12 +266,12 @@ def test_noise_driven_generation_does_not_depend_on_the_batch(tiny_model, tiny_t
     assert len(set(whole.completions)) > 1  # really sampled
 
 
-@pytest.mark.parametrize("variable, engine", [("ACCELERATE_USE_FSDP", "FSDP"),
-                                              ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])
-def test_sharded_engines_are_refused_with_what_to_use_instead(variable, engine, monkeypatch, tmp_path,
-                                                              tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("variable, engine", [("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"),
+                                              ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")])
+def test_other_sharded_engines_are_refused_pointing_to_fsdp(variable, engine, monkeypatch, tmp_path,
+                                                            tiny_model, tiny_tokenizer):
     monkeypatch.setenv(variable, "true")
-    with pytest.raises(ValueError, match=f"with {engine} .*does not support.*ddp_gpu.yaml.*--nproc N"):
+    with pytest.raises(ValueError, match=f"with {engine} .*does not support.*--nproc N --fsdp.*ddp_gpu.yaml"):
         GRPOTrainer(tiny_model, tiny_tokenizer, lambda prompts, completions, **kw: [0.0] * len(completions),
                     GRPOConfig(output_dir=str(tmp_path)))
 

@@ -1,4 +1,4 @@
-"""The processes of a data-parallel run: who this rank is, and the few collectives GRPOTrainer needs.
+"""The processes of a run: who this rank is, and the few collectives GRPOTrainer needs (FSDP2: core/sharding.py).
 
 Only the trainer uses this module. With one process every call is a no-op (no torch.distributed at all);
 with several (torchrun, `accelerate launch`, `forge train --nproc N`) it sets up the process group from the
@@ -8,14 +8,39 @@ launcher's environment and sums, gathers and broadcasts what the trainer hands i
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
 
-# Launch settings of accelerate for engines that shard the model; Forge's own data parallelism replicates it.
-_SHARDED_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
-                    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
+# Launch settings of accelerate for engines that shard the model in their own way; FSDP2 is Forge's (fsdp=True).
+_OTHER_ENGINES = {"ACCELERATE_USE_DEEPSPEED": "DeepSpeed", "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
 _GRAD_BUCKET_ELEMENTS = 2**24  # gradients are all-reduced in flat buckets of at most this many elements
+
+
+def _set(variable: str) -> bool:
+    return os.environ.get(variable, "false").lower() in ("1", "true", "yes")
+
+
+def fsdp_requested(fsdp: bool) -> bool:
+    """fsdp=True, or accelerate launched Forge with an FSDP2 config; refuses the engines Forge does not run."""
+    for variable, engine in _OTHER_ENGINES.items():
+        if _set(variable):
+            raise ValueError(
+                f"accelerate launched Forge with {engine} ({variable}={os.environ[variable]}), which Forge does "
+                f"not support: Forge runs its own sampling, loss and AdamW, so {engine}'s engine would not be "
+                f"used. To shard the weights, gradients and optimizer state over the processes, use Forge's "
+                f"FSDP2: `forge train --nproc N --fsdp` (or GRPOConfig(fsdp=True), or accelerate launch with "
+                f"examples/accelerate/fsdp.yaml). Without sharding: a DDP config (examples/accelerate/ddp_gpu.yaml "
+                f"or ddp_cpu.yaml) or `forge train --nproc N`.")
+    if _set("ACCELERATE_USE_FSDP"):
+        if os.environ.get("FSDP_VERSION", "1") != "2":
+            raise ValueError(
+                f"accelerate launched Forge with FSDP version {os.environ.get('FSDP_VERSION', '1')}; Forge shards "
+                f"with FSDP2 (torch's fully_shard) only. Set `fsdp_version: 2` in the accelerate config "
+                f"(examples/accelerate/fsdp.yaml), or run `forge train --nproc N --fsdp`.")
+        return True
+    return fsdp
 
 
 class DataParallel:
@@ -25,22 +50,21 @@ class DataParallel:
     and gradients are summed across ranks before the optimizer step, so the weights stay identical. The
     process group is set up from the launcher's environment (torchrun, `accelerate launch`, `forge train
     --nproc`): gloo on CPU, NCCL for CUDA tensors plus gloo for CPU ones on GPUs.
+
+    With `fsdp` (and several processes) the ranks still split the prompts the same way, but the model is
+    sharded with FSDP2 (core/sharding.py): `shard` wraps it, and FSDP2 reduces the gradients in backward.
     """
 
-    def __init__(self) -> None:
-        for variable, engine in _SHARDED_ENGINES.items():
-            if os.environ.get(variable, "false").lower() in ("1", "true", "yes"):
-                raise ValueError(
-                    f"accelerate launched Forge with {engine} ({variable}={os.environ[variable]}), which Forge does "
-                    f"not support: Forge trains data-parallel with the whole model on every rank (it samples "
-                    f"completions with the full weights and all-reduces gradients itself), so {engine}'s sharded "
-                    f"parameters and optimizer would not be used. Launch with a DDP config "
-                    f"(examples/accelerate/ddp_gpu.yaml or ddp_cpu.yaml) or `forge train --nproc N`; to fit a "
-                    f"bigger model per GPU use use_lora=True, dtype='bfloat16' and a smaller micro_batch_size.")
+    def __init__(self, fsdp: bool = False) -> None:
+        fsdp = fsdp_requested(fsdp)
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.is_main = self.rank == 0
         self.device = None  # the rank's GPU when there are several processes and GPUs
+        self.fsdp = fsdp and self.world_size > 1
+        if fsdp and self.world_size == 1:
+            warnings.warn("fsdp=True with one process: there is nothing to shard over, so the model trains "
+                          "whole; start several processes (forge train --nproc N --fsdp) to shard it", stacklevel=3)
         if self.world_size == 1:
             return
         if torch.cuda.is_available():
@@ -54,6 +78,24 @@ class DataParallel:
         if not torch.distributed.is_initialized():
             torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
 
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2: shard the model over the ranks, its shards on this rank's GPU when there is one."""
+        from forge.core import sharding
+
+        return sharding.shard(model, self.device)
+
+    @property
+    def main_pid(self) -> int:
+        """Rank 0's process id: the name of the temporary directory every rank writes a sharded checkpoint to."""
+        if not hasattr(self, "_main_pid"):
+            self._main_pid = self.gather_objects(os.getpid())[0]
+        return self._main_pid
+
+    def sum_shards(self, values: list[float]) -> list[float]:
+        """Totals of per-parameter values (e.g. squared norms): summed over the ranks' shards under FSDP2; with
+        a whole model on every rank, the values themselves."""
+        return self.sum(values) if self.fsdp else values
+
     def broadcast_from_main(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite these tensors on every rank with rank 0's values."""
         if self.world_size == 1:
@@ -66,8 +108,9 @@ class DataParallel:
         """Sum every parameter's gradient over the ranks (each rank's loss is its share of the global loss).
 
         A parameter that has a gradient on some rank gets zeros where it has none, so every rank reduces the
-        same tensors; one without a gradient anywhere keeps grad None, as in a single process."""
-        if self.world_size == 1:
+        same tensors; one without a gradient anywhere keeps grad None, as in a single process. Under FSDP2 the backward
+        pass has already reduced them (summed, into each rank's shard)."""
+        if self.world_size == 1 or self.fsdp:
             return
         has_grad = self.sum([float(p.grad is not None) for p in params])  # (params,) ranks with a gradient
         grads = []

@@ -60,6 +60,8 @@ class CheckpointParts:
     run_config: dict  # GRPOConfig as a dict plus the model's name: compared on resume
     is_lora: bool
     dataset_identity: dict = field(default_factory=dict)  # size and fingerprint of the training rows
+    sharded_by: Any = None  # FSDP2: the run's processes (is_main, main_pid, barrier, any), which all save; None:
+    # the whole model is on rank 0, which saves alone
 
 
 def resume_hint(path: Path) -> str:
@@ -183,7 +185,8 @@ class RunLifecycle:
         self.last_finished = step
 
     def save(self, finished: FinishedStep, name: str | None = None) -> Path:
-        """Write the checkpoint of `finished` to {output_dir}/{name or step}/ (main process only)."""
+        """Write the checkpoint of `finished` to {output_dir}/{name or step}/. Every process calls it: rank 0
+        writes, and under FSDP2 every rank writes its shards (final/ also gets the whole weights)."""
         from forge import checkpoint as ckpt
 
         parts = self.parts
@@ -192,12 +195,17 @@ class RunLifecycle:
                  "nonfinite_in_a_row": finished.nonfinite_in_a_row, "skipped_steps": finished.skipped_steps,
                  "loss_scale": finished.loss_scale,
                  "model_name": parts.run_config["model_name"], "is_lora": parts.is_lora, **parts.dataset_identity}
-        ckpt.save_checkpoint(path, model=parts.model, tokenizer=parts.tokenizer, optimizer=parts.optimizer,
-                             scheduler=parts.scheduler, trainer_state=state, config=parts.run_config,
-                             rng_state=finished.rng_state)
+        files = {"model": parts.model, "tokenizer": parts.tokenizer, "optimizer": parts.optimizer,
+                 "scheduler": parts.scheduler, "trainer_state": state, "config": parts.run_config,
+                 "rng_state": finished.rng_state}
+        if parts.sharded_by is not None:
+            ckpt.save_sharded_checkpoint(path, **files, ranks=parts.sharded_by, full_weights=name == "final")
+        elif self.is_main:
+            ckpt.save_checkpoint(path, **files)
         if name is None:
             self.saved = (finished.step, path)
-            ckpt.prune_checkpoints(self.output_dir, self.save_total_limit)
+            if self.is_main:
+                ckpt.prune_checkpoints(self.output_dir, self.save_total_limit)
         return path
 
     def checkpoint_of_last_step(self, weights_are_of_it: bool) -> Path | None:
@@ -210,10 +218,7 @@ class RunLifecycle:
             return None
         if self.saved is not None and self.saved[0] == last.step:
             return self.saved[1]
-        path = self.output_dir / str(last.step)
-        if self.is_main:
-            self.save(last)
-        return path
+        return self.save(last)
 
     def where_to_resume(self, weights_are_of_last_step: bool = True) -> str:
         """Save the last finished step if needed; say where it is and how to resume."""
@@ -235,8 +240,14 @@ class RunLifecycle:
         state = ckpt.load_checkpoint(path)
         ckpt.check_compatible(state.config, parts.run_config, checkpoint_path=path)
         check_same_dataset(state.trainer_state, parts.dataset_identity, path)
-        ckpt.load_model_weights(parts.model, path)
-        parts.optimizer.load_state_dict(state.optimizer_state)
+        check_same_sharding(path, sharded=parts.sharded_by is not None)
+        if parts.sharded_by is not None:
+            from forge.core import sharding
+
+            sharding.load(path / sharding.SHARDED_DIR, parts.model, parts.optimizer)  # on every rank
+        else:
+            ckpt.load_model_weights(parts.model, path)
+            parts.optimizer.load_state_dict(state.optimizer_state)
         parts.scheduler.load_state_dict(state.scheduler_state)
         ckpt.restore_rng_state(state.rng_state)
         saved = state.trainer_state
@@ -256,6 +267,20 @@ class RunLifecycle:
         return FinishedStep(step, int(saved["epoch"]), int(saved["position"]), state.rng_state,
                             int(saved.get("nonfinite_in_a_row", 0)), int(saved.get("skipped_steps", 0)),
                             float(saved.get("loss_scale", 1.0)))
+
+
+def check_same_sharding(path: Path, sharded: bool) -> None:
+    """A checkpoint of an FSDP2 run holds shards, one of a data-parallel run the whole model: refuse the other."""
+    from forge import checkpoint as ckpt
+
+    if ckpt.is_sharded(path) and not sharded:
+        raise ValueError(f"cannot resume from checkpoint {path}: it was saved by an FSDP run (its weights and "
+                         f"optimizer are shards in {path / 'sharded'}). Resume with --fsdp and several processes "
+                         f"(`forge train --nproc N --fsdp ... --resume`; any N: the shards are redistributed).")
+    if sharded and not ckpt.is_sharded(path):
+        raise ValueError(f"cannot resume from checkpoint {path} with --fsdp: it was saved by a run without FSDP "
+                         f"(whole weights and optimizer.pt). Resume it without --fsdp, or start a new FSDP run "
+                         f"from its weights (--model {path}).")
 
 
 def check_same_dataset(saved_state: dict, identity: dict, path: Path) -> None:

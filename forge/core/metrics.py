@@ -213,12 +213,12 @@ def greedy_reward_evaluator(rewards: list, config, tools=None):
 
 
 @torch.no_grad()
-def param_delta_norm(parameters: list[torch.Tensor], initial: list[torch.Tensor]) -> float:
-    """||theta - theta_0||: how far training has moved the trainable weights."""
-    total = 0.0
-    for p, p0 in zip(parameters, initial):
-        total += float((p.detach().cpu().float() - p0.float()).pow(2).sum())
-    return math.sqrt(total)
+def param_delta_norm(parameters: list[torch.Tensor], initial: list[torch.Tensor],
+                     total=lambda values: values) -> float:
+    """||theta - theta_0||: how far training has moved the trainable weights. Under FSDP2 `parameters` and
+    `initial` are this rank's shards and `total` sums the squares over the ranks (DataParallel.sum_shards)."""
+    squares = sum(float((p.detach().cpu().float() - p0.float()).pow(2).sum()) for p, p0 in zip(parameters, initial))
+    return math.sqrt(total([squares])[0])
 
 
 __all__ = [

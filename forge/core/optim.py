@@ -10,7 +10,7 @@
     after max_consecutive_nonfinite skipped steps in a row -> FloatingPointError (the weights are finite)
 
 The roll-back keeps one copy of the trainable weights (4 bytes per trainable parameter in fp32; the LoRA
-adapters only, under LoRA), refreshed before every step.
+adapters only, under LoRA; this rank's shards only, under FSDP2), refreshed before every step.
 
 fp16 compute (dtype='float16') multiplies the loss by a dynamic scale before backward, so small gradients do
 not underflow in fp16 (mixed-precision training, Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740):
@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from forge.core.sharding import local
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -100,7 +102,7 @@ class GuardedStep:
         if self.scale_loss:
             for p in grads:
                 p.grad.div_(self.loss_scale)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)) if grads else 0.0
+        grad_norm = _as_float(torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)) if grads else 0.0
         if self.any_rank(not loss_is_finite):
             return self._skip(grad_norm, "loss")
         if self.scale_loss and not math.isfinite(grad_norm):  # fp16 overflow: a smaller scale, try again
@@ -144,19 +146,24 @@ class GuardedStep:
     @torch.no_grad()
     def _remember_weights(self) -> None:
         if self._backup is None:
-            self._backup = [torch.empty_like(p) for p in self.params]
+            self._backup = [torch.empty_like(local(p)) for p in self.params]
         for backup, p in zip(self._backup, self.params):
-            backup.copy_(p)
+            backup.copy_(local(p))
 
     @torch.no_grad()
     def _weights_are_finite(self) -> bool:
-        return all(all_finite(p) for p in self.params)
+        return all(all_finite(local(p)) for p in self.params)  # this rank's shards; any_rank combines them
 
     @torch.no_grad()
     def _restore_weights(self) -> None:
         for backup, p in zip(self._backup, self.params):
-            p.copy_(backup)
+            local(p).copy_(backup)
         self.optimizer.state.clear()  # the moments saw the bad update: AdamW restarts them from zero
+
+
+def _as_float(norm: torch.Tensor) -> float:
+    """clip_grad_norm_'s total norm; over FSDP2 shards it is a DTensor, made whole first."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def _named(outcome: StepOutcome) -> str:

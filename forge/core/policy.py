@@ -426,11 +426,13 @@ class Policy:
 
 def prepare_policy(model, tokenizer, config, *, device: torch.device | None = None,
                    seed=lambda seed: torch.manual_seed(seed), sync=lambda params: None,
-                   announce: bool = True) -> Policy:
+                   announce: bool = True, shard=None) -> Policy:
     """What GRPOTrainer does to the model it is given (a model object, or a name `load_model` understands):
     choose the precision, load, prepare the tokenizer, add LoRA (its random init seeded by `seed(config.seed)`),
     make the trainable weights float32 masters, move to `device`, `sync(trainable parameters)` (every process
-    starts from the same weights), enable checkpointing, build the reference; `announce` logs the precision."""
+    starts from the same weights), enable checkpointing, build the reference; `announce` logs the precision.
+    `shard` (FSDP2, core/sharding.py): shards the model and the reference over the processes, which also puts
+    each rank's shards on its device, instead of moving the whole model there."""
     named = isinstance(model, (str, os.PathLike))
     precision = choose_precision(config.dtype, device or (None if named else next(model.parameters()).device))
     if named:  # LoRA: the frozen base in the compute dtype; full fine-tuning: fp32 master weights
@@ -444,7 +446,7 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
                            target_modules=config.lora_target_modules)
     lora = is_peft_model(model)
     model = as_master_weights(model, precision, lora=lora)
-    if device is not None:
+    if device is not None and shard is None:
         model = model.to(device)  # several processes on GPUs: one GPU per rank
     sync([p for p in model.parameters() if p.requires_grad])
     if config.gradient_checkpointing:
@@ -452,6 +454,8 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
     reference = None  # LoRA: the same weights with adapters off. Full: a frozen copy, only if needed.
     if config.kl_beta > 0 and not lora:
         reference = make_reference_model(model).to(precision.compute)
+    if shard is not None:
+        model, reference = shard(model), reference if reference is None else shard(reference)
     if announce:
         compute = str(precision.compute).removeprefix("torch.")
         note(f"precision: {compute} compute, float32 master weights ({precision.reason})" if precision.mixed

@@ -291,16 +291,18 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 MIN_SHARED_PREFIX = 8  # below this many tokens, a separate prefix pass costs more than it saves
 
 
-def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
+def _prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool = True):
     """Run prompts (n, L) through the model; return (cache, logits of the last position (n, V)).
 
     Leading columns that are the same real token in every row (a shared template) are computed once and
-    their cache expanded to all rows; gradients, when enabled, flow back through the expansion.
+    their cache expanded to all rows; gradients, when enabled, flow back through the expansion. That takes a
+    second forward only for some batches; share_template=False always runs one (a sharded model needs the
+    same number of forwards on every rank).
     """
     same = (ids == ids[:1]).all(dim=0) & mask.bool().all(dim=0)  # (L,)
     shared = int(same.long().cumprod(0).sum()) if ids.shape[0] > 1 else 0
     shared = min(shared, ids.shape[1] - 1)
-    if shared < MIN_SHARED_PREFIX:
+    if shared < MIN_SHARED_PREFIX or not share_template:
         out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
                     logits_to_keep=1)
         return _returned_cache(out), out.logits[:, -1]
@@ -401,9 +403,12 @@ def completion_logprobs(
     share_prompt_prefix: bool = True,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    share_template: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(completion token) for each completion token, (n, T); differentiable when grad is enabled.
     with_entropy: also each position's entropy (n, T), from the same log-softmax pass (token_logprobs_from_logits).
+    share_template=False: no separate pass over the prompts' common leading tokens (see _prefill), so every
+    call runs the model the same number of times whatever the prompts (FSDP2).
 
     prompt_ids/mask: (P, Lp) the prompts; completion_ids: (n, T); prompt_index: (n,) the prompt of each
     completion. With share_prompt_prefix, each distinct prompt is run once and its cache expanded.
@@ -420,7 +425,7 @@ def completion_logprobs(
     # Drop columns that are padding in every used prompt.
     first = int((mask.sum(dim=0) > 0).nonzero()[0])
     ids, mask = ids[:, first:], mask[:, first:]
-    cache, last_logits = _prefill(model, ids, mask)  # (u, V)
+    cache, last_logits = _prefill(model, ids, mask, share_template)  # (u, V)
     cache.batch_select_indices(expand)  # (n, ...) each completion sees its prompt's keys and values
     first_logits = last_logits[expand]  # (n, V) predicts the first completion token
 

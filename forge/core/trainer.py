@@ -17,6 +17,7 @@ the same update, up to fp32 rounding. A NaN/inf loss or gradient skips the optim
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -30,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from forge.core import metrics as step_stats
+from forge.core import sharding
 from forge.core.distributed import DataParallel
 from forge.core.grpo import (
     GRPOConfig,
@@ -63,6 +65,7 @@ from forge.core.rollout import (
     sampling_seed,
 )
 from forge.core.scoring import RewardError, build_reward_list, score_completions
+from forge.core.sharding import local
 from forge.core.tool_rollout import generate_with_tools
 from forge.core.tools import ToolSettings, as_tools, resolve_format
 from forge.data.dataset import checked_rows, iterate_steps, reward_kwargs, rows_per_step, training_rows
@@ -111,9 +114,10 @@ class GRPOTrainer:
         if reward_fn is None:
             raise ValueError("GRPOTrainer needs reward_fn, e.g. reward_fn=ExactMatchReward()")
         self.rewards = build_reward_list(reward_fn, config.reward_weights)
-        self.dist = DataParallel()
+        self.dist = DataParallel(fsdp=config.fsdp)
         ready = policy.prepare_policy(model, tokenizer, config, device=self.dist.device, seed=seed_everything,
-                                      sync=self.dist.broadcast_from_main, announce=self.dist.is_main)
+                                      sync=self.dist.broadcast_from_main, announce=self.dist.is_main,
+                                      shard=self.dist.shard if self.dist.fsdp else None)
         self.model = model = ready.model
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.device = ready.precision, next(model.parameters()).device
@@ -127,7 +131,7 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.learning_rate,
                                            weight_decay=config.weight_decay)
         self.scheduler = None  # built in train(), once the number of steps is known
-        self.initial_params = [p.detach().to("cpu", copy=True) for p in self.trainable]
+        self.initial_params = [local(p).detach().to("cpu", copy=True) for p in self.trainable]  # (FSDP2: shards)
         self._sampling_rng = torch.Generator().manual_seed(sampling_seed(config.seed, 0))  # reseeded each step
         self.global_step = 0
         self.guard = GuardedStep(self.trainable, self.optimizer, config.max_grad_norm,
@@ -161,7 +165,7 @@ class GRPOTrainer:
         self.scheduler = make_scheduler(self.optimizer, config.lr_scheduler, config.warmup_ratio, total_steps)
         self.lifecycle = RunLifecycle(config.output_dir, CheckpointParts(
             self.model, self.tokenizer, self.optimizer, self.scheduler, self._run_config(), self.is_lora,
-            identity), save_total_limit=config.save_total_limit, is_main=self.dist.is_main)
+            identity, sharded_by=self.dist if self.dist.fsdp else None), save_total_limit=config.save_total_limit, is_main=self.dist.is_main)
         seed_everything(config.seed)
         epoch, position = 0, 0
         if config.resume_from:
@@ -208,8 +212,7 @@ class GRPOTrainer:
             raise
         finally:
             bar.close()
-        if self.dist.is_main:
-            self.lifecycle.save(self._finished(epoch, position), name="final")
+        self.lifecycle.save(self._finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
         self.dist.barrier()
         if eval_rows is not None:
             self._evaluate(eval_rows, epoch)
@@ -244,8 +247,7 @@ class GRPOTrainer:
         # Nothing draws random numbers from here to the next step's sampling: this is the state it will use.
         finished = self._finished(epoch, position)
         if _reached(step, config.save_steps, config.num_iterations):
-            if self.dist.is_main:
-                self.lifecycle.save(finished)
+            self.lifecycle.save(finished)
             self.dist.barrier()  # the other ranks wait until rank 0's checkpoint is complete
         self.lifecycle.finished(finished)
 
@@ -274,7 +276,7 @@ class GRPOTrainer:
         return {**self.config.to_dict(), "model_name": getattr(self.model.config, "_name_or_path", "") or ""}
 
     def _evaluate(self, eval_rows: list[dict], epoch: int) -> None:
-        with self.precision.autocast():
+        with self.precision.autocast(), self._whole_weights():
             metrics = self.evaluator(self.model, self.tokenizer, eval_rows,
                                      max_new_tokens=self.config.max_new_tokens, max_prompt_length=self.max_prompt_length)
         self.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.global_step, epoch=epoch)
@@ -292,7 +294,8 @@ class GRPOTrainer:
         metrics = step_stats.step_metrics(
             batch.rollouts, rollout_stats, update_stats, group_size=self.config.group_size, dist=self.dist,
             seconds=time.perf_counter() - started, skipped_steps=self._skipped_steps,
-            param_delta_norm=step_stats.param_delta_norm(self.trainable, self.initial_params))
+            param_delta_norm=step_stats.param_delta_norm([local(p) for p in self.trainable], self.initial_params,
+                                                         total=self.dist.sum_shards))
         metrics["_samples"] = step_stats.gathered_samples(rollout_stats.samples, len(batch.rollouts),
                                                           self.config.log_completions, self.dist)
         if not self._warned_zero_std and self.dist.is_main:
@@ -349,7 +352,8 @@ class GRPOTrainer:
         settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
         noise = sampling_noise(self._sampling_rng, len(prompts) * config.group_size, config.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
-        with self.precision.autocast():  # bf16 / fp16 compute over the fp32 master weights, when chosen
+        # bf16 / fp16 compute over the fp32 master weights, when chosen; the whole weights under FSDP2
+        with self.precision.autocast(), self._whole_weights():
             if self.tool_settings is not None:
                 return generate_with_tools(self.model, self.tokenizer, prompts, config.group_size, settings,
                                            self.tool_settings, self.max_prompt_length, config.truncate_prompts,
@@ -391,7 +395,11 @@ class GRPOTrainer:
             return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask,
                                        rollout.completion_ids[indices, :length], rollout.prompt_index[indices],
                                        self.config.temperature, self.config.logprob_chunk_size, share_prompt,
-                                       **entropy)
+                                       share_template=not self.dist.fsdp, **entropy)
+
+    def _whole_weights(self):
+        """Under FSDP2, the whole weights on every rank for generation and evaluation (core/sharding.py)."""
+        return sharding.gathered(self.model) if self.dist.fsdp else contextlib.nullcontext()
 
     def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
         size = self.config.micro_batch_size or rollout.completion_ids.shape[0]
@@ -427,7 +435,7 @@ class GRPOTrainer:
         for r, rollout in enumerate(batch.rollouts):
             for indices in self._micro_batches(rollout):
                 mask = batch.loss_mask[r][indices]
-                if mask.sum() == 0:
+                if mask.sum() == 0 and not self.dist.fsdp:  # FSDP2: forward and backward are collectives
                     continue
                 # Gradient checkpointing recomputes layers in backward, which a shared prompt cache cannot
                 # survive: each completion then carries its own copy of the prompt.

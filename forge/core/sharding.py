@@ -1,0 +1,142 @@
+"""FSDP2 for a Forge run (GRPOConfig.fsdp, `forge train --nproc N --fsdp`): PyTorch's `fully_shard`, wired in.
+
+Data parallelism keeps the whole model, its gradients and both AdamW moments on every rank: 16 bytes per
+trained fp32 parameter per rank. Under FSDP2 every rank keeps 1/N of each, as DTensor shards, and gathers
+whole weights only while it needs them:
+
+    shard(model, dist)      fully_shard on every decoder layer (the classes the model names in
+                            _no_split_modules), then on the whole model; gradients are summed over the ranks
+                            (not averaged), as Forge's own all-reduce does: each rank's loss is its share
+    gathered(model)         the rollout and evaluation: every layer all-gathered once, kept whole while the
+                            ranks decode (each rank stops at its own EOS; no collective per token), resharded
+                            after. Peak memory: the whole weights plus the shards
+    forward / backward      FSDP2's per-layer all-gather in forward and reduce-scatter in backward replace
+                            Forge's gradient all-reduce; clipping and AdamW run on the shards
+    save / load             torch.distributed.checkpoint (DCP): every rank writes its shards of the weights
+                            and the AdamW state into {checkpoint}/sharded/; DCP reshards on load, so a run can
+                            resume on another number of ranks (then not bit for bit: sums run in another order)
+    full_state_dict(model)  the whole weights on rank 0's CPU, for final/ (a plain from_pretrained folder)
+
+Only the trainer (and, through CheckpointParts, the checkpoint code) uses this module.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+SHARDED_DIR = "sharded"
+"""The DCP folder of a sharded checkpoint: model and optimizer shards of every rank, and DCP's .metadata."""
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded parameter or gradient (a DTensor); any other tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules of the classes its HF model names in `_no_split_modules`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a PeftModel
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in base.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"fsdp=True: cannot find the decoder layers of {type(base).__name__} (it names no "
+                         f"_no_split_modules classes that it contains), so there is nothing to shard per layer; "
+                         f"train it data-parallel (fsdp=False) or with LoRA")
+    return layers
+
+
+def shard(model: torch.nn.Module, device: torch.device | None) -> torch.nn.Module:
+    """Shard `model` in place over every rank of the process group: each decoder layer, then the rest.
+
+    A model on the CPU is moved shard by shard to `device` (this rank's GPU) when one is given."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type if device is not None else "cpu", (torch.distributed.get_world_size(),))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in _fsdp_modules(model):  # each FSDP unit has its own settings
+        module.set_gradient_divide_factor(1.0)  # a sum over the ranks, like DataParallel.all_reduce_grads
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
+    return model
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def gathered(model: torch.nn.Module):
+    """Whole weights on every rank inside the block (generation, evaluation), shards again after.
+
+    Inside it a forward runs no collective, so ranks may decode different numbers of tokens."""
+    modules = _fsdp_modules(model)
+    for module in modules:
+        module.unshard()  # all-gather, in the same order on every rank
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:  # the root keeps its weights after forward, as fully_shard sets it up
+            module.set_reshard_after_forward(module is not model, recurse=False)
+            module.reshard()
+
+
+def _state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save(directory: Path, model, optimizer) -> None:
+    """Every rank writes its shards of the weights and the AdamW state to `directory` (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, optimizer), checkpoint_id=str(directory))
+
+
+def load(directory: Path, model, optimizer) -> None:
+    """Load what `save` wrote into the sharded model and optimizer (collective); DCP reshards as needed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The whole weights as plain CPU tensors on rank 0 (an empty dict on the other ranks); collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def unwrapped_class_name(model) -> str:
+    """The model's own class name: fully_shard makes the class FSDP<Name>, which save_pretrained would write
+    into config.json's `architectures`."""
+    for cls in type(model).__mro__:
+        if not cls.__name__.startswith("FSDP"):
+            return cls.__name__
+    return type(model).__name__
+
+
+def fix_architectures(folder: Path, model) -> None:
+    """Write the unwrapped class name into a saved config.json (see unwrapped_class_name)."""
+    config = folder / "config.json"
+    if config.is_file():
+        data = json.loads(config.read_text(encoding="utf-8"))
+        data["architectures"] = [unwrapped_class_name(model)]
+        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+__all__ = ["SHARDED_DIR", "decoder_layers", "full_state_dict", "gathered", "load", "local", "save", "shard"]
