@@ -1,0 +1,238 @@
+"""FSDP2 training (fsdp=True): 2 CPU processes (gloo) shard the model and train exactly like data-parallel.
+
+The runs fully fine-tune the tiny model saved to a folder, with the KL term (so the frozen reference is sharded
+too), the DAPO token-mean loss, batch-std advantages, two rollout batches per optimizer step and micro-batches
+that split groups:
+
+    data_parallel   2 processes, whole model on each (Forge's gradient all-reduce)
+    sharded         2 processes with --fsdp (FSDP2's reduce-scatter), the same config and seed
+    killed          the sharded run, with rank 0 SIGKILLed inside step 3's reward, then `--nproc 2 --fsdp --resume`
+
+Checked: each rank holds half of the parameters; after every step the sharded run's whole weights equal the
+data-parallel run's within fp32 rounding, with the same completions and logged metrics; checkpoints hold
+the shards (sharded/) and final/ loads in plain transformers with the trained weights; the killed run
+resumes from its step-2 checkpoint and ends bit for bit where the uninterrupted run ends. LoRA under FSDP2 is
+compared with a one-process LoRA run. In one process: the launch settings that turn FSDP on or are refused,
+and the checkpoint kinds that cannot be resumed across.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from forge.cli import main as forge_main
+from forge.core.distributed import DataParallel
+from forge.core.lifecycle import check_same_sharding
+from forge.core.tiny import build_tiny_model
+
+STEPS = 4
+TESTS_DIR = Path(__file__).parent
+
+REWARD_FILE = '''
+import os
+import signal
+
+CALLS = [0]
+
+
+def text_length(prompts, completions, **kwargs):
+    """Varies inside a group; SIGKILLs rank 0 at its FORGE_TEST_KILL_AT-th call (2 calls per step here)."""
+    CALLS[0] += 1
+    if os.environ.get("RANK", "0") == "0" and CALLS[0] == int(os.environ.get("FORGE_TEST_KILL_AT", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [len(text) % 7 / 6 for text in completions]
+'''
+
+# torch.distributed.run starts this file in each process: forge train, with every step's weights recorded.
+DRIVER_FILE = '''
+import os, sys
+sys.path.insert(0, {tests_dir!r})
+from test_fsdp import install_recorder
+from forge.cli import main
+
+install_recorder(os.environ["FORGE_TEST_RECORD"], int(os.environ["RANK"]))
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def install_recorder(record_dir: str, rank: int) -> None:
+    """After each step, rank r writes {record_dir}/rank{r}-step{s}.pt: the whole trainable weights (gathered
+    from the shards under FSDP2) and how many of their elements this rank holds."""
+    from forge.core.sharding import local
+    from forge.core.trainer import GRPOTrainer
+
+    real_after_step = GRPOTrainer._after_step
+
+    def recorded_after_step(self, metrics, *args, **kwargs):
+        whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.trainable]  # collective
+        torch.save({"weights": torch.cat([w.detach().flatten() for w in whole]),
+                    "held": sum(local(p).numel() for p in self.trainable)},
+                   Path(record_dir) / f"rank{rank}-step{self.global_step}.pt")
+        return real_after_step(self, metrics, *args, **kwargs)
+
+    GRPOTrainer._after_step = recorded_after_step
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    model, tokenizer = build_tiny_model(seed=0)
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    rows = [{"prompt": f"What is {a} + {b}?" + " Answer:" * (a % 3), "reference": str(a + b)}
+            for a in range(4) for b in range(2)]  # 8 rows of different lengths
+    (root / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (root / "rewards.py").write_text(REWARD_FILE)
+    (root / "driver.py").write_text(DRIVER_FILE.format(tests_dir=str(TESTS_DIR)))
+    return root
+
+
+def train_args(root: Path, output_dir: Path, *extra: str) -> list[str]:
+    """One optimizer step = 2 rollout batches of 4 prompts x 4 completions; with 2 ranks, 2 prompts each."""
+    return ["train", "--model", str(root / "tiny"), "--dataset", str(root / "data.jsonl"),
+            "--reward", f"{root / 'rewards.py'}:text_length", "--output_dir", str(output_dir),
+            "--group_size", "4", "--prompts_per_step", "4", "--gradient_accumulation_steps", "2",
+            "--micro_batch_size", "3", "--max_new_tokens", "8", "--max_steps", str(STEPS), "--save_steps", "2",
+            "--logging_steps", "1", "--log_completions", "8", "--kl_beta", "0.05", "--loss_type", "dapo",
+            "--scale_rewards", "batch", "--learning_rate", "0.01", "--seed", "5", *extra]
+
+
+def launch(root: Path, name: str, *extra: str, kill_at: int = 0) -> subprocess.CompletedProcess:
+    record = root / f"record-{name}"
+    record.mkdir(exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR.parent),
+           "FORGE_TEST_RECORD": str(record), "FORGE_TEST_KILL_AT": str(kill_at)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(root / "driver.py"), *train_args(root, root / name, *extra)]
+    return subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=600)
+
+
+def succeeded(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def data_parallel(workspace):
+    succeeded(launch(workspace, "data_parallel"))
+    return workspace / "data_parallel", workspace / "record-data_parallel"
+
+
+@pytest.fixture(scope="module")
+def sharded(workspace):
+    succeeded(launch(workspace, "sharded", "--fsdp"))
+    return workspace / "sharded", workspace / "record-sharded"
+
+
+def test_each_rank_holds_half_of_the_parameters(sharded, data_parallel):
+    _, record = sharded
+    _, dp_record = data_parallel
+    total = torch.load(record / "rank0-step1.pt")["weights"].numel()
+    held = [torch.load(record / f"rank{rank}-step1.pt")["held"] for rank in (0, 1)]
+    assert sum(held) == total and max(held) - min(held) <= total * 0.01, (held, total)
+    assert torch.load(dp_record / "rank1-step1.pt")["held"] == total  # data-parallel: the whole model each
+
+
+def test_sharded_training_equals_data_parallel_training(sharded, data_parallel):
+    run, record = sharded
+    dp_run, dp_record = data_parallel
+    start = load_file(run.parent / "tiny" / "model.safetensors")
+    for step in range(1, STEPS + 1):
+        fsdp_weights = torch.load(record / f"rank0-step{step}.pt")["weights"]
+        assert torch.equal(fsdp_weights, torch.load(record / f"rank1-step{step}.pt")["weights"])
+        dp_weights = torch.load(dp_record / f"rank0-step{step}.pt")["weights"]
+        assert torch.allclose(fsdp_weights, dp_weights, rtol=1e-5, atol=1e-6), \
+            f"step {step}: max weight difference {float((fsdp_weights - dp_weights).abs().max())}"
+    moved = torch.cat([t.flatten() for t in start.values()]).sort().values
+    assert not torch.equal(moved, fsdp_weights.sort().values), "training did not move the weights"
+    assert read_jsonl(run / "samples.jsonl") == read_jsonl(dp_run / "samples.jsonl")  # the same completions
+    for mine, theirs in zip(read_jsonl(run / "training_log.jsonl"), read_jsonl(dp_run / "training_log.jsonl"),
+                            strict=True):
+        for key in ("loss", "kl", "grad_norm", "param_delta_norm", "reward"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), f"step {mine['step']}: {key}"
+    assert mine["grad_norm"] > 0 and mine["kl"] > 0
+
+
+def test_sharded_checkpoints_hold_shards_and_final_loads_in_plain_transformers(sharded):
+    from transformers import AutoModelForCausalLM
+
+    run, record = sharded
+    assert sorted(p.name for p in (run / "2" / "sharded").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                         "__1_0.distcp"]
+    assert not (run / "2" / "model.safetensors").exists() and not (run / "2" / "optimizer.pt").exists()
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert json.loads((run / "final" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    trained = torch.load(record / f"rank0-step{STEPS}.pt")["weights"]
+    assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), trained)
+
+
+def test_a_killed_sharded_run_resumes_bit_for_bit(workspace, sharded):
+    """kill -9 of rank 0 in step 3, then `forge train --nproc 2 --fsdp --resume` from the step-2 shards."""
+    run, _ = sharded
+    killed = launch(workspace, "killed", "--fsdp", kill_at=5)  # 2 reward calls per step: the 5th is in step 3
+    assert killed.returncode != 0
+    assert sorted(p.name for p in (workspace / "killed").iterdir() if p.name.isdigit()) == ["2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR.parent)}
+    resumed = subprocess.run([sys.executable, "-m", "forge", *train_args(workspace, workspace / "killed", "--fsdp"),
+                              "--nproc", "2", "--resume"], check=False, env=env, capture_output=True, text=True,
+                             timeout=600)
+    succeeded(resumed)
+    assert "resumed from step 2" in resumed.stdout + resumed.stderr
+    expected = load_file(run / "final" / "model.safetensors")
+    got = load_file(workspace / "killed" / "final" / "model.safetensors")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    log = read_jsonl(workspace / "killed" / "training_log.jsonl")
+    assert [row["step"] for row in log] == list(range(1, STEPS + 1))
+    assert log[-1]["loss"] == read_jsonl(run / "training_log.jsonl")[-1]["loss"]
+
+
+def test_lora_under_fsdp_trains_like_one_process(workspace):
+    lora = ["--use_lora", "--lora_r", "4", "--learning_rate", "0.05", "--max_steps", "2", "--save_steps", "0"]
+    succeeded(launch(workspace, "lora_sharded", "--fsdp", *lora))
+    assert forge_main(train_args(workspace, workspace / "lora_single", *lora)) == 0
+    sharded_adapter = load_file(workspace / "lora_sharded" / "final" / "adapter_model.safetensors")
+    single_adapter = load_file(workspace / "lora_single" / "final" / "adapter_model.safetensors")
+    assert sharded_adapter.keys() == single_adapter.keys()
+    for name, value in single_adapter.items():
+        assert torch.allclose(sharded_adapter[name], value, rtol=1e-4, atol=1e-6), name
+    assert read_jsonl(workspace / "lora_sharded" / "samples.jsonl") == \
+        read_jsonl(workspace / "lora_single" / "samples.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------------
+# in one process
+
+
+def test_accelerate_fsdp2_launch_turns_fsdp_on_and_fsdp1_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match="FSDP version 1.*fsdp_version: 2.*--nproc N --fsdp"):
+        DataParallel()
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.warns(UserWarning, match="one process: there is nothing to shard"):
+        dist = DataParallel()
+    assert not dist.fsdp and dist.world_size == 1  # one process trains whole, as without fsdp
+
+
+def test_sharded_and_whole_checkpoints_refuse_to_resume_across(tmp_path):
+    sharded_checkpoint, whole_checkpoint = tmp_path / "sharded_run" / "2", tmp_path / "whole_run" / "2"
+    (sharded_checkpoint / "sharded").mkdir(parents=True)
+    (sharded_checkpoint / "sharded" / ".metadata").write_bytes(b"")
+    whole_checkpoint.mkdir(parents=True)
+    with pytest.raises(ValueError, match="saved by an FSDP run.*--nproc N --fsdp"):
+        check_same_sharding(sharded_checkpoint, sharded=False)
+    with pytest.raises(ValueError, match="with --fsdp: it was saved by a run without FSDP"):
+        check_same_sharding(whole_checkpoint, sharded=True)
+    check_same_sharding(sharded_checkpoint, sharded=True)
+    check_same_sharding(whole_checkpoint, sharded=False)
