@@ -182,10 +182,10 @@ def test_load_tools_for_the_cli(tmp_path):
 # The rollout
 
 
-@pytest.fixture
-def scripted(monkeypatch):
-    """Patch the rollout's sampler: the first len(script) decode steps of each rollout give every sampling row
-    the script's tokens, then the real sampler runs. Returns a function that sets the script's text."""
+def install_script(patch):
+    """Patch the rollout's sampler with `patch(owner, name, value)` (monkeypatch.setattr, or setattr in a
+    worker process): the first len(script) decode steps of each rollout give every sampling row the script's
+    tokens, then the real sampler runs. Returns a function that sets the script's text."""
     state = {"ids": [], "step": 0}
     real_sampler, real_generate = tool_rollout.sample_next_token, tool_rollout.generate_with_tools
 
@@ -199,17 +199,23 @@ def scripted(monkeypatch):
         state["step"] = 0
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(tool_rollout, "sample_next_token", sampler)
-    monkeypatch.setattr(tool_rollout, "generate_with_tools", counting_generate)
+    patch(tool_rollout, "sample_next_token", sampler)
+    patch(tool_rollout, "generate_with_tools", counting_generate)
     import forge.core.trainer as trainer_module
 
-    monkeypatch.setattr(trainer_module, "generate_with_tools", counting_generate)
+    patch(trainer_module, "generate_with_tools", counting_generate)
 
     def set_script(tokenizer, text):
         state["ids"] = tokenizer(text, add_special_tokens=False)["input_ids"]
         return state["ids"]
 
     return set_script
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """The rollout's sampler patched to open every completion with a fixed text (install_script)."""
+    return install_script(monkeypatch.setattr)
 
 
 PROMPTS = ["What is 2 + 3?", "Answer: 19"]
@@ -474,3 +480,66 @@ def test_tool_demo_problems_prompt_and_rewards():
              "<answer>5</answer> then <answer>6</answer>", "<answer>1,234</answer>"]
     assert answer_correct(None, texts, ["6", "6", "6", "1234"]) == [1.0, 0.0, 1.0, 1.0]  # a <result> alone: 0
     assert answer_format(None, texts) == [1.0, 0.0, 1.0, 1.0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Two processes with tools
+
+TOOL_REWARD_FILE = '''
+def calls_reward(prompts, completions, tool_calls, **kwargs):
+    assert all(calls and calls[0]["output"] == "5" for calls in tool_calls)
+    return [len(text) % 5 / 4 for text in completions]
+'''
+
+TOOL_DRIVER_FILE = '''
+import sys
+sys.path.insert(0, {tests_dir!r})
+from test_tools import CALL, install_script
+from forge.cli import main
+from forge.core.tiny import build_tiny_tokenizer
+
+install_script(setattr)(build_tiny_tokenizer(), CALL)
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_two_processes_with_tools_give_the_completions_and_weights_of_one(scripted, tmp_path):
+    """`torch.distributed.run --nproc_per_node 2` of `forge train --tools calculator` vs the same in this
+    process: every completion opens with a call that is answered, then samples on; the ranks split the prompts
+    and the noise, so the transcripts (tool results included) and the trained weights are those of one process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from forge.cli import main as forge_main
+
+    model, tokenizer = build_tiny_model(seed=0)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    rows = [{"prompt": f"What is {a} + 3?", "reference": str(a + 3)} for a in range(4)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "rewards.py").write_text(TOOL_REWARD_FILE)
+    tests_dir = Path(__file__).parent
+    (tmp_path / "driver.py").write_text(TOOL_DRIVER_FILE.format(tests_dir=str(tests_dir)))
+    args = ["train", "--model", str(tmp_path / "tiny"), "--dataset", str(tmp_path / "data.jsonl"),
+            "--reward", f"{tmp_path / 'rewards.py'}:calls_reward", "--group_size", "4", "--prompts_per_step", "2",
+            "--gradient_accumulation_steps", "1", "--max_new_tokens", "24", "--max_steps", "2", "--logging_steps", "1", "--log_completions", "8",
+            "--learning_rate", "0.01", "--temperature", str(TEMPERATURE), "--tools", "calculator", "--seed", "3",
+            "--save_steps", "0"]
+    scripted(tokenizer, CALL)
+    assert forge_main([*args, "--output_dir", str(tmp_path / "one")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tests_dir.parent)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(tmp_path / "driver.py"), *args, "--output_dir", str(tmp_path / "two")], env=env,
+                          check=False, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    one = [json.loads(line) for line in (tmp_path / "one" / "samples.jsonl").read_text().splitlines()]
+    two = [json.loads(line) for line in (tmp_path / "two" / "samples.jsonl").read_text().splitlines()]
+    assert one == two and len(one) == 4  # one transcript per group, 2 groups a step (one per rank)
+    assert all(RESULT in json.dumps(sample) for sample in one)  # every transcript holds the tool's answer
+    expected, got = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("one", "two"))
+    for name, value in expected.items():
+        assert torch.allclose(got[name], value, rtol=1e-4, atol=1e-6), name
+    start = build_tiny_model(seed=0)[0].state_dict()
+    assert any(not torch.equal(expected[k], start[k]) for k in expected)
