@@ -68,3 +68,17 @@ def test_demo_ceiling_measures_pass_at_k_and_does_not_train(tiny_folder, tmp_pat
     assert ceiling["decoding"]["temperature"] == 0.7
     assert not (out / "training_log.jsonl").exists()
     assert "pass@2" in capsys.readouterr().out
+
+
+def test_tool_demo_uses_its_measured_recipe_unless_told_otherwise():
+    import argparse
+
+    from forge.demo import add_demo_arguments
+
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    settings = lambda *argv: DemoSettings.from_args(parser.parse_args(list(argv)))
+    assert (settings("--tools").steps, settings("--tools").prompts_per_step) == (20, 2)
+    assert (settings().steps, settings().prompts_per_step) == (60, 4)  # the plain demo keeps its recipe
+    assert settings("--tools", "--steps", "7").steps == 7
+    assert settings("--tools", "--quick").steps == 3
