@@ -105,18 +105,22 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distributed")
+def write_workspace(root: Path, reward_file: str, driver_file: str) -> Path:
+    """The tiny model saved to {root}/tiny, 8 rows of different lengths, the reward file and the driver."""
     model, tokenizer = build_tiny_model(seed=0)
     model.save_pretrained(root / "tiny")
     tokenizer.save_pretrained(root / "tiny")
     rows = [{"prompt": f"What is {a} + {b}?" + " Answer:" * (a % 3), "reference": str(a + b)}
-            for a in range(4) for b in range(2)]  # 8 rows of different lengths
+            for a in range(4) for b in range(2)]
     (root / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (root / "rewards.py").write_text(REWARD_FILE)
-    (root / "driver.py").write_text(DRIVER_FILE.format(tests_dir=str(Path(__file__).parent)))
+    (root / "rewards.py").write_text(reward_file)
+    (root / "driver.py").write_text(driver_file.format(tests_dir=str(Path(__file__).parent)))
     return root
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return write_workspace(tmp_path_factory.mktemp("distributed"), REWARD_FILE, DRIVER_FILE)
 
 
 def train_args(root: Path, output_dir: Path) -> list[str]:

@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_distributed import read_jsonl, write_workspace
 
 from forge.cli import main as forge_main
 from forge.core.distributed import DataParallel
 from forge.core.lifecycle import check_same_sharding
-from forge.core.tiny import build_tiny_model
 
 STEPS = 4
 TESTS_DIR = Path(__file__).parent
@@ -79,22 +79,9 @@ def install_recorder(record_dir: str, rank: int) -> None:
     GRPOTrainer._after_step = recorded_after_step
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fsdp")
-    model, tokenizer = build_tiny_model(seed=0)
-    model.save_pretrained(root / "tiny")
-    tokenizer.save_pretrained(root / "tiny")
-    rows = [{"prompt": f"What is {a} + {b}?" + " Answer:" * (a % 3), "reference": str(a + b)}
-            for a in range(4) for b in range(2)]  # 8 rows of different lengths
-    (root / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (root / "rewards.py").write_text(REWARD_FILE)
-    (root / "driver.py").write_text(DRIVER_FILE.format(tests_dir=str(TESTS_DIR)))
-    return root
+    return write_workspace(tmp_path_factory.mktemp("fsdp"), REWARD_FILE, DRIVER_FILE)
 
 
 def train_args(root: Path, output_dir: Path, *extra: str) -> list[str]:
