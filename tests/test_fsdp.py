@@ -184,8 +184,9 @@ def test_a_killed_sharded_run_resumes_bit_for_bit(workspace, sharded):
     assert log[-1]["loss"] == read_jsonl(run / "training_log.jsonl")[-1]["loss"]
 
 
-def test_lora_under_fsdp_trains_like_one_process(workspace):
-    lora = ["--use_lora", "--lora_r", "4", "--learning_rate", "0.05", "--max_steps", "2", "--save_steps", "0"]
+def test_lora_with_two_updates_per_rollout_under_fsdp_trains_like_one_process(workspace):
+    lora = ["--use_lora", "--lora_r", "4", "--learning_rate", "0.05", "--max_steps", "4", "--save_steps", "0",
+            "--num_iterations", "2"]  # pi_old log-probs too
     succeeded(launch(workspace, "lora_sharded", "--fsdp", *lora))
     assert forge_main(train_args(workspace, workspace / "lora_single", *lora)) == 0
     sharded_adapter = load_file(workspace / "lora_sharded" / "final" / "adapter_model.safetensors")

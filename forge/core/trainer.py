@@ -397,9 +397,10 @@ class GRPOTrainer:
                                        self.config.temperature, self.config.logprob_chunk_size, share_prompt,
                                        share_template=not self.dist.fsdp, **entropy)
 
-    def _whole_weights(self):
-        """Under FSDP2, the whole weights on every rank for generation and evaluation (core/sharding.py)."""
-        return sharding.gathered(self.model) if self.dist.fsdp else contextlib.nullcontext()
+    def _whole_weights(self, model=None):
+        """Under FSDP2, the whole weights of `model` (the policy) on every rank: for generation, evaluation and
+        the no-grad log-prob passes (core/sharding.py). A no-op otherwise."""
+        return sharding.gathered(model or self.model) if self.dist.fsdp else contextlib.nullcontext()
 
     def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
         size = self.config.micro_batch_size or rollout.completion_ids.shape[0]
@@ -409,20 +410,22 @@ class GRPOTrainer:
     def _old_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
         if self.config.num_iterations == 1:
             return None  # pi_old = stopgrad(pi_theta): no extra forward
-        return padded_rows([self._logprobs(self.model, rollout, i) for i in self._micro_batches(rollout)],
-                           rollout.completion_ids)
+        with self._whole_weights():  # FSDP2: gathered once per rollout, not per micro-batch
+            return padded_rows([self._logprobs(self.model, rollout, i) for i in self._micro_batches(rollout)],
+                               rollout.completion_ids)
 
     @torch.no_grad()
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
         if self.config.kl_beta == 0:
             return None
         parts = []
-        for indices in self._micro_batches(rollout):
-            if self.is_lora:
-                with self.model.disable_adapter():
-                    parts.append(self._logprobs(self.model, rollout, indices))
-            else:
-                parts.append(self._logprobs(self.reference_model, rollout, indices))
+        with self._whole_weights(self.reference_model or self.model):  # FSDP2: once per rollout
+            for indices in self._micro_batches(rollout):
+                if self.is_lora:
+                    with self.model.disable_adapter():
+                        parts.append(self._logprobs(self.model, rollout, indices))
+                else:
+                    parts.append(self._logprobs(self.reference_model, rollout, indices))
         return padded_rows(parts, rollout.completion_ids)
 
     def _update(self, batch: Batch) -> dict:
