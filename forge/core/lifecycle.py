@@ -227,6 +227,9 @@ class RunLifecycle:
             return f"The last finished step ({self.last_finished.step}) is saved in {path}. {resume_hint(path)}"
         if self.saved is not None:
             return f"The newest checkpoint is {self.saved[1]}. {resume_hint(self.saved[1])}"
+        if self.last_finished is not None and self.last_finished.step > 0:
+            return (f"No checkpoint of this run was saved (step {self.last_finished.step} could not be saved at this "
+                    f"point): start the run again, with save_steps to keep checkpoints along the way.")
         return "No optimizer step had finished, so there is no checkpoint: start the run again."
 
     def resume(self, where: str) -> FinishedStep:

@@ -206,7 +206,7 @@ class GRPOTrainer:
             if self.signals.requested is None:
                 raise
             head = self.signals.describe(self.global_step, total_steps, abandoned=True)
-            raise TrainingInterrupted(f"{head} {self._where_to_resume()}") from None
+            raise TrainingInterrupted(f"{head} {self._where_to_resume(every_rank_is_here=False)}") from None
         except BaseException:
             self.logger.close()
             raise
@@ -259,11 +259,14 @@ class GRPOTrainer:
             self.dist.barrier()  # no rank exits (and makes the launcher kill the rest) before the save is done
             raise TrainingInterrupted(message)
 
-    def _where_to_resume(self) -> str:
-        """Save the last finished step unless an optimizer step is under way; say where to resume from."""
+    def _where_to_resume(self, every_rank_is_here: bool = True) -> str:
+        """Save the last finished step unless an optimizer step is under way; say where to resume from. A
+        sharded save needs every rank, so under FSDP2 a stop that may have reached this rank alone (a second
+        Ctrl-C) saves nothing new and names the newest checkpoint."""
         last = self.lifecycle.last_finished
         idle = last is not None and last.step == self.global_step and not self.signals.committing
-        return self.lifecycle.where_to_resume(weights_are_of_last_step=idle)
+        can_save = every_rank_is_here or not self.dist.fsdp
+        return self.lifecycle.where_to_resume(weights_are_of_last_step=idle and can_save)
 
     def _finished(self, epoch: int, position: int) -> FinishedStep:
         from forge import checkpoint as ckpt
