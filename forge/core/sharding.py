@@ -90,6 +90,21 @@ def gathered(model: torch.nn.Module):
             module.reshard()
 
 
+@contextmanager
+def kept_until_backward(model: torch.nn.Module, enabled: bool = True):
+    """In the loss pass: each unit, once all-gathered for a micro-batch's forward, stays whole through that
+    micro-batch's backward (one all-gather per unit instead of one per forward plus one in backward); FSDP2
+    reshards it after its backward. Peak memory: the whole weights plus the activations."""
+    modules = [m for m in _fsdp_modules(model) if m is not model] if enabled else []
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_reshard_after_forward(True, recurse=False)
+
+
 def _state(model, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

@@ -438,6 +438,14 @@ class GRPOTrainer:
         normaliser = LossNormaliser.count(batch.loss_mask, config.max_new_tokens, total=self.dist.sum)
         settings, totals = LossSettings.from_config(config), step_stats.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
+        with sharding.kept_until_backward(self.model, enabled=self.dist.fsdp):  # FSDP2: one gather per unit
+            self._loss_pass(batch, normaliser, settings, totals)
+        return self._finish_update(totals)
+
+    def _loss_pass(self, batch: Batch, normaliser: LossNormaliser, settings: LossSettings,
+                   totals: step_stats.UpdateTotals) -> None:
+        """Loss and backward of every micro-batch of every rollout; gradients accumulate in .grad."""
+        config = self.config
         for r, rollout in enumerate(batch.rollouts):
             for indices in self._micro_batches(rollout):
                 mask = batch.loss_mask[r][indices]
@@ -464,6 +472,10 @@ class GRPOTrainer:
                 gap = None if sampler is None else logprob_gap(logprobs if old is None else old, sampler,
                                                                part_mask)  # sampler vs the trainer's pi_old
                 totals.add(loss, stats, float(mask.sum()), gap)
+
+    def _finish_update(self, totals: step_stats.UpdateTotals) -> dict:
+        """Sum the gradients over the ranks (data-parallel), the statistics over the ranks, then the step."""
+        config = self.config
         self.dist.all_reduce_grads(self.trainable)
         totals = totals.over_every_rank(self.dist, with_rollout_is=config.rollout_is != "none")
         totals["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
