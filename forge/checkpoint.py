@@ -279,9 +279,14 @@ def save_checkpoint(
     return path
 
 
+def _temporary(path: Path, pid: int) -> Path:
+    """Where process `pid` writes the checkpoint `path` before renaming it into place."""
+    return path.with_name(f"{path.name}.tmp-{pid}")
+
+
 def _fresh_temporary(path: Path, pid: int) -> Path:
     """An empty `{path}.tmp-{pid}` to write a checkpoint into."""
-    tmp_path = path.with_name(f"{path.name}.tmp-{pid}")
+    tmp_path = _temporary(path, pid)
     if tmp_path.exists():
         shutil.rmtree(tmp_path)
     tmp_path.mkdir()
@@ -341,7 +346,7 @@ def save_sharded_checkpoint(
         raise CheckpointError(
             f"refusing to write checkpoint {path}: some weight shards hold NaN/inf. The weights are garbage, so "
             "there is nothing worth saving; resume from an earlier checkpoint with a lower learning_rate.")
-    tmp_path = path.with_name(f"{path.name}.tmp-{ranks.main_pid}")
+    tmp_path = _temporary(path, ranks.main_pid)  # rank 0's: every rank writes its shards there
     if ranks.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         _fresh_temporary(path, ranks.main_pid)

@@ -154,4 +154,5 @@ def fix_architectures(folder: Path, model) -> None:
         config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-__all__ = ["SHARDED_DIR", "decoder_layers", "full_state_dict", "gathered", "load", "local", "save", "shard"]
+__all__ = ["SHARDED_DIR", "decoder_layers", "fix_architectures", "full_state_dict", "gathered",
+           "kept_until_backward", "load", "local", "save", "shard"]

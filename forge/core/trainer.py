@@ -165,7 +165,8 @@ class GRPOTrainer:
         self.scheduler = make_scheduler(self.optimizer, config.lr_scheduler, config.warmup_ratio, total_steps)
         self.lifecycle = RunLifecycle(config.output_dir, CheckpointParts(
             self.model, self.tokenizer, self.optimizer, self.scheduler, self._run_config(), self.is_lora,
-            identity, sharded_by=self.dist if self.dist.fsdp else None), save_total_limit=config.save_total_limit, is_main=self.dist.is_main)
+            identity, sharded_by=self.dist if self.dist.fsdp else None),
+            save_total_limit=config.save_total_limit, is_main=self.dist.is_main)
         seed_everything(config.seed)
         epoch, position = 0, 0
         if config.resume_from:
