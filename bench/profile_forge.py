@@ -54,7 +54,8 @@ def install_labels() -> None:
         module = importlib.import_module(module_name)
         setattr(module, name, labelled(getattr(module, name), label))
     for method, label in [("step", "optimizer step"), ("_update", "update: loss forward + backward + optimizer"),
-                          ("_clip_and_step", "  clip + AdamW step"), ("_metrics", "metrics")]:
+                          ("_loss_pass", "  loss pass: forward + backward per micro-batch"),
+                          ("_clip_and_step", "  clip + AdamW step"), ("_collect", "collect: rollout + rewards")]:
         setattr(GRPOTrainer, method, labelled(getattr(GRPOTrainer, method), label))
     original_backward = torch.Tensor.backward  # everything autograd runs lands under this label
 
