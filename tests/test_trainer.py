@@ -447,6 +447,25 @@ def test_drop_zero_std_groups(tmp_path, tiny_model, tiny_tokenizer):
     assert all(row["frac_zero_std_groups"] == 0.5 for row in log)
 
 
+def test_the_loss_pass_runs_no_forward_on_rows_without_loss(tmp_path, tiny_model, tiny_tokenizer):
+    """micro_batch_size=0 (the whole batch at once): the dropped group's rows are not in the gradient forward."""
+    def flat_for_flat_prompts(prompts, completions, **kwargs):
+        return [1.0 if "flat" in prompt else float(i % 2) for i, prompt in enumerate(prompts)]
+
+    rows = [{"prompt": "flat yes"}, {"prompt": "the total"}, {"prompt": "flat no"}]
+    config = fast_config(tmp_path, drop_zero_std_groups=True, prompts_per_step=3, max_steps=1, shuffle=False,
+                         micro_batch_size=0)
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, flat_for_flat_prompts, config)
+    rows_per_forward = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0])
+        if torch.is_grad_enabled() else None, with_kwargs=True)
+    trainer.train(rows)  # one step: sampling (no gradients), then the loss pass
+    hook.remove()
+    # only "the total"'s group of 4 (its prompt once, then its 4 completions), never the 8 flat rows
+    assert rows_per_forward and max(rows_per_forward) == 4, rows_per_forward
+
+
 @pytest.mark.parametrize("value", [0.7, 100.3])
 def test_drop_zero_std_groups_drops_groups_of_equal_inexact_rewards(value, tmp_path, tiny_model, tiny_tokenizer):
     """A group of eight 0.7s has a float32 std of ~6e-8, not 0: it must still count as flat and be dropped."""

@@ -406,9 +406,10 @@ class GRPOTrainer:
         the no-grad log-prob passes (core/sharding.py). A no-op otherwise."""
         return sharding.gathered(model or self.model) if self.dist.fsdp else contextlib.nullcontext()
 
-    def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
-        size = self.config.micro_batch_size or rollout.completion_ids.shape[0]
-        return list(torch.arange(rollout.completion_ids.shape[0]).split(size))
+    def _micro_batches(self, rollout: Rollout, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """`rows` (default: all of the rollout's, in order) in chunks of micro_batch_size (0 = one chunk)."""
+        rows = torch.arange(rollout.completion_ids.shape[0]) if rows is None else rows
+        return list(rows.split(self.config.micro_batch_size or len(rows))) if len(rows) else []
 
     @torch.no_grad()
     def _old_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
@@ -448,10 +449,12 @@ class GRPOTrainer:
         """Loss and backward of every micro-batch of every rollout; gradients accumulate in .grad."""
         config = self.config
         for r, rollout in enumerate(batch.rollouts):
-            for indices in self._micro_batches(rollout):
+            # Rows without a loss token (dropped groups, masked samples) are left out before chunking, so no
+            # forward is spent on them; FSDP2 keeps every row, as forward and backward are collectives that
+            # need the same number of micro-batches on every rank.
+            carrying = None if self.dist.fsdp else batch.loss_mask[r].any(dim=1).nonzero().squeeze(1)
+            for indices in self._micro_batches(rollout, carrying):
                 mask = batch.loss_mask[r][indices]
-                if mask.sum() == 0 and not self.dist.fsdp:  # FSDP2: forward and backward are collectives
-                    continue
                 # Gradient checkpointing recomputes layers in backward, which a shared prompt cache cannot
                 # survive: each completion then carries its own copy of the prompt.
                 with checkpointed_layers(self.model, config.gradient_checkpointing):
