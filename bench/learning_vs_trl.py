@@ -285,6 +285,17 @@ def time_to(evals: list[dict], target: float, clock: str) -> float | None:
     return None
 
 
+def mean_curve(runs: list[dict]) -> list[dict]:
+    """Strict accuracy and training clocks averaged over runs (seeds), at the steps every run evaluated."""
+    steps = sorted(set.intersection(*({p["step"] for p in r["evals"]} for r in runs)))
+    curve = []
+    for step in steps:
+        points = [next(p for p in r["evals"] if p["step"] == step) for r in runs]
+        curve.append({"step": step, **{k: sum(p[k] for p in points) / len(points)
+                                       for k in ("strict_accuracy", "train_wall_seconds", "train_cpu_seconds")}})
+    return curve
+
+
 def step_clock_stats(run: dict) -> dict:
     """Per-step wall and CPU seconds (from the cumulative clocks) and how much each varies from step to step."""
     import statistics
@@ -316,31 +327,36 @@ def report(args) -> dict:
         if base is not None and not any(p["step"] == 0 for p in r["evals"]):
             r["evals"].insert(0, {**base, "train_wall_seconds": 0.0, "train_cpu_seconds": 0.0,
                                   "copied_from_other_run": True})
-    trl_runs = [r for r in runs if r["framework"] == "trl"]
-    forge_runs = [r for r in runs if r["framework"] == "forge"]
-    reference = trl_runs[0]
-    target = reference["evals"][-1]["strict_accuracy"]
-    n = reference["heldout"]
-    summary = {"target_accuracy": target, "target_from": f"trl seed {reference['seed']} at step "
-                                                         f"{reference['evals'][-1]['step']}",
-               "heldout": n, "cpu_name": reference["cpu_name"], "seeds": {"forge": [r["seed"] for r in forge_runs],
-                                                                          "trl": [r["seed"] for r in trl_runs]}}
-    trl_wall = time_to(reference["evals"], target, "train_wall_seconds")
-    trl_cpu = time_to(reference["evals"], target, "train_cpu_seconds")
+    trl_runs = sorted((r for r in runs if r["framework"] == "trl"), key=lambda r: r["seed"])
+    forge_runs = sorted((r for r in runs if r["framework"] == "forge"), key=lambda r: r["seed"])
+    trl_mean, forge_mean = mean_curve(trl_runs), mean_curve(forge_runs)
+    target = trl_mean[-1]["strict_accuracy"]  # what TRL reaches at its last evaluation (mean over its seeds)
+    n = trl_runs[0]["heldout"]
+    summary = {"target_accuracy": target,
+               "target_from": f"TRL at step {trl_mean[-1]['step']}, mean of seeds {[r['seed'] for r in trl_runs]}",
+               "heldout": n, "cpu_name": trl_runs[0]["cpu_name"],
+               "seeds": {"forge": [r["seed"] for r in forge_runs], "trl": [r["seed"] for r in trl_runs]},
+               "mean_curves": {"trl": trl_mean, "forge": forge_mean}}
+    trl_wall = time_to(trl_mean, target, "train_wall_seconds")
+    trl_cpu = time_to(trl_mean, target, "train_cpu_seconds")
+    forge_wall = time_to(forge_mean, target, "train_wall_seconds")
+    forge_cpu = time_to(forge_mean, target, "train_cpu_seconds")
+    ratio = lambda a, b: None if a is None or not b else a / b
+    summary["time_to_target_ratio"] = ratio(forge_wall, trl_wall)
+    summary["time_to_target_ratio_cpu"] = ratio(forge_cpu, trl_cpu)
     per_run = []
-    for r in forge_runs:
+    for r in forge_runs:  # each Forge seed alone, against the same target and TRL's mean-curve time
         wall, cpu = time_to(r["evals"], target, "train_wall_seconds"), time_to(r["evals"], target, "train_cpu_seconds")
         per_run.append({"seed": r["seed"], "forge_wall_seconds": wall, "forge_cpu_seconds": cpu,
-                        "wall_ratio": None if wall is None or not trl_wall else wall / trl_wall,
-                        "cpu_ratio": None if cpu is None or not trl_cpu else cpu / trl_cpu,
-                        "reached": wall is not None})
-    wall_ratios = [p["wall_ratio"] for p in per_run if p["wall_ratio"] is not None]
-    cpu_ratios = [p["cpu_ratio"] for p in per_run if p["cpu_ratio"] is not None]
-    summary["time_to_target_ratio"] = (sum(wall_ratios) / len(wall_ratios)) if wall_ratios else None
-    summary["time_to_target_ratio_cpu"] = (sum(cpu_ratios) / len(cpu_ratios)) if cpu_ratios else None
-    summary["time_to_target"] = {"trl_wall_seconds": trl_wall, "trl_cpu_seconds": trl_cpu, "forge": per_run,
-                                 "note": "training seconds at the first evaluation at or above the target "
-                                         f"(evaluations every {reference['eval_every']} steps in both)"}
+                        "wall_ratio": ratio(wall, trl_wall), "cpu_ratio": ratio(cpu, trl_cpu),
+                        "reached": wall is not None, "last_step": r["evals"][-1]["step"],
+                        "best_accuracy": max(p["strict_accuracy"] for p in r["evals"])})
+    summary["time_to_target"] = {"trl_wall_seconds": trl_wall, "trl_cpu_seconds": trl_cpu,
+                                 "forge_wall_seconds": forge_wall, "forge_cpu_seconds": forge_cpu,
+                                 "forge_seeds": per_run,
+                                 "note": "training seconds at the first evaluation of the mean curve (over seeds, "
+                                         "at the steps every seed evaluated) at or above the target; evaluations "
+                                         f"every {trl_runs[0]['eval_every']} steps in both"}
     # per-step accuracy: the gap at each shared evaluation step against the binomial standard error
     table = []
     steps = sorted({p["step"] for r in runs for p in r["evals"]})
@@ -366,8 +382,8 @@ def report(args) -> dict:
     summary["accuracy_gap"] = gaps
     summary["accuracy_per_step_equal_within_noise"] = all(g["within_2se"] for g in gaps[1:]) if len(gaps) > 1 else None
     summary["prompt_order_matches"] = all(
-        r["step_questions"][: len(reference["step_questions"])] == reference["step_questions"][: len(r["step_questions"])]
-        for r in forge_runs)
+        r["step_questions"][: len(t["step_questions"])] == t["step_questions"][: len(r["step_questions"])]
+        for r in forge_runs for t in trl_runs if t["seed"] == r["seed"])
     summary["per_step_clocks"] = {f"{r['framework']}_seed{r['seed']}": step_clock_stats(r) for r in runs}
     summary["runs"] = runs
     summary["commands"] = sorted({"python " + r["command"] for r in runs}) + ["python bench/learning_vs_trl.py report"]
