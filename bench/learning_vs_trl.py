@@ -25,8 +25,9 @@ stretches wall time but hardly CPU time. Each run rewrites its raw file after ev
 is stopped keeps what it measured: bench/results/learning_vs_trl/<framework>_seed<seed>.json.
 
 `report` writes bench/results/learning_vs_trl.json (time_to_target_ratio = Forge's seconds / TRL's seconds
-to first reach target_accuracy, the strict accuracy TRL reaches at its last evaluation; on wall and on CPU
-time) and bench/results/learning_vs_trl.png (accuracy vs steps, accuracy vs training time).
+to first reach target_accuracy, the strict accuracy TRL reaches at its last evaluation; with several seeds,
+both come from the curves averaged over seeds at the steps every seed evaluated; on wall and on CPU time) and
+bench/results/learning_vs_trl.png (accuracy vs steps, accuracy vs training time).
 """
 
 from __future__ import annotations
@@ -388,12 +389,12 @@ def report(args) -> dict:
     summary["runs"] = runs
     summary["commands"] = sorted({"python " + r["command"] for r in runs}) + ["python bench/learning_vs_trl.py report"]
     Path(args.out_json).write_text(json.dumps(summary, indent=1))
-    plot(runs, target, n, Path(args.out_png))
+    plot(runs, target, n, Path(args.out_png), summary["mean_curves"])
     print(json.dumps({k: v for k, v in summary.items() if k not in ("runs", "table")}, indent=1))
     return summary
 
 
-def plot(runs: list[dict], target: float, n: int, path: Path) -> None:
+def plot(runs: list[dict], target: float, n: int, path: Path, means: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -411,6 +412,15 @@ def plot(runs: list[dict], target: float, n: int, path: Path) -> None:
         axes[0].errorbar(steps, acc, yerr=se, capsize=3, label=label, **style)
         axes[1].plot([p["train_wall_seconds"] / 60 for p in r["evals"]], acc, label=label, **style)
         axes[2].plot([p["train_cpu_seconds"] / 60 for p in r["evals"]], acc, label=label, **style)
+    for framework, curve in (means or {}).items():  # the mean over seeds, when there are several
+        if sum(r["framework"] == framework for r in runs) < 2:
+            continue
+        label = f"{'Forge' if framework == 'forge' else 'TRL'} mean of seeds"
+        acc = [100 * p["strict_accuracy"] for p in curve]
+        style = {"color": colors[framework], "linewidth": 3, "alpha": 0.5}
+        axes[0].plot([p["step"] for p in curve], acc, label=label, **style)
+        axes[1].plot([p["train_wall_seconds"] / 60 for p in curve], acc, label=label, **style)
+        axes[2].plot([p["train_cpu_seconds"] / 60 for p in curve], acc, label=label, **style)
     for ax, xlabel in zip(axes, ("optimizer step", "training wall time (min, eval excluded)",
                                  "training CPU time of the process (min, eval excluded)")):
         ax.axhline(100 * target, color="gray", linewidth=0.8, linestyle=":")
