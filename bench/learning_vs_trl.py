@@ -345,6 +345,17 @@ def report(args) -> dict:
     ratio = lambda a, b: None if a is None or not b else a / b
     summary["time_to_target_ratio"] = ratio(forge_wall, trl_wall)
     summary["time_to_target_ratio_cpu"] = ratio(forge_cpu, trl_cpu)
+    matched = sorted({r["seed"] for r in forge_runs} & {r["seed"] for r in trl_runs})
+    if matched and (len(matched) < len(forge_runs) or len(matched) < len(trl_runs)):
+        # the same comparison on only the seeds both frameworks ran (the same training rows on both sides)
+        fm = mean_curve([r for r in forge_runs if r["seed"] in matched])
+        tm = mean_curve([r for r in trl_runs if r["seed"] in matched])
+        t = tm[-1]["strict_accuracy"]
+        summary["matched_seeds"] = {
+            "seeds": matched, "target_accuracy": t,
+            "time_to_target_ratio": ratio(time_to(fm, t, "train_wall_seconds"), time_to(tm, t, "train_wall_seconds")),
+            "time_to_target_ratio_cpu": ratio(time_to(fm, t, "train_cpu_seconds"),
+                                              time_to(tm, t, "train_cpu_seconds"))}
     per_run = []
     for r in forge_runs:  # each Forge seed alone, against the same target and TRL's mean-curve time
         wall, cpu = time_to(r["evals"], target, "train_wall_seconds"), time_to(r["evals"], target, "train_cpu_seconds")
@@ -379,7 +390,9 @@ def report(args) -> dict:
             pf, pt = sum(f) / len(f), sum(t) / len(t)
             se = math.sqrt(pf * (1 - pf) / (n * len(f)) + pt * (1 - pt) / (n * len(t)))
             gaps.append({"step": row["step"], "forge": pf, "trl": pt, "gap": pf - pt, "se_of_gap": se,
-                         "within_2se": abs(pf - pt) <= 2 * se + 1e-12})
+                         "within_2se": abs(pf - pt) <= 2 * se + 1e-12,
+                         # how far apart one framework's own seeds are at this step (0 with one seed)
+                         "forge_seed_range": max(f) - min(f), "trl_seed_range": max(t) - min(t)})
     summary["accuracy_gap"] = gaps
     summary["accuracy_per_step_equal_within_noise"] = all(g["within_2se"] for g in gaps[1:]) if len(gaps) > 1 else None
     summary["prompt_order_matches"] = all(
