@@ -22,7 +22,6 @@ Writes bench/results/fsdp_memory.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -173,12 +172,12 @@ def print_table(results: dict) -> None:
     keys = ("setup_peak_rss_bytes", "steps_peak_rss_bytes", "final_save_peak_rss_bytes", "peak_rss_bytes")
     for name, runs in results["models"].items():
         for mode in (False, True):
-            peak = functools.partial(_peak, runs)
-            step = functools.partial(_mean_step, runs)
             held = next(r for r in runs if r["fsdp"] == mode)["ranks"][0]["parameter_bytes"]
-            cells = [f"{peak(mode, k) / 2**30:.2f} GiB ({peak(mode, k) / peak(False, k):.2f}x)" for k in keys]
+            cells = [f"{_peak(runs, mode, k) / 2**30:.2f} GiB ({_peak(runs, mode, k) / _peak(runs, False, k):.2f}x)"
+                     for k in keys]
+            step = _mean_step(runs, mode)
             print(f"| {name} | {'FSDP2' if mode else 'data-parallel'} | {held / 2**20:.0f} MiB | "
-                  + " | ".join(cells) + f" | {step(mode):.1f} ({step(mode) / step(False):.2f}x) |")
+                  + " | ".join(cells) + f" | {step:.1f} ({step / _mean_step(runs, False):.2f}x) |")
 
 
 def _peak(runs: list[dict], fsdp: bool, key: str) -> int:

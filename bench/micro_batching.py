@@ -3,42 +3,55 @@ carrying rows in one micro-batch (0, which computes the prompts' shared template
 the step's longest completion). Same model, recipe, rows and sampling seed on both sides, steps alternating
 A B / B A, process CPU seconds per step.
 
-    python bench/micro_batching.py [THREADS] [STEPS]       # e.g. 1 8
+    python bench/micro_batching.py [THREADS] [STEPS]       # e.g. 1 8 (defaults: 1 thread, 6 steps)
 """
+
+from __future__ import annotations
+
 import copy
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-from forge.demo import DemoSettings, demo_config, demo_rewards
-from forge.core.policy import load_model
-from forge.core.trainer import GRPOTrainer
-from forge.data.arithmetic import arithmetic_dataset
-s = DemoSettings(seed=0)
-rows = arithmetic_dataset(n=60 * 4, seed=0, chat=True)
-base, tok = load_model("default")
-trainers = {}
-for mb in (8, 0):
-    cfg = demo_config(s, f"/tmp/forge_micro_batching_{mb}", micro_batch_size=mb, eval_steps=0)
-    trainers[mb] = GRPOTrainer(copy.deepcopy(base), tok, demo_rewards(), cfg)
+SIZES = (8, 0)  # micro_batch_size: one group of the demo's 8 completions, or the whole step at once
+
+
+def main(threads: int, steps: int) -> None:
     from forge.core.optim import make_scheduler
-    trainers[mb].scheduler = make_scheduler(trainers[mb].optimizer, "constant", 0.0, 60)
-res = {8: [], 0: []}
-for i in range(int(sys.argv[2]) if len(sys.argv) > 2 else 6):
-    batch = rows[4 * i: 4 * i + 4]
-    for mb in ((8, 0) if i % 2 == 0 else (0, 8)):
-        t = trainers[mb]
-        torch.manual_seed(1000 + i)
-        c0 = time.process_time(); w0 = time.perf_counter()
-        m = t.step(batch)
-        res[mb].append({"cpu": time.process_time() - c0, "wall": time.perf_counter() - w0, "gen": m.get("generation_share"),
-                        "loss": m["loss"], "kept": 1 - m.get("frac_zero_std_groups", 0)})
-    print(i, {mb: {k: round(v, 4) if isinstance(v, float) else v for k, v in res[mb][-1].items()} for mb in res}, flush=True)
-cpu = {mb: sum(r["cpu"] for r in res[mb]) for mb in res}
-for mb in res:
-    print(f"micro_batch_size={mb}: {cpu[mb]:.1f} CPU s, {sum(r['wall'] for r in res[mb]):.1f} s wall")
-print(f"ratio (0 / 8) on CPU time: {cpu[0] / cpu[8]:.2f}x")
+    from forge.core.policy import load_model
+    from forge.core.trainer import GRPOTrainer
+    from forge.data.arithmetic import arithmetic_dataset
+    from forge.demo import DemoSettings, demo_config, demo_rewards
+
+    torch.set_num_threads(threads)
+    settings = DemoSettings(seed=0)
+    rows = arithmetic_dataset(n=settings.steps * settings.prompts_per_step, seed=0, chat=True)  # the demo's rows
+    base, tokenizer = load_model("default")
+    trainers = {}
+    for size in SIZES:
+        config = demo_config(settings, f"/tmp/forge_micro_batching_{size}", micro_batch_size=size, eval_steps=0)
+        trainer = GRPOTrainer(copy.deepcopy(base), tokenizer, demo_rewards(), config)
+        # step() is called directly, outside train(), which is where the scheduler is normally built
+        trainer.scheduler = make_scheduler(trainer.optimizer, "constant", 0.0, settings.steps)
+        trainers[size] = trainer
+    results = {size: [] for size in SIZES}
+    per_step = settings.prompts_per_step
+    for i in range(steps):
+        for size in (SIZES if i % 2 == 0 else SIZES[::-1]):
+            torch.manual_seed(1000 + i)
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            metrics = trainers[size].step(rows[per_step * i: per_step * (i + 1)])
+            results[size].append({"cpu": time.process_time() - cpu0, "wall": time.perf_counter() - wall0,
+                                  "gen": metrics.get("generation_share"), "loss": metrics["loss"],
+                                  "kept": 1 - metrics.get("frac_zero_std_groups", 0)})
+        print(i, {size: {k: round(v, 4) if isinstance(v, float) else v for k, v in results[size][-1].items()}
+                  for size in SIZES}, flush=True)
+    cpu = {size: sum(r["cpu"] for r in results[size]) for size in SIZES}
+    for size in SIZES:
+        print(f"micro_batch_size={size}: {cpu[size]:.1f} CPU s, {sum(r['wall'] for r in results[size]):.1f} s wall")
+    print(f"ratio (0 / 8) on CPU time: {cpu[0] / cpu[8]:.2f}x")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1, int(sys.argv[2]) if len(sys.argv) > 2 else 6)
