@@ -15,6 +15,7 @@ from forge.core.policy import (
     load_model,
     make_reference_model,
     merge_and_export,
+    merged_adapters,
     packaged_model_path,
     prepare_tokenizer,
     reference_context,
@@ -146,6 +147,63 @@ def test_reference_context_is_exactly_the_base_model(tiny_model, tiny_tokenizer)
     fresh_base, _ = build_tiny_model(tiny_tokenizer, seed=0)
     fresh_base.load_state_dict(base_state)
     torch.testing.assert_close(_logits(fresh_base, input_ids), base_logits, atol=0, rtol=0)
+
+
+def test_merged_adapters_give_the_adapted_outputs_and_put_the_weights_back(tiny_model, tiny_tokenizer):
+    input_ids = _input_ids(tiny_tokenizer)
+    base_logits = _logits(tiny_model, input_ids)
+    peft_model = apply_lora(tiny_model, r=4, alpha=8)
+    _randomize_lora_b(peft_model)
+    adapted_logits = _logits(peft_model, input_ids)
+    assert not torch.allclose(adapted_logits, base_logits, atol=1e-3)
+    before = {name: (p, p.detach().clone()) for name, p in peft_model.named_parameters()}
+
+    with merged_adapters(peft_model) as merged:
+        assert merged
+        merged_logits = _logits(peft_model, input_ids)
+        q_proj = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+        # the weight really is W + (alpha / r) B A while inside, and the adapter path is off
+        expected = before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"][1] + 2.0 * (
+            q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight)
+        torch.testing.assert_close(q_proj.base_layer.weight, expected, atol=1e-6, rtol=0)
+        with merged_adapters(peft_model) as nested:  # already merged: nothing more happens
+            assert not nested
+    torch.testing.assert_close(merged_logits, adapted_logits, atol=1e-5, rtol=0)
+    assert not torch.allclose(merged_logits, base_logits, atol=1e-3)
+
+    # afterwards: the same parameter objects, bit for bit, and the adapters (still trainable) are back on
+    for name, parameter in peft_model.named_parameters():
+        original, value = before[name]
+        assert parameter is original
+        assert torch.equal(parameter, value), name
+        assert parameter.requires_grad == ("lora_" in name)
+    torch.testing.assert_close(_logits(peft_model, input_ids), adapted_logits, atol=0, rtol=0)
+
+
+def test_merged_adapters_restore_the_weights_after_an_error(tiny_model):
+    peft_model = apply_lora(tiny_model, r=4, alpha=8)
+    _randomize_lora_b(peft_model)
+    before = {name: p.detach().clone() for name, p in peft_model.named_parameters()}
+    with pytest.raises(RuntimeError, match="inside"):
+        with merged_adapters(peft_model):
+            raise RuntimeError("inside")
+    assert all(torch.equal(p, before[name]) for name, p in peft_model.named_parameters())
+    with merged_adapters(peft_model) as merged:  # and it can merge again
+        assert merged
+
+
+def test_merged_adapters_leave_other_models_alone(tiny_model):
+    with merged_adapters(tiny_model) as merged:  # not a LoRA model
+        assert not merged
+    peft_model = apply_lora(tiny_model, r=4, alpha=8)
+    with merged_adapters(peft_model, enabled=False) as merged:
+        assert not merged
+    from peft import LoraConfig, get_peft_model
+
+    dora = get_peft_model(build_tiny_model(build_tiny_tokenizer(), seed=0)[0],
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True))
+    with merged_adapters(dora) as merged:  # DoRA is not W + s B A
+        assert not merged
 
 
 def test_make_reference_model_is_a_frozen_copy(tiny_model, tiny_tokenizer):

@@ -210,6 +210,40 @@ def test_lora_reference_is_the_adapter_disabled_model(tmp_path, monkeypatch, tin
     assert not torch.allclose(policy_logprobs[mask[:, :length]], reference[:, :length][mask[:, :length]])
 
 
+def test_lora_generates_with_merged_adapters_and_trains_the_same(tmp_path, monkeypatch, tiny_tokenizer):
+    """merge_lora_for_generation: generation and evaluation run with the adapters folded into the weights; the
+    run trains as it does without (same completions and weights up to fp32 rounding), and the base weights are
+    the same tensors, unchanged, afterwards."""
+    seen, real_generate = [], trainer_module.generate
+
+    def spy(model, *args, **kwargs):
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        seen.append((getattr(model, "_forge_merged", False), layer.disable_adapters))
+        return real_generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "generate", spy)
+    monkeypatch.setattr("forge.core.rollout.generate", spy)  # the evaluator's, imported when it is built
+    runs = {}
+    for merge in (True, False):
+        seen.clear()
+        model, _ = build_tiny_model(tiny_tokenizer, seed=0)
+        config = fast_config(tmp_path / str(merge), use_lora=True, lora_r=4, lora_alpha=8, learning_rate=5e-2,
+                             max_steps=3, merge_lora_for_generation=merge, eval_steps=3)
+        trainer = GRPOTrainer(model, tiny_tokenizer, alternating, config)
+        base = {n: p for n, p in trainer.model.named_parameters() if "base_layer" in n}
+        base_values = {n: p.detach().clone() for n, p in base.items()}
+        trainer.train(ROWS, eval_dataset=ROWS[:2])
+        assert seen == [(merge, merge)] * len(seen) and len(seen) > 3  # 3 steps and the evaluations
+        for name, p in trainer.model.named_parameters():
+            if "base_layer" in name:
+                assert p is base[name] and torch.equal(p, base_values[name]), name
+        runs[merge] = (weights(trainer.model), read_jsonl(tmp_path / str(merge) / "run" / "samples.jsonl"))
+    merged, plain = runs[True], runs[False]
+    assert [r["completion"] for r in merged[1]] == [r["completion"] for r in plain[1]]
+    for name, value in plain[0].items():
+        torch.testing.assert_close(merged[0][name], value, atol=1e-5, rtol=1e-4)
+
+
 def test_several_updates_per_rollout_compute_pi_old_once(tmp_path, monkeypatch, tiny_model, tiny_tokenizer):
     mu = 3
     config = fast_config(tmp_path, num_iterations=mu, max_steps=2 * mu, kl_beta=0.0, clip_epsilon=0.05,

@@ -179,6 +179,12 @@ class GRPOConfig:
     # --- engine ---
     share_prompt_prefix: bool = True
     """Compute each prompt once per group (in generation and in the loss) instead of G times."""
+    merge_lora_for_generation: bool = True
+    """With LoRA, generate and evaluate with the adapters folded into a temporary copy of the adapted weights
+    (policy.merged_adapters): one matmul per layer instead of three, ~16% less generation time on a CPU
+    (bench/merged_generation.py). The training weights are untouched (put back bit for bit); the sampler then
+    differs from the trainer by fp32 rounding. Needs memory for one copy of the adapted weights during
+    generation, and is skipped when that does not fit on the GPU, under FSDP2, and for DoRA or quantised layers."""
     logprob_chunk_size: int = 1024
     """Positions per chunk in the log-softmax, so (tokens x vocab) fp32 logits are never all alive."""
     gradient_checkpointing: bool = False

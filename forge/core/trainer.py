@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from forge.core import metrics as step_stats
+from forge.core import policy
 from forge.core import sharding
 from forge.core.distributed import DataParallel
 from forge.core.grpo import (
@@ -108,8 +109,6 @@ class GRPOTrainer:
 
     def __init__(self, model, tokenizer=None, reward_fn=None, config: GRPOConfig | None = None,
                  evaluator: Evaluator | None = None, tools: list[Callable] | None = None):
-        from forge.core import policy
-
         self.config = config = (config or GRPOConfig()).validate()
         if reward_fn is None:
             raise ValueError("GRPOTrainer needs reward_fn, e.g. reward_fn=ExactMatchReward()")
@@ -280,7 +279,7 @@ class GRPOTrainer:
         return {**self.config.to_dict(), "model_name": getattr(self.model.config, "_name_or_path", "") or ""}
 
     def _evaluate(self, eval_rows: list[dict], epoch: int) -> None:
-        with self.precision.autocast(), self._whole_weights():
+        with self.precision.autocast(), self._whole_weights(), self._merged():
             metrics = self.evaluator(self.model, self.tokenizer, eval_rows,
                                      max_new_tokens=self.config.max_new_tokens, max_prompt_length=self.max_prompt_length)
         self.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.global_step, epoch=epoch)
@@ -357,7 +356,7 @@ class GRPOTrainer:
         noise = sampling_noise(self._sampling_rng, len(prompts) * config.group_size, config.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
         # bf16 / fp16 compute over the fp32 master weights, when chosen; the whole weights under FSDP2
-        with self.precision.autocast(), self._whole_weights():
+        with self.precision.autocast(), self._whole_weights(), self._merged():
             if self.tool_settings is not None:
                 return generate_with_tools(self.model, self.tokenizer, prompts, config.group_size, settings,
                                            self.tool_settings, self.max_prompt_length, config.truncate_prompts,
@@ -405,6 +404,11 @@ class GRPOTrainer:
         """Under FSDP2, the whole weights of `model` (the policy) on every rank: for generation, evaluation and
         the no-grad log-prob passes (core/sharding.py). A no-op otherwise."""
         return sharding.gathered(model or self.model) if self.dist.fsdp else contextlib.nullcontext()
+
+    def _merged(self):
+        """LoRA adapters folded into the weights for a no-grad pass (generation, evaluation), unless turned off or
+        sharded (policy.merged_adapters)."""
+        return policy.merged_adapters(self.model, self.config.merge_lora_for_generation and not self.dist.fsdp)
 
     def _micro_batches(self, rollout: Rollout, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """`rows` (default: all of the rollout's, in order) in chunks of micro_batch_size (0 = one chunk)."""
