@@ -206,6 +206,17 @@ def test_merged_adapters_leave_other_models_alone(tiny_model):
         assert not merged
 
 
+def test_merged_adapters_only_in_fp32(tiny_model):
+    """In bf16, W + s B A rounds to W's 8 bits: a small update would vanish, so generation keeps the adapters."""
+    peft_model = apply_lora(tiny_model, r=4, alpha=8)
+    _randomize_lora_b(peft_model)
+    with torch.autocast("cpu", dtype=torch.bfloat16), merged_adapters(peft_model) as merged:
+        assert not merged
+    peft_model.to(torch.bfloat16)
+    with merged_adapters(peft_model) as merged:
+        assert not merged
+
+
 def test_make_reference_model_is_a_frozen_copy(tiny_model, tiny_tokenizer):
     input_ids = _input_ids(tiny_tokenizer)
     reference = make_reference_model(tiny_model)

@@ -184,7 +184,8 @@ class GRPOConfig:
     (policy.merged_adapters): one matmul per layer instead of three, ~16% less generation time on a CPU
     (bench/merged_generation.py). The training weights are untouched (put back bit for bit); the sampler then
     differs from the trainer by fp32 rounding. Needs memory for one copy of the adapted weights during
-    generation, and is skipped when that does not fit on the GPU, under FSDP2, and for DoRA or quantised layers."""
+    generation, and is skipped when that does not fit on the GPU, under FSDP2, for DoRA or quantised layers, and in
+    bf16/fp16 (where W + s B A would round small adapter updates away)."""
     logprob_chunk_size: int = 1024
     """Positions per chunk in the log-softmax, so (tokens x vocab) fp32 logits are never all alive."""
     gradient_checkpointing: bool = False

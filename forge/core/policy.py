@@ -389,7 +389,8 @@ def _mergeable_lora_layers(model: nn.Module) -> list | None:
         weight = getattr(m.get_base_layer(), "weight", None)
         if (type(m) is not LoraLinear or type(m.get_base_layer()) is not nn.Linear or m.merged
                 or any(m.use_dora.get(a, False) for a in m.active_adapters) or users.get(id(weight), 0) != 1
-                or type(weight.data) is not torch.Tensor):  # DTensor (FSDP2) or a quantised weight
+                or type(weight.data) is not torch.Tensor  # DTensor (FSDP2) or a quantised weight
+                or weight.dtype != torch.float32):  # see merged_adapters: lower precision rounds the update away
             return None
     return adapted or None
 
@@ -417,8 +418,14 @@ def merged_adapters(model: nn.Module, enabled: bool = True) -> Iterator[bool]:
     inside, and is skipped (yields False) when that does not fit on the GPU, for models that are not plain LoRA
     on linear layers (DoRA, quantised or FSDP2-sharded weights, a weight shared by two modules), and when
     already inside.
+
+    fp32 only: skipped for bf16/fp16 weights and under autocast. There W + s B A would be rounded to the
+    weight's own 8 or 11 bits, and an adapter update smaller than half of W's last bit (most of them, early in
+    training) would round back to W exactly: generation would sample from a policy that lags the trained one.
     """
     layers = _mergeable_lora_layers(model) if enabled and not getattr(model, "_forge_merged", False) else None
+    if layers and torch.is_autocast_enabled(layers[0].get_base_layer().weight.device.type):
+        layers = None
     if not layers or not _room_for(model, layers):
         yield False
         return
