@@ -4,7 +4,8 @@
 Two trainers with the same model, recipe, rows and sampling seed take turns, steps alternating A B / B A; then
 each greedily evaluates the same held-out problems, alternating too. Reports generation seconds per 1,000
 generated tokens (the rollouts of the two sides drift apart by fp32 rounding, so their lengths differ a
-little), process CPU seconds per step, and evaluation seconds; writes bench/results/merged_generation.json.
+little), process CPU seconds per step, and evaluation seconds; writes
+bench/results/merged_generation_{THREADS}threads.json.
 
     python bench/merged_generation.py [THREADS] [STEPS] [HELDOUT]     # defaults: 1 thread, 6 steps, 60 problems
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 SIDES = (True, False)  # merge_lora_for_generation
-RESULTS = Path(__file__).resolve().parent / "results" / "merged_generation.json"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def cpu_name() -> str:
@@ -94,10 +95,11 @@ def main(threads: int, steps: int, heldout_size: int) -> None:
               "steps": steps, "heldout": heldout_size, "merged": summary[True], "adapter_path": summary[False],
               "ratio_merged_over_adapter_path": ratios, "per_step": {str(k): v for k, v in steps_log.items()},
               "evaluations": {str(k): v for k, v in evals.items()}}
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    path = RESULTS / f"merged_generation_{threads}threads.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
     for key, ratio in ratios.items():
         print(f"{key}: merged {summary[True][key]:.2f}, adapter path {summary[False][key]:.2f} -> {ratio:.2f}x")
-    print(f"written to {RESULTS}")
+    print(f"written to {path}")
 
 
 if __name__ == "__main__":
