@@ -389,7 +389,7 @@ def _mergeable_lora_layers(model: nn.Module) -> list | None:
         weight = getattr(m.get_base_layer(), "weight", None)
         if (type(m) is not LoraLinear or type(m.get_base_layer()) is not nn.Linear or m.merged
                 or any(m.use_dora.get(a, False) for a in m.active_adapters) or users.get(id(weight), 0) != 1
-                or type(weight.data) is not torch.Tensor  # DTensor (FSDP2) or a quantised weight
+                or type(weight.data) is not torch.Tensor or weight.is_meta  # DTensor (FSDP2), quantised, offloaded
                 or weight.dtype != torch.float32):  # see merged_adapters: lower precision rounds the update away
             return None
     return adapted or None
