@@ -387,7 +387,7 @@ def _mergeable_lora_layers(model: nn.Module) -> list | None:
             users[id(p)] = users.get(id(p), 0) + 1
     for m in adapted:
         weight = getattr(m.get_base_layer(), "weight", None)
-        if (type(m) is not LoraLinear or type(m.get_base_layer()) is not nn.Linear or m.merged
+        if (type(m) is not LoraLinear or type(m.get_base_layer()) is not nn.Linear or m.merged or m.fan_in_fan_out
                 or any(m.use_dora.get(a, False) for a in m.active_adapters) or users.get(id(weight), 0) != 1
                 or type(weight.data) is not torch.Tensor or weight.is_meta  # DTensor (FSDP2), quantised, offloaded
                 or weight.dtype != torch.float32):  # see merged_adapters: lower precision rounds the update away
@@ -433,8 +433,10 @@ def merged_adapters(model: nn.Module, enabled: bool = True) -> Iterator[bool]:
     try:
         with torch.no_grad():
             for m, weight in zip(layers, originals):
-                delta = sum(m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A)  # (out, in)
-                m.get_base_layer().weight.data = weight + delta  # both fp32
+                merged = weight
+                for a in (a for a in m.active_adapters if a in m.lora_A):  # W + s B A in one op per adapter
+                    merged = torch.addmm(merged, m.lora_B[a].weight, m.lora_A[a].weight, alpha=m.scaling[a])
+                m.get_base_layer().weight.data = merged  # (out, in), a new tensor
         model._forge_merged = True
         with model.disable_adapter():
             yield True
