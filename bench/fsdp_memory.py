@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -129,6 +128,8 @@ def run(model: str, fsdp: bool, work: Path, steps: int, tag: str) -> dict:
 
 
 def main() -> None:
+    from workloads import cpu_model
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="wide,default")
     parser.add_argument("--steps", type=int, default=2)
@@ -144,7 +145,7 @@ def main() -> None:
             for a in range(3, 9) for b in range(4, 8)]
     (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (work / "rewards.py").write_text(REWARD)
-    results = {"machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "load_average_start": os.getloadavg(),
+    results = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average_start": os.getloadavg(),
                            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_")},
                "steps": args.steps, "models": {}}
     for name in args.models.split(","):
@@ -189,16 +190,6 @@ def _mean_step(runs: list[dict], fsdp: bool) -> float:
     """Mean step seconds of one mode, leaving out each run's first step (warm-up) when it has more."""
     steps = [s for r in runs if r["fsdp"] == fsdp for s in (r["step_seconds"][1:] or r["step_seconds"])]
     return sum(steps) / max(len(steps), 1)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 if __name__ == "__main__":

@@ -37,8 +37,6 @@ import itertools
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -144,7 +142,7 @@ def run(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from workloads import load_model, machine_info
+    from workloads import cpu_model, load_model, machine_info
 
     from forge.data.arithmetic import arithmetic_dataset, arithmetic_heldout
     from forge.demo import DemoSettings
@@ -158,7 +156,7 @@ def run(args) -> None:
     heldout = arithmetic_heldout(n=args.heldout, chat=True)
     meta = {"framework": args.framework, "seed": args.seed, "steps": args.steps, "eval_every": args.eval_every,
             "heldout": len(heldout), "threads": args.threads, "settings": vars(settings) | {"shuffle": False},
-            "machine": machine_info(args.threads), "cpu_name": cpu_name(), "command": " ".join(sys.argv)}
+            "machine": machine_info(args.threads), "cpu_name": cpu_model(), "command": " ".join(sys.argv)}
     curve = Curve(args, model, tokenizer, heldout, Path(args.raw_dir) / f"{args.framework}_seed{args.seed}.json", meta)
     if not args.skip_base_eval:
         curve.evaluate(0)  # the base model, before either clock runs
@@ -262,16 +260,6 @@ def run_trl(settings, model, tokenizer, rows, curve: Curve) -> None:
     for entry in curve.data["step_rewards"]:  # logged after on_step_end; fill them in at the end
         entry["reward"] = rewards.get(entry["step"])
 
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,17 +25,9 @@ SIDES = (True, False)  # merge_lora_for_generation
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(threads: int, steps: int, heldout_size: int) -> None:
+    from workloads import cpu_model
+
     from forge.core.optim import make_scheduler
     from forge.core.policy import load_model
     from forge.core.trainer import GRPOTrainer
@@ -89,7 +80,7 @@ def main(threads: int, steps: int, heldout_size: int) -> None:
     ratios = {key: summary[True][key] / summary[False][key] for key in summary[True]}
     report = {"what": "merge_lora_for_generation True vs False, the demo's recipe (SmolLM2-135M, LoRA r=16 on 7 "
                       "projections, 4 prompts x 8, 64 new tokens), alternating A B / B A in one process",
-              "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": threads,
+              "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": threads,
                           "torch": torch.__version__},
               "load_average": {"start": load_start, "end": os.getloadavg()},
               "steps": steps, "heldout": heldout_size, "merged": summary[True], "adapter_path": summary[False],

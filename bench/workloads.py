@@ -141,6 +141,20 @@ def correctness_reward(prompts, completions, references=None, reference=None, **
     return MathCorrectnessReward()(list(prompts), texts, references=refs).scores
 
 
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's "Model name", from /proc/cpuinfo), or what platform knows of it."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if models:
+            return models[0]
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def machine_info(threads: int) -> dict:
     import os
     import platform
@@ -149,13 +163,7 @@ def machine_info(threads: int) -> dict:
 
     info = {"cpu_cores": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        info["cpu_model"] = models[0] if models else platform.processor()
-    except OSError:
-        info["cpu_model"] = platform.processor()
+            "platform": platform.platform(), "cpu_model": cpu_model()}
     try:
         info["load_average"] = os.getloadavg()
     except OSError:

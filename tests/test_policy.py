@@ -184,9 +184,8 @@ def test_merged_adapters_restore_the_weights_after_an_error(tiny_model):
     peft_model = apply_lora(tiny_model, r=4, alpha=8)
     _randomize_lora_b(peft_model)
     before = {name: p.detach().clone() for name, p in peft_model.named_parameters()}
-    with pytest.raises(RuntimeError, match="inside"):
-        with merged_adapters(peft_model):
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), merged_adapters(peft_model):
+        raise RuntimeError("inside")
     assert all(torch.equal(p, before[name]) for name, p in peft_model.named_parameters())
     with merged_adapters(peft_model) as merged:  # and it can merge again
         assert merged

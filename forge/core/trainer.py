@@ -31,8 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from forge.core import metrics as step_stats
-from forge.core import policy
-from forge.core import sharding
+from forge.core import policy, sharding
 from forge.core.distributed import DataParallel
 from forge.core.grpo import (
     GRPOConfig,
