@@ -205,6 +205,17 @@ def test_merged_adapters_leave_other_models_alone(tiny_model):
         assert not merged
 
 
+def test_merged_adapters_keep_switched_off_adapters_off(tiny_model, tiny_tokenizer):
+    """Evaluating the base model of a LoRA model (inside disable_adapter) must not merge the adapters back in."""
+    input_ids = _input_ids(tiny_tokenizer)
+    base_logits = _logits(tiny_model, input_ids)
+    peft_model = apply_lora(tiny_model, r=4, alpha=8)
+    _randomize_lora_b(peft_model)
+    with peft_model.disable_adapter(), merged_adapters(peft_model) as merged:
+        assert not merged
+        torch.testing.assert_close(_logits(peft_model, input_ids), base_logits, atol=1e-6, rtol=0)
+
+
 def test_merged_adapters_only_in_fp32(tiny_model):
     """In bf16, W + s B A rounds to W's 8 bits: a small update would vanish, so generation keeps the adapters."""
     peft_model = apply_lora(tiny_model, r=4, alpha=8)

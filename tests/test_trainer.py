@@ -214,11 +214,11 @@ def test_lora_generates_with_merged_adapters_and_trains_the_same(tmp_path, monke
     """merge_lora_for_generation: generation and evaluation run with the adapters folded into the weights; the
     run trains as it does without (same completions and weights up to fp32 rounding), and the base weights are
     the same tensors, unchanged, afterwards."""
-    seen, real_generate = [], trainer_module.generate
+    seen, real_generate, original = [], trainer_module.generate, {}
 
-    def spy(model, *args, **kwargs):
+    def spy(model, *args, **kwargs):  # (is q_proj's weight the merged copy?, are the adapters off?)
         layer = model.base_model.model.model.layers[0].self_attn.q_proj
-        seen.append((getattr(model, "_forge_merged", False), layer.disable_adapters))
+        seen.append((layer.base_layer.weight.data_ptr() != original["q_proj"], layer.disable_adapters))
         return real_generate(model, *args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "generate", spy)
@@ -231,6 +231,7 @@ def test_lora_generates_with_merged_adapters_and_trains_the_same(tmp_path, monke
                              max_steps=3, merge_lora_for_generation=merge, eval_steps=3)
         trainer = GRPOTrainer(model, tiny_tokenizer, alternating, config)
         base = {n: p for n, p in trainer.model.named_parameters() if "base_layer" in n}
+        original["q_proj"] = trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.data_ptr()
         base_values = {n: p.detach().clone() for n, p in base.items()}
         trainer.train(ROWS, eval_dataset=ROWS[:2])
         assert seen == [(merge, merge)] * len(seen) and len(seen) > 3  # 3 steps and the evaluations

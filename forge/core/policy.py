@@ -374,7 +374,8 @@ def apply_lora(
 
 def _mergeable_lora_layers(model: nn.Module) -> list | None:
     """The LoRA linear layers of a PeftModel when every one can be merged by adding B @ A * scale to a weight of its
-    own (plain LoRA on nn.Linear, no DoRA, weight used by no other module); None otherwise."""
+    own (plain LoRA on nn.Linear, no DoRA, weight used by no other module) and its adapters are on; None otherwise
+    (adapters switched off, by the caller's `disable_adapter()` or an enclosing merge, leave nothing to merge)."""
     if not is_peft_model(model):
         return None
     from peft.tuners.lora import LoraLayer
@@ -388,6 +389,7 @@ def _mergeable_lora_layers(model: nn.Module) -> list | None:
     for m in adapted:
         weight = getattr(m.get_base_layer(), "weight", None)
         if (type(m) is not LoraLinear or type(m.get_base_layer()) is not nn.Linear or m.merged or m.fan_in_fan_out
+                or m.disable_adapters
                 or any(m.use_dora.get(a, False) for a in m.active_adapters) or users.get(id(weight), 0) != 1
                 or type(weight.data) is not torch.Tensor or weight.is_meta  # DTensor (FSDP2), quantised, offloaded
                 or weight.dtype != torch.float32):  # see merged_adapters: lower precision rounds the update away
@@ -416,14 +418,15 @@ def merged_adapters(model: nn.Module, enabled: bool = True) -> Iterator[bool]:
     so the trained weights are bit-for-bit what they were (merging in place and subtracting again would not be).
     The outputs equal the adapter path up to fp32 rounding. It costs one copy of the adapted weights while
     inside, and is skipped (yields False) when that does not fit on the GPU, for models that are not plain LoRA
-    on linear layers (DoRA, quantised or FSDP2-sharded weights, a weight shared by two modules), and when
-    already inside.
+    on linear layers (DoRA, quantised or FSDP2-sharded weights, a weight shared by two modules), and when the
+    adapters are off (inside `model.disable_adapter()`, or already inside this merge): the base model then
+    stays the base model.
 
     fp32 only: skipped for bf16/fp16 weights and under autocast. There W + s B A would be rounded to the
     weight's own 8 or 11 bits, and an adapter update smaller than half of W's last bit (most of them, early in
     training) would round back to W exactly: generation would sample from a policy that lags the trained one.
     """
-    layers = _mergeable_lora_layers(model) if enabled and not getattr(model, "_forge_merged", False) else None
+    layers = _mergeable_lora_layers(model) if enabled else None
     if layers and torch.is_autocast_enabled(layers[0].get_base_layer().weight.device.type):
         layers = None
     if not layers or not _room_for(layers):
@@ -437,11 +440,9 @@ def merged_adapters(model: nn.Module, enabled: bool = True) -> Iterator[bool]:
                 for a in (a for a in m.active_adapters if a in m.lora_A):  # W + s B A in one op per adapter
                     merged = torch.addmm(merged, m.lora_B[a].weight, m.lora_A[a].weight, alpha=m.scaling[a])
                 m.get_base_layer().weight.data = merged  # (out, in), a new tensor
-        model._forge_merged = True
         with model.disable_adapter():
             yield True
     finally:
-        model._forge_merged = False
         for m, weight in zip(layers, originals):
             m.get_base_layer().weight.data = weight
 
