@@ -63,12 +63,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--skip-base-eval", action="store_true",
                      help="no step-0 evaluation: the base model's greedy result is the same for both frameworks "
                           "(same weights, same evaluation code and batches); `report` takes it from the other run")
-    run.add_argument("--raw-dir", default=str(RAW_DIR))
+    run.add_argument("--precision", choices=["float32", "best"], default="float32",
+                     help="float32: both at fp32 (the default). best: each framework at its best dtype on this "
+                          "machine, Forge dtype='auto' and TRL bf16=True where the CPU has bf16 matrix units (fp32 "
+                          "both where it has none), and both evaluated under the same bf16 autocast; raw files go to "
+                          "bench/results/learning_vs_trl_best/")
+    run.add_argument("--raw-dir", default=None, help="default: bench/results/learning_vs_trl[_best]/")
     rep = sub.add_parser("report", help="merge the raw runs into the summary JSON and the figure")
-    rep.add_argument("--raw-dir", default=str(RAW_DIR))
-    rep.add_argument("--out-json", default=str(OUT_JSON))
-    rep.add_argument("--out-png", default=str(OUT_PNG))
-    return p.parse_args(argv)
+    rep.add_argument("--precision", choices=["float32", "best"], default="float32",
+                     help="which runs to merge: float32 (learning_vs_trl/) or best (learning_vs_trl_best/, written "
+                          "to learning_vs_trl_best.json / .png)")
+    rep.add_argument("--raw-dir", default=None)
+    rep.add_argument("--out-json", default=None)
+    rep.add_argument("--out-png", default=None)
+    args = p.parse_args(argv)
+    suffix = "_best" if args.precision == "best" else ""
+    args.raw_dir = args.raw_dir or str(RAW_DIR.with_name(RAW_DIR.name + suffix))
+    if args.command == "report":
+        args.out_json = args.out_json or str(OUT_JSON.with_name(f"learning_vs_trl{suffix}.json"))
+        args.out_png = args.out_png or str(OUT_PNG.with_name(f"learning_vs_trl{suffix}.png"))
+    return args
+
+
+def compute_dtype(precision: str):
+    """(torch dtype each framework computes in, why): bf16 for "best" on a CPU with bf16 matrix units."""
+    import torch
+
+    from forge.core.policy import choose_precision
+
+    if precision == "float32":
+        return torch.float32, "float32 asked for"
+    chosen = choose_precision("auto", "cpu")
+    return chosen.compute, chosen.reason
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -98,8 +124,9 @@ class Curve:
 
         wall, cpu = self.clocks()
         w0, c0 = time.perf_counter(), time.process_time()
-        result = evaluate(model or self.model, self.tokenizer, self.heldout, max_new_tokens=self.args.max_new_tokens,
-                          batch_size=self.args.eval_batch_size)
+        with eval_precision(self.args.compute_dtype):  # the same numerics for both frameworks' models
+            result = evaluate(model or self.model, self.tokenizer, self.heldout,
+                              max_new_tokens=self.args.max_new_tokens, batch_size=self.args.eval_batch_size)
         eval_wall, eval_cpu = time.perf_counter() - w0, time.process_time() - c0
         self.eval_wall += eval_wall
         self.eval_cpu += eval_cpu
@@ -132,6 +159,15 @@ class Curve:
         tmp.replace(self.path)
 
 
+def eval_precision(dtype):
+    """bf16 evaluation: under CPU autocast, so Forge's bf16-stored LoRA base and TRL's fp32 base multiply alike."""
+    import contextlib
+
+    import torch
+
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast("cpu", dtype=dtype)
+
+
 def question_of(prompt) -> str:
     from forge.eval.evaluate import question_text
 
@@ -148,6 +184,7 @@ def run(args) -> None:
     from forge.demo import DemoSettings
 
     settings = DemoSettings(steps=args.steps, seed=args.seed, heldout=args.heldout, threads=args.threads)
+    args.compute_dtype, dtype_reason = compute_dtype(args.precision)
     args.max_new_tokens = settings.max_new_tokens
     torch.manual_seed(args.seed)
     model, tokenizer = load_model("smollm2", "short")
@@ -156,24 +193,29 @@ def run(args) -> None:
     heldout = arithmetic_heldout(n=args.heldout, chat=True)
     meta = {"framework": args.framework, "seed": args.seed, "steps": args.steps, "eval_every": args.eval_every,
             "heldout": len(heldout), "threads": args.threads, "settings": vars(settings) | {"shuffle": False},
-            "machine": machine_info(args.threads), "cpu_name": cpu_model(), "command": " ".join(sys.argv)}
+            "machine": machine_info(args.threads), "cpu_name": cpu_model(), "command": " ".join(sys.argv),
+            "precision": args.precision, "compute_dtype": str(args.compute_dtype).removeprefix("torch."),
+            "compute_dtype_reason": dtype_reason}
     curve = Curve(args, model, tokenizer, heldout, Path(args.raw_dir) / f"{args.framework}_seed{args.seed}.json", meta)
     if not args.skip_base_eval:
         curve.evaluate(0)  # the base model, before either clock runs
-    (run_forge if args.framework == "forge" else run_trl)(settings, model, tokenizer, rows, curve)
+    (run_forge if args.framework == "forge" else run_trl)(settings, model, tokenizer, rows, curve, args.compute_dtype)
     curve.data["finished"] = True
     curve.data["trained_steps"] = len(curve.data["step_rewards"])
     curve.save()
 
 
-def run_forge(settings, model, tokenizer, rows, curve: Curve) -> None:
+def run_forge(settings, model, tokenizer, rows, curve: Curve, dtype) -> None:
     import tempfile
 
     from forge.core.trainer import GRPOTrainer
     from forge.demo import demo_config, demo_rewards
 
     with tempfile.TemporaryDirectory(prefix="lvt_forge_") as out:
-        config = demo_config(settings, out, shuffle=False, dtype="float32", log_completions=0)
+        import torch
+
+        config = demo_config(settings, out, shuffle=False, log_completions=0,
+                             dtype="float32" if dtype == torch.float32 else "auto")
         trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config)
         curve.model = trainer.model
         step = trainer.step
@@ -192,7 +234,7 @@ def run_forge(settings, model, tokenizer, rows, curve: Curve) -> None:
         trainer.train(rows)
 
 
-def run_trl(settings, model, tokenizer, rows, curve: Curve) -> None:
+def run_trl(settings, model, tokenizer, rows, curve: Curve, dtype) -> None:
     import tempfile
 
     import trl
@@ -227,8 +269,9 @@ def run_trl(settings, model, tokenizer, rows, curve: Curve) -> None:
         reward_weights=[1.0, settings.format_weight],
         learning_rate=settings.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, optim="adamw_torch", max_steps=settings.steps, seed=settings.seed, shuffle_dataset=False,
-        # TRL defaults that differ from the demo's: bf16=True, gradient_checkpointing=True. Set as the demo's here.
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, use_vllm=False,
+        # TRL's default bf16=True (accelerate's bf16 autocast over fp32 weights) only where it is fast; its default
+        # gradient_checkpointing=True is set off, as the demo's.
+        bf16=str(dtype) == "torch.bfloat16", fp16=False, gradient_checkpointing=False, use_cpu=True, use_vllm=False,
         report_to="none", logging_strategy="steps", logging_steps=1, save_strategy="no", eval_strategy="no",
         log_completions=False, disable_tqdm=True, dataloader_num_workers=0,
     )
@@ -324,6 +367,7 @@ def report(args) -> dict:
     summary = {"target_accuracy": target,
                "target_from": f"TRL at step {trl_mean[-1]['step']}, mean of seeds {[r['seed'] for r in trl_runs]}",
                "heldout": n, "cpu_name": trl_runs[0]["cpu_name"],
+               "compute_dtype": {f"{r['framework']}_seed{r['seed']}": r.get("compute_dtype", "float32") for r in runs},
                "seeds": {"forge": [r["seed"] for r in forge_runs], "trl": [r["seed"] for r in trl_runs]},
                "mean_curves": {"trl": trl_mean, "forge": forge_mean}}
     trl_wall = time_to(trl_mean, target, "train_wall_seconds")
@@ -432,7 +476,10 @@ def plot(runs: list[dict], target: float, n: int, path: Path, means: dict | None
     axes[1].set_title("accuracy vs wall time")
     axes[2].set_title("accuracy vs CPU time")
     axes[0].legend(fontsize=8)
-    fig.suptitle("forge demo recipe: Forge vs TRL GRPOTrainer (SmolLM2-135M-Instruct, LoRA, fp32, 1 thread each)")
+    dtypes = ", ".join(sorted({f"{'Forge' if r['framework'] == 'forge' else 'TRL'} {r.get('compute_dtype', 'float32')}"
+                               for r in runs}))
+    fig.suptitle(f"forge demo recipe: Forge vs TRL GRPOTrainer (SmolLM2-135M-Instruct, LoRA, {dtypes}, "
+                 f"1 thread each, {runs[0]['cpu_name']})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

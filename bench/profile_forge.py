@@ -1,6 +1,6 @@
 """Where a Forge GRPO step spends its time: torch.profiler over one optimizer step, after a warm-up step.
 
-    python bench/profile_forge.py --workload short --model smollm2 --mode lora [--threads 1] [--steps 1]
+    python bench/profile_forge.py --workload short --model smollm2 --mode lora [--threads 1] [--precision best]
 
 Same trainer settings as compare_trl.py. Prints the time of each phase of the step (labelled with
 record_function around the trainer's and the rollout's functions) and the top operators by self CPU time;
@@ -94,6 +94,8 @@ def main(argv=None) -> None:
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--one-token-prompt", action="store_true", help="replace each prompt by its first token")
     p.add_argument("--fixed-length", action="store_true", help="make EOS unreachable (default for tiny)")
+    p.add_argument("--precision", choices=["float32", "best"], default="float32",
+                   help="float32, or dtype='auto' (bf16 compute where the CPU has bf16 matrix units)")
     p.add_argument("--trace", action="store_true", help="also write a Chrome trace")
     p.add_argument("--top", type=int, default=25, help="operators to list")
     args = p.parse_args(argv)
@@ -104,7 +106,8 @@ def main(argv=None) -> None:
     group_size = args.group_size or workload.group_size
     spec = {"workload": args.workload, "model": args.model, "mode": args.mode, "group_size": group_size,
             "prompts_per_step": workload.prompts_per_step, "max_new_tokens": workload.max_new_tokens,
-            "micro_batch_size": workload.micro_batch_size if args.micro_batch_size is None else args.micro_batch_size}
+            "micro_batch_size": workload.micro_batch_size if args.micro_batch_size is None else args.micro_batch_size,
+            "precision": args.precision}
     model, tokenizer = load_model(args.model, args.workload)
     if args.fixed_length or args.model == "tiny":
         suppress_eos(model, tokenizer)
@@ -119,7 +122,8 @@ def main(argv=None) -> None:
     warmup, profiled = recorder.steps
     by_name = {e.key: e for e in events}
     total = by_name["optimizer step"].cpu_time_total / 1e6
-    print(f"# Forge step profile: {args.workload} / {args.model} / {args.mode}, {args.threads} thread(s)\n")
+    print(f"# Forge step profile: {args.workload} / {args.model} / {args.mode}, {args.threads} thread(s), "
+          f"precision {args.precision}\n")
     print(f"warm-up step {warmup['seconds']:.2f} s; profiled step {total:.2f} s inside the profiler, "
           f"{profiled['gen_seconds']:.2f} s of it generating {profiled['completion_tokens']} completion tokens "
           f"({profiled['prompt_tokens']} prompt tokens x group)\n")

@@ -68,6 +68,9 @@ class DemoSettings:
     """Where the report, curves, logs and adapter go."""
     threads: int = 0
     """torch threads (0 = all cores)."""
+    dtype: str = "auto"
+    """Compute dtype (GRPOConfig.dtype) of training and of every evaluation: 'auto' = bf16 on a CPU with bf16
+    matrix units (AMX / AVX512-BF16) or a bf16 GPU, fp32 elsewhere; 'float32' forces fp32. Weights stay fp32."""
     quick: bool = False
     """Smoke run (~2 minutes): 3 steps, 20 held-out problems, small screening; learning not expected."""
     tools: bool = False
@@ -108,7 +111,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_demo(settings: DemoSettings) -> dict:
-    from forge.core.policy import load_model
+    from forge.core.policy import choose_precision, load_model
     from forge.core.trainer import GRPOTrainer, seed_everything
     from forge.data.arithmetic import arithmetic_dataset, arithmetic_heldout
     from forge.eval.evaluate import evaluate
@@ -134,13 +137,19 @@ def run_demo(settings: DemoSettings) -> dict:
                                     seed=settings.seed, chat=True)
 
     timings = {"load": time.perf_counter() - started}
+    # the base model is measured in the precision the trainer will train and evaluate in, so that before and
+    # after differ by training only
+    precision = choose_precision(settings.dtype, next(model.parameters()).device)
     if settings.ceiling:
-        return _measure_ceiling(settings, model, tokenizer, heldout, out, say, started)
+        with precision.autocast():
+            return _measure_ceiling(settings, model, tokenizer, heldout, out, say, started, precision)
 
-    say(f"evaluating the base model on {len(heldout)} held-out problems (greedy)")
+    say(f"evaluating the base model on {len(heldout)} held-out problems (greedy, "
+        f"{str(precision.compute).removeprefix('torch.')}: {precision.reason})")
     eval_kw = {"max_new_tokens": settings.max_new_tokens, "batch_size": settings.eval_batch_size}
     t0 = time.perf_counter()
-    before = evaluate(model, tokenizer, heldout, **eval_kw)
+    with precision.autocast():
+        before = evaluate(model, tokenizer, heldout, **eval_kw)
     timings["base_eval"] = time.perf_counter() - t0
     say(_summary_line("base", before.metrics))
     load_before = _load_average()
@@ -200,7 +209,9 @@ def run_demo(settings: DemoSettings) -> dict:
               "eval_curve": curve.points, "eval_curve_size": len(subset or ()),
               "train_seconds": train_seconds, "total_seconds": total,
               "seconds_per_step": train_seconds / max(1, settings.steps), "timings": timings,
-              "load_average": {"start": load_before, "end": _load_average()}, "machine": _machine()}
+              "load_average": {"start": load_before, "end": _load_average()},
+              "machine": _machine() | {"precision": str(precision.compute).removeprefix("torch."),
+                                       "precision_reason": precision.reason}}
     (out / "demo_result.json").write_text(json.dumps(result, indent=2))
     print(f"\ntraining {train_seconds:.0f}s ({result['seconds_per_step']:.1f} s/step), total {total:.0f}s ("
           + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items() if k != "total") + ")")
@@ -255,7 +266,8 @@ class HeldoutCurve:
 HELDOUT_KEYS = ("strict_accuracy", "soft_accuracy", "format_rate", "mean_completion_length", "n")
 
 
-def _measure_ceiling(settings: DemoSettings, model, tokenizer, heldout, out: Path, say, started: float) -> dict:
+def _measure_ceiling(settings: DemoSettings, model, tokenizer, heldout, out: Path, say, started: float,
+                     precision) -> dict:
     """pass@group_size of the base model at the training temperature: what sharpening alone can reach."""
     from forge.eval.evaluate import evaluate
 
@@ -269,7 +281,8 @@ def _measure_ceiling(settings: DemoSettings, model, tokenizer, heldout, out: Pat
     say(result.summary())
     ceiling = {"settings": asdict(settings), "heldout_size": len(heldout), "metrics": result.metrics,
                "decoding": result.settings, "total_seconds": time.perf_counter() - started,
-               "load_average": {"start": load_before, "end": _load_average()}, "machine": _machine()}
+               "load_average": {"start": load_before, "end": _load_average()},
+               "machine": _machine() | {"precision": str(precision.compute).removeprefix("torch.")}}
     (out / "ceiling.json").write_text(json.dumps(ceiling, indent=2))
     print(f"pass@{k} {result.metrics[f'pass@{k}']:.1%}, pass@1 {result.metrics['pass@1']:.1%}\n"
           f"result:   {out / 'ceiling.json'}")
@@ -306,7 +319,7 @@ def demo_config(settings: DemoSettings, output_dir, **overrides):
         lora_r=settings.lora_r, lora_alpha=2 * settings.lora_r, logging_steps=1, save_steps=0,
         reward_weights=[1.0, settings.format_weight], output_dir=str(output_dir), seed=settings.seed,
         loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
-        drop_zero_std_groups=True, micro_batch_size=settings.group_size,
+        drop_zero_std_groups=True, micro_batch_size=settings.group_size, dtype=settings.dtype,
         overwrite_output_dir=True,  # each demo run replaces the previous one in its output dir
     )
     return replace(config, **overrides) if overrides else config

@@ -118,7 +118,7 @@ def evaluate_with_tools(model, tokenizer, rows: list[dict], *, with_tool: bool, 
 
 def run_tool_demo(settings) -> dict:
     """The --tools path of `forge demo` (settings: forge.demo.DemoSettings)."""
-    from forge.core.policy import load_model
+    from forge.core.policy import choose_precision, load_model
     from forge.core.tools import calculator
     from forge.core.trainer import GRPOTrainer
     from forge.demo import demo_config
@@ -140,9 +140,13 @@ def run_tool_demo(settings) -> dict:
     eval_kw = {"max_new_tokens": settings.max_new_tokens, "batch_size": settings.eval_batch_size}
     timings = {"load": time.perf_counter() - started}
 
+    # every evaluation in the precision the trainer trains in (bf16 autocast where it is fast), as in forge demo
+    precision = choose_precision(settings.dtype, next(model.parameters()).device)
+
     def timed(name, fn):
         t0 = time.perf_counter()
-        value = fn()
+        with precision.autocast():
+            value = fn()
         timings[name] = time.perf_counter() - t0
         return value
 
@@ -157,7 +161,9 @@ def run_tool_demo(settings) -> dict:
     trainer = GRPOTrainer(model, tokenizer, [answer_correct, answer_format], config, tools=[calculator])
     say(f"training: {settings.steps} steps x {settings.prompts_per_step} prompts x {settings.group_size} "
         f"completions, LoRA r={settings.lora_r}, lr {settings.learning_rate}, calculator tool")
-    timed("training", lambda: trainer.train(tool_rows(train)))
+    t0 = time.perf_counter()
+    trainer.train(tool_rows(train))  # under its own precision
+    timings["training"] = time.perf_counter() - t0
     after = timed("final_eval", lambda: evaluate_with_tools(trainer.model, tokenizer, tool_rows(heldout),
                                                             with_tool=True, **eval_kw))
     say(f"trained with the tool {after['accuracy']:.1%} (tool used {after['tool_use']:.1%}, right call "
@@ -165,7 +171,8 @@ def run_tool_demo(settings) -> dict:
     timings["total"] = time.perf_counter() - started
     result = {"settings": asdict(settings), "heldout_size": len(heldout), "no_tool": no_tool, "before": before,
               "after": after, "gain_vs_base_with_tool": after["accuracy"] - before["accuracy"],
-              "gain_vs_no_tool": after["accuracy"] - no_tool["accuracy"], "timings": timings}
+              "gain_vs_no_tool": after["accuracy"] - no_tool["accuracy"], "timings": timings,
+              "precision": str(precision.compute).removeprefix("torch.")}
     (out / "demo_tools_result.json").write_text(json.dumps(result, indent=2))
     print(f"\n{'':>22} | accuracy | tool used | right call\n"
           + "\n".join(f"{label:>22} | {m['accuracy']:8.1%} | {m['tool_use']:9.1%} | {m['right_call']:10.1%}"
