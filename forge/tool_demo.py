@@ -145,7 +145,7 @@ def run_tool_demo(settings) -> dict:
 
     def timed(name, fn):
         t0 = time.perf_counter()
-        with precision.autocast():
+        with precision.autocast(model):  # model: the same modules, with LoRA layers once the trainer added them
             value = fn()
         timings[name] = time.perf_counter() - t0
         return value

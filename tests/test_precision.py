@@ -123,3 +123,30 @@ def test_fp16_uses_a_dynamic_loss_scale_and_an_overflow_only_halves_it(tmp_path,
     after = dict(trainer.model.named_parameters())
     assert all(bool(torch.isfinite(p).all()) for p in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before)  # steps 2 and 3 trained
+
+
+def test_bf16_lora_inputs_stay_bf16_and_give_the_same_bits(tiny_model, tiny_tokenizer):
+    # PEFT casts each LoRA layer's input to the adapters' fp32 and autocast casts it straight back to bf16:
+    # Forge's autocast(model) skips that round trip; the loss and every gradient must be bit for bit the same.
+    bf16 = policy.Precision(torch.bfloat16, "cpu", "test")
+    model = policy.apply_lora(tiny_model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
+    model = policy.as_master_weights(model, bf16, lora=True)
+    seen = []
+    for name, module in model.named_modules():
+        if name.endswith("lora_A.default"):
+            module.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    ids = torch.randint(0, len(tiny_tokenizer), (3, 12), generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grads(context):
+        model.zero_grad()
+        seen.clear()
+        with context:
+            loss = model(input_ids=ids).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad], set(seen)
+
+    plain_loss, plain_grads, plain_inputs = loss_and_grads(torch.autocast("cpu", dtype=torch.bfloat16))
+    loss, grads, inputs = loss_and_grads(bf16.autocast(model))
+    assert plain_inputs == {torch.float32} and inputs == {torch.bfloat16}
+    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    assert all(m.cast_input_dtype_enabled for m in model.modules() if hasattr(m, "cast_input_dtype_enabled"))

@@ -114,10 +114,43 @@ class Precision:
     def mixed(self) -> bool:
         return self.compute != torch.float32
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """torch.autocast to `compute` (nothing in float32). With `model`, its LoRA layers also keep their input
+        in the compute dtype (`lora_inputs_uncast`)."""
         if not self.mixed:
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.compute)
+        return _autocast(self.device_type, self.compute, model)
+
+
+@contextlib.contextmanager
+def _autocast(device_type: str, dtype: torch.dtype, model: nn.Module | None) -> Iterator[None]:
+    with torch.autocast(device_type, dtype=dtype), lora_inputs_uncast(model):
+        yield
+
+
+@contextlib.contextmanager
+def lora_inputs_uncast(model: nn.Module | None) -> Iterator[None]:
+    """Under autocast: stop PEFT's plain LoRA layers from casting their input to the adapters' float32.
+
+    PEFT casts x to lora_A's dtype before B(A(x)); under autocast the matmul casts it straight back to the
+    compute dtype, so that round trip (bf16 -> fp32 -> bf16 is exact) changes no bit of the output or the
+    gradients, but costs two copies of every adapted layer's input per forward and two more in backward:
+    without it a bf16 LoRA forward + backward takes 0.70x the CPU time (SmolLM2-135M, 8 x 160 tokens, AMX).
+    Only plain LoRA on linear layers (no DoRA or other variant, which compute more from x); restored on exit."""
+    if model is None:
+        yield
+        return
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear) and not m.lora_variant
+              and getattr(m, "cast_input_dtype_enabled", True)]
+    for m in layers:
+        m.cast_input_dtype_enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.cast_input_dtype_enabled = True
 
 
 def choose_precision(dtype: str = "auto", device: str | torch.device | None = None) -> Precision:

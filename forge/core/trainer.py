@@ -278,7 +278,7 @@ class GRPOTrainer:
         return {**self.config.to_dict(), "model_name": getattr(self.model.config, "_name_or_path", "") or ""}
 
     def _evaluate(self, eval_rows: list[dict], epoch: int) -> None:
-        with self.precision.autocast(), self._whole_weights(), self._merged():
+        with self.precision.autocast(self.model), self._whole_weights(), self._merged():
             metrics = self.evaluator(self.model, self.tokenizer, eval_rows,
                                      max_new_tokens=self.config.max_new_tokens, max_prompt_length=self.max_prompt_length)
         self.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.global_step, epoch=epoch)
@@ -355,7 +355,7 @@ class GRPOTrainer:
         noise = sampling_noise(self._sampling_rng, len(prompts) * config.group_size, config.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
         # bf16 / fp16 compute over the fp32 master weights, when chosen; the whole weights under FSDP2
-        with self.precision.autocast(), self._whole_weights(), self._merged():
+        with self.precision.autocast(self.model), self._whole_weights(), self._merged():
             if self.tool_settings is not None:
                 return generate_with_tools(self.model, self.tokenizer, prompts, config.group_size, settings,
                                            self.tool_settings, self.max_prompt_length, config.truncate_prompts,
@@ -393,7 +393,7 @@ class GRPOTrainer:
         entropies with with_entropy=True, see completion_logprobs)."""
         length = int(rollout.completion_mask[indices].sum(dim=1).max().clamp(min=1))
         share_prompt = self.config.share_prompt_prefix if share_prompt is None else share_prompt
-        with self.precision.autocast():  # the same numerics as generation: pi_old = stopgrad(pi) holds
+        with self.precision.autocast(model):  # the same numerics as generation: pi_old = stopgrad(pi) holds
             return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask,
                                        rollout.completion_ids[indices, :length], rollout.prompt_index[indices],
                                        self.config.temperature, self.config.logprob_chunk_size, share_prompt,
