@@ -92,6 +92,7 @@ def test_bf16_full_checkpoint_holds_fp32_masters(tmp_path, tiny_model, tiny_toke
     (False, False, torch.float32, "no bf16 matrix units"),
 ])
 def test_auto_picks_bf16_only_on_cpus_with_bf16_units(monkeypatch, amx, avx512_bf16, expected, why):
+    monkeypatch.delenv("FORGE_CPU_BF16")  # conftest pins "auto" to fp32 for the rest of the suite
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     chosen = policy.choose_precision("auto", "cpu")
@@ -150,3 +151,16 @@ def test_bf16_lora_inputs_stay_bf16_and_give_the_same_bits(tiny_model, tiny_toke
     assert plain_inputs == {torch.float32} and inputs == {torch.bfloat16}
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
     assert all(m.cast_input_dtype_enabled for m in model.modules() if hasattr(m, "cast_input_dtype_enabled"))
+
+
+def test_forge_cpu_bf16_overrides_the_detection(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    monkeypatch.setenv("FORGE_CPU_BF16", "0")
+    chosen = policy.choose_precision("auto", "cpu")
+    assert chosen.compute == torch.float32 and "FORGE_CPU_BF16=0" in chosen.reason
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setenv("FORGE_CPU_BF16", "1")
+    assert policy.choose_precision("auto", "cpu").compute == torch.bfloat16
+    monkeypatch.setenv("FORGE_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match="set it to 0"):
+        policy.choose_precision("auto", "cpu")
