@@ -137,7 +137,9 @@ def test_sharded_training_equals_data_parallel_training(sharded, data_parallel):
         fsdp_weights = torch.load(record / f"rank0-step{step}.pt")["weights"]
         assert torch.equal(fsdp_weights, torch.load(record / f"rank1-step{step}.pt")["weights"])
         dp_weights = torch.load(dp_record / f"rank0-step{step}.pt")["weights"]
-        assert torch.allclose(fsdp_weights, dp_weights, rtol=1e-5, atol=1e-6), \
+        # fp32 sums in another order (reduce-scatter vs all-reduce): up to 2e-6 apart on an AVX512 Xeon, against
+        # Adam steps of ~1e-2 at this learning rate
+        assert torch.allclose(fsdp_weights, dp_weights, rtol=1e-5, atol=5e-6), \
             f"step {step}: max weight difference {float((fsdp_weights - dp_weights).abs().max())}"
     moved = torch.cat([t.flatten() for t in start.values()]).sort().values
     assert not torch.equal(moved, fsdp_weights.sort().values), "training did not move the weights"
