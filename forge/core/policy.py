@@ -143,7 +143,8 @@ def lora_inputs_uncast(model: nn.Module | None) -> Iterator[None]:
     PEFT casts x to lora_A's dtype before B(A(x)); under autocast the matmul casts it straight back to the
     compute dtype, so that round trip (bf16 -> fp32 -> bf16 is exact) changes no bit of the output or the
     gradients, but costs two copies of every adapted layer's input per forward and two more in backward:
-    without it a bf16 LoRA forward + backward takes 0.70x the CPU time (SmolLM2-135M, 8 x 160 tokens, AMX).
+    without it a bf16 LoRA forward + backward takes 0.87x the time (SmolLM2-135M, 8 x 160 tokens, AMX Xeon;
+    `python bench/precision.py`).
     Only plain LoRA on linear layers (no DoRA or other variant, which compute more from x); restored on exit."""
     if model is None:
         yield
