@@ -164,3 +164,21 @@ def test_forge_cpu_bf16_overrides_the_detection(monkeypatch):
     monkeypatch.setenv("FORGE_CPU_BF16", "yes")
     with pytest.raises(ValueError, match="set it to 0"):
         policy.choose_precision("auto", "cpu")
+
+
+def test_bf16_generation_casts_each_master_weight_once_not_per_decode_step(tmp_path, tiny_model, tiny_tokenizer):
+    # autocast keeps the bf16 copy of a trainable fp32 weight while its context is open; Forge opens one per
+    # generation, so the number of weight casts must not grow with the number of decode steps
+    from torch.profiler import profile
+
+    shapes = {tuple(p.shape) for p in tiny_model.parameters() if p.dim() == 2}
+    counts = []
+    for tokens in (2, 8):
+        trainer = GRPOTrainer(tiny_model, tiny_tokenizer, text_length,
+                              config(tmp_path, f"casts{tokens}", dtype="bfloat16", max_new_tokens=tokens))
+        with profile(record_shapes=True) as prof:
+            rollout = trainer._generate([ROWS[0]["prompt"]])
+        assert rollout.completion_mask.sum(dim=1).max() == tokens  # this many decode steps
+        counts.append(sum(e.count for e in prof.key_averages(group_by_input_shape=True)
+                          if e.key == "aten::_to_copy" and e.input_shapes and tuple(e.input_shapes[0]) in shapes))
+    assert counts[0] > 0 and counts[0] == counts[1], counts
