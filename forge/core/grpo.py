@@ -201,7 +201,8 @@ class GRPOConfig:
     dtype: str = "auto"
     """Compute precision; trainable weights are always float32 masters. 'bfloat16'/'float16' = forward, backward
     and generation under autocast (fp16 adds a dynamic loss scale); 'auto' = bf16 on a GPU that supports it or
-    a CPU with bf16 matrix units (AMX / AVX512-BF16), else fp32 (logged, with the reason); 'float32' forces fp32."""
+    a CPU with bf16 matrix units (AMX / AVX512-BF16; FORGE_CPU_BF16=0/1 overrides that detection), else fp32
+    (logged, with the reason); 'float32' forces fp32."""
 
     # --- logging, eval, checkpoints ---
     use_tensorboard: bool = False
