@@ -185,7 +185,10 @@ def run_demo(settings: DemoSettings) -> dict:
 
     say(f"evaluating the trained policy on the same {len(heldout)} held-out problems (greedy)")
     t0 = time.perf_counter()
-    after = curve.final if curve.final is not None else evaluate(trainer.model, tokenizer, heldout, **eval_kw)
+    if curve.final is None:  # no curve (eval_every 0): evaluated here, in the trainer's precision
+        with trainer.precision.autocast(trainer.model):
+            curve.final = evaluate(trainer.model, tokenizer, heldout, **eval_kw)
+    after = curve.final
     timings["final_eval"] = curve.final_seconds + time.perf_counter() - t0
     say(_summary_line("trained", after.metrics))
     t0 = time.perf_counter()

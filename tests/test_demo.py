@@ -82,3 +82,25 @@ def test_tool_demo_uses_its_measured_recipe_unless_told_otherwise():
     assert (settings().steps, settings().prompts_per_step) == (60, 4)  # the plain demo keeps its recipe
     assert settings("--tools", "--steps", "7").steps == 7
     assert settings("--tools", "--quick").steps == 3
+
+
+def test_demo_evaluates_before_and_after_in_the_training_precision(tiny_folder, tmp_path, monkeypatch):
+    import importlib
+
+    import torch
+
+    evaluation = importlib.import_module("forge.eval.evaluate")  # the module (forge.eval.evaluate is the function)
+    seen, real = [], evaluation.evaluate
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", recording)
+    out = tmp_path / "bf16"
+    main(["demo", "--model", str(tiny_folder), "--steps", "1", "--prompts_per_step", "2", "--group_size", "2",
+          "--heldout", "4", "--max_new_tokens", "4", "--threads", "1", "--output_dir", str(out), "--eval_every", "0",
+          "--eval_batch_size", "4", "--dtype", "bfloat16"])
+    # the base model's evaluation too, not only the trained one's: before and after differ by training alone
+    assert len(seen) == 2 and seen == [torch.bfloat16] * 2, seen
+    assert json.loads((out / "demo_result.json").read_text())["machine"]["precision"] == "bfloat16"
