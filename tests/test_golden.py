@@ -1,0 +1,143 @@
+"""Golden runs: four optimizer steps of fixed configurations give bit-for-bit the recorded final weights.
+
+Guards every refactor of the engine: LoRA with KL, full fine-tuning with KL, and a tool run (LoRA, every
+completion opening with a calculator call), on the tiny offline model with a fixed seed. The final trainable
+weights are hashed (sha256 of their bytes in name order) and compared with tests/fixtures/golden_runs.json.
+
+Float results depend on the CPU's kernels and the library versions, so the recorded hashes are keyed by a
+signature of both; on a machine without an entry the test is skipped with the command that records one:
+    python tests/test_golden.py --record
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from forge import GRPOConfig, GRPOTrainer
+from forge.core import tool_rollout as rollout_module
+from forge.core.tiny import build_tiny_model
+from forge.core.tools import calculator
+
+FIXTURE = Path(__file__).parent / "fixtures" / "golden_runs.json"
+ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)}
+        for a, b in [(2, 3), (4, 1), (7, 5), (6, 6), (3, 9), (8, 2), (1, 1), (5, 4)]]
+CALL = "<calc>2+3</calc>"
+
+
+def vowel_count(prompts, completions, **kwargs):
+    return [float(sum(ch in "aeiou" for ch in text)) for text in completions]
+
+
+def config(output_dir: Path, **overrides) -> GRPOConfig:
+    values = {"group_size": 4, "prompts_per_step": 2, "gradient_accumulation_steps": 1, "max_new_tokens": 8,
+              "learning_rate": 1e-2, "lr_scheduler": "constant", "warmup_ratio": 0.0, "logging_steps": 1,
+              "save_steps": 0, "max_steps": 4, "kl_beta": 0.05, "seed": 3, "dtype": "float32",
+              "output_dir": str(output_dir)}
+    return GRPOConfig(**(values | overrides))
+
+
+RUNS = {
+    "lora_kl": {"use_lora": True, "lora_r": 4, "lora_alpha": 8},
+    "full_kl": {},
+    "tools_lora": {"use_lora": True, "lora_r": 4, "lora_alpha": 8, "max_new_tokens": 20, "tool_format": "text"},
+}
+
+
+def scripted_calls(patch, tokenizer) -> None:
+    """Every completion of a rollout opens with CALL (then the real sampler runs): the tool path is taken."""
+    script = tokenizer(CALL, add_special_tokens=False)["input_ids"]
+    real_sampler = rollout_module.sample_next_token
+    real_generate = rollout_module.generate_with_tools
+    state = {"step": 0}
+
+    def sampler(logits, settings, draws):
+        step, state["step"] = state["step"], state["step"] + 1
+        if step < len(script):
+            return torch.full((logits.shape[0],), script[step], dtype=torch.long)
+        return real_sampler(logits, settings, draws)
+
+    def generate(*args, **kwargs):
+        state["step"] = 0
+        return real_generate(*args, **kwargs)
+
+    patch(rollout_module, "sample_next_token", sampler)
+    patch(rollout_module, "generate_with_tools", generate)
+    import forge.core.trainer as trainer_module
+
+    patch(trainer_module, "generate_with_tools", generate)
+
+
+def final_weights_sha256(name: str, output_dir: Path, patch) -> str:
+    model, tokenizer = build_tiny_model(seed=0)
+    tools = None
+    if name.startswith("tools"):
+        scripted_calls(patch, tokenizer)
+        tools = [calculator]
+    trainer = GRPOTrainer(model, tokenizer, vowel_count, config(output_dir, **RUNS[name]), tools=tools)
+    trainer.train(ROWS)
+    digest = hashlib.sha256()
+    for key, param in sorted(trainer.model.named_parameters()):
+        if param.requires_grad:
+            digest.update(key.encode())
+            digest.update(param.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def signature() -> str:
+    """The CPU's kernel family and the library versions that decide the floats."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    amx = "amx" if "amx_bf16" in flags else "noamx"
+    return (f"{torch.backends.cpu.get_cpu_capability()}-{amx}/torch-{torch.__version__}/"
+            f"transformers-{transformers.__version__}")
+
+
+def recorded() -> dict:
+    return json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_golden_run_gives_the_recorded_weights(name, tmp_path, monkeypatch):
+    expected = recorded().get(signature(), {}).get(name)
+    if expected is None:
+        pytest.skip(f"no golden weights recorded for {signature()}: python tests/test_golden.py --record")
+    assert final_weights_sha256(name, tmp_path / name, monkeypatch.setattr) == expected
+
+
+def record() -> None:
+    import tempfile
+
+    torch.set_num_threads(1)
+    patches = []
+
+    def patch(owner, attribute, value):
+        patches.append((owner, attribute, getattr(owner, attribute)))
+        setattr(owner, attribute, value)
+
+    hashes = {}
+    for name in sorted(RUNS):
+        with tempfile.TemporaryDirectory() as tmp:
+            hashes[name] = final_weights_sha256(name, Path(tmp) / name, patch)
+        for owner, attribute, value in reversed(patches):
+            setattr(owner, attribute, value)
+        patches.clear()
+        print(name, hashes[name])
+    table = recorded()
+    table[signature()] = hashes
+    FIXTURE.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    print(f"recorded under {signature()} in {FIXTURE}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit("usage: python tests/test_golden.py --record")
+    import os
+
+    os.environ["FORGE_CPU_BF16"] = "0"
+    record()
