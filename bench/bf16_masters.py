@@ -13,8 +13,8 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.par
 from test_precision import ROWS, config, moved, text_length
 
 from forge import GRPOTrainer
-from forge.core import policy
-from forge.core.tiny import build_tiny_model, build_tiny_tokenizer
+from forge.model import policy
+from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 torch.set_num_threads(1)
 tok = build_tiny_tokenizer()

@@ -204,7 +204,7 @@ def scaling_table(args, scaling: list[dict]) -> str:
 def precision_text(precision: str) -> str:
     if precision == "float32":
         return "fp32 for both"
-    from forge.core.policy import choose_precision, cpu_has_bf16_units
+    from forge.model import choose_precision, cpu_has_bf16_units
 
     chosen = choose_precision("auto", "cpu")
     trl_bf16 = cpu_has_bf16_units()[0]

@@ -38,8 +38,8 @@ REWARD = "def text_length(prompts, completions, **kwargs):\n    return [len(t) %
 def worker(report: str, argv: list[str]) -> int:
     """One rank: forge train, then its peak RSS and the parameter bytes it holds, as one JSON line."""
     from forge.cli import main
-    from forge.core import sharding
     from forge.core.trainer import GRPOTrainer
+    from forge.parallel import sharding
 
     held = {}
     real_init = GRPOTrainer.__init__
@@ -50,7 +50,7 @@ def worker(report: str, argv: list[str]) -> int:
         held["setup_peak_rss_bytes"] = _peak_rss()
         _reset_peak_rss()  # from here: the training phase alone
 
-    from forge.core.lifecycle import RunLifecycle
+    from forge.run.lifecycle import RunLifecycle
 
     real_save = RunLifecycle.save
 
@@ -96,7 +96,7 @@ def _reset_peak_rss() -> None:
 def build_wide(folder: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from forge.core.tiny import build_tiny_tokenizer
+    from forge.model.tiny import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=768, intermediate_size=3072, num_hidden_layers=8,

@@ -89,7 +89,7 @@ def compute_dtype(precision: str):
     """(torch dtype each framework computes in, why): bf16 for "best" on a CPU with bf16 matrix units."""
     import torch
 
-    from forge.core.policy import choose_precision
+    from forge.model import choose_precision
 
     if precision == "float32":
         return torch.float32, "float32 asked for"

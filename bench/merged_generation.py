@@ -28,12 +28,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def main(threads: int, steps: int, heldout_size: int) -> None:
     from workloads import cpu_model
 
-    from forge.core.optim import make_scheduler
-    from forge.core.policy import load_model
     from forge.core.trainer import GRPOTrainer
     from forge.data.arithmetic import arithmetic_dataset, arithmetic_heldout
     from forge.demo import DemoSettings, demo_config, demo_rewards
     from forge.eval.evaluate import evaluate
+    from forge.model import load_model
+    from forge.run.optim import make_scheduler
 
     torch.set_num_threads(threads)
     settings = DemoSettings(seed=0)

@@ -18,11 +18,11 @@ SIZES = (8, 0)  # micro_batch_size: one group of the demo's 8 completions, or th
 
 
 def main(threads: int, steps: int) -> None:
-    from forge.core.optim import make_scheduler
-    from forge.core.policy import load_model
     from forge.core.trainer import GRPOTrainer
     from forge.data.arithmetic import arithmetic_dataset
     from forge.demo import DemoSettings, demo_config, demo_rewards
+    from forge.model import load_model
+    from forge.run.optim import make_scheduler
 
     torch.set_num_threads(threads)
     settings = DemoSettings(seed=0)

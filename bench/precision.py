@@ -47,7 +47,7 @@ def timed(fn, repeats: int) -> float:
 
 
 def machine_tag() -> str:
-    from forge.core.policy import cpu_has_bf16_units
+    from forge.model import cpu_has_bf16_units
 
     fast, what = cpu_has_bf16_units()
     return {"AMX tiles": "amx", "AVX512-BF16": "avx512_bf16"}.get(what, "no_bf16_units") if fast else "no_bf16_units"
@@ -55,7 +55,7 @@ def machine_tag() -> str:
 
 def lora_model():
     """SmolLM2 with LoRA as Forge trains it in bf16: the frozen base stored in bf16, the adapters in fp32."""
-    from forge.core.policy import Precision, apply_lora, as_master_weights, load_model
+    from forge.model import Precision, apply_lora, as_master_weights, load_model
 
     model, _ = load_model("default", dtype="float32")
     model = apply_lora(model, r=16, alpha=32, dropout=0.0,
@@ -68,7 +68,7 @@ def lora_forward_backward(model, ids, mode: str) -> tuple:
     Returns the loss and the adapters' gradient norms, to check that the two bf16 modes agree bit for bit."""
     import contextlib
 
-    from forge.core.policy import lora_inputs_uncast
+    from forge.model import lora_inputs_uncast
 
     model.zero_grad()
     if mode == "fp32":
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(HERE.parent))
-    from forge.core.policy import choose_precision
+    from forge.model import choose_precision
 
     n = 1024
     a32, b32 = torch.randn(n, n), torch.randn(n, n)
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     times = {"matmul_fp32": [], "matmul_bf16": [], "forward_fp32": [], "forward_bf16_autocast": []}
     model = ids = None
     if not args.skip_model:
-        from forge.core.policy import load_model
+        from forge.model import load_model
 
         model, tokenizer = load_model("default", dtype="float32")
         model.eval()

@@ -133,7 +133,7 @@ def run_trl(spec: dict, model, tokenizer, rows: list[dict], recorder: Recorder, 
     from transformers import TrainerCallback
     from workloads import LORA_ALPHA, LORA_R, LORA_TARGETS, correctness_reward
 
-    from forge.core.policy import cpu_has_bf16_units
+    from forge.model import cpu_has_bf16_units
 
     completions_per_step = spec["prompts_per_step"] * spec["group_size"]
     micro_batch = spec["micro_batch_size"] or completions_per_step

@@ -22,10 +22,17 @@ from pathlib import Path
 
 import torch
 
-from forge.core.policy import load_model
 from forge.core.rollout import SamplingSettings
 from forge.core.tool_rollout import generate_with_tools
-from forge.core.tools import CallFormat, ToolSettings, _parse_template_call, as_tools, calculator, call_format
+from forge.model import load_model
+from forge.tools.calls import (
+    CallFormat,
+    ToolSettings,
+    _parse_template_call,
+    as_tools,
+    calculator,
+    call_format,
+)
 
 SYSTEM = ("You are a careful assistant with a calculator. To compute something, write {call}; the calculator "
           "answers with {result}. Then give the final answer as <answer>number</answer>.")

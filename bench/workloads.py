@@ -85,10 +85,10 @@ def one_token_text(tokenizer, prompt) -> str:
 
 def load_model(name: str, workload: str):
     """(model, tokenizer) in fp32, in eval mode, dropout 0. name: 'tiny' or 'smollm2'."""
-    from forge.core.policy import load_model as forge_load_model
+    from forge.model import load_model as forge_load_model
 
     if name == "tiny":
-        from forge.core.tiny import build_tiny_model
+        from forge.model.tiny import build_tiny_model
 
         model, tokenizer = build_tiny_model(seed=0)
         # The long workload's prompt is ~1,300 tokens under the tiny 320-token BPE vocabulary, over the tiny

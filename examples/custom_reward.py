@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"composite on two responses: {[round(s, 3) for s in sample.scores]}  parts: {sample.metadata['components']}")
 
     if args.model == "tiny":
-        from forge.core.tiny import build_tiny_model
+        from forge.model.tiny import build_tiny_model
 
         model, tokenizer = build_tiny_model(seed=0)
     else:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from forge import _moved
+
 # Names are imported on first use, so `forge --help` and `import forge.core.grpo` do not load transformers.
 _WHERE = {
     "GRPOConfig": "forge.core.grpo",
-    "apply_lora": "forge.core.policy",
-    "load_model": "forge.core.policy",
-    "merge_and_export": "forge.core.policy",
+    "apply_lora": "forge.model",
+    "load_model": "forge.model",
+    "merge_and_export": "forge.model",
     "BaseReward": "forge.core.reward",
     "CompositeReward": "forge.core.reward",
     "ExactMatchReward": "forge.core.reward",
@@ -36,7 +38,6 @@ _WHERE = {
 
 if TYPE_CHECKING:
     from forge.core.grpo import GRPOConfig
-    from forge.core.policy import apply_lora, load_model, merge_and_export
     from forge.core.reward import (
         BaseReward,
         CompositeReward,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from forge.core.trainer import GRPOTrainer, TrainingInterrupted
     from forge.data.gsm8k import extract_answer, format_prompt, load_gsm8k, load_gsm8k_mock, load_gsm_hard
     from forge.logging.logger import ForgeLogger
+    from forge.model import apply_lora, load_model, merge_and_export
 
 
 def __getattr__(name: str):
@@ -66,6 +68,8 @@ def __dir__() -> list[str]:
 
 
 __version__ = "0.2.0"
+
+_moved.install()  # old import paths of moved modules (forge/_moved.py)
 
 
 def evaluate(*args, **kwargs):

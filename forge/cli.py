@@ -209,8 +209,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     rewards, weights = parse_rewards(_default_reward_for(args))
     if config.reward_weights is None:
         config.reward_weights = weights
-    from forge.core.tools import load_tools
     from forge.eval.evaluate import heldout_metrics  # eval/strict_accuracy, ... every eval_steps
+    from forge.tools.calls import load_tools
 
     tools = load_tools(args.tools) if args.tools else None
     trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics, tools=tools)
@@ -326,16 +326,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from forge.core.policy import merge_and_export
+    from forge.model import merge_and_export
 
     print(merge_and_export(args.adapter, args.base, args.out))
     return 0
 
 
 def cmd_screen(args: argparse.Namespace) -> int:
-    from forge.core.policy import load_model
     from forge.data.dataset import load_rows
     from forge.eval.screen import screen_prompts
+    from forge.model import load_model
 
     model, tokenizer = load_model(args.model)
     rows = load_rows(args.dataset)[: args.n]
@@ -453,7 +453,7 @@ def _newest_intact_checkpoint_hint(args: argparse.Namespace) -> str:
     output_dir = getattr(config, "output_dir", None) or getattr(args, "output_dir", None)
     if not output_dir or getattr(args, "command", None) != "train":
         return ""
-    from forge.checkpoint import latest_verified_checkpoint
+    from forge.run.checkpoint import latest_verified_checkpoint
 
     try:
         newest = latest_verified_checkpoint(output_dir)
@@ -470,7 +470,7 @@ def _user_error(error: BaseException, args: argparse.Namespace) -> tuple[str, in
     if isinstance(error, KeyboardInterrupt):
         return f"interrupted (Ctrl-C).{_newest_intact_checkpoint_hint(args)}", 130
     run_failures = [FloatingPointError]  # Forge's own, looked up only if loaded: `forge` must start fast
-    for module, name in (("forge.core.scoring", "RewardError"), ("forge.checkpoint", "CheckpointError")):
+    for module, name in (("forge.core.scoring", "RewardError"), ("forge.run.checkpoint", "CheckpointError")):
         if module in sys.modules:
             run_failures.append(getattr(sys.modules[module], name))
     if isinstance(error, tuple(run_failures)):

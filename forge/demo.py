@@ -111,13 +111,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_demo(settings: DemoSettings) -> dict:
-    from forge.core.policy import choose_precision, load_model
     from forge.core.trainer import GRPOTrainer, seed_everything
     from forge.data.arithmetic import arithmetic_dataset, arithmetic_heldout
     from forge.eval.evaluate import evaluate
     from forge.eval.plot import plot_training_curves
     from forge.eval.report import build_comparison, write_comparison
     from forge.eval.screen import screen_prompts
+    from forge.model import choose_precision, load_model
 
     if settings.tools:
         from forge.tool_demo import run_tool_demo

@@ -81,7 +81,7 @@ def evaluate_with_tools(model, tokenizer, rows: list[dict], *, with_tool: bool, 
     """Greedy accuracy on rows (tool_rows), the share that used the tool, and per kind."""
     from forge.core.rollout import SamplingSettings, generate
     from forge.core.tool_rollout import generate_with_tools
-    from forge.core.tools import ToolSettings, as_tools, calculator
+    from forge.tools.calls import ToolSettings, as_tools, calculator
 
     was_training = model.training
     model.eval()
@@ -118,10 +118,10 @@ def evaluate_with_tools(model, tokenizer, rows: list[dict], *, with_tool: bool, 
 
 def run_tool_demo(settings) -> dict:
     """The --tools path of `forge demo` (settings: forge.demo.DemoSettings)."""
-    from forge.core.policy import choose_precision, load_model
-    from forge.core.tools import calculator
     from forge.core.trainer import GRPOTrainer
     from forge.demo import demo_config
+    from forge.model import choose_precision, load_model
+    from forge.tools.calls import calculator
 
     started = time.perf_counter()
     if settings.threads:

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from forge.core.tiny import build_tiny_model, build_tiny_tokenizer
+from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 torch.set_num_threads(1)
 # dtype="auto" is bf16 on a CPU with bf16 units (AMX, AVX512-BF16) and fp32 elsewhere; the suite's comparisons

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from forge.checkpoint import (
+from forge.model.tiny import build_tiny_model
+from forge.run.checkpoint import (
     CheckpointError,
     capture_rng_state,
     check_compatible,
@@ -26,7 +27,6 @@ from forge.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from forge.core.tiny import build_tiny_model
 
 CONFIG = {"model_name": "tiny", "group_size": 4, "use_lora": False, "learning_rate": 1e-3}
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge.cli import build_config, build_parser, main
 from forge.core.grpo import GRPOConfig
-from forge.core.tiny import build_tiny_model
+from forge.model.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -331,7 +331,7 @@ def test_a_failing_reward_is_one_message_and_exit_1(workspace, tmp_path, capsys)
 
 
 def save_resumable_checkpoint(path: Path, step: int) -> Path:
-    from forge.checkpoint import save_checkpoint
+    from forge.run.checkpoint import save_checkpoint
 
     model, tokenizer = build_tiny_model(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from forge.cli import main
-from forge.core.tiny import build_tiny_model
 from forge.demo import DemoSettings
+from forge.model.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")

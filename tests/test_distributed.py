@@ -41,8 +41,8 @@ from forge import GRPOConfig, GRPOTrainer
 from forge.cli import main as forge_main
 from forge.core.rollout import SamplingSettings, generate, sample_next_token
 from forge.core.scoring import RewardError
-from forge.core.tiny import build_tiny_model
 from forge.core.trainer import TrainingInterrupted
+from forge.model.tiny import build_tiny_model
 
 STEPS = 3
 NPROC = 2
@@ -69,8 +69,8 @@ sys.exit(main(sys.argv[1:]))
 def install_recorder(record_dir: str, rank: int, patch) -> None:
     """Wrap the trainer so each rank appends to {record_dir}/rank{rank}.jsonl: the prompts it generated for,
     the hash and values of its trainable weights after each step, and every checkpoint it saved."""
-    from forge import checkpoint
     from forge.core.trainer import GRPOTrainer
+    from forge.run import checkpoint
 
     log_path = Path(record_dir) / f"rank{rank}.jsonl"
 

@@ -28,8 +28,8 @@ import torch
 
 from forge import GRPOConfig, GRPOTrainer
 from forge.core.rollout import Rollout, completion_mask_from_ids, render_prompt, tokenize_prompts
-from forge.core.tiny import build_tiny_model
 from forge.data.arithmetic import chat_prompt
+from forge.model.tiny import build_tiny_model
 
 GROUP, MAX_NEW = 4, 6
 TEMPERATURE = 0.7

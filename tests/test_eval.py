@@ -302,7 +302,7 @@ def test_evaluate_model_accepts_a_loaded_pair(tiny_model, tiny_tokenizer):
 
 
 def test_comparison_orders_fixed_broken_changed_identical(tiny_model, tiny_tokenizer, monkeypatch, tmp_path):
-    from forge.core.tiny import build_tiny_model
+    from forge.model.tiny import build_tiny_model
 
     after_model, _ = build_tiny_model(tiny_tokenizer, seed=1)
     before_id, after_id = id(tiny_model), id(after_model)
@@ -345,7 +345,7 @@ def test_comparison_orders_fixed_broken_changed_identical(tiny_model, tiny_token
 
 
 def test_compare_on_tiny_models_writes_files(tiny_model, tiny_tokenizer, tmp_path):
-    from forge.core.tiny import build_tiny_model
+    from forge.model.tiny import build_tiny_model
 
     other, _ = build_tiny_model(tiny_tokenizer, seed=3)
     report = compare(tiny_model, other, tiny_tokenizer, ROWS, max_new_tokens=4, num_samples=2, temperature=1.0,

@@ -28,8 +28,8 @@ from safetensors.torch import load_file
 from test_distributed import read_jsonl, write_workspace
 
 from forge.cli import main as forge_main
-from forge.core.distributed import DataParallel
-from forge.core.lifecycle import check_same_sharding
+from forge.parallel.distributed import DataParallel
+from forge.run.lifecycle import check_same_sharding
 
 STEPS = 4
 TESTS_DIR = Path(__file__).parent
@@ -64,8 +64,8 @@ sys.exit(main(sys.argv[1:]))
 def install_recorder(record_dir: str, rank: int) -> None:
     """After each step, rank r writes {record_dir}/rank{r}-step{s}.pt: the whole trainable weights (gathered
     from the shards under FSDP2) and how many of their elements this rank holds."""
-    from forge.core.sharding import local
     from forge.core.trainer import GRPOTrainer
+    from forge.parallel.sharding import local
 
     real_after_step = GRPOTrainer._after_step
 

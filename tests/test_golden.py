@@ -22,8 +22,8 @@ import transformers
 
 from forge import GRPOConfig, GRPOTrainer
 from forge.core import tool_rollout as rollout_module
-from forge.core.tiny import build_tiny_model
-from forge.core.tools import calculator
+from forge.model.tiny import build_tiny_model
+from forge.tools.calls import calculator
 
 FIXTURE = Path(__file__).parent / "fixtures" / "golden_runs.json"
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from forge import GRPOConfig, GRPOTrainer
-from forge.core.tiny import build_tiny_model
+from forge.model.tiny import build_tiny_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

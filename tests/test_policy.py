@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from forge.core.policy import (
+from forge.model import (
     apply_lora,
     count_parameters,
     default_lora_targets,
@@ -21,7 +21,7 @@ from forge.core.policy import (
     reference_context,
     resolve_dtype,
 )
-from forge.core.tiny import build_tiny_model, build_tiny_tokenizer
+from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 peft = pytest.importorskip("peft")
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from forge import GRPOConfig, GRPOTrainer
-from forge.core import policy
-from forge.core.tiny import build_tiny_model
+from forge.model import Precision, apply_lora, as_master_weights, choose_precision
+from forge.model.tiny import build_tiny_model
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
 
@@ -95,9 +95,9 @@ def test_auto_picks_bf16_only_on_cpus_with_bf16_units(monkeypatch, amx, avx512_b
     monkeypatch.delenv("FORGE_CPU_BF16")  # conftest pins "auto" to fp32 for the rest of the suite
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
-    chosen = policy.choose_precision("auto", "cpu")
+    chosen = choose_precision("auto", "cpu")
     assert chosen.compute == expected and why in chosen.reason
-    assert policy.choose_precision("float32", "cpu").compute == torch.float32  # forced, whatever the CPU
+    assert choose_precision("float32", "cpu").compute == torch.float32  # forced, whatever the CPU
 
 
 def test_the_choice_is_logged(tmp_path, tiny_model, tiny_tokenizer, capsys):
@@ -129,9 +129,9 @@ def test_fp16_uses_a_dynamic_loss_scale_and_an_overflow_only_halves_it(tmp_path,
 def test_bf16_lora_inputs_stay_bf16_and_give_the_same_bits(tiny_model, tiny_tokenizer):
     # PEFT casts each LoRA layer's input to the adapters' fp32 and autocast casts it straight back to bf16:
     # Forge's autocast(model) skips that round trip; the loss and every gradient must be bit for bit the same.
-    bf16 = policy.Precision(torch.bfloat16, "cpu", "test")
-    model = policy.apply_lora(tiny_model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
-    model = policy.as_master_weights(model, bf16, lora=True)
+    bf16 = Precision(torch.bfloat16, "cpu", "test")
+    model = apply_lora(tiny_model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
+    model = as_master_weights(model, bf16, lora=True)
     seen = []
     for name, module in model.named_modules():
         if name.endswith("lora_A.default"):
@@ -156,14 +156,14 @@ def test_bf16_lora_inputs_stay_bf16_and_give_the_same_bits(tiny_model, tiny_toke
 def test_forge_cpu_bf16_overrides_the_detection(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     monkeypatch.setenv("FORGE_CPU_BF16", "0")
-    chosen = policy.choose_precision("auto", "cpu")
+    chosen = choose_precision("auto", "cpu")
     assert chosen.compute == torch.float32 and "FORGE_CPU_BF16=0" in chosen.reason
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     monkeypatch.setenv("FORGE_CPU_BF16", "1")
-    assert policy.choose_precision("auto", "cpu").compute == torch.bfloat16
+    assert choose_precision("auto", "cpu").compute == torch.bfloat16
     monkeypatch.setenv("FORGE_CPU_BF16", "yes")
     with pytest.raises(ValueError, match="set it to 0"):
-        policy.choose_precision("auto", "cpu")
+        choose_precision("auto", "cpu")
 
 
 def test_bf16_generation_casts_each_master_weight_once_not_per_decode_step(tmp_path, tiny_model, tiny_tokenizer):

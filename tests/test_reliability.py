@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 
 import forge.core.trainer as trainer_module
 from forge import GRPOConfig, GRPOTrainer
-from forge.checkpoint import COMPLETE_MARKER, latest_checkpoint
 from forge.core.scoring import (
     RewardError,
     RewardTimeout,
@@ -28,10 +27,11 @@ from forge.core.scoring import (
     build_reward_list,
     score_completions,
 )
-from forge.core.tiny import build_tiny_model
 from forge.core.trainer import TrainingInterrupted
 from forge.data.dataset import reward_kwargs
-from forge.sandbox import run_python
+from forge.model.tiny import build_tiny_model
+from forge.run.checkpoint import COMPLETE_MARKER, latest_checkpoint
+from forge.tools.sandbox import run_python
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
 POISON = "What is poison?"
@@ -601,7 +601,7 @@ def test_every_torch_load_is_weights_only():
 def test_a_pytorch_model_bin_folder_loads_and_pickled_code_in_it_never_runs(tmp_path):
     import pickle
 
-    from forge.core.policy import load_model
+    from forge.model import load_model
 
     model, tokenizer = build_tiny_model()
     model.config.save_pretrained(tmp_path)
@@ -632,7 +632,7 @@ def test_no_eval_exec_or_pickle_in_the_package():
 def test_remote_code_is_off_unless_asked():
     import inspect
 
-    from forge.core import policy
+    from forge.model import loading as policy
 
     assert inspect.signature(policy.load_model).parameters["trust_remote_code"].default is False
     assert "trust_remote_code=True" not in "".join(p.read_text() for p in PACKAGE.rglob("*.py"))

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from forge.cli import main as forge_main
-from forge.core.tiny import build_tiny_model
+from forge.model.tiny import build_tiny_model
 
 STEPS = 6
 WALL_CLOCK_FIELDS = {"time", "step_seconds", "tokens_per_second", "generation_share"}

@@ -19,7 +19,7 @@ from forge.core.rollout import (
     sample_next_token,
     tokenize_prompts,
 )
-from forge.core.tiny import build_tiny_model, build_tiny_tokenizer
+from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 PAD, EOS = 0, 2  # the tiny tokenizer: <pad> = 0, <s> = 1, </s> = 2
 GREEDY = SamplingSettings(max_new_tokens=6, do_sample=False)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from forge import GRPOConfig, GRPOTrainer
-from forge.core.lifecycle import LOCK_NAME, OutputDirInUse, RunLock
-from forge.core.tiny import build_tiny_model
+from forge.model.tiny import build_tiny_model
+from forge.run.lifecycle import LOCK_NAME, OutputDirInUse, RunLock
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
 
@@ -166,7 +166,7 @@ def test_use_trackio_in_the_config_reaches_the_trackio_sink(tmp_path, monkeypatc
 
 
 def test_the_default_evaluator_of_a_tool_run_generates_with_the_tools(tmp_path):
-    from forge.core.tools import calculator
+    from forge.tools.calls import calculator
 
     def calls_made(prompts, completions, tool_calls, **kwargs):  # needs the tool transcript
         return [float(len(calls)) for calls in tool_calls]

@@ -308,7 +308,7 @@ def test_grpo_trains_on_a_reasoning_gym_task_with_its_own_reward(tiny_model, tin
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from forge.core.tiny import build_tiny_model
+    from forge.model.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     model, tokenizer = build_tiny_model(seed=0)

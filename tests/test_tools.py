@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from forge import GRPOConfig, GRPOTrainer
 from forge.core import tool_rollout
 from forge.core.rollout import SamplingSettings, generate, render_prompt
-from forge.core.tiny import build_tiny_model, build_tiny_tokenizer
-from forge.core.tools import (
+from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
+from forge.tools.calls import (
     ToolCall,
     ToolSettings,
     as_tools,
@@ -496,7 +496,7 @@ import sys
 sys.path.insert(0, {tests_dir!r})
 from test_tools import CALL, install_script
 from forge.cli import main
-from forge.core.tiny import build_tiny_tokenizer
+from forge.model.tiny import build_tiny_tokenizer
 
 install_script(setattr)(build_tiny_tokenizer(), CALL)
 sys.exit(main(sys.argv[1:]))

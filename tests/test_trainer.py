@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import forge.core.trainer as trainer_module
 from forge import ExactMatchReward, GRPOConfig, GRPOTrainer
 from forge.core.rollout import Rollout, completion_logprobs, completion_mask_from_ids
-from forge.core.tiny import build_tiny_model, build_tiny_tokenizer
+from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 EOS = 2  # the tiny tokenizer's </s>
 
@@ -180,7 +180,7 @@ def test_kl_beta_zero_builds_no_reference(tmp_path, tiny_model, tiny_tokenizer):
 
 
 def test_lora_reference_is_the_adapter_disabled_model(tmp_path, monkeypatch, tiny_model, tiny_tokenizer):
-    from forge.core import policy
+    from forge.model import policy
 
     def no_copy(model):
         raise AssertionError("LoRA must not copy the model for the reference")

@@ -465,7 +465,7 @@ def checkpointed_layers(model, enabled: bool = True) -> Iterator[None]:
     layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
     if not layers:
         raise RuntimeError("gradient checkpointing was requested but the model has no checkpointing layers; "
-                           "enable it first (forge.core.policy.enable_checkpointing)")
+                           "enable it first (forge.model.enable_checkpointing)")
     modes = [layer.training for layer in layers]
     for layer in layers:
         layer.training = True

@@ -18,7 +18,7 @@ started together and awaited concurrently (one event loop in a helper thread), e
 with the same error rules as the others.
 
 A timed-out call keeps running in a daemon thread (Python cannot kill a thread); for code that may
-never return, run it in a subprocess with `forge.sandbox.run_python`, which is killed on its timeout.
+never return, run it in a subprocess with `forge.tools.sandbox.run_python`, which is killed on its timeout.
 
 `sys.exit()` (SystemExit) or a KeyboardInterrupt raised inside a reward is a reward failure like any other
 exception, so it can never end a run silently. A real Ctrl-C is told apart by who raised it: Forge's

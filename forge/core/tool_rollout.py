@@ -32,7 +32,7 @@ from forge.core.rollout import (
     sample_next_token,
     tokenize_prompts,
 )
-from forge.core.tools import CallFormat, ToolResult, ToolSettings, call_format, run_calls
+from forge.tools.calls import CallFormat, ToolResult, ToolSettings, call_format, run_calls
 
 
 class _Row:

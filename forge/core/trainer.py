@@ -30,9 +30,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from forge.core import metrics as step_stats
-from forge.core import policy, sharding
-from forge.core.distributed import DataParallel
 from forge.core.grpo import (
     GRPOConfig,
     LossNormaliser,
@@ -42,15 +39,6 @@ from forge.core.grpo import (
     logprob_gap,
     multi_reward_advantages,
 )
-from forge.core.lifecycle import (
-    CheckpointParts,
-    FinishedStep,
-    RunLifecycle,
-    StopSignals,
-    TrainingInterrupted,
-    claim_output_dir,
-)
-from forge.core.optim import GuardedStep, advance_schedule, make_scheduler
 from forge.core.reward import TrainerState
 from forge.core.rollout import (
     Rollout,
@@ -65,11 +53,24 @@ from forge.core.rollout import (
     sampling_seed,
 )
 from forge.core.scoring import RewardError, build_reward_list, score_completions
-from forge.core.sharding import local
 from forge.core.tool_rollout import generate_with_tools
-from forge.core.tools import ToolSettings, as_tools, resolve_format
 from forge.data.dataset import checked_rows, iterate_steps, reward_kwargs, rows_per_step, training_rows
 from forge.logging.logger import ForgeLogger
+from forge.model import merged_adapters, prepare_policy
+from forge.parallel import sharding
+from forge.parallel.distributed import DataParallel
+from forge.parallel.sharding import local
+from forge.run import metrics as step_stats
+from forge.run.lifecycle import (
+    CheckpointParts,
+    FinishedStep,
+    RunLifecycle,
+    StopSignals,
+    TrainingInterrupted,
+    claim_output_dir,
+)
+from forge.run.optim import GuardedStep, advance_schedule, make_scheduler
+from forge.tools.calls import ToolSettings, as_tools, resolve_format
 
 Evaluator = Callable[..., dict]
 """evaluator(model, tokenizer, rows, *, max_new_tokens, max_prompt_length) -> {metric name: value}."""
@@ -113,7 +114,7 @@ class GRPOTrainer:
             raise ValueError("GRPOTrainer needs reward_fn, e.g. reward_fn=ExactMatchReward()")
         self.rewards = build_reward_list(reward_fn, config.reward_weights)
         self.dist = DataParallel(fsdp=config.fsdp)
-        ready = policy.prepare_policy(model, tokenizer, config, device=self.dist.device, seed=seed_everything,
+        ready = prepare_policy(model, tokenizer, config, device=self.dist.device, seed=seed_everything,
                                       sync=self.dist.broadcast_from_main, announce=self.dist.is_main,
                                       shard=self.dist.shard if self.dist.fsdp else None)
         self.model = model = ready.model
@@ -268,7 +269,7 @@ class GRPOTrainer:
         return self.lifecycle.where_to_resume(weights_are_of_last_step=idle and can_save)
 
     def _finished(self, epoch: int, position: int) -> FinishedStep:
-        from forge import checkpoint as ckpt
+        from forge.run import checkpoint as ckpt
 
         return FinishedStep(self.global_step, epoch, position, ckpt.capture_rng_state(), self._nonfinite_in_a_row,
                             self._skipped_steps, self.guard.loss_scale)
@@ -407,7 +408,7 @@ class GRPOTrainer:
     def _merged(self):
         """LoRA adapters folded into the weights for a no-grad pass (generation, evaluation), unless turned off or
         sharded (policy.merged_adapters)."""
-        return policy.merged_adapters(self.model, self.config.merge_lora_for_generation and not self.dist.fsdp)
+        return merged_adapters(self.model, self.config.merge_lora_for_generation and not self.dist.fsdp)
 
     def _micro_batches(self, rollout: Rollout, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """`rows` (default: all of the rollout's, in order) in chunks of micro_batch_size (0 = one chunk)."""

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from forge.core.policy import merged_adapters
 from forge.core.rollout import SamplingSettings, generate
 from forge.data.answers import answers_match
 from forge.data.dataset import load_rows
@@ -35,6 +34,7 @@ from forge.eval.metrics import (
     majority_vote,
     pass_at_k,
 )
+from forge.model import merged_adapters
 
 EVAL_DATASETS = ("arithmetic", "gsm8k", "gsm-hard", "gsm8k-mock")
 """Names `load_eval_rows` understands, besides JSONL paths and the built-in names of `load_rows`."""
@@ -111,7 +111,7 @@ def evaluate(
     answer_format: "tag" or "answer_line" for every row; None decides per row from its prompt
         (`detect_answer_format`).
     merge_adapters: a LoRA model generates with its adapters folded into a temporary copy of the weights
-        (forge.core.policy.merged_adapters: faster, the same outputs up to fp32 rounding; the model is left as
+        (forge.model.merged_adapters: faster, the same outputs up to fp32 rounding; the model is left as
         it was).
     """
     rows = load_rows(rows)
@@ -337,8 +337,8 @@ def evaluate_model(
     optional LoRA adapter, load held-out rows by name (`load_eval_rows`), and `evaluate` it.
     ``chat`` None: chat-message prompts when the tokenizer has a chat template (said on stderr for the sets
     whose prompts Forge writes). ``eval_kw`` go to `evaluate`."""
-    from forge.core.policy import load_for_eval
     from forge.data.dataset import pick_chat
+    from forge.model import load_for_eval
 
     if isinstance(model_name_or_path, tuple):
         model, tokenizer = load_for_eval(model_name_or_path[0], adapter, tokenizer=model_name_or_path[1])

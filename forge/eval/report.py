@@ -181,7 +181,7 @@ def compare_models(
     """Load and evaluate two models one after the other (only one is in memory at a time), then write the
     report to `out_dir` (default ./forge_comparison). ``adapter`` is a LoRA adapter applied to ``after``,
     ``before_adapter`` one applied to ``before``. Returns (json path, markdown path, summary table text)."""
-    from forge.core.policy import load_for_eval
+    from forge.model import load_for_eval
 
     results = []
     for name, lora in ((before, before_adapter), (after, adapter)):

@@ -1,5 +1,5 @@
 """Training logs: console, JSONL, TensorBoard and W&B behind one `ForgeLogger`."""
 
-from forge.logging.logger import ForgeLogger, NullSink
+from forge.logging.logger import ForgeLogger, NullSink, note
 
-__all__ = ["ForgeLogger", "NullSink"]
+__all__ = ["ForgeLogger", "NullSink", "note"]

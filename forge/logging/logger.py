@@ -15,9 +15,11 @@ opens the dashboard.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +29,17 @@ from tqdm import tqdm
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+_console = logging.getLogger("forge")
+
+
+def note(message: str) -> None:
+    """A one-line note for the user: through the "forge" logger when it is configured, else on stderr."""
+    if _console.hasHandlers() and _console.isEnabledFor(logging.INFO):
+        _console.info(message)
+    else:
+        print(f"[forge] {message}", file=sys.stderr, flush=True)
+
 
 TRAINING_LOG_NAME = "training_log.jsonl"
 SAMPLES_LOG_NAME = "samples.jsonl"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge.core.sharding import local
+from forge.parallel.sharding import local
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -80,7 +80,7 @@ class DataParallel:
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """FSDP2: shard the model over the ranks, its shards on this rank's GPU when there is one."""
-        from forge.core import sharding
+        from forge.parallel import sharding
 
         return sharding.shard(model, self.device)
 

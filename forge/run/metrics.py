@@ -175,11 +175,11 @@ def greedy_reward_evaluator(rewards: list, config, tools=None):
     """The trainer's default evaluator: one greedy completion per held-out row, scored by the run's own rewards
     (eval/reward, eval/rewards/<name>, eval/n), with the run's tools when it has them (`tools`: ToolSettings).
     The global RNG state is restored afterwards, so evaluating mid-run does not change later samples."""
-    from forge import checkpoint as ckpt
     from forge.core.rollout import SamplingSettings, generate
     from forge.core.scoring import score_completions
     from forge.core.tool_rollout import generate_with_tools
     from forge.data.dataset import reward_kwargs
+    from forge.run import checkpoint as ckpt
 
     @torch.no_grad()
     def evaluate(model, tokenizer, rows: list[dict], *, max_new_tokens: int, max_prompt_length: int) -> dict:

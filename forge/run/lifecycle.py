@@ -29,7 +29,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from forge.core.optim import apply_new_hyperparameters
+from forge.run.optim import apply_new_hyperparameters
 
 
 class TrainingInterrupted(RuntimeError):
@@ -108,7 +108,7 @@ def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_ma
     - The main process holds an exclusive lock on {output_dir}/.forge.lock for the run's lifetime, so a second
       run into the same directory stops with a message instead of interleaving logs and checkpoints.
     - Temporary checkpoint directories left by killed saves (N.tmp-PID of a dead process) are cleaned up."""
-    from forge import checkpoint as ckpt
+    from forge.run import checkpoint as ckpt
 
     check_output_dir(output_dir, is_main)
     lock = RunLock(output_dir / LOCK_NAME) if is_main else None
@@ -187,7 +187,7 @@ class RunLifecycle:
     def save(self, finished: FinishedStep, name: str | None = None) -> Path:
         """Write the checkpoint of `finished` to {output_dir}/{name or step}/. Every process calls it: rank 0
         writes, and under FSDP2 every rank writes its shards (final/ also gets the whole weights)."""
-        from forge import checkpoint as ckpt
+        from forge.run import checkpoint as ckpt
 
         parts = self.parts
         path = self.output_dir / (name or str(finished.step))
@@ -234,7 +234,7 @@ class RunLifecycle:
 
     def resume(self, where: str) -> FinishedStep:
         """Load the checkpoint `where` ('latest' = the newest complete one) into the parts; its FinishedStep."""
-        from forge import checkpoint as ckpt
+        from forge.run import checkpoint as ckpt
 
         parts = self.parts
         path = ckpt.latest_checkpoint(self.output_dir) if where == "latest" else Path(where)
@@ -245,7 +245,7 @@ class RunLifecycle:
         check_same_dataset(state.trainer_state, parts.dataset_identity, path)
         check_same_sharding(path, sharded=parts.sharded_by is not None)
         if parts.sharded_by is not None:
-            from forge.core import sharding
+            from forge.parallel import sharding
 
             sharding.load(path / sharding.SHARDED_DIR, parts.model, parts.optimizer)  # on every rank
         else:
@@ -274,7 +274,7 @@ class RunLifecycle:
 
 def check_same_sharding(path: Path, sharded: bool) -> None:
     """A checkpoint of an FSDP2 run holds shards, one of a data-parallel run the whole model: refuse the other."""
-    from forge import checkpoint as ckpt
+    from forge.run import checkpoint as ckpt
 
     if ckpt.is_sharded(path) and not sharded:
         raise ValueError(f"cannot resume from checkpoint {path}: it was saved by an FSDP run (its weights and "

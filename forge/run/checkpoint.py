@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from forge.core.optim import all_finite
+from forge.run.optim import all_finite
 
 COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -338,7 +338,7 @@ def save_sharded_checkpoint(
     gathers the whole weights into model.safetensors / adapter_model.safetensors (final/: a folder that
     from_pretrained loads). `ranks`: is_main, main_pid, barrier() and any(flag) of the run's processes.
     Atomic like save_checkpoint: the ranks write into rank 0's `{path}.tmp-<pid>`, which rank 0 renames."""
-    from forge.core import sharding
+    from forge.parallel import sharding
 
     path = Path(path)
     if ranks.any(not all(all_finite(sharding.local(p.detach())) for p in model.parameters()

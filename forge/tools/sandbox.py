@@ -16,7 +16,7 @@ VM. Linux only (rlimits; macOS does not enforce RLIMIT_AS).
 
 Using it in a reward (the completion holds a solution, the dataset row holds the tests):
 
-    from forge.sandbox import run_python
+    from forge.tools.sandbox import run_python
 
     def passes_tests(prompts, completions, tests, **kwargs):
         scores = []

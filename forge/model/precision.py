@@ -1,0 +1,159 @@
+"""Compute precision: bf16/fp16 autocast over float32 master weights, and where bf16 is fast (GPU, CPU units).
+
+One place decides the dtype of a run: `choose_precision`. Everything else asks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from forge.logging.logger import note
+
+# --------------------------------------------------------------------------------------------------
+# devices and dtypes
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """None means "cuda" when a GPU is visible, else "cpu"."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device | None = None) -> torch.dtype:
+    """Resolve "auto": float32 on CPU, bfloat16 on a GPU that supports it, float16 on an older GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; use 'auto', 'float32', 'bfloat16' or 'float16'")
+        return resolved
+    device = resolve_device(device)
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def cpu_has_bf16_units() -> tuple[bool, str]:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX-BF16 tiles or AVX512-BF16), and its name.
+
+    Without them (e.g. AVX2-only CPUs) bf16 matmuls are emulated and run 10-25x slower than fp32; with them
+    they run several times faster (see the README's precision section for what was measured where).
+    The environment variable FORGE_CPU_BF16=0 (or 1) overrides the detection, e.g. to keep `dtype="auto"` at fp32
+    on every machine of a cluster, or of a test suite whose tolerances are fp32's."""
+    forced = os.environ.get("FORGE_CPU_BF16", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1", f"FORGE_CPU_BF16={forced} is set"
+    if forced:
+        raise ValueError(f"FORGE_CPU_BF16={forced!r}: set it to 0 (treat the CPU as having no bf16 units) or 1, "
+                         f"or unset it to detect them")
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if amx:
+        return True, "AMX tiles"
+    if avx512_bf16:
+        return True, "AVX512-BF16"
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    return False, f"its best vector unit is {capability}"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a run computes. Trainable weights (and AdamW's moments) are always float32 "master" weights; `compute`
+    is the dtype of the forward and backward passes and of generation, under torch.autocast when it is not
+    float32. Frozen weights (the LoRA base, the full-fine-tuning reference) may be stored in `compute`."""
+
+    compute: torch.dtype
+    device_type: str  # "cpu" or "cuda"
+    reason: str  # why, for the log
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute != torch.float32
+
+    def autocast(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """torch.autocast to `compute` (nothing in float32). With `model`, its LoRA layers also keep their input
+        in the compute dtype (`lora_inputs_uncast`)."""
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return _autocast(self.device_type, self.compute, model)
+
+
+@contextlib.contextmanager
+def _autocast(device_type: str, dtype: torch.dtype, model: nn.Module | None) -> Iterator[None]:
+    with torch.autocast(device_type, dtype=dtype), lora_inputs_uncast(model):
+        yield
+
+
+@contextlib.contextmanager
+def lora_inputs_uncast(model: nn.Module | None) -> Iterator[None]:
+    """Under autocast: stop PEFT's plain LoRA layers from casting their input to the adapters' float32.
+
+    PEFT casts x to lora_A's dtype before B(A(x)); under autocast the matmul casts it straight back to the
+    compute dtype, so that round trip (bf16 -> fp32 -> bf16 is exact) changes no bit of the output or the
+    gradients, but costs two copies of every adapted layer's input per forward and two more in backward:
+    without it a bf16 LoRA forward + backward takes 0.87x the time (SmolLM2-135M, 8 x 160 tokens, AMX Xeon;
+    `python bench/precision.py`).
+    Only plain LoRA on linear layers (no DoRA or other variant, which compute more from x); restored on exit."""
+    if model is None:
+        yield
+        return
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear) and not m.lora_variant
+              and getattr(m, "cast_input_dtype_enabled", True)]
+    for m in layers:
+        m.cast_input_dtype_enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.cast_input_dtype_enabled = True
+
+
+def choose_precision(dtype: str = "auto", device: str | torch.device | None = None) -> Precision:
+    """dtype 'float32' / 'bfloat16' / 'float16' as given; 'auto' = bf16 where the hardware runs it fast (a GPU
+    that supports it, a CPU with bf16 matrix units), fp32 elsewhere."""
+    device = resolve_device(device)
+    if dtype != "auto":
+        compute = resolve_dtype(dtype, device)
+        return Precision(compute, device.type, f"dtype={dtype!r} was asked for")
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return Precision(torch.bfloat16, "cuda", "the GPU supports bf16")
+        return Precision(torch.float32, "cuda", "the GPU has no bf16; dtype='float16' (with loss scaling) is "
+                                                "faster there but must be asked for")
+    fast, what = cpu_has_bf16_units()
+    if fast:
+        return Precision(torch.bfloat16, "cpu", f"the CPU has bf16 matrix units ({what})")
+    return Precision(torch.float32, "cpu", f"the CPU has no bf16 matrix units ({what}): bf16 would be slower")
+
+
+def as_master_weights(model: nn.Module, precision: Precision, lora: bool) -> nn.Module:
+    """Trainable weights in float32, whatever dtype the model came in. Full fine-tuning of a bf16/fp16 model:
+    the whole model becomes float32 (updates below 1/256 of a weight would round away in bf16), with a note.
+    LoRA: the frozen base stays as it is (or is stored in the compute dtype), the adapters become float32."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in trainable if p.dtype != torch.float32})
+    if not lora:
+        if low:
+            note(f"the model's weights are {', '.join(low)}: training float32 master weights (computing in "
+                  f"{str(precision.compute).removeprefix('torch.')}); bf16 weights would lose updates below 1/256 "
+                  f"of a weight")
+        return model.float() if low else model
+    if precision.mixed:  # the frozen base in the compute dtype: half the memory, no re-cast per forward
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(precision.compute)
+    for p in trainable:
+        p.data = p.data.float()
+    return model
+
