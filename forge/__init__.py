@@ -13,7 +13,7 @@ from forge import _moved
 
 # Names are imported on first use, so `forge --help` and `import forge.core.grpo` do not load transformers.
 _WHERE = {
-    "GRPOConfig": "forge.core.grpo",
+    "GRPOConfig": "forge.core.config",
     "apply_lora": "forge.model",
     "load_model": "forge.model",
     "merge_and_export": "forge.model",
@@ -37,7 +37,7 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
-    from forge.core.grpo import GRPOConfig
+    from forge.core.config import GRPOConfig
     from forge.core.reward import (
         BaseReward,
         CompositeReward,

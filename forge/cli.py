@@ -23,7 +23,7 @@ import sys
 import typing
 from pathlib import Path
 
-from forge.core.grpo import GRPOConfig
+from forge.core.config import GRPOConfig
 
 
 def config_field_docs() -> dict[str, str]:

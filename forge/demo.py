@@ -313,7 +313,7 @@ def _machine() -> dict:
 
 def demo_config(settings: DemoSettings, output_dir, **overrides):
     """The demo's GRPOConfig (bench/learning_vs_trl.py builds TRL's config from the same settings)."""
-    from forge.core.grpo import GRPOConfig
+    from forge.core.config import GRPOConfig
 
     config = GRPOConfig(
         group_size=settings.group_size, prompts_per_step=settings.prompts_per_step, gradient_accumulation_steps=1,

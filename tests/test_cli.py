@@ -23,7 +23,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge.cli import build_config, build_parser, main
-from forge.core.grpo import GRPOConfig
+from forge.core.config import GRPOConfig
 from forge.model.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from forge.core.grpo import GRPOConfig
+from forge.core.config import GRPOConfig
 
 ORIGINAL_DEFAULTS = {
     "group_size": 8,

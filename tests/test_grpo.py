@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from forge.core.grpo import (
     LOSS_AGGREGATIONS,
     LossNormaliser,
+    LossSettings,
     compute_group_advantages,
     compute_token_log_probs,
     group_reward_std,
@@ -22,6 +23,14 @@ from forge.core.grpo import (
     sequence_mean_log_probs,
     token_logprobs_from_logits,
 )
+
+
+def variant_loss(*tensors, **keywords):
+    """grpo_loss with the variant's LossSettings fields given as keywords beside its tensor keywords."""
+    variant = {k: keywords.pop(k) for k in list(keywords) if k in LossSettings.__dataclass_fields__}
+    if variant:
+        keywords["settings"] = LossSettings(**variant)
+    return grpo_loss(*tensors, **keywords)
 
 LOSS_TYPES = sorted(LOSS_AGGREGATIONS)  # bnpo, dapo, dr_grpo, grpo
 LN2 = math.log(2.0)
@@ -238,20 +247,20 @@ HAND_LOSS = {
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_hand_batch_loss(loss_type):
     logprobs, old, ref, advantages, mask = hand_batch()
-    loss, _ = grpo_loss(logprobs, old, ref, advantages, mask, loss_type=loss_type, **HAND_KW)
+    loss, _ = variant_loss(logprobs, old, ref, advantages, mask, loss_type=loss_type, **HAND_KW)
     assert loss.item() == pytest.approx(HAND_LOSS[loss_type], abs=1e-6)
 
 
 def test_dr_grpo_uses_the_given_max_completion_length():
     logprobs, old, ref, advantages, mask = hand_batch()
     norm = LossNormaliser(num_sequences=2, num_tokens=5, max_completion_length=4)
-    loss, _ = grpo_loss(logprobs, old, ref, advantages, mask, loss_type="dr_grpo", normaliser=norm, **HAND_KW)
+    loss, _ = variant_loss(logprobs, old, ref, advantages, mask, loss_type="dr_grpo", normaliser=norm, **HAND_KW)
     assert loss.item() == pytest.approx(3.26 / (2 * 4), abs=1e-6)  # 0.4075
 
 
 def test_hand_batch_gradient_is_zero_where_clipped():
     logprobs, old, ref, advantages, mask = hand_batch()
-    loss, _ = grpo_loss(logprobs, old, ref, advantages, mask, loss_type="grpo", **HAND_KW)
+    loss, _ = variant_loss(logprobs, old, ref, advantages, mask, loss_type="grpo", **HAND_KW)
     loss.backward()
     # d pg / d logp = -A r where not clipped, 0 where clipped; d kl / d logp = 1 - exp(d);
     # the 'grpo' aggregation divides token t of row i by |o_i| * B: 6 for row 0, 4 for row 1
@@ -268,7 +277,7 @@ def test_hand_batch_gradient_is_zero_where_clipped():
 
 def test_hand_batch_stats():
     logprobs, old, ref, advantages, mask = hand_batch()
-    _, stats = grpo_loss(logprobs, old, ref, advantages, mask, loss_type="grpo", **HAND_KW)
+    _, stats = variant_loss(logprobs, old, ref, advantages, mask, loss_type="grpo", **HAND_KW)
     # over the 5 real tokens (the padded ratio 0.1 with A < 0 would count as clipped low if not masked)
     assert stats.clip_frac_low.item() == pytest.approx(1 / 5)  # row 1 t0
     assert stats.clip_frac_high.item() == pytest.approx(1 / 5)  # row 0 t0
@@ -283,7 +292,7 @@ def test_hand_batch_stats():
 
 def test_symmetric_clip_when_high_is_none():
     logprobs, old, ref, advantages, mask = hand_batch()
-    _, stats = grpo_loss(logprobs, old, ref, advantages, mask, clip_eps_low=0.2)
+    _, stats = variant_loss(logprobs, old, ref, advantages, mask, clip_eps_low=0.2)
     # clip range [0.8, 1.2]: row 0 t0 (1.5, A > 0) clips high, row 1 t0 (0.5, A < 0) clips low
     # pg: row 0 [max(-.75, -.6) = -.6, -.25, -.55] sum -1.4; row 1 [1.6, max(3, 2.4) = 3] sum 4.6
     assert stats.policy_loss.item() == pytest.approx((-1.4 / 3 + 4.6 / 2) / 2, abs=1e-6)  # 0.916667
@@ -293,8 +302,8 @@ def test_symmetric_clip_when_high_is_none():
 def test_kl_beta_needs_ref_logprobs():
     logprobs, old, _, advantages, mask = hand_batch()
     with pytest.raises(ValueError, match="ref_logprobs"):
-        grpo_loss(logprobs, old, None, advantages, mask, kl_beta=0.1)
-    _, stats = grpo_loss(logprobs, old, None, advantages, mask, kl_beta=0.0)
+        variant_loss(logprobs, old, None, advantages, mask, kl_beta=0.1)
+    _, stats = variant_loss(logprobs, old, None, advantages, mask, kl_beta=0.0)
     assert stats.kl.item() == 0.0
 
 
@@ -309,7 +318,7 @@ GSPO_R0, GSPO_R1 = 0.825 ** (1 / 3), 0.75 ** 0.5
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_gspo_sequence_level_hand_batch(loss_type):
     logprobs, old, ref, advantages, mask = hand_batch()
-    loss, stats = grpo_loss(logprobs, old, ref, advantages, mask, loss_type=loss_type,
+    loss, stats = variant_loss(logprobs, old, ref, advantages, mask, loss_type=loss_type,
                             importance_level="sequence", **HAND_KW)
     row0 = 3 * (-0.5 * GSPO_R0) + 0.1 * 0.5  # three tokens + 0.1 * (kl sum 0.5) = -1.356833
     row1 = 2 * (2.0 * GSPO_R1) + 0.1 * 0.5  # = 3.514102
@@ -330,7 +339,7 @@ def test_gspo_clips_whole_sequences():
     logprobs = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]], requires_grad=True)
     old = logprobs.detach() - torch.tensor([[LN2, LN2, LN2], [math.log(0.25), 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    loss, stats = grpo_loss(logprobs, old, None, torch.tensor([1.0, -1.0]), mask, clip_eps_high=0.28,
+    loss, stats = variant_loss(logprobs, old, None, torch.tensor([1.0, -1.0]), mask, clip_eps_high=0.28,
                             loss_type="bnpo", importance_level="sequence")
     assert loss.item() == pytest.approx((3 * -1.28 + 2 * 0.8) / 5, abs=1e-6)  # -0.448
     loss.backward()
@@ -366,7 +375,7 @@ def test_no_old_logprobs_is_the_policy_gradient(loss_type, level):
     # GSPO with ratio exp(mean(logp - sg(logp))) = 1 has d r / d logp_t = 1 / |o_i|, and its aggregation
     # multiplies by |o_i| again for the token means, so the gradient is the same as at token level.
     logprobs = torch.randn(4, 3, generator=torch.Generator().manual_seed(3)).requires_grad_()
-    loss, stats = grpo_loss(logprobs, None, None, ONE_STEP_ADVANTAGES, ONE_STEP_MASK,
+    loss, stats = variant_loss(logprobs, None, None, ONE_STEP_ADVANTAGES, ONE_STEP_MASK,
                             loss_type=loss_type, importance_level=level)
     expected_loss, row_grads = ONE_STEP[loss_type]
     assert loss.item() == pytest.approx(expected_loss, abs=1e-7)
@@ -380,7 +389,7 @@ def test_no_old_logprobs_with_group_advantages_has_zero_loss():
     advantages = compute_group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=4)
     # A = [+a, -a, -a, +a] with a = 0.5 / (0.57735 + 1e-4); the 'grpo' loss is -mean(A) = 0
     logprobs = torch.randn(4, 3, generator=torch.Generator().manual_seed(4)).requires_grad_()
-    loss, _ = grpo_loss(logprobs, None, None, advantages, ONE_STEP_MASK)
+    loss, _ = variant_loss(logprobs, None, None, advantages, ONE_STEP_MASK)
     assert abs(loss.item()) < 1e-7
 
 
@@ -390,7 +399,7 @@ def test_equal_rewards_give_zero_policy_gradient():
         for level in ("token", "sequence"):
             logprobs = torch.randn(4, 3, generator=torch.Generator().manual_seed(5)).requires_grad_()
             old = logprobs.detach() + 0.3  # ratios != 1 do not matter when A = 0
-            loss, _ = grpo_loss(logprobs, old, None, advantages, ONE_STEP_MASK, kl_beta=0.0,
+            loss, _ = variant_loss(logprobs, old, None, advantages, ONE_STEP_MASK, kl_beta=0.0,
                                 loss_type=loss_type, importance_level=level)
             loss.backward()
             assert loss.item() == 0.0
@@ -419,7 +428,7 @@ def test_gradcheck(loss_type, level):
     logprobs.requires_grad_()
 
     def loss_of(lp):
-        return grpo_loss(lp, old, ref, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05,
+        return variant_loss(lp, old, ref, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05,
                          loss_type=loss_type, importance_level=level)[0]
 
     assert torch.autograd.gradcheck(loss_of, (logprobs,))
@@ -433,7 +442,7 @@ def test_masked_positions_change_nothing(loss_type, level):
 
     def loss_and_grad(lp, old_lp, ref_lp):
         lp = lp.clone().requires_grad_()
-        loss, stats = grpo_loss(lp, old_lp, ref_lp, advantages, mask, **kwargs)
+        loss, stats = variant_loss(lp, old_lp, ref_lp, advantages, mask, **kwargs)
         loss.backward()
         return loss, lp.grad, stats
 
@@ -459,13 +468,13 @@ def test_micro_batches_sum_to_the_full_batch(loss_type, level):
     norm = LossNormaliser(num_sequences=4, num_tokens=12, max_completion_length=5)
     assert int(mask.sum()) == 12
     full_lp = logprobs.clone().requires_grad_()
-    full, _ = grpo_loss(full_lp, old, ref, advantages, mask, **kwargs)  # default normaliser = same counts
+    full, _ = variant_loss(full_lp, old, ref, advantages, mask, **kwargs)  # default normaliser = same counts
     full.backward()
 
     micro_lp = logprobs.clone().requires_grad_()
     total = 0.0
     for rows in (slice(0, 2), slice(2, 4)):
-        part, _ = grpo_loss(micro_lp[rows], old[rows], ref[rows], advantages[rows], mask[rows],
+        part, _ = variant_loss(micro_lp[rows], old[rows], ref[rows], advantages[rows], mask[rows],
                             normaliser=norm, **kwargs)
         part.backward()  # gradients accumulate as they do over micro-batches
         total = total + part.item()
@@ -539,11 +548,11 @@ def test_dr_grpo_divides_by_every_sampled_completion_even_when_rows_are_masked()
     advantages = torch.tensor([1.0, -1.0])
     mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])
     norm = LossNormaliser(num_sequences=1, num_tokens=3, max_completion_length=4, num_sampled=2)
-    loss, _ = grpo_loss(logprobs, None, None, advantages, mask, loss_type="dr_grpo", normaliser=norm)
+    loss, _ = variant_loss(logprobs, None, None, advantages, mask, loss_type="dr_grpo", normaliser=norm)
     assert loss.item() == pytest.approx(-0.375, abs=1e-7)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-1 / 8, -1 / 8, -1 / 8, 0.0], [0.0] * 4]))
     # grpo and dapo average over what is kept: 1 row of 3 tokens -> -1
     for loss_type in ("grpo", "dapo"):
-        value, _ = grpo_loss(logprobs, None, None, advantages, mask, loss_type=loss_type, normaliser=norm)
+        value, _ = variant_loss(logprobs, None, None, advantages, mask, loss_type=loss_type, normaliser=norm)
         assert value.item() == pytest.approx(-1.0, abs=1e-7)

@@ -285,7 +285,7 @@ def test_reasoning_gym_missing_is_an_import_error_naming_the_extra(monkeypatch):
 
 
 def test_grpo_trains_on_a_reasoning_gym_task_with_its_own_reward(tiny_model, tiny_tokenizer, tmp_path):
-    from forge.core.grpo import GRPOConfig
+    from forge.core.config import GRPOConfig
     from forge.core.trainer import GRPOTrainer
 
     rows = rgt.reasoning_gym_dataset("chain_sum", size=4, few_shot=False)

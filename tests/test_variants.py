@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
+from forge.core.config import GRPOConfig
 from forge.core.grpo import (
-    GRPOConfig,
     LossNormaliser,
     LossSettings,
     compute_group_advantages,
@@ -23,6 +23,14 @@ from forge.core.grpo import (
     token_logprobs_from_logits,
     weighted_reward_sum,
 )
+
+
+def variant_loss(*tensors, **keywords):
+    """grpo_loss with the variant's LossSettings fields given as keywords beside its tensor keywords."""
+    variant = {k: keywords.pop(k) for k in list(keywords) if k in LossSettings.__dataclass_fields__}
+    if variant:
+        keywords["settings"] = LossSettings(**variant)
+    return grpo_loss(*tensors, **keywords)
 
 LN = math.log
 
@@ -40,7 +48,7 @@ def loss_and_grad(logprobs, old, advantages, mask=None, ref=None, **kwargs):
     old = None if old is None else torch.tensor(old, dtype=torch.float64)
     ref = None if ref is None else torch.tensor(ref, dtype=torch.float64)
     mask = torch.ones(logprobs.shape) if mask is None else torch.tensor(mask, dtype=torch.float64)
-    loss, stats = grpo_loss(logprobs, old, ref, torch.tensor(advantages, dtype=torch.float64), mask, **kwargs)
+    loss, stats = variant_loss(logprobs, old, ref, torch.tensor(advantages, dtype=torch.float64), mask, **kwargs)
     loss.backward()
     return loss.item(), logprobs.grad, stats
 
@@ -86,7 +94,7 @@ def test_sapo_value_and_gradient():
     # per-sequence mean over 2 completions of 1 token: loss = (-2.489837 + 1.415939) / 2, gradients / 2
     lp = [[LN(0.3)], [LN(0.3)]]
     old = [[LN(0.3) - LN(1.5)], [LN(0.3) - LN(0.5)]]
-    loss, grad, _ = loss_and_grad(lp, old, [1.0, -1.0], loss_type="sapo", settings=LossSettings(loss_type="sapo"))
+    loss, grad, _ = loss_and_grad(lp, old, [1.0, -1.0], loss_type="sapo")
     s0, s1 = sigmoid(0.5), sigmoid(-0.525)
     assert loss == pytest.approx((-s0 * 4 + s1 * 4 / 1.05) / 2)
     assert loss == pytest.approx((-2.489837 + 1.415939) / 2, abs=1e-6)
@@ -132,10 +140,10 @@ def test_negative_advantage_ratio_cap():
 
 def test_delta_and_clip_ratio_c_are_the_same_bound():
     # TRL's delta: -min(min(r, delta) A, clip(r) A); for r = 5, A = -1, delta = 3: -min(-3, -1.2) = 3, as dual-clip
-    assert LossSettings.from_config(GRPOConfig(delta=3.0)).negative_ratio_cap == 3.0
-    assert LossSettings.from_config(GRPOConfig(clip_ratio_c=3.0)).negative_ratio_cap == 3.0
-    assert LossSettings.from_config(GRPOConfig(delta=4.0, clip_ratio_c=3.0)).negative_ratio_cap == 3.0
-    assert LossSettings.from_config(GRPOConfig()).negative_ratio_cap is None
+    assert GRPOConfig(delta=3.0).loss_settings.negative_ratio_cap == 3.0
+    assert GRPOConfig(clip_ratio_c=3.0).loss_settings.negative_ratio_cap == 3.0
+    assert GRPOConfig(delta=4.0, clip_ratio_c=3.0).loss_settings.negative_ratio_cap == 3.0
+    assert GRPOConfig().loss_settings.negative_ratio_cap is None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -291,7 +299,7 @@ def test_entropy_bonus():
     entropy = torch.tensor([[1.0, 2.0], [3.0, 5.0]], requires_grad=True)
     mask = torch.tensor([[1, 1], [1, 0]])
     logprobs = torch.zeros(2, 2, requires_grad=True)
-    loss, _ = grpo_loss(logprobs, None, None, torch.zeros(2), mask, entropy=entropy,
+    loss, _ = variant_loss(logprobs, None, None, torch.zeros(2), mask, entropy=entropy,
                         settings=LossSettings(entropy_coef=0.1, loss_type="bnpo"))
     loss.backward()
     assert loss.item() == pytest.approx(-0.2)
@@ -304,9 +312,9 @@ def test_entropy_bonus_sums_over_micro_batches():
     mask = torch.ones(2, 2)
     settings = LossSettings(entropy_coef=0.5, loss_type="bnpo")
     norm = LossNormaliser(2.0, 4.0, 2)
-    whole, _ = grpo_loss(torch.zeros(2, 2), None, None, torch.zeros(2), mask, entropy=entropy, settings=settings,
+    whole, _ = variant_loss(torch.zeros(2, 2), None, None, torch.zeros(2), mask, entropy=entropy, settings=settings,
                          normaliser=norm)
-    halves = sum(grpo_loss(torch.zeros(1, 2), None, None, torch.zeros(1), mask[i:i + 1], entropy=entropy[i:i + 1],
+    halves = sum(variant_loss(torch.zeros(1, 2), None, None, torch.zeros(1), mask[i:i + 1], entropy=entropy[i:i + 1],
                            settings=settings, normaliser=norm)[0] for i in range(2))
     assert whole.item() == pytest.approx(-0.5 * 11 / 4)
     assert halves.item() == pytest.approx(whole.item())
@@ -364,8 +372,8 @@ def test_default_settings_reproduce_the_legacy_keywords_exactly():
     ref = logprobs - 0.2 * torch.randn(4, 5, generator=generator)
     advantages, mask = torch.randn(4, generator=generator), torch.ones(4, 5)
     config = GRPOConfig()
-    legacy, _ = grpo_loss(logprobs, old, ref, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2, kl_beta=0.01)
-    settings, _ = grpo_loss(logprobs, old, ref, advantages, mask, settings=LossSettings.from_config(config))
+    legacy, _ = variant_loss(logprobs, old, ref, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2, kl_beta=0.01)
+    settings, _ = variant_loss(logprobs, old, ref, advantages, mask, settings=config.loss_settings)
     assert torch.equal(legacy, settings)
 
 

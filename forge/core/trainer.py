@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from forge.core.config import GRPOConfig
 from forge.core.grpo import (
-    GRPOConfig,
     LossNormaliser,
     LossSettings,
     group_reward_std,
@@ -442,7 +442,7 @@ class GRPOTrainer:
         config = self.config
         # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
         normaliser = LossNormaliser.count(batch.loss_mask, config.max_new_tokens, total=self.dist.sum)
-        settings, totals = LossSettings.from_config(config), step_stats.UpdateTotals()
+        settings, totals = config.loss_settings, step_stats.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
         with sharding.kept_until_backward(self.model, enabled=self.dist.fsdp):  # FSDP2: one gather per unit
             self._loss_pass(batch, normaliser, settings, totals)

@@ -1,0 +1,411 @@
+"""GRPOConfig: every knob of a Forge run, one flat dataclass.
+
+Each field's docstring is its documentation everywhere: `forge train --help` and docs/config.md are generated
+from it (`python -m forge.core.config > docs/config.md`; tests/test_config.py fails when they drift).
+`validate()` turns every bad value or combination into one clear error before any model is loaded, and
+`loss_settings` derives the loss variant that the pure math in core/grpo.py takes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import types
+import typing
+from dataclasses import asdict, dataclass, fields
+
+from forge.core.grpo import (
+    ADVANTAGE_SCALES,
+    IMPORTANCE_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    MULTI_REWARD_AGGREGATIONS,
+    ROLLOUT_IS_MODES,
+    LossSettings,
+    LossType,
+)
+
+
+@dataclass
+class GRPOConfig:
+    """Every knob of a Forge run. The first block keeps the original Forge fields and defaults."""
+
+    # --- original Forge fields (names and defaults unchanged) ---
+    group_size: int = 8
+    """Completions sampled per prompt (G). Directly multiplies generation cost."""
+    clip_epsilon: float = 0.2
+    """Lower clip range: the ratio is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high]."""
+    kl_beta: float = 0.01
+    """Weight of the k3 KL penalty against the frozen reference policy; 0 skips the reference entirely."""
+    temperature: float = 0.9
+    """Sampling temperature for rollouts."""
+    max_new_tokens: int = 512
+    """Maximum tokens generated per completion."""
+    learning_rate: float = 5e-6
+    """Peak AdamW learning rate."""
+    gradient_accumulation_steps: int = 4
+    """Rollout batches (of prompts_per_step prompts each) accumulated before one optimizer step."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm, applied right before the optimizer step (0 disables)."""
+    num_train_epochs: int = 3
+    """Passes over the dataset (ignored when max_steps > 0)."""
+    save_steps: int = 100
+    """Write a checkpoint to {output_dir}/{step}/ every N optimizer steps (0 disables)."""
+    logging_steps: int = 10
+    """Log metrics every N optimizer steps."""
+    output_dir: str = "forge_output"
+    """Root for checkpoints, training_log.jsonl and samples.jsonl."""
+    use_wandb: bool = False
+    """Mirror metrics to Weights & Biases (falls back with a warning when wandb is missing)."""
+    wandb_project: str = "forge"
+    """W&B project name."""
+    wandb_run_name: str = "grpo_run"
+    """W&B run name."""
+    seed: int = 42
+    """Seeds python, numpy and torch once at the start of train(); the same seed repeats a CPU run."""
+
+    # --- batching ---
+    prompts_per_step: int = 1
+    """Prompts generated together in one batched rollout (each gets group_size completions)."""
+    micro_batch_size: int = 0
+    """Completions per forward/backward pass when computing the loss; 0 = the whole rollout batch."""
+    max_steps: int = -1
+    """Stop after this many optimizer steps; -1 = run num_train_epochs."""
+    shuffle: bool = True
+    """Shuffle the dataset each epoch (seeded)."""
+
+    # --- algorithm variant ---
+    num_iterations: int = 1
+    """Optimizer passes over each rollout (mu). >1 computes pi_old once and reuses it."""
+    loss_type: str = "grpo"
+    """grpo (per-sequence mean), bnpo / dapo (token mean), dr_grpo (sum / (B * max_new_tokens)): the clipped objective;
+    cispo (MiniMax-M1: stop-gradient weight min(ratio, 1 + clip_epsilon_high) x A x logp, token mean; TRL's
+    epsilon_high=5.0 is clip_epsilon_high=4.0 here); sapo (soft gate instead of the clip, per-sequence mean)."""
+    importance_sampling_level: str = "token"
+    """'token' (GRPO) or 'sequence' (GSPO: one length-normalised ratio per completion)."""
+    clip_epsilon_high: float | None = None
+    """Upper clip range (DAPO clip-higher, e.g. 0.28); None = clip_epsilon."""
+    scale_rewards: str = "group"
+    """Advantage: r - group mean divided by the 'group' std, the 'batch' std, or nothing ('none', Dr. GRPO); 'rloo'
+    (r minus the mean of the other G-1 rewards); 'reinforce_plus_plus_baseline' (r - group mean, divided by the
+    batch std of those differences)."""
+    reward_weights: list[float] | None = None
+    """Weights when reward_fn is a list of rewards; None = all 1.0."""
+    mask_truncated_completions: bool = False
+    """Exclude completions that hit max_new_tokens without EOS from the loss (DAPO)."""
+    drop_zero_std_groups: bool = False
+    """Dynamic sampling (DAPO): leave groups whose rewards are all equal out of the loss."""
+    advantage_epsilon: float = 1e-4
+    """Added to the std when scaling advantages."""
+
+    # --- algorithm catalogue: objective caps, KL estimator, several rewards, entropy, sampler correction ---
+    # Every default below leaves the GRPO of the block above unchanged. Names follow TRL (delta, sapo_*,
+    # multi_objective_aggregation, top_entropy_quantile, entropy_coef) or verl (clip_ratio_c, kl_loss_type,
+    # rollout_is, rollout_is_threshold); README "The algorithm Forge computes" cites each paper and equation.
+    delta: float | None = None
+    """Two-sided clipping (INTELLECT-2): the ratio of a token with negative advantage is capped at delta, so its
+    loss stays bounded however far the policy moved. Must be > 1 + clip_epsilon_high; None = off."""
+    clip_ratio_c: float | None = None
+    """Dual-clip PPO (Ye et al. 2020): negative-advantage loss capped at -A x clip_ratio_c, the same bound as delta
+    under verl's name. verl applies 3.0 always; Forge keeps it off (None) so default runs are unchanged. Must be > 1."""
+    sapo_temperature_pos: float = 1.0
+    """loss_type='sapo': temperature of the soft gate for tokens with positive advantage."""
+    sapo_temperature_neg: float = 1.05
+    """loss_type='sapo': temperature of the soft gate for tokens with zero or negative advantage."""
+    kl_loss_type: str = "k3"
+    """Per-token estimator of KL(pi_theta || pi_ref) on sampled tokens, d = logp - ref: k1 = d, k2 = d^2 / 2,
+    k3 = exp(-d) + d - 1 (>= 0, the GRPO default)."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """Several rewards: 'sum_then_normalize' (weighted sum, then scale_rewards), or 'normalize_then_sum' (GDPO: each
+    reward normalised within its group, weighted sum, then normalised over the batch)."""
+    top_entropy_quantile: float = 1.0
+    """The policy gradient flows only through this top fraction of completion tokens by entropy (Wang et al. 2025
+    use 0.2); 1.0 = every token."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts entropy_coef x the mean entropy of the completion tokens (0 = off)."""
+    rollout_is: str = "none"
+    """Sampler/trainer mismatch correction with the sampler's log-probs: 'token_truncate' / 'sequence_truncate'
+    (weight min(w, C)), 'token_mask' / 'sequence_mask' (weight 0 where w > C), or 'none'."""
+    rollout_is_threshold: float = 3.0
+    """C for rollout_is: the largest importance weight pi_old / pi_sampler kept (TRL's default 3.0)."""
+
+    # --- sampling ---
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_prompt_length: int | None = None
+    """Longest prompt in tokens; None = the model's context minus max_new_tokens."""
+    truncate_prompts: str = "error"
+    """What to do with a prompt over max_prompt_length: 'error' or 'left' (keep its last tokens)."""
+
+    # --- optimizer and schedule ---
+    lr_scheduler: str = "cosine"
+    """'cosine', 'linear' or 'constant', each after a linear warmup."""
+    warmup_ratio: float = 0.05
+    """Fraction of optimizer steps spent warming the learning rate up from 0."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    # --- LoRA ---
+    use_lora: bool = False
+    """Train LoRA adapters (peft) instead of all weights; the reference is the adapter-disabled base."""
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)."""
+    lora_dropout: float = 0.0
+    """Saved in the adapter's config for use elsewhere. Forge itself trains with dropout off (sampling, pi_old
+    and pi_theta must be one network), so it does not change a Forge run."""
+    lora_target_modules: list[str] | None = None
+    """Module names to adapt; None = the attention projections of the architecture (q/k/v/o for Llama)."""
+
+    # --- engine ---
+    share_prompt_prefix: bool = True
+    """Compute each prompt once per group (in generation and in the loss) instead of G times."""
+    merge_lora_for_generation: bool = True
+    """With LoRA, generate and evaluate with the adapters folded into a temporary copy of the adapted weights
+    (policy.merged_adapters): one matmul per layer instead of three, 0.85-0.90x the generation time on a CPU
+    (bench/merged_generation.py). The training weights are untouched (put back bit for bit); the sampler then
+    differs from the trainer by fp32 rounding. Needs memory for one copy of the adapted weights during
+    generation, and is skipped when that does not fit on the GPU, under FSDP2, for DoRA or quantised layers, and in
+    bf16/fp16 (where W + s B A would round small adapter updates away)."""
+    logprob_chunk_size: int = 1024
+    """Positions per chunk in the log-softmax, so (tokens x vocab) fp32 logits are never all alive."""
+    gradient_checkpointing: bool = False
+    """Keep only each decoder layer's input in the loss pass and recompute the rest in backward: less activation
+    memory for more compute. The loss pass then runs every completion with its own copy of the prompt
+    (a checkpointed layer cannot keep the shared prompt cache), which costs the most with long prompts and
+    large groups. Generation is unchanged."""
+    fsdp: bool = False
+    """Shard the weights, gradients and AdamW state over the processes with PyTorch's FSDP2 (`fully_shard` per
+    decoder layer), instead of a whole copy on every process: for a model too big to train data-parallel. Needs
+    several processes (`forge train --nproc N --fsdp`, torchrun, or `accelerate launch` with an FSDP2 config);
+    rollouts gather the whole weights (core/sharding.py). With one process it changes nothing."""
+    dtype: str = "auto"
+    """Compute precision; trainable weights are always float32 masters. 'bfloat16'/'float16' = forward, backward
+    and generation under autocast (fp16 adds a dynamic loss scale); 'auto' = bf16 on a GPU that supports it or
+    a CPU with bf16 matrix units (AMX / AVX512-BF16; FORGE_CPU_BF16=0/1 overrides that detection), else fp32
+    (logged, with the reason); 'float32' forces fp32."""
+
+    # --- logging, eval, checkpoints ---
+    use_tensorboard: bool = False
+    """Write TensorBoard events under {output_dir}/tensorboard."""
+    use_trackio: bool = False
+    """Mirror metrics to trackio, stored locally under TRACKIO_DIR (falls back with a warning when trackio is missing)."""
+    trackio_project: str = "forge"
+    """trackio project name (the run is named wandb_run_name)."""
+    log_completions: int = 2
+    """Sample completions written to samples.jsonl per logging step."""
+    eval_steps: int = 0
+    """Evaluate on the eval dataset every N optimizer steps (0 = only before/after, if asked)."""
+    eval_before_training: bool = False
+    """Evaluate once before the first step (logged at step 0)."""
+    save_total_limit: int | None = None
+    """Keep only the newest N numbered checkpoints."""
+    resume_from: str | None = None
+    """Checkpoint directory to resume from, or 'latest' for the newest one in output_dir."""
+    overwrite_output_dir: bool = False
+    """Let a new run (not resuming) delete the checkpoints and logs another run left in output_dir; without it
+    such a directory is refused."""
+
+    # --- tools (multi-turn rollouts; used only when GRPOTrainer gets tools=[...], README "Tools") ---
+    max_tool_calling_iterations: int = 4
+    """Most tool calls per completion (TRL's name); a further call ends the completion there, unanswered."""
+    tool_timeout: float = 10.0
+    """Seconds one tool call may take; a slower call is answered with an error text and counted."""
+    max_tool_output_chars: int = 1000
+    """Longest tool output given back to the model; a longer one keeps its start and says it was truncated."""
+    tool_format: str = "auto"
+    """How calls are written: 'text' (<calc>expr</calc> -> <result>v</result>, shown by the prompt's worked
+    examples), 'template' (the chat template's <tool_call>{json}</tool_call> and tool messages) or 'auto'
+    (template when the tokenizer's chat template supports tools, else text)."""
+
+    # --- failure handling ---
+    on_reward_error: str = "raise"
+    """'raise' stops with the failing sample named; 'score' gives it reward_error_value and counts it."""
+    reward_error_value: float = 0.0
+    """Score given to a sample whose reward failed, when on_reward_error == 'score'."""
+    reward_timeout: float | None = None
+    """Seconds one reward call may take; None = no limit."""
+    max_consecutive_nonfinite: int = 3
+    """Abort after this many optimizer steps in a row skipped for a NaN/inf loss or gradient."""
+
+    @property
+    def epsilon_high(self) -> float:
+        return self.clip_epsilon if self.clip_epsilon_high is None else self.clip_epsilon_high
+
+    @property
+    def completions_per_step(self) -> int:
+        """Completions generated in one rollout batch."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def prompts_per_optimizer_step(self) -> int:
+        return self.prompts_per_step * self.gradient_accumulation_steps
+
+    @property
+    def loss_settings(self) -> LossSettings:
+        """The loss variant these fields describe, as grpo_loss takes it (delta and clip_ratio_c are one cap: the
+        smaller of those set)."""
+        caps = [c for c in (self.delta, self.clip_ratio_c) if c is not None]
+        return LossSettings(clip_eps_low=self.clip_epsilon, clip_eps_high=self.epsilon_high, kl_beta=self.kl_beta,
+                            loss_type=self.loss_type, importance_level=self.importance_sampling_level,
+                            kl_estimator=self.kl_loss_type, negative_ratio_cap=min(caps) if caps else None,
+                            sapo_temperature_pos=self.sapo_temperature_pos,
+                            sapo_temperature_neg=self.sapo_temperature_neg,
+                            top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
+                            rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold)
+
+    def validate(self) -> GRPOConfig:
+        """Raise a ValueError that says what to change for every bad setting; returns self.
+
+        First every field's type is checked against its annotation and every number for being finite
+        (`_field_type_problems`), so the range checks below only ever see numbers of the right kind."""
+        problems = _field_type_problems(self)
+        if problems:
+            raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))
+
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                problems.append(message)
+
+        need(self.group_size >= 2, f"group_size={self.group_size}: GRPO needs >= 2 completions per prompt")
+        need(self.clip_epsilon > 0, f"clip_epsilon={self.clip_epsilon} must be > 0")
+        need(self.epsilon_high > 0, f"clip_epsilon_high={self.clip_epsilon_high} must be > 0")
+        need(self.kl_beta >= 0, f"kl_beta={self.kl_beta} must be >= 0 (0 disables the KL term)")
+        need(self.temperature > 0, f"temperature={self.temperature} must be > 0")
+        need(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
+        need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
+        need(self.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 disables clipping)")
+        need(self.num_train_epochs >= 1 or self.max_steps > 0, "num_train_epochs must be >= 1")
+        need(self.save_steps >= 0 and self.logging_steps >= 1, "save_steps >= 0 and logging_steps >= 1")
+        need(self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step} must be >= 1")
+        need(self.micro_batch_size >= 0, "micro_batch_size must be >= 0 (0 = whole rollout batch)")
+        need(self.num_iterations >= 1, f"num_iterations={self.num_iterations} must be >= 1")
+        need(self.loss_type in LOSS_TYPES,
+             f"loss_type={self.loss_type!r} unknown; choose one of {sorted(LOSS_TYPES)}")
+        need(self.importance_sampling_level in IMPORTANCE_LEVELS,
+             f"importance_sampling_level={self.importance_sampling_level!r}; choose 'token' or 'sequence'")
+        need(self.scale_rewards in ADVANTAGE_SCALES,
+             f"scale_rewards={self.scale_rewards!r}; choose one of {sorted(ADVANTAGE_SCALES)}")
+        need(self.reward_weights is None or all(math.isfinite(w) for w in self.reward_weights),
+             "reward_weights must be finite numbers")
+        clipped = LOSS_TYPES.get(self.loss_type, LossType("clip", "")).objective == "clip"
+        need(self.delta is None or self.delta > 1 + self.epsilon_high,
+             f"delta={self.delta} must be > 1 + clip_epsilon_high = {1 + self.epsilon_high} (e.g. 4.0), or None")
+        need(self.clip_ratio_c is None or self.clip_ratio_c > 1,
+             f"clip_ratio_c={self.clip_ratio_c} must be > 1 (verl uses 3.0), or None")
+        need(clipped or (self.delta is None and self.clip_ratio_c is None),
+             f"delta / clip_ratio_c cap the clipped objective; loss_type={self.loss_type!r} has none, unset them")
+        need(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0,
+             "sapo_temperature_pos and sapo_temperature_neg must be > 0")
+        need(self.kl_loss_type in KL_ESTIMATORS,
+             f"kl_loss_type={self.kl_loss_type!r}; choose one of {sorted(KL_ESTIMATORS)}")
+        need(self.multi_objective_aggregation in MULTI_REWARD_AGGREGATIONS,
+             f"multi_objective_aggregation={self.multi_objective_aggregation!r}; choose one of "
+             f"{sorted(MULTI_REWARD_AGGREGATIONS)}")
+        need(self.multi_objective_aggregation != "normalize_then_sum" or self.scale_rewards == "group",
+             f"multi_objective_aggregation='normalize_then_sum' normalises each reward by its group std and the sum "
+             f"by the batch std itself; leave scale_rewards at 'group' (got {self.scale_rewards!r})")
+        need(0 <= self.top_entropy_quantile <= 1,
+             f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1 = every token, 0.2 = paper)")
+        need(math.isfinite(self.entropy_coef), f"entropy_coef={self.entropy_coef} must be a finite number")
+        need(self.rollout_is in ROLLOUT_IS_MODES,
+             f"rollout_is={self.rollout_is!r}; choose one of {sorted(ROLLOUT_IS_MODES)}")
+        need(self.rollout_is_threshold >= 1,
+             f"rollout_is_threshold={self.rollout_is_threshold} must be >= 1 (a cap below 1 cuts on-policy tokens)")
+        need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
+        need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)")
+        need(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length must be >= 1")
+        need(self.truncate_prompts in ("error", "left"), "truncate_prompts must be 'error' or 'left'")
+        need(self.lr_scheduler in ("cosine", "linear", "constant"),
+             f"lr_scheduler={self.lr_scheduler!r}; choose 'cosine', 'linear' or 'constant'")
+        need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        need(self.weight_decay >= 0, "weight_decay must be >= 0")
+        need(self.lora_r >= 1 and self.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0")
+        need(0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)")
+        need(self.logprob_chunk_size >= 1, "logprob_chunk_size must be >= 1")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"dtype={self.dtype!r}; choose auto, float32, bfloat16 or float16")
+        need(self.eval_steps >= 0, "eval_steps must be >= 0")
+        need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit must be >= 1")
+        need(self.on_reward_error in ("raise", "score"), "on_reward_error must be 'raise' or 'score'")
+        need(self.reward_timeout is None or self.reward_timeout > 0, "reward_timeout must be > 0 seconds")
+        need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
+        need(self.max_tool_calling_iterations >= 0, "max_tool_calling_iterations must be >= 0")
+        need(self.tool_timeout > 0, "tool_timeout must be > 0 seconds")
+        need(self.max_tool_output_chars >= 1, "max_tool_output_chars must be >= 1")
+        need(self.tool_format in ("auto", "text", "template"), "tool_format must be 'auto', 'text' or 'template'")
+        need(bool(self.output_dir), "output_dir must be a non-empty path")
+        if problems:
+            raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> GRPOConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown GRPOConfig fields {unknown}; see `forge train --help` for the list")
+        return cls(**values)
+
+
+def _fits(value: object, hint: object) -> bool:
+    """Whether `value` has the type the annotation `hint` names. bool is not an int, an int is a float;
+    numpy scalars count as the Python number they stand for."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_fits(item, args[0]) for item in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return not isinstance(hint, type) or isinstance(value, hint)  # an annotation not covered above passes
+
+
+def _type_name(hint: object) -> str:
+    """'an int', 'a float or None', 'a list of float values or None': an annotation as a message says it."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) in (list, tuple):
+        item = typing.get_args(hint)[0]
+        return f"a list of {getattr(item, '__name__', item)} values"
+    names = {bool: "a bool (true or false)", int: "an int (a whole number)", float: "a float", str: "a string",
+             type(None): "None"}
+    return names.get(hint, f"a {getattr(hint, '__name__', hint)}")
+
+
+def _is_nonfinite(value: object) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_is_nonfinite(item) for item in value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isfinite(value)
+
+
+def _field_type_problems(config: GRPOConfig) -> list[str]:
+    """One message per field whose value does not fit its annotation or is a NaN/inf number.
+
+    Generic over `dataclasses.fields`, so a new field is checked without touching this."""
+    hints = typing.get_type_hints(type(config))
+    problems = []
+    for field in fields(config):
+        value = getattr(config, field.name)
+        if not _fits(value, hints[field.name]):
+            problems.append(f"{field.name}={value!r} ({type(value).__name__}) must be "
+                            f"{_type_name(hints[field.name])}")
+        elif _is_nonfinite(value):
+            or_none = " (or None)" if _fits(None, hints[field.name]) else ""
+            problems.append(f"{field.name}={value!r} must be a finite number{or_none}")
+    return problems
