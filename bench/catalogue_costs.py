@@ -21,7 +21,8 @@ import torch
 
 import forge
 from forge.core.grpo import grpo_loss, logprob_gap
-from forge.core.rollout import SamplingSettings, completion_logprobs, generate
+from forge.core.logprobs import completion_logprobs
+from forge.core.rollout import SamplingSettings, generate
 
 PROMPTS = [
     "What is 12 + 7? Think step by step, then give the answer.",

@@ -27,7 +27,7 @@ from workloads import WORKLOADS, dataset_rows, load_model, suppress_eos
 # (module, function name, label): wrapped in torch.profiler.record_function for the phase table.
 PHASES = [
     ("forge.core.trainer", "generate", "generate (whole rollout)"),
-    ("forge.core.rollout", "_prefill", "  prompt prefill (generation and loss)"),
+    ("forge.core.rollout", "prefill", "  prompt prefill (generation and loss)"),
     ("forge.core.rollout", "sample_next_token", "  sampling"),
     ("forge.core.trainer", "completion_logprobs", "loss forward: completion_logprobs"),
     ("forge.core.rollout", "token_logprobs_from_logits", "  chunked log-softmax"),

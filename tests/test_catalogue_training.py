@@ -9,7 +9,8 @@ import torch
 
 from forge import GRPOConfig, GRPOTrainer
 from forge.core.grpo import token_logprobs_from_logits
-from forge.core.rollout import SamplingSettings, completion_logprobs, generate
+from forge.core.logprobs import completion_logprobs
+from forge.core.rollout import SamplingSettings, generate
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
 

@@ -15,7 +15,6 @@ import torch
 from forge.model.tiny import build_tiny_model
 from forge.run.checkpoint import (
     CheckpointError,
-    capture_rng_state,
     check_compatible,
     checkpoint_dir,
     latest_checkpoint,
@@ -24,9 +23,9 @@ from forge.run.checkpoint import (
     load_model_weights,
     prune_checkpoints,
     remove_stale_temporaries,
-    restore_rng_state,
     save_checkpoint,
 )
+from forge.run.rng import capture_rng_state, restore_rng_state
 
 CONFIG = {"model_name": "tiny", "group_size": 4, "use_lora": False, "learning_rate": 1e-3}
 

@@ -255,7 +255,7 @@ def test_the_batch_exercises_what_it_claims(tiny_tokenizer):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The decode cache written in place (rollout._PreallocatedLayer) gives the same tokens as the growing one
+# The decode cache written in place (forge/model/kv_cache.py) gives the same tokens as the growing one
 
 
 def test_preallocated_decode_cache_samples_the_same_tokens(monkeypatch, tiny_model, tiny_tokenizer):
@@ -270,7 +270,7 @@ def test_preallocated_decode_cache_samples_the_same_tokens(monkeypatch, tiny_mod
     results = {}
     for preallocate in (True, False):
         if not preallocate:
-            monkeypatch.setattr(rollout_module, "_preallocated", lambda cache, capacity: cache)
+            monkeypatch.setattr(rollout_module, "preallocated", lambda cache, capacity: cache)
         for share in (True, False):
             torch.manual_seed(5)
             results[preallocate, share] = generate(tiny_model, tiny_tokenizer, prompts, 4, settings,
@@ -282,20 +282,20 @@ def test_preallocated_decode_cache_samples_the_same_tokens(monkeypatch, tiny_mod
 
 
 def test_preallocated_layer_writes_in_place_and_matches_a_growing_cache(tiny_model, tiny_tokenizer):
-    from forge.core.rollout import _CACHE_ARG, DynamicLayer, _preallocated, _returned_cache
+    from forge.model.kv_cache import CACHE_ARG, DynamicLayer, preallocated, returned_cache
 
     if DynamicLayer is None:
         pytest.skip("this transformers version has no cache layer objects")
     ids = torch.tensor(tiny_tokenizer("What is 12 + 7?")["input_ids"])[None].repeat(3, 1)  # (3, L)
     with torch.no_grad():
-        growing = _returned_cache(tiny_model(input_ids=ids, use_cache=True))
-        fixed = _preallocated(_returned_cache(tiny_model(input_ids=ids, use_cache=True)), ids.shape[1] + 4)
+        growing = returned_cache(tiny_model(input_ids=ids, use_cache=True))
+        fixed = preallocated(returned_cache(tiny_model(input_ids=ids, use_cache=True)), ids.shape[1] + 4)
         buffers = [layer.key_buffer.data_ptr() for layer in fixed.layers]
         for step in range(3):
             token = torch.full((3, 1), 7 + step)
             position = torch.full((3, 1), ids.shape[1] + step)
-            expected = tiny_model(input_ids=token, position_ids=position, use_cache=True, **{_CACHE_ARG: growing})
-            got = tiny_model(input_ids=token, position_ids=position, use_cache=True, **{_CACHE_ARG: fixed})
+            expected = tiny_model(input_ids=token, position_ids=position, use_cache=True, **{CACHE_ARG: growing})
+            got = tiny_model(input_ids=token, position_ids=position, use_cache=True, **{CACHE_ARG: fixed})
             torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=0)
         assert [layer.key_buffer.data_ptr() for layer in fixed.layers] == buffers  # no copy per decode step
         assert fixed.get_seq_length() == growing.get_seq_length() == ids.shape[1] + 3

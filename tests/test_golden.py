@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from forge import GRPOConfig, GRPOTrainer
-from forge.core import tool_rollout as rollout_module
+from forge.core import rollout as rollout_module
 from forge.model.tiny import build_tiny_model
 from forge.tools.calls import calculator
 
@@ -54,7 +54,7 @@ def scripted_calls(patch, tokenizer) -> None:
     """Every completion of a rollout opens with CALL (then the real sampler runs): the tool path is taken."""
     script = tokenizer(CALL, add_special_tokens=False)["input_ids"]
     real_sampler = rollout_module.sample_next_token
-    real_generate = rollout_module.generate_with_tools
+    real_generate = rollout_module.generate
     state = {"step": 0}
 
     def sampler(logits, settings, draws):
@@ -68,10 +68,10 @@ def scripted_calls(patch, tokenizer) -> None:
         return real_generate(*args, **kwargs)
 
     patch(rollout_module, "sample_next_token", sampler)
-    patch(rollout_module, "generate_with_tools", generate)
+    patch(rollout_module, "generate", generate)
     import forge.core.trainer as trainer_module
 
-    patch(trainer_module, "generate_with_tools", generate)
+    patch(trainer_module, "generate", generate)
 
 
 def final_weights_sha256(name: str, output_dir: Path, patch) -> str:

@@ -188,7 +188,7 @@ def test_sys_exit_or_keyboard_interrupt_in_a_reward_is_a_reward_failure(error, s
 
 
 def test_the_users_ctrl_c_goes_through_the_scoring(forge_sigint_handler):
-    from forge.core.scoring import note_user_interrupt
+    from forge.run.lifecycle import note_user_interrupt
 
     def interrupted(prompts, completions, **kwargs):  # what Forge's signal handler does inside a reward call
         note_user_interrupt()

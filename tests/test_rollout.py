@@ -10,9 +10,9 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from forge.core.logprobs import completion_logprobs
 from forge.core.rollout import (
     SamplingSettings,
-    completion_logprobs,
     completion_mask_from_ids,
     eos_ids,
     generate,

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 import forge.core.trainer as trainer_module
 from forge import ExactMatchReward, GRPOConfig, GRPOTrainer
-from forge.core.rollout import Rollout, completion_logprobs, completion_mask_from_ids
+from forge.core.logprobs import completion_logprobs
+from forge.core.rollout import Rollout, completion_mask_from_ids
 from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 EOS = 2  # the tiny tokenizer's </s>

@@ -1,100 +1,25 @@
-"""Batched generation for many prompts at once, and the per-token log-probs of what was generated.
+"""Rollouts: `group_size` completions for each of many prompts, in one batched decode loop (`generate`).
 
-Both halves share one idea: the `group_size` completions of a prompt all start from the same prompt,
-so the prompt is run through the model once per group and its key/value cache is expanded to the
-group. In generation that is one prefill per prompt; in the loss, gradients flow back through the
-expanded cache into the single prompt computation. Finished sequences leave the decode batch, so the
-tail of generation costs only what the still-running completions need. The decode cache is allocated
-once for prompt + max_new_tokens and written in place, so a decode step does not copy the whole cache.
+The completions of a prompt all start from the same prompt, so the prompt is run through the model once per
+group and its key/value cache is expanded to the group. Finished rows leave the decode batch, so the tail of
+generation costs only what the still-running completions need; the cache is allocated once for prompt +
+max_new_tokens and written in place (forge/model/kv_cache.py). With tools, a row that ends a call is fed the
+result's tokens while the other rows go on sampling. The log-probs of the sampled tokens under the policy
+are computed by core/logprobs.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LlamaForCausalLM
 
-from forge.core.grpo import token_logprobs_from_logits
+from forge.model.kv_cache import CACHE_ARG, grow, preallocated, returned_cache
+from forge.tools.calls import CallFormat, ToolResult, ToolSettings, call_format, run_calls
 
 Prompt = str | list[dict]  # plain text, or chat messages rendered with the tokenizer's chat template
-
-# transformers 5 renamed the `past_key_values` argument to `cache`; speak whichever this version knows.
-_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-
-
-def _returned_cache(output):
-    cache = getattr(output, "cache", None)
-    return output.past_key_values if cache is None else cache
-
-
-try:
-    from transformers.cache_utils import DynamicLayer
-except ImportError:  # transformers < 4.56 keeps per-layer lists instead of layer objects
-    DynamicLayer = None
-
-if DynamicLayer is not None:
-
-    class _PreallocatedLayer(DynamicLayer):
-        """A DynamicLayer whose keys/values live in a buffer sized for the whole generation.
-
-        DynamicLayer.update concatenates, which copies the layer's entire cache at every decode step: for a
-        500-token prompt that copy, not the model, was ~20% of generation time on CPU. Here a step writes
-        its new column in place and the layer exposes views of the filled part: the same values, so the
-        same attention results.
-        """
-
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
-            super().__init__()
-            batch, heads, length, dim = keys.shape
-            self.key_buffer = keys.new_empty(batch, heads, capacity, dim)  # (n, H, capacity, D)
-            self.value_buffer = values.new_empty(batch, heads, capacity, values.shape[-1])
-            self.key_buffer[:, :, :length] = keys
-            self.value_buffer[:, :, :length] = values
-            self.length = length
-            self.device, self.is_initialized = keys.device, True
-            self._expose()
-
-        def _expose(self) -> None:
-            self.keys = self.key_buffer[:, :, :self.length]  # (n, H, length, D) views
-            self.values = self.value_buffer[:, :, :self.length]
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            new = key_states.shape[-2]
-            if self.length + new > self.key_buffer.shape[-2]:
-                raise RuntimeError(f"preallocated cache of {self.key_buffer.shape[-2]} positions is full")
-            self.key_buffer[:, :, self.length:self.length + new] = key_states
-            self.value_buffer[:, :, self.length:self.length + new] = value_states
-            self.length += new
-            self._expose()
-            return self.keys, self.values
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
-            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
-            self._expose()
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
-            self._expose()
-
-        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-            self.batch_select_indices(beam_idx.to(self.key_buffer.device))
-
-
-def _preallocated(cache, capacity: int):
-    """Move a filled DynamicCache into buffers of `capacity` positions (see _PreallocatedLayer). Caches of
-    other kinds (sliding windows, older transformers) are returned unchanged."""
-    layers = getattr(cache, "layers", None)
-    if DynamicLayer is None or not layers or any(type(layer) is not DynamicLayer or not layer.is_initialized
-                                                 for layer in layers):
-        return cache
-    cache.layers = [_PreallocatedLayer(layer.keys, layer.values, capacity) for layer in layers]
-    return cache
 
 
 @dataclass
@@ -120,8 +45,8 @@ class Rollout:
     sampler_logprobs: torch.Tensor | None = None  # (N, T) log-prob of each sampled token under the sampling
     # softmax (logits / temperature, before top-k / top-p), 0 on padding: what the trainer's log-probs should equal
     action_mask: torch.Tensor | None = None  # (N, T) 1 on tokens the model sampled, 0 on tool results fed to it
-    # (core/tool_rollout.py); None = every completion token was sampled
-    tool_calls: list[list] | None = None  # (N,) each completion's calls, in order (core/tools.py ToolResult)
+    # (tools); None = every completion token was sampled
+    tool_calls: list[list] | None = None  # (N,) each completion's calls, in order (forge/tools ToolResult)
 
     @property
     def num_prompts(self) -> int:
@@ -179,7 +104,7 @@ def tokenize_prompts(
                     f"must hold prompt + max_new_tokens), or set truncate_prompts='left'")
             encoded[i] = ids[-max_prompt_length:]
     # Layout: [shared prefix][left padding][own suffix]. Prompts built from one template (system prompt,
-    # worked examples) share most of their tokens; the prefix columns are then computed once (_prefill).
+    # worked examples) share most of their tokens; the prefix columns are then computed once (prefill).
     shared = _common_prefix_length(encoded)
     length = shared + max(len(ids) - shared for ids in encoded)
     prompt_ids = torch.full((len(encoded), length), tokenizer.pad_token_id, dtype=torch.long)
@@ -283,7 +208,7 @@ def sample_next_token(
     return torch.minimum(tokens, last_possible)
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
+def padded_positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids that skip left padding: (n, L) -> (n, L)."""
     return (mask.cumsum(dim=1) - 1).clamp(min=0)
 
@@ -291,7 +216,7 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 MIN_SHARED_PREFIX = 8  # below this many tokens, a separate prefix pass costs more than it saves
 
 
-def _prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool = True):
+def prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool = True):
     """Run prompts (n, L) through the model; return (cache, logits of the last position (n, V)).
 
     Leading columns that are the same real token in every row (a shared template) are computed once and
@@ -303,15 +228,15 @@ def _prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool 
     shared = int(same.long().cumprod(0).sum()) if ids.shape[0] > 1 else 0
     shared = min(shared, ids.shape[1] - 1)
     if shared < MIN_SHARED_PREFIX or not share_template:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
+        out = model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), use_cache=True,
                     logits_to_keep=1)
-        return _returned_cache(out), out.logits[:, -1]
+        return returned_cache(out), out.logits[:, -1]
     prefix = model(input_ids=ids[:1, :shared], attention_mask=mask[:1, :shared], use_cache=True, logits_to_keep=1)
-    cache = _returned_cache(prefix)
+    cache = returned_cache(prefix)
     cache.batch_repeat_interleave(ids.shape[0])
-    out = model(input_ids=ids[:, shared:], attention_mask=mask, position_ids=_positions(mask)[:, shared:],
-                use_cache=True, logits_to_keep=1, **{_CACHE_ARG: cache})
-    return _returned_cache(out), out.logits[:, -1]
+    out = model(input_ids=ids[:, shared:], attention_mask=mask, position_ids=padded_positions(mask)[:, shared:],
+                use_cache=True, logits_to_keep=1, **{CACHE_ARG: cache})
+    return returned_cache(out), out.logits[:, -1]
 
 
 def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
@@ -323,12 +248,92 @@ def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
     if not share_prompt_prefix:
         ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    cache, next_logits = _prefill(model, ids, mask)  # (P or N, V)
+    cache, next_logits = prefill(model, ids, mask)  # (P or N, V)
     if share_prompt_prefix:
         cache.batch_repeat_interleave(group_size)
         next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
         mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    return _preallocated(cache, mask.shape[1] + max_new_tokens), next_logits, mask
+    return preallocated(cache, mask.shape[1] + max_new_tokens), next_logits, mask
+
+
+class _Row:
+    """One completion being decoded."""
+
+    def __init__(self):
+        self.tokens: list[int] = []  # completion tokens, model and fed
+        self.sampled: list[int] = []  # 1 where the model sampled the token, 0 where it was fed
+        self.logprobs: list[float] = []  # sampler log-prob of each token (0 for fed tokens)
+        self.fed: list[int] = []  # result tokens still to feed
+        self.model_tokens = 0
+        self.segment_start = 0  # where the model text since the last result begins (index into tokens)
+        self.calls: list[ToolResult] = []
+        self.done = False
+        self.eos = False
+        self.hit_call_limit = False
+
+
+def _closing_token_ids(tokenizer, closers: Sequence[str]) -> torch.Tensor:
+    """(V,) bool: tokens whose text holds the last character of a closer. Only after one of those can a call
+    have just ended, so the row's text is decoded only then."""
+    cached = getattr(tokenizer, "_forge_closing_ids", None)
+    last_chars = "".join(sorted({c[-1] for c in closers}))
+    if cached is not None and cached[0] == last_chars:
+        return cached[1]
+    pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    table = torch.tensor([any(ch in piece for ch in last_chars) for piece in pieces])
+    try:
+        tokenizer._forge_closing_ids = (last_chars, table)
+    except AttributeError:
+        pass
+    return table
+
+
+def _ended_call(tokenizer, fmt: CallFormat, segment_ids: list[int]):
+    """(call, overflow) when the segment's last token completes a closer, else (None, ''). overflow: the text
+    of that token after the closer (BPE may merge a closer with what follows, e.g. '><')."""
+    text = tokenizer.decode(segment_ids, skip_special_tokens=True)
+    before = len(tokenizer.decode(segment_ids[:-1], skip_special_tokens=True))
+    for closer in fmt.closers:
+        end = text.rfind(closer) + len(closer)
+        if end >= len(closer) and end > before:  # the closer ends inside the last token
+            call = fmt.parse(text[:end])
+            if call is not None:
+                return call, text[end:]
+    return None, ""
+
+
+def _closing_token_ids(tokenizer, closers: Sequence[str]) -> torch.Tensor:
+    """(V,) bool: tokens whose text holds the last character of a closer. Only after one of those can a call
+    have just ended, so the row's text is decoded only then."""
+    cached = getattr(tokenizer, "_forge_closing_ids", None)
+    last_chars = "".join(sorted({c[-1] for c in closers}))
+    if cached is not None and cached[0] == last_chars:
+        return cached[1]
+    pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    table = torch.tensor([any(ch in piece for ch in last_chars) for piece in pieces])
+    try:
+        tokenizer._forge_closing_ids = (last_chars, table)
+    except AttributeError:
+        pass
+    return table
+
+
+def _ended_call(tokenizer, fmt: CallFormat, segment_ids: list[int]):
+    """(call, overflow) when the segment's last token completes a closer, else (None, ''). overflow: the text
+    of that token after the closer (BPE may merge a closer with what follows, e.g. '><')."""
+    text = tokenizer.decode(segment_ids, skip_special_tokens=True)
+    before = len(tokenizer.decode(segment_ids[:-1], skip_special_tokens=True))
+    for closer in fmt.closers:
+        end = text.rfind(closer) + len(closer)
+        if end >= len(closer) and end > before:  # the closer ends inside the last token
+            call = fmt.parse(text[:end])
+            if call is not None:
+                return call, text[end:]
+    return None, ""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The decode loop (with tools: a row may be fed a call's result instead of sampling)
 
 
 @torch.no_grad()
@@ -342,138 +347,136 @@ def generate(
     truncate_prompts: str = "error",
     share_prompt_prefix: bool = True,
     noise: torch.Tensor | None = None,
+    tools: ToolSettings | None = None,
+    call_format_: CallFormat | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for every prompt in one batched decode.
 
-    noise: optional (P * group_size, max_new_tokens) uniforms in [0, 1); completion i's token t is drawn with
-    noise[i, t] (see sample_next_token). None samples from torch's global generator.
+    noise: optional (P * group_size, max_new_tokens) uniforms in [0, 1); a row's k-th sampled token is drawn
+    with noise[row, k] (see sample_next_token). None samples from torch's global generator.
+    tools: the tools the policy may call (forge/tools). When a row's text ends a call (CallFormat), the calls of
+    that decode step run together, each with its timeout; each result is rendered, tokenized and *fed* to its
+    row one token per decode step, in the same batched forwards in which the other rows go on sampling. A
+    completion is then one interleaved sequence (model text, result, model text, ...); `Rollout.action_mask`
+    marks the sampled tokens, and only those count towards max_new_tokens. A row also ends at a call beyond
+    `tools.max_calls` (left unanswered). With no call made the tokens are those sampled without tools.
     """
+    fmt = None if tools is None else call_format_ or call_format(tools.format, tools.tools, tokenizer)
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts)
-    stop_ids = torch.tensor(eos_ids(tokenizer, model), device=device)
+    schemas = [t.schema for t in tools.tools] if fmt is not None and fmt.kind == "template" else None
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts,
+                                               tools=schemas)
+    stop_ids = eos_ids(tokenizer, model)
+    closing = None if fmt is None else _closing_token_ids(tokenizer, fmt.closers)
     num_rows = len(prompts) * group_size
 
     cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
                                               settings.max_new_tokens)  # (N, V), (N, Lp)
-
-    completion_ids = torch.full((num_rows, settings.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
-    sampler_logprobs = torch.zeros((num_rows, settings.max_new_tokens), dtype=torch.float32)
-    active = torch.arange(num_rows, device=device)  # rows still decoding
-    next_position = mask.sum(dim=1)  # (N,)
     if noise is not None:
         noise = noise.to(device)  # (N, max_new_tokens)
-    for step in range(settings.max_new_tokens):
-        tokens = sample_next_token(next_logits, settings, None if noise is None else noise[active, step])  # (n,)
-        completion_ids[active.cpu(), step] = tokens.cpu()
-        logp = torch.log_softmax(next_logits.float() / settings.temperature, dim=-1)  # (n, V)
-        sampler_logprobs[active.cpu(), step] = logp.gather(1, tokens[:, None]).squeeze(1).cpu()
-        running = ~torch.isin(tokens, stop_ids)  # (n,)
-        if step == settings.max_new_tokens - 1 or not running.any():
+
+    rows = [_Row() for _ in range(num_rows)]
+    active = torch.arange(num_rows, device=device)  # rows still decoding
+    next_position = mask.sum(dim=1)  # (N,)
+    while True:
+        active_list = active.tolist()
+        is_fed = torch.tensor([bool(rows[i].fed) for i in active_list], device=device)  # (n,)
+        tokens = torch.empty(len(active_list), dtype=torch.long, device=device)  # (n,)
+        logp_of = torch.zeros(len(active_list))
+        if is_fed.any():
+            tokens[is_fed] = torch.tensor([rows[i].fed[0] for i in active_list if rows[i].fed], device=device)
+        sampling = (~is_fed).nonzero().squeeze(1)  # (s,) positions in the active batch that sample
+        if sampling.numel():
+            logits = next_logits[sampling]  # (s, V)
+            draws = None if noise is None else noise[active[sampling], torch.tensor(
+                [rows[active_list[j]].model_tokens for j in sampling.tolist()], device=device)]
+            sampled = sample_next_token(logits, settings, draws)  # (s,)
+            tokens[sampling] = sampled
+            logp = torch.log_softmax(logits.float() / settings.temperature, dim=-1)  # (s, V)
+            logp_of[sampling.cpu()] = logp.gather(1, sampled[:, None]).squeeze(1).cpu()
+
+        round_calls: list[tuple[int, object, str]] = []
+        for j, (i, token) in enumerate(zip(active_list, tokens.tolist())):
+            row = rows[i]
+            row.tokens.append(token)
+            if row.fed:
+                row.fed.pop(0)
+                row.sampled.append(0)
+                row.logprobs.append(0.0)
+                if not row.fed:
+                    row.segment_start = len(row.tokens)
+                continue
+            row.sampled.append(1)
+            row.logprobs.append(float(logp_of[j]))
+            row.model_tokens += 1
+            if token in stop_ids and (fmt is None or fmt.stops_at_eos):
+                row.done = row.eos = True
+                continue
+            if closing is not None and token < closing.numel() and bool(closing[token]):
+                call, overflow = _ended_call(tokenizer, fmt, row.tokens[row.segment_start:])
+                if call is not None:
+                    if len(row.calls) >= tools.max_calls:
+                        row.done = row.hit_call_limit = True
+                        continue
+                    if row.model_tokens < settings.max_new_tokens:  # a call the model can still read
+                        round_calls.append((i, call, overflow))
+                        continue
+            if row.model_tokens >= settings.max_new_tokens:
+                row.done = True
+        if round_calls:
+            _answer(round_calls, rows, tools, fmt, tokenizer)
+
+        running = torch.tensor([not rows[i].done for i in active_list], device=device)  # (n,)
+        if not running.any():
             break
         if not running.all():  # drop finished rows from the decode batch
             keep = running.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             active, tokens, mask, next_position = active[keep], tokens[keep], mask[keep], next_position[keep]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (n, L + 1)
+        grow(cache, mask.shape[1])
         out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                    use_cache=True, **{_CACHE_ARG: cache})
+                    use_cache=True, **{CACHE_ARG: cache})
         next_logits, next_position = out.logits[:, -1], next_position + 1
+    return _as_rollout(rows, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
+                       with_tools=tools is not None)
 
-    completion_mask = completion_mask_from_ids(completion_ids, stop_ids.tolist())
-    truncated = completion_mask.all(dim=1) & ~torch.isin(completion_ids[:, -1], stop_ids.cpu())
-    lengths = completion_mask.sum(dim=1).tolist()
-    texts = tokenizer.batch_decode([row[:n] for row, n in zip(completion_ids.tolist(), lengths)],
-                                   skip_special_tokens=True)
+
+def _answer(round_calls: list, rows: list[_Row], tools: ToolSettings, fmt: CallFormat, tokenizer) -> None:
+    """Run the calls of one decode step together; queue each result's tokens to be fed to its row."""
+    results = run_calls([call for _, call, _ in round_calls], tools)
+    for (i, _, overflow), result in zip(round_calls, results):
+        rows[i].calls.append(result)
+        rendered = fmt.render(result)
+        # The call's last token may run past the closer ("</calc><" as one token, the model starting
+        # "<result>" itself): feed only the rest of the result then.
+        rendered = rendered[len(overflow):] if overflow and rendered.startswith(overflow) else rendered
+        rows[i].fed = tokenizer(rendered, add_special_tokens=False)["input_ids"] or [tokenizer.pad_token_id]
+
+
+def _as_rollout(rows: list[_Row], prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, tokenizer,
+                with_tools: bool) -> Rollout:
+    """The decoded rows as padded tensors: (N, T), T = max_new_tokens or the longest row with tool results."""
+    num_rows = len(rows)
+    length = max([len(row.tokens) for row in rows] + [0 if with_tools else max_new_tokens])
+    completion_ids = torch.full((num_rows, length), tokenizer.pad_token_id, dtype=torch.long)  # (N, T)
+    completion_mask = torch.zeros((num_rows, length), dtype=torch.long)  # (N, T)
+    action_mask = torch.zeros((num_rows, length), dtype=torch.long)  # (N, T)
+    sampler_logprobs = torch.zeros((num_rows, length), dtype=torch.float32)  # (N, T)
+    for n, row in enumerate(rows):
+        k = len(row.tokens)
+        completion_ids[n, :k] = torch.tensor(row.tokens)
+        completion_mask[n, :k] = 1
+        action_mask[n, :k] = torch.tensor(row.sampled)
+        sampler_logprobs[n, :k] = torch.tensor(row.logprobs)
+    truncated = torch.tensor([not row.eos and not row.hit_call_limit for row in rows])
+    texts = tokenizer.batch_decode([row.tokens for row in rows], skip_special_tokens=True)
+    if not with_tools:
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
+                       sampler_logprobs)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
-                   sampler_logprobs * completion_mask)
+                   sampler_logprobs, action_mask=action_mask, tool_calls=[row.calls for row in rows])
 
-
-# ----------------------------------------------------------------------------------------------------
-# Log-probs of completions
-
-
-def completion_logprobs(
-    model,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    prompt_index: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-    share_prompt_prefix: bool = True,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    share_template: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """log pi(completion token) for each completion token, (n, T); differentiable when grad is enabled.
-    with_entropy: also each position's entropy (n, T), from the same log-softmax pass (token_logprobs_from_logits).
-    share_template=False: no separate pass over the prompts' common leading tokens (see _prefill), so every
-    call runs the model the same number of times whatever the prompts (FSDP2).
-
-    prompt_ids/mask: (P, Lp) the prompts; completion_ids: (n, T); prompt_index: (n,) the prompt of each
-    completion. With share_prompt_prefix, each distinct prompt is run once and its cache expanded.
-    """
-    device = next(model.parameters()).device
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    completion_ids, prompt_index = completion_ids.to(device), prompt_index.to(device)
-    if not share_prompt_prefix:
-        return _full_sequence_logprobs(model, prompt_ids[prompt_index], prompt_mask[prompt_index],
-                                       completion_ids, temperature, chunk_size, with_entropy, entropy_grad)
-
-    used, expand = torch.unique(prompt_index, return_inverse=True)  # (u,), (n,)
-    ids, mask = prompt_ids[used], prompt_mask[used]  # (u, Lp)
-    # Drop columns that are padding in every used prompt.
-    first = int((mask.sum(dim=0) > 0).nonzero()[0])
-    ids, mask = ids[:, first:], mask[:, first:]
-    cache, last_logits = _prefill(model, ids, mask, share_template)  # (u, V)
-    cache.batch_select_indices(expand)  # (n, ...) each completion sees its prompt's keys and values
-    first_logits = last_logits[expand]  # (n, V) predicts the first completion token
-
-    full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids)], dim=1)  # (n, Lp + T)
-    positions = mask[expand].sum(dim=1, keepdim=True) + torch.arange(completion_ids.shape[1], device=device)
-    logits = model(input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
-                   use_cache=True, **{_CACHE_ARG: cache}).logits  # (n, T, V)
-    logits = torch.cat([first_logits[:, None], logits[:, :-1]], dim=1)  # (n, T, V) aligned with targets
-    return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size, with_entropy,
-                                      entropy_grad)  # (n, T), and (n, T) entropies with_entropy
-
-
-def _full_sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, temperature, chunk_size,
-                            with_entropy=False, entropy_grad=False):
-    """The straightforward path: every completion re-reads its own copy of the prompt."""
-    prompt_len = prompt_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, Lp + T)
-    mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=_positions(mask), use_cache=False).logits
-    logits = logits[:, prompt_len - 1:-1]  # (n, T, V): position t predicts completion token t
-    return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size, with_entropy, entropy_grad)
-
-
-@contextmanager
-def checkpointed_layers(model, enabled: bool = True) -> Iterator[None]:
-    """Recompute each decoder layer in backward instead of keeping its activations (transformers' gradient
-    checkpointing, enabled on the model beforehand), while dropout stays off.
-
-    transformers checkpoints a layer only while that layer is in training mode; Forge keeps the model in eval
-    mode so that sampling, pi_old and pi_theta are one network. So only the checkpointing layers themselves are
-    switched to training mode here (their submodules, dropout included, are not). A checkpointed layer drops
-    any KV cache, so use it with the full-sequence log-prob path (share_prompt_prefix=False).
-    """
-    if not enabled:
-        yield
-        return
-    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
-    if not layers:
-        raise RuntimeError("gradient checkpointing was requested but the model has no checkpointing layers; "
-                           "enable it first (forge.model.enable_checkpointing)")
-    modes = [layer.training for layer in layers]
-    for layer in layers:
-        layer.training = True
-    try:
-        yield
-    finally:
-        for layer, mode in zip(layers, modes):
-            layer.training = mode
 
 # --------------------------------------------------------------------------------------------------
 # the sampling noise of a step, and padding per-micro-batch results back to the rollout's shape
@@ -494,13 +497,3 @@ def sampling_noise(generator: torch.Generator, rows: int, max_new_tokens: int, r
     no saved sampler state."""
     noise = torch.rand(rows * world_size, max_new_tokens, dtype=torch.float64, generator=generator)  # (N_total, T)
     return noise[rank * rows:(rank + 1) * rows]  # (N, T)
-
-
-def padded_rows(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """Stack per-micro-batch (n_i, T_i) results into a float32 zero tensor shaped like `like` (N, T), on CPU."""
-    full = torch.zeros(like.shape, dtype=torch.float32)  # (N, T)
-    row = 0
-    for part in parts:
-        full[row:row + part.shape[0], :part.shape[1]] = part.cpu()
-        row += part.shape[0]
-    return full

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,35 +40,27 @@ import torch
 
 from forge.core.reward import (
     BaseReward,
+    SequenceClassificationReward,
     as_reward,
     call_with_accepted_kwargs,
     is_async_reward,
     is_model_and_tokenizer,
     wants_trainer_state,
 )
+from forge.core.rollout import SamplingSettings, generate
+from forge.data.dataset import reward_kwargs
+from forge.run.lifecycle import reraise_user_interrupt
+from forge.run.loop import StepFailed
+from forge.run.rng import capture_rng_state, restore_rng_state
+from forge.tools.calls import ToolSettings
 
 
-class RewardError(RuntimeError):
+class RewardError(StepFailed):
     """A reward function failed; the message names the reward, the sample and what to do."""
 
 
 # What reward code may raise that counts as a failure of the reward (a user's Ctrl-C is re-raised, see below).
 REWARD_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
-_user_interrupt = threading.Event()
-
-
-def note_user_interrupt() -> None:
-    """Mark the KeyboardInterrupt about to be raised as the user's; a signal handler calls this right before
-    `raise KeyboardInterrupt`, so the scoring code lets it through instead of blaming the reward."""
-    _user_interrupt.set()
-
-
-def reraise_user_interrupt(error: BaseException) -> None:
-    """Re-raise `error` if it is the user's Ctrl-C (see the module docstring); else it is the reward's failure."""
-    if isinstance(error, KeyboardInterrupt) and (
-            _user_interrupt.is_set() or signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-        _user_interrupt.clear()
-        raise error
 
 
 @dataclass
@@ -113,8 +104,6 @@ def build_reward_list(
     named, seen = [], {}
     for reward, weight in zip(rewards, weights):
         if is_model_and_tokenizer(reward):
-            from forge.core.reward import SequenceClassificationReward
-
             reward = SequenceClassificationReward(*reward)
         if not callable(reward) and not isinstance(reward, str):
             raise TypeError(f"reward {reward!r} is not callable; pass a BaseReward, f(prompts, completions), or a "
@@ -352,3 +341,35 @@ def _describe_failure(name, error, prompts, completions, index, where, row_index
     return (f"reward '{name}' raised {detail}{where}, on completion {index}{row} "
             f"({completions[index][:200]!r}) of prompt {str(prompts[index])[:120]!r}. Fix the reward, or "
             f"set on_reward_error='score' to give failing samples reward_error_value and go on.")
+
+
+def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = None):
+    """The trainer's default evaluator: one greedy completion per held-out row, scored by the run's own rewards
+    (eval/reward, eval/rewards/<name>, eval/n), with the run's tools when it has them.
+    The global RNG state is restored afterwards, so evaluating mid-run does not change later samples."""
+
+    @torch.no_grad()
+    def evaluate(model, tokenizer, rows: list[dict], *, max_new_tokens: int, max_prompt_length: int) -> dict:
+        rng_state, was_training = capture_rng_state(), model.training
+        model.eval()
+        settings, prompts = SamplingSettings(max_new_tokens, do_sample=False), [row["prompt"] for row in rows]
+        completions, calls = [], []
+        for start in range(0, len(rows), 32):
+            rollout = generate(model, tokenizer, prompts[start:start + 32], 1, settings, max_prompt_length,
+                               config.truncate_prompts, config.share_prompt_prefix, tools=tools)
+            completions += rollout.completions
+            if tools is not None:
+                calls += [[result.as_dict() for result in row] for row in rollout.tool_calls]
+        kwargs = reward_kwargs(rows) | ({"tool_calls": calls} if tools is not None else {})
+        scores = score_completions(rewards, prompts, completions, kwargs,
+                                   on_error=config.on_reward_error, error_value=config.reward_error_value,
+                                   timeout=config.reward_timeout)
+        restore_rng_state(rng_state)
+        model.train(was_training)
+        kept = scores.valid
+        if not kept.any():
+            return {"reward": float("nan"), "n": len(rows)}
+        return {"reward": float(scores.total[kept].mean()), "n": len(rows),
+                **{f"rewards/{name}": float(v[kept].mean()) for name, v in scores.components.items()}}
+
+    return evaluate

@@ -40,6 +40,7 @@ __all__ = [
     "last_number",
     "normalize_number_text",
     "parse_number",
+    "reference_answer",
 ]
 
 # A number as people write it in answers: optional sign (ASCII or U+2212 minus), optional
@@ -284,6 +285,12 @@ def _math_verify_equal(predicted: str, reference: str) -> bool:
         return False
     except Exception:  # noqa: BLE001 - sympy raises many exception types on odd input; each means "no match"
         return False
+
+
+def reference_answer(reference: str | float) -> str:
+    """The reference as answer text; a GSM8K-style solution ("... #### 72") becomes its final answer "72"."""
+    text = str(reference)
+    return (text.rsplit("####", 1)[1] if "####" in text else text).strip()
 
 
 def answers_match(predicted: str | None, reference: str | float) -> bool:

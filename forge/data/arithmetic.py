@@ -19,6 +19,7 @@ Every problem also stores the arithmetic as a Python ``expression``, so tests ca
 answer independently of the generator.
 The held-out set is a fixed seed's first problems; training problems skip every question of a
 larger held-out pool and the two few-shot examples, so train and held-out never overlap.
+Answers are graded by the math tasks' grader (`forge.data.task.grade_math`), in training and in evaluation.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from forge.data.task import Task, grade_math, math_correctness
+
 __all__ = [
     "ALL_KINDS",
+    "ARITHMETIC_TASK",
     "HELDOUT_POOL_SIZE",
     "HELDOUT_SEED",
     "SYSTEM_PROMPT",
@@ -283,3 +287,14 @@ def arithmetic_dataset(n: int = 200, seed: int = 0, chat: bool = True) -> list[d
 def arithmetic_heldout(n: int = 60, chat: bool = True) -> list[dict]:
     """Held-out rows in the same shape as `arithmetic_dataset`, disjoint from any training set."""
     return _rows(heldout_problems(n), chat)
+
+
+def _heldout_rows(n: int | None = None, chat: bool | None = None, split: str = "test") -> list[dict]:
+    """What `forge eval --data arithmetic` grades: the first n (60) problems of the fixed held-out set, chat
+    prompts unless told otherwise; there is one split."""
+    return arithmetic_heldout(60 if n is None else n, chat=True if chat is None else chat)
+
+
+ARITHMETIC_TASK = Task("arithmetic", rows=arithmetic_dataset, heldout=_heldout_rows, grade=grade_math,
+                       reward=math_correctness)
+"""The arithmetic task: `arithmetic_dataset` rows, the fixed held-out set, graded as numbers."""

@@ -17,13 +17,22 @@ import json
 import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from forge.data.arithmetic import ARITHMETIC_TASK, arithmetic_heldout
+from forge.data.gsm8k import GSM8K_MOCK_TASK, GSM8K_TASK, GSM_HARD_TASK
+from forge.data.hf_dataset import load_hf_rows
+from forge.data.reasoning_gym_tasks import REASONING_GYM_TASK, RG_PREFIX, load_reasoning_gym_spec
+from forge.data.task import Task
 
 __all__ = [
     "BUILTIN_DATASETS",
     "CHAT_PROMPT_SOURCES",
     "ROW_FORMAT",
+    "TASKS",
     "builds_prompts",
     "builtin_dataset",
     "checked_rows",
@@ -36,6 +45,7 @@ __all__ = [
     "reward_kwargs",
     "rows_per_step",
     "source_kwargs",
+    "task_for",
     "training_rows",
     "validate_rows",
 ]
@@ -44,58 +54,37 @@ ROW_FORMAT = "{'prompt': str | list[{'role': str, 'content': str}], 'reference':
 _RESERVED_COLUMNS = ("prompts", "responses", "completions")
 
 
-def _gsm8k(**kwargs: Any) -> list[dict]:
-    from forge.data.gsm8k import load_gsm8k
-
-    return load_gsm8k(**kwargs)
-
-
-def _gsm8k_mock(**kwargs: Any) -> list[dict]:
-    from forge.data.gsm8k import load_gsm8k_mock
-
-    return load_gsm8k_mock(**kwargs)
-
-
-def _gsm_hard(**kwargs: Any) -> list[dict]:
-    from forge.data.gsm8k import load_gsm_hard
-
-    return load_gsm_hard(**kwargs)
-
-
-def _arithmetic(**kwargs: Any) -> list[dict]:
-    from forge.data.arithmetic import arithmetic_dataset
-
-    return arithmetic_dataset(**kwargs)
-
-
-def _arithmetic_heldout(**kwargs: Any) -> list[dict]:
-    from forge.data.arithmetic import arithmetic_heldout
-
-    return arithmetic_heldout(**kwargs)
-
+TASKS: dict[str, Task] = {task.name: task for task in (GSM8K_TASK, GSM8K_MOCK_TASK, GSM_HARD_TASK, ARITHMETIC_TASK,
+                                                         REASONING_GYM_TASK)}
+"""The built-in tasks by dataset name: their rows, held-out rows and grader (`forge.data.task`). reasoning-gym is a
+family named ``reasoning-gym:NAME[:KEY=VALUE,...]``; `task_for` finds a task by any dataset name."""
 
 BUILTIN_DATASETS: dict[str, Callable[..., list[dict]]] = {
-    "gsm8k": _gsm8k,
-    "gsm8k-mock": _gsm8k_mock,
-    "gsm-hard": _gsm_hard,
-    "arithmetic": _arithmetic,
-    "arithmetic-heldout": _arithmetic_heldout,
+    **{name: task.rows for name, task in TASKS.items() if name != REASONING_GYM_TASK.name},
+    "arithmetic-heldout": arithmetic_heldout,
 }
 """Dataset names `load_rows` understands; keyword arguments go to the loader."""
 
-
 _PREFIXED_SOURCES = ("reasoning-gym:", "hf:")
+
+
+def task_for(source: Any) -> Task | None:
+    """The built-in task a dataset name belongs to (for ``reasoning-gym:NAME...`` its loaders take no name), or
+    None for anything else (a JSONL file, ``hf:``, a list of rows)."""
+    if not isinstance(source, str):
+        return None
+    if source.startswith(RG_PREFIX):
+        family = REASONING_GYM_TASK
+        return replace(family, name=source, rows=partial(family.rows, source),
+                       heldout=partial(family.heldout, source))
+    return TASKS.get(source)
 
 
 def _prefixed_source(source: str, **kwargs: Any) -> list[dict]:
     """Rows of ``reasoning-gym:NAME[@heldout]`` or ``hf:ORG/NAME[:CONFIG][@SPLIT]``; keyword arguments go
     to `forge.data.reasoning_gym_tasks.load_reasoning_gym_spec` / `forge.data.hf_dataset.load_hf_rows`."""
-    if source.startswith("reasoning-gym:"):
-        from forge.data.reasoning_gym_tasks import load_reasoning_gym_spec
-
+    if source.startswith(RG_PREFIX):
         return load_reasoning_gym_spec(source, **kwargs)
-    from forge.data.hf_dataset import load_hf_rows
-
     return load_hf_rows(source, **kwargs)
 
 

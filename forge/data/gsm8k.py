@@ -14,7 +14,8 @@ Two prompt styles. ``chat=False`` (the loaders' default) is `format_prompt`, the
 plain-text prompt for base models, unchanged. ``chat=True`` is `chat_prompt`: chat messages with a
 system prompt and worked examples as user/assistant turns, answering in
 ``<think>...</think><answer>N</answer>``, the format the default rewards (``math_correctness``,
-``tag_format``) and the evaluation's strict grader read. Instruct models need it: on the plain prompt
+``tag_format``) and the evaluation's strict grader read. Every answer is graded by the math tasks' grader
+(`forge.data.task.grade_math`), in training and in evaluation. Instruct models need it: on the plain prompt
 the packaged SmolLM2-135M-Instruct ends its turn right after "Solution:" on most problems (0% on the
 mock set), on the chat prompt it answers every one (see the README's Data section).
 """
@@ -25,12 +26,16 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from forge.data.answers import extract_answer_line, first_number, last_number
+from forge.data.task import Task, grade_math, math_correctness
 
 __all__ = [
     "CHAT_FEW_SHOT",
     "GSM8K_CHAT_REMINDER",
     "GSM8K_CHAT_SYSTEM_PROMPT",
     "GSM8K_MOCK_PROBLEMS",
+    "GSM8K_MOCK_TASK",
+    "GSM8K_TASK",
+    "GSM_HARD_TASK",
     "chat_prompt",
     "extract_answer",
     "few_shot_gsm8k_prompt",
@@ -411,3 +416,30 @@ def chat_prompt(question: str, n_shots: int = CHAT_FEW_SHOT) -> list[dict[str, s
     messages.append({"role": "user", "content": question + GSM8K_CHAT_REMINDER})
     return messages
 
+
+
+# ----------------------------------------------------------------------------------------------
+# The tasks: rows, held-out rows and the grader (`forge.data.task`). Without ``chat`` the held-out rows
+# have the plain `format_prompt`, as the loaders do.
+
+
+def _gsm8k_heldout(n: int | None = None, chat: bool | None = None, split: str = "test") -> list[dict]:
+    """GSM8K's held-out rows: the ``split`` split (test), all of it unless n."""
+    return load_gsm8k(split=split, max_samples=n, chat=bool(chat))
+
+
+def _gsm_hard_heldout(n: int | None = None, chat: bool | None = None, split: str = "test") -> list[dict]:
+    """GSM-Hard's held-out rows: its only split ("train"), all of it unless n."""
+    return load_gsm_hard(split="train", max_samples=n, chat=bool(chat))
+
+
+def _gsm8k_mock_heldout(n: int | None = None, chat: bool | None = None, split: str = "test") -> list[dict]:
+    """The mock set's 20 problems (n of them, repeating past 20); it has one split."""
+    return load_gsm8k_mock(20 if n is None else n, chat=bool(chat))
+
+
+GSM8K_TASK = Task("gsm8k", rows=load_gsm8k, heldout=_gsm8k_heldout, grade=grade_math, reward=math_correctness)
+GSM8K_MOCK_TASK = Task("gsm8k-mock", rows=load_gsm8k_mock, heldout=_gsm8k_mock_heldout, grade=grade_math,
+                       reward=math_correctness)
+GSM_HARD_TASK = Task("gsm-hard", rows=load_gsm_hard, heldout=_gsm_hard_heldout, grade=grade_math,
+                     reward=math_correctness)

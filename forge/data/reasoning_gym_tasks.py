@@ -7,10 +7,10 @@ gives entries ``{"question": str, "answer": str, "metadata": {...}}``, and the d
 partial credit, e.g. the default scorer pays ``len(oracle) / len(answer)`` when the oracle is a
 substring of the answer).
 
-The task owns its data and its grader. Each row keeps its entry and the task's config, and both the
-training reward (`ReasoningGymReward`) and the evaluation grader (`task_scorer`, used by
-`forge.eval.evaluate`) call `score_answer_for`, i.e. the same ``score_answer`` on the same
-extracted answer:
+The task owns its data and its grader (`REASONING_GYM_TASK`, see `forge.data.task`). Each row keeps its
+entry and the task's config, and both the training reward (`ReasoningGymReward`) and the evaluation grader
+(`task_scorer`, used by `forge.eval.evaluate`) call `grade_reasoning_gym`, i.e. the same ``score_answer`` on
+the same extracted answer:
 
   * the reward pays the score of the final answer (soft: `extract_final_answer`; with ``strict=True``
     only a closed ``<answer>`` block counts);
@@ -35,17 +35,19 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from forge.core.reward import BaseReward, RewardOutput
 from forge.data.answers import extract_final_answer, extract_tagged_answer
+from forge.data.task import Task
 
 __all__ = [
     "HELDOUT_POOL_SIZE",
     "HELDOUT_SEED",
+    "REASONING_GYM_TASK",
     "RG_PREFIX",
     "SYSTEM_PROMPT",
     "ReasoningGymReward",
     "available_tasks",
     "check_task",
+    "grade_reasoning_gym",
     "load_reasoning_gym_spec",
     "parse_reasoning_gym_spec",
     "reasoning_gym_dataset",
@@ -145,13 +147,19 @@ def score_answer_for(answer: str | None, task: str, entry: Mapping[str, Any], co
     return score if 0.0 <= score <= 1.0 else 0.0
 
 
+def grade_reasoning_gym(answer: str | None, reference: Any = None, *, rg_task: str, rg_entry: Mapping[str, Any],
+                        rg_config: str | Mapping | None = None, **columns: Any) -> float:
+    """The grader of reasoning-gym rows: the task's own ``score_answer`` on ``answer`` (`score_answer_for`). It
+    reads the row's entry and config, not its reference; other columns are not read."""
+    return score_answer_for(answer, rg_task, rg_entry, rg_config)
+
+
 def task_scorer(row: Mapping[str, Any]):
-    """For a reasoning-gym row, ``answer -> score`` with the task's own scorer; None for other rows.
+    """For a reasoning-gym row, ``answer -> score`` with `grade_reasoning_gym`; None for other rows.
     The evaluation code calls this, so it grades exactly as `ReasoningGymReward` pays."""
     if not all(column in row for column in _COLUMNS):
         return None
-    task, config, entry = row["rg_task"], row["rg_config"], row["rg_entry"]
-    return lambda answer: score_answer_for(answer, task, entry, config)
+    return lambda answer: grade_reasoning_gym(answer, **row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,30 +331,32 @@ def load_reasoning_gym_spec(spec: str, *, split: str | None = None, n: int | Non
 
 
 # ----------------------------------------------------------------------------------------------
-# The reward
+# The reward, and the task
 
 
-class ReasoningGymReward(BaseReward):
+class ReasoningGymReward:
     """The task's own ``score_answer`` on the response's final answer, as the reward (partial credit
-    included). Rows must come from `reasoning_gym_dataset` (they carry ``rg_task``, ``rg_config``,
-    ``rg_entry``). ``strict=True`` reads only a closed ``<answer>`` block (the eval's strict grade);
-    the default reads `extract_final_answer` (the eval's soft grade).
+    included): `grade_reasoning_gym` of each response. Rows must come from `reasoning_gym_dataset` (they carry
+    ``rg_task``, ``rg_config``, ``rg_entry``). ``strict=True`` reads only a closed ``<answer>`` block (the
+    eval's strict grade); the default reads `extract_final_answer` (the eval's soft grade).
 
-    Use it from the command line as ``--reward forge.data.reasoning_gym_tasks:ReasoningGymReward``
-    (the default reward of ``--dataset reasoning-gym:NAME``, next to ``tag_format:0.1``).
+    A plain callable returning one float per response, as Forge takes any function reward; it is logged as
+    ``rewards/reasoning_gym``. It is the default reward of ``forge train --dataset reasoning-gym:NAME``, next to
+    ``tag_format:0.1``.
     """
 
     name = "reasoning_gym"
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
+        self.__name__ = self.name  # Forge names a function reward after its __name__
 
     def extract(self, response: str) -> str | None:
         return extract_tagged_answer(response) if self.strict else extract_final_answer(response)
 
     def __call__(self, prompts: list, responses: list[str], rg_task: Sequence[str] | None = None,
                  rg_entry: Sequence[Mapping] | None = None, rg_config: Sequence[str] | None = None,
-                 **kwargs: Any) -> RewardOutput:
+                 **kwargs: Any) -> list[float]:
         if rg_task is None or rg_entry is None:
             raise ValueError("reasoning_gym reward needs rows from a reasoning-gym task (columns rg_task, "
                              "rg_entry, rg_config); load the data as 'reasoning-gym:NAME'")
@@ -354,7 +364,20 @@ class ReasoningGymReward(BaseReward):
             raise ValueError(f"reasoning_gym reward got {len(responses)} responses but {len(rg_task)} tasks and "
                              f"{len(rg_entry)} entries")
         configs = rg_config if rg_config is not None else ["{}"] * len(responses)
-        extracted = [self.extract(str(response)) for response in responses]
-        scores = [score_answer_for(answer, task, entry, config)
-                  for answer, task, entry, config in zip(extracted, rg_task, rg_entry, configs)]
-        return RewardOutput(scores=scores, metadata={"extracted_answers": extracted})
+        return [grade_reasoning_gym(self.extract(str(response)), rg_task=task, rg_entry=entry, rg_config=config)
+                for response, task, entry, config in zip(responses, rg_task, rg_entry, configs)]
+
+    def __repr__(self) -> str:
+        return f"ReasoningGymReward(strict={self.strict})"
+
+
+def _heldout_rows(spec: str, n: int | None = None, chat: bool | None = None, split: str = "heldout"
+                  ) -> list[dict]:
+    """The held-out rows of ``spec`` (50 unless n), chat prompts unless told otherwise; ``split`` is ignored."""
+    return load_reasoning_gym_spec(spec, split="heldout", n=n, chat=True if chat is None else chat)
+
+
+REASONING_GYM_TASK = Task("reasoning-gym", rows=load_reasoning_gym_spec, heldout=_heldout_rows,
+                          grade=grade_reasoning_gym, reward=ReasoningGymReward())
+"""reasoning-gym's tasks, graded by their own ``score_answer``. A family: its loaders take the dataset name
+(``reasoning-gym:NAME[:KEY=VALUE,...]``) first; `forge.data.dataset.task_for` binds it."""

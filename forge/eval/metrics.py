@@ -29,7 +29,9 @@ from forge.data.answers import (
     extract_final_answer,
     extract_tagged_answer,
     parse_number,
+    reference_answer,  # noqa: F401 - importable from here as before it moved to forge.data.answers
 )
+from forge.data.task import grade_math
 
 ANSWER_FORMATS = ("tag", "answer_line")
 
@@ -125,24 +127,18 @@ def extract_formatted_answer(text: str | None, answer_format: str) -> str | None
     raise ValueError(f"unknown answer_format {answer_format!r}; use one of {ANSWER_FORMATS}")
 
 
-def reference_answer(reference: str | float) -> str:
-    """The reference as answer text; a GSM8K-style solution ("... #### 72") becomes its final answer "72",
-    as the training rewards read it."""
-    text = str(reference)
-    return (text.rsplit("####", 1)[1] if "####" in text else text).strip()
-
-
 def grade(response: str, reference: str | float, answer_format: str) -> Grade:
     """Grade one response against the reference answer, strictly and softly. Never raises on odd text.
 
-    The soft verdict is what `MathCorrectnessReward()` scores, and for "tag" prompts the strict verdict is
-    what `MathCorrectnessReward(strict=True)` scores: the same extraction, the same `answers_match`.
+    Both verdicts are the math tasks' grader, `forge.data.task.grade_math`: the soft one on the final answer is
+    what their training reward (`math_correctness`, as `MathCorrectnessReward()`) pays, and for "tag" prompts
+    the strict one is what `MathCorrectnessReward(strict=True)` pays. Rows of a task with its own grader
+    (reasoning-gym) are graded again with it by `forge.eval.evaluate`.
     """
-    reference = reference_answer(reference)
     answer = extract_formatted_answer(response, answer_format)
     soft_answer = extract_final_answer(response)
-    strict_correct = answers_match(answer, reference)
-    soft_correct = answers_match(soft_answer, reference)
+    strict_correct = grade_math(answer, reference) == 1.0
+    soft_correct = grade_math(soft_answer, reference) == 1.0
     if answer is None:
         status = NO_ANSWER
     elif strict_correct:

@@ -7,11 +7,14 @@ launcher's environment and sums, gathers and broadcasts what the trainer hands i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any
 
 import torch
+
+from forge.parallel import sharding
 
 # Launch settings of accelerate for engines that shard the model in their own way; FSDP2 is Forge's (fsdp=True).
 _OTHER_ENGINES = {"ACCELERATE_USE_DEEPSPEED": "DeepSpeed", "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
@@ -80,8 +83,6 @@ class DataParallel:
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """FSDP2: shard the model over the ranks, its shards on this rank's GPU when there is one."""
-        from forge.parallel import sharding
-
         return sharding.shard(model, self.device)
 
     @property
@@ -167,6 +168,27 @@ class DataParallel:
         out = [None] * self.world_size
         torch.distributed.all_gather_object(out, value)
         return out
+
+    def combined(self, stats: Any) -> Any:
+        """A per-rank statistics dataclass combined over the ranks, each field as its metadata says (`over_ranks`):
+        "cat" a list of tensors into one tensor in rank order, "sum" a number over the ranks, "max" the largest;
+        a dict field combines each of its values so (forge/run/metrics.py). With one process: `stats` itself."""
+        if self.world_size == 1:
+            return stats
+        values = {}
+        for f in dataclasses.fields(stats):
+            how, value = f.metadata.get("over_ranks"), getattr(stats, f.name)
+            if how is not None:
+                values[f.name] = ({key: self._combine(how, part) for key, part in value.items()}
+                                  if isinstance(value, dict) else self._combine(how, value))
+        return dataclasses.replace(stats, **values)
+
+    def _combine(self, how: str, value: Any) -> Any:
+        if how == "cat":
+            return [self.gather(torch.cat(value))] if value else []
+        if how == "sum":
+            return self.sum([float(value)])[0]
+        return self.max(value)
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -29,7 +29,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from forge.parallel import sharding
+from forge.run import checkpoint as ckpt
 from forge.run.optim import apply_new_hyperparameters
+from forge.run.rng import restore_rng_state
 
 
 class TrainingInterrupted(RuntimeError):
@@ -108,8 +111,6 @@ def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_ma
     - The main process holds an exclusive lock on {output_dir}/.forge.lock for the run's lifetime, so a second
       run into the same directory stops with a message instead of interleaving logs and checkpoints.
     - Temporary checkpoint directories left by killed saves (N.tmp-PID of a dead process) are cleaned up."""
-    from forge.run import checkpoint as ckpt
-
     check_output_dir(output_dir, is_main)
     lock = RunLock(output_dir / LOCK_NAME) if is_main else None
     left = previous_run(output_dir)
@@ -187,8 +188,6 @@ class RunLifecycle:
     def save(self, finished: FinishedStep, name: str | None = None) -> Path:
         """Write the checkpoint of `finished` to {output_dir}/{name or step}/. Every process calls it: rank 0
         writes, and under FSDP2 every rank writes its shards (final/ also gets the whole weights)."""
-        from forge.run import checkpoint as ckpt
-
         parts = self.parts
         path = self.output_dir / (name or str(finished.step))
         state = {"global_step": finished.step, "epoch": finished.epoch, "position": finished.position,
@@ -234,8 +233,6 @@ class RunLifecycle:
 
     def resume(self, where: str) -> FinishedStep:
         """Load the checkpoint `where` ('latest' = the newest complete one) into the parts; its FinishedStep."""
-        from forge.run import checkpoint as ckpt
-
         parts = self.parts
         path = ckpt.latest_checkpoint(self.output_dir) if where == "latest" else Path(where)
         if path is None:
@@ -245,14 +242,12 @@ class RunLifecycle:
         check_same_dataset(state.trainer_state, parts.dataset_identity, path)
         check_same_sharding(path, sharded=parts.sharded_by is not None)
         if parts.sharded_by is not None:
-            from forge.parallel import sharding
-
             sharding.load(path / sharding.SHARDED_DIR, parts.model, parts.optimizer)  # on every rank
         else:
             ckpt.load_model_weights(parts.model, path)
             parts.optimizer.load_state_dict(state.optimizer_state)
         parts.scheduler.load_state_dict(state.scheduler_state)
-        ckpt.restore_rng_state(state.rng_state)
+        restore_rng_state(state.rng_state)
         saved = state.trainer_state
         step = int(saved["global_step"])
         self.saved = (step, path)
@@ -274,8 +269,6 @@ class RunLifecycle:
 
 def check_same_sharding(path: Path, sharded: bool) -> None:
     """A checkpoint of an FSDP2 run holds shards, one of a data-parallel run the whole model: refuse the other."""
-    from forge.run import checkpoint as ckpt
-
     if ckpt.is_sharded(path) and not sharded:
         raise ValueError(f"cannot resume from checkpoint {path}: it was saved by an FSDP run (its weights and "
                          f"optimizer are shards in {path / 'sharded'}). Resume with --fsdp and several processes "
@@ -297,6 +290,23 @@ def check_same_dataset(saved_state: dict, identity: dict, path: Path) -> None:
     if saved_state.get("dataset_fingerprint") not in (None, identity.get("dataset_fingerprint")):
         warnings.warn(f"the dataset's contents changed since checkpoint {path} was saved (same number of rows); "
                       f"resuming at its position anyway", stacklevel=3)
+
+
+_user_interrupt = threading.Event()
+
+
+def note_user_interrupt() -> None:
+    """Mark the KeyboardInterrupt about to be raised as the user's; a signal handler calls this right before
+    `raise KeyboardInterrupt`, so the scoring code lets it through instead of blaming the reward."""
+    _user_interrupt.set()
+
+
+def reraise_user_interrupt(error: BaseException) -> None:
+    """Re-raise `error` if it is the user's Ctrl-C (see the module docstring); else it is the reward's failure."""
+    if isinstance(error, KeyboardInterrupt) and (
+            _user_interrupt.is_set() or signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        _user_interrupt.clear()
+        raise error
 
 
 class StopSignals:
@@ -324,10 +334,12 @@ class StopSignals:
             signal.signal(s, handler)
         self._previous = {}
 
+    def commit(self) -> None:
+        """The weights now move to the next step: a second signal must wait until the step is finished."""
+        self.committing = True
+
     def _request_stop(self, signum, frame) -> None:
         if self.requested is not None and not self.committing:
-            from forge.core.scoring import note_user_interrupt
-
             note_user_interrupt()  # if it lands inside a reward: the user's interrupt, not the reward's failure
             raise KeyboardInterrupt  # second signal: abandon the step under way (weights untouched)
         self.requested = signum
@@ -342,6 +354,18 @@ class StopSignals:
         return f"stopped by {name} after step {step} of {total_steps}."
 
 
-__all__ = ["CheckpointParts", "FinishedStep", "OutputDirInUse", "RunLifecycle", "RunLock", "StopSignals",
-           "TrainingInterrupted", "check_output_dir", "claim_output_dir", "previous_run",
-           "resume_hint"]
+__all__ = [
+    "CheckpointParts",
+    "FinishedStep",
+    "OutputDirInUse",
+    "RunLifecycle",
+    "RunLock",
+    "StopSignals",
+    "TrainingInterrupted",
+    "check_output_dir",
+    "claim_output_dir",
+    "note_user_interrupt",
+    "previous_run",
+    "reraise_user_interrupt",
+    "resume_hint",
+]

@@ -97,6 +97,10 @@ class GuardedStep:
         self.loss_scale = 2.0**16 if scale_loss else 1.0  # what the trainer multiplies the loss by before backward
         self._good_steps = 0
 
+    def restore(self, nonfinite_in_a_row: int, skipped_steps: int, loss_scale: float) -> None:
+        """The counters of a resumed run, as its checkpoint saved them."""
+        self.nonfinite_in_a_row, self.skipped_steps, self.loss_scale = nonfinite_in_a_row, skipped_steps, loss_scale
+
     def __call__(self, loss_is_finite: bool, before_commit: Callable[[], None] = lambda: None) -> StepOutcome:
         grads = [p for p in self.params if p.grad is not None]
         if self.scale_loss:

@@ -1,0 +1,101 @@
+"""A key/value cache for batched decoding that is allocated once and written in place.
+
+transformers' DynamicLayer.update concatenates, which copies a layer's whole cache at every decode step; here
+the cache of a generation is sized for prompt + max_new_tokens up front, so a step writes one column. Also the
+one place that speaks transformers' cache argument by the name this version knows.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import LlamaForCausalLM
+
+# transformers 5 renamed the `past_key_values` argument to `cache`; speak whichever this version knows.
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    cache = getattr(output, "cache", None)
+    return output.past_key_values if cache is None else cache
+
+
+try:
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # transformers < 4.56 keeps per-layer lists instead of layer objects
+    DynamicLayer = None
+
+if DynamicLayer is not None:
+
+    class _PreallocatedLayer(DynamicLayer):
+        """A DynamicLayer whose keys/values live in a buffer sized for the whole generation.
+
+        DynamicLayer.update concatenates, which copies the layer's entire cache at every decode step: for a
+        500-token prompt that copy, not the model, was ~20% of generation time on CPU. Here a step writes
+        its new column in place and the layer exposes views of the filled part: the same values, so the
+        same attention results.
+        """
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+            super().__init__()
+            batch, heads, length, dim = keys.shape
+            self.key_buffer = keys.new_empty(batch, heads, capacity, dim)  # (n, H, capacity, D)
+            self.value_buffer = values.new_empty(batch, heads, capacity, values.shape[-1])
+            self.key_buffer[:, :, :length] = keys
+            self.value_buffer[:, :, :length] = values
+            self.length = length
+            self.device, self.is_initialized = keys.device, True
+            self._expose()
+
+        def _expose(self) -> None:
+            self.keys = self.key_buffer[:, :, :self.length]  # (n, H, length, D) views
+            self.values = self.value_buffer[:, :, :self.length]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            new = key_states.shape[-2]
+            if self.length + new > self.key_buffer.shape[-2]:
+                raise RuntimeError(f"preallocated cache of {self.key_buffer.shape[-2]} positions is full")
+            self.key_buffer[:, :, self.length:self.length + new] = key_states
+            self.value_buffer[:, :, self.length:self.length + new] = value_states
+            self.length += new
+            self._expose()
+            return self.keys, self.values
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
+            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
+            self._expose()
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+            self._expose()
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            self.batch_select_indices(beam_idx.to(self.key_buffer.device))
+
+
+def preallocated(cache, capacity: int):
+    """Move a filled DynamicCache into buffers of `capacity` positions (see _PreallocatedLayer). Caches of
+    other kinds (sliding windows, older transformers) are returned unchanged."""
+    layers = getattr(cache, "layers", None)
+    if DynamicLayer is None or not layers or any(type(layer) is not DynamicLayer or not layer.is_initialized
+                                                 for layer in layers):
+        return cache
+    cache.layers = [_PreallocatedLayer(layer.keys, layer.values, capacity) for layer in layers]
+    return cache
+
+
+def grow(cache, needed: int) -> None:
+    """Give preallocated cache layers room for `needed` positions (fed result tokens were not in the plan)."""
+    for layer in getattr(cache, "layers", []):
+        buffer = getattr(layer, "key_buffer", None)
+        if buffer is None or buffer.shape[-2] >= needed:
+            continue
+        capacity = max(needed, buffer.shape[-2] + 64)
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(layer, name)
+            new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
+            new[:, :, :layer.length] = old[:, :, :layer.length]
+            setattr(layer, name, new)
+        layer._expose()

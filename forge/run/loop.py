@@ -1,0 +1,157 @@
+"""The run around the steps: how many, when to log, evaluate and save, and what a stop or a failure says.
+
+    TrainingRun(trainer, rows, eval_rows, identity).run()
+        resume (weights, optimizer, schedule, RNG, data position)     -> forge/run/lifecycle.py
+        for each step's rows:  trainer.step(rows)                      -> the GRPO step (core/trainer.py)
+            log every logging_steps, evaluate every eval_steps, save every save_steps
+            a signal: finish the step, save it, raise TrainingInterrupted
+        a failed step (StepFailed: a reward, non-finite losses): say where the last finished step is saved
+        save final/, evaluate, close the logs
+
+The trainer is given, not imported: anything with the attributes read below runs here (`config`, `dist`,
+`model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `guard`, `signals`, `global_step`, and the methods
+`step(rows) -> metrics`, `evaluate(rows) -> metrics`, `run_config() -> dict`).
+"""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from forge.data.dataset import iterate_steps
+from forge.logging.logger import ForgeLogger
+from forge.run.lifecycle import CheckpointParts, FinishedStep, RunLifecycle, TrainingInterrupted
+from forge.run.optim import make_scheduler
+from forge.run.rng import capture_rng_state, seed_everything
+
+
+class StepFailed(RuntimeError):
+    """A step failed at a point every process reaches together (a reward, a run of non-finite steps): the
+    weights are still those of the last finished step, which is saved before this is raised to the caller."""
+
+
+def reached(step: int, every: int, stride: int) -> bool:
+    """Whether the last `stride` optimizer steps (the updates of one rollout) reached or passed a multiple of
+    `every` (0 = never); with stride 1 this is step % every == 0."""
+    return every > 0 and step // every > (step - stride) // every
+
+
+class TrainingRun:
+    """One call of GRPOTrainer.train: the loop over the steps and everything around it."""
+
+    def __init__(self, trainer, rows: list[dict], eval_rows: list[dict] | None, identity: dict):
+        config = trainer.config
+        self.trainer, self.config, self.dist = trainer, config, trainer.dist
+        self.rows, self.eval_rows = rows, eval_rows
+        steps_per_epoch = len(rows) // trainer.rows_per_step * config.num_iterations  # optimizer steps
+        self.total_steps = config.max_steps if config.max_steps > 0 else steps_per_epoch * config.num_train_epochs
+        trainer.total_steps = self.total_steps  # rewards see it through TrainerState
+        trainer.scheduler = make_scheduler(trainer.optimizer, config.lr_scheduler, config.warmup_ratio,
+                                           self.total_steps)
+        self.lifecycle = RunLifecycle(config.output_dir, CheckpointParts(
+            trainer.model, trainer.tokenizer, trainer.optimizer, trainer.scheduler, trainer.run_config(),
+            trainer.is_lora, identity, sharded_by=self.dist if self.dist.fsdp else None),
+            save_total_limit=config.save_total_limit, is_main=self.dist.is_main)
+        self.logger: ForgeLogger | None = None
+
+    def run(self) -> dict:
+        config, trainer = self.config, self.trainer
+        seed_everything(config.seed)
+        epoch, position = 0, 0
+        if config.resume_from:
+            resumed = self.lifecycle.resume(config.resume_from)
+            epoch, position, trainer.global_step = resumed.epoch, resumed.position, resumed.step
+            trainer.guard.restore(resumed.nonfinite_in_a_row, resumed.skipped_steps, resumed.loss_scale)
+        self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
+                                  wandb_run_name=config.wandb_run_name, use_tensorboard=config.use_tensorboard,
+                                  use_trackio=config.use_trackio, trackio_project=config.trackio_project,
+                                  config=trainer.run_config(), enabled=self.dist.is_main)
+        if config.resume_from:
+            self.logger.truncate_after(trainer.global_step)  # rows past the checkpoint come again, once
+        if self.eval_rows is not None and config.eval_before_training and trainer.global_step == 0:
+            self.evaluate(epoch)
+
+        self.lifecycle.finished(self.finished(epoch, position))
+        bar = tqdm(total=self.total_steps, initial=trainer.global_step, desc="forge",
+                   disable=not self.dist.is_main, dynamic_ncols=True)
+        steps = iterate_steps(self.rows, trainer.rows_per_step, seed=config.seed, shuffle=config.shuffle,
+                              epoch=epoch, position=position,
+                              num_epochs=None if config.max_steps > 0 else config.num_train_epochs)
+        try:
+            with trainer.signals:
+                for batch_rows, epoch, position in steps:
+                    if trainer.global_step >= self.total_steps:
+                        break
+                    metrics = trainer.step(batch_rows)
+                    metrics["epoch"] = epoch + position / max(1, len(self.rows))
+                    self.after_step(metrics, epoch, position, bar)
+                    self.stop_if_asked()
+        except (StepFailed, FloatingPointError) as error:  # the weights are still those of the last step
+            error.args = (f"{error.args[0]}\n{self.where_to_resume()}",)
+            self.dist.barrier()  # raised on every rank at once: none exits before rank 0 has saved
+            self.logger.close()
+            raise
+        except KeyboardInterrupt:
+            self.logger.close()
+            if trainer.signals.requested is None:
+                raise
+            head = trainer.signals.describe(trainer.global_step, self.total_steps, abandoned=True)
+            raise TrainingInterrupted(f"{head} {self.where_to_resume(every_rank_is_here=False)}") from None
+        except BaseException:
+            self.logger.close()
+            raise
+        finally:
+            bar.close()
+        self.lifecycle.save(self.finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
+        self.dist.barrier()
+        if self.eval_rows is not None and not reached(trainer.global_step, config.eval_steps, config.num_iterations):
+            self.evaluate(epoch)
+        self.logger.close()
+        return {"global_step": trainer.global_step}
+
+    def after_step(self, metrics: dict, epoch: int, position: int, bar) -> None:
+        """Log, evaluate and save after an optimizer step."""
+        config, step = self.config, self.trainer.global_step
+        bar.update(step - bar.n)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
+        if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps:
+            self.logger.log(metrics, step=step, epoch=round(metrics["epoch"], 4))
+            self.logger.log_samples(metrics.pop("_samples"), step=step)
+        if self.eval_rows is not None and reached(step, config.eval_steps, config.num_iterations):
+            self.evaluate(epoch)
+        # Nothing draws random numbers from here to the next step's sampling: this is the state it will use.
+        finished = self.finished(epoch, position)
+        if reached(step, config.save_steps, config.num_iterations):
+            self.lifecycle.save(finished)
+            self.dist.barrier()  # the other ranks wait until rank 0's checkpoint is complete
+        self.lifecycle.finished(finished)
+
+    def stop_if_asked(self) -> None:
+        """After a finished step: a signal to any rank stops all of them here (rank 0 saves the step)."""
+        signals = self.trainer.signals
+        signals.committing = False
+        if self.dist.any(signals.requested is not None):
+            message = f"{signals.describe(self.trainer.global_step, self.total_steps)} {self.where_to_resume()}"
+            self.dist.barrier()  # no rank exits (and makes the launcher kill the rest) before the save is done
+            raise TrainingInterrupted(message)
+
+    def where_to_resume(self, every_rank_is_here: bool = True) -> str:
+        """Save the last finished step unless an optimizer step is under way; say where to resume from. A
+        sharded save needs every rank, so under FSDP2 a stop that may have reached this rank alone (a second
+        Ctrl-C) saves nothing new and names the newest checkpoint."""
+        last = self.lifecycle.last_finished
+        idle = (last is not None and last.step == self.trainer.global_step
+                and not self.trainer.signals.committing)
+        can_save = every_rank_is_here or not self.dist.fsdp
+        return self.lifecycle.where_to_resume(weights_are_of_last_step=idle and can_save)
+
+    def finished(self, epoch: int, position: int) -> FinishedStep:
+        guard = self.trainer.guard
+        return FinishedStep(self.trainer.global_step, epoch, position, capture_rng_state(),
+                            guard.nonfinite_in_a_row, guard.skipped_steps, guard.loss_scale)
+
+    def evaluate(self, epoch: int) -> None:
+        metrics = self.trainer.evaluate(self.eval_rows)
+        self.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.trainer.global_step, epoch=epoch)
+
+
+__all__ = ["StepFailed", "TrainingRun", "reached"]
