@@ -252,7 +252,7 @@ def run_trl(settings, model, tokenizer, rows, curve: Curve, dtype) -> None:
         questions = list(dict.fromkeys(question_of(p) for p in prompts))  # this generation's prompts, in order
         seen.append(questions)
         texts = [completion_text(c) for c in completions]
-        return correctness(list(map(str, prompts)), texts, references=reference).scores
+        return correctness(list(map(str, prompts)), texts, references=reference)  # the task reward: a list
 
     def format_reward(prompts, completions, **kwargs) -> list[float]:
         return tag_format(list(map(str, prompts)), [completion_text(c) for c in completions]).scores

@@ -103,7 +103,7 @@ def run_forge(spec: dict, model, tokenizer, rows: list[dict], recorder: Recorder
     )
     trainer = GRPOTrainer(model, tokenizer, reward_fn=correctness_reward, config=config)
 
-    generate, step = trainer._generate, trainer.step
+    generate, step = trainer.generate, trainer.step
 
     def timed_generate(prompts):
         t0 = time.perf_counter()
@@ -118,7 +118,7 @@ def run_forge(spec: dict, model, tokenizer, rows: list[dict], recorder: Recorder
         recorder.end()
         return metrics
 
-    trainer._generate, trainer.step = timed_generate, timed_step
+    trainer.generate, trainer.step = timed_generate, timed_step
     try:
         trainer.train(rows)
     except BenchmarkDone:

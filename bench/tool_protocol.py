@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from forge.core.rollout import SamplingSettings
-from forge.core.tool_rollout import generate_with_tools
+from forge.core.rollout import SamplingSettings, generate
 from forge.model import load_model
 from forge.tools.calls import (
     CallFormat,
@@ -93,9 +92,9 @@ def main() -> None:
         completions, calls = [], []
         for start in range(0, len(rows), 8):
             chunk = rows[start:start + 8]
-            rollout = generate_with_tools(model, tokenizer, [messages(protocol, q) for q, _, _ in chunk], 1,
-                                          SamplingSettings(args.max_new_tokens, do_sample=False), settings,
-                                          call_format_=fmt)
+            rollout = generate(model, tokenizer, [messages(protocol, q) for q, _, _ in chunk], 1,
+                               SamplingSettings(args.max_new_tokens, do_sample=False), tools=settings,
+                               call_format_=fmt)
             completions += rollout.completions
             calls += rollout.tool_calls
         counts = {"called": 0, "call_value_right": 0, "answer_right": 0}

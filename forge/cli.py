@@ -206,7 +206,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     overrides = {"resume_from": "latest"} if args.resume else {}
     config = build_config(args, overrides)
-    rewards, weights = parse_rewards(_default_reward_for(args))
+    rewards, weights = _rewards_for(args)
     if config.reward_weights is None:
         config.reward_weights = weights
     from forge.eval.evaluate import heldout_metrics  # eval/strict_accuracy, ... every eval_steps
@@ -226,16 +226,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-REASONING_GYM_REWARD = "forge.data.reasoning_gym_tasks:ReasoningGymReward:1.0,tag_format:0.1"
-"""The default reward of `forge train --dataset reasoning-gym:NAME`: the task's own scorer, plus format."""
+def _rewards_for(args: argparse.Namespace) -> tuple[list, list[float]]:
+    """--reward's rewards and weights. Left at its default (math_correctness:1.0,tag_format:0.1) for a built-in
+    task (`forge.data.dataset.task_for`), the correctness term is the task's own reward, which pays what its
+    evaluation counts as right: the math tasks' `math_correctness`, reasoning-gym's own score_answer."""
+    from forge.data.dataset import task_for
+    from forge.data.task import math_correctness
 
-
-def _default_reward_for(args: argparse.Namespace) -> str:
-    """--reward as given; when left at the default for a reasoning-gym dataset, the task's own scorer."""
-    if args.reward == DEFAULTS["reward"] and str(args.dataset).startswith("reasoning-gym:"):
-        print(f"forge: {args.dataset}: reward {REASONING_GYM_REWARD} (the task's own score_answer)", file=sys.stderr)
-        return REASONING_GYM_REWARD
-    return args.reward
+    rewards, weights = parse_rewards(args.reward)
+    task = task_for(args.dataset) if args.reward == DEFAULTS["reward"] else None
+    if task is not None:
+        rewards[0] = task.reward
+        if task.reward is not math_correctness:
+            print(f"forge: {args.dataset}: reward {task.reward!r} (the task's own grader) weighted 1.0, and "
+                  f"tag_format 0.1", file=sys.stderr)
+    return rewards, weights
 
 
 def _training_data(args: argparse.Namespace, tokenizer) -> tuple[list[dict], list[dict] | None]:
@@ -349,10 +354,11 @@ def cmd_screen(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from forge.demo import DemoSettings, run_demo
+    from forge.demo import DemoSettings, demo_parser, run_demo
 
-    settings = DemoSettings.from_args(args)
-    run_demo(settings)
+    demo_args = demo_parser().parse_args(args.demo_argv)  # the flags after `forge demo` (forge.demo's own parser)
+    _check_arguments(demo_args)
+    run_demo(DemoSettings.from_args(demo_args))
     return 0
 
 
@@ -402,11 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default=None, help="directory for eval.json / the comparison report")
     ev.set_defaults(func=cmd_eval)
 
-    from forge.demo import add_demo_arguments
-
+    # `forge demo`'s flags are parsed by forge.demo (cmd_demo), which imports the trainer: not on every `forge` call
     demo = sub.add_parser("demo", help="offline demo: LoRA GRPO makes SmolLM2-135M better at arithmetic",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_demo_arguments(demo)
+                          add_help=False)
     demo.set_defaults(func=cmd_demo)
 
     screen = sub.add_parser("screen", help="keep training prompts with mixed correctness")
@@ -490,7 +494,11 @@ def _debug_requested(argv: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = _debug_requested(argv)
-    args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    parser = build_parser()
+    args, demo_argv = parser.parse_known_args([a for a in argv if a != "--debug"])
+    if demo_argv and args.command != "demo":
+        parser.error(f"unrecognized arguments: {' '.join(demo_argv)}")
+    args.demo_argv = demo_argv
     args.argv = argv  # what `forge train --nproc N` runs N times (--debug included)
     try:
         _check_arguments(args)

@@ -1,25 +1,57 @@
 """`forge demo`: LoRA GRPO makes the packaged SmolLM2-135M-Instruct better at arithmetic, offline, on a CPU.
 
 The recipe: build a seeded training set and a fixed, disjoint held-out set of arithmetic problems in a
-chat prompt that asks for <think>...</think><answer>...</answer>; measure the base model on the held-out
+chat prompt that asks for <think>...</think><answer>...</answer> (the arithmetic task, forge/data/arithmetic.py:
+its rows and its grader, which both the reward and the evaluation use); measure the base model on the held-out
 set (greedy); train on fresh prompts every step (a group whose completions all score the same carries no
 GRPO signal and skips the backward pass; --screen_candidates instead keeps only prompts with mixed results),
 evaluating the first --eval_subset held-out problems every --eval_every steps for the held-out curve; measure
 again with the same decoding; write the before/after report. --ceiling measures the base model's pass@k at the
 training temperature on the held-out set instead (what sharpening alone can reach).
+
+`forge demo --tools`: the same LoRA GRPO with a calculator tool, on arithmetic a 135M model cannot do in its
+head: 3-digit x 2-digit products, one-step "boxes" word problems, and two-step word problems with a distractor
+quantity (a*b + c). The prompt (the same before and after training) describes the text protocol
+`<calc>expr</calc>` -> `<result>v</result>` -> `<answer>v</answer>` and shows one worked example with one call.
+Rewards: the number in the last <answer> equals the reference (weight 1; the evaluation counts the same
+function's verdict), and an <answer> tag is there (format_weight). Three greedy evaluations on the same fixed
+held-out set (disjoint from training): the base model without the tool (a prompt without the calculator), the
+base model with it, the trained model with it.
+
+Both demos load the model and pick the precision in one place (`load_policy`: one `choose_precision` call),
+and evaluate in that precision: the one the trainer trains in, so that before and after differ by training only.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
+import inspect
 import itertools
 import json
 import os
+import platform
+import random
+import re
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from forge.core.config import GRPOConfig
+from forge.core.reward import TagFormatReward
+from forge.core.rollout import SamplingSettings, generate
+from forge.core.trainer import GRPOTrainer, seed_everything
+from forge.data.arithmetic import ARITHMETIC_TASK
+from forge.eval.evaluate import aggregate_metrics, evaluate
+from forge.eval.plot import plot_training_curves
+from forge.eval.report import build_comparison, write_comparison
+from forge.eval.screen import screen_prompts
+from forge.model import Precision, choose_precision, load_model
+from forge.tools.calls import ToolSettings, as_tools, calculator
 
 
 @dataclass
@@ -74,8 +106,8 @@ class DemoSettings:
     quick: bool = False
     """Smoke run (~2 minutes): 3 steps, 20 held-out problems, small screening; learning not expected."""
     tools: bool = False
-    """Instead: the calculator-tool demo (forge/tool_demo.py): arithmetic with a <calc> tool, base model without
-    and with the tool, trained model with the tool, on the same held-out set."""
+    """Instead: the calculator-tool demo: arithmetic with a <calc> tool, base model without and with the tool,
+    trained model with the tool, on the same held-out set."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoSettings:
@@ -96,9 +128,7 @@ thread of the 2-core machine; the plain demo's 60 x 4 would take about 40)."""
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    import ast
-    import inspect
-
+    """One flag per DemoSettings field, its docstring the help."""
     body = ast.parse(inspect.getsource(DemoSettings)).body[0].body
     docs = {node.target.id: nxt.value.value for node, nxt in itertools.pairwise(body)
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)}
@@ -110,117 +140,181 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=docs.get(f.name, ""))
 
 
-def run_demo(settings: DemoSettings) -> dict:
-    from forge.core.trainer import GRPOTrainer, seed_everything
-    from forge.data.arithmetic import arithmetic_dataset, arithmetic_heldout
-    from forge.eval.evaluate import evaluate
-    from forge.eval.plot import plot_training_curves
-    from forge.eval.report import build_comparison, write_comparison
-    from forge.eval.screen import screen_prompts
-    from forge.model import choose_precision, load_model
+def demo_parser() -> argparse.ArgumentParser:
+    """The argument parser of `forge demo` (the CLI hands it the demo's part of the command line)."""
+    parser = argparse.ArgumentParser(prog="forge demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_demo_arguments(parser)
+    return parser
 
-    if settings.tools:
-        from forge.tool_demo import run_tool_demo
 
-        return run_tool_demo(settings)
-    started = time.perf_counter()
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    out = Path(settings.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    say = lambda text: print(f"[forge demo {time.perf_counter() - started:6.0f}s] {text}", flush=True)
+# ----------------------------------------------------------------------------------------------------
+# What both demos share: the run around them, the model and its precision, the GRPO config
 
-    say(f"loading {settings.model} (the packaged model is converted from GGUF once, ~20 s)")
+
+class DemoRun:
+    """The clock, the progress lines, the phase timings and the output folder of one demo run."""
+
+    def __init__(self, settings: DemoSettings, label: str):
+        self.started, self.label, self.timings = time.perf_counter(), label, {}
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self.out = Path(settings.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def say(self, text: str) -> None:
+        print(f"[{self.label} {self.elapsed():6.0f}s] {text}", flush=True)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.timings[phase] = time.perf_counter() - t0
+
+
+def load_policy(settings: DemoSettings) -> tuple[torch.nn.Module, Any, Precision]:
+    """(model, tokenizer, precision). The precision is the one the trainer will train in (it asks
+    `choose_precision` the same dtype on the same device); every evaluation of a demo runs in it."""
     model, tokenizer = load_model(settings.model)
-    heldout = arithmetic_heldout(n=settings.heldout, chat=True)
-    candidates = arithmetic_dataset(n=max(settings.screen_candidates, settings.steps * settings.prompts_per_step),
-                                    seed=settings.seed, chat=True)
+    return model, tokenizer, choose_precision(settings.dtype, next(model.parameters()).device)
 
-    timings = {"load": time.perf_counter() - started}
-    # the base model is measured in the precision the trainer will train and evaluate in, so that before and
-    # after differ by training only
-    precision = choose_precision(settings.dtype, next(model.parameters()).device)
+
+def demo_config(settings: DemoSettings, output_dir, **overrides) -> GRPOConfig:
+    """The demo's GRPOConfig (bench/learning_vs_trl.py builds TRL's config from the same settings)."""
+    config = GRPOConfig(
+        group_size=settings.group_size, prompts_per_step=settings.prompts_per_step, gradient_accumulation_steps=1,
+        max_steps=settings.steps, learning_rate=settings.learning_rate, lr_scheduler="constant", warmup_ratio=0.0,
+        kl_beta=0.0, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens, use_lora=True,
+        lora_r=settings.lora_r, lora_alpha=2 * settings.lora_r, logging_steps=1, save_steps=0,
+        reward_weights=[1.0, settings.format_weight], output_dir=str(output_dir), seed=settings.seed,
+        loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
+        drop_zero_std_groups=True, micro_batch_size=settings.group_size, dtype=settings.dtype,
+        overwrite_output_dir=True,  # each demo run replaces the previous one in its output dir
+    )
+    return replace(config, **overrides) if overrides else config
+
+
+def _training_line(settings: DemoSettings) -> str:
+    return (f"training: {settings.steps} steps x {settings.prompts_per_step} prompts x {settings.group_size} "
+            f"completions, LoRA r={settings.lora_r}, lr {settings.learning_rate}")
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def run_demo(settings: DemoSettings) -> dict:
+    """`forge demo` (with settings.tools: `run_tool_demo`)."""
+    if settings.tools:
+        return run_tool_demo(settings)
+    run = DemoRun(settings, "forge demo")
+    run.say(f"loading {settings.model} (the packaged model is converted from GGUF once, ~20 s)")
+    model, tokenizer, precision = load_policy(settings)
+    heldout = ARITHMETIC_TASK.heldout(n=settings.heldout, chat=True)
+    candidates = ARITHMETIC_TASK.rows(n=max(settings.screen_candidates, settings.steps * settings.prompts_per_step),
+                                      seed=settings.seed, chat=True)
+    run.timings["load"] = run.elapsed()
     if settings.ceiling:
         with precision.autocast():
-            return _measure_ceiling(settings, model, tokenizer, heldout, out, say, started, precision)
+            return _measure_ceiling(settings, run, model, tokenizer, heldout, precision)
 
-    say(f"evaluating the base model on {len(heldout)} held-out problems (greedy, "
-        f"{str(precision.compute).removeprefix('torch.')}: {precision.reason})")
+    run.say(f"evaluating the base model on {len(heldout)} held-out problems (greedy, "
+            f"{str(precision.compute).removeprefix('torch.')}: {precision.reason})")
     eval_kw = {"max_new_tokens": settings.max_new_tokens, "batch_size": settings.eval_batch_size}
-    t0 = time.perf_counter()
-    with precision.autocast():
+    with run.timed("base_eval"), precision.autocast():
         before = evaluate(model, tokenizer, heldout, **eval_kw)
-    timings["base_eval"] = time.perf_counter() - t0
-    say(_summary_line("base", before.metrics))
+    run.say(_summary_line("base", before.metrics))
     load_before = _load_average()
-
     train_rows = candidates
     if settings.screen_candidates:
-        seed_everything(settings.seed)
-        say(f"screening {settings.screen_candidates} training prompts ({settings.screen_group_size} samples each) "
-            f"for mixed correctness")
-        screened = screen_prompts(model, tokenizer, candidates[: settings.screen_candidates],
-                                  group_size=settings.screen_group_size, max_new_tokens=settings.max_new_tokens,
-                                  temperature=settings.temperature, seed=settings.seed, heldout_rows=heldout)
-        say(screened.summary())
-        train_rows = list(screened.kept)
-        if len(train_rows) < settings.prompts_per_step:  # too few mixed prompts: top up with unscreened ones
-            kept_questions = {str(r["prompt"]) for r in train_rows}
-            train_rows += [r for r in candidates if str(r["prompt"]) not in kept_questions][
-                : settings.prompts_per_step - len(train_rows)]
-        (out / "screening.json").write_text(json.dumps(screened.report(), indent=2))
+        train_rows = _screened_rows(settings, run, model, tokenizer, candidates, heldout)
 
     subset = heldout[: settings.eval_subset] if settings.eval_every else None
-    config = demo_config(settings, out, eval_steps=settings.eval_every, eval_before_training=subset is not None)
-    say(f"training: {settings.steps} steps x {settings.prompts_per_step} prompts x {settings.group_size} "
-        f"completions, LoRA r={settings.lora_r}, lr {settings.learning_rate}"
-        + (f"; held-out curve: the first {len(subset)} problems every {settings.eval_every} steps" if subset else ""))
+    config = demo_config(settings, run.out, eval_steps=settings.eval_every, eval_before_training=subset is not None)
+    run.say(_training_line(settings) + (f"; held-out curve: the first {len(subset)} problems every "
+                                        f"{settings.eval_every} steps" if subset else ""))
     curve = HeldoutCurve(heldout, len(subset or ()), settings.steps, eval_kw, before)
     trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config, evaluator=curve)
     curve.trainer = trainer
-    train_started = time.perf_counter()
-    trainer.train(train_rows, eval_dataset=subset)
-    timings["training"] = time.perf_counter() - train_started - curve.seconds
-    timings["curve_evals"] = curve.seconds - curve.final_seconds
+    with run.timed("training"):
+        trainer.train(train_rows, eval_dataset=subset)
+    run.timings["training"] -= curve.seconds
+    run.timings["curve_evals"] = curve.seconds - curve.final_seconds
 
-    say(f"evaluating the trained policy on the same {len(heldout)} held-out problems (greedy)")
-    t0 = time.perf_counter()
-    if curve.final is None:  # no curve (eval_every 0): evaluated here, in the trainer's precision
-        with trainer.precision.autocast(trainer.model):
-            curve.final = evaluate(trainer.model, tokenizer, heldout, **eval_kw)
+    run.say(f"evaluating the trained policy on the same {len(heldout)} held-out problems (greedy)")
+    with run.timed("final_eval"):
+        if curve.final is None:  # no curve (eval_every 0): evaluated here, in the training precision
+            with precision.autocast(trainer.model):
+                curve.final = evaluate(trainer.model, tokenizer, heldout, **eval_kw)
+    run.timings["final_eval"] += curve.final_seconds
     after = curve.final
-    timings["final_eval"] = curve.final_seconds + time.perf_counter() - t0
-    say(_summary_line("trained", after.metrics))
-    t0 = time.perf_counter()
-    report = build_comparison(before, after, labels=("base", "trained"))
-    json_path, md_path = write_comparison(report, out)
-    curves = plot_training_curves(out)
-    timings["report_and_plot"] = time.perf_counter() - t0
-    total = time.perf_counter() - started
-    timings["total"] = total
-    train_seconds = timings["training"]
+    run.say(_summary_line("trained", after.metrics))
+    with run.timed("report_and_plot"):
+        json_path, md_path = write_comparison(build_comparison(before, after, labels=("base", "trained")), run.out)
+        curves = plot_training_curves(run.out)
+    total = run.timings["total"] = run.elapsed()
+    train_seconds = run.timings["training"]
 
-    rows = [("strict accuracy", "strict_accuracy"), ("soft accuracy", "soft_accuracy"),
-            ("format rate", "format_rate"), ("mean length", "mean_completion_length")]
     print("\n            metric |   base | trained")
-    for label, key in rows:
-        b, a = before.metrics[key], after.metrics[key]
+    for label, key in (("strict accuracy", "strict_accuracy"), ("soft accuracy", "soft_accuracy"),
+                       ("format rate", "format_rate"), ("mean length", "mean_completion_length")):
         fmt = "{:6.1%}" if key != "mean_completion_length" else "{:6.1f}"
-        print(f"{label:>18} | {fmt.format(b)} | {fmt.format(a)}")
+        print(f"{label:>18} | {fmt.format(before.metrics[key])} | {fmt.format(after.metrics[key])}")
     result = {"settings": asdict(settings), "heldout_size": len(heldout), "before": before.metrics,
               "after": after.metrics, "gain": after.metrics["strict_accuracy"] - before.metrics["strict_accuracy"],
               "eval_curve": curve.points, "eval_curve_size": len(subset or ()),
               "train_seconds": train_seconds, "total_seconds": total,
-              "seconds_per_step": train_seconds / max(1, settings.steps), "timings": timings,
+              "seconds_per_step": train_seconds / max(1, settings.steps), "timings": run.timings,
               "load_average": {"start": load_before, "end": _load_average()},
               "machine": _machine() | {"precision": str(precision.compute).removeprefix("torch."),
                                        "precision_reason": precision.reason}}
+    out = run.out
     (out / "demo_result.json").write_text(json.dumps(result, indent=2))
     print(f"\ntraining {train_seconds:.0f}s ({result['seconds_per_step']:.1f} s/step), total {total:.0f}s ("
-          + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items() if k != "total") + ")")
+          + ", ".join(f"{k} {v:.0f}s" for k, v in run.timings.items() if k != "total") + ")")
     print(f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     {out / 'training_log.jsonl'}, "
           f"{out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   {out / 'demo_result.json'}")
     return result
+
+
+def demo_rewards() -> list:
+    """The demo's rewards, weighted [1, format_weight]: the arithmetic task's own reward (its grader on the final
+    answer, the grader the evaluation uses), and the tag format."""
+    return [ARITHMETIC_TASK.reward, TagFormatReward()]
+
+
+def _screened_rows(settings: DemoSettings, run: DemoRun, model, tokenizer, candidates: list[dict],
+                   heldout: list[dict]) -> list[dict]:
+    """The candidates whose samples are mixed (some right, some wrong), topped up to one step's prompts."""
+    seed_everything(settings.seed)
+    run.say(f"screening {settings.screen_candidates} training prompts ({settings.screen_group_size} samples each) "
+            f"for mixed correctness")
+    screened = screen_prompts(model, tokenizer, candidates[: settings.screen_candidates],
+                              group_size=settings.screen_group_size, max_new_tokens=settings.max_new_tokens,
+                              temperature=settings.temperature, seed=settings.seed, heldout_rows=heldout)
+    run.say(screened.summary())
+    rows = list(screened.kept)
+    if len(rows) < settings.prompts_per_step:  # too few mixed prompts: top up with unscreened ones
+        kept_questions = {str(r["prompt"]) for r in rows}
+        rows += [r for r in candidates if str(r["prompt"]) not in kept_questions][
+            : settings.prompts_per_step - len(rows)]
+    (run.out / "screening.json").write_text(json.dumps(screened.report(), indent=2))
+    return rows
 
 
 class HeldoutCurve:
@@ -232,28 +326,23 @@ class HeldoutCurve:
     result; the trainer's closing evaluation at the same step is answered from the cache."""
 
     def __init__(self, heldout, subset: int, total_steps: int, eval_kw: dict, before):
-        from forge.eval.evaluate import aggregate_metrics
-
         self.heldout, self.subset, self.total_steps, self.eval_kw = heldout, subset, total_steps, eval_kw
         self.trainer = None
-        self.cache = {0: self._subset_metrics(before, aggregate_metrics)}
+        self.cache = {0: self._subset_metrics(before)}
         self.points: list[dict] = []
         self.seconds = self.final_seconds = 0.0
         self.final = None
 
-    def _subset_metrics(self, result, aggregate_metrics) -> dict:
-        metrics = aggregate_metrics(result.records[: self.subset], 1)
-        return {**metrics, "seconds": 0.0}
+    def _subset_metrics(self, result) -> dict:
+        return {**aggregate_metrics(result.records[: self.subset], 1), "seconds": 0.0}
 
     def __call__(self, model, tokenizer, rows, *, max_new_tokens, max_prompt_length) -> dict:
-        from forge.eval.evaluate import aggregate_metrics, evaluate
-
         step = self.trainer.global_step
         if step not in self.cache:
             t0 = time.perf_counter()
             if step >= self.total_steps:  # the whole held-out set once; the subset's share of it
                 self.final = evaluate(model, tokenizer, self.heldout, **self.eval_kw)
-                metrics = self._subset_metrics(self.final, aggregate_metrics)
+                metrics = self._subset_metrics(self.final)
                 self.final_seconds = time.perf_counter() - t0
             else:
                 metrics = evaluate(model, tokenizer, rows, **self.eval_kw).metrics
@@ -269,72 +358,168 @@ class HeldoutCurve:
 HELDOUT_KEYS = ("strict_accuracy", "soft_accuracy", "format_rate", "mean_completion_length", "n")
 
 
-def _measure_ceiling(settings: DemoSettings, model, tokenizer, heldout, out: Path, say, started: float,
-                     precision) -> dict:
+def _measure_ceiling(settings: DemoSettings, run: DemoRun, model, tokenizer, heldout, precision: Precision) -> dict:
     """pass@group_size of the base model at the training temperature: what sharpening alone can reach."""
-    from forge.eval.evaluate import evaluate
-
     k = settings.group_size
-    say(f"measuring the ceiling: {k} samples per problem at temperature {settings.temperature} on "
-        f"{len(heldout)} held-out problems")
+    run.say(f"measuring the ceiling: {k} samples per problem at temperature {settings.temperature} on "
+            f"{len(heldout)} held-out problems")
     load_before = _load_average()
     result = evaluate(model, tokenizer, heldout, max_new_tokens=settings.max_new_tokens, num_samples=k,
                       temperature=settings.temperature, k_values=(1, k), seed=settings.seed,
                       batch_size=max(1, settings.eval_batch_size // k))
-    say(result.summary())
+    run.say(result.summary())
     ceiling = {"settings": asdict(settings), "heldout_size": len(heldout), "metrics": result.metrics,
-               "decoding": result.settings, "total_seconds": time.perf_counter() - started,
+               "decoding": result.settings, "total_seconds": run.elapsed(),
                "load_average": {"start": load_before, "end": _load_average()},
                "machine": _machine() | {"precision": str(precision.compute).removeprefix("torch.")}}
-    (out / "ceiling.json").write_text(json.dumps(ceiling, indent=2))
+    (run.out / "ceiling.json").write_text(json.dumps(ceiling, indent=2))
     print(f"pass@{k} {result.metrics[f'pass@{k}']:.1%}, pass@1 {result.metrics['pass@1']:.1%}\n"
-          f"result:   {out / 'ceiling.json'}")
+          f"result:   {run.out / 'ceiling.json'}")
     return ceiling
-
-
-def _load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _machine() -> dict:
-    import platform
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
-
-
-def demo_config(settings: DemoSettings, output_dir, **overrides):
-    """The demo's GRPOConfig (bench/learning_vs_trl.py builds TRL's config from the same settings)."""
-    from forge.core.config import GRPOConfig
-
-    config = GRPOConfig(
-        group_size=settings.group_size, prompts_per_step=settings.prompts_per_step, gradient_accumulation_steps=1,
-        max_steps=settings.steps, learning_rate=settings.learning_rate, lr_scheduler="constant", warmup_ratio=0.0,
-        kl_beta=0.0, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens, use_lora=True,
-        lora_r=settings.lora_r, lora_alpha=2 * settings.lora_r, logging_steps=1, save_steps=0,
-        reward_weights=[1.0, settings.format_weight], output_dir=str(output_dir), seed=settings.seed,
-        loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
-        drop_zero_std_groups=True, micro_batch_size=settings.group_size, dtype=settings.dtype,
-        overwrite_output_dir=True,  # each demo run replaces the previous one in its output dir
-    )
-    return replace(config, **overrides) if overrides else config
-
-
-def demo_rewards() -> list:
-    """The demo's rewards, weighted [1, format_weight]: correctness of the final answer, and the tag format."""
-    from forge.core.reward import MathCorrectnessReward, TagFormatReward
-
-    return [MathCorrectnessReward(), TagFormatReward()]
 
 
 def _summary_line(label: str, metrics: dict) -> str:
     return (f"{label}: strict {metrics['strict_accuracy']:.1%}, soft {metrics['soft_accuracy']:.1%}, "
             f"format {metrics['format_rate']:.1%}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# --tools: the calculator task (its problems, prompt and grader) and its demo
+
+SYSTEM_WITH_TOOL = ("You are a careful assistant with a calculator. To compute something, write "
+                    "<calc>expression</calc>; the calculator answers with <result>value</result>. Then give the "
+                    "final answer as <answer>number</answer>.")
+SYSTEM_NO_TOOL = "You are a careful assistant. Give the final answer as <answer>number</answer>."
+EXAMPLE_QUESTION = "What is 312 * 27?"
+EXAMPLE_WITH_TOOL = "<calc>312 * 27</calc><result>8424</result> The answer is <answer>8424</answer>"
+EXAMPLE_NO_TOOL = "312 * 27 = 8424. The answer is <answer>8424</answer>"
+KINDS = ("product", "boxes", "two_step")
+HELDOUT_SEED = 10_000
+
+
+def tool_problems(n: int, seed: int) -> list[dict]:
+    """n problems {question, answer, kind}, the kinds in turn."""
+    rng, out = random.Random(seed), []
+    for i in range(n):
+        kind = KINDS[i % len(KINDS)]
+        a, b = rng.randint(100, 999), rng.randint(11, 99)
+        if kind == "product":
+            question, answer = f"What is {a} * {b}?", a * b
+        elif kind == "boxes":
+            question, answer = f"A box holds {b} pens. How many pens are in {a} boxes?", a * b
+        else:
+            c, d = rng.randint(100, 999), rng.randint(2, 9)
+            question = (f"A shop sells {a} bags of {b} apples each and {c} single apples. It has {d} workers. "
+                        f"How many apples does it sell in total?")
+            answer = a * b + c
+        out.append({"question": question, "answer": answer, "kind": kind})
+    return out
+
+
+def tool_prompt(question: str, with_tool: bool = True) -> list[dict]:
+    system, example = (SYSTEM_WITH_TOOL, EXAMPLE_WITH_TOOL) if with_tool else (SYSTEM_NO_TOOL, EXAMPLE_NO_TOOL)
+    return [{"role": "system", "content": system}, {"role": "user", "content": EXAMPLE_QUESTION},
+            {"role": "assistant", "content": example}, {"role": "user", "content": question}]
+
+
+def tool_rows(problems: list[dict], with_tool: bool = True) -> list[dict]:
+    return [{"prompt": tool_prompt(p["question"], with_tool), "reference": str(p["answer"]), "kind": p["kind"]}
+            for p in problems]
+
+
+def final_answer(text: str) -> str | None:
+    found = re.findall(r"<answer>\s*(-?[\d,]+)\s*</answer>", text)
+    return found[-1].replace(",", "") if found else None
+
+
+def answer_correct(prompts, completions, references, **kwargs) -> list[float]:
+    """1.0 when the number in the last <answer> is the reference (a <result> alone does not count): the
+    training reward, and the verdict the evaluation counts."""
+    return [float(final_answer(text) == str(ref)) for text, ref in zip(completions, references)]
+
+
+def answer_format(prompts, completions, **kwargs) -> list[float]:
+    """1.0 when the completion gives an <answer>number</answer>."""
+    return [float(final_answer(text) is not None) for text in completions]
+
+
+def calculator_settings() -> ToolSettings:
+    """The calculator as the demo's rollouts use it, in training and evaluation: text protocol, 3 calls, 5 s."""
+    return ToolSettings(as_tools([calculator]), "text", max_calls=3, timeout=5.0)
+
+
+@torch.no_grad()
+def evaluate_with_tools(model, tokenizer, rows: list[dict], *, with_tool: bool, max_new_tokens: int,
+                        batch_size: int = 60) -> dict:
+    """Greedy accuracy on rows (tool_rows, graded by `answer_correct`), the share that used the tool, and per kind."""
+    was_training = model.training
+    model.eval()
+    sampling, tools = SamplingSettings(max_new_tokens, do_sample=False), calculator_settings() if with_tool else None
+    texts, calls = [], []
+    for start in range(0, len(rows), batch_size):
+        rollout = generate(model, tokenizer, [row["prompt"] for row in rows[start:start + batch_size]], 1, sampling,
+                           tools=tools)
+        texts += rollout.completions
+        calls += rollout.tool_calls or [[] for _ in rollout.completions]
+    model.train(was_training)
+    correct = answer_correct(None, texts, [row["reference"] for row in rows])
+    records = []
+    for row, text, right, made in zip(rows, texts, correct, calls):
+        ran = [c for c in made if c.failure is None]
+        records.append({"kind": row["kind"], "reference": row["reference"], "completion": text,
+                        "correct": right == 1.0, "used_tool": bool(ran),
+                        "right_call": any(c.output == row["reference"] for c in ran)})
+
+    def share(key, subset=records):
+        return sum(r[key] for r in subset) / max(len(subset), 1)
+
+    return {"accuracy": share("correct"), "tool_use": share("used_tool"), "right_call": share("right_call"),
+            "n": len(records), "by_kind": {k: share("correct", [r for r in records if r["kind"] == k])
+                                           for k in KINDS},
+            "format_rate": sum(answer_format(None, texts)) / max(len(records), 1),
+            "examples": [r["completion"] for r in records[:3]]}
+
+
+def run_tool_demo(settings: DemoSettings) -> dict:
+    """The --tools path of `forge demo`."""
+    run = DemoRun(settings, "forge demo --tools")
+    model, tokenizer, precision = load_policy(settings)
+    heldout = tool_problems(settings.heldout, HELDOUT_SEED)
+    held_questions = {p["question"] for p in heldout}
+    train = [p for p in tool_problems(settings.steps * settings.prompts_per_step * 2, settings.seed + 1)
+             if p["question"] not in held_questions][:settings.steps * settings.prompts_per_step]
+    eval_kw = {"max_new_tokens": settings.max_new_tokens, "batch_size": settings.eval_batch_size}
+    run.timings["load"] = run.elapsed()
+
+    def evaluated(phase: str, model, with_tool: bool) -> dict:
+        with run.timed(phase), precision.autocast(model):
+            return evaluate_with_tools(model, tokenizer, tool_rows(heldout, with_tool), with_tool=with_tool,
+                                       **eval_kw)
+
+    run.say(f"base model on {len(heldout)} held-out problems, greedy, without and with the calculator")
+    no_tool = evaluated("no_tool_eval", model, with_tool=False)
+    before = evaluated("base_eval", model, with_tool=True)
+    run.say(f"no tool {no_tool['accuracy']:.1%}; with the tool {before['accuracy']:.1%} "
+            f"(tool used {before['tool_use']:.1%}, right call {before['right_call']:.1%})")
+    tools = calculator_settings()
+    config = demo_config(settings, run.out, max_tool_calling_iterations=tools.max_calls, tool_format=tools.format,
+                         tool_timeout=tools.timeout)
+    trainer = GRPOTrainer(model, tokenizer, [answer_correct, answer_format], config, tools=[calculator])
+    run.say(_training_line(settings) + ", calculator tool")
+    with run.timed("training"):
+        trainer.train(tool_rows(train))  # under its own precision
+    after = evaluated("final_eval", trainer.model, with_tool=True)
+    run.say(f"trained with the tool {after['accuracy']:.1%} (tool used {after['tool_use']:.1%}, right call "
+            f"{after['right_call']:.1%})")
+    run.timings["total"] = run.elapsed()
+    result = {"settings": asdict(settings), "heldout_size": len(heldout), "no_tool": no_tool, "before": before,
+              "after": after, "gain_vs_base_with_tool": after["accuracy"] - before["accuracy"],
+              "gain_vs_no_tool": after["accuracy"] - no_tool["accuracy"], "timings": run.timings,
+              "precision": str(precision.compute).removeprefix("torch.")}
+    (run.out / "demo_tools_result.json").write_text(json.dumps(result, indent=2))
+    print(f"\n{'':>22} | accuracy | tool used | right call\n"
+          + "\n".join(f"{label:>22} | {m['accuracy']:8.1%} | {m['tool_use']:9.1%} | {m['right_call']:10.1%}"
+                      for label, m in (("base, no tool", no_tool), ("base, with tool", before),
+                                       ("trained, with tool", after)))
+          + f"\nresult: {run.out / 'demo_tools_result.json'}  ({run.timings['total']:.0f}s)")
+    return result

@@ -89,7 +89,7 @@ def test_rewards_that_do_not_apply_get_no_advantage(tiny_model, tiny_tokenizer, 
         return [None if i % 4 < 2 else float(i % 2) for i in range(len(completions))]
 
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, reward_fn=half, config=fast_config(tmp_path))
-    batch, stats = trainer._collect(ROWS[:1])
+    batch, stats = trainer.collect(ROWS[:1])
     a = 0.5 / (2 ** -0.5 + 1e-4)
     torch.testing.assert_close(batch.advantages[0], torch.tensor([0.0, 0.0, -a, a]))
     assert stats.valid[0].tolist() == [False, False, True, True]

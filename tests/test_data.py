@@ -534,3 +534,25 @@ def test_reward_kwargs_renames_reference():
 )
 def test_is_chat(prompt, expected):
     assert is_chat(prompt) is expected
+
+
+# --------------------------------------------------------------------------------------------------
+# the data floor
+
+
+def test_the_data_floor_imports_nothing_from_the_floors_above_it():
+    """forge/data is what the rewards, the evaluation and the trainer stand on: its modules import no Forge
+    module outside forge.data (forge.core, forge.eval, forge.demo, forge.cli, ...), not even inside a function."""
+    files = sorted((Path(__file__).resolve().parents[1] / "forge" / "data").glob("*.py"))
+    assert {path.name for path in files} >= {"task.py", "arithmetic.py", "gsm8k.py", "reasoning_gym_tasks.py"}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue  # not an import, or a relative one (inside forge.data)
+            for name in names:
+                if name == "forge" or name.startswith("forge."):
+                    assert name.startswith("forge.data"), f"forge/data/{path.name}, line {node.lineno}: imports {name}"

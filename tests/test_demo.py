@@ -85,22 +85,69 @@ def test_tool_demo_uses_its_measured_recipe_unless_told_otherwise():
 
 
 def test_demo_evaluates_before_and_after_in_the_training_precision(tiny_folder, tmp_path, monkeypatch):
-    import importlib
-
     import torch
 
-    evaluation = importlib.import_module("forge.eval.evaluate")  # the module (forge.eval.evaluate is the function)
-    seen, real = [], evaluation.evaluate
+    import forge.demo
+
+    seen, real = [], forge.demo.evaluate  # forge.eval.evaluate's evaluate, as the demo imported it
 
     def recording(*args, **kwargs):
         seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluation, "evaluate", recording)
+    monkeypatch.setattr(forge.demo, "evaluate", recording)
+    asked = _count_precision_choices(monkeypatch)
     out = tmp_path / "bf16"
     main(["demo", "--model", str(tiny_folder), "--steps", "1", "--prompts_per_step", "2", "--group_size", "2",
           "--heldout", "4", "--max_new_tokens", "4", "--threads", "1", "--output_dir", str(out), "--eval_every", "0",
           "--eval_batch_size", "4", "--dtype", "bfloat16"])
     # the base model's evaluation too, not only the trained one's: before and after differ by training alone
     assert len(seen) == 2 and seen == [torch.bfloat16] * 2, seen
+    assert asked == ["bfloat16"]  # the demo decides its precision in one call (the trainer asks the same question)
     assert json.loads((out / "demo_result.json").read_text())["machine"]["precision"] == "bfloat16"
+
+
+def _count_precision_choices(monkeypatch) -> list:
+    """The dtypes the demo asks forge.model.choose_precision about (the trainer's own call is not counted)."""
+    import forge.demo
+
+    asked, real = [], forge.demo.choose_precision
+
+    def counting(dtype, *args, **kwargs):
+        asked.append(dtype)
+        return real(dtype, *args, **kwargs)
+
+    monkeypatch.setattr(forge.demo, "choose_precision", counting)
+    return asked
+
+
+def test_tool_demo_evaluates_without_and_with_the_tool_in_the_training_precision(tiny_folder, tmp_path, monkeypatch,
+                                                                                 capsys):
+    import torch
+
+    import forge.demo
+
+    seen, real = [], forge.demo.evaluate_with_tools
+
+    def recording(*args, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
+        seen.append((kwargs["with_tool"], dtype))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forge.demo, "evaluate_with_tools", recording)
+    asked = _count_precision_choices(monkeypatch)
+    out = tmp_path / "tools"
+    main(["demo", "--tools", "--model", str(tiny_folder), "--steps", "1", "--prompts_per_step", "2", "--group_size",
+          "2", "--heldout", "3", "--max_new_tokens", "4", "--threads", "1", "--output_dir", str(out),
+          "--eval_batch_size", "3", "--dtype", "bfloat16"])
+    # the base model without and with the calculator, then the trained one with it: all in the training precision
+    assert seen == [(False, torch.bfloat16), (True, torch.bfloat16), (True, torch.bfloat16)]
+    assert asked == ["bfloat16"]  # decided once, by the same function as the plain demo's
+    result = json.loads((out / "demo_tools_result.json").read_text())
+    assert result["precision"] == "bfloat16" and result["heldout_size"] == 3 and result["settings"]["tools"]
+    assert result["settings"]["steps"] == 1  # a flag the user set wins over the tool recipe's 20
+    for phase in ("no_tool", "before", "after"):
+        assert result[phase]["n"] == 3 and 0.0 <= result[phase]["accuracy"] <= 1.0
+    assert result["gain_vs_no_tool"] == result["after"]["accuracy"] - result["no_tool"]["accuracy"]
+    assert {"load", "no_tool_eval", "base_eval", "training", "final_eval", "total"} <= set(result["timings"])
+    assert "demo_tools_result.json" in capsys.readouterr().out

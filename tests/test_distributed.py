@@ -78,26 +78,26 @@ def install_recorder(record_dir: str, rank: int, patch) -> None:
         with log_path.open("a") as f:
             f.write(json.dumps({"rank": rank, **record}) + "\n")
 
-    real_generate, real_after_step, real_save = (GRPOTrainer._generate, GRPOTrainer._after_step,
-                                                 checkpoint.save_checkpoint)
+    real_generate, real_step, real_save = GRPOTrainer.generate, GRPOTrainer.step, checkpoint.save_checkpoint
 
     def recorded_generate(self, prompts):
         write({"kind": "prompts", "step": self.global_step + 1, "prompts": list(prompts)})
         return real_generate(self, prompts)
 
-    def recorded_after_step(self, metrics, *args, **kwargs):
+    def recorded_step(self, rows):
+        metrics = real_step(self, rows)
         weights = torch.cat([p.detach().flatten() for p in self.trainable])  # (num_trainable,)
         write({"kind": "weights", "step": self.global_step,
                "sha256": hashlib.sha256(weights.numpy().tobytes()).hexdigest()})
         torch.save(weights, Path(record_dir) / f"rank{rank}-step{self.global_step}.pt")
-        return real_after_step(self, metrics, *args, **kwargs)
+        return metrics
 
     def recorded_save(path, **kwargs):
         write({"kind": "save", "path": Path(path).name})
         return real_save(path, **kwargs)
 
-    patch(GRPOTrainer, "_generate", recorded_generate)
-    patch(GRPOTrainer, "_after_step", recorded_after_step)
+    patch(GRPOTrainer, "generate", recorded_generate)
+    patch(GRPOTrainer, "step", recorded_step)
     patch(checkpoint, "save_checkpoint", recorded_save)
 
 
@@ -320,13 +320,13 @@ def test_a_signal_to_another_rank_stops_every_rank_after_the_same_step(tmp_path,
     other_rank = {"flag": False}
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, text_length, short_run_config(tmp_path))
     two_rank_view(trainer, other_rank)
-    real_update = trainer._update
+    real_update = trainer.update
 
     def update(batch):
         other_rank["flag"] = trainer.global_step == 1  # SIGTERM reaches the other rank during step 2
         return real_update(batch)
 
-    trainer._update = update
+    trainer.update = update
     with pytest.raises(TrainingInterrupted, match=r"stopped by a signal after step 2 of 3\. The last finished step "
                                                   r"\(2\) is saved in"):
         trainer.train(ROWS)

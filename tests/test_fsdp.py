@@ -67,16 +67,17 @@ def install_recorder(record_dir: str, rank: int) -> None:
     from forge.core.trainer import GRPOTrainer
     from forge.parallel.sharding import local
 
-    real_after_step = GRPOTrainer._after_step
+    real_step = GRPOTrainer.step
 
-    def recorded_after_step(self, metrics, *args, **kwargs):
+    def recorded_step(self, rows):
+        metrics = real_step(self, rows)
         whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.trainable]  # collective
         torch.save({"weights": torch.cat([w.detach().flatten() for w in whole]),
                     "held": sum(local(p).numel() for p in self.trainable)},
                    Path(record_dir) / f"rank{rank}-step{self.global_step}.pt")
-        return real_after_step(self, metrics, *args, **kwargs)
+        return metrics
 
-    GRPOTrainer._after_step = recorded_after_step
+    GRPOTrainer.step = recorded_step
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,8 @@ def test_auto_dtype_step_on_gpu_keeps_fp32_masters(tmp_path, tiny_tokenizer, use
 
 def test_first_update_ratio_is_one_on_gpu(tmp_path, tiny_tokenizer):
     trainer = gpu_trainer(tmp_path, tiny_tokenizer, num_iterations=2, kl_beta=0.0)
-    updates, real_update = [], trainer._update
-    trainer._update = lambda batch: updates.append(real_update(batch)) or updates[-1]
+    updates, real_update = [], trainer.update
+    trainer.update = lambda batch: updates.append(real_update(batch)) or updates[-1]
     trainer.train(ROWS[:2])
     assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
 

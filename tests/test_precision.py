@@ -56,8 +56,8 @@ def test_bf16_compute_keeps_the_first_update_ratio_at_one(tmp_path, tiny_model, 
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, text_length,
                           config(tmp_path, "ratio", dtype="bfloat16", num_iterations=2, max_steps=2,
                                  learning_rate=5e-2))
-    updates, real_update = [], trainer._update
-    trainer._update = lambda batch: updates.append(real_update(batch)) or updates[-1]
+    updates, real_update = [], trainer.update
+    trainer.update = lambda batch: updates.append(real_update(batch)) or updates[-1]
     assert trainer.precision.compute == torch.bfloat16
     trainer.train(ROWS[:2])
     # pi_old is computed by the same bf16 forward as pi_theta on unchanged weights: ratio exactly 1
@@ -177,7 +177,7 @@ def test_bf16_generation_casts_each_master_weight_once_not_per_decode_step(tmp_p
         trainer = GRPOTrainer(tiny_model, tiny_tokenizer, text_length,
                               config(tmp_path, f"casts{tokens}", dtype="bfloat16", max_new_tokens=tokens))
         with profile(record_shapes=True) as prof:
-            rollout = trainer._generate([ROWS[0]["prompt"]])
+            rollout = trainer.generate([ROWS[0]["prompt"]])
         assert rollout.completion_mask.sum(dim=1).max() == tokens  # this many decode steps
         counts.append(sum(e.count for e in prof.key_averages(group_by_input_shape=True)
                           if e.key == "aten::_to_copy" and e.input_shapes and tuple(e.input_shapes[0]) in shapes))

@@ -349,7 +349,7 @@ def test_nan_loss_is_skipped_and_training_recovers(tmp_path, monkeypatch):
     assert first_step_at == [1, 2]  # optimizer.step() ran in steps 2 and 3, never in step 1
     assert not same_weights(weights(trainer.model), before)
     assert [row["skipped_steps"] for row in read_log(tmp_path / "run")] == [1, 1, 1]
-    assert trainer._nonfinite_in_a_row == 0
+    assert trainer.guard.nonfinite_in_a_row == 0
 
 
 def test_flat_rewards_warn_once(tmp_path):
@@ -403,13 +403,14 @@ def test_second_signal_abandons_the_step_and_keeps_the_last_finished_one(tmp_pat
 
     trainer = trainer_for(tmp_path, DoubleSigintOnStep2(), max_steps=4)
     after_step_1 = {}
-    original = trainer._after_step
+    original = trainer.step
 
-    def remember(*args, **kwargs):
-        original(*args, **kwargs)
+    def remember(rows):
+        metrics = original(rows)
         after_step_1.setdefault("weights", weights(trainer.model))
+        return metrics
 
-    trainer._after_step = remember
+    trainer.step = remember
     with pytest.raises(TrainingInterrupted, match=r"stopped by a second SIGINT; step 2 was abandoned\. The last "
                                                   r"finished step \(1\) is saved in"):
         trainer.train(ROWS * 2)

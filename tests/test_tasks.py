@@ -6,18 +6,23 @@ written to a temporary folder (``save_to_disk``, a parquet file, a folder of JSO
 
 import json
 import sys
+import types
 
 import pytest
 
-from forge.core.reward import MathCorrectnessReward, TagFormatReward, call_with_accepted_kwargs
+from forge.core.reward import MathCorrectnessReward, TagFormatReward, as_reward, call_with_accepted_kwargs
+from forge.data.answers import extract_final_answer
 from forge.data.dataset import (
+    BUILTIN_DATASETS,
     builds_prompts,
     load_rows,
     pick_chat,
     reward_kwargs,
     source_kwargs,
+    task_for,
     validate_rows,
 )
+from forge.data.dataset import TASKS as TASK_TABLE
 from forge.data.gsm8k import (
     FEW_SHOT_EXAMPLES,
     GSM8K_CHAT_REMINDER,
@@ -30,7 +35,7 @@ from forge.data.gsm8k import (
     load_gsm8k_mock,
 )
 from forge.eval.evaluate import evaluate, load_eval_rows
-from forge.eval.metrics import detect_answer_format, grade
+from forge.eval.metrics import CORRECT, NO_ANSWER, WRONG_ANSWER, detect_answer_format, grade
 
 # ----------------------------------------------------------------------------------------------------------
 # GSM8K for chat models
@@ -118,6 +123,96 @@ def test_evaluate_model_on_the_mock_set_picks_chat_prompts_for_a_chat_tokenizer(
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Every built-in task: the training reward pays what the evaluation counts as right
+
+TABLE = (  # (completion, the reward it earns, strictly correct); {ref} is the row's answer, {wrong} another number
+    ("<think>work</think>\n<answer>{ref}</answer>", 1.0, True),  # right, where the prompt asks for it
+    ("The answer is {ref}", 1.0, False),  # right, but not in an <answer> tag: the reward and the soft grade pay it
+    ("<think>work</think>\n<answer>{wrong}</answer>", 0.0, False),  # wrong
+    ("<answer>unsure</answer>", 0.0, False),  # malformed: no answer in the tag
+    ("I am not sure.", 0.0, False),  # no answer at all
+    ("", 0.0, False),  # nothing
+)
+HUB_RECORDS = {  # what the fake `datasets` package serves for the two hub tasks (GSM8K's test split, GSM-Hard)
+    "openai/gsm8k": [{"question": f"Tom has {i} bags of 3 apples. How many apples?", "answer": f"{i} * 3\n#### {3 * i}"}
+                     for i in range(1, 7)],
+    "reasoning-machines/gsm-hard": [{"input": f"What is {i} * 1234567?", "target": float(i * 1234567)}
+                                    for i in range(1, 7)],
+}
+BUILTIN_TASKS = ("arithmetic", "gsm8k", "gsm8k-mock", "gsm-hard", "reasoning-gym:chain_sum")
+
+
+def _canned_evaluation(model, tokenizer, rows, completions, monkeypatch):
+    """`evaluate` on rows, with the model's completions replaced by `completions` (one per row)."""
+    from forge.core.rollout import generate as real_generate
+
+    evaluate_module = sys.modules["forge.eval.evaluate"]  # forge.eval.evaluate the attribute is the function
+
+    def canned_generate(model, tokenizer, prompts, num_samples, settings, **kwargs):
+        rollout = real_generate(model, tokenizer, prompts, num_samples, settings, **kwargs)
+        rollout.completions[:] = completions[: len(prompts)]
+        return rollout
+
+    monkeypatch.setattr(evaluate_module, "generate", canned_generate)
+    return evaluate(model, tokenizer, rows, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", BUILTIN_TASKS)
+def test_each_tasks_reward_pays_what_its_evaluation_counts_as_right(name, tiny_model, tiny_tokenizer, monkeypatch):
+    if name.startswith("reasoning-gym:"):
+        pytest.importorskip("reasoning_gym")
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(
+        load_dataset=lambda dataset_id, config=None, split="train": HUB_RECORDS[dataset_id]))
+    task = task_for(name)
+    rows = task.heldout(n=len(TABLE), chat=True)
+    assert len(rows) == len(TABLE)
+    completions = [text.format(ref=row["reference"], wrong=int(float(row["reference"])) + 1)
+                   for (text, _, _), row in zip(TABLE, rows)]
+    prompts = [row["prompt"] for row in rows]
+
+    reward = as_reward(task.reward)  # as GRPOTrainer takes it
+    scores = reward(prompts, completions, **reward_kwargs(rows)).scores
+    assert scores == [expected for _, expected, _ in TABLE]
+    assert reward.name == ("reasoning_gym" if name.startswith("reasoning-gym:") else "math_correctness")
+    for completion, row, score in zip(completions, rows, scores):  # the reward is the task's grade of the answer
+        columns = {key: value for key, value in row.items() if key not in ("prompt", "reference")}
+        assert task.grade(extract_final_answer(completion), row["reference"], **columns) == score
+
+    result = _canned_evaluation(tiny_model, tiny_tokenizer, rows, completions, monkeypatch)
+    assert [record["soft"][0] for record in result.records] == [score == 1.0 for score in scores]
+    assert [record["strict"][0] for record in result.records] == [strict for _, _, strict in TABLE]
+    assert [record["statuses"][0] for record in result.records][:3] == [CORRECT, NO_ANSWER, WRONG_ANSWER]
+    if "task_score" in result.metrics:  # reasoning-gym: the evaluation's score is the reward itself
+        assert [record["task_scores"][0] for record in result.records] == scores
+    else:  # the math tasks: the core reward of the same name pays the same
+        assert MathCorrectnessReward()(prompts, completions, **reward_kwargs(rows)).scores == scores
+
+
+def test_the_task_table_names_every_builtin_dataset(tiny_tokenizer):
+    assert list(TASK_TABLE) == ["gsm8k", "gsm8k-mock", "gsm-hard", "arithmetic", "reasoning-gym"]
+    assert all(task_for(name) is task for name, task in TASK_TABLE.items() if name != "reasoning-gym")
+    assert BUILTIN_DATASETS["arithmetic"] is TASK_TABLE["arithmetic"].rows
+    assert task_for("reasoning-gym:chain_sum:max_terms=2").name == "reasoning-gym:chain_sum:max_terms=2"
+    assert task_for("rows.jsonl") is None and task_for("hf:a/b") is None and task_for([{"prompt": "x"}]) is None
+    assert [row["reference"] for row in task_for("gsm8k-mock").heldout(n=3)] == [a for _, a in GSM8K_MOCK_PROBLEMS[:3]]
+    assert len(task_for("arithmetic").heldout()) == 60 and len(task_for("gsm8k-mock").heldout()) == 20
+
+
+def test_forge_train_rewards_a_builtin_task_with_its_own_reward_unless_told_otherwise():
+    from forge.cli import _rewards_for, build_parser
+
+    parse = build_parser().parse_args
+    for name in ("arithmetic", "gsm8k-mock"):
+        rewards, weights = _rewards_for(parse(["train", "--dataset", name]))
+        assert rewards[0] is TASK_TABLE[name].reward and isinstance(rewards[1], TagFormatReward)
+        assert weights == [1.0, 0.1]
+    rewards, _ = _rewards_for(parse(["train", "--dataset", "arithmetic", "--reward", "math_correctness"]))
+    assert isinstance(rewards[0], MathCorrectnessReward)  # named by the user: that reward
+    rewards, _ = _rewards_for(parse(["train", "--dataset", "rows.jsonl"]))
+    assert isinstance(rewards[0], MathCorrectnessReward)  # not a built-in task: the default reward
+
+
+# ----------------------------------------------------------------------------------------------------------
 # reasoning-gym
 
 rg = pytest.importorskip("reasoning_gym")
@@ -195,16 +290,16 @@ def test_the_reward_is_the_tasks_own_score_answer(task):
         "",
     ]
     reward = rgt.ReasoningGymReward()
-    output = call_with_accepted_kwargs(reward, [row["prompt"] for row in rows], responses, _reward_kwargs(rows))
-    extracted = output.metadata["extracted_answers"]
+    scores = call_with_accepted_kwargs(reward, [row["prompt"] for row in rows], responses, _reward_kwargs(rows))
+    extracted = [reward.extract(response) for response in responses]
     expected = [0.0 if answer is None else float(dataset.score_answer(answer, row["rg_entry"]))
                 for answer, row in zip(extracted, rows)]
-    assert output.scores == expected
-    assert output.scores[0] == 1.0 and output.scores[1] == 0.0 and 0.0 < output.scores[2] < 1.0
-    assert output.scores[5] == 0.0
+    assert scores == expected
+    assert scores[0] == 1.0 and scores[1] == 0.0 and 0.0 < scores[2] < 1.0
+    assert scores[5] == 0.0
     strict = call_with_accepted_kwargs(rgt.ReasoningGymReward(strict=True), [r["prompt"] for r in rows], responses,
                                        _reward_kwargs(rows))
-    assert strict.scores[4] == 0.0 and strict.scores[0] == 1.0  # no <answer> tag, no strict credit
+    assert strict[4] == 0.0 and strict[0] == 1.0  # no <answer> tag, no strict credit
     assert reward.name == "reasoning_gym"
 
 
@@ -229,12 +324,12 @@ def test_evaluation_grades_with_the_same_scorer_as_the_reward(task, tiny_model, 
                                        _reward_kwargs(rows))
     strict_reward = call_with_accepted_kwargs(rgt.ReasoningGymReward(strict=True), [r["prompt"] for r in rows],
                                               canned, _reward_kwargs(rows))
-    assert [rec["task_scores"][0] for rec in result.records] == reward.scores
-    assert [rec["soft"][0] for rec in result.records] == [score == 1.0 for score in reward.scores]
-    assert [rec["strict"][0] for rec in result.records] == [score == 1.0 for score in strict_reward.scores]
+    assert [rec["task_scores"][0] for rec in result.records] == reward
+    assert [rec["soft"][0] for rec in result.records] == [score == 1.0 for score in reward]
+    assert [rec["strict"][0] for rec in result.records] == [score == 1.0 for score in strict_reward]
     assert result.records[0]["strict"] == [True] and result.records[2]["strict"] == [False]
     assert result.records[2]["soft"] == [True] and result.records[3]["statuses"] == ["NO ANSWER EXTRACTED"]
-    assert result.metrics["task_score"] == pytest.approx(sum(reward.scores) / 4)
+    assert result.metrics["task_score"] == pytest.approx(sum(reward) / 4)
 
 
 def test_reasoning_gym_names_load_through_load_rows_and_the_eval_loader():

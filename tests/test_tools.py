@@ -1,7 +1,7 @@
 """Tools: the calculator, running calls (errors, timeouts, huge outputs, malformed calls), the call formats,
 the multi-turn rollout (tiny model, calls forced by a scripted sampler) and its place in the loss.
 
-The scripted sampler replaces `sample_next_token` inside core/tool_rollout.py: for the first decode steps of a
+The scripted sampler replaces `sample_next_token` inside core/rollout.py: for the first decode steps of a
 rollout every sampling row gets the next token of a fixed call text, afterwards the real sampler runs. So each
 completion starts with a real call whose result is fed back, and the rest depends on the model (weights that
 move change it), which the resume test needs.
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from forge import GRPOConfig, GRPOTrainer
-from forge.core import tool_rollout
+from forge.core import rollout as rollout_module
 from forge.core.rollout import SamplingSettings, generate, render_prompt
 from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 from forge.tools.calls import (
@@ -187,7 +187,7 @@ def install_script(patch):
     worker process): the first len(script) decode steps of each rollout give every sampling row the script's
     tokens, then the real sampler runs. Returns a function that sets the script's text."""
     state = {"ids": [], "step": 0}
-    real_sampler, real_generate = tool_rollout.sample_next_token, tool_rollout.generate_with_tools
+    real_sampler, real_generate = rollout_module.sample_next_token, rollout_module.generate
 
     def sampler(logits, settings, draws):
         step, state["step"] = state["step"], state["step"] + 1
@@ -199,11 +199,11 @@ def install_script(patch):
         state["step"] = 0
         return real_generate(*args, **kwargs)
 
-    patch(tool_rollout, "sample_next_token", sampler)
-    patch(tool_rollout, "generate_with_tools", counting_generate)
+    patch(rollout_module, "sample_next_token", sampler)
+    patch(rollout_module, "generate", counting_generate)
     import forge.core.trainer as trainer_module
 
-    patch(trainer_module, "generate_with_tools", counting_generate)
+    patch(trainer_module, "generate", counting_generate)
 
     def set_script(tokenizer, text):
         state["ids"] = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -225,9 +225,7 @@ def test_calls_are_answered_and_the_action_mask_marks_exactly_the_result(scripte
     call_ids = scripted(tiny_tokenizer, CALL)
     result_ids = tiny_tokenizer(RESULT, add_special_tokens=False)["input_ids"]
     noise = torch.rand(4, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    rollout = tool_rollout.generate_with_tools(
-        tiny_model, tiny_tokenizer, PROMPTS, 2, SamplingSettings(20, TEMPERATURE),
-        settings_for(calculator), noise=noise)
+    rollout = rollout_module.generate(tiny_model, tiny_tokenizer, PROMPTS, 2, SamplingSettings(20, TEMPERATURE), noise=noise, tools=settings_for(calculator))
     for row in range(4):
         length = int(rollout.completion_lengths[row])
         ids = rollout.completion_ids[row, :length].tolist()
@@ -248,8 +246,7 @@ def test_without_calls_the_tool_rollout_equals_generate(tiny_model, tiny_tokeniz
     noise = torch.rand(8, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     settings = SamplingSettings(12, TEMPERATURE)
     plain = generate(tiny_model, tiny_tokenizer, PROMPTS, 4, settings, noise=noise)
-    tools = tool_rollout.generate_with_tools(tiny_model, tiny_tokenizer, PROMPTS, 4, settings,
-                                             settings_for(calculator), noise=noise)
+    tools = rollout_module.generate(tiny_model, tiny_tokenizer, PROMPTS, 4, settings, noise=noise, tools=settings_for(calculator))
     width = plain.completion_ids.shape[1]
     assert all(len(calls) == 0 for calls in tools.tool_calls)
     assert torch.equal(tools.completion_mask, plain.completion_mask[:, :tools.completion_mask.shape[1]])
@@ -262,8 +259,7 @@ def test_without_calls_the_tool_rollout_equals_generate(tiny_model, tiny_tokeniz
 
 def test_the_call_limit_ends_the_completion(scripted, tiny_model, tiny_tokenizer):
     scripted(tiny_tokenizer, "<calc>1+</calc><calc>2*3</calc><calc>4</calc> more")
-    rollout = tool_rollout.generate_with_tools(tiny_model, tiny_tokenizer, PROMPTS[:1], 1,
-                                               SamplingSettings(60, TEMPERATURE), settings_for(calculator, max_calls=2))
+    rollout = rollout_module.generate(tiny_model, tiny_tokenizer, PROMPTS[:1], 1, SamplingSettings(60, TEMPERATURE), tools=settings_for(calculator, max_calls=2))
     text, calls = rollout.completions[0], rollout.tool_calls[0]
     assert text == ("<calc>1+</calc><result>error: ValueError: cannot parse '1+' as arithmetic</result>"
                     "<calc>2*3</calc><result>6</result><calc>4</calc>")  # the third call ends it, unanswered
@@ -276,8 +272,7 @@ def test_the_prompt_is_computed_once_per_group(scripted, tiny_model, tiny_tokeni
     batches = []
     tiny_model.model.register_forward_pre_hook(
         lambda module, args, kwargs: batches.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
-    tool_rollout.generate_with_tools(tiny_model, tiny_tokenizer, PROMPTS, 4, SamplingSettings(10, TEMPERATURE),
-                                     settings_for(calculator))
+    rollout_module.generate(tiny_model, tiny_tokenizer, PROMPTS, 4, SamplingSettings(10, TEMPERATURE), tools=settings_for(calculator))
     multi_token = [shape for shape in batches if shape[1] > 1]
     assert multi_token and all(rows == len(PROMPTS) for rows, _ in multi_token)  # prefill: 2 prompts, not 8
     assert all(length == 1 for _, length in batches[1:])  # results are fed in the decode steps, one token each
@@ -302,8 +297,7 @@ def test_template_protocol_feeds_the_tool_message(scripted):
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
     scripted(tokenizer, call)
     prompt = [{"role": "user", "content": "What is 2 + 3?"}]
-    rollout = tool_rollout.generate_with_tools(model, tokenizer, [prompt], 1, SamplingSettings(120, TEMPERATURE),
-                                               settings_for(calculator, format="template"))
+    rollout = rollout_module.generate(model, tokenizer, [prompt], 1, SamplingSettings(120, TEMPERATURE), tools=settings_for(calculator, format="template"))
     assert "tools: [" in render_prompt(tokenizer, prompt, [t.schema for t in as_tools([calculator])])
     assert '"calculator"' in tokenizer.decode(rollout.prompt_ids[0])  # the schema reached the prompt
     fed = rollout.completion_ids[0][(rollout.action_mask[0] == 0) & (rollout.completion_mask[0] == 1)]
@@ -339,7 +333,7 @@ ROWS = [{"prompt": "What is 2 + 3?", "reference": "5"}, {"prompt": "Answer: 19",
 def test_the_loss_mask_excludes_exactly_the_tool_tokens(scripted, tmp_path):
     trainer = tool_trainer(tmp_path)
     scripted(trainer.tokenizer, CALL)
-    batch, _ = trainer._collect(ROWS)
+    batch, _ = trainer.collect(ROWS)
     (rollout,), (mask,) = batch.rollouts, batch.loss_mask
     result_ids = trainer.tokenizer(RESULT, add_special_tokens=False)["input_ids"]
     start = len(trainer.tokenizer(CALL, add_special_tokens=False)["input_ids"])
@@ -362,7 +356,7 @@ def test_interleaved_logprobs_and_loss_equal_a_per_completion_computation(script
         for parameter in trainer.trainable:
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
     scripted(trainer.tokenizer, CALL)
-    batch, _ = trainer._collect(ROWS)
+    batch, _ = trainer.collect(ROWS)
     (rollout,), (mask,), (advantages,), (ref_logprobs,) = (batch.rollouts, batch.loss_mask, batch.advantages,
                                                           batch.ref_logprobs)
     model, tokenizer = trainer.model, trainer.tokenizer
@@ -374,7 +368,7 @@ def test_interleaved_logprobs_and_loss_equal_a_per_completion_computation(script
         ids = torch.cat([torch.tensor(prompt_ids), completion])[None]  # (1, Lp + length)
         logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1] / TEMPERATURE  # (length, V)
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, completion[:, None]).squeeze(1)  # (length,)
-        fast = trainer._logprobs(model, rollout, torch.tensor([row]))[0, :length]
+        fast = trainer.logprobs(model, rollout, torch.tensor([row]))[0, :length]
         torch.testing.assert_close(fast, logprobs.detach(), rtol=0, atol=1e-5)
         with torch.no_grad():
             if mode == "lora":
@@ -395,7 +389,7 @@ def test_interleaved_logprobs_and_loss_equal_a_per_completion_computation(script
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: 1.0)
     trainer.optimizer.step = types.MethodType(lambda optimizer: captured.update(
         {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}), trainer.optimizer)
-    loss = trainer._update(batch)["loss"]
+    loss = trainer.update(batch)["loss"]
     assert loss == pytest.approx(float(hand_loss), rel=1e-5, abs=1e-7)
     model.zero_grad(set_to_none=True)
     hand_loss.backward()
@@ -456,8 +450,7 @@ def test_a_closer_merged_with_the_next_characters_in_one_token(scripted):
     merged = tokenizer.convert_tokens_to_ids("><")
     ids = tokenizer("<calc>2+3</calc", add_special_tokens=False)["input_ids"] + [merged]
     scripted(tokenizer, "<calc>2+3</calc").append(merged)  # the list the patched sampler reads
-    rollout = tool_rollout.generate_with_tools(model, tokenizer, PROMPTS[:1], 1, SamplingSettings(30, TEMPERATURE),
-                                               settings_for(calculator))
+    rollout = rollout_module.generate(model, tokenizer, PROMPTS[:1], 1, SamplingSettings(30, TEMPERATURE), tools=settings_for(calculator))
     length = int(rollout.completion_lengths[0])
     assert rollout.completion_ids[0, :len(ids)].tolist() == ids
     fed = rollout.completion_ids[0, :length][rollout.action_mask[0, :length] == 0]
@@ -466,7 +459,7 @@ def test_a_closer_merged_with_the_next_characters_in_one_token(scripted):
 
 
 def test_tool_demo_problems_prompt_and_rewards():
-    from forge.tool_demo import HELDOUT_SEED, answer_correct, answer_format, tool_problems, tool_rows
+    from forge.demo import HELDOUT_SEED, answer_correct, answer_format, tool_problems, tool_rows
 
     heldout = tool_problems(240, HELDOUT_SEED)
     assert heldout == tool_problems(240, HELDOUT_SEED)  # fixed

@@ -174,7 +174,7 @@ def test_full_finetuning_with_kl_keeps_a_frozen_reference_copy(tmp_path, tiny_mo
 def test_kl_beta_zero_builds_no_reference(tmp_path, tiny_model, tiny_tokenizer):
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, alternating, fast_config(tmp_path, kl_beta=0.0, max_steps=2))
     assert trainer.reference_model is None
-    batch, _ = trainer._collect(ROWS[:1])
+    batch, _ = trainer.collect(ROWS[:1])
     assert batch.ref_logprobs == [None]
     trainer.train(ROWS)
     assert all(row["kl"] == 0 for row in read_jsonl(tmp_path / "run" / "training_log.jsonl"))
@@ -199,13 +199,13 @@ def test_lora_reference_is_the_adapter_disabled_model(tmp_path, monkeypatch, tin
         if "lora_" not in name:
             assert torch.equal(p, base_weights[name.replace(".base_layer", "")]), f"base weight {name} changed"
 
-    rollout = trainer._generate([ROWS[0]["prompt"], ROWS[1]["prompt"]])
-    reference = trainer._reference_logprobs(rollout)
+    rollout = trainer.generate([ROWS[0]["prompt"], ROWS[1]["prompt"]])
+    reference = trainer.reference_logprobs(rollout)
     mask = rollout.completion_mask.bool()
     with torch.no_grad():
         expected = completion_logprobs(base, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                        rollout.prompt_index, config.temperature)
-        policy_logprobs = trainer._logprobs(trainer.model, rollout, torch.arange(mask.shape[0]))
+        policy_logprobs = trainer.logprobs(trainer.model, rollout, torch.arange(mask.shape[0]))
     torch.testing.assert_close(reference[mask], expected[mask], atol=1e-5, rtol=1e-5)
     length = policy_logprobs.shape[1]
     assert not torch.allclose(policy_logprobs[mask[:, :length]], reference[:, :length][mask[:, :length]])
@@ -223,7 +223,7 @@ def test_lora_generates_with_merged_adapters_and_trains_the_same(tmp_path, monke
         return real_generate(model, *args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "generate", spy)
-    monkeypatch.setattr("forge.core.rollout.generate", spy)  # the evaluator's, imported when it is built
+    monkeypatch.setattr("forge.core.scoring.generate", spy)  # the default evaluator's
     runs = {}
     for merge in (True, False):
         seen.clear()
@@ -252,7 +252,7 @@ def test_several_updates_per_rollout_compute_pi_old_once(tmp_path, monkeypatch, 
                          learning_rate=5e-2, micro_batch_size=2)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, vowel_count, config)
     old_results, logprob_calls = [], [0]
-    real_old, real_logprobs = trainer._old_logprobs, trainer_module.completion_logprobs
+    real_old, real_logprobs = trainer.old_logprobs, trainer_module.completion_logprobs
 
     def spy_old(rollout):
         old_results.append((real_old(rollout), rollout.completion_ids.shape))
@@ -262,7 +262,7 @@ def test_several_updates_per_rollout_compute_pi_old_once(tmp_path, monkeypatch, 
         logprob_calls[0] += 1
         return real_logprobs(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "_old_logprobs", spy_old)
+    monkeypatch.setattr(trainer, "old_logprobs", spy_old)
     monkeypatch.setattr(trainer_module, "completion_logprobs", spy_logprobs)
     optimizer_steps = count_optimizer_steps(trainer)
     trainer.train([{"prompt": "the a an is"}, {"prompt": "What is 12 + 7?"}])
@@ -292,7 +292,7 @@ def test_one_update_per_rollout_needs_no_pi_old_forward(tmp_path, monkeypatch, t
     trainer.train(ROWS)
     assert calls[0] == 2  # the loss forward of each step, nothing else
     assert optimizer_steps[0] == 2
-    batch, _ = trainer._collect(ROWS[:1])
+    batch, _ = trainer.collect(ROWS[:1])
     assert batch.old_logprobs == [None]
     assert all(row["ratio_mean"] == pytest.approx(1.0) and row["clip_frac"] == 0
                for row in read_jsonl(tmp_path / "run" / "training_log.jsonl"))
@@ -364,8 +364,8 @@ def test_gradient_accumulation_consumes_prompts_per_step_times_accumulation(tmp_
                          group_size=2)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, alternating, config)
     generated, step_rows = [], []
-    real_generate, real_step = trainer._generate, trainer.step
-    trainer._generate = lambda prompts: generated.append(list(prompts)) or real_generate(prompts)
+    real_generate, real_step = trainer.generate, trainer.step
+    trainer.generate = lambda prompts: generated.append(list(prompts)) or real_generate(prompts)
     trainer.step = lambda rows: step_rows.append(len(rows)) or real_step(rows)
     optimizer_steps = count_optimizer_steps(trainer)
     trainer.train(ROWS)
@@ -436,7 +436,7 @@ def test_mask_truncated_completions(tmp_path, monkeypatch, tiny_model, tiny_toke
     config = fast_config(tmp_path, mask_truncated_completions=True, prompts_per_step=2, max_steps=2)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, alternating, config)
     trainer_module.seed_everything(0)
-    batch, _ = trainer._collect(ROWS[:2])
+    batch, _ = trainer.collect(ROWS[:2])
     (rollout,), (loss_mask,) = batch.rollouts, batch.loss_mask
     truncated = rollout.truncated
     assert truncated.any() and not truncated[1::2].any()
@@ -469,7 +469,7 @@ def test_drop_zero_std_groups(tmp_path, tiny_model, tiny_tokenizer):
     rows = [{"prompt": "flat yes"}, {"prompt": "the total"}]
     config = fast_config(tmp_path, drop_zero_std_groups=True, prompts_per_step=2, max_steps=2, shuffle=False)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, flat_for_flat_prompts, config)
-    batch, _ = trainer._collect(rows)
+    batch, _ = trainer.collect(rows)
     (rollout,), (loss_mask,), (advantages,) = batch.rollouts, batch.loss_mask, batch.advantages
     assert loss_mask[:4].sum() == 0  # the flat group is out of the loss
     assert torch.equal(loss_mask[4:], rollout.completion_mask[4:])
@@ -512,7 +512,7 @@ def test_drop_zero_std_groups_drops_groups_of_equal_inexact_rewards(value, tmp_p
     config = fast_config(tmp_path, drop_zero_std_groups=True, group_size=8, prompts_per_step=2, max_steps=1,
                          shuffle=False)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, flat_for_flat_prompts, config)
-    batch, _ = trainer._collect(rows)
+    batch, _ = trainer.collect(rows)
     (loss_mask,), (advantages,) = batch.loss_mask, batch.advantages
     assert loss_mask[:8].sum() == 0 and loss_mask[8:].sum() > 0
     assert torch.equal(advantages[:8], torch.zeros(8))
@@ -527,7 +527,7 @@ def test_a_nonfinite_reward_sample_is_left_out_of_its_group_statistics(tmp_path,
 
     config = fast_config(tmp_path, on_reward_error="score", max_steps=1)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, one_nan, config)
-    batch, stats = trainer._collect(ROWS[:1])
+    batch, stats = trainer.collect(ROWS[:1])
     # statistics of [1, 0, 1]: mean 2/3, Bessel std sqrt(1/3); A = (r - 2/3) / (0.577350 + 1e-4)
     scale = math.sqrt(1 / 3) + 1e-4
     expected = torch.tensor([1 / 3 / scale, -2 / 3 / scale, 0.0, 1 / 3 / scale])  # [0.57725, -1.15450, 0, 0.57725]
@@ -545,9 +545,9 @@ def test_pi_old_is_the_sampling_policy_and_the_first_update_has_ratio_one(tmp_pa
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, vowel_count, config)
     sampler = copy.deepcopy(trainer.model)  # the policy as it samples the first rollout
     collected, updates = [], []
-    real_collect, real_update = trainer._collect, trainer._update
-    trainer._collect = lambda rows: collected.append(real_collect(rows)) or collected[-1]
-    trainer._update = lambda batch: updates.append(real_update(batch)) or updates[-1]
+    real_collect, real_update = trainer.collect, trainer.update
+    trainer.collect = lambda rows: collected.append(real_collect(rows)) or collected[-1]
+    trainer.update = lambda batch: updates.append(real_update(batch)) or updates[-1]
     trainer.train(ROWS[:2])
 
     (batch, _), = collected

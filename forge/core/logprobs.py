@@ -101,6 +101,12 @@ def checkpointed_layers(model, enabled: bool = True) -> Iterator[None]:
             layer.training = mode
 
 
+def micro_batches(rollout, size: int, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """`rows` (default: all of the rollout's, in order) in chunks of `size` (0 = one chunk)."""
+    rows = torch.arange(rollout.completion_ids.shape[0]) if rows is None else rows
+    return list(rows.split(size or len(rows))) if len(rows) else []
+
+
 def padded_rows(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """Stack per-micro-batch (n_i, T_i) results into a float32 zero tensor shaped like `like` (N, T), on CPU."""
     full = torch.zeros(like.shape, dtype=torch.float32)  # (N, T)

@@ -343,6 +343,24 @@ def _describe_failure(name, error, prompts, completions, index, where, row_index
             f"set on_reward_error='score' to give failing samples reward_error_value and go on.")
 
 
+Evaluator = Callable[..., dict]
+"""evaluator(model, tokenizer, rows, *, max_new_tokens, max_prompt_length) -> {metric name: value}."""
+
+
+def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int, trainer_state) -> Scores:
+    """Score a rollout of these dataset rows (G completions each) under the run's failure settings: every row's
+    other columns reach the rewards as keyword lists, and with tools each completion's calls as `tool_calls`."""
+    group = config.group_size
+    prompts = [row["prompt"] for row in rows for _ in range(group)]
+    kwargs = {k: [v for v in values for _ in range(group)] for k, values in reward_kwargs(rows).items()}
+    row_ids = [row.get("_row", i) for i, row in enumerate(rows) for _ in range(group)]
+    if rollout.tool_calls is not None:  # with tools: each completion's calls and results, in order
+        kwargs["tool_calls"] = [[result.as_dict() for result in calls] for calls in rollout.tool_calls]
+    return score_completions(rewards, prompts, rollout.completions, kwargs, on_error=config.on_reward_error,
+                             error_value=config.reward_error_value, timeout=config.reward_timeout, step=step,
+                             row_index=row_ids, trainer_state=trainer_state)
+
+
 def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = None):
     """The trainer's default evaluator: one greedy completion per held-out row, scored by the run's own rewards
     (eval/reward, eval/rewards/<name>, eval/n), with the run's tools when it has them.

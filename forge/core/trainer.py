@@ -7,12 +7,9 @@
       metrics          forge/run/metrics.py, from statistics combined over the processes
     train(dataset)     the loop around the steps (forge/run/loop.py): schedule, logs, evaluation, checkpoints
 
-Side rooms it calls: forge/model (load, precision, LoRA, reference), forge/parallel (several processes),
-forge/tools (tool calls in rollouts), forge/run (loop, checkpoints, the guarded optimizer step, metrics).
-This is the only module that talks to the processes (`self.dist`): each rank generates and scores whole
-groups of its share of the prompts, gradients are summed, and rank 0 writes logs and checkpoints. The
-sampling noise is drawn per step for the whole batch and split like the prompts, so 1 and N processes give
-the same completions and the same update, up to fp32 rounding.
+The only module that talks to the processes (`self.dist`): each rank generates and scores whole groups of its
+share of the prompts and the gradients are summed; the sampling noise of a step is drawn for the whole batch
+and split like the prompts, so 1 and N processes give the same update, up to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -22,16 +19,15 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from forge.core.advantages import group_reward_std, multi_reward_advantages
 from forge.core.config import GRPOConfig
 from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
-from forge.core.logprobs import checkpointed_layers, completion_logprobs, padded_rows
+from forge.core.logprobs import checkpointed_layers, completion_logprobs, micro_batches, padded_rows
 from forge.core.reward import TrainerState
 from forge.core.rollout import (
     Rollout,
@@ -42,27 +38,17 @@ from forge.core.rollout import (
     sampling_noise,
     sampling_seed,
 )
-from forge.core.scoring import (
-    RewardError,
-    Scores,
-    build_reward_list,
-    greedy_reward_evaluator,
-    score_completions,
-)
-from forge.data.dataset import checked_rows, reward_kwargs, rows_per_step, training_rows
+from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
 from forge.model import merged_adapters, prepare_policy
 from forge.parallel import sharding
 from forge.parallel.distributed import DataParallel
 from forge.parallel.sharding import local
 from forge.run import metrics as step_metrics
-from forge.run.lifecycle import StopSignals, TrainingInterrupted, claim_output_dir
+from forge.run.lifecycle import StopSignals, TrainingInterrupted
 from forge.run.loop import TrainingRun
 from forge.run.optim import GuardedStep, advance_schedule
 from forge.run.rng import seed_everything
-from forge.tools.calls import ToolSettings, as_tools, resolve_format
-
-Evaluator = Callable[..., dict]
-"""evaluator(model, tokenizer, rows, *, max_new_tokens, max_prompt_length) -> {metric name: value}."""
+from forge.tools.calls import ToolSettings
 
 
 @dataclass
@@ -91,7 +77,7 @@ class GRPOTrainer:
     """
 
     def __init__(self, model, tokenizer=None, reward_fn=None, config: GRPOConfig | None = None,
-                 evaluator: Evaluator | None = None, tools: list[Callable] | None = None):
+                 evaluator: Callable[..., dict] | None = None, tools: list[Callable] | None = None):
         self.config = config = (config or GRPOConfig()).validate()
         if reward_fn is None:
             raise ValueError("GRPOTrainer needs reward_fn, e.g. reward_fn=ExactMatchReward()")
@@ -103,15 +89,12 @@ class GRPOTrainer:
         self.model = model = ready.model
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.device = ready.precision, next(model.parameters()).device
-        self.tool_settings = None if not tools else ToolSettings(
-            as_tools(tools), resolve_format(config.tool_format, self.tokenizer), config.max_tool_calling_iterations,
-            config.tool_timeout, config.max_tool_output_chars)
+        self.tool_settings = None if not tools else ToolSettings.of_run(tools, config, self.tokenizer)
         self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the model has no trainable parameters (all requires_grad=False)")
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
-        self.scheduler = None  # built by train(), once the number of steps is known
         self.guard = GuardedStep(self.trainable, self.optimizer, config.max_grad_norm,
                                  config.max_consecutive_nonfinite, any_rank=self.dist.any,
                                  scale_loss=self.precision.compute == torch.float16)
@@ -121,33 +104,17 @@ class GRPOTrainer:
         context = getattr(model.config, "max_position_embeddings", None)
         self.max_prompt_length = prompt_budget(context, config.max_new_tokens, config.max_prompt_length)
         self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # set again by train()
-        self.warned_flat = False
+        self.scheduler = None  # built by train(), once the number of steps is known
 
     def train(self, dataset: Any, eval_dataset: Any = None) -> dict:
         """Run GRPO over `dataset` (list of {"prompt", "reference", ...}, a HF Dataset, or a JSONL path)."""
-        config = self.config
-        rows, identity = training_rows(dataset)  # everything the run reads is checked before any model work
-        self.rows_per_step = rows_per_step(len(rows), config.prompts_per_step, config.prompts_per_optimizer_step)
-        eval_rows = None if eval_dataset is None else checked_rows(eval_dataset)
-        if config.prompts_per_step % self.dist.world_size:
-            raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the number of "
-                             f"processes ({self.dist.world_size}) so every rank gets whole groups")
-        check_prompt_lengths(self.tokenizer, rows, self.max_prompt_length, config.truncate_prompts)
-        lock = claim_output_dir(Path(config.output_dir), resuming=bool(config.resume_from),
-                                overwrite=config.overwrite_output_dir, is_main=self.dist.is_main)
-        try:
-            return TrainingRun(self, rows, eval_rows, identity).run()
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def run_config(self) -> dict:
-        """The config as saved with checkpoints and compared on resume: GRPOConfig plus the model's name."""
-        return {**self.config.to_dict(), "model_name": getattr(self.model.config, "_name_or_path", "") or ""}
+        check_prompts = partial(check_prompt_lengths, self.tokenizer, max_prompt_length=self.max_prompt_length,
+                                truncate=self.config.truncate_prompts)  # an over-long prompt fails before step 1
+        return TrainingRun(self, dataset, eval_dataset, check_prompts).run()
 
     def evaluate(self, rows: list[dict]) -> dict:
         """The evaluator's metrics on these rows, in the run's precision with its whole (merged) weights."""
-        with self.precision.autocast(self.model), self.whole_weights(), self.merged():
+        with self.sampling():
             return self.evaluator(self.model, self.tokenizer, rows, max_new_tokens=self.config.max_new_tokens,
                                   max_prompt_length=self.max_prompt_length)
 
@@ -161,8 +128,6 @@ class GRPOTrainer:
         batch, stats = self.collect(rows)
         for _ in range(self.config.num_iterations):
             update = self.update(batch)
-        samples = [sample for mine, rollout, rewards in zip(batch.rows, batch.rollouts, stats.scores)
-                   for sample in step_metrics.rollout_samples(mine, rollout, rewards, self.config.group_size)]
         stats = self.dist.combined(stats)  # every rank's share: the metrics are of the whole batch
         squared_delta = self.dist.sum_shards([step_metrics.squared_param_delta(
             [local(p) for p in self.trainable], self.initial_params)])[0]
@@ -171,10 +136,8 @@ class GRPOTrainer:
                                                       torch.cat(stats.valid)),
             seconds=time.perf_counter() - started, skipped_steps=self.guard.skipped_steps,
             param_delta_norm=math.sqrt(squared_delta))
-        metrics["_samples"] = step_metrics.ordered_samples(self.dist.gather_objects(samples), len(batch.rollouts),
-                                                           self.config.log_completions)
-        if not self.warned_flat and self.dist.is_main:
-            self.warned_flat = step_metrics.warn_if_mostly_flat(metrics)
+        metrics["_samples"] = step_metrics.ordered_samples(self.dist.gather_objects(stats.samples),
+                                                           len(batch.rollouts), self.config.log_completions)
         return metrics
 
     def collect(self, rows: list[dict]) -> tuple[Batch, step_metrics.RolloutStats]:
@@ -208,7 +171,7 @@ class GRPOTrainer:
             batch.rows.append(mine)
             batch.advantages.append(advantages)
             batch.loss_mask.append(rollout.sampled_mask * keep[:, None].long())  # (N, T), tool results excluded
-            stats.add(rollout, scores)
+            stats.add(rollout, scores, mine)
         batch.old_logprobs = [self.old_logprobs(r) for r in batch.rollouts]
         batch.ref_logprobs = [self.reference_logprobs(r) for r in batch.rollouts]
         return batch, stats
@@ -219,30 +182,21 @@ class GRPOTrainer:
         settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, config.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
-        # bf16 / fp16 compute over the fp32 master weights, when chosen; the whole weights under FSDP2
-        with self.precision.autocast(self.model), self.whole_weights(), self.merged():
+        with self.sampling():
             return generate(self.model, self.tokenizer, prompts, config.group_size, settings, self.max_prompt_length,
                             config.truncate_prompts, config.share_prompt_prefix, noise=noise, tools=self.tool_settings)
 
     def score(self, rows: list[dict], rollout: Rollout) -> Scores:
         """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so
         all of them stop at the same point and rank 0 can save the last finished step (forge/run/loop.py)."""
-        config, group = self.config, self.config.group_size
-        prompts = [row["prompt"] for row in rows for _ in range(group)]
-        kwargs = {k: [v for v in values for _ in range(group)] for k, values in reward_kwargs(rows).items()}
-        row_ids = [row.get("_row", i) for i, row in enumerate(rows) for _ in range(group)]
-        if rollout.tool_calls is not None:  # with tools: each completion's calls and results, in order
-            kwargs["tool_calls"] = [[result.as_dict() for result in calls] for calls in rollout.tool_calls]
         try:
-            scores, failure = score_completions(
-                self.rewards, prompts, rollout.completions, kwargs, on_error=config.on_reward_error,
-                error_value=config.reward_error_value, timeout=config.reward_timeout, step=self.global_step + 1,
-                row_index=row_ids, trainer_state=TrainerState(self.global_step, self.total_steps, self.device)), None
+            scores, failure = score_rollout(self.rewards, rows, rollout, self.config, step=self.global_step + 1,
+                                            trainer_state=TrainerState(self.global_step, self.total_steps,
+                                                                       self.device)), None
         except RewardError as error:
             scores, failure = None, error
         if self.dist.any(failure is not None):
-            raise failure or RewardError(f"step {self.global_step + 1}: a reward failed in another process; "
-                                         f"its error message says which reward and sample, and what to do")
+            raise failure or RewardError(f"step {self.global_step + 1}: a reward failed in another process; see its error")
         return scores
 
     def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, share_prompt: bool | None = None,
@@ -261,22 +215,21 @@ class GRPOTrainer:
     def old_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
         if self.config.num_iterations == 1:
             return None  # pi_old = stopgrad(pi_theta): no extra forward
-        with self.whole_weights():  # FSDP2: gathered once per rollout, not per micro-batch
-            return padded_rows([self.logprobs(self.model, rollout, i) for i in self.micro_batches(rollout)],
-                               rollout.completion_ids)
+        return self.rollout_logprobs(self.model, rollout)
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
         if self.config.kl_beta == 0:
             return None
-        parts = []
-        with self.whole_weights(self.reference_model or self.model):  # FSDP2: once per rollout
-            for indices in self.micro_batches(rollout):
-                if self.is_lora:  # the reference is the adapter-disabled model
-                    with self.model.disable_adapter():
-                        parts.append(self.logprobs(self.model, rollout, indices))
-                else:
-                    parts.append(self.logprobs(self.reference_model, rollout, indices))
+        if self.is_lora:  # the reference is the adapter-disabled model
+            with self.model.disable_adapter():
+                return self.rollout_logprobs(self.model, rollout)
+        return self.rollout_logprobs(self.reference_model, rollout)
+
+    def rollout_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+        """(N, T) log-probs of every completion of a rollout under `model`, micro-batch by micro-batch, on CPU."""
+        with self.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
+            parts = [self.logprobs(model, rollout, i) for i in micro_batches(rollout, self.config.micro_batch_size)]
         return padded_rows(parts, rollout.completion_ids)
 
     def update(self, batch: Batch) -> dict:
@@ -288,11 +241,10 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         with sharding.kept_until_backward(self.model, enabled=self.dist.fsdp):  # FSDP2: one gather per unit
             for r, rollout in enumerate(batch.rollouts):
-                # Rows without a loss token (dropped groups, masked samples) are left out before chunking, so
-                # no forward is spent on them; FSDP2 keeps every row, as forward and backward are collectives
-                # that need the same number of micro-batches on every rank.
+                # Rows without a loss token (dropped groups, masked samples) cost no forward; FSDP2 keeps them,
+                # as its forward and backward are collectives that need as many micro-batches on every rank.
                 carrying = None if self.dist.fsdp else batch.loss_mask[r].any(dim=1).nonzero().squeeze(1)
-                for indices in self.micro_batches(rollout, carrying):
+                for indices in micro_batches(rollout, config.micro_batch_size, carrying):
                     self.loss_and_backward(batch, r, indices, normaliser, totals)
         self.dist.all_reduce_grads(self.trainable)
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")
@@ -312,10 +264,8 @@ class GRPOTrainer:
                                               and not config.gradient_checkpointing,
                                               entropy_grad=config.entropy_coef != 0)  # (n, T') each
         length = logprobs.shape[1]
-        old, ref, sampler = batch.old_logprobs[r], batch.ref_logprobs[r], rollout.sampler_logprobs
-        old = None if old is None else old[indices, :length].to(self.device)
-        ref = None if ref is None else ref[indices, :length].to(self.device)
-        sampler = None if sampler is None else sampler[indices, :length].to(self.device)
+        old, ref, sampler = (None if t is None else t[indices, :length].to(self.device)  # (n, T') each
+                             for t in (batch.old_logprobs[r], batch.ref_logprobs[r], rollout.sampler_logprobs))
         part_mask = mask[:, :length].to(self.device)
         loss, stats = grpo_loss(logprobs, old, ref, batch.advantages[r][indices].to(self.device), part_mask,
                                 settings=config.loss_settings, normaliser=normaliser, entropy=entropy,
@@ -326,36 +276,25 @@ class GRPOTrainer:
         totals.add(loss, stats, float(mask.sum()), gap)
 
     def optimizer_step(self, loss_is_finite: bool = True) -> float:
-        """Clip and step (GuardedStep: a NaN/inf loss, gradient or resulting weight skips the step and leaves the
-        weights as they were), advance the schedule, count the step; returns the gradient norm."""
-        outcome = self.guard(loss_is_finite, before_commit=self.signals.commit)
-        if not outcome.stepped:
-            self.signals.committing = False  # the weights are (back to) those of the last finished step
-            if self.guard.must_abort:
-                raise FloatingPointError(self.guard.abort_message(outcome, self.global_step + 1))
-            if self.dist.is_main:
-                tqdm.write(self.guard.skip_message(outcome, self.global_step + 1))
+        """Clip and step (GuardedStep skips a step whose loss, gradient or new weights are NaN/inf), advance the
+        schedule, count the step; returns the gradient norm."""
+        grad_norm = self.guard.step(loss_is_finite, self.global_step + 1, before_commit=self.signals.commit,
+                                    after_skip=self.signals.uncommit, announce=self.dist.is_main)
         advance_schedule(self.scheduler)
         self.global_step += 1
-        return outcome.grad_norm
-
-    # ------------------------------------------------------------------------------------------------
-    # how the model is run
+        return grad_norm
 
     def whole_weights(self, model=None):
-        """Under FSDP2, the whole weights of `model` (the policy) on every rank, for generation, evaluation and
-        the no-grad log-prob passes (forge/parallel/sharding.py). A no-op otherwise."""
+        """FSDP2: the whole weights of `model` (the policy) on every rank (forge/parallel/sharding.py)."""
         return sharding.gathered(model or self.model) if self.dist.fsdp else contextlib.nullcontext()
 
-    def merged(self):
-        """LoRA adapters folded into the weights for a no-grad pass (generation, evaluation), unless turned off or
-        sharded (forge/model/lora.py merged_adapters)."""
-        return merged_adapters(self.model, self.config.merge_lora_for_generation and not self.dist.fsdp)
-
-    def micro_batches(self, rollout: Rollout, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """`rows` (default: all of the rollout's, in order) in chunks of micro_batch_size (0 = one chunk)."""
-        rows = torch.arange(rollout.completion_ids.shape[0]) if rows is None else rows
-        return list(rows.split(self.config.micro_batch_size or len(rows))) if len(rows) else []
+    @contextlib.contextmanager
+    def sampling(self):
+        """The policy as generation and evaluation run it: in the run's precision (bf16 / fp16 autocast over the
+        fp32 masters), with its whole weights, LoRA adapters folded in unless turned off or sharded."""
+        with self.precision.autocast(self.model), self.whole_weights(), merged_adapters(
+                self.model, self.config.merge_lora_for_generation and not self.dist.fsdp):
+            yield
 
 
 __all__ = ["Batch", "GRPOTrainer", "RewardError", "TrainingInterrupted", "seed_everything"]

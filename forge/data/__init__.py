@@ -1,4 +1,4 @@
-"""Datasets, prompt formats and answer grading: GSM8K, GSM-Hard, a mock set, an arithmetic task."""
+"""Tasks (GSM8K, GSM-Hard, a mock set, an arithmetic task, reasoning-gym): their rows, prompts and graders."""
 
 from forge.data.answers import answers_match, extract_final_answer, extract_tagged_answer, parse_number
 from forge.data.arithmetic import (
@@ -12,7 +12,15 @@ from forge.data.arithmetic import (
     plain_prompt,
     train_problems,
 )
-from forge.data.dataset import builtin_dataset, is_chat, load_rows, reward_kwargs, validate_rows
+from forge.data.dataset import (
+    TASKS,
+    builtin_dataset,
+    is_chat,
+    load_rows,
+    reward_kwargs,
+    task_for,
+    validate_rows,
+)
 from forge.data.gsm8k import (
     extract_answer,
     few_shot_gsm8k_prompt,
@@ -22,10 +30,13 @@ from forge.data.gsm8k import (
     load_gsm_hard,
     parse_gsm8k_answer,
 )
+from forge.data.task import Task
 
 __all__ = [
     "SYSTEM_PROMPT",
+    "TASKS",
     "ArithmeticProblem",
+    "Task",
     "answers_match",
     "arithmetic_dataset",
     "arithmetic_heldout",
@@ -47,6 +58,7 @@ __all__ = [
     "parse_number",
     "plain_prompt",
     "reward_kwargs",
+    "task_for",
     "train_problems",
     "validate_rows",
 ]

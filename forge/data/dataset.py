@@ -69,8 +69,8 @@ _PREFIXED_SOURCES = ("reasoning-gym:", "hf:")
 
 
 def task_for(source: Any) -> Task | None:
-    """The built-in task a dataset name belongs to (for ``reasoning-gym:NAME...`` its loaders take no name), or
-    None for anything else (a JSONL file, ``hf:``, a list of rows)."""
+    """The built-in task of a dataset name (for ``reasoning-gym:NAME...``: the family's, with that name bound into
+    its loaders), or None for anything else (a JSONL file, ``hf:``, a list of rows)."""
     if not isinstance(source, str):
         return None
     if source.startswith(RG_PREFIX):

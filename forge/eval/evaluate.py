@@ -22,7 +22,9 @@ import torch
 
 from forge.core.rollout import SamplingSettings, generate
 from forge.data.answers import answers_match
-from forge.data.dataset import load_rows
+from forge.data.dataset import TASKS, load_rows, pick_chat, task_for
+from forge.data.hf_dataset import load_hf_rows
+from forge.data.reasoning_gym_tasks import task_scorer
 from forge.eval.metrics import (
     ANSWER_FORMATS,
     CORRECT,
@@ -36,8 +38,9 @@ from forge.eval.metrics import (
 )
 from forge.model import merged_adapters
 
-EVAL_DATASETS = ("arithmetic", "gsm8k", "gsm-hard", "gsm8k-mock")
-"""Names `load_eval_rows` understands, besides JSONL paths and the built-in names of `load_rows`."""
+EVAL_DATASETS = tuple(name for name in TASKS if name != "reasoning-gym")
+"""Names `load_eval_rows` understands (the built-in tasks' held-out rows), besides ``reasoning-gym:NAME``,
+``hf:``, JSONL paths and the built-in names of `load_rows`."""
 
 
 @dataclass
@@ -116,7 +119,7 @@ def evaluate(
     """
     rows = load_rows(rows)
     for index, row in enumerate(rows):
-        if (row.get("reference") is None or not str(row["reference"]).strip()) and _task_scorer(row) is None:
+        if (row.get("reference") is None or not str(row["reference"]).strip()) and task_scorer(row) is None:
             raise ValueError(f"evaluation row {index} has no 'reference' answer; every row needs "
                              "{'prompt': ..., 'reference': '42'}")
     _check_decoding(num_samples, temperature, k_values, batch_size, answer_format)
@@ -187,16 +190,6 @@ def question_text(row: dict) -> str:
     return user_messages[-1] if user_messages else prompt[-1]["content"]
 
 
-def _task_scorer(row: dict):
-    """The task's own scorer (answer -> score in [0, 1]) for a row that carries one (reasoning-gym rows), else
-    None. Checked by column, so rows of other datasets never import reasoning-gym."""
-    if "rg_task" not in row:
-        return None
-    from forge.data.reasoning_gym_tasks import task_scorer
-
-    return task_scorer(row)
-
-
 def _task_grade(g: Grade, scorer) -> tuple[Grade, float]:
     """Re-grade with a task's own scorer, as its training reward does: correct means score 1.0 (strict: the
     answer in the required format; soft: the final answer anywhere). Also returns the soft score."""
@@ -210,7 +203,7 @@ def _record(index: int, row: dict, answer_format: str, responses: list[str], len
             truncated: list[bool]) -> dict:
     """Grade one problem's responses (with the task's own scorer when the row carries one)."""
     grades = [grade(response, row["reference"], answer_format) for response in responses]
-    scorer = _task_scorer(row)
+    scorer = task_scorer(row)  # a reasoning-gym row's own grader (its task's score_answer), else None
     task_scores = None
     if scorer is not None:
         graded = [_task_grade(g, scorer) for g in grades]
@@ -294,26 +287,10 @@ def load_eval_rows(data: Any = "arithmetic", split: str = "test", n: int | None 
     set's own default: chat for "arithmetic" and reasoning-gym, the plain `format_prompt` for GSM8K and
     GSM-Hard, plain text for hf:. (`evaluate_model` passes the tokenizer's choice: chat with a chat template.)
     """
-    from forge.data.arithmetic import arithmetic_heldout
-    from forge.data.gsm8k import load_gsm8k, load_gsm8k_mock, load_gsm_hard
-
-    if isinstance(data, (str, Path)) and str(data) in EVAL_DATASETS:
-        name = str(data)
-        if name == "arithmetic":
-            rows = arithmetic_heldout(n=60 if n is None else n, chat=True if chat is None else chat)
-        elif name == "gsm8k":
-            rows = load_gsm8k(split=split, max_samples=n, chat=bool(chat))
-        elif name == "gsm-hard":
-            rows = load_gsm_hard(split="train", max_samples=n, chat=bool(chat))  # one split, all held out
-        else:
-            rows = load_gsm8k_mock(n=20 if n is None else n, chat=bool(chat))
-    elif isinstance(data, str) and data.startswith("reasoning-gym:"):
-        from forge.data.reasoning_gym_tasks import load_reasoning_gym_spec
-
-        rows = load_reasoning_gym_spec(data, split="heldout", n=n, chat=True if chat is None else chat)
+    task = task_for(str(data)) if isinstance(data, (str, Path)) else None
+    if task is not None:
+        rows = task.heldout(n=n, chat=chat, split=split)
     elif isinstance(data, str) and data.startswith("hf:"):
-        from forge.data.hf_dataset import load_hf_rows
-
         rows = load_hf_rows(data, split=split, n=n, chat=bool(chat), prompt_column=prompt_column,
                             reference_column=reference_column)
     else:
@@ -337,7 +314,6 @@ def evaluate_model(
     optional LoRA adapter, load held-out rows by name (`load_eval_rows`), and `evaluate` it.
     ``chat`` None: chat-message prompts when the tokenizer has a chat template (said on stderr for the sets
     whose prompts Forge writes). ``eval_kw`` go to `evaluate`."""
-    from forge.data.dataset import pick_chat
     from forge.model import load_for_eval
 
     if isinstance(model_name_or_path, tuple):

@@ -338,6 +338,10 @@ class StopSignals:
         """The weights now move to the next step: a second signal must wait until the step is finished."""
         self.committing = True
 
+    def uncommit(self) -> None:
+        """The step was skipped: the weights are (back to) those of the last finished step."""
+        self.committing = False
+
     def _request_stop(self, signum, frame) -> None:
         if self.requested is not None and not self.committing:
             note_user_interrupt()  # if it lands inside a reward: the user's interrupt, not the reward's failure

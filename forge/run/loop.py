@@ -1,6 +1,7 @@
 """The run around the steps: how many, when to log, evaluate and save, and what a stop or a failure says.
 
-    TrainingRun(trainer, rows, eval_rows, identity).run()
+    TrainingRun(trainer, dataset, eval_dataset, check_prompts).run()
+        load and check the rows; claim output_dir (a lock held until the run ends)
         resume (weights, optimizer, schedule, RNG, data position)     -> forge/run/lifecycle.py
         for each step's rows:  trainer.step(rows)                      -> the GRPO step (core/trainer.py)
             log every logging_steps, evaluate every eval_steps, save every save_steps
@@ -10,16 +11,26 @@
 
 The trainer is given, not imported: anything with the attributes read below runs here (`config`, `dist`,
 `model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `guard`, `signals`, `global_step`, and the methods
-`step(rows) -> metrics`, `evaluate(rows) -> metrics`, `run_config() -> dict`).
+`step(rows) -> metrics`, `evaluate(rows) -> metrics`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 from tqdm.auto import tqdm
 
-from forge.data.dataset import iterate_steps
+from forge.data.dataset import checked_rows, iterate_steps, rows_per_step, training_rows
 from forge.logging.logger import ForgeLogger
-from forge.run.lifecycle import CheckpointParts, FinishedStep, RunLifecycle, TrainingInterrupted
+from forge.run.lifecycle import (
+    CheckpointParts,
+    FinishedStep,
+    RunLifecycle,
+    TrainingInterrupted,
+    claim_output_dir,
+)
+from forge.run.metrics import warn_if_mostly_flat
 from forge.run.optim import make_scheduler
 from forge.run.rng import capture_rng_state, seed_everything
 
@@ -35,26 +46,52 @@ def reached(step: int, every: int, stride: int) -> bool:
     return every > 0 and step // every > (step - stride) // every
 
 
+def run_config(trainer) -> dict:
+    """The config as saved with checkpoints and compared on resume: GRPOConfig plus the model's name."""
+    return {**trainer.config.to_dict(), "model_name": getattr(trainer.model.config, "_name_or_path", "") or ""}
+
+
 class TrainingRun:
     """One call of GRPOTrainer.train: the loop over the steps and everything around it."""
 
-    def __init__(self, trainer, rows: list[dict], eval_rows: list[dict] | None, identity: dict):
-        config = trainer.config
-        self.trainer, self.config, self.dist = trainer, config, trainer.dist
-        self.rows, self.eval_rows = rows, eval_rows
-        steps_per_epoch = len(rows) // trainer.rows_per_step * config.num_iterations  # optimizer steps
+    def __init__(self, trainer, dataset, eval_dataset, check_prompts: Callable[[list[dict]], None]):
+        """Load and check everything the run reads (rows, eval rows, prompt lengths), before any step."""
+        config, dist = trainer.config, trainer.dist
+        self.trainer, self.config, self.dist = trainer, config, dist
+        self.rows, self.identity = training_rows(dataset)
+        trainer.rows_per_step = rows_per_step(len(self.rows), config.prompts_per_step,
+                                              config.prompts_per_optimizer_step)
+        self.eval_rows = None if eval_dataset is None else checked_rows(eval_dataset)
+        if config.prompts_per_step % dist.world_size:
+            raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the number of "
+                             f"processes ({dist.world_size}) so every rank gets whole groups")
+        check_prompts(self.rows)
+        steps_per_epoch = len(self.rows) // trainer.rows_per_step * config.num_iterations  # optimizer steps
         self.total_steps = config.max_steps if config.max_steps > 0 else steps_per_epoch * config.num_train_epochs
+        self.lifecycle: RunLifecycle | None = None
+        self.logger: ForgeLogger | None = None
+        self.warned_flat = False  # "most groups carry no signal" is said once per run
+
+    def run(self) -> dict:
+        """Claim output_dir (its lock is held until the run ends), then train."""
+        config = self.config
+        lock = claim_output_dir(Path(config.output_dir), resuming=bool(config.resume_from),
+                                overwrite=config.overwrite_output_dir, is_main=self.dist.is_main)
+        try:
+            return self.train()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def train(self) -> dict:
+        config, trainer = self.config, self.trainer
         trainer.total_steps = self.total_steps  # rewards see it through TrainerState
         trainer.scheduler = make_scheduler(trainer.optimizer, config.lr_scheduler, config.warmup_ratio,
                                            self.total_steps)
         self.lifecycle = RunLifecycle(config.output_dir, CheckpointParts(
-            trainer.model, trainer.tokenizer, trainer.optimizer, trainer.scheduler, trainer.run_config(),
-            trainer.is_lora, identity, sharded_by=self.dist if self.dist.fsdp else None),
+            trainer.model, trainer.tokenizer, trainer.optimizer, trainer.scheduler, run_config(trainer),
+            trainer.is_lora, self.identity, sharded_by=self.dist if self.dist.fsdp else None),
             save_total_limit=config.save_total_limit, is_main=self.dist.is_main)
-        self.logger: ForgeLogger | None = None
-
-    def run(self) -> dict:
-        config, trainer = self.config, self.trainer
         seed_everything(config.seed)
         epoch, position = 0, 0
         if config.resume_from:
@@ -64,7 +101,7 @@ class TrainingRun:
         self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
                                   wandb_run_name=config.wandb_run_name, use_tensorboard=config.use_tensorboard,
                                   use_trackio=config.use_trackio, trackio_project=config.trackio_project,
-                                  config=trainer.run_config(), enabled=self.dist.is_main)
+                                  config=run_config(trainer), enabled=self.dist.is_main)
         if config.resume_from:
             self.logger.truncate_after(trainer.global_step)  # rows past the checkpoint come again, once
         if self.eval_rows is not None and config.eval_before_training and trainer.global_step == 0:
@@ -113,6 +150,8 @@ class TrainingRun:
         config, step = self.config, self.trainer.global_step
         bar.update(step - bar.n)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
+        if not self.warned_flat and self.dist.is_main:
+            self.warned_flat = warn_if_mostly_flat(metrics)
         if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps:
             self.logger.log(metrics, step=step, epoch=round(metrics["epoch"], 4))
             self.logger.log_samples(metrics.pop("_samples"), step=step)

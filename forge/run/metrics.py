@@ -42,9 +42,11 @@ class RolloutStats:
     tool_malformed: int = field(default=0, metadata=SUM)  # unparseable calls and unknown tools
     tool_truncated: int = field(default=0, metadata=SUM)  # outputs cut at max_tool_output_chars
     gen_seconds: float = field(default=0.0, metadata=MAX)  # the ranks generate side by side
+    samples: list[dict] = field(default_factory=list)  # one logged sample per prompt (this rank's)
 
-    def add(self, rollout, scores) -> None:
-        """One rollout batch (core/rollout.py Rollout) and its scores (core/scoring.py Scores)."""
+    def add(self, rollout, scores, rows: list[dict]) -> None:
+        """One rollout batch (core/rollout.py Rollout) of these dataset rows and its scores (core/scoring.py)."""
+        self.samples += rollout_samples(rows, rollout, scores.total, rollout.group_size)
         self.scores.append(scores.total)
         self.valid.append(scores.valid & scores.scored)
         self.lengths.append(rollout.completion_lengths.float())

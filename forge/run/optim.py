@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from forge.parallel.sharding import local
 
@@ -127,6 +128,19 @@ class GuardedStep:
         if self.scale_loss and self._good_steps % 200 == 0:
             self.loss_scale = min(self.loss_scale * 2, 2.0**24)
         return StepOutcome(grad_norm, True)
+
+    def step(self, loss_is_finite: bool, step: int, *, before_commit: Callable[[], None] = lambda: None,
+             after_skip: Callable[[], None] = lambda: None, announce: bool = True) -> float:
+        """Clip and step (`__call__`); a skipped step calls `after_skip` and says so on the console (`announce`),
+        and the last of max_consecutive_nonfinite in a row raises FloatingPointError. Returns the grad norm."""
+        outcome = self(loss_is_finite, before_commit)
+        if not outcome.stepped:
+            after_skip()
+            if self.must_abort:
+                raise FloatingPointError(self.abort_message(outcome, step))
+            if announce:
+                tqdm.write(self.skip_message(outcome, step))
+        return outcome.grad_norm
 
     def _skip(self, grad_norm: float, problem: str) -> StepOutcome:
         self.nonfinite_in_a_row += 1

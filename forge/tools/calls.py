@@ -165,6 +165,12 @@ class ToolSettings:
     def by_name(self) -> dict[str, Tool]:
         return {t.name: t for t in self.tools}
 
+    @classmethod
+    def of_run(cls, tools: Sequence[Callable[..., Any] | Tool], config, tokenizer) -> ToolSettings:
+        """A run's tools under its GRPOConfig's tool block ('auto' format resolved for this tokenizer)."""
+        return cls(as_tools(tools), resolve_format(config.tool_format, tokenizer), config.max_tool_calling_iterations,
+                   config.tool_timeout, config.max_tool_output_chars)
+
 
 def truncate_output(text: str, limit: int) -> tuple[str, bool]:
     if len(text) <= limit:
