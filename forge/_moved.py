@@ -1,14 +1,18 @@
-"""Old import paths of modules that moved, kept working: `import forge.core.policy` gives forge.model.
+"""Old import paths of modules and names that moved, kept working: `import forge.core.policy` gives forge.model,
+`from forge.core.grpo import GRPOConfig` gives forge.core.config's.
 
-One table, read by a meta-path finder that `forge/__init__.py` installs: importing an old path imports the
-new module and registers it under the old name too, so both names are the same module object (a monkeypatch
-through either reaches the code). docs/architecture.md lists where everything lives now.
+Two tables, read by a meta-path finder that `forge/__init__.py` installs. Importing an old module path imports
+the new module and registers it under the old name too, so both names are the same module object (a
+monkeypatch through either reaches the code). A module that stays but lost a name (MOVED_NAMES) looks the name
+up where it lives now on first use, so the module itself keeps no import of its new home (core/grpo.py imports
+only torch; core/config.py imports it). docs/architecture.md lists where everything lives now.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 
@@ -28,6 +32,11 @@ MOVED_MODULES = {
 }
 
 
+MOVED_NAMES = {
+    "forge.core.grpo": {"GRPOConfig": "forge.core.config"},
+}
+
+
 class _Loader(importlib.abc.Loader):
     def __init__(self, new_name: str):
         self.new_name = new_name
@@ -41,16 +50,41 @@ class _Loader(importlib.abc.Loader):
         module.__spec__ = self.own_spec  # it ran when imported; the import system stamped the old name's spec on it
 
 
+class _WithMovedNames(importlib.abc.Loader):
+    """Runs a module as its own loader does, then gives it a module `__getattr__` for the names that left it."""
+
+    def __init__(self, loader, moved: dict[str, str]):
+        self.loader, self.moved = loader, moved
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        moved, name = self.moved, module.__name__
+
+        def __getattr__(attribute: str):
+            if attribute not in moved:
+                raise AttributeError(f"module {name!r} has no attribute {attribute!r}")
+            return getattr(importlib.import_module(moved[attribute]), attribute)
+
+        module.__getattr__ = __getattr__
+
+
 class MovedModuleFinder(importlib.abc.MetaPathFinder):
-    """Finds the old paths of MOVED_MODULES and hands out the module at the new path."""
+    """Finds the old paths of MOVED_MODULES (the module at the new path) and the modules of MOVED_NAMES."""
 
     def find_spec(self, fullname, path=None, target=None):
-        new_name = MOVED_MODULES.get(fullname)
-        if new_name is None:
-            return None
-        return importlib.util.spec_from_loader(fullname, _Loader(new_name))
+        if fullname in MOVED_MODULES:
+            return importlib.util.spec_from_loader(fullname, _Loader(MOVED_MODULES[fullname]))
+        if fullname in MOVED_NAMES:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is not None:
+                spec.loader = _WithMovedNames(spec.loader, MOVED_NAMES[fullname])
+            return spec
+        return None
 
 
 def install() -> None:
     if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
-        sys.meta_path.append(MovedModuleFinder())
+        sys.meta_path.insert(0, MovedModuleFinder())

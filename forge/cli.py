@@ -12,10 +12,7 @@ shows the Python traceback instead. Any other exception is a bug in Forge and ke
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
-import itertools
 import json
 import math
 import os
@@ -23,18 +20,7 @@ import sys
 import typing
 from pathlib import Path
 
-from forge.core.config import GRPOConfig
-
-
-def config_field_docs() -> dict[str, str]:
-    """Field name -> the docstring written under it in GRPOConfig."""
-    tree = ast.parse(inspect.getsource(GRPOConfig))
-    docs, body = {}, tree.body[0].body
-    for node, following in itertools.pairwise(body):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) \
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
-            docs[node.target.id] = following.value.value.strip()
-    return docs
+from forge.core.config import GRPOConfig, field_docs
 
 
 def _parse_bool(text: str) -> bool:
@@ -69,7 +55,7 @@ def _field_parser(annotation):
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    docs = config_field_docs()
+    docs = field_docs()
     group = parser.add_argument_group("GRPOConfig fields (defaults in brackets)")
     hints = typing.get_type_hints(GRPOConfig)
     for f in dataclasses.fields(GRPOConfig):

@@ -169,3 +169,40 @@ def test_the_type_check_covers_every_field_generically():
         wrong = object()  # fits no annotation
         with pytest.raises(ValueError, match=f"  - {field.name}=<object object"):
             GRPOConfig(**{field.name: wrong}).validate()
+
+
+# ----------------------------------------------------------------------------------------------------
+# docs/config.md is generated from the field docstrings
+
+
+def test_docs_config_md_is_the_generated_reference():
+    from pathlib import Path
+
+    from forge.core.config import reference_markdown
+
+    written = (Path(__file__).parent.parent / "docs" / "config.md").read_text(encoding="utf-8")
+    assert written == reference_markdown(), "docs/config.md is stale: python -m forge.core.config > docs/config.md"
+
+
+def test_the_reference_follows_a_changed_docstring(monkeypatch):
+    from pathlib import Path
+
+    import forge.core.config as config_module
+
+    written = (Path(__file__).parent.parent / "docs" / "config.md").read_text(encoding="utf-8")
+    real = config_module.field_docs()
+    monkeypatch.setattr(config_module, "field_docs", lambda: {**real, "seed": "Seeds every | generator."})
+    changed = config_module.reference_markdown()
+    assert changed != written  # so the test above fails when a docstring changes without the doc
+    assert "| `seed` | `int` | `42` | Seeds every \\| generator. |" in changed
+
+
+def test_every_field_has_a_docstring_and_a_row_in_the_reference():
+    from dataclasses import fields
+
+    from forge.core.config import field_docs, reference_markdown
+
+    docs, reference = field_docs(), reference_markdown()
+    for field in fields(GRPOConfig):
+        assert docs.get(field.name), f"GRPOConfig.{field.name} has no docstring"
+        assert f"| `{field.name}` |" in reference

@@ -220,3 +220,18 @@ def test_reward_model_errors(classifier, tiny_model, tiny_tokenizer):
         SequenceClassificationReward(classifier, tiny_tokenizer, label_index=3)
     with pytest.raises(ValueError, match="pass it"):
         SequenceClassificationReward(classifier)
+
+
+def test_a_reward_class_by_path_is_instantiated_whatever_its_base(tmp_path):
+    """`--reward module:Class` gives the class's default instance, for a plain callable class (the reasoning-gym
+    reward) as for a BaseReward subclass."""
+    from forge.core.reward import load_reward_from_path
+
+    reward = load_reward_from_path("forge.data.reasoning_gym_tasks:ReasoningGymReward")
+    assert reward.name == "reasoning_gym"
+    with pytest.raises(ValueError, match="rg_task"):  # it is the reward itself, called with the samples
+        reward(["p"], ["<answer>1</answer>"])
+    path = tmp_path / "my_reward.py"
+    path.write_text("class Shout:\n    def __call__(self, prompts, completions, **kwargs):\n"
+                    "        return [float(c.isupper()) for c in completions]\n")
+    assert load_reward_from_path(f"{path}:Shout")(["p", "p"], ["HI", "hi"]).scores == [1.0, 0.0]

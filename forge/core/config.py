@@ -8,8 +8,13 @@ from it (`python -m forge.core.config > docs/config.md`; tests/test_config.py fa
 
 from __future__ import annotations
 
+import ast
+import inspect
+import itertools
 import math
 import numbers
+import re
+import textwrap
 import types
 import typing
 from dataclasses import asdict, dataclass, fields
@@ -101,7 +106,7 @@ class GRPOConfig:
     # --- algorithm catalogue: objective caps, KL estimator, several rewards, entropy, sampler correction ---
     # Every default below leaves the GRPO of the block above unchanged. Names follow TRL (delta, sapo_*,
     # multi_objective_aggregation, top_entropy_quantile, entropy_coef) or verl (clip_ratio_c, kl_loss_type,
-    # rollout_is, rollout_is_threshold); README "The algorithm Forge computes" cites each paper and equation.
+    # rollout_is, rollout_is_threshold); docs/algorithm.md cites each paper and equation.
     delta: float | None = None
     """Two-sided clipping (INTELLECT-2): the ratio of a token with negative advantage is capped at delta, so its
     loss stays bounded however far the policy moved. Must be > 1 + clip_epsilon_high; None = off."""
@@ -209,7 +214,7 @@ class GRPOConfig:
     """Let a new run (not resuming) delete the checkpoints and logs another run left in output_dir; without it
     such a directory is refused."""
 
-    # --- tools (multi-turn rollouts; used only when GRPOTrainer gets tools=[...], README "Tools") ---
+    # --- tools (multi-turn rollouts; used only when GRPOTrainer gets tools=[...], docs/tools.md) ---
     max_tool_calling_iterations: int = 4
     """Most tool calls per completion (TRL's name); a further call ends the completion there, unanswered."""
     tool_timeout: float = 10.0
@@ -409,3 +414,42 @@ def _field_type_problems(config: GRPOConfig) -> list[str]:
             or_none = " (or None)" if _fits(None, hints[field.name]) else ""
             problems.append(f"{field.name}={value!r} must be a finite number{or_none}")
     return problems
+
+
+# ----------------------------------------------------------------------------------------------------
+# The field docstrings as documentation: `forge train --help` and docs/config.md
+
+
+def field_docs() -> dict[str, str]:
+    """Field name -> the docstring written under it in GRPOConfig."""
+    docs, body = {}, ast.parse(textwrap.dedent(inspect.getsource(GRPOConfig))).body[0].body
+    for node, following in itertools.pairwise(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) \
+                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+            docs[node.target.id] = following.value.value.strip()
+    return docs
+
+
+def reference_markdown() -> str:
+    """docs/config.md: every field under its block's heading (the `# --- block ---` comments), with its type,
+    default and docstring."""
+    docs, defaults = field_docs(), {f.name: f.default for f in fields(GRPOConfig)}
+    out = ["# GRPOConfig reference", "",
+           ("Generated from the field docstrings of `forge/core/config.py` by `python -m forge.core.config > "
+            "docs/config.md`; tests/test_config.py fails when the two differ. Every field is also a `forge train` "
+            "flag (`--name value`) and a key of a `--config` YAML file.")]
+    for line in inspect.getsource(GRPOConfig).splitlines():
+        block = re.fullmatch(r"\s*# --- (.*) ---", line)
+        field = re.fullmatch(r"\s*(\w+): (.+?) = .*", line)
+        if block:
+            title = block.group(1)
+            out += ["", f"## {title[0].upper()}{title[1:]}", "", "| field | type | default | |", "|---|---|---|---|"]
+        elif field and field.group(1) in defaults:
+            name, kind = field.groups()
+            text = " ".join(docs.get(name, "").split()).replace("|", "\\|")
+            out.append(f"| `{name}` | `{kind}` | `{defaults[name]!r}` | {text} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

@@ -505,13 +505,3 @@ __all__ = [
     "token_logprobs_from_logits",
     "weighted_reward_sum",
 ]
-
-
-def __getattr__(name: str):
-    """`from forge.core.grpo import GRPOConfig` (the original Forge path) keeps working: the config lives in
-    core/config.py, which imports this module, so it is looked up on first use rather than imported here."""
-    if name == "GRPOConfig":
-        import importlib
-
-        return importlib.import_module("forge.core.config").GRPOConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

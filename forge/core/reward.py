@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from forge.data.answers import (
-    answers_match,
     extract_final_answer,
     extract_tagged_answer,
     parse_number,
 )
+from forge.data.task import grade_math
 
 __all__ = [
     "REWARD_REGISTRY",
@@ -341,8 +341,9 @@ class MathCorrectnessReward(BaseReward):
 
     The answer is found by `forge.data.answers.extract_final_answer` (answer tag, then
     ``\\boxed{}``, ``Answer:`` line, ``####``, last number), or with ``strict=True`` only inside a
-    closed ``<answer_tag>...</answer_tag>`` block. Equivalence is `answers_match`: numeric
-    comparison for plain numbers, math-verify for symbolic answers when installed.
+    closed ``<answer_tag>...</answer_tag>`` block. It is judged by the math tasks' grader
+    (`forge.data.task.grade_math`, which their evaluation uses too): numeric comparison for plain numbers,
+    math-verify for symbolic answers when installed.
     ``metadata["extracted_answers"]`` holds what was extracted from each response (None if nothing).
     """
 
@@ -360,7 +361,7 @@ class MathCorrectnessReward(BaseReward):
     ) -> RewardOutput:
         expected = _resolve_references(self.name, None, references, len(responses))
         extracted = [self.extract(response) for response in responses]
-        scores = [1.0 if answers_match(answer, ref) else 0.0 for answer, ref in zip(extracted, expected)]
+        scores = [grade_math(answer, ref) for answer, ref in zip(extracted, expected)]  # the math tasks' grader
         return RewardOutput(scores=scores, metadata={"extracted_answers": extracted})
 
 
@@ -624,8 +625,8 @@ def load_reward_from_path(path: str) -> BaseReward:
     """Import a reward given as ``"module:attribute"``, ``"package.module.attribute"`` or
     ``"path/to/file.py:attribute"``.
 
-    The attribute may be a function (wrapped with `as_reward`), a BaseReward instance, or a
-    BaseReward subclass (instantiated with no arguments). Import errors propagate.
+    The attribute may be a function (wrapped with `as_reward`), a BaseReward instance, or a reward
+    class (instantiated with no arguments). Import errors propagate.
     """
     module_name, separator, attribute = path.rpartition(":")
     if not separator:
@@ -649,6 +650,6 @@ def load_reward_from_path(path: str) -> BaseReward:
             f"module '{module_name}' has no attribute '{attribute}' (from reward path '{path}')"
         )
     target = getattr(module, attribute)
-    if isinstance(target, type) and issubclass(target, BaseReward):
+    if isinstance(target, type):  # a reward class (BaseReward or a plain callable class): its default instance
         target = target()
     return as_reward(target)
