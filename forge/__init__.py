@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from forge.core.config import GRPOConfig
     from forge.core.reward import (
         BaseReward,
-        CompositeReward,
         ExactMatchReward,
         FormatReward,
         LengthPenaltyReward,
@@ -49,6 +48,7 @@ if TYPE_CHECKING:
         RewardOutput,
         TagFormatReward,
     )
+    from forge.core.reward_sources import CompositeReward
     from forge.core.trainer import GRPOTrainer, TrainingInterrupted
     from forge.data.gsm8k import extract_answer, format_prompt, load_gsm8k, load_gsm8k_mock, load_gsm_hard
     from forge.logging.logger import ForgeLogger

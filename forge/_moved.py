@@ -34,6 +34,9 @@ MOVED_MODULES = {
 
 MOVED_NAMES = {
     "forge.core.grpo": {"GRPOConfig": "forge.core.config"},
+    "forge.core.reward": dict.fromkeys(("REWARD_REGISTRY", "CompositeReward", "SequenceClassificationReward",
+                                        "as_reward", "build_reward", "is_model_and_tokenizer",
+                                        "load_reward_from_path"), "forge.core.reward_sources"),
 }
 
 

@@ -140,7 +140,7 @@ DEFAULTS = {"model": "default", "dataset": "arithmetic", "reward": "math_correct
 
 def parse_rewards(spec: str):
     """'math_correctness:1.0,tag_format:0.1' or 'mymodule:my_reward' -> (rewards, weights)."""
-    from forge.core.reward import build_reward
+    from forge.core.reward_sources import build_reward
 
     rewards, weights = [], []
     for item in (part.strip() for part in spec.split(",") if part.strip()):
@@ -163,7 +163,7 @@ def parse_rewards(spec: str):
 
 def _load_user_reward(name: str, item: str):
     """load_reward_from_path, with a missing function or a broken reward file said as a one-line ValueError."""
-    from forge.core.reward import load_reward_from_path
+    from forge.core.reward_sources import load_reward_from_path
 
     try:
         return load_reward_from_path(name)
@@ -443,7 +443,7 @@ def _newest_intact_checkpoint_hint(args: argparse.Namespace) -> str:
     output_dir = getattr(config, "output_dir", None) or getattr(args, "output_dir", None)
     if not output_dir or getattr(args, "command", None) != "train":
         return ""
-    from forge.run.checkpoint import latest_verified_checkpoint
+    from forge.run.integrity import latest_verified_checkpoint
 
     try:
         newest = latest_verified_checkpoint(output_dir)

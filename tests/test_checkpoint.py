@@ -14,16 +14,18 @@ import torch
 
 from forge.model.tiny import build_tiny_model
 from forge.run.checkpoint import (
-    CheckpointError,
     check_compatible,
     checkpoint_dir,
-    latest_checkpoint,
-    latest_verified_checkpoint,
     load_checkpoint,
     load_model_weights,
+    save_checkpoint,
+)
+from forge.run.integrity import (
+    CheckpointError,
+    latest_checkpoint,
+    latest_verified_checkpoint,
     prune_checkpoints,
     remove_stale_temporaries,
-    save_checkpoint,
 )
 from forge.run.rng import capture_rng_state, restore_rng_state
 

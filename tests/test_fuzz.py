@@ -15,8 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forge.core.reward import (
-    REWARD_REGISTRY,
-    CompositeReward,
     ExactMatchReward,
     FormatReward,
     LengthPenaltyReward,
@@ -25,6 +23,7 @@ from forge.core.reward import (
     RewardOutput,
     TagFormatReward,
 )
+from forge.core.reward_sources import REWARD_REGISTRY, CompositeReward
 from forge.core.scoring import build_reward_list, score_completions
 from forge.data.answers import (
     answers_match,

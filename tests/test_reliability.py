@@ -30,7 +30,7 @@ from forge.core.scoring import (
 from forge.core.trainer import TrainingInterrupted
 from forge.data.dataset import reward_kwargs
 from forge.model.tiny import build_tiny_model
-from forge.run.checkpoint import COMPLETE_MARKER, latest_checkpoint
+from forge.run.integrity import COMPLETE_MARKER, latest_checkpoint
 from forge.tools.sandbox import run_python
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]

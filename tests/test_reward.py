@@ -9,9 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forge.core.reward import (
-    REWARD_REGISTRY,
     BaseReward,
-    CompositeReward,
     ExactMatchReward,
     FormatReward,
     FunctionReward,
@@ -21,9 +19,13 @@ from forge.core.reward import (
     RewardOutput,
     TagFormatReward,
     accepted_kwargs,
+    call_with_accepted_kwargs,
+)
+from forge.core.reward_sources import (
+    REWARD_REGISTRY,
+    CompositeReward,
     as_reward,
     build_reward,
-    call_with_accepted_kwargs,
     load_reward_from_path,
 )
 

@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from forge.core.grpo import compute_group_advantages, multi_reward_advantages, weighted_reward_sum
-from forge.core.reward import BaseReward, RewardOutput, SequenceClassificationReward, TrainerState, as_reward
+from forge.core.reward import BaseReward, RewardOutput, TrainerState
+from forge.core.reward_sources import SequenceClassificationReward, as_reward
 from forge.core.scoring import RewardError, build_reward_list, score_completions
 
 PROMPTS = ["p0", "p1", "p2", "p3"]
@@ -225,7 +226,7 @@ def test_reward_model_errors(classifier, tiny_model, tiny_tokenizer):
 def test_a_reward_class_by_path_is_instantiated_whatever_its_base(tmp_path):
     """`--reward module:Class` gives the class's default instance, for a plain callable class (the reasoning-gym
     reward) as for a BaseReward subclass."""
-    from forge.core.reward import load_reward_from_path
+    from forge.core.reward_sources import load_reward_from_path
 
     reward = load_reward_from_path("forge.data.reasoning_gym_tasks:ReasoningGymReward")
     assert reward.name == "reasoning_gym"

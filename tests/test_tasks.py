@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from forge.core.reward import MathCorrectnessReward, TagFormatReward, as_reward, call_with_accepted_kwargs
+from forge.core.reward import MathCorrectnessReward, TagFormatReward, call_with_accepted_kwargs
+from forge.core.reward_sources import as_reward
 from forge.data.answers import extract_final_answer
 from forge.data.dataset import (
     BUILTIN_DATASETS,

@@ -1,4 +1,4 @@
-"""Reward functions: BaseReward, RewardOutput, the built-in rewards, and how to combine them.
+"""The reward protocol (BaseReward, RewardOutput, TrainerState, plain functions) and the built-in rewards.
 
 A reward scores a batch of responses: ``reward(prompts, responses, **kwargs) -> RewardOutput``,
 one float per response. Dataset columns other than ``prompt`` arrive as keyword arguments
@@ -7,7 +7,7 @@ receives only the keyword arguments its signature names (`call_with_accepted_kwa
 can write ``def __call__(self, prompts, responses, references)`` without ``**kwargs``.
 
 Plain TRL-style functions ``f(prompts, completions, **kwargs) -> list[float]`` are accepted too
-(`as_reward`). Answer extraction and equivalence live in `forge.data.answers`, shared with the
+(`FunctionReward`; core/reward_sources.py turns names, paths, reward models and weighted lists into rewards). Answer extraction and equivalence live in `forge.data.answers`, shared with the
 evaluation code so that the training reward and the reported accuracy agree.
 
 A score may be ``None``: the reward does not apply to that sample (e.g. a code reward on a math
@@ -15,8 +15,8 @@ prompt). The sample is then scored by the rewards that apply, and left out of th
 statistics if none does. A reward may be ``async def`` (a remote judge): the async rewards of a
 step run concurrently. A reward that names a ``trainer_state`` parameter receives a `TrainerState`
 (the optimizer step, for curricula), as TRL's do. A HuggingFace sequence-classification model (a
-reward model) is a reward too: `SequenceClassificationReward`, or pass the model, its hub id or
-its folder wherever a reward goes.
+reward model) is a reward too (core/reward_sources.py `SequenceClassificationReward`): pass the model, its
+hub id or its folder wherever a reward goes.
 
 This module does not check the scores it returns (length, NaN, type): the trainer validates
 every reward output in one place. Exceptions raised by a reward propagate unchanged.
@@ -24,16 +24,11 @@ every reward output in one place. Exceptions raised by a reward propagate unchan
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import os
 import re
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from forge.data.answers import (
@@ -44,9 +39,7 @@ from forge.data.answers import (
 from forge.data.task import grade_math
 
 __all__ = [
-    "REWARD_REGISTRY",
     "BaseReward",
-    "CompositeReward",
     "ExactMatchReward",
     "FormatReward",
     "FunctionReward",
@@ -54,15 +47,12 @@ __all__ = [
     "MathCorrectnessReward",
     "NumberReward",
     "RewardOutput",
-    "SequenceClassificationReward",
     "TagFormatReward",
     "TrainerState",
     "accepted_kwargs",
-    "as_reward",
-    "build_reward",
+    "as_output",
     "call_with_accepted_kwargs",
     "is_async_reward",
-    "load_reward_from_path",
     "wants_trainer_state",
 ]
 
@@ -162,7 +152,7 @@ def call_with_accepted_kwargs(
     return fn(prompts, responses, **accepted_kwargs(fn, kwargs))
 
 
-def _as_output(result: Any) -> RewardOutput:
+def as_output(result: Any) -> RewardOutput:
     """A RewardOutput as is; anything else (a list of floats) becomes its ``scores``, unchecked."""
     return result if isinstance(result, RewardOutput) else RewardOutput(scores=result)
 
@@ -184,11 +174,11 @@ class FunctionReward(BaseReward):
         result = call_with_accepted_kwargs(self.fn, prompts, responses, kwargs)
         if inspect.isawaitable(result):  # an async def reward: awaited (with the other async rewards) by the caller
             return _awaited_output(result)
-        return _as_output(result)
+        return as_output(result)
 
 
 async def _awaited_output(result: Any) -> RewardOutput:
-    return _as_output(await result)
+    return as_output(await result)
 
 
 def is_async_reward(reward: Any) -> bool:
@@ -208,33 +198,6 @@ def wants_trainer_state(reward: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return "trainer_state" in parameters and parameters["trainer_state"].kind is not inspect.Parameter.VAR_KEYWORD
-
-
-def as_reward(fn_or_reward: Any) -> BaseReward:
-    """A BaseReward for a BaseReward (returned unchanged), a plain callable (wrapped in a `FunctionReward`), a
-    sequence-classification model, or a string: a built-in reward's name, a ``module:function`` path, or else a
-    reward model's hub id or folder. A BaseReward subclass passed by mistake instead of an instance is an error."""
-    if isinstance(fn_or_reward, BaseReward):
-        return fn_or_reward
-    if isinstance(fn_or_reward, (str, os.PathLike)):
-        text = str(fn_or_reward)
-        if text in REWARD_REGISTRY:
-            return build_reward(text)
-        if ":" in text and not os.path.isdir(text):
-            return load_reward_from_path(text)
-        return SequenceClassificationReward(text)
-    if _is_sequence_classifier(fn_or_reward):
-        return SequenceClassificationReward(fn_or_reward)
-    if isinstance(fn_or_reward, type) and issubclass(fn_or_reward, BaseReward):
-        raise TypeError(
-            f"got the class {fn_or_reward.__name__}, not an instance; pass {fn_or_reward.__name__}(...)"
-        )
-    if callable(fn_or_reward):
-        return FunctionReward(fn_or_reward)
-    raise TypeError(
-        f"a reward must be a BaseReward or a function f(prompts, completions, **kwargs) -> list[float]; "
-        f"got {type(fn_or_reward).__name__}"
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,229 +390,3 @@ class NumberReward(BaseReward):
             for response in responses
         ]
         return RewardOutput(scores=scores)
-
-
-def _is_sequence_classifier(obj: Any) -> bool:
-    """A HF ``*ForSequenceClassification`` model (a torch module with a config and a classification head)."""
-    return hasattr(obj, "config") and callable(getattr(obj, "forward", None)) and (
-        type(obj).__name__.endswith("ForSequenceClassification")
-        or any(a.endswith("ForSequenceClassification") for a in getattr(obj.config, "architectures", None) or []))
-
-
-def is_model_and_tokenizer(obj: Any) -> bool:
-    """``(model, tokenizer)``: a reward model given with its tokenizer, one reward (not a list of two)."""
-    return (isinstance(obj, tuple) and len(obj) == 2 and _is_sequence_classifier(obj[0])
-            and hasattr(obj[1], "pad_token_id") and not _is_sequence_classifier(obj[1]))
-
-
-class SequenceClassificationReward(BaseReward):
-    """A reward model: a HuggingFace sequence-classification model scores prompt + completion, and the score is
-    its logit ``label_index`` (0: the usual single-output reward model, as TRL uses).
-
-    ``model`` is a loaded ``*ForSequenceClassification`` model, a hub id or a local folder; ``tokenizer`` is
-    read from the same place when not given. Scoring runs batched (``batch_size`` texts a forward), without
-    gradients, on ``device``, or when that is None on the policy's device (from ``trainer_state``), else
-    where the model is. A chat prompt (list of messages) is rendered with the tokenizer's chat template with
-    the completion as the assistant's message; a plain prompt is prompt + completion.
-    """
-
-    def __init__(self, model: Any, tokenizer: Any = None, batch_size: int = 16, max_length: int | None = None,
-                 label_index: int = 0, device: Any = None, name: str | None = None) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        if isinstance(model, (str, os.PathLike)):
-            source = str(model)
-            model = AutoModelForSequenceClassification.from_pretrained(source)
-            name = name or Path(source.rstrip("/")).name
-        if not _is_sequence_classifier(model):
-            raise TypeError(f"{type(model).__name__} is not a sequence-classification model; a reward model must be a "
-                            f"*ForSequenceClassification model (e.g. AutoModelForSequenceClassification), its hub id "
-                            f"or its folder")
-        if tokenizer is None:
-            source = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
-            if not source:
-                raise ValueError("this reward model has no name or path to load its tokenizer from; pass it: "
-                                 "SequenceClassificationReward(model, tokenizer)")
-            tokenizer = AutoTokenizer.from_pretrained(source)
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
-        num_labels = getattr(model.config, "num_labels", 1)
-        if not 0 <= label_index < num_labels:
-            raise ValueError(f"label_index={label_index} is outside the model's {num_labels} outputs")
-        if tokenizer.pad_token_id is None:  # batches need padding; the classifier finds the last real token
-            tokenizer.pad_token = tokenizer.eos_token
-        if model.config.pad_token_id is None:
-            model.config.pad_token_id = tokenizer.pad_token_id
-        model.eval()
-        model.requires_grad_(False)
-        self.model, self.tokenizer = model, tokenizer
-        self.batch_size, self.max_length, self.label_index, self.device = batch_size, max_length, label_index, device
-        if name:
-            self.name = name
-
-    def text(self, prompt: Any, response: str) -> tuple[str, bool]:
-        """The text scored for one sample, and whether the tokenizer should add its special tokens."""
-        if isinstance(prompt, str):
-            return prompt + response, True
-        messages = [*prompt, {"role": "assistant", "content": response}]
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False), False
-        return "\n".join(str(m.get("content", "")) for m in messages), True
-
-    def __call__(self, prompts: list, responses: list[str], trainer_state: TrainerState | None = None,
-                 **kwargs: Any) -> RewardOutput:
-        import torch
-
-        device = self.device or getattr(trainer_state, "device", None)
-        if device is not None and next(self.model.parameters()).device != torch.device(device):
-            self.model.to(device)
-        device = next(self.model.parameters()).device
-        texts = [self.text(p, r) for p, r in zip(prompts, responses)]
-        scores: list[float] = []
-        with torch.no_grad():
-            for start in range(0, len(texts), self.batch_size):
-                chunk = texts[start:start + self.batch_size]
-                special = chunk[0][1]
-                encoded = self.tokenizer([t for t, _ in chunk], padding=True, padding_side="right",
-                                         truncation=self.max_length is not None, max_length=self.max_length,
-                                         add_special_tokens=special, return_tensors="pt").to(device)
-                logits = self.model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
-                scores.extend(logits[:, self.label_index].float().cpu().tolist())  # (b,)
-        return RewardOutput(scores=scores)
-
-
-class CompositeReward(BaseReward):
-    """A weighted average of rewards: ``sum_i w_i * r_i / sum_i w_i``.
-
-    ``components`` is a sequence of ``(reward, weight)``; a reward may be a BaseReward or a plain
-    function (see `as_reward`). Weights must be non-negative with a positive sum; they are
-    normalised to sum to 1. Each component receives only the keyword arguments its signature
-    accepts. The output metadata holds ``components`` (name -> that component's scores),
-    ``weights`` (name -> normalised weight) and, for components that returned metadata,
-    ``component_metadata`` (name -> their metadata). Names repeated across components get a
-    ``_2``, ``_3``, ... suffix so that each can be logged separately.
-    """
-
-    def __init__(self, components: Sequence[tuple[BaseReward | Callable[..., Any], float]]) -> None:
-        if not components:
-            raise ValueError("CompositeReward needs at least one (reward, weight) pair")
-        rewards, weights = [], []
-        for index, component in enumerate(components):
-            if not (isinstance(component, tuple | list) and len(component) == 2):
-                raise TypeError(
-                    f"CompositeReward component {index} must be a (reward, weight) pair, got {component!r}"
-                )
-            reward, weight = component
-            weight = float(weight)
-            if not weight >= 0.0 or weight == float("inf"):
-                raise ValueError(
-                    f"CompositeReward weight {index} is {weight}; weights must be finite and >= 0 "
-                    "(to penalise something, use a reward that returns negative scores)"
-                )
-            rewards.append(as_reward(reward))
-            weights.append(weight)
-        total = sum(weights)
-        if total <= 0.0:
-            raise ValueError("CompositeReward weights sum to 0; give at least one reward a positive weight")
-        self.rewards = rewards
-        self.weights = [weight / total for weight in weights]
-        self.component_names = _unique_names([reward.name for reward in rewards])
-
-    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
-        totals = [0.0] * len(responses)
-        components: dict[str, list[float]] = {}
-        component_metadata: dict[str, dict[str, Any]] = {}
-        for name, reward, weight in zip(self.component_names, self.rewards, self.weights):
-            output = _as_output(call_with_accepted_kwargs(reward, prompts, responses, kwargs))
-            scores = list(output.scores)
-            if len(scores) != len(responses):
-                raise ValueError(
-                    f"reward '{name}' returned {len(scores)} scores for {len(responses)} responses; "
-                    "a reward must return exactly one score per response"
-                )
-            components[name] = scores
-            if output.metadata:
-                component_metadata[name] = output.metadata
-            for index, score in enumerate(scores):
-                totals[index] += weight * float(score)
-        metadata: dict[str, Any] = {
-            "components": components,
-            "weights": dict(zip(self.component_names, self.weights)),
-        }
-        if component_metadata:
-            metadata["component_metadata"] = component_metadata
-        return RewardOutput(scores=totals, metadata=metadata)
-
-
-def _unique_names(names: Sequence[str]) -> list[str]:
-    """``["a", "b", "a"]`` -> ``["a", "b", "a_2"]``."""
-    seen: dict[str, int] = {}
-    unique = []
-    taken = set(names)
-    for name in names:
-        seen[name] = seen.get(name, 0) + 1
-        candidate = name
-        if seen[name] > 1:
-            suffix = seen[name]
-            while f"{name}_{suffix}" in taken:
-                suffix += 1
-            candidate = f"{name}_{suffix}"
-        taken.add(candidate)
-        unique.append(candidate)
-    return unique
-
-
-# ----------------------------------------------------------------------------------------------
-# Building rewards from names and import paths (for the CLI's --reward option)
-
-REWARD_REGISTRY: dict[str, Callable[..., BaseReward]] = {
-    "exact_match": ExactMatchReward,
-    "math_correctness": MathCorrectnessReward,
-    "tag_format": TagFormatReward,
-    "number": NumberReward,
-    "length": LengthPenaltyReward,
-}
-"""Built-in rewards by name. Each constructor works with no arguments."""
-
-
-def build_reward(name: str, **kwargs: Any) -> BaseReward:
-    """A built-in reward by registry name, e.g. ``build_reward("math_correctness", strict=True)``."""
-    if name not in REWARD_REGISTRY:
-        raise ValueError(
-            f"unknown reward '{name}'; built-in rewards are: {', '.join(sorted(REWARD_REGISTRY))}"
-        )
-    return REWARD_REGISTRY[name](**kwargs)
-
-
-def load_reward_from_path(path: str) -> BaseReward:
-    """Import a reward given as ``"module:attribute"``, ``"package.module.attribute"`` or
-    ``"path/to/file.py:attribute"``.
-
-    The attribute may be a function (wrapped with `as_reward`), a BaseReward instance, or a reward
-    class (instantiated with no arguments). Import errors propagate.
-    """
-    module_name, separator, attribute = path.rpartition(":")
-    if not separator:
-        module_name, separator, attribute = path.rpartition(".")
-    if not separator or not module_name or not attribute:
-        raise ValueError(f"reward path must look like 'module:function' or 'file.py:function', got '{path}'")
-    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
-        file_path = Path(module_name)
-        if not file_path.is_file():
-            raise FileNotFoundError(f"reward file '{file_path}' does not exist")
-        spec = importlib.util.spec_from_file_location(f"forge_user_reward_{file_path.stem}", file_path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot import rewards from '{file_path}'")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    if not hasattr(module, attribute):
-        raise AttributeError(
-            f"module '{module_name}' has no attribute '{attribute}' (from reward path '{path}')"
-        )
-    target = getattr(module, attribute)
-    if isinstance(target, type):  # a reward class (BaseReward or a plain callable class): its default instance
-        target = target()
-    return as_reward(target)

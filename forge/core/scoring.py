@@ -38,15 +38,8 @@ from typing import Any
 
 import torch
 
-from forge.core.reward import (
-    BaseReward,
-    SequenceClassificationReward,
-    as_reward,
-    call_with_accepted_kwargs,
-    is_async_reward,
-    is_model_and_tokenizer,
-    wants_trainer_state,
-)
+from forge.core.reward import BaseReward, call_with_accepted_kwargs, is_async_reward, wants_trainer_state
+from forge.core.reward_sources import SequenceClassificationReward, as_reward, is_model_and_tokenizer
 from forge.core.rollout import SamplingSettings, generate
 from forge.data.dataset import reward_kwargs
 from forge.run.lifecycle import reraise_user_interrupt

@@ -36,7 +36,7 @@ from forge.eval.metrics import (
     majority_vote,
     pass_at_k,
 )
-from forge.model import merged_adapters
+from forge.model import load_for_eval, merged_adapters
 
 EVAL_DATASETS = tuple(name for name in TASKS if name != "reasoning-gym")
 """Names `load_eval_rows` understands (the built-in tasks' held-out rows), besides ``reasoning-gym:NAME``,
@@ -314,8 +314,6 @@ def evaluate_model(
     optional LoRA adapter, load held-out rows by name (`load_eval_rows`), and `evaluate` it.
     ``chat`` None: chat-message prompts when the tokenizer has a chat template (said on stderr for the sets
     whose prompts Forge writes). ``eval_kw`` go to `evaluate`."""
-    from forge.model import load_for_eval
-
     if isinstance(model_name_or_path, tuple):
         model, tokenizer = load_for_eval(model_name_or_path[0], adapter, tokenizer=model_name_or_path[1])
     else:

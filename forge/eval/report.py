@@ -22,6 +22,7 @@ from typing import Any
 from forge.core.reward import MathCorrectnessReward, TagFormatReward
 from forge.data.dataset import load_rows
 from forge.eval.evaluate import EvalResult, evaluate, load_eval_rows
+from forge.model import load_for_eval
 
 CHANGE_ORDER = ("fixed", "broken", "changed", "identical")
 """Problem categories in the order the Markdown report lists them."""
@@ -181,8 +182,6 @@ def compare_models(
     """Load and evaluate two models one after the other (only one is in memory at a time), then write the
     report to `out_dir` (default ./forge_comparison). ``adapter`` is a LoRA adapter applied to ``after``,
     ``before_adapter`` one applied to ``before``. Returns (json path, markdown path, summary table text)."""
-    from forge.model import load_for_eval
-
     results = []
     for name, lora in ((before, before_adapter), (after, adapter)):
         model, tokenizer = load_for_eval(name, lora)

@@ -19,7 +19,7 @@ Everything is first written to a temporary sibling `{path}.tmp-<pid>` and rename
 crash mid-save never leaves a directory that looks like a checkpoint. Non-weight state is saved so
 that `torch.load(..., weights_only=True)` can read it back: no pickled code runs on load.
 
-What a checkpoint guarantees, and where it is checked:
+What a checkpoint guarantees, and where it is checked (the manifest and verification: forge/run/integrity.py):
 - `save_checkpoint` refuses weights that hold NaN/inf, so a checkpoint never stores non-finite weights.
 - `load_checkpoint` re-hashes every file against `COMPLETE` and raises a `CheckpointError` that names the
   file, the checkpoint and the newest older checkpoint that still verifies. A checkpoint from before
@@ -31,10 +31,8 @@ What a checkpoint guarantees, and where it is checked:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -45,31 +43,26 @@ import torch
 from safetensors.torch import load_file
 
 from forge.parallel import sharding
+from forge.run.integrity import (
+    ADAPTER_WEIGHTS_NAME,
+    CONFIG_NAME,
+    FULL_WEIGHTS_INDEX_NAME,
+    FULL_WEIGHTS_NAME,
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    SCHEDULER_NAME,
+    TRAINER_STATE_NAME,
+    CheckpointError,
+    Damaged,
+    nonfinite_tensors,
+    offer_previous,
+    safetensors_problem,
+    verify_checkpoint,
+    weight_files,
+    write_manifest,
+)
 from forge.run.optim import all_finite
 from forge.run.rng import capture_rng_state
-
-COMPLETE_MARKER = "COMPLETE"
-TRAINER_STATE_NAME = "trainer_state.json"
-CONFIG_NAME = "forge_config.json"
-OPTIMIZER_NAME = "optimizer.pt"
-SCHEDULER_NAME = "scheduler.pt"
-RNG_STATE_NAME = "rng_state.pt"
-FULL_WEIGHTS_NAME = "model.safetensors"
-FULL_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-SHARDED_METADATA = "sharded/.metadata"  # torch.distributed.checkpoint's index of an FSDP2 run's shards
-
-# Numbered checkpoints are `{output_dir}/{step}`; `checkpoint-{step}` is accepted when reading.
-_STEP_DIR_PATTERN = re.compile(r"^(?:checkpoint-)?(\d+)$")
-# The temporaries of a save in progress: `{name}.tmp-{pid}` (being written), `{name}.old-{pid}` (being replaced).
-_TEMPORARY_DIR_PATTERN = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
-# What resuming needs besides the weights; load_checkpoint(require_training_state=True) insists on them.
-TRAINING_STATE_NAMES = (OPTIMIZER_NAME, SCHEDULER_NAME, RNG_STATE_NAME)
-_MANIFEST_FORMAT = "forge-checkpoint-sha256-v1"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is incomplete, damaged or unusable; the message names the file and what to do."""
 
 # Config keys that must match for a resumed run to continue the same training problem. The batching
 # keys and seed/shuffle also fix which dataset rows the saved (epoch, position) points at.
@@ -126,38 +119,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _checkpoint_files(directory: Path) -> list[str]:
-    """Every file of a checkpoint but the marker, as sorted posix paths relative to it."""
-    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
-                  if p.is_file() and p.name != COMPLETE_MARKER)
-
-
-def _write_complete_marker(directory: Path) -> None:
-    """Write COMPLETE last: the sha256 of every other file, so a load can tell a damaged file."""
-    manifest = {"format": _MANIFEST_FORMAT,
-                "sha256": {name: _sha256(directory / name) for name in _checkpoint_files(directory)}}
-    with (directory / COMPLETE_MARKER).open("w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _nonfinite_tensors(state_dict: dict[str, Any]) -> list[str]:
-    """Names of the floating-point tensors that hold a NaN or inf (`all_finite`: the sum first, 0.07 s instead of
-    1.3 s for SmolLM2-135M on one CPU thread)."""
-    return [name for name, tensor in state_dict.items()
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not all_finite(tensor)]
-
-
 def _fsync_directory(directory: Path) -> None:
     """Make a rename durable; a no-op where directories cannot be opened (Windows)."""
     with contextlib.suppress(OSError):
@@ -204,7 +165,7 @@ def save_checkpoint(
     Raises a CheckpointError, writing nothing, when any weight is NaN/inf: such a checkpoint is never written.
     """
     path = Path(path)
-    bad = _nonfinite_tensors(model.state_dict())
+    bad = nonfinite_tensors(model.state_dict())
     if bad:
         raise CheckpointError(
             f"refusing to write checkpoint {path}: {len(bad)} weight tensors hold NaN/inf (e.g. {bad[:3]}). "
@@ -249,7 +210,7 @@ def _write_run_files(tmp_path: Path, tokenizer, scheduler, trainer_state: dict, 
     _write_json(tmp_path / TRAINER_STATE_NAME, trainer_state)
     torch.save(rng_state if rng_state is not None else capture_rng_state(), tmp_path / RNG_STATE_NAME)
     _write_json(tmp_path / CONFIG_NAME, config)
-    _write_complete_marker(tmp_path)
+    write_manifest(tmp_path)
 
 
 def _swap_into_place(tmp_path: Path, path: Path) -> None:
@@ -320,157 +281,12 @@ def save_sharded_checkpoint(
 # ---------------------------------------------------------------------------------------------------
 
 
-def is_complete(path: str | os.PathLike) -> bool:
-    return (Path(path) / COMPLETE_MARKER).is_file()
-
-
-def is_sharded(path: str | os.PathLike) -> bool:
-    """Whether a checkpoint was saved by an FSDP2 run (its weights and optimizer state are in sharded/)."""
-    return (Path(path) / SHARDED_METADATA).is_file()
-
-
-def _has_whole_weights(path: Path) -> bool:
-    return any((path / name).exists() for name in (ADAPTER_WEIGHTS_NAME, FULL_WEIGHTS_NAME, FULL_WEIGHTS_INDEX_NAME))
-
-
-class _Damaged(Exception):
-    """One file of a checkpoint is missing or wrong; turned into a CheckpointError with advice."""
-
-    def __init__(self, name: str, reason: str, verdict: str = "is damaged"):
-        super().__init__(f"{name} {reason}")
-        self.name, self.reason, self.verdict = name, reason, verdict
-
-
-def _read_manifest(path: Path) -> dict[str, str] | None:
-    """{file: sha256} as COMPLETE records it; None for a checkpoint from before checksums ("ok")."""
-    text = (path / COMPLETE_MARKER).read_text(encoding="utf-8", errors="replace")
-    if text.strip() == "ok":
-        return None
-    try:
-        manifest = json.loads(text)
-        hashes = manifest["sha256"]
-        if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(hashes, dict):
-            raise ValueError(manifest.get("format"))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise _Damaged(COMPLETE_MARKER, "is unreadable (damaged, or written by a newer Forge)") from None
-    return hashes
-
-
-def _weight_files(path: Path) -> list[str]:
-    """The safetensors files that hold the checkpoint's weights (adapter, single file or shards)."""
-    if (path / ADAPTER_WEIGHTS_NAME).is_file():
-        return [ADAPTER_WEIGHTS_NAME]
-    if (path / FULL_WEIGHTS_NAME).exists():
-        return [FULL_WEIGHTS_NAME]
-    if (path / FULL_WEIGHTS_INDEX_NAME).is_file():
-        try:
-            index = json.loads((path / FULL_WEIGHTS_INDEX_NAME).read_text(encoding="utf-8"))
-            return sorted(set(index["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise _Damaged(FULL_WEIGHTS_INDEX_NAME, "is unreadable") from None
-    raise _Damaged(FULL_WEIGHTS_NAME, f"is missing (and there is no {ADAPTER_WEIGHTS_NAME} either)")
-
-
-def _safetensors_problem(file: Path) -> str | None:
-    """Why `file` is not a whole safetensors file (empty, truncated, bad header), or None; reads only the header.
-
-    Layout: an 8-byte little-endian header length n, n bytes of JSON header, then the tensor bytes, whose
-    extent the header's data_offsets give."""
-    size = file.stat().st_size
-    if size == 0:
-        return "is empty (0 bytes)"
-    with file.open("rb") as f:
-        head = f.read(8)
-        header_size = int.from_bytes(head, "little") if len(head) == 8 else size
-        if 8 + header_size > size:
-            return f"is truncated ({size} bytes; its header alone needs {8 + header_size})"
-        try:
-            header = json.loads(f.read(header_size))
-            data_end = max((int(entry["data_offsets"][1]) for key, entry in header.items()
-                            if key != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return "has an unreadable header (not a safetensors file, or damaged)"
-    if 8 + header_size + data_end > size:
-        return f"is truncated ({size} bytes of the {8 + header_size + data_end} its header describes)"
-    return None
-
-
-def _verify(path: Path, require_training_state: bool) -> bool:
-    """Check a complete checkpoint's files; True if checked against checksums, False if it has none.
-
-    Raises _Damaged for the first file that is missing, does not match its sha256, or (without checksums)
-    is a truncated safetensors file or holds NaN/inf weights."""
-    manifest = _read_manifest(path)
-    sharded = is_sharded(path)  # an FSDP2 run's: weights and optimizer in sharded/, whole weights only in final/
-    weights = _weight_files(path) if not sharded or _has_whole_weights(path) else []
-    required = [*weights, TRAINER_STATE_NAME, CONFIG_NAME, RNG_STATE_NAME]
-    if sharded:
-        required.append(SHARDED_METADATA)
-    if require_training_state:
-        required += [SCHEDULER_NAME] if sharded else [OPTIMIZER_NAME, SCHEDULER_NAME]
-    for name in required:
-        if not (path / name).is_file():
-            if manifest is not None and name not in manifest:
-                raise _Damaged(name, "was not saved in it", verdict="cannot resume a run")
-            raise _Damaged(name, "is missing")
-    if manifest is not None:
-        for name, digest in manifest.items():
-            file = path / name
-            if not file.is_file():
-                raise _Damaged(name, "is missing (COMPLETE lists it)")
-            if _sha256(file) != digest:
-                problem = _safetensors_problem(file) if name.endswith(".safetensors") else None
-                raise _Damaged(name, f"does not match the sha256 recorded in {COMPLETE_MARKER}"
-                               + (f": it {problem}" if problem else " (changed or damaged on disk)"))
-        return True
-    for name in weights:
-        problem = _safetensors_problem(path / name)
-        if problem:
-            raise _Damaged(name, problem)
-        bad = _nonfinite_tensors(load_file(path / name, device="cpu"))
-        if bad:
-            raise _Damaged(name, f"holds NaN/inf in {len(bad)} tensors (e.g. {bad[:3]})")
-    return False
-
-
-def verify_checkpoint(path: str | os.PathLike, *, require_training_state: bool = True) -> bool:
-    """Raise a CheckpointError unless `path` is a complete, undamaged checkpoint (see `load_checkpoint`).
-
-    Returns True when every file matched its recorded sha256, False for an older checkpoint without
-    checksums that passed the weaker checks (whole safetensors files with finite weights)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if not is_complete(path):
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete (interrupted save?); use an earlier one "
-            f"(no {COMPLETE_MARKER} marker). {_offer_previous(path)}"
-        )
-    try:
-        return _verify(path, require_training_state)
-    except _Damaged as damaged:
-        raise CheckpointError(f"checkpoint {path} {damaged.verdict}: {damaged}. {_offer_previous(path)}") from None
-    except OSError as error:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {error}. {_offer_previous(path)}") from None
-
-
-def _offer_previous(path: Path) -> str:
-    """Advice naming the newest checkpoint older than `path` that verifies, if there is one."""
-    match = _STEP_DIR_PATTERN.match(path.name)
-    previous = latest_verified_checkpoint(path.parent, before_step=int(match.group(1)) if match else None)
-    if previous is None:
-        return f"No other checkpoint in {path.parent} verifies: start the run again in a new output_dir."
-    return (f"The newest older checkpoint that verifies is {previous}: resume from it with "
-            f"resume_from='{previous}' (`forge train ... --resume_from {previous}`), or move {path} "
-            f"out of {path.parent} and resume with --resume.")
-
-
 def _read_state_file(path: Path, name: str, reader) -> Any:
     try:
         return reader(path / name)
     except Exception as error:  # noqa: BLE001 - any failure to parse is a damaged file, named
         raise CheckpointError(f"checkpoint {path} is damaged: {name} cannot be read "
-                              f"({type(error).__name__}: {error}). {_offer_previous(path)}") from None
+                              f"({type(error).__name__}: {error}). {offer_previous(path)}") from None
 
 
 def _load_optional(path: Path) -> Any | None:
@@ -509,26 +325,26 @@ def load_checkpoint(path: str | os.PathLike, *, require_training_state: bool = T
 def _load_weights_file(path: Path, name: str) -> dict[str, torch.Tensor]:
     """One safetensors file of a checkpoint, refused with a CheckpointError when damaged or non-finite."""
     file = path / name
-    problem = _safetensors_problem(file) if file.is_file() else "is missing"
+    problem = safetensors_problem(file) if file.is_file() else "is missing"
     if problem is None:
         try:
             state_dict = load_file(file, device="cpu")
         except Exception as error:  # noqa: BLE001 - safetensors' own error type; reported with the file named
             problem = f"cannot be read ({type(error).__name__}: {error})"
     if problem is None:
-        bad = _nonfinite_tensors(state_dict)
+        bad = nonfinite_tensors(state_dict)
         if not bad:
             return state_dict
         problem = f"holds NaN/inf in {len(bad)} tensors (e.g. {bad[:3]})"
-    raise CheckpointError(f"checkpoint {path} is damaged: {name} {problem}. {_offer_previous(path)}")
+    raise CheckpointError(f"checkpoint {path} is damaged: {name} {problem}. {offer_previous(path)}")
 
 
 def _load_full_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, or every shard listed in model.safetensors.index.json."""
     try:
-        names = _weight_files(path)
-    except _Damaged as damaged:
-        raise CheckpointError(f"checkpoint {path} is damaged: {damaged}. {_offer_previous(path)}") from None
+        names = weight_files(path)
+    except Damaged as damaged:
+        raise CheckpointError(f"checkpoint {path} is damaged: {damaged}. {offer_previous(path)}") from None
     state_dict: dict[str, torch.Tensor] = {}
     for name in names:
         state_dict.update(_load_weights_file(path, name))
@@ -603,106 +419,6 @@ def load_model_weights(model: Any, path: str | os.PathLike) -> None:
         raise FileNotFoundError(
             f"no {FULL_WEIGHTS_NAME} or {ADAPTER_WEIGHTS_NAME} in {path}; is it a Forge checkpoint?"
         )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Finding and pruning checkpoints
-# ---------------------------------------------------------------------------------------------------
-
-
-def _complete_numbered_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every complete numbered checkpoint, oldest first. Skips final/, tmp and partial dirs."""
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return []
-    found = []
-    for child in output_dir.iterdir():
-        match = _STEP_DIR_PATTERN.match(child.name)
-        if match and child.is_dir() and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def numbered_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every complete numbered checkpoint in `output_dir`, oldest first."""
-    return _complete_numbered_checkpoints(output_dir)
-
-
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The complete numbered checkpoint with the highest step, or None."""
-    checkpoints = _complete_numbered_checkpoints(output_dir)
-    return checkpoints[-1][1] if checkpoints else None
-
-
-def latest_verified_checkpoint(output_dir: str | os.PathLike, before_step: int | None = None) -> Path | None:
-    """The newest complete numbered checkpoint that passes `verify_checkpoint` (and can resume a run), or None.
-
-    `before_step` only considers checkpoints of earlier steps. Checks newest first and stops at the
-    first that verifies, so it usually hashes one checkpoint. Unlike `latest_checkpoint` it skips a
-    damaged checkpoint: use it to name where a run can safely go on from, never to resume silently from
-    an older step than the user asked for."""
-    for step, path in reversed(_complete_numbered_checkpoints(output_dir)):
-        if before_step is not None and step >= before_step:
-            continue
-        try:
-            _verify(path, require_training_state=True)
-        except (_Damaged, OSError):
-            continue
-        return path
-    return None
-
-
-def _process_is_alive(pid: int) -> bool:
-    """Whether a process with this id exists (another user's counts). This process counts as gone: its own
-    leftovers are of an earlier process that had the same id (common in containers)."""
-    if pid == os.getpid():
-        return False
-    if os.name == "nt":  # os.kill(pid, 0) would terminate the process on Windows: never clean there
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: it exists, owned by someone else
-        return True
-    return True
-
-
-def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[Path]:
-    """Clean up after saves that were killed: returns the directories deleted or put back.
-
-    `{name}.tmp-{pid}` (a checkpoint being written) whose process is gone is deleted. `{name}.old-{pid}`
-    (a complete checkpoint being replaced, killed between the two renames) is renamed back to `{name}`
-    when nothing took its place, and deleted when something did. Directories of a live process are left
-    alone. Call it at the start of a run, before this process saves anything."""
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return []
-    cleaned = []
-    for child in sorted(output_dir.iterdir()):
-        match = _TEMPORARY_DIR_PATTERN.match(child.name)
-        if not match or not child.is_dir() or _process_is_alive(int(match.group("pid"))):
-            continue
-        target = child.with_name(match.group("name"))
-        if match.group("kind") == "old" and not target.exists() and is_complete(child):
-            os.replace(child, target)
-        else:
-            shutil.rmtree(child, ignore_errors=True)
-        cleaned.append(child)
-    return cleaned
-
-
-def prune_checkpoints(output_dir: str | os.PathLike, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` complete numbered checkpoints (None keeps all); returns the deleted."""
-    if keep is None:
-        return []
-    if keep < 0:
-        raise ValueError(f"keep={keep}: must be >= 0 or None")
-    checkpoints = _complete_numbered_checkpoints(output_dir)
-    doomed = [path for _, path in checkpoints[: max(len(checkpoints) - keep, 0)]]
-    for path in doomed:
-        shutil.rmtree(path)
-    return doomed
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from forge.parallel import sharding
 from forge.run import checkpoint as ckpt
+from forge.run import integrity
 from forge.run.optim import apply_new_hyperparameters
 from forge.run.rng import restore_rng_state
 
@@ -128,7 +129,7 @@ def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_ma
                 target = output_dir / name
                 shutil.rmtree(target) if target.is_dir() else target.unlink()
     if is_main:
-        ckpt.remove_stale_temporaries(output_dir)
+        integrity.remove_stale_temporaries(output_dir)
     return lock
 
 
@@ -204,7 +205,7 @@ class RunLifecycle:
         if name is None:
             self.saved = (finished.step, path)
             if self.is_main:
-                ckpt.prune_checkpoints(self.output_dir, self.save_total_limit)
+                integrity.prune_checkpoints(self.output_dir, self.save_total_limit)
         return path
 
     def checkpoint_of_last_step(self, weights_are_of_it: bool) -> Path | None:
@@ -234,7 +235,7 @@ class RunLifecycle:
     def resume(self, where: str) -> FinishedStep:
         """Load the checkpoint `where` ('latest' = the newest complete one) into the parts; its FinishedStep."""
         parts = self.parts
-        path = ckpt.latest_checkpoint(self.output_dir) if where == "latest" else Path(where)
+        path = integrity.latest_checkpoint(self.output_dir) if where == "latest" else Path(where)
         if path is None:
             raise FileNotFoundError(f"resume_from='latest' but {self.output_dir} holds no complete checkpoint")
         state = ckpt.load_checkpoint(path)
@@ -257,7 +258,7 @@ class RunLifecycle:
         if self.is_main:
             tqdm.write(f"forge: resumed from step {step} ({path})"
                        + (f"; applying this run's {', '.join(changed)} from step {step + 1}" if changed else ""))
-        newer = [str(p) for s, p in ckpt.numbered_checkpoints(self.output_dir) if s > step]
+        newer = [str(p) for s, p in integrity.numbered_checkpoints(self.output_dir) if s > step]
         if newer:
             warnings.warn(f"resuming from step {step} while {self.output_dir} holds later checkpoints {newer} of "
                           f"the earlier run; this run replaces each as it reaches its step, until then "
@@ -269,11 +270,11 @@ class RunLifecycle:
 
 def check_same_sharding(path: Path, sharded: bool) -> None:
     """A checkpoint of an FSDP2 run holds shards, one of a data-parallel run the whole model: refuse the other."""
-    if ckpt.is_sharded(path) and not sharded:
+    if integrity.is_sharded(path) and not sharded:
         raise ValueError(f"cannot resume from checkpoint {path}: it was saved by an FSDP run (its weights and "
                          f"optimizer are shards in {path / 'sharded'}). Resume with --fsdp and several processes "
                          f"(`forge train --nproc N --fsdp ... --resume`; any N: the shards are redistributed).")
-    if sharded and not ckpt.is_sharded(path):
+    if sharded and not integrity.is_sharded(path):
         raise ValueError(f"cannot resume from checkpoint {path} with --fsdp: it was saved by a run without FSDP "
                          f"(whole weights and optimizer.pt). Resume it without --fsdp, or start a new FSDP run "
                          f"from its weights (--model {path}).")
