@@ -1,4 +1,4 @@
-"""One table of every Forge/TRL comparison in bench/results/*.json (the README's performance table).
+"""One table of every Forge/TRL comparison in bench/results/*.json (docs/performance.md).
 
     python bench/summary.py [--results bench/results]
 

@@ -1,6 +1,6 @@
 """Which tool-call protocol does the packaged SmolLM2-135M-Instruct imitate best from one worked example?
 
-Greedy rollouts through Forge's own tool loop (core/tool_rollout.py) on seeded problems the model cannot do in
+Greedy rollouts through Forge's own decode loop with tools (core/rollout.py generate(..., tools=...)) on seeded problems the model cannot do in
 its head (3-digit x 2-digit products, one-step "boxes" word problems, two-step word problems with a distractor),
 the same system prompt and worked example written in two protocols:
     text   <calc>312 * 27</calc> -> <result>8424</result>

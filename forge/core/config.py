@@ -186,7 +186,7 @@ class GRPOConfig:
     """Shard the weights, gradients and AdamW state over the processes with PyTorch's FSDP2 (`fully_shard` per
     decoder layer), instead of a whole copy on every process: for a model too big to train data-parallel. Needs
     several processes (`forge train --nproc N --fsdp`, torchrun, or `accelerate launch` with an FSDP2 config);
-    rollouts gather the whole weights (core/sharding.py). With one process it changes nothing."""
+    rollouts gather the whole weights (forge/parallel/sharding.py). With one process it changes nothing."""
     dtype: str = "auto"
     """Compute precision; trainable weights are always float32 masters. 'bfloat16'/'float16' = forward, backward
     and generation under autocast (fp16 adds a dynamic loss scale); 'auto' = bf16 on a GPU that supports it or

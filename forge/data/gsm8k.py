@@ -17,7 +17,7 @@ system prompt and worked examples as user/assistant turns, answering in
 ``tag_format``) and the evaluation's strict grader read. Every answer is graded by the math tasks' grader
 (`forge.data.task.grade_math`), in training and in evaluation. Instruct models need it: on the plain prompt
 the packaged SmolLM2-135M-Instruct ends its turn right after "Solution:" on most problems (0% on the
-mock set), on the chat prompt it answers every one (see the README's Data section).
+mock set), on the chat prompt it answers every one (docs/data.md).
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
     choose the precision, load, prepare the tokenizer, add LoRA (its random init seeded by `seed(config.seed)`),
     make the trainable weights float32 masters, move to `device`, `sync(trainable parameters)` (every process
     starts from the same weights), enable checkpointing, build the reference; `announce` logs the precision.
-    `shard` (FSDP2, core/sharding.py): shards the model and the reference over the processes, which also puts
+    `shard` (FSDP2, forge/parallel/sharding.py): shards the model and the reference over the processes, which also puts
     each rank's shards on its device, instead of moving the whole model there."""
     named = isinstance(model, (str, os.PathLike))
     precision = choose_precision(config.dtype, device or (None if named else next(model.parameters()).device))

@@ -46,7 +46,7 @@ def cpu_has_bf16_units() -> tuple[bool, str]:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX-BF16 tiles or AVX512-BF16), and its name.
 
     Without them (e.g. AVX2-only CPUs) bf16 matmuls are emulated and run 10-25x slower than fp32; with them
-    they run several times faster (see the README's precision section for what was measured where).
+    they run several times faster (docs/performance.md: what was measured where).
     The environment variable FORGE_CPU_BF16=0 (or 1) overrides the detection, e.g. to keep `dtype="auto"` at fp32
     on every machine of a cluster, or of a test suite whose tolerances are fp32's."""
     forced = os.environ.get("FORGE_CPU_BF16", "").strip()

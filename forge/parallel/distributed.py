@@ -1,4 +1,4 @@
-"""The processes of a run: who this rank is, and the few collectives GRPOTrainer needs (FSDP2: core/sharding.py).
+"""The processes of a run: who this rank is, and the few collectives GRPOTrainer needs (FSDP2: forge/parallel/sharding.py).
 
 Only the trainer uses this module. With one process every call is a no-op (no torch.distributed at all);
 with several (torchrun, `accelerate launch`, `forge train --nproc N`) it sets up the process group from the
@@ -55,7 +55,7 @@ class DataParallel:
     --nproc`): gloo on CPU, NCCL for CUDA tensors plus gloo for CPU ones on GPUs.
 
     With `fsdp` (and several processes) the ranks still split the prompts the same way, but the model is
-    sharded with FSDP2 (core/sharding.py): `shard` wraps it, and FSDP2 reduces the gradients in backward.
+    sharded with FSDP2 (forge/parallel/sharding.py): `shard` wraps it, and FSDP2 reduces the gradients in backward.
     """
 
     def __init__(self, fsdp: bool = False) -> None:

@@ -239,7 +239,7 @@ def save_sharded_checkpoint(
     ranks: Any,
     full_weights: bool = False,
 ) -> Path:
-    """The checkpoint of an FSDP2 run (core/sharding.py); every rank calls it, rank 0 writes all but the shards.
+    """The checkpoint of an FSDP2 run (forge/parallel/sharding.py); every rank calls it, rank 0 writes all but the shards.
 
     `{path}/sharded/` holds every rank's shards of the weights and AdamW state (torch.distributed.checkpoint);
     the other files are those of `save_checkpoint`, and COMPLETE hashes the shards too. `full_weights` also
