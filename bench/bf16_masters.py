@@ -1,5 +1,5 @@
 """bf16 full fine-tuning before and after fp32 master weights: the share of weights that never moved and the
-update's norm, bf16 vs fp32 (tiny Llama, Forge's default lr 5e-6, 3 steps; the setup of tests/test_precision.py).
+update's norm, bf16 vs fp32 (tiny Llama, Forge's default lr 5e-6, 3 steps; the setup of tests/units/test_precision.py).
 
     python bench/bf16_masters.py
 

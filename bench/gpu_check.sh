@@ -23,7 +23,7 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'bf16', torch.cuda.is_bf16_supported())" | tee -a "$OUT/gpu.txt"
-PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests.log"
+PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/units/test_gpu.py 2>&1 | tee "$OUT/tests.log"
 PYTHONUNBUFFERED=1 timeout 150 python3 - <<'PY' 2>&1 | tee "$OUT/step_time.log"
 import tempfile, time, torch
 from forge import GRPOConfig, GRPOTrainer

@@ -11,7 +11,7 @@ torch.set_num_threads(1)
 # dtype="auto" is bf16 on a CPU with bf16 units (AMX, AVX512-BF16) and fp32 elsewhere; the suite's comparisons
 # (resume bit for bit, 1 vs 2 processes, optimised vs plain update) have fp32 tolerances, and its result must not
 # depend on the CPU CI draws. So "auto" means fp32 here, subprocesses included; tests of bf16 ask for
-# dtype="bfloat16" by name (tests/test_precision.py), and the detection test unsets this.
+# dtype="bfloat16" by name (tests/units/test_precision.py), and the detection test unsets this.
 os.environ["FORGE_CPU_BF16"] = "0"
 
 

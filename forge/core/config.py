@@ -1,7 +1,7 @@
 """GRPOConfig: every knob of a Forge run, one flat dataclass.
 
 Each field's docstring is its documentation everywhere: `forge train --help` and docs/config.md are generated
-from it (`python -m forge.core.config > docs/config.md`; tests/test_config.py fails when they drift).
+from it (`python -m forge.core.config > docs/config.md`; tests/math/test_config.py fails when they drift).
 `validate()` turns every bad value or combination into one clear error before any model is loaded, and
 `loss_settings` derives the loss variant that the pure math in core/grpo.py takes.
 """
@@ -436,7 +436,7 @@ def reference_markdown() -> str:
     docs, defaults = field_docs(), {f.name: f.default for f in fields(GRPOConfig)}
     out = ["# GRPOConfig reference", "",
            ("Generated from the field docstrings of `forge/core/config.py` by `python -m forge.core.config > "
-            "docs/config.md`; tests/test_config.py fails when the two differ. Every field is also a `forge train` "
+            "docs/config.md`; tests/math/test_config.py fails when the two differ. Every field is also a `forge train` "
             "flag (`--name value`) and a key of a `--config` YAML file.")]
     for line in inspect.getsource(GRPOConfig).splitlines():
         block = re.fullmatch(r"\s*# --- (.*) ---", line)

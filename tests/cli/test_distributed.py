@@ -135,7 +135,7 @@ def train_args(root: Path, output_dir: Path) -> list[str]:
 
 
 def launcher_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
 
 @pytest.fixture(scope="module")

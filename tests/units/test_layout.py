@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "forge"
+PACKAGE = Path(__file__).resolve().parents[2] / "forge"
 
 # A room may import from rooms on a lower floor (and from its own); docs/architecture.md draws the same floors.
 FLOORS = {

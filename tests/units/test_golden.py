@@ -6,7 +6,7 @@ weights are hashed (sha256 of their bytes in name order) and compared with tests
 
 Float results depend on the CPU's kernels and the library versions, so the recorded hashes are keyed by a
 signature of both; on a machine without an entry the test is skipped with the command that records one:
-    python tests/test_golden.py --record
+    python tests/units/test_golden.py --record
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from forge.core import rollout as rollout_module
 from forge.model.tiny import build_tiny_model
 from forge.tools.calls import calculator
 
-FIXTURE = Path(__file__).parent / "fixtures" / "golden_runs.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "golden_runs.json"
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)}
         for a, b in [(2, 3), (4, 1), (7, 5), (6, 6), (3, 9), (8, 2), (1, 1), (5, 4)]]
 CALL = "<calc>2+3</calc>"
@@ -106,7 +106,7 @@ def recorded() -> dict:
 def test_golden_run_gives_the_recorded_weights(name, tmp_path, monkeypatch):
     expected = recorded().get(signature(), {}).get(name)
     if expected is None:
-        pytest.skip(f"no golden weights recorded for {signature()}: python tests/test_golden.py --record")
+        pytest.skip(f"no golden weights recorded for {signature()}: python tests/units/test_golden.py --record")
     assert final_weights_sha256(name, tmp_path / name, monkeypatch.setattr) == expected
 
 
@@ -136,7 +136,7 @@ def record() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--record"]:
-        sys.exit("usage: python tests/test_golden.py --record")
+        sys.exit("usage: python tests/units/test_golden.py --record")
     import os
 
     os.environ["FORGE_CPU_BF16"] = "0"

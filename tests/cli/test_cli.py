@@ -26,7 +26,7 @@ from forge.cli import build_config, build_parser, main
 from forge.core.config import GRPOConfig
 from forge.model.tiny import build_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 REWARD_MODULE = '''
 def vowel_count(prompts, completions, **kwargs):

@@ -4,7 +4,7 @@ A reward that raises stops a run (on_reward_error='raise'), so every built-in re
 model can write into a finite score in its range. The text strategy mixes plain random unicode with
 fragments chosen to break parsers: unclosed and nested tags, `\\boxed{` without its brace, enormous and
 malformed numbers, "nan"/"inf", GSM8K `####` markers, control characters and right-to-left marks.
-tests/test_answers.py already fuzzes extract_final_answer / extract_tagged_answer / extract_answer_line /
+tests/math/test_answers.py already fuzzes extract_final_answer / extract_tagged_answer / extract_answer_line /
 parse_number / last_number / answers_match with plain text; this file adds the adversarial fragments, the
 remaining extractors, the evaluation grader and every reward.
 """

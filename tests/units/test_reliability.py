@@ -589,7 +589,7 @@ def test_sandbox_inherits_no_secrets_and_caps_output(monkeypatch):
 # security: no pickle of untrusted data, no eval/exec of data
 
 
-PACKAGE = Path(__file__).resolve().parent.parent / "forge"
+PACKAGE = Path(__file__).resolve().parents[2] / "forge"
 
 
 def test_every_torch_load_is_weights_only():

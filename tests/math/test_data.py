@@ -48,7 +48,7 @@ from forge.data.gsm8k import (
     parse_gsm8k_answer,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def read_fixture(name):
@@ -543,7 +543,7 @@ def test_is_chat(prompt, expected):
 def test_the_data_floor_imports_nothing_from_the_floors_above_it():
     """forge/data is what the rewards, the evaluation and the trainer stand on: its modules import no Forge
     module outside forge.data (forge.core, forge.eval, forge.demo, forge.cli, ...), not even inside a function."""
-    files = sorted((Path(__file__).resolve().parents[1] / "forge" / "data").glob("*.py"))
+    files = sorted((Path(__file__).resolve().parents[2] / "forge" / "data").glob("*.py"))
     assert {path.name for path in files} >= {"task.py", "arithmetic.py", "gsm8k.py", "reasoning_gym_tasks.py"}
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):

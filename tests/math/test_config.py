@@ -180,7 +180,7 @@ def test_docs_config_md_is_the_generated_reference():
 
     from forge.core.config import reference_markdown
 
-    written = (Path(__file__).parent.parent / "docs" / "config.md").read_text(encoding="utf-8")
+    written = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text(encoding="utf-8")
     assert written == reference_markdown(), "docs/config.md is stale: python -m forge.core.config > docs/config.md"
 
 
@@ -189,7 +189,7 @@ def test_the_reference_follows_a_changed_docstring(monkeypatch):
 
     import forge.core.config as config_module
 
-    written = (Path(__file__).parent.parent / "docs" / "config.md").read_text(encoding="utf-8")
+    written = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text(encoding="utf-8")
     real = config_module.field_docs()
     monkeypatch.setattr(config_module, "field_docs", lambda: {**real, "seed": "Seeds every | generator."})
     changed = config_module.reference_markdown()
