@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for one lent GPU machine (<= 8 minutes): the `-m gpu` tests on the tiny model (bf16 step with
 # fp32 masters, LoRA step, first-update ratio, resume) and Forge's step time at fp32 vs dtype=auto on the
-# tiny model. NOT RUN YET: no session so far had a GPU. The device has no internet and no package index.
+# tiny model. The device has no internet and no package index.
 #
 # Prepare here (this machine), in the repo root:
 #   echo /.whl/ >> .git/info/exclude

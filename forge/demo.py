@@ -61,8 +61,7 @@ class DemoSettings:
     steps: int = 60
     """Optimizer steps of GRPO (--tools: 20)."""
     prompts_per_step: int = 4
-    """Prompts per optimizer step (4 x 8 completions: the most consistent of the settings we measured; --tools:
-    2)."""
+    """Prompts per optimizer step (4 x 8 completions; --tools: 2)."""
     group_size: int = 8
     """Completions per prompt."""
     learning_rate: float = 2e-4

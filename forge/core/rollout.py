@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 import torch
 
 from forge.model.kv_cache import CACHE_ARG, grow, preallocated, returned_cache
-from forge.tools.calls import CallFormat, ToolResult, ToolSettings, call_format, run_calls
+from forge.tools.calls import (
+    CallFormat,
+    ToolResult,
+    ToolSettings,
+    call_format,
+    closing_token_ids,
+    ended_call,
+    run_calls,
+)
 
 Prompt = str | list[dict]  # plain text, or chat messages rendered with the tokenizer's chat template
 
@@ -272,66 +280,6 @@ class _Row:
         self.hit_call_limit = False
 
 
-def _closing_token_ids(tokenizer, closers: Sequence[str]) -> torch.Tensor:
-    """(V,) bool: tokens whose text holds the last character of a closer. Only after one of those can a call
-    have just ended, so the row's text is decoded only then."""
-    cached = getattr(tokenizer, "_forge_closing_ids", None)
-    last_chars = "".join(sorted({c[-1] for c in closers}))
-    if cached is not None and cached[0] == last_chars:
-        return cached[1]
-    pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    table = torch.tensor([any(ch in piece for ch in last_chars) for piece in pieces])
-    try:
-        tokenizer._forge_closing_ids = (last_chars, table)
-    except AttributeError:
-        pass
-    return table
-
-
-def _ended_call(tokenizer, fmt: CallFormat, segment_ids: list[int]):
-    """(call, overflow) when the segment's last token completes a closer, else (None, ''). overflow: the text
-    of that token after the closer (BPE may merge a closer with what follows, e.g. '><')."""
-    text = tokenizer.decode(segment_ids, skip_special_tokens=True)
-    before = len(tokenizer.decode(segment_ids[:-1], skip_special_tokens=True))
-    for closer in fmt.closers:
-        end = text.rfind(closer) + len(closer)
-        if end >= len(closer) and end > before:  # the closer ends inside the last token
-            call = fmt.parse(text[:end])
-            if call is not None:
-                return call, text[end:]
-    return None, ""
-
-
-def _closing_token_ids(tokenizer, closers: Sequence[str]) -> torch.Tensor:
-    """(V,) bool: tokens whose text holds the last character of a closer. Only after one of those can a call
-    have just ended, so the row's text is decoded only then."""
-    cached = getattr(tokenizer, "_forge_closing_ids", None)
-    last_chars = "".join(sorted({c[-1] for c in closers}))
-    if cached is not None and cached[0] == last_chars:
-        return cached[1]
-    pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    table = torch.tensor([any(ch in piece for ch in last_chars) for piece in pieces])
-    try:
-        tokenizer._forge_closing_ids = (last_chars, table)
-    except AttributeError:
-        pass
-    return table
-
-
-def _ended_call(tokenizer, fmt: CallFormat, segment_ids: list[int]):
-    """(call, overflow) when the segment's last token completes a closer, else (None, ''). overflow: the text
-    of that token after the closer (BPE may merge a closer with what follows, e.g. '><')."""
-    text = tokenizer.decode(segment_ids, skip_special_tokens=True)
-    before = len(tokenizer.decode(segment_ids[:-1], skip_special_tokens=True))
-    for closer in fmt.closers:
-        end = text.rfind(closer) + len(closer)
-        if end >= len(closer) and end > before:  # the closer ends inside the last token
-            call = fmt.parse(text[:end])
-            if call is not None:
-                return call, text[end:]
-    return None, ""
-
-
 # ----------------------------------------------------------------------------------------------------
 # The decode loop (with tools: a row may be fed a call's result instead of sampling)
 
@@ -367,7 +315,7 @@ def generate(
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts,
                                                tools=schemas)
     stop_ids = eos_ids(tokenizer, model)
-    closing = None if fmt is None else _closing_token_ids(tokenizer, fmt.closers)
+    closing = None if fmt is None else closing_token_ids(tokenizer, fmt.closers)
     num_rows = len(prompts) * group_size
 
     cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
@@ -413,7 +361,7 @@ def generate(
                 row.done = row.eos = True
                 continue
             if closing is not None and token < closing.numel() and bool(closing[token]):
-                call, overflow = _ended_call(tokenizer, fmt, row.tokens[row.segment_start:])
+                call, overflow = ended_call(tokenizer, fmt, row.tokens[row.segment_start:])
                 if call is not None:
                     if len(row.calls) >= tools.max_calls:
                         row.done = row.hit_call_limit = True

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 # ----------------------------------------------------------------------------------------------------
 # Tools
 
@@ -358,6 +360,36 @@ def call_format(kind: str, tools: list[Tool], tokenizer=None) -> CallFormat:
     raise ValueError(f"tool_format must be 'auto', 'text' or 'template', got {kind!r}")
 
 
+def closing_token_ids(tokenizer, closers: Sequence[str]) -> torch.Tensor:
+    """(V,) bool: tokens whose text holds the last character of a closer. Only after one of those can a call
+    have just ended, so the row's text is decoded only then."""
+    cached = getattr(tokenizer, "_forge_closing_ids", None)
+    last_chars = "".join(sorted({c[-1] for c in closers}))
+    if cached is not None and cached[0] == last_chars:
+        return cached[1]
+    pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    table = torch.tensor([any(ch in piece for ch in last_chars) for piece in pieces])
+    try:
+        tokenizer._forge_closing_ids = (last_chars, table)
+    except AttributeError:
+        pass
+    return table
+
+
+def ended_call(tokenizer, fmt: CallFormat, segment_ids: list[int]):
+    """(call, overflow) when the segment's last token completes a closer, else (None, ''). overflow: the text
+    of that token after the closer (BPE may merge a closer with what follows, e.g. '><')."""
+    text = tokenizer.decode(segment_ids, skip_special_tokens=True)
+    before = len(tokenizer.decode(segment_ids[:-1], skip_special_tokens=True))
+    for closer in fmt.closers:
+        end = text.rfind(closer) + len(closer)
+        if end >= len(closer) and end > before:  # the closer ends inside the last token
+            call = fmt.parse(text[:end])
+            if call is not None:
+                return call, text[end:]
+    return None, ""
+
+
 def load_tools(spec: str) -> list[Callable[..., Any]]:
     """`module:function,module:function` (or a bare `calculator`) -> the functions, for `forge train --tools`."""
     import importlib
@@ -388,5 +420,5 @@ def load_tools(spec: str) -> list[Callable[..., Any]]:
 
 
 __all__ = ["CallFormat", "Tool", "ToolCall", "ToolResult", "ToolSettings", "as_tool", "as_tools", "calculator",
-           "call_format", "load_tools", "resolve_format", "run_calls", "template_supports_tools",
-           "truncate_output"]
+           "call_format", "closing_token_ids", "ended_call", "load_tools", "resolve_format", "run_calls",
+           "template_supports_tools", "truncate_output"]

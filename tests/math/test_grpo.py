@@ -9,28 +9,19 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from losses import variant_loss
 
 from forge.core.grpo import (
     LOSS_AGGREGATIONS,
     LossNormaliser,
-    LossSettings,
     compute_group_advantages,
     compute_token_log_probs,
     group_reward_std,
-    grpo_loss,
     k3_kl,
     masked_mean,
     sequence_mean_log_probs,
     token_logprobs_from_logits,
 )
-
-
-def variant_loss(*tensors, **keywords):
-    """grpo_loss with the variant's LossSettings fields given as keywords beside its tensor keywords."""
-    variant = {k: keywords.pop(k) for k in list(keywords) if k in LossSettings.__dataclass_fields__}
-    if variant:
-        keywords["settings"] = LossSettings(**variant)
-    return grpo_loss(*tensors, **keywords)
 
 LOSS_TYPES = sorted(LOSS_AGGREGATIONS)  # bnpo, dapo, dr_grpo, grpo
 LN2 = math.log(2.0)

@@ -9,13 +9,13 @@ import math
 
 import pytest
 import torch
+from losses import variant_loss
 
 from forge.core.config import GRPOConfig
 from forge.core.grpo import (
     LossNormaliser,
     LossSettings,
     compute_group_advantages,
-    grpo_loss,
     high_entropy_mask,
     logprob_gap,
     multi_reward_advantages,
@@ -23,14 +23,6 @@ from forge.core.grpo import (
     token_logprobs_from_logits,
     weighted_reward_sum,
 )
-
-
-def variant_loss(*tensors, **keywords):
-    """grpo_loss with the variant's LossSettings fields given as keywords beside its tensor keywords."""
-    variant = {k: keywords.pop(k) for k in list(keywords) if k in LossSettings.__dataclass_fields__}
-    if variant:
-        keywords["settings"] = LossSettings(**variant)
-    return grpo_loss(*tensors, **keywords)
 
 LN = math.log
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_tools import install_script
 
 from forge import GRPOConfig, GRPOTrainer
-from forge.core import rollout as rollout_module
 from forge.model.tiny import build_tiny_model
 from forge.tools.calls import calculator
 
@@ -52,26 +52,7 @@ RUNS = {
 
 def scripted_calls(patch, tokenizer) -> None:
     """Every completion of a rollout opens with CALL (then the real sampler runs): the tool path is taken."""
-    script = tokenizer(CALL, add_special_tokens=False)["input_ids"]
-    real_sampler = rollout_module.sample_next_token
-    real_generate = rollout_module.generate
-    state = {"step": 0}
-
-    def sampler(logits, settings, draws):
-        step, state["step"] = state["step"], state["step"] + 1
-        if step < len(script):
-            return torch.full((logits.shape[0],), script[step], dtype=torch.long)
-        return real_sampler(logits, settings, draws)
-
-    def generate(*args, **kwargs):
-        state["step"] = 0
-        return real_generate(*args, **kwargs)
-
-    patch(rollout_module, "sample_next_token", sampler)
-    patch(rollout_module, "generate", generate)
-    import forge.core.trainer as trainer_module
-
-    patch(trainer_module, "generate", generate)
+    install_script(patch)(tokenizer, CALL)
 
 
 def final_weights_sha256(name: str, output_dir: Path, patch) -> str:

@@ -137,7 +137,7 @@ def test_the_original_quickstart_runs_unchanged(tmp_path, monkeypatch, tiny_mode
 
 
 def test_small_dataset_with_max_steps_finishes(tmp_path, tiny_model, tiny_tokenizer):
-    """max_steps > 0 with fewer rows than one optimizer step used to loop forever looking for a full step."""
+    """max_steps > 0 with fewer rows than one optimizer step finishes (each step uses every row)."""
     config = fast_config(tmp_path, gradient_accumulation_steps=4, max_steps=3)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, alternating, config)
     with pytest.warns(UserWarning, match="dataset has 3 rows"):
