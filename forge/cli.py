@@ -20,7 +20,8 @@ import sys
 import typing
 from pathlib import Path
 
-from forge.core.config import GRPOConfig, field_docs
+from forge.core.config import GRPOConfig
+from forge.core.config_docs import field_docs
 
 
 def _parse_bool(text: str) -> bool:

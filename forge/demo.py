@@ -110,13 +110,10 @@ class DemoSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoSettings:
-        values = {f.name: getattr(args, f.name) for f in fields(cls)}
-        settings = cls(**values)
-        for wanted, defaults in ((settings.tools, TOOLS), (settings.quick, QUICK)):  # --quick wins
-            for name, value in defaults.items():
-                if wanted and getattr(args, name) == getattr(cls, name):  # not set by the user
-                    setattr(settings, name, value)
-        return settings
+        """The settings of parsed flags (`add_demo_arguments`: None = not given): the flags the user gave, then the
+        recipe of --quick or --tools (--quick wins), then the defaults."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name) is not None}
+        return cls(**(recipe(bool(given.get("tools")), bool(given.get("quick"))) | given))
 
 
 QUICK = {"steps": 3, "heldout": 20, "prompts_per_step": 2, "max_new_tokens": 48, "eval_every": 2,
@@ -126,23 +123,37 @@ TOOLS = {"steps": 20, "prompts_per_step": 2}
 thread of the 2-core machine; the plain demo's 60 x 4 would take about 40)."""
 
 
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per DemoSettings field, its docstring the help."""
+def recipe(tools: bool, quick: bool) -> dict:
+    """The settings --tools and --quick change, with their values (--quick wins)."""
+    return (TOOLS if tools else {}) | (QUICK if quick else {})
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser, tools: bool = False, quick: bool = False) -> None:
+    """One flag per DemoSettings field, its docstring the help, with the default of the demo the flags
+    describe (--tools, --quick: their recipe). A flag left out parses as None (False for a switch)."""
     body = ast.parse(inspect.getsource(DemoSettings)).body[0].body
     docs = {node.target.id: nxt.value.value for node, nxt in itertools.pairwise(body)
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)}
+    defaults = {f.name: f.default for f in fields(DemoSettings)} | recipe(tools, quick)
     for f in fields(DemoSettings):
+        text = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
         if f.type in ("bool", bool):
-            parser.add_argument(f"--{f.name}", action="store_true", help=docs.get(f.name, ""))
+            parser.add_argument(f"--{f.name}", action="store_true", default=None, help=text)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=docs.get(f.name, ""))
+            parser.add_argument(f"--{f.name}", type=kind, default=None, help=f"{text} (default: {defaults[f.name]})")
 
 
-def demo_parser() -> argparse.ArgumentParser:
-    """The argument parser of `forge demo` (the CLI hands it the demo's part of the command line)."""
-    parser = argparse.ArgumentParser(prog="forge demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_demo_arguments(parser)
+def demo_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser of `forge demo` (the CLI hands it the demo's part of the command line, `argv`): with
+    --tools in argv it describes the tool demo, its help and defaults included."""
+    argv = argv or []
+    tools, quick = "--tools" in argv, "--quick" in argv
+    described = __doc__.split("\n\n")
+    description = described[2] if tools else "\n\n".join(described[:2])
+    parser = argparse.ArgumentParser(prog="forge demo" + (" --tools" if tools else ""), description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_demo_arguments(parser, tools=tools, quick=quick)
     return parser
 
 

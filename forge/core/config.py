@@ -1,23 +1,23 @@
 """GRPOConfig: every knob of a Forge run, one flat dataclass.
 
 Each field's docstring is its documentation everywhere: `forge train --help` and docs/config.md are generated
-from it (`python -m forge.core.config > docs/config.md`; tests/math/test_config.py fails when they drift).
+from it (`python -m forge.core.config_docs > docs/config.md`; tests/math/test_config.py fails when they drift).
 `validate()` turns every bad value or combination into one clear error before any model is loaded, and
 `loss_settings` derives the loss variant that the pure math in core/grpo.py takes.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-import itertools
+import dataclasses
 import math
 import numbers
-import re
-import textwrap
+import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from difflib import get_close_matches
+from typing import Any
 
 from forge.core.grpo import (
     ADVANTAGE_SCALES,
@@ -31,9 +31,13 @@ from forge.core.grpo import (
 )
 
 
-@dataclass
+@dataclass(init=False)
 class GRPOConfig:
-    """Every knob of a Forge run. The first block keeps the original Forge fields and defaults."""
+    """Every knob of a Forge run. The first block keeps the original Forge fields and defaults.
+
+    Keyword arguments are the fields below. TRL's GRPOConfig names are accepted where they mean the same thing
+    (`TRL_NAMES`, `TRL_CONVERTED`; docs/from-trl.md) and refused, naming Forge's equivalent, where they do not
+    (`TRL_REFUSED`); any other unknown name is an error with the closest field names."""
 
     # --- original Forge fields (names and defaults unchanged) ---
     group_size: int = 8
@@ -236,6 +240,18 @@ class GRPOConfig:
     max_consecutive_nonfinite: int = 3
     """Abort after this many optimizer steps in a row skipped for a NaN/inf loss or gradient."""
 
+    def __init__(self, *args: Any, **values: Any) -> None:
+        names = [f.name for f in fields(self)]
+        if len(args) > len(names):
+            raise TypeError(f"GRPOConfig takes at most {len(names)} positional arguments, got {len(args)}")
+        for name, value in zip(names, args):
+            if name in values:
+                raise TypeError(f"GRPOConfig got two values for {name!r}")
+            values[name] = value
+        values = forge_names(values)
+        for f in fields(self):
+            setattr(self, f.name, values.get(f.name, f.default))
+
     @property
     def epsilon_high(self) -> float:
         return self.clip_epsilon if self.clip_epsilon_high is None else self.clip_epsilon_high
@@ -353,11 +369,11 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> GRPOConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown GRPOConfig fields {unknown}; see `forge train --help` for the list")
-        return cls(**values)
+        """From a mapping of field names (TRL's names too, as for the constructor); unknown names raise ValueError."""
+        try:
+            return cls(**values)
+        except TypeError as error:
+            raise ValueError(str(error)) from None
 
 
 def _fits(value: object, hint: object) -> bool:
@@ -417,39 +433,133 @@ def _field_type_problems(config: GRPOConfig) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The field docstrings as documentation: `forge train --help` and docs/config.md
+# TRL's names: one table of what a TRL GRPOConfig name means here (docs/from-trl.md)
 
 
-def field_docs() -> dict[str, str]:
-    """Field name -> the docstring written under it in GRPOConfig."""
-    docs, body = {}, ast.parse(textwrap.dedent(inspect.getsource(GRPOConfig))).body[0].body
-    for node, following in itertools.pairwise(body):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) \
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
-            docs[node.target.id] = following.value.value.strip()
-    return docs
+TRL_NAMES = {
+    "num_generations": "group_size",
+    "max_completion_length": "max_new_tokens",
+    "beta": "kl_beta",
+    "epsilon": "clip_epsilon",
+    "lr_scheduler_type": "lr_scheduler",
+}
+"""TRL name -> the Forge field that means the same thing. Names TRL and Forge share (loss_type, scale_rewards,
+num_iterations, temperature, learning_rate, gradient_accumulation_steps, max_prompt_length, logging_steps,
+save_steps, max_steps, seed, top_p, top_k, ...) need no entry."""
 
 
-def reference_markdown() -> str:
-    """docs/config.md: every field under its block's heading (the `# --- block ---` comments), with its type,
-    default and docstring."""
-    docs, defaults = field_docs(), {f.name: f.default for f in fields(GRPOConfig)}
-    out = ["# GRPOConfig reference", "",
-           ("Generated from the field docstrings of `forge/core/config.py` by `python -m forge.core.config > "
-            "docs/config.md`; tests/math/test_config.py fails when the two differ. Every field is also a `forge train` "
-            "flag (`--name value`) and a key of a `--config` YAML file.")]
-    for line in inspect.getsource(GRPOConfig).splitlines():
-        block = re.fullmatch(r"\s*# --- (.*) ---", line)
-        field = re.fullmatch(r"\s*(\w+): (.+?) = .*", line)
-        if block:
-            title = block.group(1)
-            out += ["", f"## {title[0].upper()}{title[1:]}", "", "| field | type | default | |", "|---|---|---|---|"]
-        elif field and field.group(1) in defaults:
-            name, kind = field.groups()
-            text = " ".join(docs.get(name, "").split()).replace("|", "\\|")
-            out.append(f"| `{name}` | `{kind}` | `{defaults[name]!r}` | {text} |")
-    return "\n".join(out) + "\n"
+def _completions_per_device(value: Any, values: dict) -> dict:
+    """TRL's per_device_train_batch_size counts completions per process and step; Forge's prompts_per_step counts
+    prompts over all processes: prompts_per_step = per_device_train_batch_size x processes / group_size."""
+    group = values.get("group_size", values.get("num_generations", GRPOConfig.group_size))
+    total = int(value) * int(os.environ.get("WORLD_SIZE", "1"))
+    if total % group:
+        raise TypeError(f"per_device_train_batch_size={value} (TRL: completions per process) must be a multiple of "
+                        f"num_generations={group}; or set Forge's prompts_per_step (prompts per rollout batch)")
+    return {"prompts_per_step": total // group}
 
 
-if __name__ == "__main__":
-    print(reference_markdown(), end="")
+def _report_to(value: Any, values: dict) -> dict:
+    """TRL's report_to ("wandb", "tensorboard", "trackio", "none", "all", or a list) -> Forge's use_* switches."""
+    wanted = {value} if isinstance(value, str) else set(value or ())
+    known = {"wandb", "tensorboard", "trackio"}
+    if wanted - known - {"none", "all"}:
+        raise TypeError(f"report_to={value!r}: Forge reports to {sorted(known)} (and always to the console and "
+                        f"training_log.jsonl)")
+    wanted = known if "all" in wanted else wanted & known
+    return {f"use_{name}": name in wanted for name in sorted(known)}
+
+
+def _precision(dtype: str) -> Callable[[Any, dict], dict]:
+    return lambda value, values: {"dtype": dtype} if value else {}
+
+
+def _epsilon_high(value: Any, values: dict) -> dict:
+    """TRL's epsilon_high caps the ratio at 1 + epsilon_high, except under loss_type='cispo', where it caps it at
+    epsilon_high itself; Forge's clip_epsilon_high always means 1 + clip_epsilon_high."""
+    cispo = values.get("loss_type") == "cispo"
+    return {"clip_epsilon_high": value - 1.0 if cispo and value is not None else value}
+
+
+TRL_CONVERTED: dict[str, Callable[[Any, dict], dict]] = {
+    "per_device_train_batch_size": _completions_per_device,
+    "report_to": _report_to,
+    "bf16": _precision("bfloat16"),
+    "fp16": _precision("float16"),
+    "epsilon_high": _epsilon_high,
+}
+"""TRL name -> converter(value, all given values) -> Forge fields: names whose value Forge states another way."""
+
+TRL_REFUSED = {
+    "use_vllm": "Forge generates with its own batched decode loop; there is no vLLM server to use",
+    "generation_batch_size": "set prompts_per_step (prompts per rollout batch) and gradient_accumulation_steps",
+    "steps_per_generation": "set gradient_accumulation_steps: the rollout batches of one optimizer step",
+    "log_completions": "Forge writes log_completions samples per logged step to samples.jsonl (an int, 0 = none)",
+    "num_completions_to_print": "set log_completions: how many samples per logged step go to samples.jsonl",
+    "use_liger_loss": "Forge computes the loss in chunks itself (logprob_chunk_size)",
+    "vllm_importance_sampling_correction": "set rollout_is ('token_truncate', ...) and rollout_is_threshold",
+    "peft_config": "pass it to GRPOTrainer(..., peft_config=LoraConfig(...)), or set use_lora and lora_r, ...",
+}
+"""TRL name -> why Forge does not take it as is, and what to set instead."""
+
+
+def forge_names(values: dict) -> dict:
+    """Keyword values with TRL's names turned into Forge's fields (the tables above). An unknown name, a refused
+    one, or a TRL name given with its Forge field raises TypeError naming what to use."""
+    known = {f.name for f in fields(GRPOConfig)}
+    out = {k: v for k, v in values.items() if k in known}
+    unknown = sorted(k for k in values if k not in known and k not in TRL_NAMES and k not in TRL_CONVERTED
+                     and k not in TRL_REFUSED)
+    if unknown:
+        guesses = {k: get_close_matches(k, sorted(known | set(TRL_NAMES) | set(TRL_CONVERTED)), n=2) for k in unknown}
+        hint = "; ".join(f"{k}: did you mean {' or '.join(g)}?" for k, g in guesses.items() if g)
+        raise TypeError(f"unknown GRPOConfig fields {unknown}{'; ' + hint if hint else ''} (every field: "
+                        f"docs/config.md, `forge train --help`)")
+    for name, value in values.items():
+        if name in known:
+            continue
+        if name in TRL_REFUSED:
+            raise TypeError(f"GRPOConfig: TRL's {name!r} has no Forge equivalent as is: {TRL_REFUSED[name]}")
+        converted = {TRL_NAMES[name]: value} if name in TRL_NAMES else TRL_CONVERTED[name](value, values)
+        for field_name, field_value in converted.items():
+            if field_name in values:
+                raise TypeError(f"GRPOConfig got both {name!r} (TRL's name) and {field_name!r}; give one")
+            out[field_name] = field_value
+    return out
+
+
+def trainer_arguments(tokenizer: Any, reward_fn: Any, config: Any, *, reward_funcs: Any = None, args: Any = None,
+                      processing_class: Any = None, peft_config: Any = None) -> tuple[Any, Any, GRPOConfig, str]:
+    """GRPOTrainer's arguments in Forge's names or TRL's, as (tokenizer, rewards, config, reward convention).
+
+    TRL's keywords mean: reward_funcs = the rewards, called TRL's way ('trl'); args = the config;
+    processing_class = the tokenizer; peft_config = a peft LoraConfig (use_lora with its r, alpha, dropout and
+    target modules). TRL's positional order, GRPOTrainer(model, reward_funcs, args), is recognised by its types:
+    in Forge's, the second argument is a tokenizer and the fourth a GRPOConfig."""
+    if tokenizer is not None and not hasattr(tokenizer, "convert_tokens_to_ids"):  # TRL order: (model, rewards, args)
+        if reward_funcs is not None or (reward_fn is not None and not isinstance(reward_fn, GRPOConfig)):
+            raise TypeError("GRPOTrainer(model, tokenizer, reward_fn, config): the second argument is not a tokenizer; "
+                            "pass rewards by keyword (reward_funcs= for TRL's calling convention, reward_fn= for "
+                            "Forge's)")
+        tokenizer, reward_funcs, args = None, tokenizer, reward_fn if args is None else args
+        reward_fn = None
+    given = [name for name, value in (("reward_fn", reward_fn), ("reward_funcs", reward_funcs),
+                                      ("config", config), ("args", args), ("tokenizer", tokenizer),
+                                      ("processing_class", processing_class)) if value is not None]
+    for forge, trl in (("reward_fn", "reward_funcs"), ("config", "args"), ("tokenizer", "processing_class")):
+        if forge in given and trl in given:
+            raise TypeError(f"GRPOTrainer got both {forge}= and TRL's {trl}=; give one")
+    config = config if config is not None else args if args is not None else GRPOConfig()
+    if peft_config is not None:
+        targets = getattr(peft_config, "target_modules", None)
+        if isinstance(targets, str):
+            raise TypeError(f"peft_config.target_modules={targets!r}: Forge adapts the modules named in a list "
+                            f"(e.g. ['q_proj', 'v_proj']); None adapts the attention projections")
+        config = dataclasses.replace(config, use_lora=True, lora_r=peft_config.r, lora_alpha=peft_config.lora_alpha,
+                                     lora_dropout=getattr(peft_config, "lora_dropout", 0.0),
+                                     lora_target_modules=None if targets is None else sorted(targets))
+    rewards = reward_fn if reward_fn is not None else reward_funcs
+    if rewards is None:
+        raise ValueError("GRPOTrainer needs reward_fn (e.g. reward_fn=ExactMatchReward()), or TRL's reward_funcs=[...]")
+    return (tokenizer if tokenizer is not None else processing_class, rewards, config,
+            "trl" if reward_funcs is not None else "forge")

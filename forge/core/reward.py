@@ -28,8 +28,8 @@ import inspect
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from forge.data.answers import (
     extract_final_answer,
@@ -102,12 +102,136 @@ class BaseReward(ABC):
     def name(self, value: str) -> None:
         self._name = value
 
+    convention = "forge"
+    """How the trainer calls it (`CONVENTIONS`): a BaseReward Forge's way, ``reward(prompts, responses, ...)``."""
+
     @abstractmethod
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
         """Score each response to its prompt; return one float per response."""
 
+    def score_inputs(self, inputs: RewardInputs) -> Any:
+        """Score a batch as the trainer does, Forge's way: ``self(prompts, completions, **keywords it names)``."""
+        return call_with_accepted_kwargs(self, inputs.prompts, inputs.completions,
+                                         inputs.forge_keywords(wants_trainer_state(self)))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+# ----------------------------------------------------------------------------------------------
+# What a reward receives, and the two ways of calling it (docs/rewards.md, docs/from-trl.md)
+
+
+@dataclass
+class RewardInputs:
+    """Everything a reward may receive about a batch of N scored completions."""
+
+    prompts: list  # (N,) each a string or chat messages, as the dataset gave it
+    completions: list[str]  # (N,) the completions' text
+    columns: dict[str, list] = field(default_factory=dict)  # the dataset's other columns by their own names, (N,)
+    completion_ids: list[list[int]] | None = None  # (N,) each completion's token ids
+    trainer_state: TrainerState | None = None  # where the run is
+    tool_calls: list[list[dict]] | None = None  # (N,) each completion's tool calls and results (runs with tools)
+
+    def select(self, indices: Sequence[int]) -> RewardInputs:
+        """The same inputs for the completions `indices` only."""
+        pick = (lambda values: None if values is None else [values[i] for i in indices])
+        return RewardInputs(pick(self.prompts), pick(self.completions),
+                            {k: pick(v) for k, v in self.columns.items()}, pick(self.completion_ids),
+                            self.trainer_state, pick(self.tool_calls))
+
+    def forge_keywords(self, with_trainer_state: bool = False) -> dict[str, Any]:
+        """Forge's keywords: the columns (``reference`` as ``references``), ``tool_calls``, and ``trainer_state``
+        for a reward that names it."""
+        keywords = {("references" if k == "reference" else k): v for k, v in self.columns.items()}
+        if self.tool_calls is not None:
+            keywords["tool_calls"] = self.tool_calls
+        if with_trainer_state and self.trainer_state is not None:
+            keywords["trainer_state"] = self.trainer_state
+        return keywords
+
+    def trl_keywords(self) -> dict[str, Any]:
+        """TRL's keywords: ``prompts``, ``completions`` (for chat prompts each one a list holding the assistant
+        message, as TRL gives them), ``completion_ids``, every column by its own name, ``trainer_state`` (and
+        ``tool_calls`` with tools)."""
+        chat = bool(self.prompts) and not isinstance(self.prompts[0], str)
+        completions = [[{"role": "assistant", "content": text}] for text in self.completions] if chat \
+            else self.completions
+        keywords = {"prompts": self.prompts, "completions": completions, "completion_ids": self.completion_ids,
+                    **self.columns, "trainer_state": self.trainer_state}
+        if self.tool_calls is not None:
+            keywords["tool_calls"] = self.tool_calls
+        return keywords
+
+
+class Convention(NamedTuple):
+    """One way of calling a reward (`BaseReward.score_inputs`, `FunctionReward.score_inputs`): the names it supplies besides the
+    dataset's columns, and the call as an error message shows it."""
+
+    supplies: frozenset[str]
+    says: str
+
+
+CONVENTIONS = {
+    "forge": Convention(
+        frozenset({"references", "trainer_state", "tool_calls"}),
+        "reward(prompts, completions, **columns) with text completions, `reference` as `references`, and "
+        "trainer_state= if it names it (Forge's convention: reward_fn=)"),
+    "trl": Convention(
+        frozenset({"prompts", "completions", "completion_ids", "trainer_state", "tool_calls"}),
+        "reward(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns), every argument by "
+        "keyword, chat completions as [{'role': 'assistant', 'content': ...}] (TRL's convention: reward_funcs=)"),
+}
+"""The two ways Forge calls a reward, chosen once per reward, never per call: a BaseReward, and a function passed
+as ``reward_fn=`` (or by `forge train --reward`), Forge's way; a function passed as ``reward_funcs=``, TRL's way."""
+
+
+def named_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``kwargs`` that ``fn`` can take by name (all of them when it takes ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(kwargs)
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {k: v for k, v in kwargs.items() if k in {p.name for p in parameters if p.kind in by_name}}
+
+
+def call_problem(reward: BaseReward, columns: Sequence[str] | None = None) -> str | None:
+    """Why `reward` cannot take the call its convention makes, or None: checked when the trainer is built (the
+    call's shape) and again when the dataset is known (`columns`: a required argument no column supplies)."""
+    fn = reward.fn if isinstance(reward, FunctionReward) else reward
+    convention = CONVENTIONS[reward.convention]
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = inspect.Parameter
+    positional = [p for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    takes_more = any(p.kind is kinds.VAR_POSITIONAL for p in parameters)
+    if reward.convention == "forge":
+        if len(positional) < 2 and not takes_more:
+            return (f"it takes {len(positional)} positional argument(s), but Forge calls {convention.says}; pass "
+                    f"it as reward_funcs= to have it called as TRL calls rewards, every argument by keyword")
+        required = [p.name for p in positional[2:] + [p for p in parameters if p.kind is kinds.KEYWORD_ONLY]
+                    if p.default is kinds.empty]
+    else:
+        if any(p.kind is kinds.POSITIONAL_ONLY and p.default is kinds.empty for p in parameters):
+            return (f"it has positional-only arguments, but Forge calls {convention.says}; pass it as reward_fn= to "
+                    f"have it called Forge's way, prompts and completions by position")
+        required = [p.name for p in parameters if p.default is kinds.empty
+                    and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
+    supplied = set(convention.supplies) | set(columns or ())
+    if reward.convention == "forge" and columns is not None and "reference" in columns:
+        supplied.add("references")
+    missing = [name for name in required if name not in supplied]
+    if columns is None:
+        missing = [name for name in missing if name in convention.supplies]  # the rest may be columns
+    if missing:
+        where = f"; the dataset's columns are {sorted(columns)}" if columns is not None else ""
+        return f"it needs {missing}, which nothing supplies{where}; Forge calls {convention.says}"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,15 +287,25 @@ def _callable_name(fn: Callable[..., Any]) -> str:
 
 
 class FunctionReward(BaseReward):
-    """Adapts a plain function ``f(prompts, completions, **kwargs)`` that returns a list of floats
-    (or a RewardOutput) to the BaseReward interface. Usually built by `as_reward`."""
+    """Adapts a plain function that returns a list of floats (or a RewardOutput) to the BaseReward interface,
+    called as its `convention` says: 'forge' ``f(prompts, completions, **columns)``, 'trl' every argument by
+    keyword as TRL calls it. Usually built by `as_reward`."""
 
-    def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, convention: str = "forge") -> None:
+        if convention not in CONVENTIONS:
+            raise ValueError(f"convention={convention!r}; choose one of {sorted(CONVENTIONS)}")
+        self.fn, self.convention = fn, convention
         self.name = name or _callable_name(fn)
 
-    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
-        result = call_with_accepted_kwargs(self.fn, prompts, responses, kwargs)
+    def __call__(self, prompts: list, responses: list[str], **kwargs: Any) -> RewardOutput:
+        return self.score_inputs(RewardInputs(list(prompts), list(responses), kwargs))
+
+    def score_inputs(self, inputs: RewardInputs) -> Any:
+        if self.convention == "trl":
+            result = self.fn(**named_kwargs(self.fn, inputs.trl_keywords()))
+        else:
+            result = call_with_accepted_kwargs(self.fn, inputs.prompts, inputs.completions,
+                                               inputs.forge_keywords(wants_trainer_state(self)))
         if inspect.isawaitable(result):  # an async def reward: awaited (with the other async rewards) by the caller
             return _awaited_output(result)
         return as_output(result)

@@ -35,10 +35,11 @@ from forge.core.reward import (
 )
 
 
-def as_reward(fn_or_reward: Any) -> BaseReward:
-    """A BaseReward for a BaseReward (returned unchanged), a plain callable (wrapped in a `FunctionReward`), a
-    sequence-classification model, or a string: a built-in reward's name, a ``module:function`` path, or else a
-    reward model's hub id or folder. A BaseReward subclass passed by mistake instead of an instance is an error."""
+def as_reward(fn_or_reward: Any, convention: str = "forge") -> BaseReward:
+    """A BaseReward for a BaseReward (returned unchanged), a plain callable (wrapped in a `FunctionReward` that is
+    called by `convention`: 'forge' or 'trl', see forge.core.reward.CONVENTIONS), a sequence-classification model,
+    or a string: a built-in reward's name, a ``module:function`` path, or else a reward model's hub id or folder.
+    A BaseReward subclass passed by mistake instead of an instance is an error."""
     if isinstance(fn_or_reward, BaseReward):
         return fn_or_reward
     if isinstance(fn_or_reward, (str, os.PathLike)):
@@ -46,7 +47,7 @@ def as_reward(fn_or_reward: Any) -> BaseReward:
         if text in REWARD_REGISTRY:
             return build_reward(text)
         if ":" in text and not os.path.isdir(text):
-            return load_reward_from_path(text)
+            return load_reward_from_path(text, convention)
         return SequenceClassificationReward(text)
     if _is_sequence_classifier(fn_or_reward):
         return SequenceClassificationReward(fn_or_reward)
@@ -55,7 +56,7 @@ def as_reward(fn_or_reward: Any) -> BaseReward:
             f"got the class {fn_or_reward.__name__}, not an instance; pass {fn_or_reward.__name__}(...)"
         )
     if callable(fn_or_reward):
-        return FunctionReward(fn_or_reward)
+        return FunctionReward(fn_or_reward, convention=convention)
     raise TypeError(
         f"a reward must be a BaseReward or a function f(prompts, completions, **kwargs) -> list[float]; "
         f"got {type(fn_or_reward).__name__}"
@@ -254,7 +255,7 @@ def build_reward(name: str, **kwargs: Any) -> BaseReward:
     return REWARD_REGISTRY[name](**kwargs)
 
 
-def load_reward_from_path(path: str) -> BaseReward:
+def load_reward_from_path(path: str, convention: str = "forge") -> BaseReward:
     """Import a reward given as ``"module:attribute"``, ``"package.module.attribute"`` or
     ``"path/to/file.py:attribute"``.
 
@@ -285,7 +286,7 @@ def load_reward_from_path(path: str) -> BaseReward:
     target = getattr(module, attribute)
     if isinstance(target, type):  # a reward class (BaseReward or a plain callable class): its default instance
         target = target()
-    return as_reward(target)
+    return as_reward(target, convention)
 
 
 __all__ = ["REWARD_REGISTRY", "CompositeReward", "SequenceClassificationReward", "as_reward", "build_reward",

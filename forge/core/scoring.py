@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from forge.core.reward import BaseReward, call_with_accepted_kwargs, is_async_reward, wants_trainer_state
+from forge.core.reward import BaseReward, RewardInputs, call_problem, is_async_reward
 from forge.core.reward_sources import SequenceClassificationReward, as_reward, is_model_and_tokenizer
 from forge.core.rollout import SamplingSettings, generate
-from forge.data.dataset import reward_kwargs
+from forge.data.dataset import dataset_columns
 from forge.run.lifecycle import reraise_user_interrupt
 from forge.run.loop import StepFailed
 from forge.run.rng import capture_rng_state, restore_rng_state
@@ -84,9 +84,11 @@ class Scores:
 
 
 def build_reward_list(
-    reward_fn: Any, weights: Sequence[float] | None = None
+    reward_fn: Any, weights: Sequence[float] | None = None, convention: str = "forge"
 ) -> list[tuple[str, BaseReward, float]]:
-    """One reward, or a list of rewards (weighted by `weights`), as (unique name, reward, weight)."""
+    """One reward, or a list of rewards (weighted by `weights`), as (unique name, reward, weight); plain functions
+    are called by `convention` (forge.core.reward.CONVENTIONS). A reward whose signature cannot take that call is
+    an error here, before any model work."""
     is_list = isinstance(reward_fn, (list, tuple)) and not is_model_and_tokenizer(reward_fn)
     rewards = list(reward_fn) if is_list else [reward_fn]
     if not rewards:
@@ -101,8 +103,11 @@ def build_reward_list(
         if not callable(reward) and not isinstance(reward, str):
             raise TypeError(f"reward {reward!r} is not callable; pass a BaseReward, f(prompts, completions), or a "
                             f"reward model (its hub id, folder, or (model, tokenizer))")
-        wrapped = as_reward(reward)
+        wrapped = as_reward(reward, convention)
         name = getattr(wrapped, "name", None) or type(wrapped).__name__
+        problem = call_problem(wrapped)
+        if problem:
+            raise TypeError(f"reward '{name}': {problem}")
         seen[name] = seen.get(name, 0) + 1
         named.append((name if seen[name] == 1 else f"{name}_{seen[name]}", wrapped, float(weight)))
     return named
@@ -223,7 +228,7 @@ def score_completions(
     rewards: list[tuple[str, BaseReward, float]],
     prompts: list,
     completions: list[str],
-    reward_kwargs: dict[str, list],
+    columns: dict[str, list],
     *,
     on_error: str = "raise",
     error_value: float = 0.0,
@@ -231,27 +236,25 @@ def score_completions(
     step: int | None = None,
     row_index: list[int] | None = None,
     trainer_state: Any = None,
+    completion_ids: list[list[int]] | None = None,
+    tool_calls: list[list[dict]] | None = None,
 ) -> Scores:
-    """Score N completions with every reward; prompts and each kwarg list have N entries.
+    """Score N completions with every reward; prompts, completion_ids, tool_calls and each column have N entries.
 
-    row_index (N,) names each completion's dataset row in error messages. trainer_state (a TrainerState) goes
-    only to the rewards whose signature names a `trainer_state` parameter (not to every **kwargs reward)."""
+    columns: the dataset's other columns by their own names. Each reward is called the way its convention says
+    (forge.core.reward.CONVENTIONS: Forge's gives `reference` as `references` and trainer_state only to a reward
+    that names it; TRL's gives every argument by keyword). row_index (N,) names each completion's dataset row in
+    error messages."""
     n = len(completions)
     total = torch.zeros(n)
     valid = torch.ones(n, dtype=torch.bool)
     components, metadata, applies = {}, {}, {}
     errors = timeouts = 0
     where = f" at step {step}" if step is not None else ""
-    def caller(reward):
-        extra = {"trainer_state": trainer_state} if trainer_state is not None and wants_trainer_state(reward) else {}
+    inputs = RewardInputs(list(prompts), list(completions), columns, completion_ids, trainer_state, tool_calls)
 
-        def call(indices=None):
-            if indices is None:
-                return call_with_accepted_kwargs(reward, prompts, completions, {**reward_kwargs, **extra})
-            picked = {k: [v[i] for i in indices] for k, v in reward_kwargs.items()}
-            return call_with_accepted_kwargs(reward, [prompts[i] for i in indices],
-                                             [completions[i] for i in indices], {**picked, **extra})
-        return call
+    def caller(reward):
+        return lambda indices=None: reward.score_inputs(inputs if indices is None else inputs.select(indices))
 
     # The async rewards start first, together; their results wait here for the loop below.
     started: dict[str, tuple[bool, Any]] = {}
@@ -340,18 +343,37 @@ Evaluator = Callable[..., dict]
 """evaluator(model, tokenizer, rows, *, max_new_tokens, max_prompt_length) -> {metric name: value}."""
 
 
+def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: list[dict]) -> None:
+    """A reward argument that neither its calling convention nor a dataset column supplies is an error before the
+    first step, naming the columns there are."""
+    columns = [c for c in rows[0] if c != "prompt" and not c.startswith("_")] if rows else []
+    for name, reward, _ in rewards:
+        problem = call_problem(reward, columns)
+        if problem:
+            raise ValueError(f"reward '{name}': {problem}")
+
+
 def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int, trainer_state) -> Scores:
     """Score a rollout of these dataset rows (G completions each) under the run's failure settings: every row's
-    other columns reach the rewards as keyword lists, and with tools each completion's calls as `tool_calls`."""
+    other columns, each completion's token ids, and with tools each completion's calls reach the rewards."""
     group = config.group_size
     prompts = [row["prompt"] for row in rows for _ in range(group)]
-    kwargs = {k: [v for v in values for _ in range(group)] for k, values in reward_kwargs(rows).items()}
+    columns = {k: [v for v in values for _ in range(group)] for k, values in dataset_columns(rows).items()}
     row_ids = [row.get("_row", i) for i, row in enumerate(rows) for _ in range(group)]
-    if rollout.tool_calls is not None:  # with tools: each completion's calls and results, in order
-        kwargs["tool_calls"] = [[result.as_dict() for result in calls] for calls in rollout.tool_calls]
-    return score_completions(rewards, prompts, rollout.completions, kwargs, on_error=config.on_reward_error,
+    return score_completions(rewards, prompts, rollout.completions, columns, on_error=config.on_reward_error,
                              error_value=config.reward_error_value, timeout=config.reward_timeout, step=step,
-                             row_index=row_ids, trainer_state=trainer_state)
+                             row_index=row_ids, trainer_state=trainer_state,
+                             completion_ids=completion_token_ids(rollout), tool_calls=rollout_tool_calls(rollout))
+
+
+def completion_token_ids(rollout) -> list[list[int]]:
+    """(N,) each completion's tokens (sampled, and fed tool results), without the padding after it."""
+    return [ids[:n] for ids, n in zip(rollout.completion_ids.tolist(), rollout.completion_lengths.tolist())]
+
+
+def rollout_tool_calls(rollout) -> list[list[dict]] | None:
+    """(N,) each completion's tool calls and results, in order; None for a rollout without tools."""
+    return None if rollout.tool_calls is None else [[r.as_dict() for r in calls] for calls in rollout.tool_calls]
 
 
 def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = None):
@@ -364,17 +386,17 @@ def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = 
         rng_state, was_training = capture_rng_state(), model.training
         model.eval()
         settings, prompts = SamplingSettings(max_new_tokens, do_sample=False), [row["prompt"] for row in rows]
-        completions, calls = [], []
+        completions, ids, calls = [], [], []
         for start in range(0, len(rows), 32):
             rollout = generate(model, tokenizer, prompts[start:start + 32], 1, settings, max_prompt_length,
                                config.truncate_prompts, config.share_prompt_prefix, tools=tools)
             completions += rollout.completions
-            if tools is not None:
-                calls += [[result.as_dict() for result in row] for row in rollout.tool_calls]
-        kwargs = reward_kwargs(rows) | ({"tool_calls": calls} if tools is not None else {})
-        scores = score_completions(rewards, prompts, completions, kwargs,
+            ids += completion_token_ids(rollout)
+            calls += rollout_tool_calls(rollout) or []
+        scores = score_completions(rewards, prompts, completions, dataset_columns(rows),
                                    on_error=config.on_reward_error, error_value=config.reward_error_value,
-                                   timeout=config.reward_timeout)
+                                   timeout=config.reward_timeout, completion_ids=ids,
+                                   tool_calls=calls if tools is not None else None)
         restore_rng_state(rng_state)
         model.train(was_training)
         kept = scores.valid

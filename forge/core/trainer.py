@@ -18,18 +18,17 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 
 from forge.core.advantages import group_reward_std, multi_reward_advantages
-from forge.core.config import GRPOConfig
+from forge.core.config import GRPOConfig, trainer_arguments
 from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
 from forge.core.logprobs import checkpointed_layers, completion_logprobs, micro_batches, padded_rows
 from forge.core.reward import TrainerState
 from forge.core.rollout import (
+    Batch,
     Rollout,
     SamplingSettings,
     check_prompt_lengths,
@@ -38,7 +37,14 @@ from forge.core.rollout import (
     sampling_noise,
     sampling_seed,
 )
-from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
+from forge.core.scoring import (
+    RewardError,
+    Scores,
+    build_reward_list,
+    check_reward_columns,
+    greedy_reward_evaluator,
+    score_rollout,
+)
 from forge.model import merged_adapters, prepare_policy
 from forge.parallel import sharding
 from forge.parallel.distributed import DataParallel
@@ -51,18 +57,6 @@ from forge.run.rng import seed_everything
 from forge.tools.calls import ToolSettings
 
 
-@dataclass
-class Batch:
-    """The rollouts of one optimizer step, with everything the loss needs (one entry per rollout batch)."""
-
-    rollouts: list[Rollout] = field(default_factory=list)  # each: P prompts x G completions
-    rows: list[list[dict]] = field(default_factory=list)  # the dataset rows of each rollout
-    advantages: list[torch.Tensor] = field(default_factory=list)  # (N,)
-    loss_mask: list[torch.Tensor] = field(default_factory=list)  # (N, T): completion mask x kept samples
-    old_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None: pi_old = sg(pi)
-    ref_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None when kl_beta == 0
-
-
 class GRPOTrainer:
     """GRPO fine-tuning of a HuggingFace causal LM.
 
@@ -70,18 +64,23 @@ class GRPOTrainer:
     tokenizer: its tokenizer (None when model is a name)
     reward_fn: a BaseReward, a plain f(prompts, completions, **kwargs) -> list[float], or a list of them
     config:    GRPOConfig
-    evaluator: what train(eval_dataset=...) measures; None = the mean reward of greedy completions under
-               reward_fn (eval/reward, eval/rewards/<name>); `forge.eval.heldout_metrics` gives accuracy
+    evaluator: what train(eval_dataset=...) measures; None = the mean reward of greedy completions (eval/reward)
     tools:     typed, docstringed functions the policy may call during rollouts (forge/tools); their result
                tokens are context, not actions
+    TRL's keywords work too (docs/from-trl.md): reward_funcs= (rewards called as TRL calls them), args=,
+    train_dataset=, eval_dataset=, processing_class=, peft_config=.
     """
 
     def __init__(self, model, tokenizer=None, reward_fn=None, config: GRPOConfig | None = None,
-                 evaluator: Callable[..., dict] | None = None, tools: list[Callable] | None = None):
-        self.config = config = (config or GRPOConfig()).validate()
-        if reward_fn is None:
-            raise ValueError("GRPOTrainer needs reward_fn, e.g. reward_fn=ExactMatchReward()")
-        self.rewards = build_reward_list(reward_fn, config.reward_weights)
+                 evaluator: Callable[..., dict] | None = None, tools: list[Callable] | None = None, *,
+                 reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
+                 peft_config=None):
+        tokenizer, reward_fn, config, convention = trainer_arguments(
+            tokenizer, reward_fn, config, reward_funcs=reward_funcs, args=args, processing_class=processing_class,
+            peft_config=peft_config)
+        self.config = config = config.validate()
+        self.rewards = build_reward_list(reward_fn, config.reward_weights, convention)  # signatures checked here
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.dist = DataParallel(fsdp=config.fsdp)
         ready = prepare_policy(model, tokenizer, config, device=self.dist.device, seed=seed_everything,
                                sync=self.dist.broadcast_from_main, announce=self.dist.is_main,
@@ -106,20 +105,21 @@ class GRPOTrainer:
         self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # set again by train()
         self.scheduler = None  # built by train(), once the number of steps is known
 
-    def train(self, dataset: Any, eval_dataset: Any = None) -> dict:
-        """Run GRPO over `dataset` (list of {"prompt", "reference", ...}, a HF Dataset, or a JSONL path)."""
-        check_prompts = partial(check_prompt_lengths, self.tokenizer, max_prompt_length=self.max_prompt_length,
-                                truncate=self.config.truncate_prompts)  # an over-long prompt fails before step 1
-        return TrainingRun(self, dataset, eval_dataset, check_prompts).run()
+    def train(self, dataset: Any = None, eval_dataset: Any = None) -> dict:
+        """Run GRPO over `dataset` (rows {"prompt", ...}, a HF Dataset or a JSONL path; default: train_dataset)."""
+        return TrainingRun(self, self.train_dataset if dataset is None else dataset,
+                           self.eval_dataset if eval_dataset is None else eval_dataset, self.check_rows).run()
+
+    def check_rows(self, rows: list[dict]) -> None:
+        """Before step 1: every prompt fits the model, every reward gets the arguments it needs."""
+        check_prompt_lengths(self.tokenizer, rows, self.max_prompt_length, self.config.truncate_prompts)
+        check_reward_columns(self.rewards, rows)
 
     def evaluate(self, rows: list[dict]) -> dict:
         """The evaluator's metrics on these rows, in the run's precision with its whole (merged) weights."""
         with self.sampling():
             return self.evaluator(self.model, self.tokenizer, rows, max_new_tokens=self.config.max_new_tokens,
                                   max_prompt_length=self.max_prompt_length)
-
-    # ------------------------------------------------------------------------------------------------
-    # one optimizer step
 
     def step(self, rows: list[dict]) -> dict:
         """One optimizer step (num_iterations of them when num_iterations > 1) on these dataset rows."""

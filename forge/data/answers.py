@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+from typing import Any
 
 try:  # math-verify is optional: without it only numeric answers can be compared.
     from math_verify import parse as _mv_parse
@@ -40,6 +41,7 @@ __all__ = [
     "last_number",
     "normalize_number_text",
     "parse_number",
+    "readable_reference",
     "reference_answer",
 ]
 
@@ -291,6 +293,16 @@ def reference_answer(reference: str | float) -> str:
     """The reference as answer text; a GSM8K-style solution ("... #### 72") becomes its final answer "72"."""
     text = str(reference)
     return (text.rsplit("####", 1)[1] if "####" in text else text).strip()
+
+
+def readable_reference(reference: Any) -> bool:
+    """Whether the math grader can read ``reference`` as an answer: a number in it (after a GSM8K "####"), or
+    LaTeX math (``$``, ``\\``). Free text ("Paris", "positive") cannot be read: every response would be graded
+    wrong against it."""
+    if reference is None:
+        return False
+    text = reference_answer(reference)
+    return parse_number(text) is not None or "$" in text or "\\" in text
 
 
 def answers_match(predicted: str | None, reference: str | float) -> bool:

@@ -33,6 +33,7 @@ __all__ = [
     "CHAT_PROMPT_SOURCES",
     "ROW_FORMAT",
     "TASKS",
+    "as_chat_rows",
     "builds_prompts",
     "builtin_dataset",
     "checked_rows",
@@ -48,6 +49,7 @@ __all__ = [
     "task_for",
     "training_rows",
     "validate_rows",
+    "warn_if_raw_prompts",
 ]
 
 ROW_FORMAT = "{'prompt': str | list[{'role': str, 'content': str}], 'reference': ...}"
@@ -110,6 +112,28 @@ def pick_chat(chat: bool | None, tokenizer: Any, source: Any = None, announce: b
                   if chosen else "the tokenizer has no chat template, so its prompts are plain text")
         print(f"forge: {source}: {reason}", file=sys.stderr)
     return chosen
+
+
+def as_chat_rows(rows: Sequence[dict]) -> list[dict]:
+    """The rows with each string prompt as one user message, ``[{"role": "user", "content": prompt}]`` (what
+    ``--chat true`` does to the prompts of any source); chat prompts stay as they are."""
+    return [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} if isinstance(row.get("prompt"), str)
+            else row for row in rows]
+
+
+def warn_if_raw_prompts(rows: Iterable[dict], tokenizer: Any) -> bool:
+    """Warn (True) when string prompts reach a tokenizer with a chat template: the model then sees the prompt as
+    raw text, without its chat format."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    count = sum(isinstance(row.get("prompt"), str) for row in rows)
+    if not count:
+        return False
+    warnings.warn(f"{count} prompts are plain strings and the tokenizer has a chat template: they reach the model "
+                  f"as raw text, without its chat format. Wrap each as one user message with --chat true "
+                  f"(as_chat_rows), or give the prompts as chat messages [{{'role': 'user', 'content': ...}}]",
+                  stacklevel=2)
+    return True
 
 
 def source_kwargs(source: Any, *, chat: bool, heldout: bool = False, n: int | None = None,
@@ -291,18 +315,18 @@ def validate_rows(rows: Sequence[Any]) -> None:
         raise ValueError("dataset has both 'reference' and 'references' columns; keep one ('reference')")
 
 
-def reward_kwargs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
-    """Every column except ``prompt`` and ``_private`` ones as a list over rows, keyed by its reward
-    keyword name: ``reference`` -> ``references``, other columns under their own names."""
+def dataset_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """Every column except ``prompt`` and ``_private`` ones as a list over rows, under its own name."""
     if not rows:
         return {}
-    kwargs: dict[str, list] = {}
-    for column in rows[0]:
-        if column == "prompt" or column.startswith("_"):
-            continue
-        key = "references" if column == "reference" else column
-        kwargs[key] = [row[column] for row in rows]
-    return kwargs
+    return {column: [row[column] for row in rows] for column in rows[0]
+            if column != "prompt" and not column.startswith("_")}
+
+
+def reward_kwargs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """`dataset_columns` keyed by Forge's reward keyword names: ``reference`` -> ``references``."""
+    return {("references" if column == "reference" else column): values
+            for column, values in dataset_columns(rows).items()}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ restored afterwards, so calling `evaluate` in the middle of a run does not chang
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,9 +21,11 @@ from typing import Any
 
 import torch
 
+from forge.core.config import GRPOConfig
 from forge.core.rollout import SamplingSettings, generate
-from forge.data.answers import answers_match
-from forge.data.dataset import TASKS, load_rows, pick_chat, task_for
+from forge.core.scoring import build_reward_list, greedy_reward_evaluator
+from forge.data.answers import answers_match, readable_reference
+from forge.data.dataset import TASKS, as_chat_rows, load_rows, pick_chat, task_for, warn_if_raw_prompts
 from forge.data.hf_dataset import load_hf_rows
 from forge.data.reasoning_gym_tasks import task_scorer
 from forge.eval.metrics import (
@@ -123,6 +126,7 @@ def evaluate(
             raise ValueError(f"evaluation row {index} has no 'reference' answer; every row needs "
                              "{'prompt': ..., 'reference': '42'}")
     _check_decoding(num_samples, temperature, k_values, batch_size, answer_format)
+    warn_if_references_unreadable(rows)
     greedy = temperature == 0
     settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature if not greedy else 1.0,
                                 top_p=top_p, top_k=0, do_sample=not greedy)
@@ -157,6 +161,40 @@ def evaluate(
                 "top_p": top_p, "k_values": list(k_values), "batch_size": batch_size, "seed": seed,
                 "answer_format": answer_format, "max_prompt_length": max_prompt_length}
     return EvalResult(metrics=metrics, records=records, settings=decoding)
+
+
+def unreadable_references(rows: Sequence[dict]) -> list[int]:
+    """Indices of the rows whose reference the math grader cannot read as an answer (`readable_reference`: no
+    number, no math); rows graded by their task's own scorer (reasoning-gym) are never among them."""
+    return [index for index, row in enumerate(rows)
+            if task_scorer(row) is None and not readable_reference(row.get("reference"))]
+
+
+def graded_by_math(rows: Sequence[dict]) -> bool:
+    """Whether the math grader can judge most of these rows (strict/soft accuracy mean something for them)."""
+    return 2 * len(unreadable_references(rows)) <= len(rows)
+
+
+def warn_if_references_unreadable(rows: Sequence[dict]) -> None:
+    """Warn when the math grader cannot read most references: its accuracy would be a silent 0%."""
+    unreadable = unreadable_references(rows)
+    if 2 * len(unreadable) > len(rows):
+        example = rows[unreadable[0]].get("reference")
+        warnings.warn(f"{len(unreadable)} of {len(rows)} references are not numbers or math the grader reads (e.g. "
+                      f"row {unreadable[0]}: {str(example)!r:.60}), so strict/soft accuracy count every answer to them "
+                      f"as wrong. Score the responses with a reward that fits the data instead: `forge eval --reward "
+                      f"SPEC` (eval's reward), or GRPOTrainer's default evaluator (eval/reward)", stacklevel=3)
+
+
+def reward_metrics(model, tokenizer, rows: list[dict], rewards: Any, reward_weights: Sequence[float] | None = None,
+                   *, max_new_tokens: int = 256, max_prompt_length: int | None = None) -> dict[str, float]:
+    """The mean reward of one greedy completion per row under `rewards` (anything GRPOTrainer's reward_fn takes,
+    weighted by reward_weights): `forge.core.scoring.greedy_reward_evaluator`, the trainer's default evaluator, with
+    GRPOConfig's defaults for failing rewards. Returns reward, rewards/<name>, n."""
+    config = GRPOConfig()
+    evaluator = greedy_reward_evaluator(build_reward_list(rewards, reward_weights), config)
+    return evaluator(model, tokenizer, rows, max_new_tokens=max_new_tokens,
+                     max_prompt_length=max_prompt_length or 10**9)
 
 
 def _check_decoding(num_samples, temperature, k_values, batch_size, answer_format) -> None:
@@ -308,17 +346,30 @@ def evaluate_model(
     chat: bool | None = None,
     prompt_column: str | None = None,
     reference_column: str | None = None,
+    rewards: Any = None,
+    reward_weights: Sequence[float] | None = None,
     **eval_kw: Any,
 ) -> EvalResult:
     """Load a model (hub id, local folder, .gguf, "default", or a loaded (model, tokenizer) pair) with an
     optional LoRA adapter, load held-out rows by name (`load_eval_rows`), and `evaluate` it.
     ``chat`` None: chat-message prompts when the tokenizer has a chat template (said on stderr for the sets
-    whose prompts Forge writes). ``eval_kw`` go to `evaluate`."""
+    whose prompts Forge writes; string prompts of other sources are warned about, `warn_if_raw_prompts`); True also
+    wraps the string prompts of any source as one user message. ``rewards`` (weighted by ``reward_weights``) adds
+    the mean reward of greedy completions under them (`reward_metrics`). ``eval_kw`` go to `evaluate`."""
     if isinstance(model_name_or_path, tuple):
         model, tokenizer = load_for_eval(model_name_or_path[0], adapter, tokenizer=model_name_or_path[1])
     else:
         model, tokenizer = load_for_eval(model_name_or_path, adapter)
+    asked = chat
     chat = pick_chat(chat, tokenizer, data if isinstance(data, str) else None)
     rows = load_eval_rows(data, split=split, n=n, chat=chat, prompt_column=prompt_column,
                           reference_column=reference_column)
-    return evaluate(model, tokenizer, rows, **eval_kw)
+    rows = as_chat_rows(rows) if asked else rows
+    if asked is None:
+        warn_if_raw_prompts(rows, tokenizer)
+    result = evaluate(model, tokenizer, rows, **eval_kw)
+    if rewards is not None:
+        result.metrics.update(reward_metrics(model, tokenizer, rows, rewards, reward_weights,
+                                             max_new_tokens=eval_kw.get("max_new_tokens", 256),
+                                             max_prompt_length=eval_kw.get("max_prompt_length")))
+    return result

@@ -94,12 +94,53 @@ def _format_metric(metrics: dict[str, Any], key: str) -> str:
         return "n/a"
 
 
+EVAL_HEADLINE = ("strict_accuracy", "soft_accuracy", "task_score", "accuracy", "reward", "n")
+"""The eval/* metrics an evaluation's console line shows, when present (else its first six numeric ones)."""
+
+
 def format_console_line(metrics: dict[str, Any], step: int, epoch: float) -> str:
-    """`step N | epoch E | loss L | reward R | kl K`, with "n/a" for a missing value."""
+    """`step N | epoch E | loss L | reward R | kl K`, with "n/a" for a missing value; a row of evaluation metrics
+    only (eval/*) reads `step N | eval | strict_accuracy 0.2500 | ... | n 60` instead."""
+    evaluation = {key.removeprefix("eval/"): value for key, value in _numeric_metrics(metrics).items()
+                  if key.startswith("eval/")}
+    if evaluation and all(key.startswith("eval/") for key in metrics):
+        shown = [key for key in EVAL_HEADLINE if key in evaluation] or list(evaluation)[:6]
+        return " | ".join([f"step {step}", "eval", *(f"{key} {_format_value(evaluation[key])}" for key in shown)])
     return (
         f"step {step} | epoch {epoch} | loss {_format_metric(metrics, 'loss')} | "
         f"reward {_format_metric(metrics, 'reward')} | kl {_format_metric(metrics, 'kl')}"
     )
+
+
+def _format_value(value: float | None) -> str:
+    return "n/a" if value is None else str(value) if isinstance(value, int) else f"{value:.4f}"
+
+
+def install_warning_format() -> None:
+    """Print the warnings raised in Forge's own modules as one line, `forge: warning: <message>`, without the
+    source path and line; every other warning keeps the format it had. Safe to call more than once."""
+    if getattr(warnings.formatwarning, "forge_format", False):
+        return
+    previous = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None) -> str:
+        if is_forge_source(filename):
+            return f"forge: warning: {message}\n"
+        return previous(message, category, filename, lineno, line)
+
+    formatwarning.forge_format = True
+    warnings.formatwarning = formatwarning
+
+
+_FORGE_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def is_forge_source(filename: str) -> bool:
+    """Whether `filename` (a warning's source file) is one of Forge's own modules."""
+    try:
+        return Path(filename).resolve().is_relative_to(_FORGE_PACKAGE)
+    except (OSError, ValueError):
+        return False
 
 
 def _drop_rows_after(path: Path, step: int) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from forge.model.loading import load_model, prepare_tokenizer
-from forge.model.lora import LORA_INSTALL_HINT, is_peft_model
+from forge.model.lora import LORA_INSTALL_HINT, is_peft_model, quiet_checkpointing_deprecation
 
 # --------------------------------------------------------------------------------------------------
 # export and evaluation
@@ -48,7 +48,8 @@ def merge_and_export(
         if not (adapter_dir / "adapter_config.json").is_file():
             raise FileNotFoundError(f"{adapter_dir} has no adapter_config.json; is it a saved LoRA adapter?")
         base_model, base_tokenizer = load_model(base_name_or_path, device="cpu")
-        peft_model = PeftModel.from_pretrained(base_model, str(adapter_dir))
+        with quiet_checkpointing_deprecation():
+            peft_model = PeftModel.from_pretrained(base_model, str(adapter_dir))
         if tokenizer is None:
             tokenizer = (
                 AutoTokenizer.from_pretrained(str(adapter_dir))
@@ -90,7 +91,8 @@ def load_for_eval(
             from peft import PeftModel
         except ImportError as error:
             raise ImportError(LORA_INSTALL_HINT) from error
-        base_model = PeftModel.from_pretrained(base_model, str(adapter))
+        with quiet_checkpointing_deprecation():
+            base_model = PeftModel.from_pretrained(base_model, str(adapter))
         if _tokenizer_saved_in(adapter):
             tokenizer = AutoTokenizer.from_pretrained(str(adapter))
     return base_model.eval(), prepare_tokenizer(tokenizer)

@@ -4,6 +4,7 @@ no-grad passes (`merged_adapters`)."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -57,6 +58,15 @@ def default_lora_targets(model: nn.Module) -> list[str]:
     return sorted(linear_names)
 
 
+@contextlib.contextmanager
+def quiet_checkpointing_deprecation() -> Iterator[None]:
+    """Hide the FutureWarning of transformers' deprecated `is_gradient_checkpointing` property, which peft reads
+    when it wraps a model (every LoRA run would print it); other warnings pass."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def enable_checkpointing(model) -> None:
     """Turn on transformers' per-layer activation checkpointing (non-reentrant, so frozen inputs need no grad)."""
     kwargs = {"use_reentrant": False}
@@ -87,7 +97,8 @@ def apply_lora(
         lora_dropout=dropout,
         target_modules=target_modules or default_lora_targets(model),
     )
-    return get_peft_model(model, lora_config)
+    with quiet_checkpointing_deprecation():
+        return get_peft_model(model, lora_config)
 
 
 def _mergeable_lora_layers(model: nn.Module) -> list | None:

@@ -11,9 +11,13 @@ A checkpoint directory holds everything needed to continue a run exactly where i
         forge_config.json                                 the run's config, to refuse an incompatible resume
         COMPLETE                                          written last: the sha256 of every other file
 
+`{output_dir}/final/` is the trained model, not a point to resume from: the weights (or adapter), config.json,
+the tokenizer, trainer_state.json, forge_config.json and COMPLETE, without optimizer.pt, scheduler.pt and
+rng_state.pt (`training_state=False`); a run resumes from its numbered checkpoints.
+
 An FSDP2 run (fsdp=True) saves `sharded/` instead of the weight files and optimizer.pt: every rank's shards
 of both, written by torch.distributed.checkpoint (`save_sharded_checkpoint`, called on every rank); its
-final/ also holds the whole gathered weights, so final/ loads with from_pretrained as usual.
+final/ holds the whole gathered weights instead, so final/ loads with from_pretrained as usual.
 
 Everything is first written to a temporary sibling `{path}.tmp-<pid>` and renamed into place, so a
 crash mid-save never leaves a directory that looks like a checkpoint. Non-weight state is saved so
@@ -156,12 +160,14 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     config: dict[str, Any],
     rng_state: dict[str, Any] | None = None,
+    training_state: bool = True,
 ) -> Path:
     """Write a complete checkpoint to `path` atomically; an existing checkpoint there is replaced.
 
     `model` may be a full HuggingFace model or a peft `PeftModel` (which saves only its adapter).
     `rng_state` (from `capture_rng_state`) defaults to the generators' state now; pass an earlier
     capture when the checkpoint describes an earlier moment (a step that finished before a failure).
+    `training_state=False` leaves out what only resuming needs (optimizer, scheduler, RNG): final/.
     Raises a CheckpointError, writing nothing, when any weight is NaN/inf: such a checkpoint is never written.
     """
     path = Path(path)
@@ -177,9 +183,9 @@ def save_checkpoint(
     try:
         with _quiet_transformers_progress():
             model.save_pretrained(tmp_path, safe_serialization=True)
-        if optimizer is not None:
+        if optimizer is not None and training_state:
             torch.save(optimizer.state_dict(), tmp_path / OPTIMIZER_NAME)
-        _write_run_files(tmp_path, tokenizer, scheduler, trainer_state, config, rng_state)
+        _write_run_files(tmp_path, tokenizer, scheduler, trainer_state, config, rng_state, training_state)
     except BaseException:
         shutil.rmtree(tmp_path, ignore_errors=True)
         raise
@@ -202,13 +208,15 @@ def _fresh_temporary(path: Path, pid: int) -> Path:
 
 
 def _write_run_files(tmp_path: Path, tokenizer, scheduler, trainer_state: dict, config: dict,
-                     rng_state: dict | None) -> None:
-    """Everything of a checkpoint but the weights and the optimizer, then COMPLETE (written last)."""
+                     rng_state: dict | None, training_state: bool = True) -> None:
+    """Everything of a checkpoint but the weights and the optimizer, then COMPLETE (written last); without
+    `training_state`, no scheduler and RNG state."""
     tokenizer.save_pretrained(tmp_path)
-    if scheduler is not None:
+    if scheduler is not None and training_state:
         torch.save(scheduler.state_dict(), tmp_path / SCHEDULER_NAME)
     _write_json(tmp_path / TRAINER_STATE_NAME, trainer_state)
-    torch.save(rng_state if rng_state is not None else capture_rng_state(), tmp_path / RNG_STATE_NAME)
+    if training_state:
+        torch.save(rng_state if rng_state is not None else capture_rng_state(), tmp_path / RNG_STATE_NAME)
     _write_json(tmp_path / CONFIG_NAME, config)
     write_manifest(tmp_path)
 
@@ -238,13 +246,15 @@ def save_sharded_checkpoint(
     rng_state: dict[str, Any] | None,
     ranks: Any,
     full_weights: bool = False,
+    training_state: bool = True,
 ) -> Path:
     """The checkpoint of an FSDP2 run (forge/parallel/sharding.py); every rank calls it, rank 0 writes all but the shards.
 
     `{path}/sharded/` holds every rank's shards of the weights and AdamW state (torch.distributed.checkpoint);
     the other files are those of `save_checkpoint`, and COMPLETE hashes the shards too. `full_weights` also
-    gathers the whole weights into model.safetensors / adapter_model.safetensors (final/: a folder that
-    from_pretrained loads). `ranks`: is_main, main_pid, barrier() and any(flag) of the run's processes.
+    gathers the whole weights into model.safetensors / adapter_model.safetensors (a folder that from_pretrained
+    loads); `training_state=False` (final/: with full_weights) leaves out the shards, the scheduler and the RNG.
+    `ranks`: is_main, main_pid, barrier() and any(flag) of the run's processes.
     Atomic like save_checkpoint: the ranks write into rank 0's `{path}.tmp-<pid>`, which rank 0 renames."""
     path = Path(path)
     if ranks.any(not all(all_finite(sharding.local(p.detach())) for p in model.parameters()
@@ -258,14 +268,15 @@ def save_sharded_checkpoint(
         _fresh_temporary(path, ranks.main_pid)
     ranks.barrier()
     try:
-        sharding.save(tmp_path / sharding.SHARDED_DIR, model, optimizer)
+        if training_state:
+            sharding.save(tmp_path / sharding.SHARDED_DIR, model, optimizer)
         whole = sharding.full_state_dict(model) if full_weights else None
         if ranks.is_main:
             if whole is not None:
                 with _quiet_transformers_progress():
                     model.save_pretrained(tmp_path, state_dict=whole, safe_serialization=True)
                 sharding.fix_architectures(tmp_path, model)
-            _write_run_files(tmp_path, tokenizer, scheduler, trainer_state, config, rng_state)
+            _write_run_files(tmp_path, tokenizer, scheduler, trainer_state, config, rng_state, training_state)
     except BaseException:
         if ranks.is_main:
             shutil.rmtree(tmp_path, ignore_errors=True)

@@ -173,11 +173,11 @@ def _verify(path: Path, require_training_state: bool) -> bool:
     manifest = _read_manifest(path)
     sharded = is_sharded(path)  # an FSDP2 run's: weights and optimizer in sharded/, whole weights only in final/
     weights = weight_files(path) if not sharded or _has_whole_weights(path) else []
-    required = [*weights, TRAINER_STATE_NAME, CONFIG_NAME, RNG_STATE_NAME]
+    required = [*weights, TRAINER_STATE_NAME, CONFIG_NAME]
     if sharded:
         required.append(SHARDED_METADATA)
-    if require_training_state:
-        required += [SCHEDULER_NAME] if sharded else [OPTIMIZER_NAME, SCHEDULER_NAME]
+    if require_training_state:  # final/ holds none of these (forge/run/checkpoint.py)
+        required += [SCHEDULER_NAME, RNG_STATE_NAME] if sharded else [OPTIMIZER_NAME, SCHEDULER_NAME, RNG_STATE_NAME]
     for name in required:
         if not (path / name).is_file():
             if manifest is not None and name not in manifest:

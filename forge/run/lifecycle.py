@@ -7,10 +7,11 @@ that step can still be saved, and a resumed run repeats the uninterrupted one bi
 
     RunLifecycle(output_dir, parts)       what is saved: model, tokenizer, optimizer, schedule, config
       .finished(FinishedStep)             the trainer reports each finished step
-      .save(finished[, name])             {output_dir}/{step}/ (or final/), atomic, pruned to save_total_limit
+      .save(finished[, name])             {output_dir}/{step}/ (or final/: weights only), atomic, pruned
       .where_to_resume()                  saves the last finished step if needed; says where it is, how to resume
       .resume(where) -> FinishedStep      loads weights, optimizer, schedule and RNG; checks config and data
     StopSignals                           SIGINT/SIGTERM: finish the step, save, raise TrainingInterrupted
+    check_output_dir_is_free / claim_output_dir    refuse another run's directory; hold it for this run
 
 This module never reads the trainer: everything comes in through `CheckpointParts` and `FinishedStep`.
 """
@@ -104,6 +105,22 @@ def previous_run(output_dir: Path) -> list[str]:
                   if (child.name.isdigit() and child.is_dir()) or child.name in RUN_ARTIFACTS)
 
 
+def check_output_dir_is_free(output_dir: Path, *, resuming: bool, overwrite: bool, is_main: bool) -> None:
+    """What `claim_output_dir` refuses, checked without changing anything in output_dir (it may create it): a
+    file, a directory that cannot be written, another run's checkpoints or logs (unless `resuming` or
+    `overwrite`), a live run's lock. `forge train` calls it before it loads the model."""
+    check_output_dir(output_dir, is_main)
+    if is_main:
+        RunLock(output_dir / LOCK_NAME).release()  # raises OutputDirInUse while another run holds it
+    left = previous_run(output_dir)
+    if left and not resuming and not overwrite:
+        raise OutputDirInUse(
+            f"output_dir={str(output_dir)!r} already holds a run ({', '.join(left[:6])}"
+            f"{', ...' if len(left) > 6 else ''}). Continue it with --resume (resume_from='latest'), write this "
+            f"run to another --output_dir, or pass --overwrite_output_dir (overwrite_output_dir=True) to "
+            f"delete that run's checkpoints and logs first.")
+
+
 def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_main: bool) -> RunLock | None:
     """Make output_dir this run's own, before any model work.
 
@@ -114,16 +131,14 @@ def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_ma
     - Temporary checkpoint directories left by killed saves (N.tmp-PID of a dead process) are cleaned up."""
     check_output_dir(output_dir, is_main)
     lock = RunLock(output_dir / LOCK_NAME) if is_main else None
+    try:
+        check_output_dir_is_free(output_dir, resuming=resuming, overwrite=overwrite, is_main=False)
+    except OutputDirInUse:
+        if lock is not None:
+            lock.release()
+        raise
     left = previous_run(output_dir)
     if left and not resuming:
-        if not overwrite:
-            if lock is not None:
-                lock.release()
-            raise OutputDirInUse(
-                f"output_dir={str(output_dir)!r} already holds a run ({', '.join(left[:6])}"
-                f"{', ...' if len(left) > 6 else ''}). Continue it with --resume (resume_from='latest'), write this "
-                f"run to another --output_dir, or pass --overwrite_output_dir (overwrite_output_dir=True) to "
-                f"delete that run's checkpoints and logs first.")
         if is_main:
             for name in left:
                 target = output_dir / name
@@ -188,9 +203,12 @@ class RunLifecycle:
 
     def save(self, finished: FinishedStep, name: str | None = None) -> Path:
         """Write the checkpoint of `finished` to {output_dir}/{name or step}/. Every process calls it: rank 0
-        writes, and under FSDP2 every rank writes its shards (final/ also gets the whole weights)."""
+        writes, and under FSDP2 every rank writes its shards. name="final" writes the trained model only (weights or
+        adapter, tokenizer, configs; under FSDP2 the whole gathered weights): no optimizer, scheduler or RNG state,
+        which only the numbered checkpoints keep."""
         parts = self.parts
         path = self.output_dir / (name or str(finished.step))
+        final = name == "final"
         state = {"global_step": finished.step, "epoch": finished.epoch, "position": finished.position,
                  "nonfinite_in_a_row": finished.nonfinite_in_a_row, "skipped_steps": finished.skipped_steps,
                  "loss_scale": finished.loss_scale,
@@ -199,9 +217,10 @@ class RunLifecycle:
                  "scheduler": parts.scheduler, "trainer_state": state, "config": parts.run_config,
                  "rng_state": finished.rng_state}
         if parts.sharded_by is not None:
-            ckpt.save_sharded_checkpoint(path, **files, ranks=parts.sharded_by, full_weights=name == "final")
+            ckpt.save_sharded_checkpoint(path, **files, ranks=parts.sharded_by, full_weights=final,
+                                         training_state=not final)
         elif self.is_main:
-            ckpt.save_checkpoint(path, **files)
+            ckpt.save_checkpoint(path, **files, training_state=not final)
         if name is None:
             self.saved = (finished.step, path)
             if self.is_main:
@@ -238,6 +257,12 @@ class RunLifecycle:
         path = integrity.latest_checkpoint(self.output_dir) if where == "latest" else Path(where)
         if path is None:
             raise FileNotFoundError(f"resume_from='latest' but {self.output_dir} holds no complete checkpoint")
+        if path.name == "final" and not any((path / name).exists() for name in integrity.TRAINING_STATE_NAMES):
+            newest = integrity.latest_checkpoint(path.parent)
+            raise ValueError(f"cannot resume from {path}: final/ holds the trained model only (no optimizer, schedule "
+                             f"or RNG state). Resume from a numbered checkpoint" + (
+                                 f", the newest is {newest} (--resume, resume_from='latest')" if newest else
+                                 f"; {path.parent} has none, so start a new run from these weights (--model {path})"))
         state = ckpt.load_checkpoint(path)
         ckpt.check_compatible(state.config, parts.run_config, checkpoint_path=path)
         check_same_dataset(state.trainer_state, parts.dataset_identity, path)
@@ -311,17 +336,23 @@ def reraise_user_interrupt(error: BaseException) -> None:
 
 
 class StopSignals:
-    """SIGINT/SIGTERM during training: the first asks to finish the step under way, save and stop; a second
-    abandons the step (KeyboardInterrupt, weights untouched) unless its weights are being committed.
+    """SIGINT/SIGTERM during training: the first lets the step under way finish, saves it and stops; a second
+    abandons the step under way (KeyboardInterrupt, weights untouched) and the last finished step is saved,
+    unless the step's weights are being committed (then it finishes and is saved as after the first).
 
-    `next_step()` names the step under way in the console message. Use as a context manager around the loop;
-    `requested` is the signal number once one arrived; the trainer sets `committing` from the optimizer step
+    Each signal prints what will happen, with the same step numbers as the message the run stops with.
+    `next_step()` is the number of the next optimizer step (the last finished one + 1); the run loop sets
+    `under_way` (the step being run, as its checkpoint will be numbered; None between steps) and `saves_on_abandon`
+    (False where a stop that reaches one process alone cannot save: FSDP2). Use as a context manager around the
+    loop; `requested` is the signal number once one arrived; the trainer sets `committing` from the optimizer step
     to the end of the step's bookkeeping."""
 
     def __init__(self, next_step: Callable[[], int] = lambda: 0):
         self.next_step = next_step
         self.requested: int | None = None
         self.committing = False
+        self.under_way: int | None = None
+        self.saves_on_abandon = True
         self._previous: dict = {}
 
     def __enter__(self):
@@ -333,7 +364,7 @@ class StopSignals:
     def __exit__(self, *exc_info) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
-        self._previous = {}
+        self._previous, self.under_way = {}, None
 
     def commit(self) -> None:
         """The weights now move to the next step: a second signal must wait until the step is finished."""
@@ -344,12 +375,28 @@ class StopSignals:
         self.committing = False
 
     def _request_stop(self, signum, frame) -> None:
+        name, last = signal.Signals(signum).name, self.next_step() - 1
         if self.requested is not None and not self.committing:
+            tqdm.write(f"forge: a second {name}: step {last + 1} is abandoned; {self.kept(last)}")
             note_user_interrupt()  # if it lands inside a reward: the user's interrupt, not the reward's failure
             raise KeyboardInterrupt  # second signal: abandon the step under way (weights untouched)
         self.requested = signum
-        tqdm.write(f"forge: {signal.Signals(signum).name} received; finishing step {self.next_step()}, "
-                   f"then saving a checkpoint (send it again to abandon the step and stop sooner)")
+        if self.under_way is None:
+            tqdm.write(f"forge: {name} received; step {last} is finished: saving it, then stopping")
+        elif self.committing:
+            tqdm.write(f"forge: {name} received; step {self.under_way} is being committed: it finishes, is saved, "
+                       f"then the run stops")
+        else:
+            tqdm.write(f"forge: {name} received; step {self.under_way} finishes, is saved, then the run stops (send "
+                       f"{name} again to abandon step {last + 1}: {self.kept(last)})")
+
+    def kept(self, last: int) -> str:
+        """What a stop that abandons the step under way keeps, when the last finished step is `last`."""
+        if last < 1:
+            return "no step has finished, so there is no checkpoint"
+        if not self.saves_on_abandon:
+            return "the newest checkpoint saved so far is kept"
+        return f"the last finished step ({last}) is saved"
 
     def describe(self, step: int, total_steps: int, abandoned: bool = False) -> str:
         """The start of TrainingInterrupted's message: which signal, which step (then: where to resume)."""
@@ -368,6 +415,7 @@ __all__ = [
     "StopSignals",
     "TrainingInterrupted",
     "check_output_dir",
+    "check_output_dir_is_free",
     "claim_output_dir",
     "note_user_interrupt",
     "previous_run",

@@ -22,7 +22,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from forge.data.dataset import checked_rows, iterate_steps, rows_per_step, training_rows
-from forge.logging.logger import ForgeLogger
+from forge.logging.logger import ForgeLogger, install_warning_format
 from forge.run.lifecycle import (
     CheckpointParts,
     FinishedStep,
@@ -30,7 +30,7 @@ from forge.run.lifecycle import (
     TrainingInterrupted,
     claim_output_dir,
 )
-from forge.run.metrics import warn_if_mostly_flat
+from forge.run.metrics import warn_if_mostly_flat, warn_if_tools_unused
 from forge.run.optim import make_scheduler
 from forge.run.rng import capture_rng_state, seed_everything
 
@@ -71,9 +71,12 @@ class TrainingRun:
         self.lifecycle: RunLifecycle | None = None
         self.logger: ForgeLogger | None = None
         self.warned_flat = False  # "most groups carry no signal" is said once per run
+        self.rollouts_without_calls: int | None = 0  # steps with tools in which no completion called one; None:
+        # a call was seen, or the warning was given
 
     def run(self) -> dict:
         """Claim output_dir (its lock is held until the run ends), then train."""
+        install_warning_format()  # Forge's warnings as one line each
         config = self.config
         lock = claim_output_dir(Path(config.output_dir), resuming=bool(config.resume_from),
                                 overwrite=config.overwrite_output_dir, is_main=self.dist.is_main)
@@ -113,15 +116,20 @@ class TrainingRun:
         steps = iterate_steps(self.rows, trainer.rows_per_step, seed=config.seed, shuffle=config.shuffle,
                               epoch=epoch, position=position,
                               num_epochs=None if config.max_steps > 0 else config.num_train_epochs)
+        signals = trainer.signals
+        signals.saves_on_abandon = not self.dist.fsdp  # a sharded save needs every rank (see where_to_resume)
+        signals.under_way = trainer.global_step + config.num_iterations  # what a signal's message names
         try:
-            with trainer.signals:
+            with signals:
                 for batch_rows, epoch, position in steps:
                     if trainer.global_step >= self.total_steps:
                         break
                     metrics = trainer.step(batch_rows)
+                    signals.under_way = None  # finished: logged, evaluated, saved below
                     metrics["epoch"] = epoch + position / max(1, len(self.rows))
                     self.after_step(metrics, epoch, position, bar)
                     self.stop_if_asked()
+                    signals.under_way = trainer.global_step + config.num_iterations
         except (StepFailed, FloatingPointError) as error:  # the weights are still those of the last step
             error.args = (f"{error.args[0]}\n{self.where_to_resume()}",)
             self.dist.barrier()  # raised on every rank at once: none exits before rank 0 has saved
@@ -152,6 +160,11 @@ class TrainingRun:
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
         if not self.warned_flat and self.dist.is_main:
             self.warned_flat = warn_if_mostly_flat(metrics)
+        if self.rollouts_without_calls is not None and "tools/call_frequency" in metrics:
+            called = metrics["tools/call_frequency"] > 0
+            self.rollouts_without_calls = None if called else self.rollouts_without_calls + 1
+            if not called and warn_if_tools_unused(self.rollouts_without_calls, announce=self.dist.is_main):
+                self.rollouts_without_calls = None
         if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps:
             self.logger.log(metrics, step=step, epoch=round(metrics["epoch"], 4))
             self.logger.log_samples(metrics.pop("_samples"), step=step)

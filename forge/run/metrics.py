@@ -174,6 +174,23 @@ def warn_if_mostly_flat(metrics: dict) -> bool:
     return True
 
 
+TOOL_STEPS_BEFORE_WARNING = 3
+
+
+def warn_if_tools_unused(steps_without_calls: int, announce: bool = True) -> bool:
+    """Warn when the run has tools but no completion of its first TOOL_STEPS_BEFORE_WARNING steps called one; True
+    once that many steps went by (the caller then stops counting), whether this process announced it or not."""
+    if steps_without_calls < TOOL_STEPS_BEFORE_WARNING:
+        return False
+    if announce:
+        warnings.warn(
+            f"no completion called a tool in the first {steps_without_calls} steps (tools/call_frequency 0): the "
+            "prompts likely do not teach the call format. Show it in the prompt, e.g. a worked example with one "
+            "call in the format the run uses (tool_format), and check samples.jsonl; see docs/tools.md.",
+            stacklevel=3)
+    return True
+
+
 def rollout_samples(rows: list[dict], rollout, rewards: torch.Tensor, group_size: int) -> list[dict]:
     """One logged sample per prompt of a rollout: its prompt (last chat message), reference, completion, reward."""
     out = []
@@ -211,4 +228,5 @@ __all__ = [
     "step_metrics",
     "tool_metrics",
     "warn_if_mostly_flat",
+    "warn_if_tools_unused",
 ]

@@ -178,16 +178,16 @@ def test_the_type_check_covers_every_field_generically():
 def test_docs_config_md_is_the_generated_reference():
     from pathlib import Path
 
-    from forge.core.config import reference_markdown
+    from forge.core.config_docs import reference_markdown
 
     written = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text(encoding="utf-8")
-    assert written == reference_markdown(), "docs/config.md is stale: python -m forge.core.config > docs/config.md"
+    assert written == reference_markdown(), "docs/config.md is stale: python -m forge.core.config_docs > docs/config.md"
 
 
 def test_the_reference_follows_a_changed_docstring(monkeypatch):
     from pathlib import Path
 
-    import forge.core.config as config_module
+    import forge.core.config_docs as config_module
 
     written = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text(encoding="utf-8")
     real = config_module.field_docs()
@@ -200,7 +200,7 @@ def test_the_reference_follows_a_changed_docstring(monkeypatch):
 def test_every_field_has_a_docstring_and_a_row_in_the_reference():
     from dataclasses import fields
 
-    from forge.core.config import field_docs, reference_markdown
+    from forge.core.config_docs import field_docs, reference_markdown
 
     docs, reference = field_docs(), reference_markdown()
     for field in fields(GRPOConfig):
