@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -20,8 +21,9 @@ import sys
 import typing
 from pathlib import Path
 
-from forge.core.config import GRPOConfig
+from forge.core.config import TRL_CONVERTED, TRL_NAMES, TRL_REFUSED, GRPOConfig
 from forge.core.config_docs import field_docs
+from forge.logging.logger import install_warning_format
 
 
 def _parse_bool(text: str) -> bool:
@@ -55,7 +57,22 @@ def _field_parser(annotation):
     return parse
 
 
+def _trl_value(text: str):
+    """The value of a TRL flag Forge converts (--report_to wandb,tensorboard, --bf16 true, ...): a number,
+    true/false, a comma-separated list of values, or the text."""
+    if "," in text:
+        return [_trl_value(part) for part in text.split(",") if part]
+    for kind in (int, float, _parse_bool):
+        try:
+            return kind(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            continue
+    return text
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """A flag per GRPOConfig field, its docstring the help; and TRL's names for them (core/config.py TRL_NAMES,
+    TRL_CONVERTED; docs/from-trl.md)."""
     docs = field_docs()
     group = parser.add_argument_group("GRPOConfig fields (defaults in brackets)")
     hints = typing.get_type_hints(GRPOConfig)
@@ -64,23 +81,49 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{f.name}", type=_field_parser(f.name), default=None, metavar=f.name.upper(),
                            help=f"{docs.get(f.name, '')} [{f.default}]".replace("%", "%%"),  # argparse %-formats
                            **flag)
+    trl = parser.add_argument_group("TRL's GRPOConfig names (docs/from-trl.md)")
+    for name, field in TRL_NAMES.items():
+        flag = {"nargs": "?", "const": True} if hints[field] is bool else {}
+        trl.add_argument(f"--{name}", type=_field_parser(field), default=None, metavar=field.upper(),
+                         help=f"the same as --{field}", **flag)
+    for name, convert in TRL_CONVERTED.items():
+        what = (convert.__doc__ or "").split(":")[0].split(". ")[0]
+        trl.add_argument(f"--{name}", type=_trl_value, nargs="?", const=True, default=None, metavar="VALUE",
+                         help=(what or f"TRL's {name}, in Forge's fields").replace("%", "%%"))
+
+
+CONFIG_FLAGS = (*(f.name for f in dataclasses.fields(GRPOConfig)), *TRL_NAMES, *TRL_CONVERTED)
+"""The `forge train` flags that are config values: GRPOConfig's fields and TRL's names for them."""
+
+
+def _fields_of(name: str, value, values: dict) -> set[str]:
+    """The GRPOConfig fields a Forge or TRL name sets (a converted TRL name: those its converter gives)."""
+    if name in TRL_NAMES:
+        return {TRL_NAMES[name]}
+    if name in TRL_CONVERTED:
+        try:
+            return set(TRL_CONVERTED[name](value, values))
+        except (TypeError, ValueError):
+            return set()  # the converter refuses the value: GRPOConfig says why
+    return {name}
 
 
 def build_config(args: argparse.Namespace, overrides: dict | None = None) -> GRPOConfig:
-    values: dict = {}
+    """GRPOConfig from the --config file, then `overrides`, then the flags: a later source wins for each field,
+    whether it names it with Forge's name or TRL's."""
+    from_file: dict = {}
     if getattr(args, "config", None):
         loaded = _read_yaml_config(Path(args.config))
         # fields at the top level, or under `grpo:` next to top-level model / dataset / reward / eval_dataset
         nested = loaded.get("grpo")
         if nested is not None and not isinstance(nested, dict):
             raise ValueError(f"{args.config}: `grpo:` must hold a mapping of GRPOConfig fields, got {nested!r:.60}")
-        values.update(_yaml_numbers(loaded if nested is None else
-                                    {**{k: v for k, v in loaded.items() if k in _RUN_SETTINGS}, **nested}))
-    values.update(overrides or {})
-    for f in dataclasses.fields(GRPOConfig):
-        value = getattr(args, f.name, None)
-        if value is not None:
-            values[f.name] = value
+        from_file = _yaml_numbers(loaded if nested is None else
+                                  {**{k: v for k, v in loaded.items() if k in _RUN_SETTINGS}, **nested})
+    given = {**(overrides or {}), **{name: value for name in CONFIG_FLAGS
+                                     if (value := getattr(args, name, None)) is not None}}
+    overridden = set().union(*(_fields_of(k, v, {**from_file, **given}) for k, v in given.items()))
+    values = {k: v for k, v in from_file.items() if not _fields_of(k, v, from_file) & overridden} | given
     allowed = {f.name for f in dataclasses.fields(GRPOConfig)}
     yaml_only = {k: values.pop(k) for k in list(values) if k not in allowed and k in _RUN_SETTINGS}
     for key, value in yaml_only.items():  # run settings may also live in the YAML file
@@ -127,8 +170,9 @@ def _yaml_numbers(values: dict) -> dict:
 
     converted = dict(values)
     for key, value in values.items():
-        kinds = typing.get_args(hints[key]) or (hints[key],) if key in hints else ()
-        if float in kinds:
+        field = TRL_NAMES.get(key, key)
+        kinds = typing.get_args(hints[field]) or (hints[field],) if field in hints else ()
+        if float in kinds or key in TRL_CONVERTED:
             converted[key] = number(value)
         elif list[float] in kinds and isinstance(value, list):
             converted[key] = [number(item) for item in value]
@@ -191,17 +235,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:])
     from forge.core.trainer import GRPOTrainer, TrainingInterrupted
 
+    from forge.run.lifecycle import check_output_dir_is_free
+
     overrides = {"resume_from": "latest"} if args.resume else {}
     config = build_config(args, overrides)
+    check_output_dir_is_free(Path(config.output_dir), resuming=bool(config.resume_from),  # before the model loads
+                             overwrite=config.overwrite_output_dir, is_main=int(os.environ.get("RANK", "0")) == 0)
     rewards, weights = _rewards_for(args)
     if config.reward_weights is None:
         config.reward_weights = weights
-    from forge.eval.evaluate import heldout_metrics  # eval/strict_accuracy, ... every eval_steps
+    from forge.core.scoring import greedy_reward_evaluator
+    from forge.eval.evaluate import graded_by_math, heldout_metrics  # eval/strict_accuracy, ... every eval_steps
     from forge.tools.calls import load_tools
 
     tools = load_tools(args.tools) if args.tools else None
     trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics, tools=tools)
     dataset, eval_rows = _training_data(args, trainer.tokenizer)
+    if eval_rows is not None and not graded_by_math(eval_rows):  # the math grader would count every answer wrong
+        trainer.evaluator = greedy_reward_evaluator(trainer.rewards, config, trainer.tool_settings)
+        if trainer.dist.is_main:
+            print(f"forge: --eval_dataset {args.eval_dataset}: most references are not numbers the math grader "
+                  f"reads, so evaluation reports the mean reward of greedy completions under --reward (eval/reward)",
+                  file=sys.stderr)
     try:
         trainer.train(dataset, eval_dataset=eval_rows)
     except TrainingInterrupted as interrupted:  # SIGINT/SIGTERM: a checkpoint was saved; say how to go on
@@ -232,8 +287,10 @@ def _rewards_for(args: argparse.Namespace) -> tuple[list, list[float]]:
 
 def _training_data(args: argparse.Namespace, tokenizer) -> tuple[list[dict], list[dict] | None]:
     """The training rows and the optional eval rows of `forge train`: prompts as chat messages when the
-    tokenizer has a chat template, unless --chat says otherwise; --eval_dataset's held-out split."""
-    from forge.data.dataset import load_rows, pick_chat, source_kwargs
+    tokenizer has a chat template, unless --chat says otherwise; --eval_dataset's held-out split. --chat true
+    also wraps string prompts of any source (a JSONL file) as one user message; without --chat, string prompts
+    for a tokenizer with a chat template are warned about."""
+    from forge.data.dataset import as_chat_rows, load_rows, pick_chat, source_kwargs, warn_if_raw_prompts
 
     columns = {"prompt_column": getattr(args, "prompt_column", None),
                "reference_column": getattr(args, "reference_column", None)}
@@ -246,6 +303,10 @@ def _training_data(args: argparse.Namespace, tokenizer) -> tuple[list[dict], lis
         eval_chat = pick_chat(getattr(args, "chat", None), tokenizer, args.eval_dataset, announce=False)
         eval_rows = load_rows(args.eval_dataset, **source_kwargs(args.eval_dataset, chat=eval_chat, heldout=True,
                                                                  **columns))
+    if getattr(args, "chat", None):
+        return as_chat_rows(dataset), eval_rows and as_chat_rows(eval_rows)
+    if getattr(args, "chat", None) is None:
+        warn_if_raw_prompts([*dataset, *(eval_rows or [])], tokenizer)
     return dataset, eval_rows
 
 
@@ -253,9 +314,9 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """--chat, --prompt_column, --reference_column (of `forge train` and `forge eval`)."""
     parser.add_argument("--chat", type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
                         help="prompts as chat messages (--chat, --chat true) or plain text (--chat false), for the "
-                             "datasets whose prompts "
-                             "Forge writes (gsm8k, gsm-hard, arithmetic, reasoning-gym:, hf:); default: true when "
-                             "the tokenizer has a chat template")
+                             "datasets whose prompts Forge writes (gsm8k, gsm-hard, arithmetic, reasoning-gym:, "
+                             "hf:; default: true when the tokenizer has a chat template); true also wraps every "
+                             "string prompt (a JSONL file's) as one user message")
     parser.add_argument("--prompt_column", default=None, help="hf: datasets: the question column [question]")
     parser.add_argument("--reference_column", default=None, help="hf: datasets: the reference answer column [answer]")
 
@@ -293,6 +354,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     common = {"data": args.data, "split": args.split, "n": args.n, "max_new_tokens": args.max_new_tokens,
               "num_samples": args.num_samples, "temperature": args.temperature, "seed": args.seed}
     data_options = {"chat": args.chat, "prompt_column": args.prompt_column, "reference_column": args.reference_column}
+    if args.reward:
+        if args.compare:
+            raise ValueError("--reward scores one model's greedy completions: use it with --model, not --compare")
+        data_options["rewards"], data_options["reward_weights"] = parse_rewards(args.reward)
     if args.compare:
         from forge.eval.report import compare_models
 
@@ -343,7 +408,10 @@ def cmd_screen(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from forge.demo import DemoSettings, demo_parser, run_demo
 
-    demo_args = demo_parser().parse_args(args.demo_argv)  # the flags after `forge demo` (forge.demo's own parser)
+    parser = demo_parser(args.demo_argv)  # the flags after `forge demo` (forge.demo's own parser)
+    demo_args, unknown = parser.parse_known_args(args.demo_argv)
+    if unknown:
+        raise ValueError(_unknown_arguments(unknown, parser))
     _check_arguments(demo_args)
     run_demo(DemoSettings.from_args(demo_args))
     return 0
@@ -392,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="evaluate two models side by side")
+    ev.add_argument("--reward", default=None, help="also report the mean reward of greedy completions under these "
+                    "rewards (reward, rewards/NAME), the syntax of `forge train --reward`: for data the math grader "
+                    "cannot judge")
     ev.add_argument("--out", default=None, help="directory for eval.json / the comparison report")
     ev.set_defaults(func=cmd_eval)
 
@@ -419,7 +490,25 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--base", default="default")
     export.add_argument("--out", required=True)
     export.set_defaults(func=cmd_export)
+    parser.commands = sub.choices  # each command's parser, for the unknown-flag message
     return parser
+
+
+def _unknown_arguments(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """The message for arguments `parser` does not take: each unknown flag with the closest ones it has, a TRL
+    name Forge does not take with what to set instead."""
+    flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")]
+    if not flags:
+        return f"{parser.prog}: unexpected arguments: {' '.join(unknown)}"
+    known = sorted(option for action in parser._actions for option in action.option_strings if option.startswith("--"))
+    problems = []
+    for flag in flags:
+        if flag[2:] in TRL_REFUSED and "--num_generations" in known:  # a command that takes TRL's names
+            problems.append(f"{flag} is TRL's and has no Forge equivalent as is: {TRL_REFUSED[flag[2:]]}")
+            continue
+        guesses = difflib.get_close_matches(flag, known, n=2)
+        problems.append(f"unknown option {flag}" + (f" (did you mean {' or '.join(guesses)}?)" if guesses else ""))
+    return f"{parser.prog}: " + "; ".join(problems) + f". `{parser.prog} --help` lists every option"
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
@@ -481,13 +570,14 @@ def _debug_requested(argv: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = _debug_requested(argv)
+    install_warning_format()  # Forge's warnings as one line each
     parser = build_parser()
-    args, demo_argv = parser.parse_known_args([a for a in argv if a != "--debug"])
-    if demo_argv and args.command != "demo":
-        parser.error(f"unrecognized arguments: {' '.join(demo_argv)}")
-    args.demo_argv = demo_argv
+    args, extra = parser.parse_known_args([a for a in argv if a != "--debug"])
+    args.demo_argv = extra if args.command == "demo" else []
     args.argv = argv  # what `forge train --nproc N` runs N times (--debug included)
     try:
+        if extra and args.command != "demo":
+            raise ValueError(_unknown_arguments(extra, parser.commands[args.command]))
         _check_arguments(args)
         return args.func(args)
     except BaseException as error:  # sorted below: a message for the user, or re-raised

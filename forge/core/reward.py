@@ -198,6 +198,14 @@ def named_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str,
     return {k: v for k, v in kwargs.items() if k in {p.name for p in parameters if p.kind in by_name}}
 
 
+def names_parameter(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn``'s signature has a parameter called `name` (not merely ``**kwargs``)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def call_problem(reward: BaseReward, columns: Sequence[str] | None = None) -> str | None:
     """Why `reward` cannot take the call its convention makes, or None: checked when the trainer is built (the
     call's shape) and again when the dataset is known (`columns`: a required argument no column supplies)."""
@@ -302,7 +310,10 @@ class FunctionReward(BaseReward):
 
     def score_inputs(self, inputs: RewardInputs) -> Any:
         if self.convention == "trl":
-            result = self.fn(**named_kwargs(self.fn, inputs.trl_keywords()))
+            keywords = inputs.trl_keywords()
+            if "reference" in keywords and names_parameter(self.fn, "references"):
+                keywords["references"] = keywords["reference"]  # Forge's name, to a reward that names it
+            result = self.fn(**named_kwargs(self.fn, keywords))
         else:
             result = call_with_accepted_kwargs(self.fn, inputs.prompts, inputs.completions,
                                                inputs.forge_keywords(wants_trainer_state(self)))

@@ -200,6 +200,14 @@ def extract_answer_line(text: str | None) -> str | None:
     return None
 
 
+def completion_text(completion: Any) -> str:
+    """A completion as text: a string as is; a list of chat messages (TRL's conversational completions,
+    ``[{"role": "assistant", "content": ...}]``) as the content of its assistant messages."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(m.get("content", "")) for m in completion if m.get("role", "assistant") == "assistant")
+
+
 def extract_final_answer(text: str | None, answer_tag: str = "answer") -> str | None:
     r"""The final answer written in ``text`` as a stripped string, or None if there is none.
 

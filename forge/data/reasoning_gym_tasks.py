@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from forge.data.answers import extract_final_answer, extract_tagged_answer
+from forge.data.answers import completion_text, extract_final_answer, extract_tagged_answer
 from forge.data.task import Task
 
 __all__ = [
@@ -354,9 +354,10 @@ class ReasoningGymReward:
     def extract(self, response: str) -> str | None:
         return extract_tagged_answer(response) if self.strict else extract_final_answer(response)
 
-    def __call__(self, prompts: list, responses: list[str], rg_task: Sequence[str] | None = None,
+    def __call__(self, prompts: list, completions: list, rg_task: Sequence[str] | None = None,
                  rg_entry: Sequence[Mapping] | None = None, rg_config: Sequence[str] | None = None,
                  **kwargs: Any) -> list[float]:
+        responses = [completion_text(c) for c in completions]  # text, or TRL's chat completions
         if rg_task is None or rg_entry is None:
             raise ValueError("reasoning_gym reward needs rows from a reasoning-gym task (columns rg_task, "
                              "rg_entry, rg_config); load the data as 'reasoning-gym:NAME'")

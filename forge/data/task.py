@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forge.data.answers import answers_match, extract_final_answer, reference_answer
+from forge.data.answers import answers_match, completion_text, extract_final_answer, reference_answer
 
 __all__ = ["Task", "grade_math", "math_correctness"]
 
@@ -61,5 +61,5 @@ def math_correctness(prompts: Sequence[Any], completions: Sequence[str], referen
     for index, reference in enumerate(references):
         if reference is None or not reference_answer(reference):
             raise ValueError(f"math_correctness: reference {index} is empty; every row needs a reference answer")
-    return [grade_math(extract_final_answer(completion), reference)
+    return [grade_math(extract_final_answer(completion_text(completion)), reference)
             for completion, reference in zip(completions, references, strict=True)]

@@ -142,3 +142,30 @@ def test_trl_names_in_the_config_and_the_trainer(tmp_path):
         GRPOConfig(beta=0.0, kl_beta=0.1)
     with pytest.raises(TypeError, match="multiple of num_generations=8"):
         GRPOConfig(per_device_train_batch_size=6)
+
+
+def test_forges_own_rewards_take_either_call():
+    """A built-in reward gives the same scores whether it is passed as reward_fn= or TRL's reward_funcs=, chat
+    prompts included (where TRL's call gives the completions as assistant messages)."""
+    from forge.core.reward import MathCorrectnessReward
+    from forge.core.scoring import build_reward_list, score_completions
+    from forge.data.task import math_correctness
+
+    prompts = [[{"role": "user", "content": "2 + 3?"}]] * 3
+    completions = ["<answer>5</answer>", "<answer>6</answer>", "it is 5"]
+    columns = {"reference": ["5", "5", "5"]}
+    for rewards in ([math_correctness], [MathCorrectnessReward()]):
+        for convention in ("forge", "trl"):
+            scores = score_completions(build_reward_list(rewards, convention=convention), prompts, completions,
+                                       columns)
+            assert scores.total.tolist() == [1.0, 0.0, 1.0], (rewards, convention)
+
+
+def test_docs_from_trl_lists_every_name_of_the_table():
+    from pathlib import Path
+
+    from forge.core.config import TRL_CONVERTED, TRL_NAMES, TRL_REFUSED
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "from-trl.md").read_text(encoding="utf-8")
+    for name in [*TRL_NAMES, *TRL_NAMES.values(), *TRL_CONVERTED, *TRL_REFUSED]:
+        assert f"`{name}`" in page, f"docs/from-trl.md does not mention {name}"
