@@ -491,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True)
     export.set_defaults(func=cmd_export)
     parser.commands = sub.choices  # each command's parser, for the unknown-flag message
+    for command in parser.commands.values():
+        command.allow_abbrev = False  # `--num_generation` is a typo to name, not a prefix of --num_generations
     return parser
 
 

@@ -152,7 +152,7 @@ def demo_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     described = __doc__.split("\n\n")
     description = described[2] if tools else "\n\n".join(described[:2])
     parser = argparse.ArgumentParser(prog="forge demo" + (" --tools" if tools else ""), description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_demo_arguments(parser, tools=tools, quick=quick)
     return parser
 

@@ -4,6 +4,7 @@ The packaged GGUF converts to a HuggingFace folder once and generates text, and 
 runs as written (with fewer steps) from a fresh working directory.
 """
 
+import json
 import re
 import subprocess
 import sys
@@ -35,14 +36,17 @@ def test_packaged_default_generates_text(tmp_path):
 
 @pytest.mark.slow
 def test_the_readme_quickstart_runs_as_written(tmp_path):
-    """The first Python block of the README, with max_steps lowered to 2, trains and saves its adapter."""
-    block = re.search(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL).group(1)
-    assert "max_steps=20" in block and len(block.splitlines()) <= 15
+    """The README's first code block is its Python quickstart: it runs as written from a fresh directory, saves
+    its adapter, and its reward rises over its 8 steps as the README says."""
+    readme = README.read_text(encoding="utf-8")
+    block = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert readme.index("```python") == readme.index("```") and len(block.splitlines()) <= 15
     script = tmp_path / "quickstart.py"
-    script.write_text(block.replace("max_steps=20", "max_steps=2"), encoding="utf-8")
+    script.write_text(block, encoding="utf-8")
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=1200, check=False)
+                          timeout=1800, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "quickstart" / "final" / "adapter_model.safetensors").is_file()
-    log = (tmp_path / "quickstart" / "training_log.jsonl").read_text().splitlines()
-    assert len(log) == 2 and '"reward"' in log[-1]
+    log = [json.loads(line) for line in (tmp_path / "quickstart" / "training_log.jsonl").read_text().splitlines()]
+    rewards = [row["reward"] for row in log]
+    assert len(rewards) == 8 and sum(rewards[-2:]) / 2 > rewards[0] + 1.0, rewards

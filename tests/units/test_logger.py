@@ -27,6 +27,55 @@ def test_console_line_format(tmp_path, capsys):
     ]
 
 
+def test_an_evaluation_row_prints_its_evaluation_metrics(tmp_path, capsys):
+    with ForgeLogger(tmp_path) as logger:
+        logger.log({"eval/strict_accuracy": 0.25, "eval/soft_accuracy": 0.5, "eval/format_rate": 1.0, "eval/n": 60,
+                    "eval/seconds": 3.2}, step=3, epoch=0)
+        logger.log({"eval/reward": 0.4, "eval/rewards/vowels": 0.4, "eval/n": 8}, step=4, epoch=0)
+        logger.log({"eval/bleu": 0.125}, step=5, epoch=0)  # an evaluator of the user's: its own metrics
+    assert capsys.readouterr().out.splitlines() == [
+        "step 3 | eval | strict_accuracy 0.2500 | soft_accuracy 0.5000 | n 60",
+        "step 4 | eval | reward 0.4000 | n 8",
+        "step 5 | eval | bleu 0.1250",
+    ]
+
+
+def test_forge_warnings_print_as_one_line_and_others_keep_their_format(monkeypatch):
+    import warnings
+
+    import forge.run.loop
+    from forge.logging import install_warning_format
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # put back after the test
+    install_warning_format()
+    install_warning_format()  # a second call wraps nothing twice
+    ours = warnings.formatwarning("most groups are flat", UserWarning, forge.run.loop.__file__, 84, "code line")
+    theirs = warnings.formatwarning("deprecated", FutureWarning, "/site-packages/transformers/x.py", 7, "code line")
+    assert ours == "forge: warning: most groups are flat\n"
+    assert theirs.startswith("/site-packages/transformers/x.py:7: FutureWarning: deprecated")
+    assert theirs.count("forge") == 0
+
+
+def test_the_command_line_and_a_training_run_install_the_warning_format(tmp_path, monkeypatch):
+    import warnings
+
+    from forge import GRPOConfig, GRPOTrainer
+    from forge.cli import main
+    from forge.model.tiny import build_tiny_model
+
+    plain = warnings.formatwarning
+    monkeypatch.setattr(warnings, "formatwarning", plain)
+    assert main(["train", "--max_samples", "0"]) == 2
+    assert getattr(warnings.formatwarning, "forge_format", False)
+    warnings.formatwarning = plain
+    model, tokenizer = build_tiny_model()
+    config = GRPOConfig(group_size=2, prompts_per_step=2, max_new_tokens=2, max_steps=1, save_steps=0,
+                        output_dir=str(tmp_path / "run"))
+    GRPOTrainer(model, tokenizer, lambda prompts, completions, **kw: [0.0] * len(completions), config).train(
+        [{"prompt": "a", "reference": "1"}, {"prompt": "b", "reference": "2"}])
+    assert getattr(warnings.formatwarning, "forge_format", False)
+
+
 def test_console_false_prints_nothing(tmp_path, capsys):
     with ForgeLogger(tmp_path, console=False) as logger:
         logger.log({"loss": 1.0}, step=1, epoch=0)
