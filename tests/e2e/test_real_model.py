@@ -39,7 +39,7 @@ def test_the_readme_quickstart_runs_as_written(tmp_path):
     """The README's first code block is its Python quickstart: it runs as written from a fresh directory, saves
     its adapter, and its reward rises over its 8 steps as the README says."""
     readme = README.read_text(encoding="utf-8")
-    block = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    block = re.search(r"```python\n(.*?)```", readme, re.DOTALL).group(1)
     assert readme.index("```python") == readme.index("```") and len(block.splitlines()) <= 15
     script = tmp_path / "quickstart.py"
     script.write_text(block, encoding="utf-8")
