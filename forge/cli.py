@@ -89,7 +89,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for name, convert in TRL_CONVERTED.items():
         what = (convert.__doc__ or "").split(":")[0].split(". ")[0]
         trl.add_argument(f"--{name}", type=_trl_value, nargs="?", const=True, default=None, metavar="VALUE",
-                         help=(what or f"TRL's {name}, in Forge's fields").replace("%", "%%"))
+                         help=(what or f"TRL's {name} (the Forge field it sets: docs/from-trl.md)").replace("%", "%%"))
 
 
 CONFIG_FLAGS = (*(f.name for f in dataclasses.fields(GRPOConfig)), *TRL_NAMES, *TRL_CONVERTED)
@@ -233,23 +233,24 @@ def _is_number(text: str) -> bool:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:])
-    from forge.core.trainer import GRPOTrainer, TrainingInterrupted
-
     from forge.run.lifecycle import check_output_dir_is_free
 
     overrides = {"resume_from": "latest"} if args.resume else {}
     config = build_config(args, overrides)
     check_output_dir_is_free(Path(config.output_dir), resuming=bool(config.resume_from),  # before the model loads
                              overwrite=config.overwrite_output_dir, is_main=int(os.environ.get("RANK", "0")) == 0)
+    from forge.core.scoring import greedy_reward_evaluator
+    from forge.core.trainer import GRPOTrainer, TrainingInterrupted
+    from forge.eval.evaluate import graded_by_math, heldout_metrics
+    from forge.tools.calls import load_tools
+
     rewards, weights = _rewards_for(args)
     if config.reward_weights is None:
         config.reward_weights = weights
-    from forge.core.scoring import greedy_reward_evaluator
-    from forge.eval.evaluate import graded_by_math, heldout_metrics  # eval/strict_accuracy, ... every eval_steps
-    from forge.tools.calls import load_tools
 
     tools = load_tools(args.tools) if args.tools else None
-    trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics, tools=tools)
+    trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics,  # eval/strict_accuracy, ...
+                          tools=tools)
     dataset, eval_rows = _training_data(args, trainer.tokenizer)
     if eval_rows is not None and not graded_by_math(eval_rows):  # the math grader would count every answer wrong
         trainer.evaluator = greedy_reward_evaluator(trainer.rewards, config, trainer.tool_settings)

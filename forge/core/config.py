@@ -239,6 +239,13 @@ class GRPOConfig:
     """Seconds one reward call may take; None = no limit."""
     max_consecutive_nonfinite: int = 3
     """Abort after this many optimizer steps in a row skipped for a NaN/inf loss or gradient."""
+    preflight: str = "warn"
+    """Before step 1, sample preflight_prompts prompts x group_size with the run's own model and rewards and print
+    what they show (truncation, each reward's failures, flat groups, projected time): 'warn' prints and trains,
+    'strict' also stops when no group carries signal, most completions are cut, or a reward fails on most samples,
+    'off' skips it. It leaves the run's weights and random state unchanged."""
+    preflight_prompts: int = 4
+    """Prompts the preflight samples (each with group_size completions)."""
 
     def __init__(self, *args: Any, **values: Any) -> None:
         names = [f.name for f in fields(self)]
@@ -355,6 +362,8 @@ class GRPOConfig:
         need(self.on_reward_error in ("raise", "score"), "on_reward_error must be 'raise' or 'score'")
         need(self.reward_timeout is None or self.reward_timeout > 0, "reward_timeout must be > 0 seconds")
         need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
+        need(self.preflight in ("warn", "strict", "off"), f"preflight={self.preflight!r}; choose 'warn', 'strict' or 'off'")
+        need(self.preflight_prompts >= 1, "preflight_prompts must be >= 1")
         need(self.max_tool_calling_iterations >= 0, "max_tool_calling_iterations must be >= 0")
         need(self.tool_timeout > 0, "tool_timeout must be > 0 seconds")
         need(self.max_tool_output_chars >= 1, "max_tool_output_chars must be >= 1")

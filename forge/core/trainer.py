@@ -18,6 +18,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,12 +27,12 @@ from forge.core.advantages import group_reward_std, multi_reward_advantages
 from forge.core.config import GRPOConfig, trainer_arguments
 from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
 from forge.core.logprobs import checkpointed_layers, completion_logprobs, micro_batches, padded_rows
+from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
 from forge.core.rollout import (
     Batch,
     Rollout,
     SamplingSettings,
-    check_prompt_lengths,
     generate,
     prompt_budget,
     sampling_noise,
@@ -41,7 +42,6 @@ from forge.core.scoring import (
     RewardError,
     Scores,
     build_reward_list,
-    check_reward_columns,
     greedy_reward_evaluator,
     score_rollout,
 )
@@ -108,12 +108,12 @@ class GRPOTrainer:
     def train(self, dataset: Any = None, eval_dataset: Any = None) -> dict:
         """Run GRPO over `dataset` (rows {"prompt", ...}, a HF Dataset or a JSONL path; default: train_dataset)."""
         return TrainingRun(self, self.train_dataset if dataset is None else dataset,
-                           self.eval_dataset if eval_dataset is None else eval_dataset, self.check_rows).run()
+                           self.eval_dataset if eval_dataset is None else eval_dataset, self.check_rows,
+                           partial(run_preflight, self)).run()
 
     def check_rows(self, rows: list[dict]) -> None:
-        """Before step 1: every prompt fits the model, every reward gets the arguments it needs."""
-        check_prompt_lengths(self.tokenizer, rows, self.max_prompt_length, self.config.truncate_prompts)
-        check_reward_columns(self.rewards, rows)
+        """Before the run: every prompt fits the model, every reward gets its arguments (core/preflight.py)."""
+        check_before_training(self, rows)
 
     def evaluate(self, rows: list[dict]) -> dict:
         """The evaluator's metrics on these rows, in the run's precision with its whole (merged) weights."""

@@ -130,8 +130,9 @@ def warn_if_raw_prompts(rows: Iterable[dict], tokenizer: Any) -> bool:
     if not count:
         return False
     warnings.warn(f"{count} prompts are plain strings and the tokenizer has a chat template: they reach the model "
-                  f"as raw text, without its chat format. Wrap each as one user message with --chat true "
-                  f"(as_chat_rows), or give the prompts as chat messages [{{'role': 'user', 'content': ...}}]",
+                  f"as raw text, without its chat format. Wrap each as one user message with --chat true (in "
+                  f"Python: forge.data.dataset.as_chat_rows), or give the prompts as chat messages "
+                  f"[{{'role': 'user', 'content': ...}}]",
                   stacklevel=2)
     return True
 

@@ -137,12 +137,10 @@ def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_ma
         if lock is not None:
             lock.release()
         raise
-    left = previous_run(output_dir)
-    if left and not resuming:
-        if is_main:
-            for name in left:
-                target = output_dir / name
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
+    if not resuming and is_main:  # overwrite (else refused above): the other run's checkpoints and logs go
+        for name in previous_run(output_dir):
+            target = output_dir / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
     if is_main:
         integrity.remove_stale_temporaries(output_dir)
     return lock

@@ -1,8 +1,9 @@
 """The run around the steps: how many, when to log, evaluate and save, and what a stop or a failure says.
 
-    TrainingRun(trainer, dataset, eval_dataset, check_prompts).run()
+    TrainingRun(trainer, dataset, eval_dataset, check_rows, preflight).run()
         load and check the rows; claim output_dir (a lock held until the run ends)
         resume (weights, optimizer, schedule, RNG, data position)     -> forge/run/lifecycle.py
+        a new run: preflight(rows, total_steps)                        -> core/preflight.py
         for each step's rows:  trainer.step(rows)                      -> the GRPO step (core/trainer.py)
             log every logging_steps, evaluate every eval_steps, save every save_steps
             a signal: finish the step, save it, raise TrainingInterrupted
@@ -54,8 +55,9 @@ def run_config(trainer) -> dict:
 class TrainingRun:
     """One call of GRPOTrainer.train: the loop over the steps and everything around it."""
 
-    def __init__(self, trainer, dataset, eval_dataset, check_prompts: Callable[[list[dict]], None]):
-        """Load and check everything the run reads (rows, eval rows, prompt lengths), before any step."""
+    def __init__(self, trainer, dataset, eval_dataset, check_rows: Callable[[list[dict]], None],
+                 preflight: Callable[[list[dict], int], object] | None = None):
+        """Load and check everything the run reads (rows, eval rows, and `check_rows`), before any step."""
         config, dist = trainer.config, trainer.dist
         self.trainer, self.config, self.dist = trainer, config, dist
         self.rows, self.identity = training_rows(dataset)
@@ -65,7 +67,8 @@ class TrainingRun:
         if config.prompts_per_step % dist.world_size:
             raise ValueError(f"prompts_per_step={config.prompts_per_step} must be divisible by the number of "
                              f"processes ({dist.world_size}) so every rank gets whole groups")
-        check_prompts(self.rows)
+        check_rows(self.rows)
+        self.preflight = preflight
         steps_per_epoch = len(self.rows) // trainer.rows_per_step * config.num_iterations  # optimizer steps
         self.total_steps = config.max_steps if config.max_steps > 0 else steps_per_epoch * config.num_train_epochs
         self.lifecycle: RunLifecycle | None = None
@@ -101,6 +104,8 @@ class TrainingRun:
             resumed = self.lifecycle.resume(config.resume_from)
             epoch, position, trainer.global_step = resumed.epoch, resumed.position, resumed.step
             trainer.guard.restore(resumed.nonfinite_in_a_row, resumed.skipped_steps, resumed.loss_scale)
+        elif self.preflight is not None:
+            self.preflight(self.rows, self.total_steps)  # leaves the weights and the random state as they were
         self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
                                   wandb_run_name=config.wandb_run_name, use_tensorboard=config.use_tensorboard,
                                   use_trackio=config.use_trackio, trackio_project=config.trackio_project,

@@ -359,14 +359,14 @@ def test_run_failures_are_one_message_that_points_to_the_newest_intact_checkpoin
         raise error
 
     monkeypatch.setattr(forge.core.trainer.GRPOTrainer, "train", fails)
-    assert forge_main("train", *common_flags(workspace), "--output_dir", out) == code
+    assert forge_main("train", *common_flags(workspace), "--output_dir", out, "--resume") == code  # a resumed run
     err = error_message(capsys)
     assert err.startswith(f"forge: error: {message}") and "Traceback" not in err
     if "intact" in message:
         assert f"is {intact}: " in err and "--resume" in err
     monkeypatch.setenv("FORGE_DEBUG", "1")
     with pytest.raises(type(error)):
-        forge_main("train", *common_flags(workspace), "--output_dir", out)
+        forge_main("train", *common_flags(workspace), "--output_dir", out, "--resume")
 
 
 def test_a_damaged_checkpoint_on_resume_is_one_message(workspace, tmp_path, capsys, reward_importable):

@@ -58,6 +58,21 @@ def test_demo_help_lists_every_setting(capsys):
         assert f"--{name}" in out, f"--{name} missing from `forge demo --help`"
 
 
+def test_the_tool_demo_has_its_own_help_with_its_own_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    plain = " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["demo", "--tools", "--help"])
+    tools = " ".join(capsys.readouterr().out.split())
+    assert tools.startswith("usage: forge demo --tools") and "with a calculator tool" in tools
+    assert "with a calculator tool" not in plain and "better at arithmetic, offline, on a CPU" in plain
+    assert "Optimizer steps of GRPO (--tools: 20). (default: 20)" in tools
+    assert "Optimizer steps of GRPO (--tools: 20). (default: 60)" in plain
+    assert "(4 x 8 completions; --tools: 2). (default: 2)" in tools
+    assert "Tokens per completion, in training and evaluation. (default: 64)" in tools
+
+
 def test_demo_ceiling_measures_pass_at_k_and_does_not_train(tiny_folder, tmp_path, capsys):
     out = tmp_path / "ceiling"
     main(["demo", "--model", str(tiny_folder), "--ceiling", "--heldout", "4", "--group_size", "2",

@@ -131,7 +131,7 @@ def train_args(root: Path, output_dir: Path) -> list[str]:
             "--micro_batch_size", "3", "--max_new_tokens", "8", "--max_steps", str(STEPS), "--save_steps", "2",
             "--logging_steps", "1", "--log_completions", "8", "--use_lora", "true", "--lora_r", "4",
             "--kl_beta", "0.05", "--loss_type", "dapo", "--scale_rewards", "batch", "--learning_rate", "0.05",
-            "--seed", "5"]
+            "--seed", "5", "--preflight", "off"]  # the recorded generations are the steps'
 
 
 def launcher_env() -> dict:
@@ -289,7 +289,8 @@ def two_rank_view(trainer, other_rank: dict) -> None:
 
 def short_run_config(tmp_path) -> GRPOConfig:
     return GRPOConfig(output_dir=str(tmp_path), group_size=4, prompts_per_step=2, gradient_accumulation_steps=1,
-                      max_new_tokens=6, max_steps=3, save_steps=0, logging_steps=1, learning_rate=1e-2)
+                      max_new_tokens=6, max_steps=3, save_steps=0, logging_steps=1, learning_rate=1e-2,
+                      preflight="off")
 
 
 def text_length(prompts, completions, **kwargs):

@@ -29,6 +29,7 @@ from test_distributed import read_jsonl, write_workspace
 
 from forge.cli import main as forge_main
 from forge.parallel.distributed import DataParallel
+from forge.run.integrity import verify_checkpoint
 from forge.run.lifecycle import check_same_sharding
 
 STEPS = 4
@@ -92,7 +93,7 @@ def train_args(root: Path, output_dir: Path, *extra: str) -> list[str]:
             "--group_size", "4", "--prompts_per_step", "4", "--gradient_accumulation_steps", "2",
             "--micro_batch_size", "3", "--max_new_tokens", "8", "--max_steps", str(STEPS), "--save_steps", "2",
             "--logging_steps", "1", "--log_completions", "8", "--kl_beta", "0.05", "--loss_type", "dapo",
-            "--scale_rewards", "batch", "--learning_rate", "0.01", "--seed", "5", *extra]
+            "--scale_rewards", "batch", "--learning_rate", "0.01", "--seed", "5", "--preflight", "off", *extra]
 
 
 def launch(root: Path, name: str, *extra: str, kill_at: int = 0) -> subprocess.CompletedProcess:
@@ -163,6 +164,9 @@ def test_sharded_checkpoints_hold_shards_and_final_loads_in_plain_transformers(s
     assert json.loads((run / "final" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     trained = torch.load(record / f"rank0-step{STEPS}.pt")["weights"]
     assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), trained)
+    # final/ is the trained model: the whole weights, no shards, no optimizer, scheduler or RNG state
+    assert not {"sharded", "scheduler.pt", "rng_state.pt"} & {p.name for p in (run / "final").iterdir()}
+    assert verify_checkpoint(run / "final", require_training_state=False)
 
 
 def test_a_killed_sharded_run_resumes_bit_for_bit(workspace, sharded):

@@ -20,7 +20,7 @@ def alternating(prompts, completions, **kwargs):
 
 
 def fast_config(tmp_path, **overrides) -> GRPOConfig:
-    values = {"group_size": 4, "max_new_tokens": 6, "gradient_accumulation_steps": 1, "learning_rate": 1e-2,
+    values = {"preflight": "off", "group_size": 4, "max_new_tokens": 6, "gradient_accumulation_steps": 1, "learning_rate": 1e-2,
               "lr_scheduler": "constant", "warmup_ratio": 0.0, "logging_steps": 1, "save_steps": 0,
               "output_dir": str(tmp_path / "run"), "kl_beta": 0.0}
     return GRPOConfig(**(values | overrides))

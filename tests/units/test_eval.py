@@ -3,6 +3,7 @@
 import importlib
 import json
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -280,6 +281,34 @@ def test_evaluate_rejects_bad_settings(tiny_model, tiny_tokenizer, kwargs, messa
 def test_evaluate_needs_references(tiny_model, tiny_tokenizer):
     with pytest.raises(ValueError, match="reference"):
         evaluate(tiny_model, tiny_tokenizer, [{"prompt": "hi"}], max_new_tokens=2)
+
+
+def test_references_the_math_grader_cannot_read_are_warned_about(tiny_model, tiny_tokenizer):
+    from forge.eval.evaluate import heldout_metrics
+
+    words = [{"prompt": f"Capital of {c}?", "reference": city} for c, city in [("France", "Paris"), ("Peru", "Lima"),
+                                                                              ("Chad", "N'Djamena"), ("Fiji", "12")]]
+    for evaluator in (evaluate, heldout_metrics):
+        with pytest.warns(UserWarning, match=r"3 of 4 references are not numbers or math the grader reads \(e\.g\. "
+                                             r"row 0: 'Paris'\).*forge eval --reward"):
+            evaluator(tiny_model, tiny_tokenizer, words, max_new_tokens=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numbers and math: no warning
+        evaluate(tiny_model, tiny_tokenizer, [*words[3:] * 2, {"prompt": "x?", "reference": "\\frac{1}{2}"}],
+                 max_new_tokens=2)
+
+
+def test_evaluate_model_with_rewards_adds_their_mean_on_greedy_completions(tiny_model, tiny_tokenizer):
+    def length(prompts, completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    rows = [{"prompt": "Say hi", "reference": "hi"}, {"prompt": "Say yo", "reference": "yo"}]
+    with pytest.warns(UserWarning, match="references are not numbers"):
+        result = evaluate_model((tiny_model, tiny_tokenizer), data=rows, max_new_tokens=3, rewards=[length],
+                                reward_weights=[0.5])
+    texts = [record["responses"][0] for record in result.records]  # evaluate's greedy completions: the same ones
+    assert result.metrics["rewards/length"] == pytest.approx(sum(map(len, texts)) / 2)
+    assert result.metrics["reward"] == pytest.approx(0.5 * result.metrics["rewards/length"])
 
 
 def test_load_eval_rows_by_name(tmp_path):

@@ -123,6 +123,22 @@ def test_apply_lora_trains_only_adapters(tiny_model):
     assert apply_lora(peft_model) is peft_model
 
 
+def test_wrapping_and_loading_adapters_hides_only_the_checkpointing_deprecation(tiny_model, tmp_path):
+    """peft reads transformers' deprecated `is_gradient_checkpointing`; that FutureWarning is Forge's to hide,
+    around its own calls only, and nothing else is."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft_model = apply_lora(tiny_model, r=4, alpha=8)
+        peft_model.save_pretrained(tmp_path / "adapter")
+        base, tokenizer = build_tiny_model(seed=0)
+        load_for_eval(base, tmp_path / "adapter", tokenizer=tokenizer)
+        tiny_model.is_gradient_checkpointing  # noqa: B018 - a user's own read still warns
+    deprecations = [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    assert len(deprecations) == 1  # the last line's
+
+
 # --- reference policy --------------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ def text_length(prompts, completions, **kwargs):
 
 
 def config(tmp_path, name, **overrides) -> GRPOConfig:
-    values = {"group_size": 4, "max_new_tokens": 6, "gradient_accumulation_steps": 1, "prompts_per_step": 2,
+    values = {"preflight": "off", "group_size": 4, "max_new_tokens": 6, "gradient_accumulation_steps": 1, "prompts_per_step": 2,
               "lr_scheduler": "constant", "warmup_ratio": 0.0, "logging_steps": 1, "save_steps": 0, "max_steps": 3,
               "kl_beta": 0.0, "output_dir": str(tmp_path / name)}  # learning_rate: Forge's default 5e-6
     return GRPOConfig(**(values | overrides))

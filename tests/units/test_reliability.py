@@ -56,7 +56,7 @@ class PoisonedReward:
 
 
 def config(tmp_path, **overrides) -> GRPOConfig:
-    values = {"group_size": 4, "prompts_per_step": 2, "gradient_accumulation_steps": 1, "max_new_tokens": 6,
+    values = {"preflight": "off", "group_size": 4, "prompts_per_step": 2, "gradient_accumulation_steps": 1, "max_new_tokens": 6,
               "learning_rate": 1e-2, "warmup_ratio": 0.0, "logging_steps": 1, "save_steps": 0, "shuffle": False,
               "max_steps": 2, "output_dir": str(tmp_path / "run")}
     return GRPOConfig(**(values | overrides))
@@ -364,7 +364,7 @@ def test_flat_rewards_warn_once(tmp_path):
 # signals
 
 
-def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path):
+def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, capsys):
     class SignalOnStep2:
         def __init__(self):
             self.calls = 0
@@ -385,9 +385,33 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path):
     assert f"saved in {checkpoint}" in str(caught.value) and "--resume" in str(caught.value)
     assert (checkpoint / COMPLETE_MARKER).is_file() and trainer.global_step == 2
     assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2]
+    # what the signal said will happen is what happened: step 2 finished and was saved
+    assert ("forge: SIGTERM received; step 2 finishes, is saved, then the run stops (send SIGTERM again to abandon "
+            "step 2: the last finished step (1) is saved)") in capsys.readouterr().out
+    assert f"The last finished step (2) is saved in {checkpoint}" in str(caught.value)
 
 
-def test_second_signal_abandons_the_step_and_keeps_the_last_finished_one(tmp_path):
+def test_a_signal_between_steps_stops_at_the_step_that_finished(tmp_path, capsys):
+    """A signal while a finished step is logged, evaluated or saved: that step is the one saved, none starts."""
+    sent = []
+
+    def evaluator(model, tokenizer, rows, **kwargs):  # runs after step 2, before the stop check
+        if not sent:
+            sent.append(signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return {"reward": 0.0}
+
+    model, tokenizer = build_tiny_model()
+    trainer = GRPOTrainer(model, tokenizer, text_length, config(tmp_path, max_steps=4, eval_steps=2),
+                          evaluator=evaluator)
+    with pytest.raises(TrainingInterrupted) as caught:
+        trainer.train(ROWS * 2, eval_dataset=ROWS[:1])
+    assert "forge: SIGINT received; step 2 is finished: saving it, then stopping" in capsys.readouterr().out
+    assert str(caught.value).startswith("stopped by SIGINT after step 2 of 4. The last finished step (2) is saved")
+    assert trainer.global_step == 2
+
+
+def test_second_signal_abandons_the_step_and_keeps_the_last_finished_one(tmp_path, capsys):
     class DoubleSigintOnStep2:
         def __init__(self):
             self.calls = 0
@@ -417,6 +441,9 @@ def test_second_signal_abandons_the_step_and_keeps_the_last_finished_one(tmp_pat
     saved = load_file(tmp_path / "run" / "1" / "model.safetensors")
     assert same_weights({k: saved[k] for k in after_step_1["weights"]}, after_step_1["weights"])
     assert same_weights(weights(trainer.model), after_step_1["weights"])  # step 2 never touched them
+    printed = capsys.readouterr().out
+    assert "step 2 finishes, is saved, then the run stops (send SIGINT again to abandon step 2" in printed
+    assert "forge: a second SIGINT: step 2 is abandoned; the last finished step (1) is saved" in printed
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -58,6 +58,29 @@ def test_overwrite_output_dir_replaces_the_old_run_entirely(tmp_path):
     assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2]  # no step 3 of the old run left
 
 
+def test_final_holds_the_trained_model_only_and_a_run_resumes_from_its_numbered_checkpoints(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from forge.run.integrity import CheckpointError, verify_checkpoint
+
+    run(tmp_path, max_steps=2).train(ROWS)
+    final, last = tmp_path / "run" / "final", tmp_path / "run" / "2"
+    names = {p.name for p in final.iterdir()}
+    assert not names & {"optimizer.pt", "scheduler.pt", "rng_state.pt"}  # the training state is in 1/ and 2/
+    assert {"model.safetensors", "config.json", "tokenizer.json", "forge_config.json", "COMPLETE"} <= names
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pt"} <= {p.name for p in last.iterdir()}
+    assert verify_checkpoint(final, require_training_state=False)  # every file matches its sha256
+    with pytest.raises(CheckpointError, match="cannot resume a run: optimizer.pt was not saved in it"):
+        verify_checkpoint(final)
+    loaded = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in load_file(last / "model.safetensors").items())
+    with pytest.raises(ValueError, match=r"final/ holds the trained model only .* the newest is .*2 \(--resume"):
+        run(tmp_path, max_steps=3, resume_from=str(final)).train(ROWS)
+    run(tmp_path, max_steps=3, resume_from="latest").train(ROWS)
+    assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2, 3]
+
+
 def test_an_empty_or_unrelated_directory_is_fine(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")

@@ -11,6 +11,7 @@ import copy
 import json
 import time
 import types
+import warnings
 
 import pytest
 import torch
@@ -422,6 +423,25 @@ def test_tool_metrics_samples_and_bitwise_resume(scripted, tmp_path):
     resumed = run(resume_from=str(tmp_path / "run" / "1"))
     assert resumed.keys() == expected.keys() and all(torch.equal(resumed[k], expected[k]) for k in expected)
     assert any(not torch.equal(resumed[k], build_tiny_model(seed=0)[0].state_dict()[k]) for k in expected)
+
+
+def test_tools_never_called_in_the_first_three_steps_are_warned_about_once(tmp_path, scripted):
+    model, tokenizer = build_tiny_model(seed=0)
+    config = GRPOConfig(group_size=4, prompts_per_step=2, gradient_accumulation_steps=1, max_steps=4, save_steps=0,
+                        max_new_tokens=6,  # too few for a whole call: <calc>2+3</calc> is 14 tiny-tokenizer tokens
+                        output_dir=str(tmp_path / "silent"))
+    silent = GRPOTrainer(model, tokenizer, lambda prompts, completions, **kw: [len(c) % 3 for c in completions],
+                         config, tools=[calculator])
+    with pytest.warns(UserWarning, match=r"no completion called a tool in the first 3 steps .* the prompts likely "
+                                         r"do not teach the call format.*docs/tools.md") as caught:
+        silent.train(ROWS * 4)
+    assert sum("called a tool" in str(w.message) for w in caught) == 1
+    calling = tool_trainer(tmp_path / "calling", max_steps=3)
+    scripted(calling.tokenizer, CALL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calling.train(ROWS * 3)
+    assert not [w for w in caught if "called a tool" in str(w.message)]
 
 
 def test_forge_train_with_tools_on_the_command_line(tmp_path):

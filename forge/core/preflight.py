@@ -1,0 +1,231 @@
+"""Before step 1: can this run learn at all? The checks, and the preflight that samples to find out.
+
+`check_before_training(trainer, rows)` runs when the rows are loaded:
+    every prompt fits the model (core/rollout.py check_prompt_lengths)
+    every reward gets the arguments it needs (core/scoring.py check_reward_columns)
+`run_preflight(trainer, rows, total_steps)` runs once the output directory is the run's, before step 1 of a new run
+    (GRPOConfig.preflight: 'warn' prints, 'strict' also stops, 'off' skips): a few prompts x G
+    sampled with the run's own model, precision, sampling settings and rewards, and one table of what they show:
+        truncation at max_new_tokens and the lengths of the finished completions
+        each reward's mean and spread, and the share of samples where it raised, returned None or NaN/inf
+        flat groups (every completion scored the same: no learning signal), at the low or the high end
+        tokens per second, the projected seconds per step and for the whole run, the preflight's own time
+        the first prompt as the model sees it (chat template applied)
+    'strict' stops (PreflightFailed, exit code 2 on the command line) when no group carries signal, when most
+    completions are cut at max_new_tokens, or when a reward fails on most samples, naming the fix.
+
+The preflight leaves the run as it found it: the random generators are restored, no weight or optimizer state
+changes, so a run trains the same weights bit for bit with it on or off (tests/units/test_preflight.py).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from forge.core.advantages import group_reward_std
+from forge.core.reward import TrainerState
+from forge.core.rollout import check_prompt_lengths, render_prompt
+from forge.core.scoring import (
+    check_reward_columns,
+    completion_token_ids,
+    rollout_tool_calls,
+    score_completions,
+)
+from forge.data.dataset import dataset_columns
+from forge.run.rng import capture_rng_state, restore_rng_state
+
+PREFLIGHT_MODES = ("warn", "strict", "off")
+MOST = 0.5  # "most" samples, for the strict checks
+
+
+class PreflightFailed(ValueError):
+    """preflight='strict' found that the run cannot learn as set up; the message says what to change."""
+
+
+@dataclass
+class RewardCheck:
+    """What one reward did on the preflight's samples."""
+
+    name: str
+    mean: float  # over the samples it scored (returned a finite number)
+    std: float
+    raised: float  # share of samples where it raised or timed out
+    none: float  # share where it returned None (does not apply)
+    nonfinite: float  # share where it returned NaN/inf
+
+
+@dataclass
+class PreflightReport:
+    """What the preflight's prompts x G samples showed; `problems` stop a strict run, `advice` does not."""
+
+    prompts: int
+    group_size: int
+    max_new_tokens: int
+    truncated: float  # share of completions cut at max_new_tokens
+    finished_lengths: dict[int, float]  # percentile -> tokens, over the completions that ended by themselves
+    rewards: list[RewardCheck]
+    flat_low: float  # share of groups scored all alike at or below the mean reward (too hard, or a stuck reward)
+    flat_high: float  # share of groups scored all alike above it (too easy)
+    tokens_per_second: float
+    step_seconds: float  # projected for one optimizer step of this run
+    run_seconds: float  # projected for the whole run
+    seconds: float  # the preflight's own time
+    peak_memory_mb: float  # the process's peak resident memory (CUDA: peak allocated) so far
+    prompt_as_seen: str
+    problems: list[str] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
+
+
+def check_before_training(trainer, rows: list[dict]) -> None:
+    """What must hold before the run starts: every prompt fits the model, every reward gets its arguments."""
+    check_prompt_lengths(trainer.tokenizer, rows, trainer.max_prompt_length, trainer.config.truncate_prompts)
+    check_reward_columns(trainer.rewards, rows)
+
+
+def run_preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport | None:
+    """The preflight as GRPOConfig.preflight says: print its table (main process), stop a strict run that cannot
+    learn (PreflightFailed), or skip it ('off'). Returns the report."""
+    mode = trainer.config.preflight
+    if mode == "off" or not rows:
+        return None
+    report = preflight(trainer, rows, total_steps)
+    if trainer.dist.is_main:
+        tqdm.write(format_report(report))
+    if mode == "strict" and report.problems:
+        raise PreflightFailed("preflight (preflight='strict'): " + " ".join(report.problems)
+                              + " (preflight='warn' prints this and trains anyway)")
+    return report
+
+
+def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
+    """Sample preflight_prompts prompts x G and score them as the run will, leaving the run unchanged."""
+    config, group = trainer.config, trainer.config.group_size
+    started, rng_state = time.perf_counter(), capture_rng_state()
+    mine = rows[:: max(1, len(rows) // config.preflight_prompts)][:config.preflight_prompts]  # spread over the data
+    trainer.model.eval()
+    generation_started = time.perf_counter()
+    rollout = trainer.generate([row["prompt"] for row in mine])
+    generation_seconds = time.perf_counter() - generation_started
+    prompts = [row["prompt"] for row in mine for _ in range(group)]
+    columns = {k: [v for v in values for _ in range(group)] for k, values in dataset_columns(mine).items()}
+    score = {"on_error": "score", "error_value": 0.0, "timeout": config.reward_timeout,
+             "trainer_state": TrainerState(0, total_steps, trainer.device),
+             "completion_ids": completion_token_ids(rollout), "tool_calls": rollout_tool_calls(rollout)}
+    scoring_started = time.perf_counter()
+    total = score_completions(trainer.rewards, prompts, rollout.completions, columns, **score)
+    checks = [reward_check(name, score_completions([(name, reward, 1.0)], prompts, rollout.completions, columns,
+                                                   **score)) for name, reward, _ in trainer.rewards]
+    scoring_seconds = (time.perf_counter() - scoring_started) / (len(trainer.rewards) + 1)
+    update_seconds = loss_pass_seconds(trainer, rollout)
+    restore_rng_state(rng_state)
+
+    lengths = rollout.completion_lengths.float()  # (N,)
+    finished = lengths[~rollout.truncated]
+    kept = total.valid & total.scored  # (N,)
+    flat = group_reward_std(total.total, group, kept) == 0  # (P,)
+    level = torch.stack([total.total[i * group:(i + 1) * group][kept[i * group:(i + 1) * group]].mean()
+                         if kept[i * group:(i + 1) * group].any() else torch.tensor(0.0) for i in range(len(mine))])
+    middle = float(total.total[kept].mean()) if kept.any() else 0.0
+    spread = float(total.total[kept].max() - total.total[kept].min()) if kept.any() else 0.0
+    low = flat & ((level <= middle) if spread > 0 else (level <= 0))  # one value everywhere: judged by its sign
+    rollouts_per_step = config.gradient_accumulation_steps * config.prompts_per_step / len(mine)
+    step_seconds = rollouts_per_step * (generation_seconds + scoring_seconds + update_seconds * config.num_iterations)
+    step_seconds /= config.num_iterations  # an optimizer step of a rollout reused num_iterations times
+    report = PreflightReport(
+        prompts=len(mine), group_size=group, max_new_tokens=config.max_new_tokens,
+        truncated=float(rollout.truncated.float().mean()),
+        finished_lengths={q: float(torch.quantile(finished, q / 100)) for q in (50, 90, 99)} if finished.numel()
+        else {}, rewards=checks, flat_low=float(low.float().mean()), flat_high=float((flat & ~low).float().mean()),
+        tokens_per_second=float(lengths.sum()) / max(generation_seconds, 1e-9), step_seconds=step_seconds,
+        run_seconds=step_seconds * total_steps, seconds=time.perf_counter() - started, peak_memory_mb=peak_memory_mb(),
+        prompt_as_seen=render_prompt(trainer.tokenizer, mine[0]["prompt"]))
+    judge(report, string_prompts=isinstance(mine[0]["prompt"], str),
+          chat_model=bool(getattr(trainer.tokenizer, "chat_template", None)))
+    return report
+
+
+def reward_check(name: str, scores) -> RewardCheck:
+    """One reward's RewardCheck from its own Scores (scored alone, failures counted)."""
+    n = scores.total.numel()
+    applies = scores.applies.get(name, torch.ones(n, dtype=torch.bool))  # (N,)
+    values = scores.components[name][applies & scores.valid]
+    return RewardCheck(name, float(values.mean()) if values.numel() else float("nan"),
+                       float(values.std()) if values.numel() > 1 else 0.0, (scores.errors + scores.timeouts) / n,
+                       float((~applies).float().mean()), scores.nonfinite / n)
+
+
+def loss_pass_seconds(trainer, rollout) -> float:
+    """Seconds of one forward and backward over the preflight's completions, as the loss pass runs them; the
+    gradients are dropped again (no weight and no optimizer state changes). Not measured under FSDP2."""
+    if trainer.dist.fsdp:
+        return 0.0
+    started = time.perf_counter()
+    indices = torch.arange(rollout.completion_ids.shape[0])
+    logprobs, _ = trainer.logprobs(trainer.model, rollout, indices, with_entropy=True)
+    (logprobs * 0).sum().backward()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
+
+
+def peak_memory_mb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
+
+
+def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool) -> None:
+    """Fill `problems` (what stops a strict run) and `advice` (what is worth a look), each naming the fix."""
+    flat = report.flat_low + report.flat_high
+    if flat >= 1.0:
+        report.problems.append(
+            f"no group of {report.group_size} completions got different rewards, so no step can learn: "
+            f"{'every group scored low (too hard, or a reward that never pays)' if report.flat_low else 'every group scored high (too easy)'}; "
+            f"screen the prompts (`forge screen`), raise group_size, or use a reward with partial credit.")
+    elif flat > MOST:
+        report.advice.append(f"{flat:.0%} of groups scored alike ({report.flat_low:.0%} low, {report.flat_high:.0%} "
+                             f"high) and carry no signal; `forge screen` keeps prompts of mixed outcome.")
+    if report.truncated > MOST:
+        p90 = report.finished_lengths.get(90)
+        hint = f"; the finished ones needed up to {p90:.0f} tokens (p90)" if p90 else ""
+        report.problems.append(
+            f"{report.truncated:.0%} of completions were cut at max_new_tokens={report.max_new_tokens}{hint}: "
+            f"raise max_new_tokens (e.g. {max(2 * report.max_new_tokens, int(2 * (p90 or 0)))}) or ask for "
+            f"shorter answers.")
+    for check in report.rewards:
+        failed = check.raised + check.nonfinite
+        if failed > MOST:
+            report.problems.append(
+                f"reward '{check.name}' failed on {failed:.0%} of samples ({check.raised:.0%} raised, "
+                f"{check.nonfinite:.0%} NaN/inf): fix it; on_reward_error='raise' stops at the first failure "
+                f"with the sample.")
+        if check.none > MOST:
+            report.advice.append(f"reward '{check.name}' did not apply (returned None) to {check.none:.0%} of "
+                                 f"samples.")
+    if string_prompts and chat_model:
+        report.advice.append("the prompts are plain strings but the tokenizer has a chat template: they reach the "
+                             "model without it; give chat messages, or `forge train --chat true`.")
+
+
+def format_report(report: PreflightReport) -> str:
+    """The preflight as one compact block for the console."""
+    lengths = " ".join(f"p{q} {v:.0f}" for q, v in report.finished_lengths.items()) or "none finished"
+    lines = [f"forge preflight: {report.prompts} prompts x {report.group_size} completions, {report.seconds:.1f} s",
+             (f"  completions   {report.truncated:.0%} cut at max_new_tokens={report.max_new_tokens}; finished "
+             f"lengths (tokens): {lengths}"),
+             f"  flat groups   {report.flat_low:.0%} low, {report.flat_high:.0%} high (no learning signal)"]
+    for check in report.rewards:
+        lines.append(f"  reward        {check.name}: mean {check.mean:.3g}, std {check.std:.3g}; raised "
+                     f"{check.raised:.0%}, None {check.none:.0%}, NaN/inf {check.nonfinite:.0%}")
+    lines.append(f"  speed         {report.tokens_per_second:.0f} tokens/s generating; ~{report.step_seconds:.1f} s "
+                 f"per step, ~{report.run_seconds / 60:.1f} min for the run (projected); peak memory "
+                 f"{report.peak_memory_mb:.0f} MB")
+    seen = report.prompt_as_seen if len(report.prompt_as_seen) <= 300 else \
+        report.prompt_as_seen[:150] + " [...] " + report.prompt_as_seen[-150:]
+    lines.append(f"  first prompt  {seen!r}")
+    lines += [f"  problem: {p}" for p in report.problems] + [f"  note: {a}" for a in report.advice]
+    return "\n".join(lines)
