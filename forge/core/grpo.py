@@ -429,8 +429,10 @@ def grpo_loss(
     adv = advantages[:, None].to(logprobs.dtype)  # (B, 1)
     term = POLICY_OBJECTIVES[objective](ratio, logprobs, adv, settings)
     pg_loss = term.pg_loss  # (B, T)
+    acting = mask  # (B, T) the tokens the policy gradient (and the entropy bonus) act on
     if settings.top_entropy_quantile < 1.0:
-        pg_loss = pg_loss * high_entropy_mask(entropy, mask, settings.top_entropy_quantile).to(pg_loss.dtype)
+        acting = mask * high_entropy_mask(entropy, mask, settings.top_entropy_quantile).to(mask.dtype)
+        pg_loss = pg_loss * (acting > 0).to(pg_loss.dtype)
     is_weight = None
     if settings.rollout_is != "none":
         if sampler_logprobs is None:
@@ -452,9 +454,16 @@ def grpo_loss(
     aggregate = LOSS_AGGREGATIONS[aggregation]
     loss = aggregate(per_token, mask, normaliser)
     if settings.entropy_coef != 0.0:
-        # the bonus is the token mean over the whole optimizer batch, whatever the aggregation (as TRL does), so
-        # entropy_coef means the same for every loss_type; micro-batch shares sum to it
-        loss = loss - settings.entropy_coef * (entropy * mask).sum() / max(normaliser.num_tokens, 1.0)
+        # The bonus is the mean entropy of the tokens the policy gradient acts on (all completion tokens; with
+        # top_entropy_quantile < 1 the high-entropy ones, as TRL does), whatever the aggregation, so entropy_coef
+        # means the same for every loss_type. Each micro-batch's mean is weighted by its share of the optimizer
+        # batch's tokens, so the shares sum to the batch's (exactly the token mean when every token acts).
+        if settings.top_entropy_quantile < 1.0:
+            share = float(mask.sum()) / max(normaliser.num_tokens, 1.0)
+            bonus = (entropy * acting).sum() / acting.sum().clamp(min=1) * share
+        else:
+            bonus = (entropy * mask).sum() / max(normaliser.num_tokens, 1.0)
+        loss = loss - settings.entropy_coef * bonus
 
     with torch.no_grad():
         low, high = term.clipped_low.to(mask.dtype), term.clipped_high.to(mask.dtype)

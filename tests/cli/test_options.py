@@ -38,6 +38,16 @@ def train_flags(workspace, out) -> list:
             "--save_steps", "0", "--output_dir", out]
 
 
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    import forge.core.trainer
+
+    def loads_a_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(forge.core.trainer, "GRPOTrainer", loads_a_model)
+
+
 def error_of(capsys) -> str:
     err = capsys.readouterr().err
     assert "Traceback" not in err and "forge: error: " in err, err
@@ -90,23 +100,13 @@ def test_trl_names_in_a_yaml_file_and_flags_win_whichever_name_they_use(tmp_path
     (["demo", "--stepz", "3"], "forge demo: unknown option --stepz (did you mean --steps"),
     (["train", "extra"], "forge train: unexpected arguments: extra"),
 ])
-def test_an_unknown_or_refused_flag_is_one_message_with_exit_2(argv, message, capsys):
+def test_an_unknown_or_refused_flag_is_one_message_with_exit_2(argv, message, capsys, no_model_loading):
     assert forge_main(*argv) == 2
     assert message in error_of(capsys)
 
 
 # ----------------------------------------------------------------------------------------------------
 # the output dir, before the model loads
-
-
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    import forge.core.trainer
-
-    def loads_a_model(*args, **kwargs):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(forge.core.trainer, "GRPOTrainer", loads_a_model)
 
 
 def test_the_output_dir_is_checked_before_the_model_loads(workspace, tmp_path, capsys, no_model_loading):

@@ -395,3 +395,16 @@ def test_every_catalogue_value_validates():
                     {"multi_objective_aggregation": "normalize_then_sum"}, {"top_entropy_quantile": 0.2},
                     {"entropy_coef": 0.01}, {"rollout_is": "sequence_mask", "rollout_is_threshold": 2.0}):
         GRPOConfig(**changes).validate()
+
+
+def test_entropy_bonus_with_the_top_quantile_acts_on_the_high_entropy_tokens():
+    # entropies 1, 2 | 3, 5 (all four tokens in the loss); top_entropy_quantile 0.5 keeps the tokens at or above
+    # the 0.5 quantile of {1, 2, 3, 5} = 2.5: 3 and 5. The bonus is their mean, (3 + 5) / 2 = 4, times 0.1, so
+    # d loss / d H = -0.1 / 2 on each of them and 0 on the others (the policy term is 0: zero advantages).
+    entropy = torch.tensor([[1.0, 2.0], [3.0, 5.0]], requires_grad=True)
+    mask = torch.ones(2, 2)
+    loss, _ = variant_loss(torch.zeros(2, 2), None, None, torch.zeros(2), mask, entropy=entropy,
+                           settings=LossSettings(entropy_coef=0.1, top_entropy_quantile=0.5, loss_type="bnpo"))
+    assert loss.item() == pytest.approx(-0.1 * 4.0)
+    loss.backward()
+    torch.testing.assert_close(entropy.grad, torch.tensor([[0.0, 0.0], [-0.05, -0.05]]))
