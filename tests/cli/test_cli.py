@@ -136,17 +136,18 @@ def test_cli_help_and_public_names_load_transformers_only_when_used():
 
 def test_train_help_lists_every_config_field_with_its_docstring(capsys, monkeypatch):
     import forge.cli
+    import forge.cli_config
 
-    real_docs = forge.cli.field_docs
+    real_docs = forge.cli_config.field_docs
     # a '%' in a docstring must be printed as is (argparse %-formats help strings)
-    monkeypatch.setattr(forge.cli, "field_docs",
+    monkeypatch.setattr(forge.cli_config, "field_docs",
                         lambda: {**real_docs(), "seed": "Seed (100% reproducible runs)."})
     with pytest.raises(SystemExit) as exit_info:
         forge_main("train", "--help")
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     flat = "".join(out.split())  # argparse re-wraps the text; compare without whitespace
-    docs = forge.cli.field_docs()
+    docs = forge.cli_config.field_docs()
     for name in (f.name for f in GRPOConfig.__dataclass_fields__.values()):
         assert f"--{name}" in out, f"--{name} missing from `forge train --help`"
         assert docs.get(name), f"GRPOConfig.{name} has no docstring"

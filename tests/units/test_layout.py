@@ -20,8 +20,9 @@ FLOORS = {
     "core": 3,
     "eval": 4,
     "demo": 5,
-    "cli": 6,
-    "__main__": 7, "__init__": 7,
+    "cli_config": 6,
+    "cli": 7,
+    "__main__": 8, "__init__": 8,
 }
 # Forge's own modules imported inside a function, where that is the point: the command line imports a command's
 # modules when it runs (`forge --help` does not load transformers), the package face imports a public name on

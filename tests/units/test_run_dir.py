@@ -1,13 +1,11 @@
 """A run owns its output_dir, never leaves a non-finite weight, and a resume applies this run's learning rate.
 
-Issue 18's trainer-side defects, each with what it did before the fix:
-- a new run into a used output_dir overwrote the old run's checkpoints and appended a second copy of its steps
-  to training_log.jsonl (now refused unless overwrite_output_dir, which deletes the old run first);
-- two runs at once into one directory interleaved (now a lock);
-- N.tmp-PID directories of killed saves stayed forever (now cleaned at start);
-- an optimizer step that overflowed the weights left NaN/inf in them and the run reported success (now the
-  weights are put back and the step counts as skipped);
-- a changed learning_rate on resume was silently ignored (now applied from the next step, and said).
+- a new run into a used output_dir is refused unless overwrite_output_dir, which deletes the old run first, so
+  two runs' checkpoints and training_log.jsonl rows never mix;
+- two runs at once into one directory: the second is refused (a lock);
+- N.tmp-PID directories of killed saves are cleaned at the start of a run;
+- an optimizer step that overflows the weights is undone and counted as skipped, never reported as success;
+- a changed learning_rate on resume applies from the next step, and the run says so.
 """
 
 import json
