@@ -394,7 +394,7 @@ def _user_error(error: BaseException, args: argparse.Namespace) -> tuple[str, in
     if isinstance(error, KeyboardInterrupt):
         return f"interrupted (Ctrl-C).{_newest_intact_checkpoint_hint(args)}", 130
     run_failures = [FloatingPointError]  # Forge's own, looked up only if loaded: `forge` must start fast
-    for module, name in (("forge.core.scoring", "RewardError"), ("forge.run.checkpoint", "CheckpointError")):
+    for module, name in (("forge.run.loop", "StepFailed"), ("forge.run.checkpoint", "CheckpointError")):
         if module in sys.modules:
             run_failures.append(getattr(sys.modules[module], name))
     if isinstance(error, tuple(run_failures)):

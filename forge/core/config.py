@@ -29,6 +29,7 @@ from forge.core.grpo import (
     LossSettings,
     LossType,
 )
+from forge.run.health import HEALTH_RULES, parse_thresholds
 
 
 @dataclass(init=False)
@@ -246,6 +247,12 @@ class GRPOConfig:
     'off' skips it. It leaves the run's weights and random state unchanged."""
     preflight_prompts: int = 4
     """Prompts the preflight samples (each with group_size completions)."""
+    health_window: int = 5
+    """Steps the run-health rules look back over; an alarm is said once per episode (docs/reliability.md)."""
+    health_thresholds: list[str] | None = None
+    """Run-health thresholds that differ from the defaults, as 'rule=value', e.g. ['kl_spike=5']."""
+    stop_on_health: list[str] | None = None
+    """Run-health rules whose alarm stops the run, the last finished step saved; ['any'] = all; None = none."""
 
     def __init__(self, *args: Any, **values: Any) -> None:
         names = [f.name for f in fields(self)]
@@ -364,6 +371,13 @@ class GRPOConfig:
         need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
         need(self.preflight in ("warn", "strict", "off"), f"preflight={self.preflight!r}; choose 'warn', 'strict' or 'off'")
         need(self.preflight_prompts >= 1, "preflight_prompts must be >= 1")
+        need(self.health_window >= 2, "health_window must be >= 2 steps")
+        need(not set(self.stop_on_health or ()) - {"any", *HEALTH_RULES},
+             f"stop_on_health={self.stop_on_health}; name rules of {sorted(HEALTH_RULES)}, or 'any'")
+        try:
+            parse_thresholds(self.health_thresholds)
+        except ValueError as error:
+            problems.append(str(error))
         need(self.max_tool_calling_iterations >= 0, "max_tool_calling_iterations must be >= 0")
         need(self.tool_timeout > 0, "tool_timeout must be > 0 seconds")
         need(self.max_tool_output_chars >= 1, "max_tool_output_chars must be >= 1")

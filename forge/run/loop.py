@@ -5,7 +5,8 @@
         resume (weights, optimizer, schedule, RNG, data position)     -> forge/run/lifecycle.py
         a new run: preflight(rows, total_steps)                        -> core/preflight.py
         for each step's rows:  trainer.step(rows)                      -> the GRPO step (core/trainer.py)
-            log every logging_steps, evaluate every eval_steps, save every save_steps
+            log every logging_steps (with the run-health keys, forge/run/health.py), evaluate every eval_steps,
+            save every save_steps; a run-health alarm in stop_on_health stops the run
             a signal: finish the step, save it, raise TrainingInterrupted
         a failed step (StepFailed: a reward, non-finite losses): say where the last finished step is saved
         save final/, evaluate, close the logs
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 
 from forge.data.dataset import checked_rows, iterate_steps, rows_per_step, training_rows
 from forge.logging.logger import ForgeLogger, install_warning_format
+from forge.run.health import HEALTH_RULES, HealthMonitor, parse_thresholds
 from forge.run.lifecycle import (
     CheckpointParts,
     FinishedStep,
@@ -39,6 +41,10 @@ from forge.run.rng import capture_rng_state, seed_everything
 class StepFailed(RuntimeError):
     """A step failed at a point every process reaches together (a reward, a run of non-finite steps): the
     weights are still those of the last finished step, which is saved before this is raised to the caller."""
+
+
+class HealthStop(StepFailed):
+    """A run-health alarm named in stop_on_health went off; the step it went off at is saved."""
 
 
 def reached(step: int, every: int, stride: int) -> bool:
@@ -74,6 +80,8 @@ class TrainingRun:
         self.lifecycle: RunLifecycle | None = None
         self.logger: ForgeLogger | None = None
         self.warned_flat = False  # "most groups carry no signal" is said once per run
+        self.health = HealthMonitor(config.health_window, parse_thresholds(config.health_thresholds))
+        self.alarms: list[str] = []  # the alarms of the last step that stop the run (stop_on_health)
         self.rollouts_without_calls: int | None = 0  # steps with tools in which no completion called one; None:
         # a call was seen, or the warning was given
 
@@ -112,6 +120,7 @@ class TrainingRun:
                                   config=run_config(trainer), enabled=self.dist.is_main)
         if config.resume_from:
             self.logger.truncate_after(trainer.global_step)  # rows past the checkpoint come again, once
+            self.health.resume(self.logger.log_path)  # the window the uninterrupted run would have had
         if self.eval_rows is not None and config.eval_before_training and trainer.global_step == 0:
             self.evaluate(epoch)
 
@@ -134,6 +143,7 @@ class TrainingRun:
                     metrics["epoch"] = epoch + position / max(1, len(self.rows))
                     self.after_step(metrics, epoch, position, bar)
                     self.stop_if_asked()
+                    self.stop_on_alarm()
                     signals.under_way = trainer.global_step + config.num_iterations
         except (StepFailed, FloatingPointError) as error:  # the weights are still those of the last step
             error.args = (f"{error.args[0]}\n{self.where_to_resume()}",)
@@ -170,6 +180,10 @@ class TrainingRun:
             self.rollouts_without_calls = None if called else self.rollouts_without_calls + 1
             if not called and warn_if_tools_unused(self.rollouts_without_calls, announce=self.dist.is_main):
                 self.rollouts_without_calls = None
+        health, started = self.health.check(metrics)
+        metrics.update(health)
+        for name in started if self.dist.is_main else ():
+            tqdm.write(f"forge: health: step {step}: {name}: {HEALTH_RULES[name].says}")
         if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps:
             self.logger.log(metrics, step=step, epoch=round(metrics["epoch"], 4))
             self.logger.log_samples(metrics.pop("_samples"), step=step)
@@ -181,6 +195,7 @@ class TrainingRun:
             self.lifecycle.save(finished)
             self.dist.barrier()  # the other ranks wait until rank 0's checkpoint is complete
         self.lifecycle.finished(finished)
+        self.alarms = [n for n in started if {n, "any"} & set(config.stop_on_health or ())]
 
     def stop_if_asked(self) -> None:
         """After a finished step: a signal to any rank stops all of them here (rank 0 saves the step)."""
@@ -190,6 +205,13 @@ class TrainingRun:
             message = f"{signals.describe(self.trainer.global_step, self.total_steps)} {self.where_to_resume()}"
             self.dist.barrier()  # no rank exits (and makes the launcher kill the rest) before the save is done
             raise TrainingInterrupted(message)
+
+    def stop_on_alarm(self) -> None:
+        """After a finished step: a run-health alarm named in stop_on_health stops the run (every rank saw the
+        same metrics, so every rank stops here; the step is saved)."""
+        if self.alarms:
+            raise HealthStop(f"step {self.trainer.global_step}: stopped on the run-health alarm {self.alarms[0]} "
+                             f"(stop_on_health): {HEALTH_RULES[self.alarms[0]].says}")
 
     def where_to_resume(self, every_rank_is_here: bool = True) -> str:
         """Save the last finished step unless an optimizer step is under way; say where to resume from. A
@@ -211,4 +233,4 @@ class TrainingRun:
         self.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.trainer.global_step, epoch=epoch)
 
 
-__all__ = ["StepFailed", "TrainingRun", "reached"]
+__all__ = ["HealthStop", "StepFailed", "TrainingRun", "reached"]
