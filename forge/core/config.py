@@ -138,6 +138,12 @@ class GRPOConfig:
     (weight min(w, C)), 'token_mask' / 'sequence_mask' (weight 0 where w > C), or 'none'."""
     rollout_is_threshold: float = 3.0
     """C for rollout_is: the largest importance weight pi_old / pi_sampler kept (TRL's default 3.0)."""
+    kl_bias_correction: bool = False
+    """Weight the KL term by the importance ratio pi_theta / pi_old (DeepSeek-V3.2): the unbiased reverse-KL
+    gradient off-policy. TRL's use_bias_correction_kl (on by default there; off here, so runs stay as they were)."""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's name): a completion with negative advantage whose mean
+    log-prob gap, sampler minus current policy, is over this loses its policy term; None = off."""
 
     # --- sampling ---
     top_p: float = 1.0
@@ -290,7 +296,9 @@ class GRPOConfig:
                             sapo_temperature_pos=self.sapo_temperature_pos,
                             sapo_temperature_neg=self.sapo_temperature_neg,
                             top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
-                            rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold)
+                            rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
+                            kl_bias_correction=self.kl_bias_correction,
+                            off_policy_mask_threshold=self.off_policy_mask_threshold)
 
     def validate(self) -> GRPOConfig:
         """Raise a ValueError that says what to change for every bad setting; returns self.
@@ -465,6 +473,7 @@ TRL_NAMES = {
     "beta": "kl_beta",
     "epsilon": "clip_epsilon",
     "lr_scheduler_type": "lr_scheduler",
+    "use_bias_correction_kl": "kl_bias_correction",
 }
 """TRL name -> the Forge field that means the same thing. Names TRL and Forge share (loss_type, scale_rewards,
 num_iterations, temperature, learning_rate, gradient_accumulation_steps, max_prompt_length, logging_steps,

@@ -332,6 +332,17 @@ def logprob_gap(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: to
 # Entropy
 
 
+def off_policy_sequence_mask(adv: torch.Tensor, logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
+                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(B, 1) 1.0 = keep, 0.0 = drop the sequence's policy term: DeepSeek-V3.2's off-policy sequence mask
+    (https://arxiv.org/abs/2512.02556; TRL's off_policy_mask_threshold). A completion with negative advantage
+    (adv, (B, 1)) is dropped when its mean per-token gap log pi_sampled - log pi_theta over the completion mask
+    exceeds `threshold`: a bad sample the current policy has already moved away from teaches little."""
+    gap = (sampled_logprobs.float() - logprobs.detach().float()) * mask  # (B, T)
+    mean_gap = gap.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    return ((adv >= 0) | (mean_gap <= threshold)).to(logprobs.dtype)
+
+
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """(B, T) bool: the completion tokens whose entropy is in the top `quantile` fraction of this batch's tokens
     (Wang et al. 2025, "Beyond the 80/20 rule", arXiv 2506.01939: entropy >= the batch's (1 - q) quantile)."""
@@ -364,6 +375,8 @@ class LossSettings:
     entropy_coef: float = 0.0
     rollout_is: str = "none"  # key of ROLLOUT_IS_MODES
     rollout_is_threshold: float = 3.0
+    kl_bias_correction: bool = False  # the KL term weighted by the importance ratio (DeepSeek-V3.2)
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask; None = off
 
     @property
     def epsilon_high(self) -> float:
@@ -429,6 +442,9 @@ def grpo_loss(
     adv = advantages[:, None].to(logprobs.dtype)  # (B, 1)
     term = POLICY_OBJECTIVES[objective](ratio, logprobs, adv, settings)
     pg_loss = term.pg_loss  # (B, T)
+    if settings.off_policy_mask_threshold is not None:
+        sampled = old_logprobs if sampler_logprobs is None else sampler_logprobs
+        pg_loss = pg_loss * off_policy_sequence_mask(adv, logprobs, sampled, mask, settings.off_policy_mask_threshold)
     acting = mask  # (B, T) the tokens the policy gradient (and the entropy bonus) act on
     if settings.top_entropy_quantile < 1.0:
         acting = mask * high_entropy_mask(entropy, mask, settings.top_entropy_quantile).to(mask.dtype)
@@ -447,6 +463,8 @@ def grpo_loss(
         if ref_logprobs is None:
             raise ValueError("kl_beta > 0 needs ref_logprobs")
         kl = estimate_kl(logprobs, ref_logprobs)  # (B, T)
+        if settings.kl_bias_correction:  # DeepSeek-V3.2: the unbiased reverse-KL gradient off-policy
+            kl = kl * ratio
         per_token = pg_loss + settings.kl_beta * kl
     else:
         kl = torch.zeros_like(logprobs) if ref_logprobs is None else estimate_kl(logprobs, ref_logprobs)
@@ -509,6 +527,7 @@ __all__ = [
     "logprob_gap",
     "masked_mean",
     "multi_reward_advantages",
+    "off_policy_sequence_mask",
     "rollout_importance_weights",
     "sequence_mean_log_probs",
     "token_logprobs_from_logits",

@@ -408,3 +408,36 @@ def test_entropy_bonus_with_the_top_quantile_acts_on_the_high_entropy_tokens():
     assert loss.item() == pytest.approx(-0.1 * 4.0)
     loss.backward()
     torch.testing.assert_close(entropy.grad, torch.tensor([[0.0, 0.0], [-0.05, -0.05]]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# DeepSeek-V3.2: the bias-corrected KL and the off-policy sequence mask
+
+
+def test_bias_corrected_kl_weights_the_kl_by_the_ratio():
+    # one token: logp = ln .5, old = ln .25 (ratio 2), ref = ln .25: k3 = e^(ref - logp) - (ref - logp) - 1
+    # = 0.5 + ln 2 - 1 = 0.193147; zero advantage, so the loss is beta x ratio x k3 = 0.1 x 2 x 0.193147.
+    # d/dlogp (ratio x k3) = ratio x k3 + ratio x (1 - e^(ref - logp)) = 0.386294 + 2 x 0.5 = 1.386294, x beta.
+    for corrected, value, grad in ((True, 0.1 * 2 * 0.193147, 0.1386294), (False, 0.1 * 0.193147, 0.05)):
+        loss, g, _ = loss_and_grad([[LN(0.5)]], [[LN(0.25)]], [0.0], ref=[[LN(0.25)]],
+                                   settings=LossSettings(kl_beta=0.1, loss_type="bnpo", kl_bias_correction=corrected))
+        assert loss == pytest.approx(value, abs=1e-6)
+        assert g[0, 0].item() == pytest.approx(grad, abs=1e-6)
+
+
+def test_off_policy_sequence_mask_drops_stale_negative_completions():
+    # two one-token completions, A = +1 and -1, logp = ln .5 (ratio 1 with no old log-probs); the sampler gave
+    # both ln .9: gap ln .9 - ln .5 = 0.5878. Threshold 0.5: the negative one is dropped, loss (-1 + 0) / 2;
+    # threshold 0.6 keeps both, loss (-1 + 1) / 2 = 0. d loss / d logp = -A x ratio / 2 where kept.
+    sampler = torch.tensor([[LN(0.9)], [LN(0.9)]], dtype=torch.float64)
+    for threshold, value, grad in ((0.5, -0.5, [[-0.5], [0.0]]), (0.6, 0.0, [[-0.5], [0.5]])):
+        loss, g, _ = loss_and_grad([[LN(0.5)], [LN(0.5)]], None, [1.0, -1.0], sampler_logprobs=sampler,
+                                   settings=LossSettings(loss_type="bnpo", off_policy_mask_threshold=threshold))
+        assert loss == pytest.approx(value, abs=1e-9)
+        torch.testing.assert_close(g, torch.tensor(grad, dtype=torch.float64))
+
+
+def test_the_config_carries_both_knobs_and_trls_name():
+    settings = GRPOConfig(use_bias_correction_kl=True, off_policy_mask_threshold=0.5).loss_settings
+    assert settings.kl_bias_correction and settings.off_policy_mask_threshold == 0.5
+    assert not GRPOConfig().loss_settings.kl_bias_correction

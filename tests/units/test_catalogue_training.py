@@ -120,6 +120,8 @@ def test_rewards_receive_the_trainer_step(tiny_model, tiny_tokenizer, tmp_path):
     {"entropy_coef": 0.01},
     {"rollout_is": "token_truncate"},
     {"rollout_is": "sequence_mask", "rollout_is_threshold": 2.0},
+    {"kl_beta": 0.05, "kl_bias_correction": True},
+    {"off_policy_mask_threshold": 0.1, "num_iterations": 2},
 ])
 def test_every_variant_trains(tiny_model, tiny_tokenizer, tmp_path, overrides):
     before = [p.detach().clone() for p in tiny_model.parameters()]
