@@ -1,7 +1,10 @@
 """Training curves from `training_log.jsonl` as one PNG: reward, held-out accuracy, KL, length, zero-std groups.
 
 Each panel shows the raw per-step values faintly and an exponential moving average on top, since
-GRPO rewards are noisy from step to step. Panels without data are left out.
+GRPO rewards are noisy from step to step. Panels without data, or whose values are all 0 (the KL of a run
+with kl_beta=0), are left out; the reward counters (errors, timeouts, non-finite) stay off the reward axis.
+Steps are whole numbers on the x axis, legends sit beside the panels, and the steps where a run-health alarm
+started (`health/<rule>` turning 1, forge/run/health.py) are marked on every panel and named on the first.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TRAINING_LOG_NAME = "training_log.jsonl"
+REWARD_COUNTERS = ("rewards/errors", "rewards/timeouts", "rewards/nonfinite")  # counts, not rewards
 
 
 @dataclass
@@ -83,7 +87,8 @@ def extract_series(rows: list[dict], key: str, label: str | None = None) -> Seri
 def build_panels(rows: list[dict]) -> list[Panel]:
     """Pick what to draw from the keys that appear in the log; drop panels with no data."""
     keys = sorted({key for row in rows for key in row})
-    reward_keys = ["reward"] + [k for k in keys if k.startswith("rewards/") and not k.endswith("/std")]
+    reward_keys = ["reward"] + [k for k in keys if k.startswith("rewards/") and not k.endswith("/std")
+                                and k not in REWARD_COUNTERS]
     accuracy_keys = [k for k in keys if k.startswith("eval/") and "accuracy" in k]
     length_key = "completion_length/mean" if "completion_length/mean" in keys else "completion_length"
     candidates = [
@@ -99,10 +104,22 @@ def build_panels(rows: list[dict]) -> list[Panel]:
     ]
     panels = []
     for panel in candidates:
-        panel.series = [series for series in panel.series if series.values]
+        panel.series = [series for series in panel.series if any(series.values)]  # all 0: nothing to show
         if panel.series:
             panels.append(panel)
     return panels
+
+
+def alarm_starts(rows: list[dict]) -> list[tuple[int, str]]:
+    """(step, rule) where a run-health alarm started: `health/<rule>` is 1 there and was not at the row before."""
+    starts, before = [], set()
+    for row in rows:
+        if not any(key.startswith("health/") for key in row):
+            continue  # an evaluation row
+        now = {key.removeprefix("health/") for key, value in row.items() if key.startswith("health/") and value}
+        starts += [(int(row["step"]), rule) for rule in sorted(now - before)]
+        before = now
+    return starts
 
 
 def _heldout_title(rows: list[dict]) -> str:
@@ -117,32 +134,43 @@ def plot_training_curves(
     output_dir_or_log_path: str | os.PathLike, out_path: str | os.PathLike | None = None
 ) -> Path:
     """Draw the training curves of a run into a PNG; returns its path (default `{run}/training_curves.png`)."""
-    # A bare Figure renders with the Agg canvas and leaves pyplot's global backend alone.
-    from matplotlib.figure import Figure
-
     log_path = resolve_log_path(output_dir_or_log_path)
     rows = read_log(log_path)
     panels = build_panels(rows)
     if not panels:
         raise ValueError(f"{log_path} has no reward, accuracy, kl or length values to plot")
     out_path = Path(out_path) if out_path is not None else log_path.parent / "training_curves.png"
+    figure = render(panels, alarm_starts(rows))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out_path, dpi=100, bbox_inches="tight")
+    return out_path
 
-    figure = Figure(figsize=(8, 2.8 * len(panels)))
+
+def render(panels: list[Panel], alarms: list[tuple[int, str]]):
+    """The panels as one matplotlib Figure (Agg canvas; pyplot's global backend is left alone)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(9, 2.8 * len(panels)))
     axes = figure.subplots(len(panels), 1, squeeze=False)
-    for ax, panel in zip(axes[:, 0], panels):
+    for number, (ax, panel) in enumerate(zip(axes[:, 0], panels)):
         for index, series in enumerate(panel.series):
             color = f"C{index}"
             ax.plot(series.steps, series.values, color=color, alpha=0.3, linewidth=1)
             smoothed = ema(series.values, default_smoothing(len(series.values)))
             marker = "o" if len(series.values) <= 20 else None  # sparse series (evals): show each point
             ax.plot(series.steps, smoothed, color=color, linewidth=2, marker=marker, label=series.label)
+        for step, rule in alarms:
+            ax.axvline(step, color="red", linestyle="--", linewidth=1, alpha=0.6)
+            if number == 0:
+                ax.annotate(rule, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize="x-small",
+                            color="red", va="top", ha="right")
         ax.set_title(panel.title)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(panel.ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if len(panel.series) > 1:
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     figure.tight_layout()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out_path, dpi=100)
-    return out_path
+    return figure

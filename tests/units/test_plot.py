@@ -106,3 +106,28 @@ def test_heldout_panel_names_the_number_of_problems():
     assert "Held-out accuracy (60 problems)" in panels
     assert panels["Held-out accuracy (60 problems)"].series[0].steps == [0, 10]
     assert "Held-out accuracy" in {panel.title for panel in build_panels(synthetic_rows())}
+
+
+def test_panels_leave_out_all_zero_series_and_reward_counters():
+    from forge.eval.plot import build_panels
+
+    rows = [{"step": s, "reward": 0.1 * s, "kl": 0.0, "rewards/math": 0.2, "rewards/errors": 3,
+             "rewards/timeouts": 1, "rewards/nonfinite": 0, "completion_length/mean": 20.0} for s in range(1, 6)]
+    panels = {panel.title: [series.label for series in panel.series] for panel in build_panels(rows)}
+    assert "KL to reference" not in panels  # kl_beta = 0: a flat-zero panel says nothing
+    assert panels["Reward"] == ["reward", "rewards/math"]  # the counters are not rewards
+
+
+def test_alarms_are_marked_where_they_start_and_steps_are_whole_numbers():
+    from forge.eval.plot import alarm_starts, build_panels, render
+
+    rows = [{"step": s, "reward": 0.1 * s, "health/groups_flat": float(s in (3, 4, 7)), "health/kl_spike": 0.0}
+            for s in range(1, 9)]
+    rows.insert(4, {"step": 4, "eval/strict_accuracy": 0.5})  # an evaluation row carries no health keys
+    assert alarm_starts(rows) == [(3, "groups_flat"), (7, "groups_flat")]
+    figure = render(build_panels(rows), alarm_starts(rows))
+    first = figure.axes[0]
+    short = render(build_panels([{"step": s, "reward": 0.1 * s} for s in (1, 2, 3)]), []).axes[0]
+    assert all(float(tick).is_integer() for tick in short.get_xticks())  # no 1.25, 1.5 steps on a short run
+    assert [t.get_text() for t in first.texts] == ["groups_flat", "groups_flat"]
+    assert sorted(line.get_xdata()[0] for line in first.lines if line.get_linestyle() == "--") == [3, 7]
