@@ -33,10 +33,10 @@ from forge.core.rollout import check_prompt_lengths, render_prompt
 from forge.core.scoring import (
     check_reward_columns,
     completion_token_ids,
+    per_completion,
     rollout_tool_calls,
     score_completions,
 )
-from forge.data.dataset import dataset_columns
 from forge.run.rng import capture_rng_state, restore_rng_state
 
 PREFLIGHT_MODES = ("warn", "strict", "off")
@@ -111,8 +111,7 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     generation_started = time.perf_counter()
     rollout = trainer.generate([row["prompt"] for row in mine])
     generation_seconds = time.perf_counter() - generation_started
-    prompts = [row["prompt"] for row in mine for _ in range(group)]
-    columns = {k: [v for v in values for _ in range(group)] for k, values in dataset_columns(mine).items()}
+    prompts, columns, _ = per_completion(mine, group)
     score = {"on_error": "score", "error_value": 0.0, "timeout": config.reward_timeout,
              "trainer_state": TrainerState(0, total_steps, trainer.device),
              "completion_ids": completion_token_ids(rollout), "tool_calls": rollout_tool_calls(rollout)}

@@ -346,7 +346,7 @@ Evaluator = Callable[..., dict]
 def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: list[dict]) -> None:
     """A reward argument that neither its calling convention nor a dataset column supplies is an error before the
     first step, naming the columns there are."""
-    columns = [c for c in rows[0] if c != "prompt" and not c.startswith("_")] if rows else []
+    columns = list(dataset_columns(rows[:1]))
     for name, reward, _ in rewards:
         problem = call_problem(reward, columns)
         if problem:
@@ -356,14 +356,19 @@ def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: lis
 def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int, trainer_state) -> Scores:
     """Score a rollout of these dataset rows (G completions each) under the run's failure settings: every row's
     other columns, each completion's token ids, and with tools each completion's calls reach the rewards."""
-    group = config.group_size
-    prompts = [row["prompt"] for row in rows for _ in range(group)]
-    columns = {k: [v for v in values for _ in range(group)] for k, values in dataset_columns(rows).items()}
-    row_ids = [row.get("_row", i) for i, row in enumerate(rows) for _ in range(group)]
+    prompts, columns, row_ids = per_completion(rows, config.group_size)
     return score_completions(rewards, prompts, rollout.completions, columns, on_error=config.on_reward_error,
                              error_value=config.reward_error_value, timeout=config.reward_timeout, step=step,
                              row_index=row_ids, trainer_state=trainer_state,
                              completion_ids=completion_token_ids(rollout), tool_calls=rollout_tool_calls(rollout))
+
+
+def per_completion(rows: list[dict], group_size: int) -> tuple[list, dict[str, list], list[int]]:
+    """The rows' prompts, other columns and row ids, each repeated for the group_size completions of its row."""
+    prompts = [row["prompt"] for row in rows for _ in range(group_size)]
+    columns = {k: [v for v in values for _ in range(group_size)] for k, values in dataset_columns(rows).items()}
+    row_ids = [row.get("_row", i) for i, row in enumerate(rows) for _ in range(group_size)]
+    return prompts, columns, row_ids
 
 
 def completion_token_ids(rollout) -> list[list[int]]:
