@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from forge.cli_config import DEFAULTS, add_config_arguments, build_config, parse_bool
-from forge.core.config import TRL_REFUSED
+from forge.core.trl_names import TRL_REFUSED
 from forge.logging.logger import install_warning_format
 
 

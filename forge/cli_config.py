@@ -9,8 +9,9 @@ import dataclasses
 import typing
 from pathlib import Path
 
-from forge.core.config import TRL_CONVERTED, TRL_NAMES, GRPOConfig
+from forge.core.config import GRPOConfig
 from forge.core.config_docs import field_docs
+from forge.core.trl_names import TRL_CONVERTED, TRL_NAMES
 
 
 def parse_bool(text: str) -> bool:
@@ -58,7 +59,7 @@ def _trl_value(text: str):
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """A flag per GRPOConfig field, its docstring the help; and TRL's names for them (core/config.py TRL_NAMES,
+    """A flag per GRPOConfig field, its docstring the help; and TRL's names for them (core/trl_names.py TRL_NAMES,
     TRL_CONVERTED; docs/from-trl.md)."""
     docs = field_docs()
     group = parser.add_argument_group("GRPOConfig fields (defaults in brackets)")
@@ -89,7 +90,8 @@ def _fields_of(name: str, value, values: dict) -> set[str]:
         return {TRL_NAMES[name]}
     if name in TRL_CONVERTED:
         try:
-            return set(TRL_CONVERTED[name](value, values))
+            defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+            return set(TRL_CONVERTED[name](value, {**defaults, **values}))
         except (TypeError, ValueError):
             return set()  # the converter refuses the value: GRPOConfig says why
     return {name}

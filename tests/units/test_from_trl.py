@@ -165,7 +165,7 @@ def test_forges_own_rewards_take_either_call():
 def test_docs_from_trl_lists_every_name_of_the_table():
     from pathlib import Path
 
-    from forge.core.config import TRL_CONVERTED, TRL_NAMES, TRL_REFUSED
+    from forge.core.trl_names import TRL_CONVERTED, TRL_NAMES, TRL_REFUSED
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "from-trl.md").read_text(encoding="utf-8")
     for name in [*TRL_NAMES, *TRL_NAMES.values(), *TRL_CONVERTED, *TRL_REFUSED]:
