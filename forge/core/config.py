@@ -23,6 +23,7 @@ from forge.core.grpo import (
     LOSS_TYPES,
     MULTI_REWARD_AGGREGATIONS,
     ROLLOUT_IS_MODES,
+    EntropyControl,
     LossSettings,
     LossType,
 )
@@ -130,7 +131,21 @@ class GRPOConfig:
     """The policy gradient flows only through this top fraction of completion tokens by entropy (Wang et al. 2025
     use 0.2); 1.0 = every token."""
     entropy_coef: float = 0.0
-    """Entropy bonus: the loss subtracts entropy_coef x the mean entropy of the completion tokens (0 = off)."""
+    """Entropy bonus: the loss subtracts entropy_coef x the mean entropy of the completion tokens (0 = off); with
+    adaptive_entropy, the coefficient to start from."""
+    adaptive_entropy: bool = False
+    """Adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy): after each optimizer step the coefficient
+    rises by entropy_coef_delta while the step's mean token entropy is at or below entropy_target and falls by it
+    above, within [entropy_coef_min, entropy_coef_max]; the bonus acts only while the entropy is at or below the
+    target. Logged as entropy_coef (the coefficient the step used)."""
+    entropy_target: float = 0.2
+    """adaptive_entropy: the mean token entropy (nats) to hold."""
+    entropy_coef_delta: float = 0.005
+    """adaptive_entropy: how much the coefficient moves per optimizer step."""
+    entropy_coef_min: float = 0.0
+    """adaptive_entropy: the lowest coefficient."""
+    entropy_coef_max: float = 1.0
+    """adaptive_entropy: the highest coefficient."""
     rollout_is: str = "none"
     """Sampler/trainer mismatch correction with the sampler's log-probs: 'token_truncate' / 'sequence_truncate'
     (weight min(w, C)), 'token_mask' / 'sequence_mask' (weight 0 where w > C), or 'none'."""
@@ -284,6 +299,11 @@ class GRPOConfig:
         return self.prompts_per_step * self.gradient_accumulation_steps
 
     @property
+    def entropy_control(self) -> EntropyControl:
+        return EntropyControl(self.entropy_coef, self.adaptive_entropy, self.entropy_target, self.entropy_coef_delta,
+                              self.entropy_coef_min, self.entropy_coef_max)
+
+    @property
     def loss_settings(self) -> LossSettings:
         """The loss variant these fields describe, as grpo_loss takes it (delta and clip_ratio_c are one cap: the
         smaller of those set)."""
@@ -353,6 +373,11 @@ class GRPOConfig:
         need(0 <= self.top_entropy_quantile <= 1,
              f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1 = every token, 0.2 = paper)")
         need(math.isfinite(self.entropy_coef), f"entropy_coef={self.entropy_coef} must be a finite number")
+        if self.adaptive_entropy:
+            need(self.entropy_target > 0 and self.entropy_coef_delta > 0 and 0 <= self.entropy_coef_min
+                 <= self.entropy_coef_max < math.inf, f"adaptive_entropy needs entropy_target > 0, entropy_coef_delta "
+                 f"> 0 and 0 <= entropy_coef_min <= entropy_coef_max (finite); got {self.entropy_target}, "
+                 f"{self.entropy_coef_delta}, {self.entropy_coef_min}, {self.entropy_coef_max}")
         need(self.rollout_is in ROLLOUT_IS_MODES,
              f"rollout_is={self.rollout_is!r}; choose one of {sorted(ROLLOUT_IS_MODES)}")
         need(self.rollout_is_threshold >= 1,

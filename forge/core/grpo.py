@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -354,6 +354,45 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
     return keep & (entropy.detach() >= threshold)
 
 
+def adapted_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
+    """Adaptive entropy control (Skywork-OR1, He et al. 2025, arXiv 2505.22312), the coefficient for the next
+    optimizer step: up by delta while the step's mean token entropy is at or below the target, down by delta
+    above it, held within [low, high]."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
+
+
+def applied_entropy_coef(coef: float, last_entropy: float | None, target: float) -> float:
+    """The entropy coefficient a step's loss uses under adaptive control: the bonus acts only while the previous
+    step's entropy was at or below the target (0 before the first step, whose entropy is not known yet)."""
+    return coef if last_entropy is not None and last_entropy <= target else 0.0
+
+
+@dataclass(frozen=True)
+class EntropyControl:
+    """A run's entropy coefficient: fixed (adaptive=False: coef throughout), or adapted after every optimizer
+    step to hold `target` (GRPOConfig.entropy_control derives it; a checkpoint keeps coef and last_entropy)."""
+
+    coef: float = 0.0  # the controller's coefficient (entropy_coef to start with)
+    adaptive: bool = False
+    target: float = 0.2
+    delta: float = 0.005
+    low: float = 0.0
+    high: float = 1.0
+    last_entropy: float | None = None  # mean token entropy of the last optimizer step; None before the first
+
+    @property
+    def applied(self) -> float:
+        """The coefficient the next step's loss uses."""
+        return applied_entropy_coef(self.coef, self.last_entropy, self.target) if self.adaptive else self.coef
+
+    def observed(self, entropy: float | None) -> EntropyControl:
+        """The control after an optimizer step whose mean token entropy (over every process) was `entropy`; a step
+        without a finite entropy (skipped, or no completion token) leaves it as it was."""
+        if not self.adaptive or entropy is None or not math.isfinite(entropy):
+            return self
+        return replace(self, coef=adapted_entropy_coef(self.coef, entropy, self.target, self.delta, self.low,
+                                                       self.high), last_entropy=entropy)
+
 # ----------------------------------------------------------------------------------------------------
 # The loss
 
@@ -511,11 +550,14 @@ __all__ = [
     "MULTI_REWARD_AGGREGATIONS",
     "POLICY_OBJECTIVES",
     "ROLLOUT_IS_MODES",
+    "EntropyControl",
     "LossNormaliser",
     "LossSettings",
     "LossStats",
     "LossType",
     "PolicyTerm",
+    "adapted_entropy_coef",
+    "applied_entropy_coef",
     "compute_group_advantages",
     "compute_token_log_probs",
     "group_reward_std",

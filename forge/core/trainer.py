@@ -15,6 +15,7 @@ and split like the prompts, so 1 and N processes give the same update, up to fp3
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -38,13 +39,7 @@ from forge.core.rollout import (
     sampling_noise,
     sampling_seed,
 )
-from forge.core.scoring import (
-    RewardError,
-    Scores,
-    build_reward_list,
-    greedy_reward_evaluator,
-    score_rollout,
-)
+from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
 from forge.model import merged_adapters, prepare_policy
 from forge.parallel import sharding
 from forge.parallel.distributed import DataParallel
@@ -100,6 +95,7 @@ class GRPOTrainer:
         self.initial_params = [local(p).detach().to("cpu", copy=True) for p in self.trainable]  # (FSDP2: shards)
         self.sampling_rng = torch.Generator().manual_seed(sampling_seed(config.seed, 0))  # reseeded each step
         self.signals = StopSignals(next_step=lambda: self.global_step + 1)
+        self.entropy_control = config.entropy_control  # the entropy coefficient, adapted each step if adaptive
         context = getattr(model.config, "max_position_embeddings", None)
         self.max_prompt_length = prompt_budget(context, config.max_new_tokens, config.max_prompt_length)
         self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # set again by train()
@@ -250,25 +246,28 @@ class GRPOTrainer:
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")
         update["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         update["grad_norm"] = self.optimizer_step(loss_is_finite=math.isfinite(update["loss"]))
+        update["entropy_coef"] = self.entropy_control.applied  # the coefficient this step's loss used
+        self.entropy_control = self.entropy_control.observed(update.get("entropy"))
         return update
 
     def loss_and_backward(self, batch: Batch, r: int, indices: torch.Tensor, normaliser: LossNormaliser,
                           totals: step_metrics.UpdateTotals) -> None:
         """The loss of one micro-batch (rows `indices` of rollout r) and its backward; gradients accumulate."""
         config, rollout, mask = self.config, batch.rollouts[r], batch.loss_mask[r][indices]
+        settings = dataclasses.replace(config.loss_settings, entropy_coef=self.entropy_control.applied)
         # Gradient checkpointing recomputes layers in backward, which a shared prompt cache cannot survive:
         # each completion then carries its own copy of the prompt.
         with checkpointed_layers(self.model, config.gradient_checkpointing):
             logprobs, entropy = self.logprobs(self.model, rollout, indices, with_entropy=True,
                                               share_prompt=config.share_prompt_prefix
                                               and not config.gradient_checkpointing,
-                                              entropy_grad=config.entropy_coef != 0)  # (n, T') each
+                                              entropy_grad=settings.entropy_coef != 0)  # (n, T') each
         length = logprobs.shape[1]
         old, ref, sampler = (None if t is None else t[indices, :length].to(self.device)  # (n, T') each
                              for t in (batch.old_logprobs[r], batch.ref_logprobs[r], rollout.sampler_logprobs))
         part_mask = mask[:, :length].to(self.device)
         loss, stats = grpo_loss(logprobs, old, ref, batch.advantages[r][indices].to(self.device), part_mask,
-                                settings=config.loss_settings, normaliser=normaliser, entropy=entropy,
+                                settings=settings, normaliser=normaliser, entropy=entropy,
                                 sampler_logprobs=sampler)
         # Each rank's loss carries its share; the sum of the ranks' gradients is the gradient of the whole loss.
         (loss * self.guard.loss_scale).backward()  # the scale is 1 but under fp16 (forge/run/optim.py)

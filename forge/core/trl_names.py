@@ -18,6 +18,7 @@ TRL_NAMES = {
     "epsilon": "clip_epsilon",
     "lr_scheduler_type": "lr_scheduler",
     "use_bias_correction_kl": "kl_bias_correction",
+    "use_adaptive_entropy": "adaptive_entropy",
 }
 """TRL name -> the Forge field that means the same thing. Names TRL and Forge share (loss_type, scale_rewards,
 num_iterations, temperature, learning_rate, gradient_accumulation_steps, max_prompt_length, logging_steps,

@@ -18,6 +18,7 @@ The trainer is given, not imported: anything with the attributes read below runs
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -112,6 +113,8 @@ class TrainingRun:
             resumed = self.lifecycle.resume(config.resume_from)
             epoch, position, trainer.global_step = resumed.epoch, resumed.position, resumed.step
             trainer.guard.restore(resumed.nonfinite_in_a_row, resumed.skipped_steps, resumed.loss_scale)
+            if resumed.entropy_control:  # adaptive entropy control goes on from where it was
+                trainer.entropy_control = dataclasses.replace(trainer.entropy_control, **resumed.entropy_control)
         elif self.preflight is not None:
             self.preflight(self.rows, self.total_steps)  # leaves the weights and the random state as they were
         self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
@@ -224,9 +227,10 @@ class TrainingRun:
         return self.lifecycle.where_to_resume(weights_are_of_last_step=idle and can_save)
 
     def finished(self, epoch: int, position: int) -> FinishedStep:
-        guard = self.trainer.guard
+        guard, control = self.trainer.guard, self.trainer.entropy_control
         return FinishedStep(self.trainer.global_step, epoch, position, capture_rng_state(),
-                            guard.nonfinite_in_a_row, guard.skipped_steps, guard.loss_scale)
+                            guard.nonfinite_in_a_row, guard.skipped_steps, guard.loss_scale,
+                            {"coef": control.coef, "last_entropy": control.last_entropy} if control.adaptive else None)
 
     def evaluate(self, epoch: int) -> None:
         metrics = self.trainer.evaluate(self.eval_rows)
