@@ -189,16 +189,18 @@ def _bind(tool: Tool, arguments: dict) -> str | None:
     return None
 
 
-def run_calls(calls: Sequence[ToolCall], settings: ToolSettings) -> list[ToolResult]:
+def run_calls(calls: Sequence[ToolCall], settings: ToolSettings,
+              toolboxes: Sequence[dict[str, Tool]] | None = None) -> list[ToolResult]:
     """Run a round of calls in parallel, each in its own daemon thread with `settings.timeout` seconds.
 
     A thread that outlives its timeout is abandoned (Python cannot kill it; as a daemon it does not keep the
-    process alive) and its call is answered with a timeout error."""
-    tools = settings.by_name()
+    process alive) and its call is answered with a timeout error. toolboxes: each call's own tools by name (an
+    environment's methods, bound to that completion's instance); default `settings.tools` for every call."""
     results: list[ToolResult | None] = [None] * len(calls)
     boxes: list[dict] = [{} for _ in calls]
     threads: list[tuple[int, threading.Thread, float]] = []
     for i, call in enumerate(calls):
+        tools = settings.by_name() if toolboxes is None else toolboxes[i]
         problem, failure = call.error, "malformed"
         if problem is None and call.name not in tools:
             problem, failure = f"no tool named {call.name!r}; the tools are {sorted(tools)}", "unknown_tool"
