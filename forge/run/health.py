@@ -100,9 +100,10 @@ HEALTH_RULES: dict[str, Rule] = {
     "length_pinned": Rule(0.9, _every("frac_truncated", lambda v, t: v >= t),
                           "almost every completion hits max_new_tokens: raise max_new_tokens, ask for shorter "
                           "answers, or set mask_truncated_completions"),
-    "logprob_gap": Rule(1.0, _latest("sampling/logp_diff_max", lambda v, t: v > t),
-                        "the sampler's and the trainer's log-probs of a token differ by over 1 nat: check the "
-                        "precision (dtype) and merge_lora_for_generation, or set rollout_is"),
+    "logprob_gap": Rule(0.1, _latest("sampling/logp_diff_mean", lambda v, t: v > t),
+                        "the sampler's and the trainer's log-probs of the sampled tokens differ by over 0.1 nat on "
+                        "average (the samples come from another policy than the one trained): check the precision "
+                        "(dtype) and merge_lora_for_generation, or set rollout_is"),
     "grad_norm_exploding": Rule(10.0, _spike("grad_norm", 1e-6),
                                 "the gradient norm jumped over 10x its recent level: lower learning_rate or "
                                 "max_grad_norm"),

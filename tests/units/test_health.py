@@ -17,7 +17,8 @@ def healthy(step: int) -> dict:
     """One step of a run that learns: moving reward, mixed groups, steady KL and gradient norm."""
     return {"reward": 0.2 + 0.03 * step, "frac_zero_std_groups": 0.3, "entropy": 1.1, "kl": 0.01 + 0.001 * step,
             "clip_frac": 0.02, "completion_length/mean": 30.0, "frac_truncated": 0.1,
-            "sampling/logp_diff_max": 0.02, "grad_norm": 1.0 + 0.05 * step, "skipped_steps": 0}
+            "sampling/logp_diff_mean": 0.03, "sampling/logp_diff_max": 2.8 if step % 7 == 3 else 0.6,  # bf16's tail
+            "grad_norm": 1.0 + 0.05 * step, "skipped_steps": 0}
 
 
 BROKEN = {  # rule -> how the last steps of an otherwise healthy stream go bad
@@ -28,7 +29,7 @@ BROKEN = {  # rule -> how the last steps of an otherwise healthy stream go bad
     "clip_spike": lambda m, i: m | {"clip_frac": 0.6} if i == 9 else m,
     "length_collapsed": lambda m, i: m | {"completion_length/mean": 1.0} if i == 9 else m,
     "length_pinned": lambda m, i: m | {"frac_truncated": 1.0},
-    "logprob_gap": lambda m, i: m | {"sampling/logp_diff_max": 3.0} if i == 9 else m,
+    "logprob_gap": lambda m, i: m | {"sampling/logp_diff_mean": 0.4} if i == 9 else m,
     "grad_norm_exploding": lambda m, i: m | {"grad_norm": 40.0} if i == 9 else m,
     "skipped_steps": lambda m, i: m | {"skipped_steps": 1} if i == 9 else m,
 }
