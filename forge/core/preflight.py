@@ -133,7 +133,9 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     spread = float(total.total[kept].max() - total.total[kept].min()) if kept.any() else 0.0
     low = flat & ((level <= middle) if spread > 0 else (level <= 0))  # one value everywhere: judged by its sign
     rollouts_per_step = config.gradient_accumulation_steps * config.prompts_per_step / len(mine)
-    step_seconds = rollouts_per_step * (generation_seconds + scoring_seconds + update_seconds * config.num_iterations)
+    carrying = 1.0 - float(flat.float().mean()) if config.drop_zero_std_groups else 1.0  # flat: no loss pass
+    step_seconds = rollouts_per_step * (generation_seconds + scoring_seconds
+                                        + update_seconds * carrying * config.num_iterations)
     step_seconds /= config.num_iterations  # an optimizer step of a rollout reused num_iterations times
     report = PreflightReport(
         prompts=len(mine), group_size=group, max_new_tokens=config.max_new_tokens,
