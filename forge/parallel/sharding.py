@@ -12,9 +12,12 @@ whole weights only while it needs them:
                             after. Peak memory: the whole weights plus the shards
     forward / backward      FSDP2's per-layer all-gather in forward and reduce-scatter in backward replace
                             Forge's gradient all-reduce; clipping and AdamW run on the shards
-    save / load             torch.distributed.checkpoint (DCP): every rank writes its shards of the weights
-                            and the AdamW state into {checkpoint}/sharded/; DCP reshards on load, so a run can
-                            resume on another number of ranks (then not bit for bit: sums run in another order)
+    save / load             torch.distributed.checkpoint (DCP) through its Hugging Face storage: every rank
+                            writes its shards of the weights and the AdamW state into {checkpoint}/sharded/ as
+                            one safetensors file (each shard's offsets in its JSON header); the reader rebuilds
+                            the index from those headers, so no file is unpickled (DCP's own format pickles
+                            its .metadata). DCP reshards on load, so a run can resume on another number of
+                            ranks (then not bit for bit: sums run in another order)
     full_state_dict(model)  the whole weights on rank 0's CPU, for final/ (a plain from_pretrained folder)
 
 Only the trainer (and, through CheckpointParts, the checkpoint code) uses this module.
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 
 SHARDED_DIR = "sharded"
-"""The DCP folder of a sharded checkpoint: model and optimizer shards of every rank, and DCP's .metadata."""
+"""The DCP folder of a sharded checkpoint: one safetensors file of model and optimizer shards per rank."""
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -105,27 +108,53 @@ def kept_until_backward(model: torch.nn.Module, enabled: bool = True):
             module.set_reshard_after_forward(True, recurse=False)
 
 
-def _state(model, optimizer) -> dict:
+def state_dicts(model, optimizer) -> dict:
+    """{"model": ..., "optimizer": ...}: this rank's shards as DTensors, and the optimizer's settings (collective)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def save(directory: Path, model, optimizer) -> None:
-    """Every rank writes its shards of the weights and the AdamW state to `directory` (collective)."""
+def save_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every rank writes its shards of `tensors` ({key: DTensor or tensor}) to `directory`, one safetensors file
+    per rank; a tensor every rank holds whole is written once (collective)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    dcp.save(_state(model, optimizer), checkpoint_id=str(directory))
+    with _first_failure():
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
 
 
-def load(directory: Path, model, optimizer) -> None:
-    """Load what `save` wrote into the sharded model and optimizer (collective); DCP reshards as needed."""
+def load_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill `tensors` in place from what `save_tensors` wrote, on any number of ranks (collective). Reads the
+    safetensors headers (JSON) and tensor bytes only: nothing is unpickled."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    with _first_failure():
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)))
+
+
+@contextmanager
+def _first_failure():
+    """DCP reports a failure of any rank on every rank as a CheckpointException, a BaseException whose message is
+    every rank's traceback: raise the first rank's own exception instead (an OSError of a full disk stays one)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as error:
+        failures = [pair[0] for _, pair in sorted(error.failures.items()) if isinstance(pair, tuple) and pair]
+        if not failures or not isinstance(failures[0], Exception):
+            raise
+        raise failures[0] from error
+
+
+def set_state(model, optimizer, state: dict) -> None:
+    """Put a state of `state_dicts`'s shape into the sharded model and optimizer."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -155,4 +184,4 @@ def fix_architectures(folder: Path, model) -> None:
 
 
 __all__ = ["SHARDED_DIR", "decoder_layers", "fix_architectures", "full_state_dict", "gathered",
-           "kept_until_backward", "load", "local", "save", "shard"]
+           "kept_until_backward", "load_tensors", "local", "save_tensors", "set_state", "shard", "state_dicts"]

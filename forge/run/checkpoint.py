@@ -5,23 +5,25 @@ A checkpoint directory holds everything needed to continue a run exactly where i
     {output_dir}/{step}/
         model.safetensors | adapter_model.safetensors   full weights, or only the LoRA adapter
         config.json, tokenizer files                      so the directory also loads with from_pretrained
-        optimizer.pt, scheduler.pt                        state_dicts
+        optimizer.safetensors, scheduler.safetensors      state_dicts (forge/run/state_files.py: no pickle)
         trainer_state.json                                global step, epoch, data position, ...
-        rng_state.pt                                      python / numpy / torch (and CUDA) generators
+        rng_state.safetensors                             python / numpy / torch (and CUDA) generators
         forge_config.json                                 the run's config, to refuse an incompatible resume
         COMPLETE                                          written last: the sha256 of every other file
 
 `{output_dir}/final/` is the trained model, not a point to resume from: the weights (or adapter), config.json,
-the tokenizer, trainer_state.json, forge_config.json and COMPLETE, without optimizer.pt, scheduler.pt and
-rng_state.pt (`training_state=False`); a run resumes from its numbered checkpoints.
+the tokenizer, trainer_state.json, forge_config.json and COMPLETE, without the optimizer, scheduler and RNG
+state (`training_state=False`); a run resumes from its numbered checkpoints.
 
-An FSDP2 run (fsdp=True) saves `sharded/` instead of the weight files and optimizer.pt: every rank's shards
-of both, written by torch.distributed.checkpoint (`save_sharded_checkpoint`, called on every rank); its
-final/ holds the whole gathered weights instead, so final/ loads with from_pretrained as usual.
+An FSDP2 run (fsdp=True) saves `sharded/` instead of the weight files and the optimizer state: every rank's
+shards of both as safetensors, written and read by torch.distributed.checkpoint's Hugging Face storage
+(`save_sharded_checkpoint`, called on every rank), and `sharded/layout.json`, the rest of the state (AdamW's
+settings) as JSON; its final/ holds the whole gathered weights instead, so final/ loads with from_pretrained.
 
 Everything is first written to a temporary sibling `{path}.tmp-<pid>` and renamed into place, so a
-crash mid-save never leaves a directory that looks like a checkpoint. Non-weight state is saved so
-that `torch.load(..., weights_only=True)` can read it back: no pickled code runs on load.
+crash mid-save never leaves a directory that looks like a checkpoint, and a save that fails (a full disk)
+leaves the checkpoints already there as they were. Loading a checkpoint never unpickles: every file is
+safetensors or JSON (a checkpoint of an older Forge that holds pickled state is refused, `integrity.refuse_pickled`).
 
 What a checkpoint guarantees, and where it is checked (the manifest and verification: forge/run/integrity.py):
 - `save_checkpoint` refuses weights that hold NaN/inf, so a checkpoint never stores non-finite weights.
@@ -30,11 +32,14 @@ What a checkpoint guarantees, and where it is checked (the manifest and verifica
   checksums (`COMPLETE` holds just "ok") still loads, with a warning; its weight files are then checked
   for a truncated safetensors layout and for NaN/inf instead.
 - `remove_stale_temporaries` deletes the `.tmp-<pid>` leftovers of saves whose process is gone.
+- A save that cannot write (a full disk, a read-only folder) raises a CheckpointError in one line that names the
+  folder and what to do; nothing of the checkpoints already saved is touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -47,6 +52,7 @@ import torch
 from safetensors.torch import load_file
 
 from forge.parallel import sharding
+from forge.run import state_files
 from forge.run.integrity import (
     ADAPTER_WEIGHTS_NAME,
     CONFIG_NAME,
@@ -55,9 +61,13 @@ from forge.run.integrity import (
     OPTIMIZER_NAME,
     RNG_STATE_NAME,
     SCHEDULER_NAME,
+    SHARDED_DIR,
+    SHARDED_LAYOUT,
     TRAINER_STATE_NAME,
     CheckpointError,
     Damaged,
+    has_forge_manifest,
+    latest_checkpoint,
     nonfinite_tensors,
     offer_previous,
     safetensors_problem,
@@ -178,19 +188,51 @@ def save_checkpoint(
             "The weights are garbage, so there is nothing worth saving; resume from an earlier checkpoint "
             "with a lower learning_rate (or float32 / bfloat16 instead of float16)."
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = _fresh_temporary(path, os.getpid())
+    tmp_path = _temporary(path, os.getpid())
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _fresh_temporary(path, os.getpid())
         with _quiet_transformers_progress():
             model.save_pretrained(tmp_path, safe_serialization=True)
         if optimizer is not None and training_state:
-            torch.save(optimizer.state_dict(), tmp_path / OPTIMIZER_NAME)
+            state_files.save_state(tmp_path / OPTIMIZER_NAME, optimizer.state_dict())
         _write_run_files(tmp_path, tokenizer, scheduler, trainer_state, config, rng_state, training_state)
-    except BaseException:
+        _swap_into_place(tmp_path, path)
+    except BaseException as error:
         shutil.rmtree(tmp_path, ignore_errors=True)
+        failed = _write_failed(path, error)
+        if failed is not None:
+            raise failed from error
         raise
-    _swap_into_place(tmp_path, path)
     return path
+
+
+def _disk_full(error: BaseException | None, depth: int = 0) -> bool:
+    """Whether `error`, or an error it wraps, says the disk is full: an OSError ENOSPC/EDQUOT, safetensors'
+    "os error 28"."""
+    if error is None or depth > 8:
+        return False
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(words in str(error) for words in ("No space left on device", "os error 28", "StorageFull")):
+        return True
+    return any(_disk_full(e, depth + 1) for e in (error.__cause__, error.__context__))
+
+
+def _write_failed(path: Path, error: BaseException) -> CheckpointError | None:
+    """A save that could not write, said in one line that names the folder and what to do; None for any other
+    failure (raised as it is)."""
+    if isinstance(error, CheckpointError) or not (_disk_full(error) or isinstance(error, OSError)):
+        return None
+    newest = latest_checkpoint(path.parent)
+    kept = (f"the checkpoints already there are untouched (the newest is {newest}: continue from it with the same "
+            f"command plus --resume)" if newest is not None else "nothing already there was touched")
+    if _disk_full(error):
+        return CheckpointError(f"cannot write checkpoint {path}: the disk holding {path.parent} is full (no space "
+                               f"left on device). Free space there, or choose an output_dir on another disk; {kept}.")
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return CheckpointError(f"cannot write checkpoint {path}: {reason} ({type(error).__name__}). Make "
+                           f"{path.parent} writable, or choose another output_dir; {kept}.")
 
 
 def _temporary(path: Path, pid: int) -> Path:
@@ -213,18 +255,22 @@ def _write_run_files(tmp_path: Path, tokenizer, scheduler, trainer_state: dict, 
     `training_state`, no scheduler and RNG state."""
     tokenizer.save_pretrained(tmp_path)
     if scheduler is not None and training_state:
-        torch.save(scheduler.state_dict(), tmp_path / SCHEDULER_NAME)
+        state_files.save_state(tmp_path / SCHEDULER_NAME, scheduler.state_dict())
     _write_json(tmp_path / TRAINER_STATE_NAME, trainer_state)
     if training_state:
-        torch.save(rng_state if rng_state is not None else capture_rng_state(), tmp_path / RNG_STATE_NAME)
+        state_files.save_state(tmp_path / RNG_STATE_NAME, rng_state if rng_state is not None else capture_rng_state())
     _write_json(tmp_path / CONFIG_NAME, config)
     write_manifest(tmp_path)
 
 
 def _swap_into_place(tmp_path: Path, path: Path) -> None:
     """Replace `path` by the finished `tmp_path`; between the two renames `path` is briefly absent, never
-    half-written."""
+    half-written. A folder at `path` that is not a Forge checkpoint is never replaced (a CheckpointError)."""
     old_path = path.with_name(f"{path.name}.old-{os.getpid()}")
+    if path.exists() and not has_forge_manifest(path):
+        raise CheckpointError(f"cannot write checkpoint {path}: a folder that is not a Forge checkpoint (it holds no "
+                              f"Forge COMPLETE) is in the way; move it out of {path.parent}, or choose another "
+                              f"output_dir")
     if path.exists():
         if old_path.exists():
             shutil.rmtree(old_path)
@@ -250,8 +296,9 @@ def save_sharded_checkpoint(
 ) -> Path:
     """The checkpoint of an FSDP2 run (forge/parallel/sharding.py); every rank calls it, rank 0 writes all but the shards.
 
-    `{path}/sharded/` holds every rank's shards of the weights and AdamW state (torch.distributed.checkpoint);
-    the other files are those of `save_checkpoint`, and COMPLETE hashes the shards too. `full_weights` also
+    `{path}/sharded/` holds every rank's shards of the weights and AdamW state (safetensors, through
+    torch.distributed.checkpoint's Hugging Face storage) and layout.json (the rest of that state, as JSON); the
+    other files are those of `save_checkpoint`, and COMPLETE hashes the shards too. `full_weights` also
     gathers the whole weights into model.safetensors / adapter_model.safetensors (a folder that from_pretrained
     loads); `training_state=False` (final/: with full_weights) leaves out the shards, the scheduler and the RNG.
     `ranks`: is_main, main_pid, barrier() and any(flag) of the run's processes.
@@ -263,13 +310,13 @@ def save_sharded_checkpoint(
             f"refusing to write checkpoint {path}: some weight shards hold NaN/inf. The weights are garbage, so "
             "there is nothing worth saving; resume from an earlier checkpoint with a lower learning_rate.")
     tmp_path = _temporary(path, ranks.main_pid)  # rank 0's: every rank writes its shards there
-    if ranks.is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _fresh_temporary(path, ranks.main_pid)
-    ranks.barrier()
     try:
+        if ranks.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _fresh_temporary(path, ranks.main_pid)
+        ranks.barrier()
         if training_state:
-            sharding.save(tmp_path / sharding.SHARDED_DIR, model, optimizer)
+            _save_shards(tmp_path, model, optimizer, ranks.is_main)
         whole = sharding.full_state_dict(model) if full_weights else None
         if ranks.is_main:
             if whole is not None:
@@ -277,14 +324,46 @@ def save_sharded_checkpoint(
                     model.save_pretrained(tmp_path, state_dict=whole, safe_serialization=True)
                 sharding.fix_architectures(tmp_path, model)
             _write_run_files(tmp_path, tokenizer, scheduler, trainer_state, config, rng_state, training_state)
-    except BaseException:
+            _swap_into_place(tmp_path, path)
+    except BaseException as error:
         if ranks.is_main:
             shutil.rmtree(tmp_path, ignore_errors=True)
+        failed = _write_failed(path, error)
+        if failed is not None:
+            raise failed from error
         raise
-    if ranks.is_main:
-        _swap_into_place(tmp_path, path)
     ranks.barrier()
     return path
+
+
+_SHARDED_FORMAT = "forge-sharded-v1"
+
+
+def _save_shards(checkpoint: Path, model, optimizer, is_main: bool) -> None:
+    """Every rank writes its shards of the weights and AdamW state into {checkpoint}/sharded/ as safetensors;
+    rank 0 writes sharded/layout.json: where each tensor sits in the state, and every value that is not one."""
+    tensors, layout = state_files.encode(sharding.state_dicts(model, optimizer))
+    sharding.save_tensors(checkpoint / SHARDED_DIR, tensors)  # collective
+    if is_main:
+        _write_json(checkpoint / SHARDED_LAYOUT, {"format": _SHARDED_FORMAT, "layout": layout})
+
+
+def load_sharded_state(path: str | os.PathLike, model, optimizer) -> None:
+    """Load the shards of a verified sharded checkpoint into the sharded model and optimizer (collective; any
+    number of ranks: the shards are redistributed). Reads safetensors headers, tensor bytes and JSON only."""
+    path = Path(path)
+    try:
+        saved = _read_json(path / SHARDED_LAYOUT)
+        if not isinstance(saved, dict) or saved.get("format") != _SHARDED_FORMAT:
+            raise ValueError(f"its format is not {_SHARDED_FORMAT}")
+        tensors, _ = state_files.encode(sharding.state_dicts(model, optimizer))  # this run's shards, to fill
+        state = state_files.decode(saved["layout"], tensors)  # a tensor it names that this run lacks: ValueError
+        sharding.load_tensors(path / SHARDED_DIR, tensors)  # in place, into `state` too
+    except Exception as error:  # noqa: BLE001 - a wrong layout or shard, said with the checkpoint named
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {SHARDED_DIR}/ is damaged or was saved from another "
+                              f"model or LoRA setup ({reason}). {offer_previous(path)}") from None
+    sharding.set_state(model, optimizer, state)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -301,7 +380,7 @@ def _read_state_file(path: Path, name: str, reader) -> Any:
 
 
 def _load_optional(path: Path) -> Any | None:
-    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+    return state_files.load_state(path) if path.is_file() else None
 
 
 def _read_json(path: Path) -> Any:

@@ -5,7 +5,9 @@ checkpoints of a run exist, verify, or are left over from a killed save.
     verify_checkpoint(path)    re-hash every file against COMPLETE (a checkpoint from before checksums: check
                                its weight files for a truncated safetensors layout and NaN/inf instead)
     latest_verified_checkpoint the newest numbered checkpoint that verifies
-    remove_stale_temporaries   the `.tmp-<pid>` / `.old-<pid>` leftovers of saves whose process is gone
+    remove_stale_temporaries   the `.tmp-<pid>` / `.old-<pid>` leftovers of saves whose process is gone (an
+                               `.old-<pid>` is put back only when it verifies)
+    has_forge_manifest         whether a folder is Forge's checkpoint (what --overwrite_output_dir may delete)
     prune_checkpoints          keep the newest N
 """
 
@@ -27,13 +29,18 @@ from forge.run.optim import all_finite
 COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE_NAME = "trainer_state.json"
 CONFIG_NAME = "forge_config.json"
-OPTIMIZER_NAME = "optimizer.pt"
-SCHEDULER_NAME = "scheduler.pt"
-RNG_STATE_NAME = "rng_state.pt"
+OPTIMIZER_NAME = "optimizer.safetensors"  # state files: forge/run/state_files.py (safetensors, no pickle)
+SCHEDULER_NAME = "scheduler.safetensors"
+RNG_STATE_NAME = "rng_state.safetensors"
 FULL_WEIGHTS_NAME = "model.safetensors"
 FULL_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-SHARDED_METADATA = "sharded/.metadata"  # torch.distributed.checkpoint's index of an FSDP2 run's shards
+SHARDED_DIR = "sharded"  # an FSDP2 run's shards of the weights and AdamW state (forge/parallel/sharding.py)
+SHARDED_LAYOUT = "sharded/layout.json"  # what of the sharded state is not a tensor, and the format: Forge's
+# What an older Forge wrote with pickle (torch.save, torch.distributed.checkpoint's .metadata), and what replaced
+# each: a checkpoint holding one of these without its replacement is refused, never unpickled.
+PICKLED_NAMES = {"optimizer.pt": OPTIMIZER_NAME, "scheduler.pt": SCHEDULER_NAME, "rng_state.pt": RNG_STATE_NAME,
+                 "sharded/.metadata": SHARDED_LAYOUT}
 
 # Numbered checkpoints are `{output_dir}/{step}`; `checkpoint-{step}` is accepted when reading.
 _STEP_DIR_PATTERN = re.compile(r"^(?:checkpoint-)?(\d+)$")
@@ -96,7 +103,41 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 def is_sharded(path: str | os.PathLike) -> bool:
     """Whether a checkpoint was saved by an FSDP2 run (its weights and optimizer state are in sharded/)."""
-    return (Path(path) / SHARDED_METADATA).is_file()
+    return (Path(path) / SHARDED_DIR).is_dir()
+
+
+def has_forge_manifest(path: str | os.PathLike) -> bool:
+    """Whether `path` holds a COMPLETE that Forge wrote (its sha256 manifest, or the "ok" of a Forge from before
+    checksums): how Forge tells its own checkpoint folders from anything else with a step's name."""
+    marker = Path(path) / COMPLETE_MARKER
+    try:
+        if not marker.is_file() or marker.stat().st_size > 50_000_000:
+            return False
+        text = marker.read_text(encoding="utf-8", errors="replace")
+        return text.strip() == "ok" or json.loads(text).get("format") == _MANIFEST_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def pickled_file(path: Path) -> str | None:
+    """The first file of a checkpoint in an older Forge's pickle format whose replacement is absent, or None."""
+    for name, replacement in PICKLED_NAMES.items():
+        if (path / name).is_file() and not (path / replacement).is_file():
+            return name
+    return None
+
+
+def refuse_pickled(path: Path, name: str) -> CheckpointError:
+    """The error for a checkpoint whose state needs unpickling (see PICKLED_NAMES): what it is, and what to do."""
+    if name.startswith(SHARDED_DIR):
+        way_out = (f"start a new run from the whole weights of that run's final/ (--model {path.parent / 'final'}), "
+                   f"if it finished")
+    else:
+        way_out = f"start a new run from its weights, which are safetensors (--model {path})"
+    return CheckpointError(
+        f"checkpoint {path} cannot be loaded: {name} is in torch's pickle format, written by an older Forge, and "
+        f"Forge never unpickles a checkpoint (unpickling runs whatever code the file names). To go on, {way_out}; "
+        f"or resume it with the Forge version that wrote it, if you trust where the checkpoint came from.")
 
 
 def _has_whole_weights(path: Path) -> bool:
@@ -175,7 +216,7 @@ def _verify(path: Path, require_training_state: bool) -> bool:
     weights = weight_files(path) if not sharded or _has_whole_weights(path) else []
     required = [*weights, TRAINER_STATE_NAME, CONFIG_NAME]
     if sharded:
-        required.append(SHARDED_METADATA)
+        required.append(SHARDED_LAYOUT)
     if require_training_state:  # final/ holds none of these (forge/run/checkpoint.py)
         required += [SCHEDULER_NAME, RNG_STATE_NAME] if sharded else [OPTIMIZER_NAME, SCHEDULER_NAME, RNG_STATE_NAME]
     for name in required:
@@ -216,6 +257,9 @@ def verify_checkpoint(path: str | os.PathLike, *, require_training_state: bool =
             f"checkpoint {path} is incomplete (interrupted save?); use an earlier one "
             f"(no {COMPLETE_MARKER} marker). {offer_previous(path)}"
         )
+    pickled = pickled_file(path)
+    if pickled is not None:
+        raise refuse_pickled(path, pickled)
     try:
         return _verify(path, require_training_state)
     except Damaged as damaged:
@@ -241,14 +285,15 @@ def offer_previous(path: Path) -> str:
 
 
 def _complete_numbered_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every complete numbered checkpoint, oldest first. Skips final/, tmp and partial dirs."""
+    """(step, path) of every numbered checkpoint with Forge's COMPLETE, oldest first. Skips final/, temporaries,
+    partial folders and folders with a step's name that Forge did not write."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
     found = []
     for child in output_dir.iterdir():
         match = _STEP_DIR_PATTERN.match(child.name)
-        if match and child.is_dir() and is_complete(child):
+        if match and child.is_dir() and has_forge_manifest(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
 
@@ -274,12 +319,20 @@ def latest_verified_checkpoint(output_dir: str | os.PathLike, before_step: int |
     for step, path in reversed(_complete_numbered_checkpoints(output_dir)):
         if before_step is not None and step >= before_step:
             continue
-        try:
-            _verify(path, require_training_state=True)
-        except (Damaged, OSError):
-            continue
-        return path
+        if verifies(path):
+            return path
     return None
+
+
+def verifies(path: Path, require_training_state: bool = True) -> bool:
+    """Whether `path` passes `verify_checkpoint`, without raising: every file whole, none in the pickle format."""
+    if not is_complete(path) or pickled_file(path) is not None:
+        return False
+    try:
+        _verify(path, require_training_state=require_training_state)
+    except (Damaged, OSError):
+        return False
+    return True
 
 
 def _process_is_alive(pid: int) -> bool:
@@ -298,13 +351,14 @@ def _process_is_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[Path]:
-    """Clean up after saves that were killed: returns the directories deleted or put back.
+def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[tuple[Path, str]]:
+    """Clean up after saves that were killed; returns (directory, what was done: "deleted", "restored" or "kept").
 
     `{name}.tmp-{pid}` (a checkpoint being written) whose process is gone is deleted. `{name}.old-{pid}`
-    (a complete checkpoint being replaced, killed between the two renames) is renamed back to `{name}`
-    when nothing took its place, and deleted when something did. Directories of a live process are left
-    alone. Call it at the start of a run, before this process saves anything."""
+    (a checkpoint being replaced, killed between the two renames) is renamed back to `{name}` when nothing
+    took its place and every file of it verifies against its COMPLETE; it is deleted when a Forge checkpoint
+    took its place, and kept as it is otherwise (damaged, or not Forge's: the caller says so). Directories of
+    a live process are left alone. Call it at the start of a run, before this process saves anything."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
@@ -314,12 +368,29 @@ def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[Path]:
         if not match or not child.is_dir() or _process_is_alive(int(match.group("pid"))):
             continue
         target = child.with_name(match.group("name"))
-        if match.group("kind") == "old" and not target.exists() and is_complete(child):
-            os.replace(child, target)
-        else:
+        if match.group("kind") == "tmp" or (target.exists() and has_forge_manifest(target)):
             shutil.rmtree(child, ignore_errors=True)
-        cleaned.append(child)
+            cleaned.append((child, "deleted"))
+        elif not target.exists() and restorable(child):
+            os.replace(child, target)
+            cleaned.append((child, "restored"))
+        else:
+            cleaned.append((child, "kept"))
     return cleaned
+
+
+def stale_old_checkpoint(path: Path) -> Path | None:
+    """For `{name}.old-{pid}` of a process that is gone: the checkpoint `{name}` it would be put back as; else None."""
+    match = _TEMPORARY_DIR_PATTERN.match(path.name)
+    if not match or match.group("kind") != "old" or _process_is_alive(int(match.group("pid"))):
+        return None
+    return path.with_name(match.group("name"))
+
+
+def restorable(old: Path) -> bool:
+    """Whether `{name}.old-{pid}` is a whole Forge checkpoint: its COMPLETE is Forge's and every file verifies."""
+    name = _TEMPORARY_DIR_PATTERN.match(old.name).group("name")
+    return has_forge_manifest(old) and verifies(old, require_training_state=name != "final")
 
 
 def prune_checkpoints(output_dir: str | os.PathLike, keep: int | None) -> list[Path]:

@@ -30,7 +30,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from forge.parallel import sharding
 from forge.run import checkpoint as ckpt
 from forge.run import integrity
 from forge.run.optim import apply_new_hyperparameters
@@ -89,7 +88,9 @@ def check_output_dir(output_dir: Path, is_main: bool) -> None:
             raise ValueError(f"output_dir={str(output_dir)!r} is not writable ({error}); choose another") from None
 
 
-RUN_ARTIFACTS = ("final", "training_log.jsonl", "samples.jsonl", "tensorboard")
+LOG_ARTIFACTS = ("training_log.jsonl", "samples.jsonl", "tensorboard")
+"""The logs a run writes into output_dir (forge/logging/logger.py)."""
+RUN_ARTIFACTS = ("final", *LOG_ARTIFACTS)
 """What a run writes into output_dir besides its numbered checkpoints."""
 LOCK_NAME = ".forge.lock"
 
@@ -98,26 +99,60 @@ class OutputDirInUse(ValueError):
     """output_dir holds another run, or a live run is writing to it."""
 
 
-def previous_run(output_dir: Path) -> list[str]:
-    """What an earlier run left in output_dir: numbered checkpoints (complete or not) and run artifacts."""
+@dataclass
+class RunLeft:
+    """What is in an output_dir, sorted by who wrote it (names relative to it)."""
+
+    checkpoints: list[str]  # numbered folders and final/ that hold Forge's COMPLETE, and `.old-<pid>` leftovers
+    # that would be put back (`integrity.restorable`)
+    logs: list[str]  # training_log.jsonl, samples.jsonl, tensorboard/
+    foreign: list[str]  # folders with a step's name (or final/) that hold no Forge COMPLETE: not Forge's
+
+
+def what_is_left(output_dir: Path) -> RunLeft:
+    """Forge's own files in output_dir, and the folders it would save over that are not its own."""
+    left = RunLeft([], [], [])
     if not output_dir.is_dir():
-        return []
-    return sorted(child.name for child in output_dir.iterdir()
-                  if (child.name.isdigit() and child.is_dir()) or child.name in RUN_ARTIFACTS)
+        return left
+    for child in sorted(output_dir.iterdir(), key=lambda p: p.name):
+        leftover = integrity.stale_old_checkpoint(child)
+        if child.name in LOG_ARTIFACTS:
+            left.logs.append(child.name)
+        elif (child.name.isdigit() or child.name == "final") and child.is_dir():
+            (left.checkpoints if integrity.has_forge_manifest(child) else left.foreign).append(child.name)
+        elif leftover is not None and not leftover.exists() and integrity.restorable(child):
+            left.checkpoints.append(child.name)
+    return left
+
+
+def previous_run(output_dir: Path) -> list[str]:
+    """What an earlier run left in output_dir: Forge's checkpoints (numbered, final/, a restorable leftover of a
+    killed save) and its logs. Nothing else in the directory is Forge's."""
+    left = what_is_left(output_dir)
+    return sorted(left.checkpoints + left.logs)
 
 
 def check_output_dir_is_free(output_dir: Path, *, resuming: bool, overwrite: bool, is_main: bool) -> None:
     """What `claim_output_dir` refuses, checked without changing anything in output_dir (it may create it): a
-    file, a directory that cannot be written, another run's checkpoints or logs (unless `resuming` or
-    `overwrite`), a live run's lock. `forge train` calls it before it loads the model."""
+    file, a directory that cannot be written, a live run's lock, a folder with a step's name that is not Forge's
+    (a save would replace it), and another run's checkpoints unless `resuming` or `overwrite`. Logs alone (a run
+    stopped before its first checkpoint) do not stop a new run: `claim_output_dir` replaces them. `forge train`
+    calls it before it loads the model."""
     check_output_dir(output_dir, is_main)
     if is_main:
         RunLock(output_dir / LOCK_NAME).release()  # raises OutputDirInUse while another run holds it
-    left = previous_run(output_dir)
-    if left and not resuming and not overwrite:
+    left = what_is_left(output_dir)
+    if left.foreign:
         raise OutputDirInUse(
-            f"output_dir={str(output_dir)!r} already holds a run ({', '.join(left[:6])}"
-            f"{', ...' if len(left) > 6 else ''}). Continue it with --resume (resume_from='latest'), write this "
+            f"output_dir={str(output_dir)!r} holds {', '.join(f'{name}/' for name in left.foreign[:6])}, named like "
+            f"a checkpoint Forge would save there but not Forge's (no Forge COMPLETE in it: another program's folder, "
+            f"or a damaged checkpoint); Forge neither deletes nor saves over it. Move it out of {str(output_dir)!r}, "
+            f"or choose another --output_dir.")
+    if left.checkpoints and not resuming and not overwrite:
+        names = sorted(left.checkpoints + left.logs)
+        raise OutputDirInUse(
+            f"output_dir={str(output_dir)!r} already holds a run ({', '.join(names[:6])}"
+            f"{', ...' if len(names) > 6 else ''}). Continue it with --resume (resume_from='latest'), write this "
             f"run to another --output_dir, or pass --overwrite_output_dir (overwrite_output_dir=True) to "
             f"delete that run's checkpoints and logs first.")
 
@@ -125,11 +160,16 @@ def check_output_dir_is_free(output_dir: Path, *, resuming: bool, overwrite: boo
 def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_main: bool) -> RunLock | None:
     """Make output_dir this run's own, before any model work.
 
-    - A run that does not resume refuses a directory that holds another run's checkpoints or logs, unless
-      `overwrite` (then those are deleted first): a new run never mixes its steps with an old one's.
+    - A run that does not resume refuses a directory that holds another run's checkpoints, unless `overwrite`:
+      then Forge's own files are deleted first (checkpoint folders holding its COMPLETE, final/, its logs) and
+      nothing else. A directory with only the logs of a run that stopped before its first checkpoint is taken
+      over: there is nothing to resume, so those logs are replaced (and said so). A new run never mixes its
+      steps with an old one's.
+    - A folder with a step's name that is not Forge's is refused, whatever the flags (a save would replace it).
     - The main process holds an exclusive lock on {output_dir}/.forge.lock for the run's lifetime, so a second
       run into the same directory stops with a message instead of interleaving logs and checkpoints.
-    - Temporary checkpoint directories left by killed saves (N.tmp-PID of a dead process) are cleaned up."""
+    - Leftovers of killed saves: N.tmp-PID of a dead process is deleted; N.old-PID is put back as N only when
+      every file of it verifies, and the console says so."""
     check_output_dir(output_dir, is_main)
     lock = RunLock(output_dir / LOCK_NAME) if is_main else None
     try:
@@ -138,12 +178,26 @@ def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_ma
         if lock is not None:
             lock.release()
         raise
-    if not resuming and is_main:  # overwrite (else refused above): the other run's checkpoints and logs go
-        for name in previous_run(output_dir):
-            target = output_dir / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-    if is_main:
-        integrity.remove_stale_temporaries(output_dir)
+    if not is_main:
+        return lock
+    for leftover, action in integrity.remove_stale_temporaries(output_dir):
+        target = integrity.stale_old_checkpoint(leftover)
+        if action == "restored":
+            tqdm.write(f"forge: restored checkpoint {target} from {leftover.name}, left by a save that was killed while "
+                       f"replacing it (every file verifies against its COMPLETE)")
+        elif action == "kept":
+            tqdm.write(f"forge: left {leftover} as it is: a leftover of a killed save that is not a whole Forge "
+                       f"checkpoint, so it was not put back; delete it or move it out of {output_dir}")
+    left = what_is_left(output_dir)
+    doomed = (left.checkpoints + left.logs) if overwrite and not resuming else [] if resuming else left.logs
+    for name in doomed:
+        target = output_dir / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    if doomed and not left.checkpoints:
+        tqdm.write(f"forge: {output_dir} held only the logs of a run that stopped before its first checkpoint "
+                   f"({', '.join(doomed)}): there is nothing to resume, so this run starts afresh and replaces them")
+    elif doomed:
+        tqdm.write(f"forge: --overwrite_output_dir: deleted the earlier run's {', '.join(doomed)} in {output_dir}")
     return lock
 
 
@@ -255,7 +309,7 @@ class RunLifecycle:
         parts = self.parts
         path = integrity.latest_checkpoint(self.output_dir) if where == "latest" else Path(where)
         if path is None:
-            raise FileNotFoundError(f"resume_from='latest' but {self.output_dir} holds no complete checkpoint")
+            raise FileNotFoundError(nothing_to_resume(self.output_dir))
         if path.name == "final" and not any((path / name).exists() for name in integrity.TRAINING_STATE_NAMES):
             newest = integrity.latest_checkpoint(path.parent)
             raise ValueError(f"cannot resume from {path}: final/ holds the trained model only (no optimizer, schedule "
@@ -267,7 +321,7 @@ class RunLifecycle:
         check_same_dataset(state.trainer_state, parts.dataset_identity, path)
         check_same_sharding(path, sharded=parts.sharded_by is not None)
         if parts.sharded_by is not None:
-            sharding.load(path / sharding.SHARDED_DIR, parts.model, parts.optimizer)  # on every rank
+            ckpt.load_sharded_state(path, parts.model, parts.optimizer)  # on every rank
         else:
             ckpt.load_model_weights(parts.model, path)
             parts.optimizer.load_state_dict(state.optimizer_state)
@@ -292,6 +346,20 @@ class RunLifecycle:
                             float(saved.get("loss_scale", 1.0)), saved.get("entropy_control"))
 
 
+def nothing_to_resume(output_dir: Path) -> str:
+    """What `--resume` says about an output_dir without a numbered checkpoint, and how to start afresh."""
+    left = what_is_left(output_dir)
+    head = f"resume_from='latest' (--resume) but {output_dir} holds no complete checkpoint"
+    if "final" in left.checkpoints:
+        return (f"{head}, only final/ (a trained model, without the optimizer state a resume needs). Start a new "
+                f"run from its weights: --model {output_dir / 'final'} with another --output_dir.")
+    if left.logs:
+        return (f"{head}: the run that wrote {', '.join(left.logs)} there stopped before its first checkpoint was "
+                f"complete, so there is nothing to resume. To start afresh, run the same command without --resume "
+                f"(resume_from=None): it replaces those logs and touches nothing else.")
+    return f"{head}. To start a run there, run the same command without --resume (resume_from=None)."
+
+
 def check_same_sharding(path: Path, sharded: bool) -> None:
     """A checkpoint of an FSDP2 run holds shards, one of a data-parallel run the whole model: refuse the other."""
     if integrity.is_sharded(path) and not sharded:
@@ -300,7 +368,7 @@ def check_same_sharding(path: Path, sharded: bool) -> None:
                          f"(`forge train --nproc N --fsdp ... --resume`; any N: the shards are redistributed).")
     if sharded and not integrity.is_sharded(path):
         raise ValueError(f"cannot resume from checkpoint {path} with --fsdp: it was saved by a run without FSDP "
-                         f"(whole weights and optimizer.pt). Resume it without --fsdp, or start a new FSDP run "
+                         f"(whole weights and {integrity.OPTIMIZER_NAME}). Resume it without --fsdp, or start a new FSDP run "
                          f"from its weights (--model {path}).")
 
 
@@ -409,6 +477,7 @@ __all__ = [
     "CheckpointParts",
     "FinishedStep",
     "OutputDirInUse",
+    "RunLeft",
     "RunLifecycle",
     "RunLock",
     "StopSignals",
@@ -417,7 +486,9 @@ __all__ = [
     "check_output_dir_is_free",
     "claim_output_dir",
     "note_user_interrupt",
+    "nothing_to_resume",
     "previous_run",
     "reraise_user_interrupt",
     "resume_hint",
+    "what_is_left",
 ]

@@ -373,10 +373,10 @@ def test_run_failures_are_one_message_that_points_to_the_newest_intact_checkpoin
 def test_a_damaged_checkpoint_on_resume_is_one_message(workspace, tmp_path, capsys, reward_importable):
     out = tmp_path / "out"
     save_resumable_checkpoint(out / "1", step=1)
-    (out / "1" / "optimizer.pt").unlink()
+    (out / "1" / "optimizer.safetensors").unlink()
     assert forge_main("train", *common_flags(workspace), "--output_dir", out, "--resume") == 1
     err = capsys.readouterr().err
-    assert f"forge: error: checkpoint {out / '1'} is damaged: optimizer.pt is missing" in err
+    assert f"forge: error: checkpoint {out / '1'} is damaged: optimizer.safetensors is missing" in err
     assert "Traceback" not in err
 
 

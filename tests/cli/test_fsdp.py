@@ -157,15 +157,15 @@ def test_sharded_checkpoints_hold_shards_and_final_loads_in_plain_transformers(s
     from transformers import AutoModelForCausalLM
 
     run, record = sharded
-    assert sorted(p.name for p in (run / "2" / "sharded").iterdir()) == [".metadata", "__0_0.distcp",
-                                                                         "__1_0.distcp"]
-    assert not (run / "2" / "model.safetensors").exists() and not (run / "2" / "optimizer.pt").exists()
+    assert sorted(p.name for p in (run / "2" / "sharded").iterdir()) == [
+        "layout.json", "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+    assert not (run / "2" / "model.safetensors").exists() and not (run / "2" / "optimizer.safetensors").exists()
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     assert json.loads((run / "final" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     trained = torch.load(record / f"rank0-step{STEPS}.pt")["weights"]
     assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), trained)
     # final/ is the trained model: the whole weights, no shards, no optimizer, scheduler or RNG state
-    assert not {"sharded", "scheduler.pt", "rng_state.pt"} & {p.name for p in (run / "final").iterdir()}
+    assert not {"sharded", "scheduler.safetensors", "rng_state.safetensors"} & {p.name for p in (run / "final").iterdir()}
     assert verify_checkpoint(run / "final", require_training_state=False)
 
 
@@ -223,7 +223,7 @@ def test_accelerate_fsdp2_launch_turns_fsdp_on_and_fsdp1_is_refused(monkeypatch)
 def test_sharded_and_whole_checkpoints_refuse_to_resume_across(tmp_path):
     sharded_checkpoint, whole_checkpoint = tmp_path / "sharded_run" / "2", tmp_path / "whole_run" / "2"
     (sharded_checkpoint / "sharded").mkdir(parents=True)
-    (sharded_checkpoint / "sharded" / ".metadata").write_bytes(b"")
+    (sharded_checkpoint / "sharded" / "layout.json").write_text("{}")
     whole_checkpoint.mkdir(parents=True)
     with pytest.raises(ValueError, match="saved by an FSDP run.*--nproc N --fsdp"):
         check_same_sharding(sharded_checkpoint, sharded=False)

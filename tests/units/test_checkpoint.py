@@ -79,10 +79,10 @@ def test_round_trip_weights_optimizer_and_state(tmp_path, tiny_model, tiny_token
     assert path == tmp_path / "1"
     assert {
         "model.safetensors",
-        "optimizer.pt",
-        "scheduler.pt",
+        "optimizer.safetensors",
+        "scheduler.safetensors",
         "trainer_state.json",
-        "rng_state.pt",
+        "rng_state.safetensors",
         "forge_config.json",
         "COMPLETE",
         "tokenizer.json",
@@ -313,9 +313,9 @@ def _halve(file):
 @pytest.mark.parametrize("name, damage, reason", [
     ("model.safetensors", _empty, "is empty (0 bytes)"),
     ("model.safetensors", _halve, "is truncated"),
-    ("optimizer.pt", os.remove, "is missing"),
-    ("scheduler.pt", os.remove, "is missing"),
-    ("rng_state.pt", os.remove, "is missing"),
+    ("optimizer.safetensors", os.remove, "is missing"),
+    ("scheduler.safetensors", os.remove, "is missing"),
+    ("rng_state.safetensors", os.remove, "is missing"),
 ])
 def test_a_damaged_or_missing_file_next_to_complete_is_a_clear_error(
         name, damage, reason, old_format, tmp_path, tiny_model, tiny_tokenizer):
@@ -336,7 +336,7 @@ def test_a_damaged_or_missing_file_next_to_complete_is_a_clear_error(
 
 def test_a_checkpoint_saved_without_optimizer_state_cannot_resume(tmp_path, tiny_model, tiny_tokenizer):
     path = save(tmp_path / "4", tiny_model, tiny_tokenizer, step=4)
-    with pytest.raises(CheckpointError, match=r"4 cannot resume a run: optimizer.pt was not saved in it"):
+    with pytest.raises(CheckpointError, match=r"4 cannot resume a run: optimizer.safetensors was not saved in it"):
         load_checkpoint(path)
     assert load_checkpoint(path, require_training_state=False).optimizer_state is None
 
@@ -402,10 +402,14 @@ def test_stale_temporaries_are_cleaned_and_live_ones_kept(tmp_path, tiny_model, 
     moved = save_resumable(tmp_path / f"6.old-{gone}", tiny_model, tiny_tokenizer, step=6)  # killed between renames
     (tmp_path / f"final.tmp-{os.getpid()}").mkdir()  # an earlier process with this process's id
 
+    damaged = save_resumable(tmp_path / f"8.old-{gone}", tiny_model, tiny_tokenizer, step=8)
+    (damaged / "model.safetensors").write_bytes(b"")  # its COMPLETE no longer verifies: not put back as 8
+
     cleaned = remove_stale_temporaries(tmp_path)
-    assert sorted(p.name for p in cleaned) == sorted(
-        [f"4.tmp-{gone}", f"3.old-{gone}", moved.name, f"final.tmp-{os.getpid()}"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["3", "6", f"5.tmp-{alive}"])
+    assert sorted((p.name, action) for p, action in cleaned) == sorted(
+        [(f"4.tmp-{gone}", "deleted"), (f"3.old-{gone}", "deleted"), (moved.name, "restored"),
+         (f"final.tmp-{os.getpid()}", "deleted"), (damaged.name, "kept")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["3", "6", f"5.tmp-{alive}", damaged.name])
     assert load_checkpoint(tmp_path / "6").step == 6 and kept.is_dir()
     assert remove_stale_temporaries(tmp_path / "missing") == []
 

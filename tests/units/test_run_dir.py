@@ -65,11 +65,11 @@ def test_final_holds_the_trained_model_only_and_a_run_resumes_from_its_numbered_
     run(tmp_path, max_steps=2).train(ROWS)
     final, last = tmp_path / "run" / "final", tmp_path / "run" / "2"
     names = {p.name for p in final.iterdir()}
-    assert not names & {"optimizer.pt", "scheduler.pt", "rng_state.pt"}  # the training state is in 1/ and 2/
+    assert not names & {"optimizer.safetensors", "scheduler.safetensors", "rng_state.safetensors"}  # the training state is in 1/ and 2/
     assert {"model.safetensors", "config.json", "tokenizer.json", "forge_config.json", "COMPLETE"} <= names
-    assert {"optimizer.pt", "scheduler.pt", "rng_state.pt"} <= {p.name for p in last.iterdir()}
+    assert {"optimizer.safetensors", "scheduler.safetensors", "rng_state.safetensors"} <= {p.name for p in last.iterdir()}
     assert verify_checkpoint(final, require_training_state=False)  # every file matches its sha256
-    with pytest.raises(CheckpointError, match="cannot resume a run: optimizer.pt was not saved in it"):
+    with pytest.raises(CheckpointError, match="cannot resume a run: optimizer.safetensors was not saved in it"):
         verify_checkpoint(final)
     loaded = AutoModelForCausalLM.from_pretrained(final).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in load_file(last / "model.safetensors").items())
