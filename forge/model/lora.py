@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+_MERGEABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LORA_INSTALL_HINT = "LoRA needs peft: pip install forge-rl[lora]"
 
 # LoRA targets by architecture, checked in order: the first set whose names all occur in the model wins.
@@ -121,7 +122,7 @@ def _mergeable_lora_layers(model: nn.Module) -> list | None:
                 or m.disable_adapters
                 or any(m.use_dora.get(a, False) for a in m.active_adapters) or users.get(id(weight), 0) != 1
                 or type(weight.data) is not torch.Tensor or weight.is_meta  # DTensor (FSDP2), quantised, offloaded
-                or weight.dtype != torch.float32):  # see merged_adapters: lower precision rounds the update away
+                or weight.dtype not in _MERGEABLE_DTYPES):
             return None
     return adapted or None
 
@@ -136,43 +137,54 @@ def _room_for(layers: list) -> bool:
     return needed * 1.25 < free
 
 
+def _merged_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a merged weight is stored in: the one its matmul runs in (autocast's when on, else the weight's)."""
+    device_type = weight.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
 @contextlib.contextmanager
 def merged_adapters(model: nn.Module, enabled: bool = True) -> Iterator[bool]:
     """Run a LoRA model with its adapters folded into a temporary copy of each adapted weight (no-grad use only:
     generation, evaluation). Yields whether it merged.
 
-    A LoRA layer computes W x + s B A x: three matmuls and an add where one would do, which on a CPU makes
-    generation ~1.2x slower than with W + s B A (bench/merged_generation.py). Inside, each adapted weight is replaced by
-    W + s B A (a new tensor) and the adapters are switched off; on exit the original weight tensors are put back,
-    so the trained weights are bit-for-bit what they were (merging in place and subtracting again would not be).
-    The outputs equal the adapter path up to fp32 rounding. It costs one copy of the adapted weights while
-    inside, and is skipped (yields False) when that does not fit on the GPU, for models that are not plain LoRA
-    on linear layers (DoRA, quantised or FSDP2-sharded weights, a weight shared by two modules), and when the
+    A LoRA layer computes W x + s B A x: three matmuls and an add where one would do, which makes generation
+    ~1.2x slower than with W + s B A in fp32 on a CPU, and evaluation ~2x slower in bf16 (bench/merged_generation.py,
+    bench/merged_bf16.py). Inside, each adapted weight is replaced by W + s B A (a new tensor) and the adapters are
+    switched off; on exit the original weight tensors are put back, so the trained weights are bit-for-bit what
+    they were (merging in place and subtracting again would not be). It costs one copy of the adapted weights
+    while inside, and is skipped (yields False) when that does not fit on the GPU, for models that are not plain
+    LoRA on linear layers (DoRA, quantised or FSDP2-sharded weights, a weight shared by two modules), and when the
     adapters are off (inside `model.disable_adapter()`, or already inside this merge): the base model then
     stays the base model.
 
-    fp32 only: skipped for bf16/fp16 weights and under autocast. There W + s B A would be rounded to the
-    weight's own 8 or 11 bits, and an adapter update smaller than half of W's last bit (most of them, early in
-    training) would round back to W exactly: generation would sample from a policy that lags the trained one.
+    The sum W + s B A is formed in fp32 (from W's own bits) and stored once in the dtype the layer's matmul runs
+    in: fp32 as it is; under bf16/fp16 autocast, rounded once to that dtype, which is exactly what autocast does
+    to any fp32 weight at every forward. The rounding drops the part of an adapter update below half of the
+    merged weight's last bit; the adapter path of the trainer loses the same order when it adds s B A x to the
+    rounded W x in bf16. Measured on the packaged SmolLM2 after LoRA training (bench/merged_bf16.py): the
+    sampler/trainer log-prob gap `sampling/logp_diff_*` is no larger with the merge than with the adapters, and
+    the merged policy is as close to the exact (fp32) policy as the adapter path.
     """
     layers = _mergeable_lora_layers(model) if enabled else None
-    if layers and torch.is_autocast_enabled(layers[0].get_base_layer().weight.device.type):
-        layers = None
     if not layers or not _room_for(layers):
         yield False
         return
     originals = [m.get_base_layer().weight.data for m in layers]
+    dtype = _merged_dtype(originals[0])
     try:
-        with torch.no_grad():
+        # the sum in fp32 even under autocast (which would run addmm in bf16), rounded once at the end
+        with torch.no_grad(), torch.autocast(originals[0].device.type, enabled=False):
             for m, weight in zip(layers, originals):
-                merged = weight
+                merged = weight.float()
                 for a in (a for a in m.active_adapters if a in m.lora_A):  # W + s B A in one op per adapter
-                    merged = torch.addmm(merged, m.lora_B[a].weight, m.lora_A[a].weight, alpha=m.scaling[a])
-                m.get_base_layer().weight.data = merged  # (out, in), a new tensor
+                    merged = torch.addmm(merged, m.lora_B[a].weight.float(), m.lora_A[a].weight.float(),
+                                         alpha=m.scaling[a])
+                m.get_base_layer().weight.data = merged.to(dtype)  # (out, in), a new tensor
         with model.disable_adapter():
             yield True
     finally:
         for m, weight in zip(layers, originals):
             m.get_base_layer().weight.data = weight
-
-

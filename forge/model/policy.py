@@ -111,6 +111,8 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
         compute = str(precision.compute).removeprefix("torch.")
         note(f"precision: {compute} compute, float32 master weights ({precision.reason})" if precision.mixed
              else f"precision: float32 ({precision.reason})")
+        if lora and precision.mixed:
+            note(f"LoRA inputs: {precision.lora_inputs_reason}")
     return Policy(model, tokenizer, reference, lora, precision)
 
 

@@ -74,23 +74,51 @@ class Precision:
     compute: torch.dtype
     device_type: str  # "cpu" or "cuda"
     reason: str  # why, for the log
+    uncast_lora_inputs: bool = False  # `lora_inputs_uncast` under autocast: where it measured faster
+    lora_inputs_reason: str = "PEFT casts LoRA inputs to the adapters' dtype (its own behaviour)"
 
     @property
     def mixed(self) -> bool:
         return self.compute != torch.float32
 
     def autocast(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """torch.autocast to `compute` (nothing in float32). With `model`, its LoRA layers also keep their input
-        in the compute dtype (`lora_inputs_uncast`)."""
+        """torch.autocast to `compute` (nothing in float32). With `model`, and where it measured faster on this
+        device kind (`uncast_lora_inputs`), its LoRA layers also keep their input in the compute dtype."""
         if not self.mixed:
             return contextlib.nullcontext()
-        return _autocast(self.device_type, self.compute, model)
+        return _autocast(self.device_type, self.compute, model if self.uncast_lora_inputs else None)
 
 
 @contextlib.contextmanager
 def _autocast(device_type: str, dtype: torch.dtype, model: nn.Module | None) -> Iterator[None]:
     with torch.autocast(device_type, dtype=dtype), lora_inputs_uncast(model):
         yield
+
+
+# `lora_inputs_uncast` changes no bit, only the time: on where it measured faster than PEFT's own cast, off elsewhere
+# (unmeasured kinds keep PEFT's behaviour). Keyed by (device type, compute dtype, what gives bf16 its speed);
+# each entry: (on?, the measurement). `python bench/precision.py` measures a new kind (its lora_inputs_uncast
+# time ratio; on when below 1).
+LORA_INPUTS_UNCAST_MEASURED: dict[tuple[str, torch.dtype, str], tuple[bool, str]] = {
+    ("cpu", torch.bfloat16, "AMX tiles"): (
+        True, "0.87x the time of PEFT's cast on an AMX Xeon (SmolLM2-135M LoRA forward+backward, bench/precision.py)"),
+    ("cpu", torch.bfloat16, "AVX512-BF16"): (
+        False, ("1.05x the time of PEFT's cast on an AVX512-BF16 AMD EPYC (SmolLM2-135M LoRA forward+backward, "
+               "bench/precision.py)")),
+}
+
+
+def choose_lora_input_cast(compute: torch.dtype, device_type: str, units: str) -> tuple[bool, str]:
+    """(uncast LoRA inputs?, why): from LORA_INPUTS_UNCAST_MEASURED for this (device, dtype, bf16 units); off
+    where nothing was measured."""
+    if compute == torch.float32:
+        return False, "float32 compute: nothing to cast"
+    measured = LORA_INPUTS_UNCAST_MEASURED.get((device_type, compute, units))
+    if measured is None:
+        return False, (f"LoRA inputs cast as PEFT does: lora_inputs_uncast is not measured on {device_type} "
+                       f"{str(compute).removeprefix('torch.')} ({units}); bench/precision.py measures it")
+    on, what = measured
+    return on, f"lora_inputs_uncast {'on' if on else 'off'}: {what}"
 
 
 @contextlib.contextmanager
@@ -100,8 +128,9 @@ def lora_inputs_uncast(model: nn.Module | None) -> Iterator[None]:
     PEFT casts x to lora_A's dtype before B(A(x)); under autocast the matmul casts it straight back to the
     compute dtype, so that round trip (bf16 -> fp32 -> bf16 is exact) changes no bit of the output or the
     gradients, but costs two copies of every adapted layer's input per forward and two more in backward:
-    without it a bf16 LoRA forward + backward takes 0.87x the time (SmolLM2-135M, 8 x 160 tokens, AMX Xeon;
-    `python bench/precision.py`).
+    without it a bf16 LoRA forward + backward takes 0.87x the time on an AMX Xeon, but 1.05x on an AVX512-BF16
+    AMD EPYC (SmolLM2-135M, 8 x 160 tokens; `python bench/precision.py`), so `Precision.autocast` applies it only
+    where it measured faster (LORA_INPUTS_UNCAST_MEASURED).
     Only plain LoRA on linear layers (no DoRA or other variant, which compute more from x); restored on exit."""
     if model is None:
         yield
@@ -121,20 +150,30 @@ def lora_inputs_uncast(model: nn.Module | None) -> Iterator[None]:
 
 def choose_precision(dtype: str = "auto", device: str | torch.device | None = None) -> Precision:
     """dtype 'float32' / 'bfloat16' / 'float16' as given; 'auto' = bf16 where the hardware runs it fast (a GPU
-    that supports it, a CPU with bf16 matrix units), fp32 elsewhere."""
+    that supports it, a CPU with bf16 matrix units), fp32 elsewhere. Whether LoRA inputs stay uncast under
+    autocast is decided with it (`choose_lora_input_cast`)."""
     device = resolve_device(device)
+    units = "GPU" if device.type == "cuda" else _bf16_units()
     if dtype != "auto":
-        compute = resolve_dtype(dtype, device)
-        return Precision(compute, device.type, f"dtype={dtype!r} was asked for")
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return Precision(torch.bfloat16, "cuda", "the GPU supports bf16")
-        return Precision(torch.float32, "cuda", "the GPU has no bf16; dtype='float16' (with loss scaling) is "
-                                                "faster there but must be asked for")
-    fast, what = cpu_has_bf16_units()
-    if fast:
-        return Precision(torch.bfloat16, "cpu", f"the CPU has bf16 matrix units ({what})")
-    return Precision(torch.float32, "cpu", f"the CPU has no bf16 matrix units ({what}): bf16 would be slower")
+        compute, reason = resolve_dtype(dtype, device), f"dtype={dtype!r} was asked for"
+    elif device.type == "cuda":
+        compute, reason = ((torch.bfloat16, "the GPU supports bf16") if torch.cuda.is_bf16_supported() else (
+            torch.float32, ("the GPU has no bf16; dtype='float16' (with loss scaling) is faster there but must be "
+                           "asked for")))
+    else:
+        fast, what = cpu_has_bf16_units()
+        compute, reason = ((torch.bfloat16, f"the CPU has bf16 matrix units ({what})") if fast else (
+            torch.float32, f"the CPU has no bf16 matrix units ({what}): bf16 would be slower"))
+    return Precision(compute, device.type, reason, *choose_lora_input_cast(compute, device.type, units))
+
+
+def _bf16_units() -> str:
+    """What runs bf16 matmuls on this CPU, as cpu_has_bf16_units names it (its detection, not the override)."""
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return "AMX tiles"
+    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "AVX512-BF16"
+    return "no bf16 units"
 
 
 def as_master_weights(model: nn.Module, precision: Precision, lora: bool) -> nn.Module:

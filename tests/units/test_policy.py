@@ -232,15 +232,29 @@ def test_merged_adapters_keep_switched_off_adapters_off(tiny_model, tiny_tokeniz
         torch.testing.assert_close(_logits(peft_model, input_ids), base_logits, atol=1e-6, rtol=0)
 
 
-def test_merged_adapters_only_in_fp32(tiny_model):
-    """In bf16, W + s B A rounds to W's 8 bits: a small update would vanish, so generation keeps the adapters."""
+def test_merged_adapters_in_bf16_round_the_fp32_sum_once_and_stay_as_exact_as_the_adapters(tiny_model, tiny_tokenizer):
+    """Under bf16 autocast (a LoRA run's bf16 base, fp32 adapters) the merged weight is W + s B A formed in fp32 and
+    rounded once to bf16, and the outputs are as close to the exact fp32 model's as the adapter path's."""
+    input_ids = _input_ids(tiny_tokenizer)
     peft_model = apply_lora(tiny_model, r=4, alpha=8)
     _randomize_lora_b(peft_model)
-    with torch.autocast("cpu", dtype=torch.bfloat16), merged_adapters(peft_model) as merged:
-        assert not merged
-    peft_model.to(torch.bfloat16)
-    with merged_adapters(peft_model) as merged:
-        assert not merged
+    exact = _logits(peft_model, input_ids)  # fp32 everywhere
+    for name, parameter in peft_model.named_parameters():  # what as_master_weights does for a bf16 LoRA run
+        if "lora_" not in name:
+            parameter.data = parameter.data.to(torch.bfloat16)
+    q_proj = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    weight = q_proj.base_layer.weight
+    pointer, value = weight.data_ptr(), weight.detach().clone()
+    expected = (value.float() + 2.0 * q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight)  # fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        adapters = _logits(peft_model, input_ids).float()
+        with merged_adapters(peft_model) as merged:
+            assert merged
+            assert torch.equal(q_proj.base_layer.weight, expected.to(torch.bfloat16))
+            merged_logits = _logits(peft_model, input_ids).float()
+    assert weight.data_ptr() == pointer and torch.equal(weight, value)  # the original tensor, put back
+    adapters_error = (adapters - exact).abs().mean()
+    assert (merged_logits - exact).abs().mean() <= 1.5 * adapters_error  # bf16 rounding of either path
 
 
 def test_make_reference_model_is_a_frozen_copy(tiny_model, tiny_tokenizer):

@@ -129,7 +129,7 @@ def test_fp16_uses_a_dynamic_loss_scale_and_an_overflow_only_halves_it(tmp_path,
 def test_bf16_lora_inputs_stay_bf16_and_give_the_same_bits(tiny_model, tiny_tokenizer):
     # PEFT casts each LoRA layer's input to the adapters' fp32 and autocast casts it straight back to bf16:
     # Forge's autocast(model) skips that round trip; the loss and every gradient must be bit for bit the same.
-    bf16 = Precision(torch.bfloat16, "cpu", "test")
+    bf16 = Precision(torch.bfloat16, "cpu", "test", uncast_lora_inputs=True)
     model = apply_lora(tiny_model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
     model = as_master_weights(model, bf16, lora=True)
     seen = []
