@@ -250,6 +250,12 @@ class GRPOConfig:
     """How calls are written: 'text' (<calc>expr</calc> -> <result>v</result>, shown by the prompt's worked
     examples), 'template' (the chat template's <tool_call>{json}</tool_call> and tool messages) or 'auto'
     (template when the tokenizer's chat template supports tools, else text)."""
+    tool_isolation: str = "thread"
+    """Where tool calls run: 'thread' (a thread of the trainer: fastest, any callable; a timed-out call keeps
+    running) or 'process' (worker processes: a call past tool_timeout is killed, memory is capped by
+    tool_memory_mb; tools must be module-level functions or picklable; docs/tools.md, Isolation)."""
+    tool_memory_mb: int = 1024
+    """With tool_isolation='process': the most memory (MB) a tool worker may allocate; past it the call fails."""
 
     # --- failure handling ---
     on_reward_error: str = "raise"
@@ -414,6 +420,8 @@ class GRPOConfig:
         need(self.tool_timeout > 0, "tool_timeout must be > 0 seconds")
         need(self.max_tool_output_chars >= 1, "max_tool_output_chars must be >= 1")
         need(self.tool_format in ("auto", "text", "template"), "tool_format must be 'auto', 'text' or 'template'")
+        need(self.tool_isolation in ("thread", "process"), "tool_isolation must be 'thread' or 'process'")
+        need(self.tool_memory_mb >= 64, "tool_memory_mb must be >= 64 (MB)")
         need(bool(self.output_dir), "output_dir must be a non-empty path")
         if problems:
             raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))

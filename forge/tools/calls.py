@@ -17,18 +17,20 @@ Two call formats (CallFormat, `call_format`):
 
 from __future__ import annotations
 
-import ast
 import inspect
 import json
-import math
-import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from forge.tools.calculator import calculator
+from forge.tools.outcome import call_tool, truncate_output
+from forge.tools.worker import ToolWorkers
+
+if TYPE_CHECKING:
+    import torch
 
 # ----------------------------------------------------------------------------------------------------
 # Tools
@@ -76,55 +78,6 @@ def as_tools(tools: Sequence[Callable[..., Any] | Tool] | None) -> list[Tool]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The built-in calculator: arithmetic parsed with `ast`, never eval
-
-
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-MAX_EXPRESSION_CHARS = 200
-MAX_MAGNITUDE = 10**30  # bigger numbers (inputs, intermediate or final results) are refused
-
-
-def _evaluate(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        value = node.value
-    elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        value = _UNARY[type(node.op)](_evaluate(node.operand))
-    elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or (abs(left) > 1 and right * math.log10(abs(left)) > 30)):
-            raise ValueError("power too large")
-        value = _BINARY[type(node.op)](left, right)
-    else:
-        raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
-    if isinstance(value, complex) or not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
-        raise ValueError("number too large")
-    return value
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression and return its value.
-
-    Args:
-        expression: numbers combined with + - * / // % ** and parentheses, e.g. "745 * 48" or "(12 + 30) / 7"
-    """
-    if len(expression) > MAX_EXPRESSION_CHARS:
-        raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
-        raise ValueError(f"cannot parse {expression.strip()!r} as arithmetic") from None
-    value = _evaluate(tree.body)
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        value = int(value)
-    return str(value) if isinstance(value, int) else format(value, ".10g")
-
-
-calculator.text_tag = "calc"  # the text protocol writes <calc>745 * 48</calc>
-
-
-# ----------------------------------------------------------------------------------------------------
 # Calls and results
 
 
@@ -154,6 +107,9 @@ class ToolResult:
                 "output": self.output, "failure": self.failure, "truncated": self.truncated}
 
 
+ISOLATIONS = ("thread", "process")
+
+
 @dataclass
 class ToolSettings:
     """How a rollout uses tools: which tools, which call format, and the limits (GRPOConfig's tool block)."""
@@ -163,21 +119,29 @@ class ToolSettings:
     max_calls: int = 4  # calls per completion; a further call ends the completion there
     timeout: float = 10.0  # seconds per call
     max_output_chars: int = 1000  # a longer output keeps its start and says it was cut
+    isolation: str = "thread"  # 'thread' | 'process': where a call runs (see run_calls)
+    memory_mb: int = 1024  # with isolation='process': the most memory a tool worker process may use
+    workers: ToolWorkers | None = field(default=None, repr=False, compare=False)  # the worker processes
+
+    def __post_init__(self) -> None:
+        if self.isolation not in ISOLATIONS:
+            raise ValueError(f"tool_isolation must be 'thread' or 'process', got {self.isolation!r}")
+        if self.isolation == "process" and self.workers is None:  # refuses a tool no worker can load
+            self.workers = ToolWorkers({t.name: t.function for t in self.tools}, self.memory_mb)
 
     def by_name(self) -> dict[str, Tool]:
         return {t.name: t for t in self.tools}
 
     @classmethod
     def of_run(cls, tools: Sequence[Callable[..., Any] | Tool], config, tokenizer) -> ToolSettings:
-        """A run's tools under its GRPOConfig's tool block ('auto' format resolved for this tokenizer)."""
-        return cls(as_tools(tools), resolve_format(config.tool_format, tokenizer), config.max_tool_calling_iterations,
-                   config.tool_timeout, config.max_tool_output_chars)
-
-
-def truncate_output(text: str, limit: int) -> tuple[str, bool]:
-    if len(text) <= limit:
-        return text, False
-    return f"{text[:limit]}... [output truncated: {len(text) - limit} more characters]", True
+        """A run's tools under its GRPOConfig's tool block ('auto' format resolved for this tokenizer). With
+        tool_isolation='process' one worker starts now, so tools it cannot load stop the run before it starts."""
+        settings = cls(as_tools(tools), resolve_format(config.tool_format, tokenizer),
+                       config.max_tool_calling_iterations, config.tool_timeout, config.max_tool_output_chars,
+                       config.tool_isolation, config.tool_memory_mb)
+        if settings.workers is not None:
+            settings.workers.check()
+        return settings
 
 
 def _bind(tool: Tool, arguments: dict) -> str | None:
@@ -191,14 +155,20 @@ def _bind(tool: Tool, arguments: dict) -> str | None:
 
 def run_calls(calls: Sequence[ToolCall], settings: ToolSettings,
               toolboxes: Sequence[dict[str, Tool]] | None = None) -> list[ToolResult]:
-    """Run a round of calls in parallel, each in its own daemon thread with `settings.timeout` seconds.
+    """Run a round of calls in parallel, each with `settings.timeout` seconds; never raises for what a tool does.
 
-    A thread that outlives its timeout is abandoned (Python cannot kill it; as a daemon it does not keep the
-    process alive) and its call is answered with a timeout error. toolboxes: each call's own tools by name (an
-    environment's methods, bound to that completion's instance); default `settings.tools` for every call."""
+    The tool runs, and its value (or exception) is turned into text (`outcome.call_tool`), inside the call's
+    isolation: with settings.isolation='thread' a daemon thread of this process, abandoned when it outlives its
+    timeout (Python cannot kill a thread; as a daemon it does not keep the process alive, but it keeps running
+    and holding the GIL); with 'process' a worker process (forge/tools/worker.py) under a memory limit, killed
+    and replaced when it outlives its timeout. toolboxes: each call's own tools by name (an environment's
+    methods, bound to that completion's instance); default `settings.tools` for every call. A toolbox tool that
+    is not one of `settings.tools` runs in a thread in either mode (its state lives in this process)."""
     results: list[ToolResult | None] = [None] * len(calls)
     boxes: list[dict] = [{} for _ in calls]
     threads: list[tuple[int, threading.Thread, float]] = []
+    in_workers: list[int] = []
+    portable = {t.name: t for t in settings.tools} if settings.workers is not None else {}
     for i, call in enumerate(calls):
         tools = settings.by_name() if toolboxes is None else toolboxes[i]
         problem, failure = call.error, "malformed"
@@ -209,39 +179,34 @@ def run_calls(calls: Sequence[ToolCall], settings: ToolSettings,
         if problem is not None:
             results[i] = ToolResult(call, f"error: {problem}", failure)
             continue
+        if portable.get(call.name) is tools[call.name]:
+            in_workers.append(i)
+            continue
 
-        def work(box=boxes[i], function=tools[call.name].function, arguments=call.arguments):
-            try:
-                box["value"] = function(**arguments)
-            except BaseException as error:  # noqa: BLE001 - a tool's failure is the model's to read, not the run's
-                box["error"] = f"{type(error).__name__}: {error}"
+        def work(box=boxes[i], function=tools[call.name].function, arguments=call.arguments or {}):
+            box["outcome"] = call_tool(function, arguments, settings.max_output_chars)
 
         thread = threading.Thread(target=work, daemon=True, name=f"forge-tool-{call.name}")
         threads.append((i, thread, time.perf_counter()))
         thread.start()
     deadline = time.perf_counter() + settings.timeout
+    if in_workers:
+        outcomes = settings.workers.run([(calls[i].name, calls[i].arguments or {}) for i in in_workers],
+                                        settings.timeout, settings.max_output_chars)
+        for i, (text, failure, cut, seconds) in zip(in_workers, outcomes):
+            results[i] = ToolResult(calls[i], text, failure, cut, seconds)
     for i, thread, started in threads:
         thread.join(max(0.0, deadline - time.perf_counter()))
-        seconds, box = time.perf_counter() - started, boxes[i]
+        seconds, outcome = time.perf_counter() - started, boxes[i].get("outcome")
         if thread.is_alive():
             results[i] = ToolResult(calls[i], f"error: the call took longer than {settings.timeout:g} s and was "
                                     f"abandoned", "timeout", seconds=seconds)
-        elif "error" in box:
-            text, cut = truncate_output(f"error: {box['error']}", settings.max_output_chars)
-            results[i] = ToolResult(calls[i], text, "error", cut, seconds)
+        elif outcome is None:  # the thread died outside the tool's own error handling
+            results[i] = ToolResult(calls[i], "error: the call ended without a result", "error", seconds=seconds)
         else:
-            text, cut = truncate_output(_as_text(box.get("value")), settings.max_output_chars)
-            results[i] = ToolResult(calls[i], text, None, cut, seconds)
+            text, failure, cut = outcome
+            results[i] = ToolResult(calls[i], text, failure, cut, seconds)
     return results  # type: ignore[return-value]
-
-
-def _as_text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return str(value)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -365,6 +330,8 @@ def call_format(kind: str, tools: list[Tool], tokenizer=None) -> CallFormat:
 def closing_token_ids(tokenizer, closers: Sequence[str]) -> torch.Tensor:
     """(V,) bool: tokens whose text holds the last character of a closer. Only after one of those can a call
     have just ended, so the row's text is decoded only then."""
+    import torch  # here, not at the top: a tool worker process imports this module and must start light
+
     cached = getattr(tokenizer, "_forge_closing_ids", None)
     last_chars = "".join(sorted({c[-1] for c in closers}))
     if cached is not None and cached[0] == last_chars:
