@@ -20,10 +20,14 @@ with the same error rules as the others.
 A timed-out call keeps running in a daemon thread (Python cannot kill a thread); for code that may
 never return, run it in a subprocess with `forge.tools.sandbox.run_python`, which is killed on its timeout.
 
-`sys.exit()` (SystemExit) or a KeyboardInterrupt raised inside a reward is a reward failure like any other
-exception, so it can never end a run silently. A real Ctrl-C is told apart by who raised it: Forge's
-SIGINT/SIGTERM handler calls `note_user_interrupt()` right before it raises KeyboardInterrupt, and that
-one goes through untouched. Where no handler of Forge's is installed (Python's default SIGINT handler),
+A score is a Python int or float, or a numpy / torch number (np.float32, np.int64, a 0-d array or tensor);
+a list of scores may also be a 1-d array or tensor. A bool is refused: a yes/no score is returned as 1.0 / 0.0.
+
+`sys.exit()` (SystemExit) or a KeyboardInterrupt raised inside a reward, plain or `async def`, is a reward
+failure like any other exception, so it can never end a run silently (`os._exit()` can: `forge train` runs the
+training in a child process it watches, forge/run/supervisor.py). A real Ctrl-C is told apart by who raised
+it: Forge's SIGINT/SIGTERM handler calls `note_user_interrupt()` right before it raises KeyboardInterrupt, and
+that one goes through untouched. Where no handler of Forge's is installed (Python's default SIGINT handler),
 every KeyboardInterrupt is taken for the user's.
 """
 
@@ -146,16 +150,21 @@ def _settle(awaitables: list, timeout: float | None) -> list[tuple[bool, Any]]:
     """Await every awaitable concurrently, each under `timeout`: [(True, value) or (False, exception)].
 
     One event loop in a helper thread, so this works where a loop already runs (a notebook)."""
+    async def caught(awaitable) -> tuple[bool, Any]:
+        try:
+            return True, await awaitable
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # noqa: BLE001 - SystemExit/KeyboardInterrupt too, which would end the loop
+            return False, error  # handed back to the caller, who applies the error rules
+
     async def one(awaitable) -> tuple[bool, Any]:
-        task = asyncio.ensure_future(awaitable)
+        task = asyncio.ensure_future(caught(awaitable))
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if not done:
             task.cancel()
             return False, RewardTimeout(f"no result after {timeout}s")
-        try:
-            return True, task.result()
-        except BaseException as error:  # noqa: BLE001 - handed back to the caller, who applies the error rules
-            return False, error
+        return task.result()
 
     async def every() -> list:
         return list(await asyncio.gather(*(one(a) for a in awaitables)))
@@ -163,12 +172,17 @@ def _settle(awaitables: list, timeout: float | None) -> list[tuple[bool, Any]]:
     outcome: dict[str, Any] = {}
 
     def target() -> None:
-        outcome["value"] = asyncio.run(every())
+        try:
+            outcome["value"] = asyncio.run(every())
+        except BaseException as error:  # noqa: BLE001 - the loop itself failed: every reward of it failed so
+            outcome["error"] = error
 
     worker = threading.Thread(target=target, name="forge-async-rewards", daemon=True)
     worker.start()
     worker.join(None if timeout is None else timeout + 10)  # a coroutine that blocks its loop cannot time out
-    return outcome.get("value") or [(False, RewardTimeout(f"no result after {timeout}s"))] * len(awaitables)
+    if "value" in outcome:
+        return outcome["value"]
+    return [(False, outcome.get("error") or RewardTimeout(f"no result after {timeout}s"))] * len(awaitables)
 
 
 def _outcome(settled: tuple[bool, Any]) -> Any:
@@ -191,7 +205,7 @@ def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[
     completion. A None comes back as NaN here, told apart from a returned NaN by `_applies`."""
     scores = getattr(output, "scores", output)
     metadata = getattr(output, "metadata", None) or {}
-    if isinstance(scores, torch.Tensor):
+    if hasattr(scores, "tolist") and not isinstance(scores, (list, tuple)):  # a tensor or numpy array of scores
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)):
         raise RewardError(f"reward '{name}' returned {scores!r:.80} (a {type(scores).__name__}){where}; it must "
@@ -205,10 +219,12 @@ def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[
         if value is None:
             values.append(_NOT_APPLIED)
             continue
+        if getattr(value, "shape", None) == () and hasattr(value, "item"):  # numpy/torch scalar or 0-d array
+            value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)):
+            hint = ": return float(...) (1.0 / 0.0) for a yes/no score" if isinstance(value, bool) else ""
             raise RewardError(f"reward '{name}' returned {value!r} (a {type(value).__name__}) for completion {i}"
-                              f"{where}; "
-                              f"scores must be int or float")
+                              f"{where}; scores must be int or float{hint}")
         values.append(float(value))
     return values, metadata
 
