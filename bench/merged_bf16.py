@@ -80,8 +80,8 @@ def main(steps: int, heldout_size: int, rounds: int) -> None:
     noise = torch.rand(per_step * settings.group_size, settings.max_new_tokens, dtype=torch.float64,
                        generator=torch.Generator().manual_seed(1))
     exactness = {}
-    for variant in ("adapters", "merged"):
-        with torch.no_grad(), precision.autocast(model), merged_adapters(model, variant == "merged") as merged:
+    for variant in ("merged", "adapters"):  # the adapter rollout last: the paired comparison below uses it
+        with torch.no_grad(), precision.autocast(model), merged_adapters(model, variant == "merged", rounded=True) as merged:
             assert merged == (variant == "merged")
             rollout = generate(model, tokenizer, prompts, settings.group_size, sampling, noise=noise)
         mask = rollout.sampled_mask
@@ -103,6 +103,15 @@ def main(steps: int, heldout_size: int, rounds: int) -> None:
                               "vs_fp32_mean": exact_mean, "vs_fp32_max": exact_max, "tokens": int(mask.sum()),
                               "update_effect_mean": float(effect.abs().mean()), "update_effect_captured": captured}
         print(variant, exactness[variant], flush=True)
+    # paired, on the same tokens (the adapter rollout): the full forward with merged weights against the trainer's
+    # (adapter path), next to the sampler's own decode-vs-forward gap on those tokens
+    with torch.no_grad(), precision.autocast(model), merged_adapters(model, rounded=True):
+        merged_forward = completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                             rollout.prompt_index, settings.temperature)
+    exactness["paired_merged_forward_vs_trainer"] = dict(zip(("mean", "max"), logprob_gap(
+        merged_forward, trained, mask)))
+    exactness["paired_merged_forward_vs_fp32"] = dict(zip(("mean", "max"), logprob_gap(merged_forward, truth, mask)))
+    exactness["paired_trainer_vs_fp32"] = dict(zip(("mean", "max"), logprob_gap(trained, truth, mask)))
     with torch.no_grad(), precision.autocast(model):
         rounded_away = total = 0
         from peft.tuners.lora.layer import Linear as LoraLinear
@@ -118,7 +127,7 @@ def main(steps: int, heldout_size: int, rounds: int) -> None:
     heldout = arithmetic_heldout(n=heldout_size, chat=True)
     seconds = {variant: [] for variant in VARIANTS}
     accuracy = {}
-    for r in range(rounds):
+    for r in range(rounds if heldout_size else 0):
         for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
             adapters_off = model.disable_adapter() if variant == "base" else contextlib.nullcontext()
             cpu = time.process_time()
@@ -130,8 +139,9 @@ def main(steps: int, heldout_size: int, rounds: int) -> None:
                                      "tokens": tokens, "wall_ms_per_token": 1e3 * result.metrics["seconds"] / tokens})
             accuracy[variant] = result.metrics["strict_accuracy"]
             print(r, variant, seconds[variant][-1], flush=True)
-    best = {variant: min(t["wall_ms_per_token"] for t in times) for variant, times in seconds.items()}
-    best_cpu = {variant: min(t["cpu_s"] / t["tokens"] for t in times) for variant, times in seconds.items()}
+    best = {variant: min((t["wall_ms_per_token"] for t in times), default=1.0) for variant, times in seconds.items()}
+    best_cpu = {variant: min((t["cpu_s"] / t["tokens"] for t in times), default=1.0)
+                for variant, times in seconds.items()}
     summary = {
         "what": "bf16 LoRA evaluation/sampling: adapters merged once per generation vs the adapter path",
         "cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
@@ -145,7 +155,8 @@ def main(steps: int, heldout_size: int, rounds: int) -> None:
         "command": f"python bench/merged_bf16.py {steps} {heldout_size} {rounds}",
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"merged_bf16_{steps}steps.json").write_text(json.dumps(summary, indent=1) + "\n")
+    tag = f"{steps}steps" + ("" if heldout_size else "_exactness")
+    (RESULTS / f"merged_bf16_{tag}.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: summary[k] for k in ("exactness", "eval_time_per_token_vs_base",
                                                       "eval_cpu_per_token_vs_base")}, indent=1))
 

@@ -195,11 +195,11 @@ class GRPOConfig:
     merge_lora_for_generation: bool = True
     """With LoRA, generate and evaluate with the adapters folded into a temporary copy of the adapted weights
     (policy.merged_adapters): one matmul per layer instead of three, 0.85-0.90x the generation time on a CPU
-    (bench/merged_generation.py); in bf16 the sum is formed in fp32 and rounded once, and evaluation takes the base
-    model's time instead of 1.2x (bench/merged_bf16.py). The training weights are untouched (put back bit for bit);
-    the sampler then differs from the trainer by rounding, no more than the adapter path does. Needs memory for one
-    copy of the adapted weights during generation, and is skipped when that does not fit on the GPU, under FSDP2,
-    and for DoRA or quantised layers."""
+    (bench/merged_generation.py). The training weights are untouched (put back bit for bit); the sampler then
+    differs from the trainer by fp32 rounding. In bf16/fp16 training's sampling keeps the adapters (rounding
+    W + s B A once to bf16 doubles the sampler/trainer log-prob gap), while evaluation merges (bench/merged_bf16.py).
+    Needs memory for one copy of the adapted weights during generation, and is skipped when that does not fit on
+    the GPU, under FSDP2, and for DoRA or quantised layers."""
     logprob_chunk_size: int = 1024
     """Positions per chunk in the log-softmax, so (tokens x vocab) fp32 logits are never all alive."""
     gradient_checkpointing: bool = False

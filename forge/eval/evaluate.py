@@ -117,8 +117,8 @@ def evaluate(
     answer_format: "tag" or "answer_line" for every row; None decides per row from its prompt
         (`detect_answer_format`).
     merge_adapters: a LoRA model generates with its adapters folded into a temporary copy of the weights
-        (forge.model.merged_adapters: faster, the same outputs up to fp32 rounding; the model is left as
-        it was).
+        (forge.model.merged_adapters: faster, the same outputs up to rounding; in bf16 the sum is formed in fp32
+        and rounded once, and the evaluation takes the base model's time; the model is left as it was).
     """
     rows = load_rows(rows)
     for index, row in enumerate(rows):
@@ -140,7 +140,7 @@ def evaluate(
     try:
         # fork_rng restores the global CPU (and this GPU's) RNG state afterwards
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
-                merged_adapters(model, merge_adapters):
+                merged_adapters(model, merge_adapters, rounded=True):
             torch.manual_seed(seed)
             for start in range(0, len(rows), batch_size):
                 chunk = rows[start:start + batch_size]

@@ -233,8 +233,9 @@ def test_merged_adapters_keep_switched_off_adapters_off(tiny_model, tiny_tokeniz
 
 
 def test_merged_adapters_in_bf16_round_the_fp32_sum_once_and_stay_as_exact_as_the_adapters(tiny_model, tiny_tokenizer):
-    """Under bf16 autocast (a LoRA run's bf16 base, fp32 adapters) the merged weight is W + s B A formed in fp32 and
-    rounded once to bf16, and the outputs are as close to the exact fp32 model's as the adapter path's."""
+    """Under bf16 autocast (a LoRA run's bf16 base, fp32 adapters), for evaluation (rounded=True), the merged weight
+    is W + s B A formed in fp32 and rounded once to bf16, and the outputs are about as close to the exact fp32
+    model's as the adapter path's; training's sampling (rounded=False) keeps the adapters."""
     input_ids = _input_ids(tiny_tokenizer)
     peft_model = apply_lora(tiny_model, r=4, alpha=8)
     _randomize_lora_b(peft_model)
@@ -248,7 +249,9 @@ def test_merged_adapters_in_bf16_round_the_fp32_sum_once_and_stay_as_exact_as_th
     expected = (value.float() + 2.0 * q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight)  # fp32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         adapters = _logits(peft_model, input_ids).float()
-        with merged_adapters(peft_model) as merged:
+        with merged_adapters(peft_model) as merged:  # training's sampling: the rounding would widen the
+            assert not merged  # sampler/trainer log-prob gap, so it keeps the adapters
+        with merged_adapters(peft_model, rounded=True) as merged:  # evaluation
             assert merged
             assert torch.equal(q_proj.base_layer.weight, expected.to(torch.bfloat16))
             merged_logits = _logits(peft_model, input_ids).float()
