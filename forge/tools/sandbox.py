@@ -1,18 +1,49 @@
-"""Run untrusted Python (e.g. code a model wrote) in a child process with time, memory and output limits.
+"""Run untrusted Python (e.g. code a model wrote) in a sandbox built on Linux namespaces, with time, memory,
+process and output limits.
 
-A code-execution reward must run programs that may loop forever, eat all memory, print gigabytes or
-read the API keys in your environment. `run_python` runs one program in a fresh `python -I` process:
+A code-execution reward must run programs that may loop forever, eat all memory, fork without end, print
+gigabytes, read the API keys in your environment or attack the trainer. `run_python` runs one program under
+`unshare` (util-linux) in new user, PID, mount, network, IPC and UTS namespaces, whose first process
+(forge/tools/sandbox_init.py) sets the sandbox up, runs the program and takes it down. It needs Linux >= 5.12
+and no privileges where the kernel lets users create user namespaces (most Linux distributions; not inside a
+default Docker container, and Ubuntu >= 24.04 restricts it through AppArmor).
 
-    - its own empty temporary working directory, deleted afterwards;
-    - an environment of PATH, LANG and HOME (the temp dir) only: no secrets are inherited;
-    - rlimits set before the program starts: address space (memory_mb), CPU seconds, size of files
-      written (stdout and stderr go to files, so output_limit_kb also caps what it prints), no core dumps;
-    - a wall-clock timeout, after which its whole process group is killed with SIGKILL.
+What it stops:
+    - seeing or signalling any process outside: a private PID namespace with its own /proc, so the trainer's
+      /proc/<pid>/environ (HF_TOKEN, API keys) cannot be read, and kill() reaches no process outside;
+    - outliving the call: when the program exits, or at the timeout, the namespace's first process dies and
+      the kernel kills every process in the namespace, setsid() or daemonised or not;
+    - the network: a network namespace with nothing in it (not even a loopback that is up); abstract Unix
+      sockets belong to the network namespace, so they are out of reach too;
+    - writing files: every mount is read-only (and capabilities are dropped, so it stays so); the program's
+      working directory, HOME and TMPDIR are a private tmpfs on /tmp; /dev/shm is another; both are counted as
+      its memory and vanish with it; /run is replaced by an empty read-only directory;
+    - reading well-known credential files (`hide`, default DEFAULT_HIDDEN: ~/.ssh, ~/.aws, ~/.netrc, the
+      Hugging Face token, ...): they appear empty;
+    - fork bombs: at most `max_processes` processes and threads (RLIMIT_NPROC in its user namespace; the kernel
+      exempts the real root user from it, so there a watchdog polling every 10 ms kills the whole program past
+      the limit, and on Linux >= 6.14 the namespace's pid_max is a hard ceiling of 300 + max_processes);
+    - memory: `memory_mb` for the whole program, all its processes and its tmpfs files together (a watchdog
+      polling every 10 ms kills them all past it; each process is also capped by RLIMIT_AS, so one allocation
+      past it fails at once with MemoryError), and the kernel's OOM killer prefers the sandbox to the trainer;
+    - CPU time (RLIMIT_CPU), file size and output (RLIMIT_FSIZE, output_limit_kb), core dumps; a clean
+      environment (PATH, LANG, HOME only: no secrets are inherited).
 
-It returns a `SandboxResult` (stdout, stderr, returncode, timed_out, memory_exceeded); it never raises
-for anything the program does. It is a seatbelt, not a jail: the program can still read files your user
-can read and use the network. For hostile code, run the trainer (or this helper) inside a container or a
-VM. Linux only (rlimits; macOS does not enforce RLIMIT_AS).
+What it does not stop:
+    - reading any file your user can read (read-only) that is not hidden: your code, data sets, and (when
+      Forge runs as root) root's files; hide more with `hide=`;
+    - Unix sockets on the filesystem outside /tmp and /run (connect() needs no write access): a Docker or
+      X11 socket elsewhere stays reachable;
+    - kernel exploits: the namespaces share the host kernel; CPU time of other cores within the timeout;
+    - the memory watchdog polls: an allocation burst between two polls can exceed memory_mb for up to 10 ms
+      (by at most memory_mb per process, the RLIMIT_AS).
+For code that may be actively hostile beyond that, run the trainer (or this helper) inside a VM.
+
+Where user namespaces are unavailable, `run_python` falls back, with a loud RuntimeWarning, to rlimits in a
+plain child process that is a child subreaper (its daemonised descendants are still found and killed, and
+the watchdog still counts processes and memory): then the program CAN read your processes' /proc/<pid>/environ,
+signal them, use the network and write your files. `namespaces=True` refuses to run without them;
+`namespaces=False` never uses them. `SandboxResult.isolated` says which ran. Linux only.
 
 Using it in a reward (the completion holds a solution, the dataset row holds the tests):
 
@@ -25,36 +56,35 @@ Using it in a reward (the completion holds a solution, the dataset row holds the
             scores.append(1.0 if result.ok else 0.0)
         return scores
 
-Programs are independent, so a reward may run several at once with a ThreadPoolExecutor (the child
-is started without a `preexec_fn`, so this is thread-safe). Keep GRPOConfig.reward_timeout above the
-total time the reward may spend.
+Programs are independent, so a reward may run several at once with a ThreadPoolExecutor (nothing here uses a
+`preexec_fn`, so this is thread-safe). Keep GRPOConfig.reward_timeout above the total time the reward may spend.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SandboxResult", "run_python"]
+__all__ = ["DEFAULT_HIDDEN", "SandboxResult", "namespace_problem", "run_python"]
 
-# Runs first in the child: set the limits, then replace itself with the interpreter running the program
-# (limits survive exec). Doing it here rather than in a preexec_fn keeps run_python safe from any thread.
-_LIMIT_AND_EXEC = """
-import os, resource, sys
-memory, cpu_seconds, file_bytes = (int(a) for a in sys.argv[1:4])
-limits = [(resource.RLIMIT_CPU, cpu_seconds), (resource.RLIMIT_FSIZE, file_bytes), (resource.RLIMIT_CORE, 0)]
-if memory > 0:
-    limits.append((resource.RLIMIT_AS, memory))
-for kind, value in limits:
-    resource.setrlimit(kind, (value, value))
-os.execv(sys.executable, [sys.executable, "-I", "-B", sys.argv[4]])
-"""
+INIT = str(Path(__file__).with_name("sandbox_init.py"))
+NAMESPACES = ["--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--net",
+              "--ipc", "--uts"]
+DEFAULT_HIDDEN = ("~/.ssh", "~/.aws", "~/.azure", "~/.config/gcloud", "~/.docker", "~/.kube", "~/.netrc",
+                  "~/.git-credentials", "~/.pypirc", "~/.config/gh", "~/.huggingface", "~/.cache/huggingface/token",
+                  "~/.cache/huggingface/stored_tokens", "$HF_HOME/token", "$HF_TOKEN_PATH")
+_warned = False
 
 
 @dataclass
@@ -65,8 +95,10 @@ class SandboxResult:
     stderr: str
     returncode: int | None  # exit status; negative = killed by that signal; None only if it could not start
     timed_out: bool  # killed because it ran past the wall-clock timeout
-    memory_exceeded: bool  # it died of MemoryError (the address-space limit)
+    memory_exceeded: bool  # it died of MemoryError, or all of it was killed past memory_mb together
     seconds: float  # wall-clock time it ran
+    processes_exceeded: bool = False  # all of it was killed for running more than max_processes at once
+    isolated: bool = False  # it ran in namespaces (False: the rlimits-only fallback)
 
     @property
     def ok(self) -> bool:
@@ -82,55 +114,146 @@ def run_python(
     output_limit_kb: int = 1024,
     stdin: str = "",
     python: str | None = None,
+    max_processes: int = 64,
+    hide: Sequence[str] = DEFAULT_HIDDEN,
+    namespaces: bool | None = None,
 ) -> SandboxResult:
-    """Run `code` as a Python program in a limited child process; see the module docstring.
+    """Run `code` as a Python program in the sandbox; see the module docstring. Never raises for anything the
+    program does.
 
-    timeout:          wall-clock seconds before the process group is killed (CPU time is capped too)
-    memory_mb:        address-space limit of the process (0 = none); allocations past it raise MemoryError
-    output_limit_kb:  the most stdout (and, separately, stderr) it may write; past it the program is killed
+    timeout:          wall-clock seconds before the whole program is killed (CPU time is capped too)
+    memory_mb:        memory of the whole program (0 = none); also each process's address-space limit
+    output_limit_kb:  the most stdout (and, separately, stderr) it may write, and the largest file it may write
     stdin:            text fed to the program's standard input
     python:           the interpreter to run (default: this one)
+    max_processes:    processes and threads it may run at once
+    hide:             files and directories that appear empty to it ('~' and '$VAR' are expanded)
+    namespaces:       None: use them when available, else warn and fall back; True: raise RuntimeError
+                      without them; False: the rlimits-only fallback
     """
     if timeout <= 0:
         raise ValueError(f"timeout={timeout} must be > 0 seconds")
-    if memory_mb < 0 or output_limit_kb < 1:
-        raise ValueError("memory_mb must be >= 0 and output_limit_kb >= 1")
+    if memory_mb < 0 or output_limit_kb < 1 or max_processes < 1:
+        raise ValueError("memory_mb must be >= 0, output_limit_kb >= 1 and max_processes >= 1")
     interpreter = python or sys.executable
+    if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
+        return SandboxResult("", f"could not start {interpreter}: not an executable file", None, False, False, 0.0)
+    problem = namespace_problem() if namespaces is not False else "not asked for"
+    if problem is not None and namespaces:
+        raise RuntimeError(f"run_python(namespaces=True): Linux namespaces are unavailable here ({problem})")
+    if problem is not None and namespaces is None:
+        _warn_once(problem)
+    limits = {"interpreter": interpreter, "memory": memory_mb * 2**20, "cpu_seconds": int(timeout) + 1,
+              "file_bytes": output_limit_kb * 1024, "max_processes": max_processes, "hide": _expand(hide)}
+    return _run(code, stdin, timeout, limits, output_limit_kb, namespace=problem is None)
+
+
+@functools.lru_cache(maxsize=1)
+def namespace_problem() -> str | None:
+    """None when the sandbox's namespaces work here (tried once per process, with an empty program), else why
+    not."""
+    if sys.platform != "linux":
+        return f"{sys.platform} is not Linux"
+    if shutil.which("unshare") is None:
+        return "the unshare command (util-linux) is not installed"
+    limits = {"interpreter": sys.executable, "memory": 256 * 2**20, "cpu_seconds": 30, "file_bytes": 2**16,
+              "max_processes": 8, "hide": []}
+    result = _run("pass", "", 30.0, limits, 64, namespace=True)
+    if result.ok:
+        return None
+    return (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+
+
+def _warn_once(problem: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"forge.tools.sandbox: Linux namespaces are unavailable ({problem}), so run_python runs programs NOT "
+            f"ISOLATED, with rlimits only: a program can read your processes' secrets (/proc/<pid>/environ), "
+            f"signal them, use the network and write your files. Allow unprivileged user namespaces "
+            f"(sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
+            f"kernel.apparmor_restrict_unprivileged_userns=0), or run the trainer in a VM.",
+            RuntimeWarning, stacklevel=3)
+
+
+def _expand(paths: Sequence[str]) -> list[str]:
+    expanded = (os.path.expanduser(os.path.expandvars(p)) for p in paths)
+    return sorted({os.path.abspath(p) for p in expanded if "$" not in p and os.path.lexists(p)})
+
+
+def _run(code: str, stdin: str, timeout: float, limits: dict, output_limit_kb: int, namespace: bool) -> SandboxResult:
     with tempfile.TemporaryDirectory(prefix="forge-sandbox-") as workdir:
         work = Path(workdir)
-        program = work / "main.py"
-        program.write_text(code, encoding="utf-8")
-        environment = {"PATH": os.defpath, "LANG": "C.UTF-8", "HOME": workdir, "PYTHONIOENCODING": "utf-8",
-                       "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-        limits = [str(memory_mb * 2**20), str(int(timeout) + 1), str(output_limit_kb * 1024)]
-        started = time.monotonic()
-        with (work / "stdout").open("wb") as out, (work / "stderr").open("wb") as err:
-            try:
-                process = subprocess.Popen(
-                    [interpreter, "-I", "-c", _LIMIT_AND_EXEC, *limits, str(program)],
-                    stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=workdir, env=environment,
-                    start_new_session=True, close_fds=True)
-            except OSError as error:
-                return SandboxResult("", f"could not start {interpreter}: {error}", None, False, False, 0.0)
-            timed_out = False
-            try:
-                process.communicate(stdin.encode("utf-8"), timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_group(process.pid)  # the program and anything it started
-                process.wait()
+        (work / "main.py").write_text(code, encoding="utf-8")
+        inside = f"/tmp/{work.name}" if namespace else workdir
+        environment = {"PATH": os.defpath, "LANG": "C.UTF-8", "HOME": inside, "TMPDIR": inside,
+                       "PYTHONIOENCODING": "utf-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        with (work / "status").open("wb") as status:
+            config = {**limits, "program": str(work / "main.py"), "workdir": workdir, "name": work.name,
+                      "namespace": namespace, "environment": environment, "status_fd": status.fileno()}
+            command = [sys.executable, "-I", "-S", "-B", INIT, json.dumps(config)]
+            if namespace:
+                command = [shutil.which("unshare") or "unshare", *NAMESPACES, "--", *command]
+            started = time.monotonic()
+            with (work / "stdout").open("wb") as out, (work / "stderr").open("wb") as err:
+                try:
+                    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=workdir,
+                                               env=environment, start_new_session=True, close_fds=True,
+                                               pass_fds=(status.fileno(),))
+                except OSError as error:
+                    return SandboxResult("", f"could not start the sandbox: {error}", None, False, False, 0.0)
+                timed_out = False
+                try:
+                    process.communicate(stdin.encode("utf-8"), timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    _stop(process, namespace)
         seconds = time.monotonic() - started
         stdout, stderr = (_read(work / name, output_limit_kb) for name in ("stdout", "stderr"))
-    memory_exceeded = "MemoryError" in stderr[-2000:]
-    return SandboxResult(stdout, stderr, process.returncode, timed_out, memory_exceeded, seconds)
+        try:
+            outcome = json.loads((work / "status").read_text() or "{}")
+        except ValueError:
+            outcome = {}
+    if outcome.get("setup_error"):
+        stderr = f"{stderr}sandbox: {outcome['setup_error']}\n"
+    returncode = -signal.SIGKILL if timed_out else outcome.get("returncode", process.returncode)
+    memory_exceeded = bool(outcome.get("memory_exceeded")) or "MemoryError" in stderr[-2000:]
+    return SandboxResult(stdout, stderr, returncode, timed_out, memory_exceeded, seconds,
+                         bool(outcome.get("processes_exceeded")), namespace)
 
 
-def _kill_group(pid: int) -> None:
+def _stop(process: subprocess.Popen, namespace: bool) -> None:
+    """Kill the whole program at its timeout; returns once nothing of it runs."""
+    init = _children(process.pid) if namespace else [process.pid]
+    if not namespace:  # the init kills its descendants, daemonised ones too, then exits
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
     try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGKILL)  # unshare and the namespace's init: the kernel kills the rest
     except (ProcessLookupError, PermissionError):
-        pass  # already gone
+        pass
+    process.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in init) and time.monotonic() < deadline:  # the namespace is being emptied
+        time.sleep(0.01)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _read(path: Path, limit_kb: int) -> str:

@@ -583,7 +583,7 @@ def test_sandbox_kills_an_infinite_loop_and_its_children(tmp_path):
     program = (f"import subprocess\nchild = subprocess.Popen(['sleep', '300'])\n"
                f"open({str(pid_file)!r}, 'w').write(str(child.pid))\nwhile True:\n    pass")
     started = time.perf_counter()
-    result = run_python(program, timeout=1)
+    result = run_python(program, timeout=1, namespaces=False)  # it writes a file; namespaces: test_sandbox.py
     assert result.timed_out and result.returncode == -signal.SIGKILL and not result.ok
     assert time.perf_counter() - started < 30
     assert not _running(int(pid_file.read_text()))  # the grandchild went with it
