@@ -83,6 +83,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from forge.core.scoring import greedy_reward_evaluator
     from forge.core.trainer import GRPOTrainer, TrainingInterrupted
     from forge.eval.evaluate import graded_by_math, heldout_metrics
+    from forge.envs import load_environment
     from forge.tools.calls import load_tools
 
     rewards, weights = _rewards_for(args)
@@ -90,8 +91,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         config.reward_weights = weights
 
     tools = load_tools(args.tools) if args.tools else None
+    environment = load_environment(args.environment) if args.environment else None
     trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics,  # eval/strict_accuracy, ...
-                          tools=tools)
+                          tools=tools, environment_factory=environment)
     dataset, eval_rows = _training_data(args, trainer.tokenizer)
     if eval_rows is not None and not graded_by_math(eval_rows):  # the math grader would count every answer wrong
         trainer.evaluator = greedy_reward_evaluator(trainer.rewards, config, trainer.tool_settings)
@@ -255,6 +257,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(_unknown_arguments(unknown, parser))
     _check_arguments(demo_args)
+    if demo_args.env:  # the environment demo (forge/demo_env.py)
+        from forge.demo_env import run_env_demo
+
+        run_env_demo(DemoSettings.from_args(demo_args))
+        return 0
     run_demo(DemoSettings.from_args(demo_args))
     return 0
 
@@ -283,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--tools", default=None,
                        help="comma-separated module:function (or path/file.py:function, or the built-in "
                             "'calculator') the model may call during rollouts; see GRPOConfig's tool fields")
+    train.add_argument("--environment", default=None,
+                       help="module:Class (or path/file.py:Class): an environment, one instance per completion, "
+                            "reset with its dataset row, whose public methods the model calls (docs/environments.md)")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     train.add_argument("--nproc", type=int, default=None, help="train data-parallel in N processes on this machine "
                        "(one per GPU, or gloo on CPU); the same as torchrun / accelerate launch")

@@ -107,13 +107,16 @@ class DemoSettings:
     tools: bool = False
     """Instead: the calculator-tool demo: arithmetic with a <calc> tool, base model without and with the tool,
     trained model with the tool, on the same held-out set."""
+    env: bool = False
+    """Instead: the environment demo (forge/demo_env.py): guess-the-number with higher/lower answers, base and
+    trained model with the real answers and with noise in their place, on the same held-out episodes."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoSettings:
         """The settings of parsed flags (`add_demo_arguments`: None = not given): the flags the user gave, then the
         recipe of --quick or --tools (--quick wins), then the defaults."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name) is not None}
-        return cls(**(recipe(bool(given.get("tools")), bool(given.get("quick"))) | given))
+        return cls(**(recipe(bool(given.get("tools")), bool(given.get("quick")), bool(given.get("env"))) | given))
 
 
 QUICK = {"steps": 3, "heldout": 20, "prompts_per_step": 2, "max_new_tokens": 48, "eval_every": 2,
@@ -123,18 +126,23 @@ TOOLS = {"steps": 20, "prompts_per_step": 2}
 thread of the 2-core machine; the plain demo's 60 x 4 would take about 40)."""
 
 
-def recipe(tools: bool, quick: bool) -> dict:
-    """The settings --tools and --quick change, with their values (--quick wins)."""
-    return (TOOLS if tools else {}) | (QUICK if quick else {})
+ENV = {"steps": 30, "prompts_per_step": 2, "max_new_tokens": 48, "learning_rate": 3e-4, "heldout": 66}
+"""The environment demo's recipe (forge/demo_env.py)."""
 
 
-def add_demo_arguments(parser: argparse.ArgumentParser, tools: bool = False, quick: bool = False) -> None:
+def recipe(tools: bool, quick: bool, env: bool = False) -> dict:
+    """The settings --tools, --env and --quick change, with their values (--quick wins)."""
+    return (TOOLS if tools else {}) | (ENV if env else {}) | (QUICK if quick else {})
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser, tools: bool = False, quick: bool = False,
+                       env: bool = False) -> None:
     """One flag per DemoSettings field, its docstring the help, with the default of the demo the flags
     describe (--tools, --quick: their recipe). A flag left out parses as None (False for a switch)."""
     body = ast.parse(inspect.getsource(DemoSettings)).body[0].body
     docs = {node.target.id: nxt.value.value for node, nxt in itertools.pairwise(body)
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)}
-    defaults = {f.name: f.default for f in fields(DemoSettings)} | recipe(tools, quick)
+    defaults = {f.name: f.default for f in fields(DemoSettings)} | recipe(tools, quick, env)
     for f in fields(DemoSettings):
         text = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
         if f.type in ("bool", bool):
@@ -148,12 +156,12 @@ def demo_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The argument parser of `forge demo` (the CLI hands it the demo's part of the command line, `argv`): with
     --tools in argv it describes the tool demo, its help and defaults included."""
     argv = argv or []
-    tools, quick = "--tools" in argv, "--quick" in argv
+    tools, quick, env = "--tools" in argv, "--quick" in argv, "--env" in argv
     described = __doc__.split("\n\n")
     description = described[2] if tools else "\n\n".join(described[:2])
     parser = argparse.ArgumentParser(prog="forge demo" + (" --tools" if tools else ""), description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    add_demo_arguments(parser, tools=tools, quick=quick)
+    add_demo_arguments(parser, tools=tools, quick=quick, env=env)
     return parser
 
 

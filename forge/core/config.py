@@ -239,13 +239,18 @@ class GRPOConfig:
     """Let a new run (not resuming) delete the checkpoints and logs another run left in output_dir; without it
     such a directory is refused."""
 
-    # --- tools (multi-turn rollouts; used only when GRPOTrainer gets tools=[...], docs/tools.md) ---
+    # --- tools and environments (multi-turn rollouts: tools=[...] or environment_factory=, docs/environments.md) ---
     max_tool_calling_iterations: int = 4
-    """Most tool calls per completion (TRL's name); a further call ends the completion there, unanswered."""
+    """Most tool calls per completion (TRL's name), an environment's turn limit; a further call ends the
+    completion there, unanswered."""
     tool_timeout: float = 10.0
     """Seconds one tool call may take; a slower call is answered with an error text and counted."""
     max_tool_output_chars: int = 1000
     """Longest tool output given back to the model; a longer one keeps its start and says it was truncated."""
+    max_episode_tokens: int | None = None
+    """Most tokens of one completion with tools or an environment, sampled and fed results together (None: the
+    model's context, which always bounds prompt + completion). A result that does not fit is cut, ends with a
+    '[truncated: ...]' marker, and ends the completion."""
     tool_format: str = "auto"
     """How calls are written: 'text' (<calc>expr</calc> -> <result>v</result>, shown by the prompt's worked
     examples), 'template' (the chat template's <tool_call>{json}</tool_call> and tool messages) or 'auto'
@@ -419,6 +424,8 @@ class GRPOConfig:
         need(self.max_tool_calling_iterations >= 0, "max_tool_calling_iterations must be >= 0")
         need(self.tool_timeout > 0, "tool_timeout must be > 0 seconds")
         need(self.max_tool_output_chars >= 1, "max_tool_output_chars must be >= 1")
+        need(self.max_episode_tokens is None or self.max_episode_tokens > self.max_new_tokens,
+             "max_episode_tokens (sampled and fed tokens of a completion) must be > max_new_tokens, or None")
         need(self.tool_format in ("auto", "text", "template"), "tool_format must be 'auto', 'text' or 'template'")
         need(self.tool_isolation in ("thread", "process"), "tool_isolation must be 'thread' or 'process'")
         need(self.tool_memory_mb >= 64, "tool_memory_mb must be >= 64 (MB)")

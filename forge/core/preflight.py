@@ -109,12 +109,13 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     mine = rows[:: max(1, len(rows) // config.preflight_prompts)][:config.preflight_prompts]  # spread over the data
     trainer.model.eval()
     generation_started = time.perf_counter()
-    rollout = trainer.generate([row["prompt"] for row in mine])
+    rollout = trainer.generate([row["prompt"] for row in mine], mine)
     generation_seconds = time.perf_counter() - generation_started
     prompts, columns, _ = per_completion(mine, group)
     score = {"on_error": "score", "error_value": 0.0, "timeout": config.reward_timeout,
              "trainer_state": TrainerState(0, total_steps, trainer.device),
-             "completion_ids": completion_token_ids(rollout), "tool_calls": rollout_tool_calls(rollout)}
+             "completion_ids": completion_token_ids(rollout), "tool_calls": rollout_tool_calls(rollout),
+             "environments": rollout.environments, "episodes": rollout.episodes}
     scoring_started = time.perf_counter()
     total = score_completions(trainer.rewards, prompts, rollout.completions, columns, **score)
     checks = [reward_check(name, score_completions([(name, reward, 1.0)], prompts, rollout.completions, columns,

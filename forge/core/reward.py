@@ -132,20 +132,22 @@ class RewardInputs:
     completion_ids: list[list[int]] | None = None  # (N,) each completion's token ids
     trainer_state: TrainerState | None = None  # where the run is
     tool_calls: list[list[dict]] | None = None  # (N,) each completion's tool calls and results (runs with tools)
+    environments: list | None = None  # (N,) each completion's finished environment instance (forge/envs)
+    episodes: list | None = None  # (N,) Forge's record of each episode (forge/envs Episode: turns, rewards, ...)
 
     def select(self, indices: Sequence[int]) -> RewardInputs:
         """The same inputs for the completions `indices` only."""
         pick = (lambda values: None if values is None else [values[i] for i in indices])
         return RewardInputs(pick(self.prompts), pick(self.completions),
                             {k: pick(v) for k, v in self.columns.items()}, pick(self.completion_ids),
-                            self.trainer_state, pick(self.tool_calls))
+                            self.trainer_state, pick(self.tool_calls), pick(self.environments),
+                            pick(self.episodes))
 
     def forge_keywords(self, with_trainer_state: bool = False) -> dict[str, Any]:
         """Forge's keywords: the columns (``reference`` as ``references``), ``tool_calls``, and ``trainer_state``
         for a reward that names it."""
         keywords = {("references" if k == "reference" else k): v for k, v in self.columns.items()}
-        if self.tool_calls is not None:
-            keywords["tool_calls"] = self.tool_calls
+        keywords |= self.rollout_keywords()
         if with_trainer_state and self.trainer_state is not None:
             keywords["trainer_state"] = self.trainer_state
         return keywords
@@ -159,9 +161,12 @@ class RewardInputs:
             else self.completions
         keywords = {"prompts": self.prompts, "completions": completions, "completion_ids": self.completion_ids,
                     **self.columns, "trainer_state": self.trainer_state}
-        if self.tool_calls is not None:
-            keywords["tool_calls"] = self.tool_calls
-        return keywords
+        return keywords | self.rollout_keywords()
+
+    def rollout_keywords(self) -> dict[str, Any]:
+        """``tool_calls`` with tools; ``environments`` and ``episodes`` with an environment."""
+        given = {"tool_calls": self.tool_calls, "environments": self.environments, "episodes": self.episodes}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 class Convention(NamedTuple):
@@ -174,11 +179,12 @@ class Convention(NamedTuple):
 
 CONVENTIONS = {
     "forge": Convention(
-        frozenset({"references", "trainer_state", "tool_calls"}),
+        frozenset({"references", "trainer_state", "tool_calls", "environments", "episodes"}),
         "reward(prompts, completions, **columns) with text completions, `reference` as `references`, and "
         "trainer_state= if it names it (Forge's convention: reward_fn=)"),
     "trl": Convention(
-        frozenset({"prompts", "completions", "completion_ids", "trainer_state", "tool_calls"}),
+        frozenset({"prompts", "completions", "completion_ids", "trainer_state", "tool_calls", "environments",
+                   "episodes"}),
         "reward(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns), every argument by "
         "keyword, chat completions as [{'role': 'assistant', 'content': ...}] (TRL's convention: reward_funcs=)"),
 }

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from forge.envs.protocol import EnvironmentSettings, Episode, with_opening
 from forge.model.kv_cache import CACHE_ARG, grow, preallocated, returned_cache
 from forge.tools.calls import (
     CallFormat,
@@ -55,6 +56,19 @@ class Rollout:
     action_mask: torch.Tensor | None = None  # (N, T) 1 on tokens the model sampled, 0 on tool results fed to it
     # (tools); None = every completion token was sampled
     tool_calls: list[list] | None = None  # (N,) each completion's calls, in order (forge/tools ToolResult)
+    episodes: list | None = None  # (N,) each completion's environment episode (forge/envs Episode); None: none
+
+    @property
+    def environments(self) -> list | None:
+        """(N,) each completion's environment instance, as rewards receive it (`environments=`)."""
+        return None if self.episodes is None else [e.environment for e in self.episodes]
+
+    @property
+    def failed(self) -> torch.Tensor:
+        """(N,) bool: completions whose environment could not run (built or reset), left out of the loss."""
+        if self.episodes is None:
+            return torch.zeros(self.completion_ids.shape[0], dtype=torch.bool)
+        return torch.tensor([e.failure is not None for e in self.episodes], dtype=torch.bool)
 
     @property
     def num_prompts(self) -> int:
@@ -277,24 +291,37 @@ def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g
     return preallocated(cache, mask.shape[1] + max_new_tokens), next_logits, mask
 
 
+TRUNCATION_MARKER = " [truncated: token budget]"  # ends a fed result cut to the completion's token budget
+
+
 class _Row:
     """One completion being decoded."""
 
-    def __init__(self):
+    def __init__(self, limit: int, episode: Episode | None = None):
         self.tokens: list[int] = []  # completion tokens, model and fed
         self.sampled: list[int] = []  # 1 where the model sampled the token, 0 where it was fed
         self.logprobs: list[float] = []  # sampler log-prob of each token (0 for fed tokens)
-        self.fed: list[int] = []  # result tokens still to feed
+        self.fed: list[int] = []  # result tokens fed in this step's forward, after the sampled token
+        self.limit = limit  # most completion tokens: max_episode_tokens and the context left after the prompt
         self.model_tokens = 0
         self.segment_start = 0  # where the model text since the last result begins (index into tokens)
         self.calls: list[ToolResult] = []
-        self.done = False
+        self.episode = episode
+        self.done = episode is not None and episode.failure is not None  # a failed episode samples nothing
         self.eos = False
         self.hit_call_limit = False
+        self.ended = False  # the environment ended the episode
+
+    def feed(self, ids: list[int]) -> None:
+        self.fed = ids
+        self.tokens += ids
+        self.sampled += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.segment_start = len(self.tokens)
 
 
 # ----------------------------------------------------------------------------------------------------
-# The decode loop (with tools: a row may be fed a call's result instead of sampling)
+# The decode loop (with tools or an environment: a row that ends a call is fed the result)
 
 
 @torch.no_grad()
@@ -308,20 +335,32 @@ def generate(
     truncate_prompts: str = "error",
     share_prompt_prefix: bool = True,
     noise: torch.Tensor | None = None,
-    tools: ToolSettings | None = None,
+    tools: ToolSettings | EnvironmentSettings | None = None,
     call_format_: CallFormat | None = None,
+    rows: Sequence[dict] | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for every prompt in one batched decode.
 
     noise: optional (P * group_size, max_new_tokens) uniforms in [0, 1); a row's k-th sampled token is drawn
     with noise[row, k] (see sample_next_token). None samples from torch's global generator.
-    tools: the tools the policy may call (forge/tools). When a row's text ends a call (CallFormat), the calls of
-    that decode step run together, each with its timeout; each result is rendered, tokenized and *fed* to its
-    row one token per decode step, in the same batched forwards in which the other rows go on sampling. A
-    completion is then one interleaved sequence (model text, result, model text, ...); `Rollout.action_mask`
-    marks the sampled tokens, and only those count towards max_new_tokens. A row also ends at a call beyond
-    `tools.max_calls` (left unanswered). With no call made the tokens are those sampled without tools.
+    tools: the tools the policy may call (forge/tools), or an environment (forge/envs: one instance per
+    completion, reset with its dataset row from `rows`, whose methods are the tools). When a row's text ends a
+    call (CallFormat), the calls of that decode step run together, each with its timeout; each result is
+    rendered, tokenized and *fed* to its row in the next forward, all its tokens in that one pass, while the other
+    rows go on sampling (rows of unequal inputs are left-padded within the step). A completion is then one
+    interleaved sequence (model text, result, model text, ...); `Rollout.action_mask` marks the sampled tokens,
+    and only those count towards max_new_tokens. Sampled and fed tokens together count towards
+    `tools.max_episode_tokens`, and prompt + completion never pass the model's context: a result that does not
+    fit is cut, ends with TRUNCATION_MARKER, and ends the row. A row also ends at a call beyond
+    `tools.max_calls` (left unanswered), and when its environment ends the episode. With no call made and no
+    opening observation, the tokens are those sampled without tools (the noise is indexed by sampled tokens).
     """
+    environment = tools if isinstance(tools, EnvironmentSettings) else None
+    tools = environment.tools if environment is not None else tools
+    episodes = None
+    if environment is not None:
+        episodes = environment.start(rows if rows is not None else [{"prompt": p} for p in prompts], group_size)
+        prompts = [with_opening(p, episodes[i * group_size].opening) for i, p in enumerate(prompts)]
     fmt = None if tools is None else call_format_ or call_format(tools.format, tools.tools, tokenizer)
     device = next(model.parameters()).device
     schemas = [t.schema for t in tools.tools] if fmt is not None and fmt.kind == "template" else None
@@ -336,40 +375,35 @@ def generate(
     if noise is not None:
         noise = noise.to(device)  # (N, max_new_tokens)
 
-    rows = [_Row() for _ in range(num_rows)]
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
+    budget = (tools.max_episode_tokens if tools is not None else None) or 10**9
+    rows_ = [_Row(min(budget, context - length), None if episodes is None else episodes[n])
+             for n, length in enumerate(mask.sum(dim=1).tolist())]
     active = torch.arange(num_rows, device=device)  # rows still decoding
     next_position = mask.sum(dim=1)  # (N,)
+    if any(row.done for row in rows_):  # failed episodes leave before the first token
+        keep = torch.tensor([not row.done for row in rows_]).nonzero().squeeze(1).to(device)
+        if keep.numel() == 0:
+            return _as_rollout(rows_, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
+                               tools is not None)
+        cache.batch_select_indices(keep)
+        active, next_logits, mask, next_position = active[keep], next_logits[keep], mask[keep], next_position[keep]
     while True:
         active_list = active.tolist()
-        is_fed = torch.tensor([bool(rows[i].fed) for i in active_list], device=device)  # (n,)
-        tokens = torch.empty(len(active_list), dtype=torch.long, device=device)  # (n,)
-        logp_of = torch.zeros(len(active_list))
-        if is_fed.any():
-            tokens[is_fed] = torch.tensor([rows[i].fed[0] for i in active_list if rows[i].fed], device=device)
-        sampling = (~is_fed).nonzero().squeeze(1)  # (s,) positions in the active batch that sample
-        if sampling.numel():
-            logits = next_logits[sampling]  # (s, V)
-            draws = None if noise is None else noise[active[sampling], torch.tensor(
-                [rows[active_list[j]].model_tokens for j in sampling.tolist()], device=device)]
-            sampled = sample_next_token(logits, settings, draws)  # (s,)
-            tokens[sampling] = sampled
-            logp = torch.log_softmax(logits.float() / settings.temperature, dim=-1)  # (s, V)
-            logp_of[sampling.cpu()] = logp.gather(1, sampled[:, None]).squeeze(1).cpu()
+        draws = None if noise is None else noise[active, torch.tensor(
+            [rows_[i].model_tokens for i in active_list], device=device)]  # (n,)
+        tokens = sample_next_token(next_logits, settings, draws)  # (n,)
+        logp = torch.log_softmax(next_logits.float() / settings.temperature, dim=-1)  # (n, V)
+        logp_of = logp.gather(1, tokens[:, None]).squeeze(1).tolist()  # (n,)
 
         round_calls: list[tuple[int, object, str]] = []
-        for j, (i, token) in enumerate(zip(active_list, tokens.tolist())):
-            row = rows[i]
+        for i, token, token_logp in zip(active_list, tokens.tolist(), logp_of):
+            row = rows_[i]
             row.tokens.append(token)
-            if row.fed:
-                row.fed.pop(0)
-                row.sampled.append(0)
-                row.logprobs.append(0.0)
-                if not row.fed:
-                    row.segment_start = len(row.tokens)
-                continue
             row.sampled.append(1)
-            row.logprobs.append(float(logp_of[j]))
+            row.logprobs.append(token_logp)
             row.model_tokens += 1
+            row.fed = []
             if token in stop_ids and (fmt is None or fmt.stops_at_eos):
                 row.done = row.eos = True
                 continue
@@ -379,64 +413,96 @@ def generate(
                     if len(row.calls) >= tools.max_calls:
                         row.done = row.hit_call_limit = True
                         continue
-                    if row.model_tokens < settings.max_new_tokens:  # a call the model can still read
-                        round_calls.append((i, call, overflow))
+                    if row.model_tokens < settings.max_new_tokens and len(row.tokens) < row.limit:
+                        round_calls.append((i, call, overflow))  # a call the model can still read
                         continue
-            if row.model_tokens >= settings.max_new_tokens:
+            if row.model_tokens >= settings.max_new_tokens or len(row.tokens) >= row.limit:
                 row.done = True
         if round_calls:
-            _answer(round_calls, rows, tools, fmt, tokenizer)
+            _answer(round_calls, rows_, tools, fmt, tokenizer)
 
-        running = torch.tensor([not rows[i].done for i in active_list], device=device)  # (n,)
+        running = torch.tensor([not rows_[i].done for i in active_list], device=device)  # (n,)
         if not running.any():
             break
         if not running.all():  # drop finished rows from the decode batch
             keep = running.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             active, tokens, mask, next_position = active[keep], tokens[keep], mask[keep], next_position[keep]
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (n, L + 1)
+        inputs = [[token] + rows_[i].fed for i, token in zip(active.tolist(), tokens.tolist())]
+        width = max(len(ids) for ids in inputs)
+        if width == 1:  # every row feeds its one sampled token
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (n, L + 1)
+            grow(cache, mask.shape[1])
+            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                        use_cache=True, **{CACHE_ARG: cache})
+            next_logits, next_position = out.logits[:, -1], next_position + 1
+            continue
+        # Some rows also feed a result: every row's inputs, left-padded to the widest, in one forward.
+        lengths = torch.tensor([len(ids) for ids in inputs], device=device)  # (n,)
+        step_ids = torch.full((len(inputs), width), tokenizer.pad_token_id, dtype=torch.long, device=device)
+        for j, ids in enumerate(inputs):
+            step_ids[j, width - len(ids):] = torch.tensor(ids, device=device)
+        offsets = torch.arange(width, device=device)[None, :] - (width - lengths[:, None])  # (n, width), <0 = pad
+        mask = torch.cat([mask, (offsets >= 0).long()], dim=1)  # (n, L + width)
         grow(cache, mask.shape[1])
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                    use_cache=True, **{CACHE_ARG: cache})
-        next_logits, next_position = out.logits[:, -1], next_position + 1
-    return _as_rollout(rows, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
-                       with_tools=tools is not None)
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=next_position[:, None] + offsets.clamp(min=0),
+                    use_cache=True, logits_to_keep=1, **{CACHE_ARG: cache})
+        next_logits, next_position = out.logits[:, -1], next_position + lengths
+    return _as_rollout(rows_, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
+                               tools is not None)
 
 
 def _answer(round_calls: list, rows: list[_Row], tools: ToolSettings, fmt: CallFormat, tokenizer) -> None:
-    """Run the calls of one decode step together; queue each result's tokens to be fed to its row."""
-    results = run_calls([call for _, call, _ in round_calls], tools)
+    """Run the calls of one decode step together; give each row its result's tokens to feed, cut to the row's
+    token budget (then marked and ending the row); an environment that ended its episode ends the row."""
+    toolboxes = None
+    if rows[round_calls[0][0]].episode is not None:
+        toolboxes = [rows[i].episode.toolbox for i, _, _ in round_calls]
+    results = run_calls([call for _, call, _ in round_calls], tools, toolboxes=toolboxes)
     for (i, _, overflow), result in zip(round_calls, results):
-        rows[i].calls.append(result)
+        row = rows[i]
+        row.calls.append(result)
+        if row.episode is not None:
+            EnvironmentSettings.settle(row.episode, failed=result.failure is not None)
+            row.done = row.ended = row.episode.done
         rendered = fmt.render(result)
         # The call's last token may run past the closer ("</calc><" as one token, the model starting
         # "<result>" itself): feed only the rest of the result then.
         rendered = rendered[len(overflow):] if overflow and rendered.startswith(overflow) else rendered
-        rows[i].fed = tokenizer(rendered, add_special_tokens=False)["input_ids"] or [tokenizer.pad_token_id]
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"] or [tokenizer.pad_token_id]
+        room = row.limit - len(row.tokens)
+        if len(ids) > room:
+            marker = tokenizer(TRUNCATION_MARKER, add_special_tokens=False)["input_ids"]
+            ids = (ids[:max(room - len(marker), 0)] + marker)[:room]
+            row.done = True
+        row.feed(ids)
+        row.done = row.done or len(row.tokens) >= row.limit
 
 
 def _as_rollout(rows: list[_Row], prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, tokenizer,
                 with_tools: bool) -> Rollout:
     """The decoded rows as padded tensors: (N, T), T = max_new_tokens or the longest row with tool results."""
     num_rows = len(rows)
-    length = max([len(row.tokens) for row in rows] + [0 if with_tools else max_new_tokens])
+    length = max([len(row.tokens) for row in rows] + [1 if with_tools else max_new_tokens])
     completion_ids = torch.full((num_rows, length), tokenizer.pad_token_id, dtype=torch.long)  # (N, T)
     completion_mask = torch.zeros((num_rows, length), dtype=torch.long)  # (N, T)
     action_mask = torch.zeros((num_rows, length), dtype=torch.long)  # (N, T)
     sampler_logprobs = torch.zeros((num_rows, length), dtype=torch.float32)  # (N, T)
     for n, row in enumerate(rows):
         k = len(row.tokens)
-        completion_ids[n, :k] = torch.tensor(row.tokens)
+        completion_ids[n, :k] = torch.tensor(row.tokens, dtype=torch.long)
         completion_mask[n, :k] = 1
-        action_mask[n, :k] = torch.tensor(row.sampled)
-        sampler_logprobs[n, :k] = torch.tensor(row.logprobs)
-    truncated = torch.tensor([not row.eos and not row.hit_call_limit for row in rows])
+        action_mask[n, :k] = torch.tensor(row.sampled, dtype=torch.long)
+        sampler_logprobs[n, :k] = torch.tensor(row.logprobs, dtype=torch.float32)
+    truncated = torch.tensor([not row.eos and not row.hit_call_limit and not row.ended for row in rows])
     texts = tokenizer.batch_decode([row.tokens for row in rows], skip_special_tokens=True)
     if not with_tools:
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
                        sampler_logprobs)
+    episodes = [row.episode for row in rows] if rows and rows[0].episode is not None else None
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
-                   sampler_logprobs, action_mask=action_mask, tool_calls=[row.calls for row in rows])
+                   sampler_logprobs, action_mask=action_mask, tool_calls=[row.calls for row in rows],
+                   episodes=episodes)
 
 
 # --------------------------------------------------------------------------------------------------

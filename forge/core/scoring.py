@@ -254,6 +254,8 @@ def score_completions(
     trainer_state: Any = None,
     completion_ids: list[list[int]] | None = None,
     tool_calls: list[list[dict]] | None = None,
+    environments: list | None = None,
+    episodes: list | None = None,
 ) -> Scores:
     """Score N completions with every reward; prompts, completion_ids, tool_calls and each column have N entries.
 
@@ -267,7 +269,8 @@ def score_completions(
     components, metadata, applies = {}, {}, {}
     errors = timeouts = 0
     where = f" at step {step}" if step is not None else ""
-    inputs = RewardInputs(list(prompts), list(completions), columns, completion_ids, trainer_state, tool_calls)
+    inputs = RewardInputs(list(prompts), list(completions), columns, completion_ids, trainer_state, tool_calls,
+                          environments, episodes)
 
     def caller(reward):
         return lambda indices=None: reward.score_inputs(inputs if indices is None else inputs.select(indices))
@@ -371,12 +374,16 @@ def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: lis
 
 def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int, trainer_state) -> Scores:
     """Score a rollout of these dataset rows (G completions each) under the run's failure settings: every row's
-    other columns, each completion's token ids, and with tools each completion's calls reach the rewards."""
+    other columns, each completion's token ids, with tools each completion's calls, and with an environment its
+    instances and episodes reach the rewards. A completion whose environment could not run is masked (not valid)."""
     prompts, columns, row_ids = per_completion(rows, config.group_size)
-    return score_completions(rewards, prompts, rollout.completions, columns, on_error=config.on_reward_error,
-                             error_value=config.reward_error_value, timeout=config.reward_timeout, step=step,
-                             row_index=row_ids, trainer_state=trainer_state,
-                             completion_ids=completion_token_ids(rollout), tool_calls=rollout_tool_calls(rollout))
+    scores = score_completions(rewards, prompts, rollout.completions, columns, on_error=config.on_reward_error,
+                               error_value=config.reward_error_value, timeout=config.reward_timeout, step=step,
+                               row_index=row_ids, trainer_state=trainer_state,
+                               completion_ids=completion_token_ids(rollout), tool_calls=rollout_tool_calls(rollout),
+                               environments=rollout.environments, episodes=rollout.episodes)
+    scores.valid &= ~rollout.failed
+    return scores
 
 
 def per_completion(rows: list[dict], group_size: int) -> tuple[list, dict[str, list], list[int]]:
@@ -407,17 +414,21 @@ def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = 
         rng_state, was_training = capture_rng_state(), model.training
         model.eval()
         settings, prompts = SamplingSettings(max_new_tokens, do_sample=False), [row["prompt"] for row in rows]
-        completions, ids, calls = [], [], []
+        completions, ids, calls, episodes = [], [], [], []
         for start in range(0, len(rows), 32):
             rollout = generate(model, tokenizer, prompts[start:start + 32], 1, settings, max_prompt_length,
-                               config.truncate_prompts, config.share_prompt_prefix, tools=tools)
+                               config.truncate_prompts, config.share_prompt_prefix, tools=tools,
+                               rows=rows[start:start + 32])
             completions += rollout.completions
             ids += completion_token_ids(rollout)
             calls += rollout_tool_calls(rollout) or []
+            episodes += rollout.episodes or []
         scores = score_completions(rewards, prompts, completions, dataset_columns(rows),
                                    on_error=config.on_reward_error, error_value=config.reward_error_value,
                                    timeout=config.reward_timeout, completion_ids=ids,
-                                   tool_calls=calls if tools is not None else None)
+                                   tool_calls=calls if tools is not None else None,
+                                   environments=[e.environment for e in episodes] if episodes else None,
+                                   episodes=episodes or None)
         restore_rng_state(rng_state)
         model.train(was_training)
         kept = scores.valid

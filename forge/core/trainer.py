@@ -40,6 +40,7 @@ from forge.core.rollout import (
     sampling_seed,
 )
 from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
+from forge.envs import env_rewards, rollout_tools
 from forge.model import merged_adapters, prepare_policy
 from forge.parallel import sharding
 from forge.parallel.distributed import DataParallel
@@ -49,7 +50,6 @@ from forge.run.lifecycle import StopSignals, TrainingInterrupted
 from forge.run.loop import TrainingRun
 from forge.run.optim import GuardedStep, advance_schedule
 from forge.run.rng import seed_everything
-from forge.tools.calls import ToolSettings
 
 
 class GRPOTrainer:
@@ -61,7 +61,7 @@ class GRPOTrainer:
     config:    GRPOConfig
     evaluator: what train(eval_dataset=...) measures; None = the mean reward of greedy completions (eval/reward)
     tools:     typed, docstringed functions the policy may call during rollouts (forge/tools); their result
-               tokens are context, not actions
+               tokens are context, not actions; environment_factory: an environment class (forge/envs)
     TRL's keywords work too (docs/from-trl.md): reward_funcs= (rewards called as TRL calls them), args=,
     train_dataset=, eval_dataset=, processing_class=, peft_config=.
     """
@@ -69,12 +69,12 @@ class GRPOTrainer:
     def __init__(self, model, tokenizer=None, reward_fn=None, config: GRPOConfig | None = None,
                  evaluator: Callable[..., dict] | None = None, tools: list[Callable] | None = None, *,
                  reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 peft_config=None):
+                 peft_config=None, environment_factory=None):
         tokenizer, reward_fn, config, convention = trainer_arguments(
             tokenizer, reward_fn, config, reward_funcs=reward_funcs, args=args, processing_class=processing_class,
             peft_config=peft_config)
         self.config = config = config.validate()
-        self.rewards = build_reward_list(reward_fn, config.reward_weights, convention)  # signatures checked here
+        self.rewards = build_reward_list(*env_rewards(reward_fn, environment_factory, config.reward_weights), convention)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.dist = DataParallel(fsdp=config.fsdp)
         ready = prepare_policy(model, tokenizer, config, device=self.dist.device, seed=seed_everything,
@@ -83,7 +83,7 @@ class GRPOTrainer:
         self.model = model = ready.model
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.device = ready.precision, next(model.parameters()).device
-        self.tool_settings = None if not tools else ToolSettings.of_run(tools, config, self.tokenizer)
+        self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)  # or an environment
         self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
@@ -146,7 +146,7 @@ class GRPOTrainer:
         for start in range(0, len(rows), config.prompts_per_step):
             mine = rows[start:start + config.prompts_per_step][dist.rank * share:(dist.rank + 1) * share]
             started = time.perf_counter()
-            rollout = self.generate([row["prompt"] for row in mine])
+            rollout = self.generate([row["prompt"] for row in mine], mine)
             stats.gen_seconds += time.perf_counter() - started
             scores = self.score(mine, rollout)
             # Advantages of the whole rollout batch (scale_rewards='batch' needs every rank's rewards); keep ours.
@@ -172,15 +172,16 @@ class GRPOTrainer:
         batch.ref_logprobs = [self.reference_logprobs(r) for r in batch.rollouts]
         return batch, stats
 
-    def generate(self, prompts: list) -> Rollout:
-        """G completions per prompt, with this step's sampling noise (and the run's tools)."""
+    def generate(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
+        """G completions per prompt, with this step's sampling noise (and the run's tools, or its environments
+        reset with the prompts' dataset `rows`)."""
         config = self.config
         settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, config.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
         with self.sampling():
             return generate(self.model, self.tokenizer, prompts, config.group_size, settings, self.max_prompt_length,
-                            config.truncate_prompts, config.share_prompt_prefix, noise=noise, tools=self.tool_settings)
+                            config.truncate_prompts, config.share_prompt_prefix, noise, self.tool_settings, rows=rows)
 
     def score(self, rows: list[dict], rollout: Rollout) -> Scores:
         """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so

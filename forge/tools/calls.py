@@ -119,6 +119,7 @@ class ToolSettings:
     max_calls: int = 4  # calls per completion; a further call ends the completion there
     timeout: float = 10.0  # seconds per call
     max_output_chars: int = 1000  # a longer output keeps its start and says it was cut
+    max_episode_tokens: int | None = None  # tokens per completion, sampled and fed; None: the model's context
     isolation: str = "thread"  # 'thread' | 'process': where a call runs (see run_calls)
     memory_mb: int = 1024  # with isolation='process': the most memory a tool worker process may use
     workers: ToolWorkers | None = field(default=None, repr=False, compare=False)  # the worker processes
@@ -138,7 +139,7 @@ class ToolSettings:
         tool_isolation='process' one worker starts now, so tools it cannot load stop the run before it starts."""
         settings = cls(as_tools(tools), resolve_format(config.tool_format, tokenizer),
                        config.max_tool_calling_iterations, config.tool_timeout, config.max_tool_output_chars,
-                       config.tool_isolation, config.tool_memory_mb)
+                       config.max_episode_tokens, config.tool_isolation, config.tool_memory_mb)
         if settings.workers is not None:
             settings.workers.check()
         return settings

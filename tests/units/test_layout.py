@@ -15,12 +15,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "forge"
 # A room may import from rooms on a lower floor (and from its own); docs/architecture.md draws the same floors.
 FLOORS = {
     "logging": 0, "data": 0, "tools": 0, "parallel": 0, "_moved": 0,
-    "model": 1,
+    "model": 1, "envs": 1,
     "run": 2,
     "core": 3,
     "eval": 4,
     "demo": 5,
-    "cli_config": 6,
+    "cli_config": 6, "demo_env": 6,
     "cli": 7,
     "__main__": 8, "__init__": 8,
 }

@@ -365,7 +365,7 @@ def test_gradient_accumulation_consumes_prompts_per_step_times_accumulation(tmp_
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, alternating, config)
     generated, step_rows = [], []
     real_generate, real_step = trainer.generate, trainer.step
-    trainer.generate = lambda prompts: generated.append(list(prompts)) or real_generate(prompts)
+    trainer.generate = lambda prompts, rows=None: generated.append(list(prompts)) or real_generate(prompts, rows)
     trainer.step = lambda rows: step_rows.append(len(rows)) or real_step(rows)
     optimizer_steps = count_optimizer_steps(trainer)
     trainer.train(ROWS)
