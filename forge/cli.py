@@ -78,8 +78,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     overrides = {"resume_from": "latest"} if args.resume else {}
     config = build_config(args, overrides)
+    from_file = args.config and args.model != getattr(args, "given_model", args.model)  # `model:` in the YAML
+    _check_model(args.model, f"{args.config}: model:" if from_file else "--model")
     check_output_dir_is_free(Path(config.output_dir), resuming=bool(config.resume_from),  # before the model loads
                              overwrite=config.overwrite_output_dir, is_main=int(os.environ.get("RANK", "0")) == 0)
+    if getattr(args, "watched", False) and "WORLD_SIZE" not in os.environ:  # the `forge` program, one process
+        from forge.run.supervisor import run_watched
+
+        return run_watched(lambda: _train(args, config), config.output_dir)  # os._exit() in a reward is reported
+    return _train(args, config)
+
+
+def _train(args: argparse.Namespace, config) -> int:
+    """cmd_train once the config and the output directory are checked: load, train, say where the run is."""
     from forge.core.scoring import greedy_reward_evaluator
     from forge.core.trainer import GRPOTrainer, TrainingInterrupted
     from forge.eval.evaluate import graded_by_math, heldout_metrics
@@ -370,10 +381,27 @@ def _check_arguments(args: argparse.Namespace) -> None:
     max_samples = getattr(args, "max_samples", None)
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"--max_samples {max_samples}: must be >= 1 (leave it out to use every row)")
-    model = getattr(args, "model", None)
-    if isinstance(model, str) and _looks_like_a_path(model) and not Path(model).expanduser().exists():
-        raise FileNotFoundError(f"--model {model}: no such file or folder; pass a local model folder, a .gguf "
-                                f"file, a hub id like HuggingFaceTB/SmolLM2-135M-Instruct, or 'default'")
+    _check_model(getattr(args, "model", None), "--model")
+    seed = getattr(args, "seed", None)  # forge eval's (forge train's is GRPOConfig's, checked by validate())
+    if isinstance(seed, int) and not -2**63 <= seed < 2**64:
+        raise ValueError(f"--seed {seed} is out of range; torch takes -2**63 .. 2**64-1 (e.g. 0)")
+
+
+def _check_model(model, given_as: str) -> None:
+    """A model named by a path must be a model folder (config.json, or a LoRA adapter's adapter_config.json) or a
+    .gguf file: a missing path or another file is refused here, before the hub is asked for it as a repo id."""
+    if not isinstance(model, str):
+        return
+    path = Path(model).expanduser()
+    what = ("pass a local model folder (with config.json), a .gguf file, a hub id like "
+            "HuggingFaceTB/SmolLM2-135M-Instruct, or 'default'")
+    if not path.exists():
+        if _looks_like_a_path(model):
+            raise FileNotFoundError(f"{given_as} {model}: no such file or folder; {what}")
+    elif path.is_file() and not model.lower().endswith(".gguf"):
+        raise ValueError(f"{given_as} {model} is a file, not a model folder; {what}")
+    elif path.is_dir() and not any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise ValueError(f"{given_as} {model} is a folder without config.json, so not a model folder; {what}")
 
 
 def _looks_like_a_path(name: str) -> bool:
@@ -422,6 +450,8 @@ def _debug_requested(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `forge` program (argv None: the command line, and `forge train` runs watched) or a call with argv."""
+    watched = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = _debug_requested(argv)
     install_warning_format()  # Forge's warnings as one line each
@@ -429,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args([a for a in argv if a != "--debug"])
     args.demo_argv = extra if args.command == "demo" else []
     args.argv = argv  # what `forge train --nproc N` runs N times (--debug included)
+    args.watched = watched  # train in a child process this one watches (forge/run/supervisor.py)
+    args.given_model = getattr(args, "model", None)  # --model as typed; a --config file may replace it
     try:
         if extra and args.command != "demo":
             raise ValueError(_unknown_arguments(extra, parser.commands[args.command]))

@@ -344,6 +344,7 @@ class GRPOConfig:
                 problems.append(message)
 
         need(self.group_size >= 2, f"group_size={self.group_size}: GRPO needs >= 2 completions per prompt")
+        need(-2**63 <= self.seed < 2**64, f"seed={self.seed} is out of range; torch takes -2**63 .. 2**64-1 (e.g. 42)")
         need(self.clip_epsilon > 0, f"clip_epsilon={self.clip_epsilon} must be > 0")
         need(self.epsilon_high > 0, f"clip_epsilon_high={self.clip_epsilon_high} must be > 0")
         need(self.kl_beta >= 0, f"kl_beta={self.kl_beta} must be >= 0 (0 disables the KL term)")

@@ -200,13 +200,47 @@ def load_jsonl(path: str | Path) -> list[dict]:
                     f"{path}, line {line_number}: not valid JSON ({error.msg}); "
                     f"each line must be one JSON object like {ROW_FORMAT}"
                 ) from error
+            except RecursionError:
+                raise ValueError(f"{path}, line {line_number}: JSON nested too deeply to read; a row is one JSON "
+                                 f"object like {ROW_FORMAT}, its values a few levels deep at most") from None
             if not isinstance(row, dict):
                 raise ValueError(  # noqa: TRY004 - a data error in the file, reported like the others
                     f"{path}, line {line_number}: expected a JSON object like {ROW_FORMAT}, "
                     f"got a JSON {type(row).__name__}"
                 )
+            problem = _text_problem(row)
+            if problem is not None:
+                raise ValueError(f"{path}, line {line_number}: {problem}")
             rows.append(row)
     return rows
+
+
+MAX_ROW_DEPTH = 100
+"""How deeply a JSONL row's values may nest (lists in dicts in lists...); deeper rows are refused when loaded."""
+
+
+def _text_problem(row: dict) -> str | None:
+    """Why a row read from JSON cannot be used as text, or None: a lone surrogate ('\\udcff' is valid JSON
+    but no character, and a tokenizer fails on it mid-run) or values nested deeper than MAX_ROW_DEPTH."""
+    stack = [("the row", row, 0)]
+    while stack:  # not recursive: the row may be nested as deep as json.loads goes
+        where, item, depth = stack.pop()
+        if depth > MAX_ROW_DEPTH:
+            return (f"{where} is nested more than {MAX_ROW_DEPTH} levels deep; a row is one JSON object like "
+                    f"{ROW_FORMAT}, its values a few levels deep at most")
+        texts = [item] if isinstance(item, str) else []
+        if isinstance(item, dict):
+            texts = list(item)
+            stack += [(repr(key) if depth == 0 else where, v, depth + 1) for key, v in item.items()]
+        elif isinstance(item, list):
+            stack += [(where, v, depth + 1) for v in item]
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                return (f"{where} holds {text[error.start]!r}, an escape of half a UTF-16 pair that is no "
+                        f"character (no tokenizer reads it); remove it or write the whole character")
+    return None
 
 
 def load_rows(source: Any, *, validate: bool = True, **builtin_kwargs: Any) -> list[dict]:

@@ -83,6 +83,16 @@ def _load_split(path: str, config: str | None, split: str):
         raise
 
 
+def _not_loaded(spec: str, path: str, error: OSError) -> str:
+    """The message for a dataset `datasets` could not find or fetch: the missing folder, or the hub's reason."""
+    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
+        return (f"{spec}: no such folder or file {path}; pass an existing folder or data file, or a hub name "
+                f"(hf:ORG/NAME[:CONFIG][@SPLIT])")
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return (f"{spec}: cannot load {path} ({reason}); check the name (hf:ORG/NAME[:CONFIG][@SPLIT]); without a "
+            f"network only datasets already in the Hugging Face cache load")
+
+
 def _final_answer(reference: Any) -> Any:
     if isinstance(reference, str) and "####" in reference:
         return reference.rsplit("####", 1)[1].strip().replace(",", "")
@@ -143,7 +153,10 @@ def load_hf_rows(spec: str, *, prompt_column: str | None = None, reference_colum
     first rows."""
     path, config, named_split = parse_hf_spec(spec)
     split = named_split or split or "train"
-    records = _load_split(path, config, split)
+    try:
+        records = _load_split(path, config, split)
+    except OSError as error:  # no such folder, not on the hub (datasets' DatasetNotFoundError), no network
+        raise ValueError(_not_loaded(spec, path, error)) from None
     limit = n if n is not None else max_samples
     return rows_from_records(records, prompt_column or "question", reference_column or "answer", chat=chat,
                              system_prompt=system_prompt, max_samples=limit, name=f"{spec} (split {split})")

@@ -328,6 +328,10 @@ def load_reasoning_gym_spec(spec: str, *, split: str | None = None, n: int | Non
         return reasoning_gym_dataset(name, size=200 if n is None else n, **kwargs)
     except TypeError as error:  # an unknown config key: the task's config dataclass refuses it
         raise ValueError(f"'{spec}': {error}; see the task's config class in reasoning_gym.factory.DATASETS") from None
+    except AssertionError as error:  # the task's config validate() asserts its settings
+        raise ValueError(f"'{spec}': the task refuses these settings ({error or 'a check failed'}); change the "
+                         f"KEY=VALUE pairs (the task's config class in reasoning_gym.factory.DATASETS lists "
+                         f"them)") from None
 
 
 # ----------------------------------------------------------------------------------------------
