@@ -151,6 +151,10 @@ class ToolWorkers:
     raises ValueError when it cannot load the tools (so a run fails at its start, not at its first call)."""
 
     def __init__(self, functions: dict[str, Callable[..., Any]], memory_mb: int, max_workers: int = MAX_WORKERS):
+        if os.environ.get("FORGE_TOOL_WORKER"):
+            raise RuntimeError("a tool worker process is starting tool workers of its own: the script that defines "
+                               "the tools runs again in each worker, training code included; put that code under "
+                               "`if __name__ == \"__main__\":` (or the tools in a module of their own)")
         self.setup = {"tools": {name: portable_reference(f) for name, f in functions.items()},
                       "memory_mb": memory_mb}
         self.memory_mb = memory_mb
@@ -305,6 +309,7 @@ def serve(call_fd: int, result_fd: int) -> None:
         replies.write((json.dumps(message) + "\n").encode("utf-8"))
 
     setup = json.loads(calls.readline())
+    os.environ["FORGE_TOOL_WORKER"] = "1"  # a script that builds a trainer at import time must not recurse
     _bound_this_process(setup["memory_mb"])
     try:
         tools = {name: _load(reference) for name, reference in setup["tools"].items()}
