@@ -232,3 +232,15 @@ def test_sigterm_to_forge_train_is_passed_on_and_kill_9_stops_the_training(works
     started(run, ready)
     run.kill()  # SIGKILL to the watching process: the training process dies with it (PR_SET_PDEATHSIG)
     run.communicate(timeout=60)  # returns once every holder of its pipes, the training process too, is gone
+
+
+@pytest.mark.parametrize("code, said", [
+    (-signal.SIGKILL, "the training process was killed by SIGKILL (the kernel's out-of-memory killer sends it"),
+    (-signal.SIGSEGV, "the training process was killed by SIGSEGV (a crash in native code)"),
+    (-signal.SIGUSR1, "the training process was killed by SIGUSR1; "),
+    (7, "the training process exited with code 7 before the run ended"),
+])
+def test_how_the_training_process_ended_is_named(code, said, tmp_path):
+    from forge.run.supervisor import unfinished_exit
+
+    assert unfinished_exit(code, tmp_path).startswith(said)
