@@ -3,6 +3,8 @@
 refusing tools another process cannot load)."""
 
 import functools
+import subprocess
+import sys
 import threading
 import time
 
@@ -153,3 +155,34 @@ def test_workers_end_with_their_pool():
     (worker,) = settings.workers.idle
     settings.workers.close()
     assert worker.process.poll() is not None
+
+
+SCRIPT = '''
+import sys
+sys.path[:0] = {path!r}
+from forge.tools.calls import ToolCall, ToolSettings, as_tools, run_calls
+
+def shout(text: str) -> str:
+    """Upper case.
+
+    Args:
+        text: words
+    """
+    return text.upper()
+
+{guard}
+    settings = ToolSettings(as_tools([shout]), isolation="process")
+    print(run_calls([ToolCall("", "shout", {{"text": "hi"}})], settings)[0].output)
+'''
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_tool_in_the_script_you_run_needs_its_main_guard(tmp_path, guarded):
+    script = tmp_path / "train_with_tools.py"
+    guard = 'if __name__ == "__main__":' if guarded else "if True:"
+    script.write_text(SCRIPT.format(path=sys.path, guard=guard))
+    done = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120)
+    if guarded:  # the worker runs the script as __mp_main__: the tool is there, the training code is not run
+        assert done.returncode == 0 and done.stdout.strip() == "HI", done.stderr
+    else:  # the worker would start workers of its own, and so on: the call fails, saying what to do
+        assert 'put that code under `if __name__ == "__main__":`' in done.stdout, (done.stdout, done.stderr)
