@@ -6,7 +6,7 @@ reading the answers: a policy that ignores them finds the number at most turns/h
 is measured twice on the same held-out episodes (greedy): with the real answers, and with the answers replaced by
 noise (a random direction for a wrong guess). Success with real feedback above success with noise is success
 *because of* the feedback. Training: LoRA GRPO, one GuessNumber per completion, its `get_reward` as the reward
-(1 when found, plus 0.3 x the share of guesses inside the range the earlier answers leave); the environment's answers are fed to the model and masked out of the loss. Held-out episodes are
+(1 when found, plus 0.1 for each later guess inside the range the earlier answers leave); the environment's answers are fed to the model and masked out of the loss. Held-out episodes are
 ranges the training never sees.
 """
 
@@ -24,8 +24,8 @@ from forge.envs import EnvironmentSettings
 from forge.envs.guess import GuessNumber, NoisyGuessNumber, guess_rows
 from forge.tools.calls import ToolSettings
 
-TRAIN_HIGHS = [6, 8, 10, 12, 14]  # ranges of the training episodes
-HELDOUT_HIGHS = [9, 11, 13]  # ranges of the held-out episodes (never trained on): 4 blind guesses find 31-44%
+TRAIN_HIGHS = [6, 8, 10, 12]  # ranges of the training episodes
+HELDOUT_HIGHS = [7, 9, 11]  # ranges of the held-out episodes (never trained on)
 TURNS = 4  # guesses per episode: bisection finds any number up to 15
 
 

@@ -40,7 +40,7 @@ def guess_rows(highs: list[int], turns: int, repeats: int = 1, seed: int = 0) ->
     return rows
 
 
-CONSISTENCY_BONUS = 0.3  # reward for guesses inside the range the answers so far leave (reading the feedback)
+CONSISTENCY_BONUS = 0.1  # per guess after an answer that stays inside the range the answers leave (reading them)
 
 
 class GuessNumber:
@@ -50,7 +50,7 @@ class GuessNumber:
         if feedback not in ("real", "noise"):
             raise ValueError(f"feedback must be 'real' or 'noise', got {feedback!r}")
         self.feedback = feedback
-        self.secret, self.found, self.guesses = 0, False, []
+        self.secret, self.found, self.guesses, self.consistent = 0, False, [], 0
 
     def reset(self, secret: int, high: int = 10, episode: int = 0, **row) -> None:
         self.secret, self.high, self.found, self.guesses = int(secret), int(high), False, []
@@ -68,7 +68,7 @@ class GuessNumber:
             return Observation("not a number")
         value = int(match.group(1))
         self.guesses.append(value)
-        self.consistent += self.low_bound <= value <= self.high_bound
+        self.consistent += len(self.guesses) > 1 and self.low_bound <= value <= self.high_bound
         if value == self.secret:
             self.found = True
             return Observation("correct", reward=1.0, done=True)
@@ -81,9 +81,8 @@ class GuessNumber:
         return Observation(answer)
 
     def get_reward(self) -> float:
-        """1 when found, plus CONSISTENCY_BONUS x the share of guesses that the earlier answers allowed."""
-        shaped = CONSISTENCY_BONUS * self.consistent / len(self.guesses) if self.guesses else 0.0
-        return (1.0 if self.found else 0.0) + shaped
+        """1 when found, plus CONSISTENCY_BONUS for each later guess that the earlier answers allowed."""
+        return (1.0 if self.found else 0.0) + CONSISTENCY_BONUS * self.consistent
 
 
 class NoisyGuessNumber(GuessNumber):

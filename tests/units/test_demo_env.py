@@ -17,10 +17,10 @@ def test_the_game_answers_higher_lower_correct_and_scores_the_episode():
     assert [game.guess(n).text for n in ("3", "8", " 6 ")] == ["higher", "lower", "correct"]
     assert game.guess("x").text == "not a number"
     assert game.found and game.guesses == [3, 8, 6]
-    assert game.get_reward() == pytest.approx(1.0 + 0.3)  # found, every guess inside what the answers allowed
+    assert game.get_reward() == pytest.approx(1.0 + 2 * 0.1)  # found; both later guesses inside what was allowed
     game.reset(secret=6, high=9)
     game.guess("3"), game.guess("2")  # "higher" than 3, then 2: a guess the answer had ruled out
-    assert game.get_reward() == pytest.approx(0.3 * 1 / 2)
+    assert game.get_reward() == 0.0
     assert GuessNumber().get_reward() == 0.0
     with pytest.raises(ValueError, match="feedback must be 'real' or 'noise'"):
         GuessNumber("loud")
@@ -54,6 +54,6 @@ def test_the_env_demo_runs_end_to_end_on_the_tiny_model(tmp_path, capsys):
 def test_the_env_demo_has_its_recipe_unless_told_otherwise():
     args, _ = demo_parser(["--env"]).parse_known_args(["--env"])
     settings = DemoSettings.from_args(args)
-    assert settings.env and settings.steps == 30 and settings.heldout == 66
+    assert settings.env and settings.steps == 30 and settings.heldout == 54
     args, _ = demo_parser(["--env", "--steps", "5"]).parse_known_args(["--env", "--steps", "5"])
     assert DemoSettings.from_args(args).steps == 5
