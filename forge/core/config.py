@@ -192,6 +192,12 @@ class GRPOConfig:
     # --- engine ---
     share_prompt_prefix: bool = True
     """Compute each prompt once per group (in generation and in the loss) instead of G times."""
+    generation_backend: str = "auto"
+    """The decode step (forge/model/static_decode.py): 'eager' (the model's forward per token), 'compiled' (a static
+    KV cache and torch.compile, once per batch/length bucket: inductor's C++ kernels on a CPU, CUDA graphs on a
+    GPU; the first steps pay the compile), or 'auto': what measured faster on this device and dtype, eager where
+    unmeasured (logged with its reason). On an AMX Xeon the compiled step is 1.28x slower (bench/compiled_decode.py),
+    so auto decodes eagerly there. Tool and environment rollouts always decode eagerly."""
     merge_lora_for_generation: bool = True
     """With LoRA, generate and evaluate with the adapters folded into a temporary copy of the adapted weights
     (policy.merged_adapters): one matmul per layer instead of three, 0.85-0.90x the generation time on a CPU
@@ -349,6 +355,8 @@ class GRPOConfig:
         need(self.epsilon_high > 0, f"clip_epsilon_high={self.clip_epsilon_high} must be > 0")
         need(self.kl_beta >= 0, f"kl_beta={self.kl_beta} must be >= 0 (0 disables the KL term)")
         need(self.temperature > 0, f"temperature={self.temperature} must be > 0")
+        need(self.generation_backend in ("eager", "compiled", "auto"),
+             f"generation_backend={self.generation_backend!r}: use 'eager', 'compiled' or 'auto'")
         need(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
         need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
         need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")

@@ -18,6 +18,7 @@ import torch
 
 from forge.envs.protocol import EnvironmentSettings, Episode, with_opening
 from forge.model.kv_cache import CACHE_ARG, grow, preallocated, returned_cache
+from forge.model.static_decode import decoder
 from forge.tools.calls import (
     CallFormat,
     ToolResult,
@@ -38,6 +39,13 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0
     do_sample: bool = True
+    backend: str = "eager"  # the decode step (forge/model/static_decode.py): "eager", "compiled" or "auto"
+
+    @classmethod
+    def from_config(cls, config) -> SamplingSettings:
+        """A run's sampling: GRPOConfig's max_new_tokens, temperature, top_p, top_k and generation_backend."""
+        return cls(config.max_new_tokens, config.temperature, config.top_p, config.top_k,
+                   backend=config.generation_backend)
 
 
 @dataclass
@@ -372,6 +380,7 @@ def generate(
 
     cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
                                               settings.max_new_tokens)  # (N, V), (N, Lp)
+    cache, decode_step = decoder(model, cache, settings.backend if tools is None else "eager")
     if noise is not None:
         noise = noise.to(device)  # (N, max_new_tokens)
 
@@ -432,10 +441,7 @@ def generate(
         width = max(len(ids) for ids in inputs)
         if width == 1:  # every row feeds its one sampled token
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (n, L + 1)
-            grow(cache, mask.shape[1])
-            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                        use_cache=True, **{CACHE_ARG: cache})
-            next_logits, next_position = out.logits[:, -1], next_position + 1
+            next_logits, next_position = decode_step(tokens, mask, next_position), next_position + 1  # (n, V)
             continue
         # Some rows also feed a result: every row's inputs, left-padded to the widest, in one forward.
         lengths = torch.tensor([len(ids) for ids in inputs], device=device)  # (n,)

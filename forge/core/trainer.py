@@ -176,7 +176,7 @@ class GRPOTrainer:
         """G completions per prompt, with this step's sampling noise (and the run's tools, or its environments
         reset with the prompts' dataset `rows`)."""
         config = self.config
-        settings = SamplingSettings(config.max_new_tokens, config.temperature, config.top_p, config.top_k)
+        settings = SamplingSettings.from_config(config)
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, config.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
         with self.sampling():

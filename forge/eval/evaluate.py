@@ -104,6 +104,7 @@ def evaluate(
     max_prompt_length: int | None = None,
     answer_format: str | None = None,
     merge_adapters: bool = True,
+    generation_backend: str = "auto",
 ) -> EvalResult:
     """Generate for every row and grade the responses against ``row["reference"]``.
 
@@ -119,6 +120,7 @@ def evaluate(
     merge_adapters: a LoRA model generates with its adapters folded into a temporary copy of the weights
         (forge.model.merged_adapters: faster, the same outputs up to rounding; in bf16 the sum is formed in fp32
         and rounded once, and the evaluation takes the base model's time; the model is left as it was).
+    generation_backend: the decode step, 'eager', 'compiled' or 'auto' (GRPOConfig.generation_backend).
     """
     rows = load_rows(rows)
     for index, row in enumerate(rows):
@@ -129,7 +131,7 @@ def evaluate(
     warn_if_references_unreadable(rows)
     greedy = temperature == 0
     settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature if not greedy else 1.0,
-                                top_p=top_p, top_k=0, do_sample=not greedy)
+                                top_p=top_p, top_k=0, do_sample=not greedy, backend=generation_backend)
     formats = [answer_format or detect_answer_format(row["prompt"]) for row in rows]
 
     device = next(model.parameters()).device

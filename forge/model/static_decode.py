@@ -1,0 +1,164 @@
+"""The decode step of generation: eager (the reference), or compiled over a static KV cache (`generation_backend`).
+
+`decoder(model, cache, backend)` gives the step the decode loop (forge/core/rollout.py `generate`) calls once per
+token: `step(tokens (n,), mask (n, L), positions (n,)) -> next-token logits (n, V)`, plus the cache the loop
+drops finished rows from.
+
+- `eager`: the model's forward over Forge's preallocated cache (forge/model/kv_cache.py), the reference path.
+- `compiled`: transformers' StaticCache, whose shapes never change, and one `torch.compile`d forward per
+  (batch, capacity) bucket: the batch rounded up to a power of two (rows that finished stay in their slot until
+  the live rows fit half the bucket, then the cache is compacted), the capacity (prompt + max_new_tokens) up to a
+  multiple of 64, so a run compiles at most log2(rows) + 1 times per capacity. On a CPU inductor emits C++
+  kernels; on CUDA the same code is captured in CUDA graphs (mode="reduce-overhead"). Every step attends over
+  the whole capacity (masked), which costs more than the eager step's filled length.
+- `auto`: whichever measured faster on this kind of device and dtype (GENERATION_BACKEND_MEASURED); eager where
+  nothing was measured. The choice and its reason are logged once.
+
+The compiled step differs from the eager one by floating-point summation order only (the same weights, the same
+masked attention), so greedy tokens agree but for near-ties (tests/units/test_static_decode.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from forge.logging.logger import note
+from forge.model.kv_cache import CACHE_ARG, grow
+
+BACKENDS = ("eager", "compiled", "auto")
+LENGTH_BUCKET = 64
+
+# What measured faster, per (device type, compute dtype): (backend, the measurement). bench/compiled_decode.py
+# measures a new kind; unmeasured kinds decode eagerly.
+GENERATION_BACKEND_MEASURED: dict[tuple[str, torch.dtype], tuple[str, str]] = {
+    ("cpu", torch.bfloat16): ("eager", ("compiled static-cache step 1.28x the eager step's time, 54 s to compile "
+                                       "(SmolLM2-135M, 32 rows, AMX Xeon; bench/compiled_decode.py)")),
+}
+_announced: set[tuple[str, torch.dtype]] = set()
+
+
+def resolve_backend(backend: str, device_type: str) -> str:
+    """'eager' or 'compiled'; 'auto' from GENERATION_BACKEND_MEASURED for this device and the autocast dtype."""
+    if backend not in BACKENDS:
+        raise ValueError(f"generation_backend={backend!r}; use one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
+    chosen, why = GENERATION_BACKEND_MEASURED.get(
+        (device_type, dtype), ("eager", (f"a compiled decode is not measured on {device_type} "
+                                        f"{str(dtype).removeprefix('torch.')}; bench/compiled_decode.py measures it")))
+    if (device_type, dtype) not in _announced:
+        _announced.add((device_type, dtype))
+        note(f"generation_backend auto: {chosen} ({why})")
+    return chosen
+
+
+def decoder(model, cache, backend: str = "eager"):
+    """(cache, step): the cache the loop selects rows of (`cache.batch_select_indices(keep)`) and the decode step."""
+    device = next(model.parameters()).device
+    layers = getattr(cache, "layers", None)
+    if resolve_backend(backend, device.type) == "eager" or not layers or not all(
+            hasattr(layer, "key_buffer") for layer in layers):  # only Forge's preallocated cache says its capacity
+        return cache, _eager_step(model, cache)
+    static = StaticDecoder(model, cache)
+    return static, static
+
+
+def _eager_step(model, cache) -> Callable:
+    def step(tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        grow(cache, mask.shape[1])
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None], use_cache=True,
+                    **{CACHE_ARG: cache})
+        return out.logits[:, -1]  # (n, V)
+    return step
+
+
+def _bucket(rows: int) -> int:
+    return 1 << max(rows - 1, 0).bit_length()  # the next power of two
+
+
+def _forward(model, cache, ids, mask, positions, cache_position):  # tensors only: an int would recompile each step
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache_position=cache_position,
+                 use_cache=True, **{CACHE_ARG: cache}).logits[:, -1]
+
+
+_compiled: dict[str, Callable] = {}
+_pool: dict[tuple, object] = {}  # static caches by (model, rows, capacity, dtype): a new object would recompile
+
+
+def _static_cache(model, batch: int, capacity: int, keys: torch.Tensor, values: torch.Tensor):
+    """A StaticCache of `batch` rows and `capacity` positions for this model, reused across generations."""
+    from transformers import StaticCache
+
+    key = (id(model), batch, capacity, keys.dtype, keys.device)
+    if key not in _pool:
+        cache = StaticCache(config=model.config, max_cache_len=capacity)
+        for layer in cache.layers:
+            layer.lazy_initialization(keys.new_empty(batch, keys.shape[1], 1, keys.shape[-1]),
+                                      values.new_empty(batch, values.shape[1], 1, values.shape[-1]))
+        _pool[key] = cache
+    return _pool[key]
+
+
+def _compiled_forward(device_type: str) -> Callable:
+    if device_type not in _compiled:
+        # one compile per (batch, capacity) bucket and model: allow that many specialisations
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _compiled[device_type] = torch.compile(_forward, dynamic=False,
+                                               mode="reduce-overhead" if device_type == "cuda" else None)
+    return _compiled[device_type]
+
+
+class StaticDecoder:
+    """A static KV cache of (bucket rows, capacity) filled from a prefilled Forge cache, and the compiled step."""
+
+    def __init__(self, model, cache):
+        layers = cache.layers
+        rows, filled = layers[0].keys.shape[0], layers[0].keys.shape[-2]
+        capacity = getattr(layers[0], "key_buffer", layers[0].keys).shape[-2]
+        self.model, self.capacity = model, math.ceil(capacity / LENGTH_BUCKET) * LENGTH_BUCKET
+        self.device = layers[0].keys.device
+        self.forward = _compiled_forward(self.device.type)
+        self.slots = torch.arange(rows, device=self.device)  # the static row of each live row
+        self.filled = filled
+        self._fill([(layer.keys, layer.values) for layer in layers], _bucket(rows))
+
+    def _fill(self, contents: list[tuple[torch.Tensor, torch.Tensor]], batch: int) -> None:
+        """Put each layer's (rows, H, >= filled, D) keys/values in the static buffers of `batch` rows."""
+        self.static = _static_cache(self.model, batch, self.capacity, *contents[0])
+        for layer, (keys, values) in zip(self.static.layers, contents):
+            layer.keys[:keys.shape[0], :, :self.filled] = keys[:, :, :self.filled]
+            layer.values[:values.shape[0], :, :self.filled] = values[:, :, :self.filled]
+            layer.cumulative_length.fill_(self.filled)
+        self.batch = batch
+        self.mask = torch.zeros(batch, self.capacity, dtype=torch.long, device=self.device)  # (B, C)
+        self.mask[:, 0] = 1  # rows without a live completion attend somewhere (their outputs are dropped)
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # (B, 1)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # (B, 1)
+
+    def batch_select_indices(self, keep: torch.Tensor) -> None:
+        """Keep the live rows `keep` (indices into the current live rows); compact when they fit half the bucket."""
+        self.slots = self.slots[keep.to(self.device)]
+        if self.batch > 1 and len(self.slots) <= self.batch // 2:
+            contents = [(layer.keys[self.slots], layer.values[self.slots]) for layer in self.static.layers]
+            old_mask = self.mask[self.slots]
+            self._fill(contents, _bucket(len(self.slots)))
+            self.mask[:len(old_mask)] = old_mask
+            self.slots = torch.arange(len(old_mask), device=self.device)
+
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens (n,), mask (n, L), positions (n,) of the live rows -> their next-token logits (n, V)."""
+        length = mask.shape[1]
+        if length > self.capacity:
+            raise RuntimeError(f"static decode cache of {self.capacity} positions is full")
+        self.mask[self.slots, :length] = mask
+        self.mask[:, length - 1] = 1
+        self.ids[self.slots, 0] = tokens
+        self.positions[self.slots, 0] = positions
+        cache_position = torch.tensor([length - 1], device=self.device)
+        self.filled = length
+        logits = self.forward(self.model, self.static, self.ids, self.mask, self.positions, cache_position)
+        return logits[self.slots]  # (n, V), a copy (CUDA graphs reuse their output buffer)

@@ -1,0 +1,85 @@
+"""The compiled static-cache decode step (forge/model/static_decode.py) against the eager reference on the tiny model.
+
+Both run the same weights on the same tokens; they differ only in floating-point summation order (compiled C++
+kernels, attention over the masked static capacity instead of the filled length). In fp32 that moves a
+log-prob by ~1e-6 of its size; the tolerance below, 1e-4 on log-probs of magnitude <~ 6, bounds it with room,
+and greedy / sampled tokens agree unless two tokens tie to that precision (none do on these prompts).
+"""
+
+import pytest
+import torch
+
+from forge import GRPOConfig
+from forge.core.rollout import SamplingSettings, generate
+from forge.model import static_decode
+from forge.model.kv_cache import preallocated, returned_cache
+from forge.model.static_decode import resolve_backend
+
+PROMPTS = ["What is 2 + 3?", "Name a color:", "Count to five:"]
+
+
+def _rollout(model, tokenizer, backend: str, do_sample: bool):
+    settings = SamplingSettings(max_new_tokens=20, temperature=1.0, do_sample=do_sample, backend=backend)
+    noise = torch.rand(len(PROMPTS) * 4, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return generate(model, tokenizer, PROMPTS, 4, settings, noise=noise if do_sample else None)
+
+
+@pytest.mark.slow
+def test_compiled_decode_gives_the_eager_tokens_and_logprobs(tiny_model, tiny_tokenizer, monkeypatch):
+    tiny_model.eval()
+    steps, real_call = [], static_decode.StaticDecoder.__call__
+    monkeypatch.setattr(static_decode.StaticDecoder, "__call__", lambda self, *a: steps.append(self.batch) or
+                        real_call(self, *a))
+    # a sixth of the vocabulary ends a row: the random model's rows end at different steps
+    tiny_model.generation_config.eos_token_id = [tiny_tokenizer.eos_token_id, *range(10, 10 + len(tiny_tokenizer) // 6)]
+    for do_sample in (False, True):
+        eager = _rollout(tiny_model, tiny_tokenizer, "eager", do_sample)
+        compiled = _rollout(tiny_model, tiny_tokenizer, "compiled", do_sample)
+        assert torch.equal(compiled.completion_ids, eager.completion_ids)
+        assert torch.equal(compiled.completion_mask, eager.completion_mask)
+        torch.testing.assert_close(compiled.sampler_logprobs, eager.sampler_logprobs, atol=1e-4, rtol=0)
+    lengths = eager.completion_lengths
+    assert lengths.min() < lengths.max()  # rows left the batch at different steps
+    assert steps[0] == 16 and min(steps) < 16  # 12 rows in a bucket of 16, compacted on the way
+
+
+def test_static_decoder_compacts_to_the_live_rows_and_steps_like_eager(tiny_model, tiny_tokenizer, monkeypatch):
+    """Rows leave; when the live ones fit half the bucket the static cache shrinks to the next power of two, keeping
+    each live row's keys, and the next step's logits are the eager step's. The forward runs uncompiled here (the
+    compile is the slow test's)."""
+    monkeypatch.setattr(static_decode, "_compiled_forward", lambda device_type: static_decode._forward)
+    tiny_model.eval()
+    ids = torch.randint(3, len(tiny_tokenizer), (6, 5), generator=torch.Generator().manual_seed(0))
+    mask, keep = torch.ones(6, 6, dtype=torch.long), torch.tensor([1, 4, 5])
+    tokens, positions = torch.tensor([7, 8, 9]), torch.full((3,), 5)
+    with torch.no_grad():
+        caches = [preallocated(returned_cache(tiny_model(input_ids=ids, use_cache=True)), 5 + 8) for _ in range(2)]
+        eager_cache, eager_step = static_decode.decoder(tiny_model, caches[0], "eager")
+        static, step = static_decode.decoder(tiny_model, caches[1], "compiled")
+        assert static is step and step.batch == 8 and step.capacity == 64
+        keys_of_row_4 = step.static.layers[0].keys[4, :, :5].clone()
+        static.batch_select_indices(keep)
+        eager_cache.batch_select_indices(keep)
+        assert step.batch == 4 and step.slots.tolist() == [0, 1, 2]  # 3 live rows fit half of 8
+        assert torch.equal(step.static.layers[0].keys[1, :, :5], keys_of_row_4)
+        torch.testing.assert_close(step(tokens, mask[keep], positions), eager_step(tokens, mask[keep], positions),
+                                   atol=1e-5, rtol=0)
+
+
+def test_auto_decodes_eagerly_unless_measured_faster(monkeypatch):
+    notes = []
+    monkeypatch.setattr(static_decode, "note", notes.append)
+    monkeypatch.setattr(static_decode, "_announced", set())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert resolve_backend("auto", "cpu") == "eager"  # measured: compiled 1.28x slower on an AMX Xeon
+    assert resolve_backend("auto", "cpu") == "eager"  # fp32: not measured
+    assert "1.28x" in notes[0] and "not measured" in notes[1]
+    monkeypatch.setitem(static_decode.GENERATION_BACKEND_MEASURED, ("cpu", torch.float32), ("compiled", "test"))
+    monkeypatch.setattr(static_decode, "_announced", set())
+    assert resolve_backend("auto", "cpu") == "compiled"
+    assert resolve_backend("eager", "cpu") == "eager"
+    with pytest.raises(ValueError, match="generation_backend='fast'"):
+        resolve_backend("fast", "cpu")
+    with pytest.raises(ValueError, match="generation_backend='fast'"):
+        GRPOConfig(generation_backend="fast").validate()
