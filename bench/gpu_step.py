@@ -4,9 +4,11 @@ Nothing is downloaded: the model is built from a config (Qwen2Config with Qwen2.
 the tokenizer is Forge's tiny offline one; the output layer keeps the full 151,936-token vocabulary (its cost is
 the real model's) but logits past the tokenizer's last id are masked, so every sampled token decodes. Reports per
 framework: step seconds, generation seconds, generated tokens per second, peak GPU memory. bench/gpu_check.sh
-runs it on a GPU; `--small` (two layers) checks it on a CPU.
+runs it on a GPU; `--small` (two layers) checks it on a CPU. Forge runs with each `--backends` value of
+generation_backend (eager, compiled: CUDA graphs over a static cache), two steps each: the first compiles.
 
-    python bench/gpu_step.py [--device cuda] [--small] [--max-new-tokens 128] [--skip-trl]
+    python bench/gpu_step.py [--device cuda] [--small] [--max-new-tokens 128] [--backends eager,compiled]
+                             [--skip-trl]
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def peak_memory(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
 
 
-def forge_step(args, tokenizer) -> dict:
+def forge_step(args, tokenizer, backend: str) -> dict:
+    """Two steps with generation_backend=backend: the first compiles (compiled) and warms up, the second is timed."""
     from forge import GRPOConfig, GRPOTrainer
     from forge.run.optim import make_scheduler
 
@@ -62,12 +65,12 @@ def forge_step(args, tokenizer) -> dict:
     config = GRPOConfig(group_size=8, prompts_per_step=args.prompts, gradient_accumulation_steps=1,
                         max_new_tokens=args.max_new_tokens, max_steps=2, save_steps=0, logging_steps=100,
                         dtype="auto", kl_beta=0.0, micro_batch_size=16, preflight="off", learning_rate=1e-6,
-                        output_dir=tempfile.mkdtemp())
+                        generation_backend=backend, output_dir=tempfile.mkdtemp())
     trainer = GRPOTrainer(model, tokenizer, text_length, config)
     trainer.scheduler = make_scheduler(trainer.optimizer, "constant", 0.0, 2)  # step() outside train()
     data = rows(2 * args.prompts)
     results = []
-    for step in range(2):  # the first step warms up kernels and the allocator
+    for step in range(2):
         if args.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -81,7 +84,7 @@ def forge_step(args, tokenizer) -> dict:
         results.append({"step_s": seconds, "generation_s": generation, "generated_tokens": tokens,
                         "tokens_per_s": tokens / generation, "peak_gib": peak_memory(args.device),
                         "precision": str(trainer.precision.compute)})
-    return {"warm-up": results[0], "measured": results[1]}
+    return {"first (compiles)": results[0], "measured": results[1]}
 
 
 def trl_step(args, tokenizer) -> dict:
@@ -124,6 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--backends", default="eager,compiled", help="generation_backend values, '' for none")
     args = parser.parse_args(argv)
     from forge.model.tiny import build_tiny_tokenizer
 
@@ -131,8 +135,10 @@ def main(argv=None) -> int:
     result = {"model": "random-init Qwen2.5-0.5B shape" + (" (2 layers)" if args.small else ""),
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "workload": {"prompts": args.prompts, "group_size": 8, "max_new_tokens": args.max_new_tokens},
-              "forge": forge_step(args, tokenizer)}
-    print(json.dumps(result, indent=1), flush=True)
+              "forge": {}}
+    for backend in (b for b in args.backends.split(",") if b):
+        result["forge"][backend] = forge_step(args, tokenizer, backend)
+        print(json.dumps({backend: result["forge"][backend]}, indent=1), flush=True)
     if not args.skip_trl:
         try:
             result["trl"] = trl_step(args, tokenizer)
