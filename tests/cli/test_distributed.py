@@ -80,9 +80,9 @@ def install_recorder(record_dir: str, rank: int, patch) -> None:
 
     real_generate, real_step, real_save = GRPOTrainer.generate, GRPOTrainer.step, checkpoint.save_checkpoint
 
-    def recorded_generate(self, prompts):
+    def recorded_generate(self, prompts, rows=None):
         write({"kind": "prompts", "step": self.global_step + 1, "prompts": list(prompts)})
-        return real_generate(self, prompts)
+        return real_generate(self, prompts, rows)
 
     def recorded_step(self, rows):
         metrics = real_step(self, rows)
