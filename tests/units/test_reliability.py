@@ -661,8 +661,8 @@ def test_no_eval_exec_or_pickle_in_the_package():
     # The one pickle: a tool worker (tool_isolation='process') loads the tool object the trainer itself pickled
     # for it (a functools.partial, an instance); nothing read from disk, a checkpoint or a tool's reply.
     allowed = ["tools/worker.py: import pickle",
-               "tools/worker.py: return pickle.loads(base64.b64decode(reference[\"data\"]))  # written by the "
-               "trainer, not by a tool"]
+               ("tools/worker.py: return pickle.loads(base64.b64decode(reference[\"data\"]))  # written by the "
+                "trainer, not by a tool")]
     assert [hit.split(":", 2)[0] + ":" + hit.split(":", 2)[2] for hit in hits] == allowed
 
 
