@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge.tools.calls import Tool, ToolCall, ToolSettings, as_tool, run_calls
+from forge.tools.calls import Tool, ToolCall, ToolSettings, as_tool, load_object, run_calls
 
 RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools
 
@@ -226,25 +226,7 @@ def environment_reward(factory: Callable[[], Any]) -> Callable[..., list[float |
 
 def load_environment(spec: str) -> Callable[[], Any]:
     """`module:Class` or `path/to/file.py:Class` -> the class (any factory), for `forge train --environment`."""
-    import importlib
-    import importlib.util
-    from pathlib import Path
-
-    module_name, _, name = spec.strip().rpartition(":")
-    if not module_name or not name:
-        raise ValueError(f"--environment {spec!r}: write module:Class (or path/to/file.py:Class)")
-    if module_name.endswith(".py"):
-        if not Path(module_name).is_file():
-            raise ValueError(f"--environment {spec!r}: no file {module_name}")
-        loaded = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-        module = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    if not callable(getattr(module, name, None)):
-        raise ValueError(  # noqa: TRY004 - a bad command-line value
-            f"--environment {spec!r}: {module_name} has no class or factory {name}")
-    return getattr(module, name)
+    return load_object(spec, f"--environment {spec!r}")
 
 
 def rollout_tools(tools: Sequence[Callable[..., Any] | Tool] | None, environment_factory: Callable[[], Any] | None,

@@ -360,33 +360,33 @@ def ended_call(tokenizer, fmt: CallFormat, segment_ids: list[int]):
     return None, ""
 
 
-def load_tools(spec: str) -> list[Callable[..., Any]]:
-    """`module:function,module:function` (or a bare `calculator`) -> the functions, for `forge train --tools`."""
+def load_object(item: str, what: str) -> Any:
+    """`module:name` or `path/to/file.py:name` -> that callable (`what` names the flag in messages, e.g.
+    "--tools entry 'x:y'"); ValueError saying what to write when it is not there."""
     import importlib
     import importlib.util
     from pathlib import Path
 
-    functions = []
-    for item in (part.strip() for part in spec.split(",") if part.strip()):
-        if item == "calculator":
-            functions.append(calculator)
-            continue
-        module_name, _, function_name = item.rpartition(":")
-        if not module_name or not function_name:
-            raise ValueError(f"--tools entry {item!r}: write module:function (or path/to/file.py:function)")
-        if module_name.endswith(".py"):
-            loaded = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-            if loaded is None or not Path(module_name).exists():
-                raise ValueError(f"--tools entry {item!r}: no file {module_name}")
-            module = importlib.util.module_from_spec(loaded)
-            loaded.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-        if not callable(getattr(module, function_name, None)):
-            raise ValueError(  # noqa: TRY004 - a bad command-line value
-                f"--tools entry {item!r}: {module_name} has no function {function_name}")
-        functions.append(getattr(module, function_name))
-    return functions
+    module_name, _, name = item.strip().rpartition(":")
+    if not module_name or not name:
+        raise ValueError(f"{what}: write module:name (or path/to/file.py:name)")
+    if module_name.endswith(".py"):
+        if not Path(module_name).is_file():
+            raise ValueError(f"{what}: no file {module_name}")
+        loaded = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+        module = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    if not callable(getattr(module, name, None)):
+        raise ValueError(f"{what}: {module_name} has no function or class {name}")  # noqa: TRY004 - a bad flag
+    return getattr(module, name)
+
+
+def load_tools(spec: str) -> list[Callable[..., Any]]:
+    """`module:function,module:function` (or a bare `calculator`) -> the functions, for `forge train --tools`."""
+    return [calculator if item == "calculator" else load_object(item, f"--tools entry {item!r}")
+            for item in (part.strip() for part in spec.split(",") if part.strip())]
 
 
 __all__ = ["CallFormat", "Tool", "ToolCall", "ToolResult", "ToolSettings", "as_tool", "as_tools", "calculator",
