@@ -226,7 +226,7 @@ def environment_reward(factory: Callable[[], Any]) -> Callable[..., list[float |
 
 def load_environment(spec: str) -> Callable[[], Any]:
     """`module:Class` or `path/to/file.py:Class` -> the class (any factory), for `forge train --environment`."""
-    return load_object(spec, f"--environment {spec!r}")
+    return load_object(spec, f"--environment {spec!r}", kind="Class")
 
 
 def rollout_tools(tools: Sequence[Callable[..., Any] | Tool] | None, environment_factory: Callable[[], Any] | None,

@@ -360,16 +360,16 @@ def ended_call(tokenizer, fmt: CallFormat, segment_ids: list[int]):
     return None, ""
 
 
-def load_object(item: str, what: str) -> Any:
+def load_object(item: str, what: str, kind: str = "function") -> Any:
     """`module:name` or `path/to/file.py:name` -> that callable (`what` names the flag in messages, e.g.
-    "--tools entry 'x:y'"); ValueError saying what to write when it is not there."""
+    "--tools entry 'x:y'", `kind` what it should be); ValueError saying what to write when it is not there."""
     import importlib
     import importlib.util
     from pathlib import Path
 
     module_name, _, name = item.strip().rpartition(":")
     if not module_name or not name:
-        raise ValueError(f"{what}: write module:name (or path/to/file.py:name)")
+        raise ValueError(f"{what}: write module:{kind} (or path/to/file.py:{kind})")
     if module_name.endswith(".py"):
         if not Path(module_name).is_file():
             raise ValueError(f"{what}: no file {module_name}")
@@ -379,7 +379,7 @@ def load_object(item: str, what: str) -> Any:
     else:
         module = importlib.import_module(module_name)
     if not callable(getattr(module, name, None)):
-        raise ValueError(f"{what}: {module_name} has no function or class {name}")  # noqa: TRY004 - a bad flag
+        raise ValueError(f"{what}: {module_name} has no {kind} {name}")  # noqa: TRY004 - a bad flag
     return getattr(module, name)
 
 
