@@ -5,7 +5,7 @@ sandbox_init.py CONFIG_JSON`); it imports only the standard library.
 In a namespace sandbox it is PID 1 of the new PID namespace, root of the new user namespace (mapped to the
 caller's own user) and alone in new mount, network, IPC and UTS namespaces:
     1. it makes every mount read-only (mount_setattr, recursively), then mounts a private, size-limited tmpfs on
-       /tmp (the program's working directory lives there) and on /dev/shm, an empty read-only tmpfs on /run, and
+       /tmp (the program's working directory lives there; a Python installed under /tmp is bound back, read-only) and on /dev/shm, an empty read-only tmpfs on /run, and
        hides the credential paths it is given (an empty read-only tmpfs on a directory, /dev/null on a file);
     2. it caps the namespace's PIDs (pid_max, kernels >= 6.14) and starts the program with its rlimits, all
        capabilities dropped and no_new_privs set, so the program cannot undo any of the above;
@@ -73,8 +73,17 @@ def set_up_namespace(config: dict, program: bytes) -> str:
     _write("/proc/self/oom_score_adj", "1000")  # under memory pressure the kernel picks the sandbox first
     _write("/proc/sys/kernel/pid_max", str(300 + config["max_processes"]))  # >= 6.14: a hard ceiling
     _everything_read_only()
+    # A Python installed under /tmp (a virtualenv in a CI checkout, say) stays visible, read-only, through the
+    # private /tmp: held open before the tmpfs covers it, bound back onto the same path after.
+    interpreter_homes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix,
+                                                       os.path.dirname(os.path.dirname(config["interpreter"])))}
+    kept = {path: os.open(path, os.O_PATH) for path in sorted(interpreter_homes) if path.startswith("/tmp/")}
     scratch = f"size={config['memory'] // 1024}k,mode=1777"
     _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
+    for path, fd in kept.items():
+        os.makedirs(path, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+        os.close(fd)
     for path, data in (("/dev/shm", scratch), ("/run", "size=4k,mode=755")):
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV | (_MS_RDONLY if path == "/run" else 0), data)
