@@ -6,7 +6,8 @@ In a namespace sandbox it is PID 1 of the new PID namespace, root of the new use
 caller's own user) and alone in new mount, network, IPC and UTS namespaces:
     1. it makes every mount read-only (mount_setattr, recursively), then mounts a private, size-limited tmpfs on
        /tmp (the program's working directory lives there; a Python installed under /tmp is bound back, read-only)
-       and on /dev/shm, an empty read-only tmpfs on /run, and hides the credential paths it is given (an empty read-only tmpfs on a directory, /dev/null on a file);
+       and on /dev/shm, an empty read-only tmpfs on /run, and hides the credential paths it is given (an empty
+       read-only tmpfs on a directory, /dev/null on a file);
     2. it caps the namespace's PIDs (pid_max, kernels >= 6.14) and starts the program with its rlimits, all
        capabilities dropped and no_new_privs set, so the program cannot undo any of the above;
     3. until the program exits it reaps orphans and polls every process in the namespace: more than
