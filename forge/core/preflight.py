@@ -30,13 +30,7 @@ from tqdm.auto import tqdm
 from forge.core.advantages import group_reward_std
 from forge.core.reward import TrainerState
 from forge.core.rollout import check_prompt_lengths, render_prompt
-from forge.core.scoring import (
-    check_reward_columns,
-    completion_token_ids,
-    per_completion,
-    rollout_tool_calls,
-    score_completions,
-)
+from forge.core.scoring import check_reward_columns, per_completion, rollout_inputs, score_completions
 from forge.run.rng import capture_rng_state, restore_rng_state
 
 PREFLIGHT_MODES = ("warn", "strict", "off")
@@ -113,9 +107,7 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     generation_seconds = time.perf_counter() - generation_started
     prompts, columns, _ = per_completion(mine, group)
     score = {"on_error": "score", "error_value": 0.0, "timeout": config.reward_timeout,
-             "trainer_state": TrainerState(0, total_steps, trainer.device),
-             "completion_ids": completion_token_ids(rollout), "tool_calls": rollout_tool_calls(rollout),
-             "environments": rollout.environments, "episodes": rollout.episodes}
+             "trainer_state": TrainerState(0, total_steps, trainer.device), **rollout_inputs(rollout)}
     scoring_started = time.perf_counter()
     total = score_completions(trainer.rewards, prompts, rollout.completions, columns, **score)
     checks = [reward_check(name, score_completions([(name, reward, 1.0)], prompts, rollout.completions, columns,

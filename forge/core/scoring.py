@@ -379,11 +379,16 @@ def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int
     prompts, columns, row_ids = per_completion(rows, config.group_size)
     scores = score_completions(rewards, prompts, rollout.completions, columns, on_error=config.on_reward_error,
                                error_value=config.reward_error_value, timeout=config.reward_timeout, step=step,
-                               row_index=row_ids, trainer_state=trainer_state,
-                               completion_ids=completion_token_ids(rollout), tool_calls=rollout_tool_calls(rollout),
-                               environments=rollout.environments, episodes=rollout.episodes)
+                               row_index=row_ids, trainer_state=trainer_state, **rollout_inputs(rollout))
     scores.valid &= ~rollout.failed
     return scores
+
+
+def rollout_inputs(rollout) -> dict:
+    """What a rollout hands the rewards besides prompts and completions: each completion's token ids, and with
+    tools its calls, with an environment its instances and episodes (score_completions' keywords)."""
+    return {"completion_ids": completion_token_ids(rollout), "tool_calls": rollout_tool_calls(rollout),
+            "environments": rollout.environments, "episodes": rollout.episodes}
 
 
 def per_completion(rows: list[dict], group_size: int) -> tuple[list, dict[str, list], list[int]]:
