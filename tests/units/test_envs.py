@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from test_tools import install_script
+from test_tools import install_script, one_and_two_processes
 
 import forge.core.rollout as rollout_module
 from forge import GRPOConfig, GRPOTrainer
@@ -433,14 +433,8 @@ def test_two_processes_with_an_environment_give_the_transcripts_and_weights_of_o
     """`torch.distributed.run --nproc_per_node 2` of `forge train --environment ...` vs one process: each rank
     builds the environments of its own rows; the transcripts (answers included) and the weights are those of one."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from safetensors.torch import load_file
-
-    from forge.cli import main as forge_main
 
     model, tokenizer = build_tiny_model(seed=0)
     model.save_pretrained(tmp_path / "tiny")
@@ -457,17 +451,9 @@ def test_two_processes_with_an_environment_give_the_transcripts_and_weights_of_o
             "--learning_rate", "0.01", "--temperature", str(TEMPERATURE), "--tool_format", "text", "--seed", "3",
             "--save_steps", "0", "--preflight", "off"]
     scripted(tokenizer, GUESS)
-    assert forge_main([*args, "--output_dir", str(tmp_path / "one")]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tests_dir.parent)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(tmp_path / "driver.py"), *args, "--output_dir", str(tmp_path / "two")], env=env,
-                          check=False, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    one = [json.loads(line) for line in (tmp_path / "one" / "samples.jsonl").read_text().splitlines()]
-    two = [json.loads(line) for line in (tmp_path / "two" / "samples.jsonl").read_text().splitlines()]
+    one, two, expected, got = one_and_two_processes(tmp_path, args)
     assert one == two and len(one) == 4
     assert all("<result>" in json.dumps(sample) for sample in one)  # every transcript holds an answer
-    expected, got = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("one", "two"))
     # The same transcripts and rewards, gradients equal up to fp32 summation order (two halves all-reduced vs one
     # sum). AdamW divides by sqrt(v): on an element whose gradient is ~0 that rounding can tip its update, by at
     # most lr per step. So: nearly every element to fp32 tolerance, and none off by more than 2 steps of lr.

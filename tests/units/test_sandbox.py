@@ -133,19 +133,22 @@ def test_a_fork_bomb_is_held_to_max_processes():
     assert time.perf_counter() - started < 25
 
 
+FOUR_CHILDREN_OF_60_MB = program("""
+    import os, time
+    for _ in range(4):
+        if os.fork() == 0:
+            block = b"x" * (60 * 2**20)
+            time.sleep(30)
+            os._exit(0)
+    time.sleep(30)
+    print("all allocated")
+""")
+
+
 @needs_namespaces
 def test_memory_is_counted_for_the_whole_program():
     # 4 children of 60 MB each: every process stays under its own 128 MB, the program does not
-    result = run_python(program("""
-        import os, time
-        for _ in range(4):
-            if os.fork() == 0:
-                block = b"x" * (60 * 2**20)
-                time.sleep(30)
-                os._exit(0)
-        time.sleep(30)
-        print("all allocated")
-    """), memory_mb=128, timeout=20)
+    result = run_python(FOUR_CHILDREN_OF_60_MB, memory_mb=128, timeout=20)
     assert result.memory_exceeded and not result.timed_out and "all allocated" not in result.stdout, result
     assert result.returncode == -signal.SIGKILL
 
@@ -259,15 +262,7 @@ def test_without_namespaces_a_daemonised_grandchild_is_still_killed():
 
 
 def test_without_namespaces_memory_is_still_counted_for_the_whole_program():
-    result = run_python(program("""
-        import os, time
-        for _ in range(4):
-            if os.fork() == 0:
-                block = b"x" * (60 * 2**20)
-                time.sleep(30)
-                os._exit(0)
-        time.sleep(30)
-    """), memory_mb=128, timeout=20, namespaces=False)
+    result = run_python(FOUR_CHILDREN_OF_60_MB, memory_mb=128, timeout=20, namespaces=False)
     assert result.memory_exceeded and not result.timed_out, result
 
 

@@ -516,16 +516,34 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
-def test_two_processes_with_tools_give_the_completions_and_weights_of_one(scripted, tmp_path):
-    """`torch.distributed.run --nproc_per_node 2` of `forge train --tools calculator` vs the same in this
-    process: every completion opens with a call that is answered, then samples on; the ranks split the prompts
-    and the noise, so the transcripts (tool results included) and the trained weights are those of one process."""
+def one_and_two_processes(tmp_path, args: list[str]) -> tuple[list, list, dict, dict]:
+    """`forge train *args` in this process (output one/) and under `torch.distributed.run --nproc_per_node 2`
+    through tmp_path/driver.py (output two/): (samples of one, samples of two, final weights of one, of two)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     from forge.cli import main as forge_main
+
+    assert forge_main([*args, "--output_dir", str(tmp_path / "one")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(tmp_path / "driver.py"), *args, "--output_dir", str(tmp_path / "two")], env=env,
+                          check=False, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    one, two = ([json.loads(line) for line in (tmp_path / run / "samples.jsonl").read_text().splitlines()]
+                for run in ("one", "two"))
+    expected, got = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("one", "two"))
+    return one, two, expected, got
+
+
+def test_two_processes_with_tools_give_the_completions_and_weights_of_one(scripted, tmp_path):
+    """`torch.distributed.run --nproc_per_node 2` of `forge train --tools calculator` vs the same in this
+    process: every completion opens with a call that is answered, then samples on; the ranks split the prompts
+    and the noise, so the transcripts (tool results included) and the trained weights are those of one process."""
+    from pathlib import Path
+
 
     model, tokenizer = build_tiny_model(seed=0)
     model.save_pretrained(tmp_path / "tiny")
@@ -541,17 +559,9 @@ def test_two_processes_with_tools_give_the_completions_and_weights_of_one(script
             "--learning_rate", "0.01", "--temperature", str(TEMPERATURE), "--tools", "calculator", "--seed", "3",
             "--save_steps", "0"]
     scripted(tokenizer, CALL)
-    assert forge_main([*args, "--output_dir", str(tmp_path / "one")]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tests_dir.parent)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(tmp_path / "driver.py"), *args, "--output_dir", str(tmp_path / "two")], env=env,
-                          check=False, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    one = [json.loads(line) for line in (tmp_path / "one" / "samples.jsonl").read_text().splitlines()]
-    two = [json.loads(line) for line in (tmp_path / "two" / "samples.jsonl").read_text().splitlines()]
+    one, two, expected, got = one_and_two_processes(tmp_path, args)
     assert one == two and len(one) == 4  # one transcript per group, 2 groups a step (one per rank)
     assert all(RESULT in json.dumps(sample) for sample in one)  # every transcript holds the tool's answer
-    expected, got = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("one", "two"))
     for name, value in expected.items():
         assert torch.allclose(got[name], value, rtol=1e-4, atol=1e-6), name
     start = build_tiny_model(seed=0)[0].state_dict()
