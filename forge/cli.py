@@ -97,12 +97,11 @@ def _train(args: argparse.Namespace, config) -> int:
     from forge.eval.evaluate import graded_by_math, heldout_metrics
     from forge.tools.calls import load_tools
 
-    rewards, weights = _rewards_for(args)
-    if config.reward_weights is None:
-        config.reward_weights = weights
-
     tools = load_tools(args.tools) if args.tools else None
     environment = load_environment(args.environment) if args.environment else None
+    rewards, weights = _rewards_for(args, environment)
+    if config.reward_weights is None:
+        config.reward_weights = weights
     trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics,  # eval/strict_accuracy, ...
                           tools=tools, environment_factory=environment)
     dataset, eval_rows = _training_data(args, trainer.tokenizer)
@@ -123,13 +122,19 @@ def _train(args: argparse.Namespace, config) -> int:
     return 0
 
 
-def _rewards_for(args: argparse.Namespace) -> tuple[list, list[float]]:
+def _rewards_for(args: argparse.Namespace, environment=None) -> tuple[list, list[float]]:
     """--reward's rewards and weights. Left at its default (math_correctness:1.0,tag_format:0.1) for a built-in
     task (`forge.data.dataset.task_for`), the correctness term is the task's own reward, which pays what its
-    evaluation counts as right: the math tasks' `math_correctness`, reasoning-gym's own score_answer."""
+    evaluation counts as right: the math tasks' `math_correctness`, reasoning-gym's own score_answer. Left at its
+    default with an --environment that has `get_reward`, the environment's reward is the only one."""
     from forge.data.dataset import task_for
     from forge.data.task import math_correctness
+    from forge.envs.protocol import environment_reward
 
+    if args.reward == DEFAULTS["reward"] and environment is not None and environment_reward(environment):
+        print(f"forge: --environment {args.environment}: its get_reward is the reward (weight 1.0); give --reward "
+              f"to add others", file=sys.stderr)
+        return [], []
     rewards, weights = parse_rewards(args.reward)
     task = task_for(args.dataset) if args.reward == DEFAULTS["reward"] else None
     if task is not None:

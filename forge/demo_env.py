@@ -24,8 +24,8 @@ from forge.envs import EnvironmentSettings
 from forge.envs.guess import GuessNumber, NoisyGuessNumber, guess_rows
 from forge.tools.calls import ToolSettings
 
-TRAIN_HIGHS = [6, 8, 10, 12]  # ranges of the training episodes
-HELDOUT_HIGHS = [7, 9, 11]  # ranges of the held-out episodes (never trained on)
+TRAIN_HIGHS = [8, 10, 12, 14]  # ranges of the training episodes
+HELDOUT_HIGHS = [9, 11, 13, 15]  # ranges of the held-out episodes (never trained on)
 TURNS = 4  # guesses per episode: bisection finds any number up to 15
 
 
@@ -52,7 +52,7 @@ def run_env_demo(settings: DemoSettings) -> dict:
     """The --env path of `forge demo`."""
     run = DemoRun(settings, "forge demo --env")
     model, tokenizer, precision = load_policy(settings)
-    heldout = guess_rows(HELDOUT_HIGHS, TURNS, repeats=2, seed=1000)[:settings.heldout]
+    heldout = guess_rows(HELDOUT_HIGHS, TURNS, seed=1000)[:settings.heldout]
     train = guess_rows(TRAIN_HIGHS, TURNS, repeats=8, seed=settings.seed)
     run.timings["load"] = run.elapsed()
 

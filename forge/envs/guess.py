@@ -1,10 +1,12 @@
-"""Guess the number: an environment whose feedback is the only way to win (the `forge demo --env` game).
+"""Guess the number: an environment whose answers are the only way to win (the `forge demo --env` game).
 
-The model looks for a hidden number from 1 to `high` in `turns` guesses; each guess is answered "higher",
-"lower" or "correct". A policy that ignores the answers finds the number with probability turns / high at best;
-one that bisects always finds it (high <= 2**turns - 1). `feedback="noise"` answers a wrong guess with a random
-"higher" or "lower" (seeded by the row) instead: the same game with the information taken out, which measures
-how much of a policy's success comes from reading the answers.
+The model looks for a hidden number from 1 to `high` in `turns` guesses. A wrong guess is answered with the
+direction and the numbers the answers so far leave ("higher, from 6 to 10"); a right one with "correct". A
+policy that ignores the answers finds the number with probability turns / high at best; one that guesses the
+middle of what the answers leave always finds it (high <= 2**turns - 1). `feedback="noise"` answers as if the
+hidden number were a decoy (another number of the range, drawn from the row): the answers read the same and stay
+consistent, but carry no information about the number that wins, which measures how much of a policy's success
+comes from reading them.
 """
 
 from __future__ import annotations
@@ -14,13 +16,12 @@ import re
 
 from forge.envs.protocol import Observation
 
-EXAMPLE = ("<guess>5</guess><result>higher</result><guess>8</guess><result>lower</result>"
-           "<guess>7</guess><result>correct</result>")
+EXAMPLE = ("<guess>5</guess><result>higher, from 6 to 10</result><guess>8</guess><result>lower, from 6 to 7"
+           "</result><guess>7</guess><result>correct</result>")
 
-
-RULES = ("Find my secret number. Guess by writing <guess>N</guess>. I answer <result>higher</result> if my number "
-         "is higher than N, <result>lower</result> if it is lower, <result>correct</result> if you found it. You "
-         "have {turns} guesses.")
+RULES = ("Find my secret number. Guess by writing <guess>N</guess>. If N is wrong I answer higher or lower and the "
+         "numbers still possible, like <result>higher, from 6 to 10</result>; if you found it, "
+         "<result>correct</result>. You have {turns} guesses.")
 
 
 def guess_prompt(high: int, turns: int) -> list[dict]:
@@ -44,7 +45,7 @@ CONSISTENCY_BONUS = 0.1  # per guess after an answer that stays inside the range
 
 
 class GuessNumber:
-    """The game. `feedback`: 'real' (the answers) or 'noise' (a wrong guess gets a random direction)."""
+    """The game. `feedback`: 'real' (the answers) or 'noise' (answers for a decoy number)."""
 
     def __init__(self, feedback: str = "real"):
         if feedback not in ("real", "noise"):
@@ -54,8 +55,11 @@ class GuessNumber:
 
     def reset(self, secret: int, high: int = 10, episode: int = 0, **row) -> None:
         self.secret, self.high, self.found, self.guesses = int(secret), int(high), False, []
-        self.low_bound, self.high_bound, self.consistent = 1, int(high), 0  # what the answers so far allow
-        self.noise = random.Random(f"{secret}:{high}:{episode}")  # a function of the row: resumes bitwise
+        self.low_bound, self.high_bound, self.consistent = 1, int(high), 0  # what the answers so far leave
+        others = [n for n in range(1, self.high + 1) if n != self.secret] or [self.secret]
+        # The number the answers are about: the secret, or a decoy drawn from the row (so a resume redraws it).
+        self.answered = self.secret if self.feedback == "real" else random.Random(
+            f"{secret}:{high}:{episode}").choice(others)
 
     def guess(self, number: str) -> Observation:
         """Guess the secret number.
@@ -72,21 +76,19 @@ class GuessNumber:
         if value == self.secret:
             self.found = True
             return Observation("correct", reward=1.0, done=True)
-        answer = self.noise.choice(["higher", "lower"]) if self.feedback == "noise" else (
-            "higher" if self.secret > value else "lower")
-        if answer == "higher":
+        if value < self.answered or (value == self.answered and value < self.high_bound):
             self.low_bound = max(self.low_bound, value + 1)
-        else:
-            self.high_bound = min(self.high_bound, value - 1)
-        return Observation(answer)
+            return Observation(f"higher, from {self.low_bound} to {self.high_bound}")
+        self.high_bound = min(self.high_bound, value - 1)
+        return Observation(f"lower, from {self.low_bound} to {self.high_bound}")
 
     def get_reward(self) -> float:
-        """1 when found, plus CONSISTENCY_BONUS for each later guess that the earlier answers allowed."""
+        """1 when found, plus CONSISTENCY_BONUS for each later guess inside what the earlier answers left."""
         return (1.0 if self.found else 0.0) + CONSISTENCY_BONUS * self.consistent
 
 
 class NoisyGuessNumber(GuessNumber):
-    """GuessNumber with the answers replaced by noise (a factory for `feedback='noise'`)."""
+    """GuessNumber whose answers are about a decoy number (a factory for `feedback='noise'`)."""
 
     def __init__(self):
         super().__init__("noise")

@@ -11,28 +11,40 @@ from forge.envs.guess import GuessNumber, NoisyGuessNumber, guess_rows
 from forge.model.tiny import build_tiny_model
 
 
-def test_the_game_answers_higher_lower_correct_and_scores_the_episode():
+def test_the_game_answers_with_the_direction_and_what_is_left_and_scores_the_episode():
     game = GuessNumber()
     game.reset(secret=6, high=9)
-    assert [game.guess(n).text for n in ("3", "8", " 6 ")] == ["higher", "lower", "correct"]
+    assert [game.guess(n).text for n in ("3", "8", " 6 ")] == ["higher, from 4 to 9", "lower, from 4 to 7",
+                                                              "correct"]
     assert game.guess("x").text == "not a number"
     assert game.found and game.guesses == [3, 8, 6]
-    assert game.get_reward() == pytest.approx(1.0 + 2 * 0.1)  # found; both later guesses inside what was allowed
+    assert game.get_reward() == pytest.approx(1.0 + 2 * 0.1)  # found; both later guesses inside what was left
     game.reset(secret=6, high=9)
-    game.guess("3"), game.guess("2")  # "higher" than 3, then 2: a guess the answer had ruled out
+    game.guess("3"), game.guess("2")  # "higher, from 4 to 9", then 2: a guess the answer had ruled out
     assert game.get_reward() == 0.0
     assert GuessNumber().get_reward() == 0.0
     with pytest.raises(ValueError, match="feedback must be 'real' or 'noise'"):
         GuessNumber("loud")
 
 
-def test_noise_feedback_is_random_but_a_function_of_the_row():
-    answers = []
-    for _ in range(2):
-        game = NoisyGuessNumber()
-        game.reset(secret=6, high=9, episode=3)
-        answers.append([game.guess("1").text for _ in range(20)])
-    assert answers[0] == answers[1] and set(answers[0]) == {"higher", "lower"}  # "1" is always "higher" for real
+def answers(factory, guesses, **row) -> list[str]:
+    game = factory()
+    game.reset(**row)
+    return [game.guess(str(n)).text for n in guesses]
+
+
+def test_noise_answers_are_the_real_answers_for_a_decoy_drawn_from_the_row():
+    decoys = set()
+    for episode in range(20):
+        row = {"secret": 6, "high": 9, "episode": episode}
+        noise = answers(NoisyGuessNumber, range(1, 10), **row)
+        assert noise == answers(NoisyGuessNumber, range(1, 10), **row)  # a function of the row: resumes bitwise
+        assert noise[5] == "correct"  # the hidden number still wins
+        decoy = next(d for d in range(1, 10) if d != 6 and all(
+            answers(NoisyGuessNumber, [n], **row) == answers(GuessNumber, [n], secret=d, high=9)
+            for n in range(1, 10) if n not in (d, 6)))
+        decoys.add(decoy)
+    assert len(decoys) > 3  # drawn, not fixed
     rows = guess_rows([7, 9], turns=4, repeats=2)
     assert len(rows) == 2 * (7 + 9) and {r["secret"] for r in rows if r["high"] == 7} == set(range(1, 8))
 
@@ -54,6 +66,6 @@ def test_the_env_demo_runs_end_to_end_on_the_tiny_model(tmp_path, capsys):
 def test_the_env_demo_has_its_recipe_unless_told_otherwise():
     args, _ = demo_parser(["--env"]).parse_known_args(["--env"])
     settings = DemoSettings.from_args(args)
-    assert settings.env and settings.steps == 30 and settings.heldout == 54
+    assert settings.env and settings.steps == 30 and settings.heldout == 48
     args, _ = demo_parser(["--env", "--steps", "5"]).parse_known_args(["--env", "--steps", "5"])
     assert DemoSettings.from_args(args).steps == 5

@@ -460,3 +460,22 @@ def test_two_processes_with_an_environment_give_the_transcripts_and_weights_of_o
     close = torch.cat([torch.isclose(got[k], v, rtol=1e-4, atol=1e-6).flatten() for k, v in expected.items()])
     assert close.float().mean() > 0.999
     assert max(float((got[k] - v).abs().max()) for k, v in expected.items()) <= 2 * 0.01 + 1e-6
+
+
+def test_forge_train_with_an_environment_that_scores_itself_needs_no_reward_flag(tmp_path, capsys):
+    import json
+
+    from forge.cli import main
+
+    model, tokenizer = build_tiny_model(seed=0)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in GUESS_ROWS))
+    assert main(["train", "--model", str(tmp_path / "tiny"), "--dataset", str(tmp_path / "data.jsonl"),
+                 "--environment", "forge.envs.guess:GuessNumber", "--tool_format", "text", "--group_size", "2",
+                 "--prompts_per_step", "2", "--max_new_tokens", "8", "--max_steps", "1", "--logging_steps", "1",
+                 "--save_steps", "0", "--preflight", "off", "--output_dir", str(tmp_path / "out")]) == 0
+    assert "its get_reward is the reward" in capsys.readouterr().err
+    log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+    assert {key.split("/")[1] for key in log[0] if key.startswith("rewards/") and key.count("/") == 2} == {
+        "GuessNumber"}  # rewards/NAME/mean and /std: the environment's reward only
