@@ -17,17 +17,23 @@ precision) on the machine it runs on:
 
 Variants: `adapters` (LoRA's three matmuls per adapted layer), `merged` (the adapters folded into the weights, as
 evaluation generates; forge.model.merged_adapters(rounded=True)), and with `--backends` each generation_backend GRPOConfig knows.
+`--against REV` also runs each variant with forge/core/rollout.py as it is at git revision REV (`adapters@REV`,
+`merged@REV`), in the same process, alternating, and records whether its sampled tokens and sampler log-probs are
+bit-for-bit those of the current code. `--skip-loss` leaves out the loss pass.
 Writes bench/results/decode_floor[_TAG].json.
 
     /work/bin/cpu-run .venv/bin/python bench/decode_floor.py [--rounds 2] [--max-new-tokens 64] [--dtype auto]
+        [--against REV] [--skip-loss]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -113,6 +119,20 @@ def generation_floor(shape: Shape, rollout, prefill_tokens: int, bandwidth: floa
             "generated_tokens": int(lengths.sum())}
 
 
+def rollout_module_at(revision: str):
+    """forge/core/rollout.py as it is at git `revision`, imported as its own module (its imports are today's)."""
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{revision}:forge/core/rollout.py"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    path = Path("/tmp") / f"forge_rollout_{revision.replace('/', '_')}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"forge_rollout_{len(source)}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -121,6 +141,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default="adapters,merged")
     parser.add_argument("--backends", default="", help="generation_backend values to add (merged weights)")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--against", default="", help="a git revision of forge/core/rollout.py to time alongside")
+    parser.add_argument("--skip-loss", action="store_true", help="time generation only")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from workloads import cpu_model
@@ -151,6 +173,14 @@ def main(argv=None) -> int:
     variants = {name: {"merge_lora_for_generation": name != "adapters"} for name in args.variants.split(",") if name}
     for backend in (b for b in args.backends.split(",") if b):
         variants[backend] = {"generation_backend": backend}  # the adapter path, as training samples
+    import forge.core.trainer as trainer_module
+
+    generators = {name: trainer_module.generate for name in variants}
+    if args.against:
+        earlier = rollout_module_at(args.against)
+        for name in list(variants):
+            variants[f"{name}@{args.against}"] = variants[name]
+            generators[f"{name}@{args.against}"] = earlier.generate
     configs = {name: replace(config, **fields) for name, fields in variants.items()}
     timings = {name: [] for name in variants}
     rollouts = {}
@@ -160,11 +190,13 @@ def main(argv=None) -> int:
             trainer.config = configs[name]
             trainer.sampling_rng = torch.Generator().manual_seed(0)  # the same noise for every variant
             # merged: the weights evaluation generates from (in bf16 training's sampling keeps the adapters)
-            merge = merged_adapters(model, rounded=True) if name == "merged" else contextlib.nullcontext()
+            merge = merged_adapters(model, rounded=True) if name.startswith("merged") else contextlib.nullcontext()
+            trainer_module.generate = generators[name]
             start = time.perf_counter()
             with merge:
                 rollouts[name] = trainer.generate(prompts)
             timings[name].append(time.perf_counter() - start)
+            trainer_module.generate = generators[names[0]]
             print(r, name, round(timings[name][-1], 3), "s", flush=True)
     trainer.config = config
 
@@ -176,12 +208,17 @@ def main(argv=None) -> int:
         generation[name] = {"seconds": timings[name], "best_s": best, "floor": floor,
                             "times_floor": best / floor["total_s"],
                             "tokens_per_s": floor["generated_tokens"] / best}
+        if "@" in name:  # the same tokens and sampler log-probs as the current code?
+            current = rollouts[name.split("@")[0]]
+            generation[name]["same_tokens"] = torch.equal(current.completion_ids, rollout.completion_ids)
+            generation[name]["same_sampler_logprobs"] = torch.equal(current.sampler_logprobs, rollout.sampler_logprobs)
+            generation[name]["speedup_of_current"] = best / min(timings[name.split("@")[0]])
 
     # the loss pass: forward + backward of the log-probs, micro-batches of micro_batch_size completions
     rollout = rollouts[names[0]]
     loss_times = []
     tokens = 0
-    for _ in range(args.rounds):
+    for _ in range(0 if args.skip_loss else args.rounds):
         start = time.perf_counter()
         tokens = 0
         for first in range(0, rollout.completion_ids.shape[0], config.micro_batch_size):
@@ -197,8 +234,8 @@ def main(argv=None) -> int:
     model.zero_grad(set_to_none=True)
     context = rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1]
     loss_floor = 2 * shape.forward_flops(tokens, context) / peak  # forward + activation gradients (LoRA)
-    loss = {"seconds": loss_times, "best_s": min(loss_times), "flop_floor_s": loss_floor,
-            "times_floor": min(loss_times) / loss_floor, "tokens": tokens}
+    loss = None if args.skip_loss else {"seconds": loss_times, "best_s": min(loss_times), "flop_floor_s": loss_floor,
+                                        "times_floor": min(loss_times) / loss_floor, "tokens": tokens}
 
     result = {
         "what": "generation and the loss pass as multiples of their floors (bench/decode_floor.py docstring)",
@@ -217,9 +254,10 @@ def main(argv=None) -> int:
     path = RESULTS / f"decode_floor{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({"measured": result["measured"], "generation": {
-        name: {k: v for k, v in g.items() if k in ("best_s", "times_floor", "tokens_per_s")} | {
+        name: {k: v for k, v in g.items() if k in ("best_s", "times_floor", "tokens_per_s", "same_tokens",
+                                                   "same_sampler_logprobs", "speedup_of_current")} | {
             "floor_s": g["floor"]["total_s"]} for name, g in generation.items()},
-        "loss_pass": {k: loss[k] for k in ("best_s", "flop_floor_s", "times_floor")}}, indent=1))
+        "loss_pass": loss and {k: loss[k] for k in ("best_s", "flop_floor_s", "times_floor")}}, indent=1))
     print(f"wrote {path}")
     return 0
 

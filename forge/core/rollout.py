@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from forge.envs.protocol import EnvironmentSettings, Episode, with_opening
 from forge.model.kv_cache import CACHE_ARG, grow, preallocated, returned_cache
-from forge.model.static_decode import decoder
+from forge.model.packed_linear import packed_linears
+from forge.model.static_decode import decoder, resolve_backend
 from forge.tools.calls import (
     CallFormat,
     ToolResult,
@@ -231,7 +232,8 @@ def sample_next_token(
     """
     if not settings.do_sample:
         return logits.argmax(dim=-1)
-    logits = logits.float() / settings.temperature  # (n, V)
+    # (n, V); x / 1 is x: the decode loop passes logits it has already scaled, with temperature 1
+    logits = logits.float() if settings.temperature == 1.0 else logits.float() / settings.temperature
     if settings.top_k > 0:
         kth = torch.topk(logits, min(settings.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -247,6 +249,8 @@ def sample_next_token(
     cdf = probs.double().cumsum(dim=-1)  # (n, V)
     target = uniforms.to(cdf)[:, None] * cdf[:, -1:]  # (n, 1)
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (n,) first token whose cdf exceeds it
+    if bool((tokens < cdf.shape[-1]).all()):  # then at or before the last token of nonzero probability
+        return tokens
     last_possible = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)  # (n,) guards a draw rounded up to 1
     return torch.minimum(tokens, last_possible)
 
@@ -257,10 +261,17 @@ def padded_positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 MIN_SHARED_PREFIX = 8  # below this many tokens, a separate prefix pass costs more than it saves
+# The last position as an index (logits_to_keep): the model gathers it into a contiguous (n, 1, C) input of the
+# output layer. logits_to_keep=1 slices a strided view, which torch.matmul cannot fold into one matrix product:
+# it copies the transposed output weight once per row instead (0.55 s for the demo's 4 prompts on a CPU, 60x the
+# product itself). The same logits in bf16; in fp32 the one product and the per-row ones can differ in the last bit.
+LAST_POSITION = torch.tensor([-1])
 
 
-def prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool = True):
+def prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool = True,
+            last_position: int | torch.Tensor = 1):
     """Run prompts (n, L) through the model; return (cache, logits of the last position (n, V)).
+    last_position: the model's logits_to_keep; generation passes LAST_POSITION, the loss pass the slice (1).
 
     Leading columns that are the same real token in every row (a shared template) are computed once and
     their cache expanded to all rows; gradients, when enabled, flow back through the expansion. That takes a
@@ -272,13 +283,14 @@ def prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool =
     shared = min(shared, ids.shape[1] - 1)
     if shared < MIN_SHARED_PREFIX or not share_template:
         out = model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), use_cache=True,
-                    logits_to_keep=1)
+                    logits_to_keep=last_position)
         return returned_cache(out), out.logits[:, -1]
-    prefix = model(input_ids=ids[:1, :shared], attention_mask=mask[:1, :shared], use_cache=True, logits_to_keep=1)
+    prefix = model(input_ids=ids[:1, :shared], attention_mask=mask[:1, :shared], use_cache=True,
+                   logits_to_keep=last_position)
     cache = returned_cache(prefix)
     cache.batch_repeat_interleave(ids.shape[0])
     out = model(input_ids=ids[:, shared:], attention_mask=mask, position_ids=padded_positions(mask)[:, shared:],
-                use_cache=True, logits_to_keep=1, **{CACHE_ARG: cache})
+                use_cache=True, logits_to_keep=last_position, **{CACHE_ARG: cache})
     return returned_cache(out), out.logits[:, -1]
 
 
@@ -291,7 +303,7 @@ def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
     if not share_prompt_prefix:
         ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    cache, next_logits = prefill(model, ids, mask)  # (P or N, V)
+    cache, next_logits = prefill(model, ids, mask, last_position=LAST_POSITION)  # (P or N, V)
     if share_prompt_prefix:
         cache.batch_repeat_interleave(group_size)
         next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
@@ -362,7 +374,19 @@ def generate(
     fit is cut, ends with TRUNCATION_MARKER, and ends the row. A row also ends at a call beyond
     `tools.max_calls` (left unanswered), and when its environment ends the episode. With no call made and no
     opening observation, the tokens are those sampled without tools (the noise is indexed by sampled tokens).
+    The eager decode step runs the linear layers on weights packed once for this generation where that measured
+    faster with the same bits (forge/model/packed_linear.py).
     """
+    device = next(model.parameters()).device
+    eager = tools is not None or resolve_backend(settings.backend, device.type) == "eager"
+    with packed_linears(model, enabled=eager):
+        return _generate(model, tokenizer, prompts, group_size, settings, max_prompt_length, truncate_prompts,
+                         share_prompt_prefix, noise, tools, call_format_, rows)
+
+
+def _generate(model, tokenizer, prompts, group_size, settings, max_prompt_length, truncate_prompts,
+              share_prompt_prefix, noise, tools, call_format_, rows) -> Rollout:
+    """generate's decode loop."""
     environment = tools if isinstance(tools, EnvironmentSettings) else None
     tools = environment.tools if environment is not None else tools
     episodes = None
@@ -388,6 +412,7 @@ def generate(
     budget = (tools.max_episode_tokens if tools is not None else None) or 10**9
     rows_ = [_Row(min(budget, context - length), None if episodes is None else episodes[n])
              for n, length in enumerate(mask.sum(dim=1).tolist())]
+    unit_temperature = replace(settings, temperature=1.0)  # for the logits the loop scales itself
     active = torch.arange(num_rows, device=device)  # rows still decoding
     next_position = mask.sum(dim=1)  # (N,)
     if any(row.done for row in rows_):  # failed episodes leave before the first token
@@ -401,9 +426,9 @@ def generate(
         active_list = active.tolist()
         draws = None if noise is None else noise[active, torch.tensor(
             [rows_[i].model_tokens for i in active_list], device=device)]  # (n,)
-        tokens = sample_next_token(next_logits, settings, draws)  # (n,)
-        logp = torch.log_softmax(next_logits.float() / settings.temperature, dim=-1)  # (n, V)
-        logp_of = logp.gather(1, tokens[:, None]).squeeze(1).tolist()  # (n,)
+        scaled = next_logits.float() / settings.temperature  # (n, V) the sampling softmax's logits, once
+        tokens = sample_next_token(scaled if settings.do_sample else next_logits, unit_temperature, draws)  # (n,)
+        logp_of = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()  # (n,)
 
         round_calls: list[tuple[int, object, str]] = []
         for i, token, token_logp in zip(active_list, tokens.tolist(), logp_of):
@@ -452,7 +477,7 @@ def generate(
         mask = torch.cat([mask, (offsets >= 0).long()], dim=1)  # (n, L + width)
         grow(cache, mask.shape[1])
         out = model(input_ids=step_ids, attention_mask=mask, position_ids=next_position[:, None] + offsets.clamp(min=0),
-                    use_cache=True, logits_to_keep=1, **{CACHE_ARG: cache})
+                    use_cache=True, logits_to_keep=LAST_POSITION, **{CACHE_ARG: cache})
         next_logits, next_position = out.logits[:, -1], next_position + lengths
     return _as_rollout(rows_, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
                                tools is not None)
