@@ -19,11 +19,12 @@ Variants: `adapters` (LoRA's three matmuls per adapted layer), `merged` (the ada
 evaluation generates; forge.model.merged_adapters(rounded=True)), and with `--backends` each generation_backend GRPOConfig knows.
 `--against REV` also runs each variant with forge/core/rollout.py as it is at git revision REV (`adapters@REV`,
 `merged@REV`), in the same process, alternating, and records whether its sampled tokens and sampler log-probs are
-bit-for-bit those of the current code. `--skip-loss` leaves out the loss pass.
+bit-for-bit those of the current code. `--skip-loss` leaves out the loss pass; `--no-eos` makes EOS unreachable
+(bench/workloads.py), so that every row runs to max_new_tokens (a long-generation workload).
 Writes bench/results/decode_floor[_TAG].json.
 
     /work/bin/cpu-run .venv/bin/python bench/decode_floor.py [--rounds 2] [--max-new-tokens 64] [--dtype auto]
-        [--against REV] [--skip-loss]
+        [--against REV] [--skip-loss] [--no-eos]
 """
 
 from __future__ import annotations
@@ -143,9 +144,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tag", default="")
     parser.add_argument("--against", default="", help="a git revision of forge/core/rollout.py to time alongside")
     parser.add_argument("--skip-loss", action="store_true", help="time generation only")
+    parser.add_argument("--no-eos", action="store_true", help="every row generates max_new_tokens tokens")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from workloads import cpu_model
+    from workloads import cpu_model, suppress_eos
 
     from forge.core.logprobs import completion_logprobs
     from forge.core.rollout import tokenize_prompts
@@ -156,6 +158,8 @@ def main(argv=None) -> int:
 
     settings = DemoSettings(seed=0, dtype=args.dtype, max_new_tokens=args.max_new_tokens)
     base, tokenizer = load_model("default")
+    if args.no_eos:
+        suppress_eos(base, tokenizer)
     config = demo_config(settings, "/tmp/forge_decode_floor", eval_steps=0, preflight="off")
     trainer = GRPOTrainer(base, tokenizer, demo_rewards(), config)
     precision, model = trainer.precision, trainer.model
@@ -243,7 +247,8 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "load_average": list(os.getloadavg()),
         "model": "packaged SmolLM2-135M-Instruct, LoRA r=16 on q,k,v,o (demo)", "precision": str(precision.compute),
         "workload": {"prompts": settings.prompts_per_step, "group_size": settings.group_size,
-                     "max_new_tokens": settings.max_new_tokens, "prompt_length": int(rollout.prompt_ids.shape[1])},
+                     "max_new_tokens": settings.max_new_tokens, "prompt_length": int(rollout.prompt_ids.shape[1]),
+                     "eos_reachable": not args.no_eos},
         "measured": {"bandwidth_GBps": bandwidth / 1e9, "matmul_peak_TFLOPs": peak / 1e12},
         "per_step": {"weight_bytes": shape.weight_bytes, "kv_bytes_per_position_per_row": shape.kv_bytes_per_position(),
                      "matmul_params": shape.matmul_params},
