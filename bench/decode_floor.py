@@ -17,10 +17,10 @@ precision) on the machine it runs on:
 
 Variants: `adapters` (LoRA's three matmuls per adapted layer), `merged` (the adapters folded into the weights, as
 evaluation generates; forge.model.merged_adapters(rounded=True)), and with `--backends` each generation_backend GRPOConfig knows.
-`--against REV` also runs each variant with forge/core/rollout.py as it is at git revision REV (`adapters@REV`,
-`merged@REV`), in the same process, alternating, and records whether its sampled tokens and sampler log-probs are
-bit-for-bit those of the current code. `--skip-loss` leaves out the loss pass; `--no-eos` makes EOS unreachable
-(bench/workloads.py), so that every row runs to max_new_tokens (a long-generation workload).
+`--against REV` also runs each variant with forge/core/rollout.py (and the decode cache, forge/model/kv_cache.py) as
+they are at git revision REV (`adapters@REV`, `merged@REV`), in the same process, alternating, and records whether
+its sampled tokens and sampler log-probs are bit-for-bit those of the current code. `--skip-loss` leaves out the
+loss pass; `--no-eos` makes EOS unreachable (bench/workloads.py), so that every row runs to max_new_tokens.
 Writes bench/results/decode_floor[_TAG].json.
 
     /work/bin/cpu-run .venv/bin/python bench/decode_floor.py [--rounds 2] [--max-new-tokens 64] [--dtype auto]
@@ -120,18 +120,30 @@ def generation_floor(shape: Shape, rollout, prefill_tokens: int, bandwidth: floa
             "generated_tokens": int(lengths.sum())}
 
 
-def rollout_module_at(revision: str):
-    """forge/core/rollout.py as it is at git `revision`, imported as its own module (its imports are today's)."""
+def module_at(revision: str, path: str):
+    """The file `path` of this repository as it is at git `revision`, imported as a module of its own."""
     root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(["git", "show", f"{revision}:forge/core/rollout.py"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout
-    path = Path("/tmp") / f"forge_rollout_{revision.replace('/', '_')}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"forge_rollout_{len(source)}", path)
+    source = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=root, check=True, capture_output=True,
+                            text=True).stdout
+    file = Path("/tmp") / f"forge_{revision.replace('/', '_')}_{path.replace('/', '_')}"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"forge_at_{revision}_{Path(path).stem}", file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def rollout_module_at(revision: str):
+    """forge/core/rollout.py as it is at git `revision`, with the decode cache (forge/model/kv_cache.py) of that
+    revision; its other imports are today's."""
+    import forge.model.kv_cache as current_cache
+
+    sys.modules["forge.model.kv_cache"] = module_at(revision, "forge/model/kv_cache.py")
+    try:
+        return module_at(revision, "forge/core/rollout.py")
+    finally:
+        sys.modules["forge.model.kv_cache"] = current_cache
 
 
 def main(argv=None) -> int:

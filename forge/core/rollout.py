@@ -304,11 +304,11 @@ def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g
     if not share_prompt_prefix:
         ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
     cache, next_logits = prefill(model, ids, mask, last_position=LAST_POSITION)  # (P or N, V)
+    repeats = group_size if share_prompt_prefix else 1
     if share_prompt_prefix:
-        cache.batch_repeat_interleave(group_size)
         next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
         mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    return preallocated(cache, mask.shape[1] + max_new_tokens), next_logits, mask
+    return preallocated(cache, mask.shape[1] + max_new_tokens, repeats), next_logits, mask  # the cache: N rows
 
 
 TRUNCATION_MARKER = " [truncated: token budget]"  # ends a fed result cut to the completion's token budget

@@ -270,7 +270,8 @@ def test_preallocated_decode_cache_samples_the_same_tokens(monkeypatch, tiny_mod
     results = {}
     for preallocate in (True, False):
         if not preallocate:
-            monkeypatch.setattr(rollout_module, "preallocated", lambda cache, capacity: cache)
+            monkeypatch.setattr(rollout_module, "preallocated",  # the growing cache, repeated for the groups
+                                lambda cache, capacity, repeats=1: cache.batch_repeat_interleave(repeats) or cache)
         for share in (True, False):
             torch.manual_seed(5)
             results[preallocate, share] = generate(tiny_model, tiny_tokenizer, prompts, 4, settings,
