@@ -109,7 +109,8 @@ class DemoSettings:
     trained model with the tool, on the same held-out set."""
     env: bool = False
     """Instead: the environment demo (forge/demo_env.py): guess-the-number with higher/lower answers, base and
-    trained model with the real answers and with noise in their place, on the same held-out episodes."""
+    trained model with the real answers and with a decoy's answers in their place, on the same held-out
+    episodes."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoSettings:

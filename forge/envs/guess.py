@@ -1,9 +1,9 @@
 """Guess the number: an environment whose answers are the only way to win (the `forge demo --env` game).
 
 The model looks for a hidden number from 1 to `high` in `turns` guesses. A wrong guess is answered with the
-direction and the numbers the answers so far leave ("higher, from 6 to 10"); a right one with "correct". A
-policy that ignores the answers finds the number with probability turns / high at best; one that guesses the
-middle of what the answers leave always finds it (high <= 2**turns - 1). `feedback="noise"` answers as if the
+direction, the numbers the answers so far leave and their middle ("higher, from 6 to 10 (middle 8)"); a right
+one with "correct". A policy that ignores the answers finds the number with probability turns / high at best;
+one that guesses the middle it is told always finds it (high <= 2**turns - 1). `feedback="noise"` answers as if the
 hidden number were a decoy (another number of the range, drawn from the row): the answers read the same and stay
 consistent, but carry no information about the number that wins, which measures how much of a policy's success
 comes from reading them.
@@ -16,16 +16,16 @@ import re
 
 from forge.envs.protocol import Observation
 
-EXAMPLE = ("<guess>5</guess><result>higher, from 6 to 10</result><guess>8</guess><result>lower, from 6 to 7"
-           "</result><guess>7</guess><result>correct</result>")
+EXAMPLE = ("<guess>5</guess><result>higher, from 6 to 10 (middle 8)</result><guess>8</guess><result>higher, from 9 "
+           "to 10 (middle 9)</result><guess>9</guess><result>correct</result>")
 
-RULES = ("Find my secret number. Guess by writing <guess>N</guess>. If N is wrong I answer higher or lower and the "
-         "numbers still possible, like <result>higher, from 6 to 10</result>; if you found it, "
-         "<result>correct</result>. You have {turns} guesses.")
+RULES = ("Find my secret number. Guess by writing <guess>N</guess>. If N is wrong I answer higher or lower, the "
+         "numbers still possible and their middle, like <result>higher, from 6 to 10 (middle 8)</result>; if you "
+         "found it, <result>correct</result>. You have {turns} guesses.")
 
 
 def guess_prompt(high: int, turns: int) -> list[dict]:
-    """The chat prompt: the rules and one worked game as an earlier exchange (a bisection for the number 7 in
+    """The chat prompt: the rules and one worked game as an earlier exchange (a bisection for the number 9 in
     1..10), then the new game. (Measured on SmolLM2-135M-Instruct: with the example inside one user message, or
     in a system message, the model does not play at all; as an earlier exchange it makes its first guess.)"""
     return [{"role": "user", "content": RULES.format(turns=turns) + " My number is from 1 to 10."},
@@ -41,7 +41,7 @@ def guess_rows(highs: list[int], turns: int, repeats: int = 1, seed: int = 0) ->
     return rows
 
 
-CONSISTENCY_BONUS = 0.1  # per guess after an answer that stays inside the range the answers leave (reading them)
+NARROWING_WEIGHT = 0.5  # the most a game not won pays: for the share of the range its answers ruled out
 
 
 class GuessNumber:
@@ -51,11 +51,12 @@ class GuessNumber:
         if feedback not in ("real", "noise"):
             raise ValueError(f"feedback must be 'real' or 'noise', got {feedback!r}")
         self.feedback = feedback
-        self.secret, self.found, self.guesses, self.consistent = 0, False, [], 0
+        self.secret, self.high, self.found, self.guesses = 0, 1, False, []
+        self.low_bound, self.high_bound = 1, 1
 
     def reset(self, secret: int, high: int = 10, episode: int = 0, **row) -> None:
         self.secret, self.high, self.found, self.guesses = int(secret), int(high), False, []
-        self.low_bound, self.high_bound, self.consistent = 1, int(high), 0  # what the answers so far leave
+        self.low_bound, self.high_bound = 1, int(high)  # what the answers so far leave
         others = [n for n in range(1, self.high + 1) if n != self.secret] or [self.secret]
         # The number the answers are about: the secret, or a decoy drawn from the row (so a resume redraws it).
         self.answered = self.secret if self.feedback == "real" else random.Random(
@@ -72,19 +73,23 @@ class GuessNumber:
             return Observation("not a number")
         value = int(match.group(1))
         self.guesses.append(value)
-        self.consistent += len(self.guesses) > 1 and self.low_bound <= value <= self.high_bound
         if value == self.secret:
             self.found = True
             return Observation("correct", reward=1.0, done=True)
         if value < self.answered or (value == self.answered and value < self.high_bound):
-            self.low_bound = max(self.low_bound, value + 1)
-            return Observation(f"higher, from {self.low_bound} to {self.high_bound}")
-        self.high_bound = min(self.high_bound, value - 1)
-        return Observation(f"lower, from {self.low_bound} to {self.high_bound}")
+            self.low_bound, direction = max(self.low_bound, value + 1), "higher"
+        else:
+            self.high_bound, direction = min(self.high_bound, value - 1), "lower"
+        middle = (self.low_bound + self.high_bound) // 2
+        return Observation(f"{direction}, from {self.low_bound} to {self.high_bound} (middle {middle})")
 
     def get_reward(self) -> float:
-        """1 when found, plus CONSISTENCY_BONUS for each later guess inside what the earlier answers left."""
-        return (1.0 if self.found else 0.0) + CONSISTENCY_BONUS * self.consistent
+        """1 when found; otherwise NARROWING_WEIGHT x the share of the range the answers ruled out. Guessing the
+        middle of what is left rules out the most; a guess at an edge rules out one number."""
+        if self.found:
+            return 1.0
+        left = max(0, self.high_bound - self.low_bound + 1)
+        return NARROWING_WEIGHT * (1 - left / self.high) if self.guesses else 0.0
 
 
 class NoisyGuessNumber(GuessNumber):

@@ -14,14 +14,17 @@ from forge.model.tiny import build_tiny_model
 def test_the_game_answers_with_the_direction_and_what_is_left_and_scores_the_episode():
     game = GuessNumber()
     game.reset(secret=6, high=9)
-    assert [game.guess(n).text for n in ("3", "8", " 6 ")] == ["higher, from 4 to 9", "lower, from 4 to 7",
+    assert [game.guess(n).text for n in ("3", "8", " 6 ")] == ["higher, from 4 to 9 (middle 6)", "lower, from 4 to 7 (middle 5)",
                                                               "correct"]
     assert game.guess("x").text == "not a number"
     assert game.found and game.guesses == [3, 8, 6]
-    assert game.get_reward() == pytest.approx(1.0 + 2 * 0.1)  # found; both later guesses inside what was left
+    assert game.get_reward() == 1.0
     game.reset(secret=6, high=9)
-    game.guess("3"), game.guess("2")  # "higher, from 4 to 9", then 2: a guess the answer had ruled out
-    assert game.get_reward() == 0.0
+    game.guess("3"), game.guess("2")  # "higher, from 4 to 9 (middle 6)", then 2: a guess the answer had ruled out
+    assert game.get_reward() == pytest.approx(0.5 * 3 / 9)  # not found: half the share of the range ruled out
+    game.reset(secret=6, high=9)
+    game.guess("5")  # the middle: "higher, from 6 to 9 (middle 7)" rules out 5 of 9
+    assert game.get_reward() == pytest.approx(0.5 * 5 / 9)
     assert GuessNumber().get_reward() == 0.0
     with pytest.raises(ValueError, match="feedback must be 'real' or 'noise'"):
         GuessNumber("loud")
