@@ -100,14 +100,15 @@ def run_forge(spec: dict, model, tokenizer, rows: list[dict], recorder: Recorder
         use_lora=spec["mode"] == "lora", lora_r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
         lora_target_modules=LORA_TARGETS, share_prompt_prefix=spec.get("share_prompt_prefix", True),
         micro_batch_size=spec["micro_batch_size"], gradient_checkpointing=spec.get("gradient_checkpointing", False),
+        preflight="off",  # TRL has none; the comparison is of training steps
     )
     trainer = GRPOTrainer(model, tokenizer, reward_fn=correctness_reward, config=config)
 
     generate, step = trainer.generate, trainer.step
 
-    def timed_generate(prompts):
+    def timed_generate(prompts, *args, **kwargs):
         t0 = time.perf_counter()
-        rollout = generate(prompts)
+        rollout = generate(prompts, *args, **kwargs)
         recorder.add_generation(time.perf_counter() - t0, int(rollout.completion_lengths.sum()),
                                 int(rollout.prompt_mask.sum()) * rollout.group_size)
         return rollout
