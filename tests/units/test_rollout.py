@@ -435,6 +435,25 @@ def test_lora_shared_and_unshared_agree(tiny_model, tiny_tokenizer):
                 logprobs_and_grads(model, batch, share=False, rows=[2, 4]))
 
 
+def test_generation_prefill_gathers_the_last_position_the_loss_pass_slices(tiny_model, tiny_tokenizer):
+    """Generation's prefill keeps the last position by index (LAST_POSITION: one contiguous row into the output
+    layer), the loss pass by slice (logits_to_keep=1): both give the last position's logits, with and without a
+    shared template prefix."""
+    from forge.core.rollout import LAST_POSITION, padded_positions, prefill
+
+    template = "You are a math reasoning assistant. Solve the problem step by step. Problem: "
+    tiny_model.eval()
+    for prompts in ([PROMPT_9, PROMPT_4, PROMPT_2], [template + PROMPT_9, template + PROMPT_2]):
+        ids, mask = tokenize_prompts(tiny_tokenizer, prompts, 10_000)  # (P, L)
+        with torch.no_grad():
+            full = tiny_model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask)).logits
+            _, gathered = prefill(tiny_model, ids, mask, last_position=LAST_POSITION)  # (P, V)
+            _, sliced = prefill(tiny_model, ids, mask)  # (P, V)
+        assert gathered.shape == sliced.shape == (len(prompts), full.shape[-1])
+        torch.testing.assert_close(gathered, sliced, rtol=0, atol=1e-5)
+        torch.testing.assert_close(gathered, full[:, -1], rtol=0, atol=1e-5)
+
+
 def test_shared_template_prefix_is_computed_once_and_changes_nothing(tiny_model, tiny_tokenizer):
     """Prompts built from one long template: the common prefix is laid out first and computed once;
     greedy ids and log-probs (values and gradients) equal the one-prompt-at-a-time computation."""
