@@ -33,25 +33,7 @@ part() { echo "== $1: exit $2 ($(date +%T))" | tee -a "$OUT/parts.txt"; }
 set +e
 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/units/test_gpu.py 2>&1 | tee "$OUT/tests.log"
 part "gpu tests" "${PIPESTATUS[0]}"
-timeout 45 python3 - <<'PY' 2>&1 | tee "$OUT/step_time.log"
-import tempfile, time, torch
-from forge import GRPOConfig, GRPOTrainer
-from forge.core.tiny import build_tiny_model, build_tiny_tokenizer
-tok = build_tiny_tokenizer()
-rows = [{"prompt": f"What is {a} + {a}?"} for a in range(64)]
-reward = lambda prompts, completions, **kw: [float(len(c)) for c in completions]
-for rnd in range(2):  # alternate fp32 / auto, twice
-    for dtype in ("float32", "auto"):
-        model, _ = build_tiny_model(tok, seed=0)
-        cfg = GRPOConfig(group_size=8, prompts_per_step=8, gradient_accumulation_steps=1, max_new_tokens=64,
-                         max_steps=4, save_steps=0, logging_steps=100, dtype=dtype, kl_beta=0.0,
-                         output_dir=tempfile.mkdtemp())
-        trainer = GRPOTrainer(model.cuda(), tok, reward, cfg)
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        trainer.train(rows)
-        torch.cuda.synchronize()
-        print(f"round {rnd} dtype={dtype} ({trainer.precision.compute}): {(time.perf_counter() - t0) / 4:.3f} s/step")
-PY
+timeout 45 python3 bench/gpu_tiny_step.py 2>&1 | tee "$OUT/step_time.log"
 part "tiny step time" "${PIPESTATUS[0]}"
 # decode step of the Qwen2.5-0.5B shape: 64 rows, 160 prompt tokens, 128 steps (CUDA graphs on the compiled one)
 timeout 90 python3 bench/compiled_decode.py --device cuda --model qwen-shape --rows 64 --prompt 160 --steps 128 \
