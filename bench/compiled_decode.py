@@ -3,8 +3,10 @@
 The packaged SmolLM2-135M in the run's precision (bf16 on a CPU with bf16 units), a batch of ROWS rows whose
 prompt of PROMPT tokens is already in the cache, then decode steps:
 
-- `eager`: Forge's decode step today (forge/model/kv_cache.py: a preallocated cache whose filled part grows
-  by one column per step);
+- `eager`: Forge's decode step (forge/model/kv_cache.py: a preallocated cache whose filled part grows by one
+  column per step), its linear layers as torch runs them;
+- `eager_packed`: the same, its linear layers on weights packed once (forge/model/packed_linear.py), as
+  generation runs it where PACKED_LINEAR_MEASURED lists the device (elsewhere it equals `eager`);
 - `static_eager`: transformers' StaticCache (fixed shape: every step attends over the whole capacity, masked);
 - `static_compiled`: the same step under torch.compile (inductor: C++ kernels on a CPU; on a GPU add
   mode="reduce-overhead" for CUDA graphs), compiled once for this (batch, capacity) bucket.
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
 
     from forge.model import load_model
     from forge.model.kv_cache import CACHE_ARG, preallocated, returned_cache
+    from forge.model.packed_linear import packed_linears
     from forge.model.precision import choose_precision
     from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -83,9 +86,9 @@ def main(argv=None) -> int:
                   **{CACHE_ARG: cache})
             return cache
 
-    def eager_steps(n: int) -> list[float]:
+    def eager_steps(n: int, packed: bool = False) -> list[float]:
         cache, times = prefilled(False), []
-        with torch.no_grad():
+        with torch.no_grad(), packed_linears(model, enabled=packed):
             for k in range(n):
                 start = now()
                 mask = torch.ones(rows, prompt + k + 1, dtype=torch.long, device=device)
@@ -119,7 +122,8 @@ def main(argv=None) -> int:
         first = static_steps(2, compiled)
         compile_seconds = now() - start - first[-1]
         print(f"compile (first call): {compile_seconds:.1f} s", flush=True)
-        ways = {"eager": lambda: eager_steps(steps), "static_eager": lambda: static_steps(steps, static_step),
+        ways = {"eager": lambda: eager_steps(steps), "eager_packed": lambda: eager_steps(steps, packed=True),
+                "static_eager": lambda: static_steps(steps, static_step),
                 "static_compiled": lambda: static_steps(steps, compiled)}
         medians = {name: [] for name in ways}
         for r in range(args.rounds):
@@ -139,6 +143,8 @@ def main(argv=None) -> int:
         "compile_seconds": compile_seconds, "median_step_ms": {k: [1e3 * v for v in vals] for k, vals in medians.items()},
         "compiled_over_eager": best["static_compiled"] / best["eager"],
         "static_eager_over_eager": best["static_eager"] / best["eager"],
+        "eager_packed_over_eager": best["eager_packed"] / best["eager"],
+        "compiled_over_eager_packed": best["static_compiled"] / best["eager_packed"],
         "steps_to_pay_for_compile": compile_seconds / saved if saved > 0 else None,
         "command": "python bench/compiled_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
@@ -146,6 +152,7 @@ def main(argv=None) -> int:
     path = RESULTS / f"compiled_decode_{args.model}_{device.type}_{str(precision.compute).removeprefix('torch.')}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("compile_seconds", "compiled_over_eager", "static_eager_over_eager",
+                                             "eager_packed_over_eager", "compiled_over_eager_packed",
                                              "steps_to_pay_for_compile")}, indent=1))
     print(f"wrote {path}")
     return 0

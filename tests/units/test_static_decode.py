@@ -72,9 +72,9 @@ def test_auto_decodes_eagerly_unless_measured_faster(monkeypatch):
     monkeypatch.setattr(static_decode, "note", notes.append)
     monkeypatch.setattr(static_decode, "_announced", set())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert resolve_backend("auto", "cpu") == "eager"  # measured: compiled 1.28x slower on an AMX Xeon
+        assert resolve_backend("auto", "cpu") == "eager"  # measured: compiled 1.42x slower on an AMX Xeon
     assert resolve_backend("auto", "cpu") == "eager"  # fp32: not measured
-    assert "1.28x" in notes[0] and "not measured" in notes[1]
+    assert "1.42x" in notes[0] and "not measured" in notes[1]
     monkeypatch.setitem(static_decode.GENERATION_BACKEND_MEASURED, ("cpu", torch.float32), ("compiled", "test"))
     monkeypatch.setattr(static_decode, "_announced", set())
     assert resolve_backend("auto", "cpu") == "compiled"
