@@ -218,6 +218,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.compare:
             raise ValueError("--reward scores one model's greedy completions: use it with --model, not --compare")
         data_options["rewards"], data_options["reward_weights"] = parse_rewards(args.reward)
+    _check_saved_folders(("--model", args.model), ("--adapter", args.adapter),
+                         *(("--compare", model) for model in args.compare or ()))
     if args.compare:
         from forge.eval.report import compare_models
 
@@ -245,8 +247,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from forge.model import merge_and_export
 
+    _check_saved_folders(("--adapter", args.adapter), ("--base", args.base))  # before anything is written to --out
     print(merge_and_export(args.adapter, args.base, args.out))
     return 0
+
+
+def _check_saved_folders(*given: tuple[str, str | None]) -> None:
+    """A folder Forge saved, given to `forge eval` or `forge export`, must verify before it loads (an UnverifiedSave,
+    exit code 2, names the folder, the file and what to load instead); a plain model folder or hub id loads as is."""
+    from forge.run.integrity import check_saved_model
+
+    for flag, value in given:
+        if value:
+            check_saved_model(Path(value).expanduser(), flag)
 
 
 def cmd_screen(args: argparse.Namespace) -> int:

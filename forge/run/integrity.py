@@ -8,6 +8,7 @@ checkpoints of a run exist, verify, or are left over from a killed save.
     remove_stale_temporaries   the `.tmp-<pid>` / `.old-<pid>` leftovers of saves whose process is gone (an
                                `.old-<pid>` is put back only when it verifies)
     has_forge_manifest         whether a folder is Forge's checkpoint (what --overwrite_output_dir may delete)
+    check_saved_model          a folder Forge saved verifies before `forge eval` / `forge export` load it
     prune_checkpoints          keep the newest N
 """
 
@@ -277,6 +278,50 @@ def offer_previous(path: Path) -> str:
     return (f"The newest older checkpoint that verifies is {previous}: resume from it with "
             f"resume_from='{previous}' (`forge train ... --resume_from {previous}`), or move {path} "
             f"out of {path.parent} and resume with --resume.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# A saved folder given to a command that loads it
+# ---------------------------------------------------------------------------------------------------
+
+
+class UnverifiedSave(ValueError):
+    """A folder Forge saved, given to `forge eval` or `forge export`, does not verify: bad input (exit code 2)."""
+
+
+def is_forge_save(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder Forge saved or was saving: it holds Forge's COMPLETE or forge_config.json (a
+    name only Forge writes), or has the name of a save's temporary. A plain transformers folder or a hub id is not."""
+    path = Path(path)
+    return path.is_dir() and (has_forge_manifest(path) or (path / CONFIG_NAME).is_file()
+                              or _TEMPORARY_DIR_PATTERN.match(path.name) is not None)
+
+
+def check_saved_model(path: str | os.PathLike, given_as: str) -> None:
+    """Before a command loads a model or adapter folder (`forge eval --model/--adapter`, `forge export --adapter`):
+    a folder Forge saved must be complete and verify as final/ does (`_verify`, no training state needed); anything
+    else loads unchecked. Raises UnverifiedSave naming the folder (`given_as` is the flag), the file, and what to
+    load instead."""
+    path = Path(path)
+    if not is_forge_save(path):
+        return
+    if not is_complete(path):
+        problem = (f"is incomplete: it has no {COMPLETE_MARKER} marker (its save was interrupted, or the marker "
+                   f"was removed)")
+    else:
+        try:
+            _verify(path, require_training_state=False)
+            return
+        except Damaged as damaged:
+            problem = f"does not verify: {damaged}"
+        except OSError as error:
+            problem = f"cannot be read: {error}"
+    temporary = _TEMPORARY_DIR_PATTERN.match(path.name)
+    step = _STEP_DIR_PATTERN.match(temporary.group("name") if temporary else path.name)
+    previous = latest_verified_checkpoint(path.parent, before_step=int(step.group(1)) if step else None)
+    way_out = (f"Use {previous} instead (the newest earlier checkpoint that verifies), or re-run the save"
+               if previous else f"No earlier checkpoint in {path.parent} verifies: re-run the save")
+    raise UnverifiedSave(f"{given_as} {path} (a Forge checkpoint) {problem}. {way_out} (the training that wrote it).")
 
 
 # ---------------------------------------------------------------------------------------------------
