@@ -100,6 +100,8 @@ COMMANDS = {
                      lambda saved, folder, out: eval_args(saved, "--model", folder)),
     "eval --adapter": ("lora", "final", "adapter_model.safetensors",
                        lambda saved, folder, out: eval_args(saved, "--model", saved / "plain", "--adapter", folder)),
+    "eval --compare": ("full", "final", "model.safetensors",
+                       lambda saved, folder, out: [*eval_args(saved, "--compare", saved / "plain", folder), "--out", out]),
     "export": ("lora", "final", "adapter_model.safetensors",
                lambda saved, folder, out: ["export", "--adapter", folder, "--base", saved / "plain", "--out", out]),
 }
@@ -131,7 +133,7 @@ def test_a_damaged_or_unfinished_checkpoint_exits_2_naming_the_folder_the_file_a
     else:
         assert f"No earlier checkpoint in {tmp_path / 'full'} verifies" in message
     assert "re-run the save" in message
-    assert not out.exists()  # export wrote nothing
+    assert not out.exists()  # export (or the comparison report) wrote nothing
 
 
 def test_a_damaged_numbered_checkpoint_is_refused_too_and_the_advice_names_no_newer_one(saved, tmp_path, capsys):
