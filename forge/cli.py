@@ -267,6 +267,7 @@ def cmd_screen(args: argparse.Namespace) -> int:
     from forge.eval.screen import screen_prompts
     from forge.model import load_model
 
+    _check_model(args.model, "--model")
     model, tokenizer = load_model(args.model)
     rows = load_rows(args.dataset)[: args.n]
     result = screen_prompts(model, tokenizer, rows, group_size=args.group_size, max_new_tokens=args.max_new_tokens)
@@ -420,6 +421,8 @@ def _check_model(model, given_as: str) -> None:
         raise ValueError(f"{given_as} {model} is a file, not a model folder; {what}")
     elif path.is_dir() and not any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
         raise ValueError(f"{given_as} {model} is a folder without config.json, so not a model folder; {what}")
+    if path.is_dir():  # a folder Forge saved must verify (UnverifiedSave, exit 2); another loads as is
+        _check_saved_folders((given_as, str(path)))
 
 
 def _looks_like_a_path(name: str) -> bool:

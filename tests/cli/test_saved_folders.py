@@ -1,4 +1,5 @@
-"""`forge eval` and `forge export` verify a folder Forge saved before they load it.
+"""`forge eval`, `forge export`, `forge train --model` and `forge screen --model` verify a folder Forge saved
+before they load it.
 
 A Forge checkpoint (numbered or final/, full weights or a LoRA adapter) whose weights file is truncated or
 changed, or whose save never wrote COMPLETE, stops the command with exit code 2 and one line that names the
@@ -104,6 +105,14 @@ COMMANDS = {
                        lambda saved, folder, out: [*eval_args(saved, "--compare", saved / "plain", folder), "--out", out]),
     "export": ("lora", "final", "adapter_model.safetensors",
                lambda saved, folder, out: ["export", "--adapter", folder, "--base", saved / "plain", "--out", out]),
+    "train --model": ("full", "final", "model.safetensors",
+                      lambda saved, folder, out: ["train", "--model", folder, "--dataset", saved / "data.jsonl",
+                                                  "--reward", "exact_match", "--group_size", "2", "--max_steps", "1",
+                                                  "--max_new_tokens", "2", "--preflight", "off", "--output_dir", out]),
+    "screen --model": ("full", "final", "model.safetensors",
+                       lambda saved, folder, out: ["screen", "--model", folder, "--dataset", saved / "data.jsonl",
+                                                   "--n", "2", "--group_size", "2", "--max_new_tokens", "2",
+                                                   "--out", out]),
 }
 
 
@@ -133,7 +142,7 @@ def test_a_damaged_or_unfinished_checkpoint_exits_2_naming_the_folder_the_file_a
     else:
         assert f"No earlier checkpoint in {tmp_path / 'full'} verifies" in message
     assert "re-run the save" in message
-    assert not out.exists()  # export (or the comparison report) wrote nothing
+    assert not out.exists()  # export, the comparison report, the run or the kept prompts: nothing written
 
 
 def test_a_damaged_numbered_checkpoint_is_refused_too_and_the_advice_names_no_newer_one(saved, tmp_path, capsys):
