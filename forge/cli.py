@@ -72,12 +72,12 @@ def _is_number(text: str) -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:])
     from forge.run.lifecycle import check_output_dir_is_free
 
     overrides = {"resume_from": "latest"} if args.resume else {}
     config = build_config(args, overrides)
+    if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:], config.output_dir)
     from_file = args.config and args.model != getattr(args, "given_model", args.model)  # `model:` in the YAML
     _check_model(args.model, f"{args.config}: model:" if from_file else "--model")
     check_output_dir_is_free(Path(config.output_dir), resuming=bool(config.resume_from),  # before the model loads
@@ -181,8 +181,10 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference_column", default=None, help="hf: datasets: the reference answer column [answer]")
 
 
-def _relaunch(nproc: int, argv: list[str]) -> int:
-    """forge train --nproc N: run the same command in N processes under torch.distributed's launcher.
+def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
+    """forge train --nproc N: run the same command in N processes under torch.distributed's launcher
+    (forge/parallel/launch.py). When a process fails, the launcher stops the others and this says which step is
+    saved for --resume.
 
     Each process sees WORLD_SIZE=N and trains instead of relaunching. Ctrl-C reaches every process from the
     terminal; a SIGTERM sent to this one is passed on to the launcher, which passes it to the processes.
@@ -195,17 +197,22 @@ def _relaunch(nproc: int, argv: list[str]) -> int:
     # The processes do not need --nproc, and the launcher would take it for an abbreviation of its own option.
     argv = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
             and not (i > 0 and argv[i - 1] == "--nproc")]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    command = [sys.executable, "-m", "forge.parallel.launch", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "forge", *argv]
     env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600", "OMP_NUM_THREADS": "1", **os.environ}
     launcher = subprocess.Popen(command, env=env)
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),  # the terminal already sent it
                 signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signum))}
     try:
-        return launcher.wait()
+        code = launcher.wait()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if code not in (0, 130):  # 130: interrupted, and rank 0 said where it saved
+        from forge.run.supervisor import resume_hint
+
+        print(f"forge: error: the {nproc}-process run did not finish; {resume_hint(output_dir)}", file=sys.stderr)
+    return code
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -462,6 +469,11 @@ def _user_error(error: BaseException, args: argparse.Namespace) -> tuple[str, in
         return str(error), 2  # bad input: a missing file, a bad value, a reward module that does not import
     if isinstance(error, OSError):  # disk full, read-only or vanished output dir, no network for a hub id
         return f"{error}.{_newest_intact_checkpoint_hint(args)}", 1
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and isinstance(error, RuntimeError) and any(
+            backend in str(error) for backend in ("gloo", "NCCL", "nccl")):  # a collective lost its peers
+        detail = str(error).strip().splitlines()[0][:200]
+        return (f"process {os.environ.get('RANK', '?')} stopped: a collective with the other processes failed "
+                f"({detail}); another process of the run most likely ended first, and its output says why"), 1
     return None
 
 

@@ -20,7 +20,8 @@ reaches both processes; the parent ignores it and the child handles it as ever (
 
 Not watched: the Python API (`GRPOTrainer.train` in a script of yours: nothing outside the process can report
 its end, so keep `os._exit` out of rewards, or run the script under a supervisor of your own), processes
-started by `forge train --nproc N` (torch's launcher watches them), and systems without `os.fork` (Windows).
+started by `forge train --nproc N` (torch's launcher watches them: forge/parallel/launch.py names the process
+that failed, and `forge train` says which step is saved), and systems without `os.fork` (Windows).
 """
 
 from __future__ import annotations
@@ -80,15 +81,18 @@ def unfinished_exit(code: int, output_dir: str | os.PathLike) -> str:
                "SIGSEGV": " (a crash in native code)", "SIGABRT": " (a crash in native code)",
                "SIGBUS": " (a crash in native code)"}.get(name, "")
         how = f"was killed by {name}{why}"
+    return f"the training process {how}; {resume_hint(output_dir)}"
+
+
+def resume_hint(output_dir: str | os.PathLike) -> str:
+    """Which checkpoint of `output_dir` --resume continues from, or that none is saved."""
     try:
         newest = latest_verified_checkpoint(output_dir)
     except OSError:
         newest = None
     if newest is None:
-        saved = f"no finished step is saved in {output_dir}, so start the run again"
-    else:
-        saved = f"the last finished step is saved in {newest}: continue with the same command plus --resume"
-    return f"the training process {how}; {saved}"
+        return f"no finished step is saved in {output_dir}, so start the run again"
+    return f"the last finished step is saved in {newest}: continue with the same command plus --resume"
 
 
 def _die_with(parent: int) -> None:

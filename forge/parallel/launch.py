@@ -1,0 +1,51 @@
+"""The entry point `forge train --nproc N` runs: torch.distributed's launcher, with a failed process said in one line.
+
+`python -m forge.parallel.launch ARGS` takes torch.distributed.run's arguments and runs it. When a process of the
+run fails, torch's launcher stops the others and raises ChildFailedError, which its own entry point prints as a
+Python traceback. Here it becomes one line naming the processes that failed and how each ended, and those the
+launcher stopped; the exit code is 1. (`forge train` then says which step is saved for --resume.)
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+
+def how_it_ended(exitcode: int) -> str:
+    """'exited with code 1' or 'was killed by SIGKILL' for a process's exit code (negative: -signal number)."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    number = -exitcode
+    name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
+    return f"was killed by {name}"
+
+
+def failures_line(failures: dict) -> str:
+    """The processes that failed, and how, from the launcher's {rank: ProcessFailure}. A process the launcher
+    stopped (SIGTERM, after another failed) is named as stopped; the timestamps are whole seconds, so which one
+    failed first is not known and every failure is named."""
+    stopped = [rank for rank, f in sorted(failures.items()) if f.exitcode == -signal.SIGTERM]
+    ended = [(rank, f) for rank, f in sorted(failures.items()) if rank not in stopped] or [
+        (rank, failures[rank]) for rank in stopped]
+    line = ", ".join(f"process {rank} of the run {how_it_ended(f.exitcode)}" for rank, f in ended)
+    line += " (its own output is above)" if len(ended) == 1 else " (each one's own output is above)"
+    if len(ended) < len(failures):
+        line += "; the launcher then stopped " + ", ".join(f"process {rank}" for rank in stopped)
+    return line
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as failed:
+        print(f"forge: error: {failures_line(failed.failures)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

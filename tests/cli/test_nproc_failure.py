@@ -1,0 +1,60 @@
+"""`forge train --nproc 2` when a process dies mid-run: one line names the process and how it ended, one says
+which step is saved for --resume, and no launcher traceback is printed; the exit code is 1."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from forge.model.tiny import build_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+REWARD = '''
+import os
+
+
+def dies_on_rank_1_at_step_2(prompts, completions, **kwargs):
+    path = os.path.join(os.environ["FORGE_TEST_DIR"], "calls-" + os.environ["RANK"])
+    calls = int(open(path).read()) + 1 if os.path.exists(path) else 1
+    open(path, "w").write(str(calls))
+    if os.environ["RANK"] == "1" and calls == 2:
+        os._exit(3)
+    return [float(len(c) % 3) for c in completions]
+'''
+
+
+def test_a_process_that_dies_is_named_and_the_saved_step_is_given(tmp_path):
+    model, tokenizer = build_tiny_model(seed=0)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "dying.py").write_text(REWARD)
+    rows = [{"prompt": f"What is {a} + 1?", "reference": str(a + 1)} for a in range(8)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FORGE_TEST_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "forge", "train", "--nproc", "2", "--model", str(tmp_path / "tiny"),
+         "--dataset", str(tmp_path / "data.jsonl"), "--reward", "dying:dies_on_rank_1_at_step_2",
+         "--group_size", "2", "--prompts_per_step", "2", "--gradient_accumulation_steps", "1",
+         "--max_new_tokens", "4", "--max_steps", "3", "--save_steps", "1", "--preflight", "off",
+         "--output_dir", str(out)], check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "forge: error: process 1 of the run exited with code 3" in done.stderr, done.stderr[-3000:]
+    assert (f"forge: error: the 2-process run did not finish; the last finished step is saved in {out / '1'}: "
+            f"continue with the same command plus --resume") in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+
+
+def test_the_failure_line_names_who_failed_and_who_was_stopped():
+    from types import SimpleNamespace as Failure
+
+    from forge.parallel.launch import failures_line
+
+    assert failures_line({0: Failure(exitcode=-15), 1: Failure(exitcode=3)}) == (
+        "process 1 of the run exited with code 3 (its own output is above); the launcher then stopped process 0")
+    assert failures_line({0: Failure(exitcode=1), 1: Failure(exitcode=-9), 2: Failure(exitcode=-15)}) == (
+        "process 0 of the run exited with code 1, process 1 of the run was killed by SIGKILL (each one's own "
+        "output is above); the launcher then stopped process 2")
+    assert failures_line({0: Failure(exitcode=-15)}) == "process 0 of the run was killed by SIGTERM (its own output is above)"
