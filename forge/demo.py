@@ -127,7 +127,8 @@ TOOLS = {"steps": 20, "prompts_per_step": 2}
 thread of the 2-core machine; the plain demo's 60 x 4 would take about 40)."""
 
 
-ENV = {"steps": 30, "prompts_per_step": 2, "max_new_tokens": 48, "learning_rate": 3e-4, "heldout": 48}
+ENV = {"steps": 30, "prompts_per_step": 2, "max_new_tokens": 48, "learning_rate": 3e-4, "heldout": 48,
+       "temperature": 1.0}
 """The environment demo's recipe (forge/demo_env.py)."""
 
 
