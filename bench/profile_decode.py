@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import sys
 import time
@@ -29,15 +28,9 @@ HERE = Path(__file__).resolve().parent
 PHASES = ("prefill", "decode forward", "sampler")
 
 
-def labelled(function, label):
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        with torch.profiler.record_function(label):
-            return function(*args, **kwargs)
-    return wrapper
-
-
 def install_labels(rollout_module) -> None:
+    from profile_forge import labelled
+
     from forge.model import static_decode
 
     rollout_module.sample_next_token = labelled(rollout_module.sample_next_token, "sampler")
