@@ -11,14 +11,20 @@ from __future__ import annotations
 import signal
 import sys
 
+# What commonly sends a signal that ends a training process, said after its name
+SIGNAL_CAUSES = {"SIGKILL": " (the kernel's out-of-memory killer sends it when memory runs out: see `dmesg`)",
+                 "SIGSEGV": " (a crash in native code)", "SIGABRT": " (a crash in native code)",
+                 "SIGBUS": " (a crash in native code)"}
+
 
 def how_it_ended(exitcode: int) -> str:
-    """'exited with code 1' or 'was killed by SIGKILL' for a process's exit code (negative: -signal number)."""
+    """'exited with code 1' or 'was killed by SIGSEGV (a crash in native code)' for a process's exit code
+    (negative: -signal number), with SIGNAL_CAUSES. forge/run/supervisor.py says one process's end with it too."""
     if exitcode >= 0:
         return f"exited with code {exitcode}"
     number = -exitcode
     name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
-    return f"was killed by {name}"
+    return f"was killed by {name}{SIGNAL_CAUSES.get(name, '')}"
 
 
 def failures_line(failures: dict) -> str:

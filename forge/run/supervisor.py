@@ -33,6 +33,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from forge.parallel.launch import how_it_ended
 from forge.run.integrity import latest_verified_checkpoint
 
 
@@ -72,15 +73,9 @@ def run_watched(train: Callable[[], int], output_dir: str | os.PathLike) -> int:
 def unfinished_exit(code: int, output_dir: str | os.PathLike) -> str:
     """What to tell the user when the training process ended before the run did: how it ended (exit code,
     or -signal number) and which checkpoint `--resume` continues from."""
+    how = how_it_ended(code)
     if code >= 0:
-        how = (f"exited with code {code} before the run ended (os._exit() in a reward or tool ends a process "
-               f"without a word)")
-    else:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-        why = {"SIGKILL": " (the kernel's out-of-memory killer sends it when memory runs out: see `dmesg`)",
-               "SIGSEGV": " (a crash in native code)", "SIGABRT": " (a crash in native code)",
-               "SIGBUS": " (a crash in native code)"}.get(name, "")
-        how = f"was killed by {name}{why}"
+        how += " before the run ended (os._exit() in a reward or tool ends a process without a word)"
     return f"the training process {how}; {resume_hint(output_dir)}"
 
 

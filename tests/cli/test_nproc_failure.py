@@ -55,6 +55,7 @@ def test_the_failure_line_names_who_failed_and_who_was_stopped():
     assert failures_line({0: Failure(exitcode=-15), 1: Failure(exitcode=3)}) == (
         "process 1 of the run exited with code 3 (its own output is above); the launcher then stopped process 0")
     assert failures_line({0: Failure(exitcode=1), 1: Failure(exitcode=-9), 2: Failure(exitcode=-15)}) == (
-        "process 0 of the run exited with code 1, process 1 of the run was killed by SIGKILL (each one's own "
-        "output is above); the launcher then stopped process 2")
+        "process 0 of the run exited with code 1, process 1 of the run was killed by SIGKILL (the kernel's "
+        "out-of-memory killer sends it when memory runs out: see `dmesg`) (each one's own output is above); the "
+        "launcher then stopped process 2")
     assert failures_line({0: Failure(exitcode=-15)}) == "process 0 of the run was killed by SIGTERM (its own output is above)"
