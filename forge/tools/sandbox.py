@@ -39,11 +39,16 @@ What it does not stop:
       (by at most memory_mb per process, the RLIMIT_AS).
 For code that may be actively hostile beyond that, run the trainer (or this helper) inside a VM.
 
-Where user namespaces are unavailable, `run_python` falls back, with a loud RuntimeWarning, to rlimits in a
-plain child process that is a child subreaper (its daemonised descendants are still found and killed, and
-the watchdog still counts processes and memory): then the program CAN read your processes' /proc/<pid>/environ,
-signal them, use the network and write your files. `namespaces=True` refuses to run without them;
-`namespaces=False` never uses them. `SandboxResult.isolated` says which ran. Linux only.
+The sandbox fails closed: where it cannot be set up (user namespaces unavailable, a mount refused, the
+interpreter not found inside) `run_python` raises RuntimeError with the cause, and runs nothing. The interpreter is
+found through symlinks (a virtualenv reached as /tmp/x/venv -> /tmp/y/.venv runs as /tmp/y/.venv/bin/python), and
+whatever of it lives under /tmp (its prefix, base prefix and import path) is bound back, read-only, inside.
+Running unisolated takes an explicit opt-in: `namespaces=False` never uses namespaces; `allow_unisolated=True`
+uses them when they can be set up and otherwise warns (once) and falls back. The fallback runs the program with
+rlimits in a plain child process that is a child subreaper (its daemonised descendants are still found and
+killed, and the watchdog still counts processes and memory): then the program CAN read your processes'
+/proc/<pid>/environ, signal them, use the network and write your files. `SandboxResult.isolated` says which ran.
+Linux only.
 
 Using it in a reward (the completion holds a solution, the dataset row holds the tests):
 
@@ -116,7 +121,8 @@ def run_python(
     python: str | None = None,
     max_processes: int = 64,
     hide: Sequence[str] = DEFAULT_HIDDEN,
-    namespaces: bool | None = None,
+    namespaces: bool = True,
+    allow_unisolated: bool = False,
 ) -> SandboxResult:
     """Run `code` as a Python program in the sandbox; see the module docstring. Never raises for anything the
     program does.
@@ -128,24 +134,43 @@ def run_python(
     python:           the interpreter to run (default: this one)
     max_processes:    processes and threads it may run at once
     hide:             files and directories that appear empty to it ('~' and '$VAR' are expanded)
-    namespaces:       None: use them when available, else warn and fall back; True: raise RuntimeError
-                      without them; False: the rlimits-only fallback
+    namespaces:       False: run it with rlimits only, NOT isolated (no namespaces are tried)
+    allow_unisolated: where the namespaces cannot be set up, warn and run it with rlimits only, instead of
+                      raising RuntimeError
     """
     if timeout <= 0:
         raise ValueError(f"timeout={timeout} must be > 0 seconds")
     if memory_mb < 0 or output_limit_kb < 1 or max_processes < 1:
         raise ValueError("memory_mb must be >= 0, output_limit_kb >= 1 and max_processes >= 1")
-    interpreter = python or sys.executable
+    interpreter = os.path.abspath(python or sys.executable)
     if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
         return SandboxResult("", f"could not start {interpreter}: not an executable file", None, False, False, 0.0)
-    problem = namespace_problem() if namespaces is not False else "not asked for"
-    if problem is not None and namespaces:
-        raise RuntimeError(f"run_python(namespaces=True): Linux namespaces are unavailable here ({problem})")
-    if problem is not None and namespaces is None:
-        _warn_once(problem)
-    limits = {"interpreter": interpreter, "memory": memory_mb * 2**20, "cpu_seconds": int(timeout) + 1,
-              "file_bytes": output_limit_kb * 1024, "max_processes": max_processes, "hide": _expand(hide)}
-    return _run(code, stdin, timeout, limits, output_limit_kb, namespace=problem is None)
+    limits = {"memory": memory_mb * 2**20, "cpu_seconds": int(timeout) + 1, "file_bytes": output_limit_kb * 1024,
+              "max_processes": max_processes, "hide": _expand(hide)}
+    if namespaces is False:
+        return _run(code, stdin, timeout, {**limits, "interpreter": interpreter, "keep": []}, output_limit_kb,
+                    namespace=False)
+    problem = namespace_problem()
+    if problem is None:
+        try:
+            return _run(code, stdin, timeout, {**limits, **_visible_inside(interpreter)}, output_limit_kb,
+                        namespace=True)
+        except SetupError as error:
+            problem = str(error)
+    if not allow_unisolated:
+        raise RuntimeError(
+            f"run_python: cannot isolate the program, so it was not run ({problem}). Fix the cause; where Linux "
+            f"user namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
+            f"kernel.apparmor_restrict_unprivileged_userns=0) or run the trainer in a VM. To run programs NOT "
+            f"isolated (they can read your processes' secrets, use the network and write your files), pass "
+            f"allow_unisolated=True, or namespaces=False.")
+    _warn_once(problem)
+    return _run(code, stdin, timeout, {**limits, "interpreter": interpreter, "keep": []}, output_limit_kb,
+                namespace=False)
+
+
+class SetupError(RuntimeError):
+    """The namespace sandbox could not be set up for a program (it was not run)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -156,12 +181,39 @@ def namespace_problem() -> str | None:
         return f"{sys.platform} is not Linux"
     if shutil.which("unshare") is None:
         return "the unshare command (util-linux) is not installed"
-    limits = {"interpreter": sys.executable, "memory": 256 * 2**20, "cpu_seconds": 30, "file_bytes": 2**16,
-              "max_processes": 8, "hide": []}
-    result = _run("pass", "", 30.0, limits, 64, namespace=True)
+    limits = {**_visible_inside(os.path.abspath(sys.executable)), "memory": 256 * 2**20, "cpu_seconds": 30,
+              "file_bytes": 2**16, "max_processes": 8, "hide": []}
+    try:
+        result = _run("pass", "", 30.0, limits, 64, namespace=True)
+    except SetupError as error:
+        return str(error)
     if result.ok:
         return None
     return (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+
+
+@functools.lru_cache(maxsize=16)
+def _visible_inside(interpreter: str) -> dict:
+    """How a namespace sandbox reaches `interpreter`: the path to run it by, with every directory on the way
+    resolved (inside, /tmp is a fresh tmpfs, so a symlink there leads nowhere; the file itself stays as named, so
+    a virtualenv's python still finds its pyvenv.cfg), and the directories under /tmp to bind back read-only: each
+    hop of its symlinks, its prefix, base prefix and import path."""
+    hops = [os.path.join(os.path.realpath(os.path.dirname(interpreter)), os.path.basename(interpreter))]
+    while os.path.islink(hops[-1]) and len(hops) < 40:
+        target = os.path.join(os.path.dirname(hops[-1]), os.readlink(hops[-1]))
+        hops.append(os.path.join(os.path.realpath(os.path.dirname(target)), os.path.basename(target)))
+    needed = [os.path.dirname(os.path.dirname(hop)) for hop in hops]
+    try:
+        found = subprocess.run([interpreter, "-I", "-c", "import json, sys; print(json.dumps([sys.prefix, "
+                                "sys.base_prefix, *sys.path]))"], capture_output=True, text=True, timeout=60)
+        needed += json.loads(found.stdout) if found.returncode == 0 else []
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass  # it is found inside or not; the sandbox then says which
+    real = {os.path.realpath(path) for path in needed if path and os.path.exists(path)}
+    folders = {path if os.path.isdir(path) else os.path.dirname(path) for path in real}
+    under_tmp = sorted(path for path in folders if path.startswith("/tmp/"))
+    keep = [path for path in under_tmp if not any(path.startswith(other + os.sep) for other in under_tmp)]
+    return {"interpreter": hops[0], "keep": keep}
 
 
 def _warn_once(problem: str) -> None:
@@ -169,10 +221,10 @@ def _warn_once(problem: str) -> None:
     if not _warned:
         _warned = True
         warnings.warn(
-            f"forge.tools.sandbox: Linux namespaces are unavailable ({problem}), so run_python runs programs NOT "
-            f"ISOLATED, with rlimits only: a program can read your processes' secrets (/proc/<pid>/environ), "
-            f"signal them, use the network and write your files. Allow unprivileged user namespaces "
-            f"(sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
+            f"forge.tools.sandbox: the sandbox cannot isolate programs here ({problem}), so run_python("
+            f"allow_unisolated=True) runs them NOT ISOLATED, with rlimits only: a program can read your processes' "
+            f"secrets (/proc/<pid>/environ), signal them, use the network and write your files. Where Linux user "
+            f"namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
             f"kernel.apparmor_restrict_unprivileged_userns=0), or run the trainer in a VM.",
             RuntimeWarning, stacklevel=3)
 
@@ -202,6 +254,8 @@ def _run(code: str, stdin: str, timeout: float, limits: dict, output_limit_kb: i
                                                env=environment, start_new_session=True, close_fds=True,
                                                pass_fds=(status.fileno(),))
                 except OSError as error:
+                    if namespace:
+                        raise SetupError(f"could not start unshare: {error}") from error
                     return SandboxResult("", f"could not start the sandbox: {error}", None, False, False, 0.0)
                 timed_out = False
                 try:
@@ -215,6 +269,9 @@ def _run(code: str, stdin: str, timeout: float, limits: dict, output_limit_kb: i
             outcome = json.loads((work / "status").read_text() or "{}")
         except ValueError:
             outcome = {}
+    if namespace and not timed_out and outcome.get("returncode") is None:  # the program never ran
+        said = " ".join(line.strip() for line in stderr.strip().splitlines()[-3:])
+        raise SetupError(outcome.get("setup_error") or said or f"the sandbox exited {process.returncode}")
     if outcome.get("setup_error"):
         stderr = f"{stderr}sandbox: {outcome['setup_error']}\n"
     returncode = -signal.SIGKILL if timed_out else outcome.get("returncode", process.returncode)

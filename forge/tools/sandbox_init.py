@@ -75,10 +75,9 @@ def set_up_namespace(config: dict, program: bytes) -> str:
     _write("/proc/sys/kernel/pid_max", str(300 + config["max_processes"]))  # >= 6.14: a hard ceiling
     _everything_read_only()
     # A Python installed under /tmp (a virtualenv in a CI checkout, say) stays visible, read-only, through the
-    # private /tmp: held open before the tmpfs covers it, bound back onto the same path after.
-    interpreter_homes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix,
-                                                       os.path.dirname(os.path.dirname(config["interpreter"])))}
-    kept = {path: os.open(path, os.O_PATH) for path in sorted(interpreter_homes) if path.startswith("/tmp/")}
+    # private /tmp: the folders the caller found it needs (`keep`) are held open before the tmpfs covers them,
+    # and bound back onto the same paths after.
+    kept = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in config["keep"]}
     scratch = f"size={config['memory'] // 1024}k,mode=1777"
     _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, scratch)
     for path, fd in kept.items():
@@ -93,6 +92,9 @@ def set_up_namespace(config: dict, program: bytes) -> str:
             _mount("tmpfs", path, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "size=4k,mode=755")
         elif os.path.exists(path):
             _mount("/dev/null", path, None, _MS_BIND)
+    if not os.access(config["interpreter"], os.X_OK):
+        raise SetupError(f"the interpreter {config['interpreter']} is not there, or not executable, inside the "
+                         f"sandbox")
     workdir = os.path.join("/tmp", config["name"])
     os.mkdir(workdir)
     with open(os.path.join(workdir, "main.py"), "wb") as f:
@@ -111,12 +113,18 @@ def _drop_privileges() -> None:
     _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
-def _start_program(config: dict, workdir: str, status_fd: int) -> int:
+def _start_program(config: dict, workdir: str, status_fd: int) -> tuple[int, str | None]:
+    """Fork and exec the program; its pid, and why it could not be started (None once it runs)."""
+    errors_out, errors_in = os.pipe()  # close-on-exec: EOF once the program runs, the reason if it cannot
     pid = os.fork()
     if pid:
-        return pid
+        os.close(errors_in)
+        with os.fdopen(errors_out, "rb") as errors:
+            reason = errors.read().decode(errors="replace")
+        return pid, reason or None
     try:  # the child: limits, no privileges, then the program
         os.close(status_fd)
+        os.close(errors_out)
         limits = [(resource.RLIMIT_CPU, config["cpu_seconds"]), (resource.RLIMIT_FSIZE, config["file_bytes"]),
                   (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, config["nproc"])]
         if config["memory"] > 0:
@@ -129,7 +137,7 @@ def _start_program(config: dict, workdir: str, status_fd: int) -> int:
         program = config["interpreter"]
         os.execve(program, [program, "-I", "-B", "main.py"], config["environment"])
     except BaseException as error:  # noqa: BLE001 - the child must never return into the init's code
-        os.write(2, f"sandbox: could not start the program: {error}\n".encode())
+        os.write(errors_in, f"could not start the program: {error}".encode())
     os._exit(127)
 
 
@@ -249,7 +257,12 @@ def main() -> None:
         sys.exit(125)
     scratch = ["/tmp", "/dev/shm"] if config["namespace"] else []
     signal.signal(signal.SIGTERM, _on_timeout)
-    child = _start_program(config, workdir, status_fd)
+    child, reason = _start_program(config, workdir, status_fd)
+    if reason is not None:
+        os.waitpid(child, 0)
+        outcome["setup_error"] = reason
+        os.write(status_fd, json.dumps(outcome).encode())
+        sys.exit(125)
     try:
         waiter = os.pidfd_open(child)  # readable when the program exits
     except (AttributeError, OSError):

@@ -8,6 +8,7 @@ unavailable (namespace_problem() says why).
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -238,16 +239,6 @@ def test_credential_files_appear_empty(monkeypatch):
 # without namespaces
 
 
-def test_without_namespaces_it_warns_loudly_and_still_runs(monkeypatch):
-    monkeypatch.setattr(sandbox, "namespace_problem", lambda: "user namespaces are disabled")
-    monkeypatch.setattr(sandbox, "_warned", False)
-    with pytest.warns(RuntimeWarning, match=r"unavailable \(user namespaces are disabled\).*NOT ISOLATED"):
-        result = run_python("print(6 * 7)")
-    assert result.ok and result.stdout == "42\n" and not result.isolated
-    with pytest.raises(RuntimeError, match="namespaces are unavailable here"):
-        run_python("pass", namespaces=True)
-
-
 def test_without_namespaces_a_daemonised_grandchild_is_still_killed():
     marker = f"forge-marker-{uuid.uuid4().hex}"
     result = run_python(program(f"""
@@ -281,3 +272,89 @@ def test_a_python_installed_under_tmp_stays_usable_and_read_only():
     assert result.ok, result.stderr
     assert "prefix True True" in result.stdout and "wrote" not in result.stdout
     assert not os.path.exists(os.path.join(home, "written_by_the_sandbox"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# failing closed: an interpreter the sandbox must find through symlinks, and isolation that cannot be set up
+
+READ_EVERY_ENVIRON = program("""
+    import os
+    for pid in os.listdir("/proc"):
+        try:
+            print(open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace"))
+        except OSError:
+            pass
+""")
+
+
+def venv_under_tmp() -> Path:
+    """A virtualenv of this Python in a fresh directory under /tmp (what a CI checkout often has)."""
+    home = Path(tempfile.mkdtemp(prefix="forge-test-venv-", dir="/tmp"))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / ".venv")], check=True, timeout=120)
+    return home / ".venv"
+
+
+def trainer_started_from(python: str, code: str, **environment) -> subprocess.CompletedProcess:
+    """`in_a_trainer`, with the trainer started from the interpreter `python`."""
+    trainer = program(f"""
+        import sys
+        sys.path[:0] = {sys.path!r}
+        from forge.tools.sandbox import run_python
+        result = run_python({code!r})
+        print("trainer survived", result.returncode, result.isolated)
+        print(result.stdout)
+    """)
+    return subprocess.run([python, "-c", trainer], check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **environment})
+
+
+@needs_namespaces
+def test_a_trainer_in_a_venv_under_tmp_runs_programs_isolated():
+    venv = venv_under_tmp()
+    try:
+        done = trainer_started_from(str(venv / "bin" / "python"), READ_EVERY_ENVIRON, HF_TOKEN="hf_planted_5521")
+        assert "trainer survived 0 True" in done.stdout, (done.stdout, done.stderr)
+        assert "hf_planted_5521" not in done.stdout and "Warning" not in done.stderr
+    finally:
+        shutil.rmtree(venv.parent)
+
+
+@needs_namespaces
+def test_a_trainer_reached_through_a_symlinked_venv_runs_programs_isolated():
+    venv = venv_under_tmp()  # /tmp/<a>/.venv, reached as /tmp/<b>/venv
+    link_home = Path(tempfile.mkdtemp(prefix="forge-test-link-", dir="/tmp"))
+    (link_home / "venv").symlink_to(venv)
+    try:
+        done = trainer_started_from(str(link_home / "venv" / "bin" / "python"), READ_EVERY_ENVIRON,
+                                    HF_TOKEN="hf_planted_5522")
+        assert "trainer survived 0 True" in done.stdout, (done.stdout, done.stderr)
+        assert "hf_planted_5522" not in done.stdout and "Warning" not in done.stderr
+        # the same interpreter handed over explicitly, from this process
+        result = run_python("import sys\nprint(sys.prefix)", python=str(link_home / "venv" / "bin" / "python"))
+        assert result.ok and result.isolated and result.stdout.strip() == str(venv), result
+    finally:
+        shutil.rmtree(link_home)
+        shutil.rmtree(venv.parent)
+
+
+def test_when_namespaces_are_unavailable_it_refuses_and_says_why(monkeypatch):
+    monkeypatch.setattr(sandbox, "namespace_problem", lambda: "user namespaces are disabled")
+    with pytest.raises(RuntimeError, match=r"cannot isolate.*\(user namespaces are disabled\).*allow_unisolated"):
+        run_python("print('ran')")
+
+
+@needs_namespaces
+def test_when_the_sandbox_cannot_be_set_up_it_refuses_with_the_real_cause(monkeypatch):
+    monkeypatch.setattr(sandbox, "NAMESPACES", [*sandbox.NAMESPACES, "--no-such-option"])
+    with pytest.raises(RuntimeError, match=r"cannot isolate.*no-such-option"):
+        run_python("print('ran')")
+
+
+def test_running_unisolated_takes_an_explicit_opt_in(monkeypatch):
+    monkeypatch.setattr(sandbox, "namespace_problem", lambda: "user namespaces are disabled")
+    monkeypatch.setattr(sandbox, "_warned", False)
+    with pytest.warns(RuntimeWarning, match=r"\(user namespaces are disabled\).*NOT ISOLATED"):
+        result = run_python("print(6 * 7)", allow_unisolated=True)
+    assert result.ok and result.stdout == "42\n" and not result.isolated
+    chosen = run_python("print(6 * 7)", namespaces=False)  # asked for by name: no isolation, no warning
+    assert chosen.ok and not chosen.isolated
