@@ -9,6 +9,7 @@ from it (`python -m forge.core.config_docs > docs/config.md`; tests/math/test_co
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import numbers
 import types
@@ -28,6 +29,7 @@ from forge.core.grpo import (
     LossType,
 )
 from forge.core.trl_names import forge_names
+from forge.model.vllm_engine import VLLM_INSTALL
 from forge.run.health import HEALTH_RULES, parse_thresholds
 
 
@@ -197,7 +199,25 @@ class GRPOConfig:
     KV cache and torch.compile, once per batch/length bucket: inductor's C++ kernels on a CPU, CUDA graphs on a
     GPU; the first steps pay the compile), or 'auto': what measured faster on this device and dtype, eager where
     unmeasured (logged with its reason). On an AMX Xeon the compiled step is 1.28x slower (bench/compiled_decode.py),
-    so auto decodes eagerly there. Tool and environment rollouts always decode eagerly."""
+    so auto decodes eagerly there. Tool and environment rollouts always decode eagerly. 'vllm': sample on vLLM
+    (TRL's use_vllm; forge/model/vllm_engine.py), an engine in this process or a server (vllm_mode), with the
+    policy's weights pushed after every optimizer step; needs vLLM installed (docs/scaling.md)."""
+    vllm_mode: str = "colocate"
+    """With generation_backend='vllm': 'colocate' (an engine inside the training process, started from the
+    policy's weights) or 'server' (a `forge vllm-serve` process, on another GPU or the same machine)."""
+    vllm_enforce_eager: bool = False
+    """Colocate: run vLLM's model eagerly instead of compiling it (a shorter start-up, slower tokens)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Colocate on a GPU: the fraction of its memory vLLM may take (weights and KV cache); the rest trains. On a
+    CPU the KV cache is sized for the run instead (VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it)."""
+    vllm_server_base_url: str | None = None
+    """Server: the address of `forge vllm-serve` (e.g. http://10.0.0.2:8000); None = vllm_server_host and _port."""
+    vllm_server_host: str = "127.0.0.1"
+    """Server: its host, when vllm_server_base_url is None."""
+    vllm_server_port: int = 8000
+    """Server: its port, when vllm_server_base_url is None."""
+    vllm_server_timeout: float = 240.0
+    """Server: seconds to wait for it to answer before the run fails."""
     merge_lora_for_generation: bool = True
     """With LoRA, generate and evaluate with the adapters folded into a temporary copy of the adapted weights
     (policy.merged_adapters): one matmul per layer instead of three, 0.85-0.90x the generation time on a CPU
@@ -355,8 +375,13 @@ class GRPOConfig:
         need(self.epsilon_high > 0, f"clip_epsilon_high={self.clip_epsilon_high} must be > 0")
         need(self.kl_beta >= 0, f"kl_beta={self.kl_beta} must be >= 0 (0 disables the KL term)")
         need(self.temperature > 0, f"temperature={self.temperature} must be > 0")
-        need(self.generation_backend in ("eager", "compiled", "auto"),
-             f"generation_backend={self.generation_backend!r}: use 'eager', 'compiled' or 'auto'")
+        need(self.generation_backend in ("eager", "compiled", "auto", "vllm"),
+             f"generation_backend={self.generation_backend!r}: use 'eager', 'compiled', 'auto' or 'vllm'")
+        need(self.vllm_mode in ("colocate", "server"), f"vllm_mode={self.vllm_mode!r}: use 'colocate' or 'server'")
+        need(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]")
+        need(self.generation_backend != "vllm" or importlib.util.find_spec("vllm") is not None, VLLM_INSTALL)
+        need(self.generation_backend != "vllm" or not self.fsdp,
+             "generation_backend='vllm' samples from whole weights; with fsdp=True use the own decode loop")
         need(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
         need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
         need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")

@@ -536,6 +536,18 @@ def _as_rollout(rows: list[_Row], prompt_ids, prompt_mask, group_size: int, max_
                    episodes=episodes)
 
 
+def sampled_rollout(samples: Sequence[tuple[list[int], list[float], bool]], prompt_ids, prompt_mask,
+                    group_size: int, max_new_tokens: int, tokenizer) -> Rollout:
+    """A Rollout of completions sampled elsewhere (a serving engine, forge/core/engine_rollout.py): samples (N,)
+    of (token ids, their sampler log-probs, ended on a stop token), group by group."""
+    rows = []
+    for tokens, logprobs, stopped in samples:
+        row = _Row(len(tokens))
+        row.tokens, row.sampled, row.logprobs, row.eos = list(tokens), [1] * len(tokens), list(logprobs), stopped
+        rows.append(row)
+    return _as_rollout(rows, prompt_ids, prompt_mask, group_size, max_new_tokens, tokenizer, False)
+
+
 # --------------------------------------------------------------------------------------------------
 # the sampling noise of a step, and padding per-micro-batch results back to the rollout's shape
 

@@ -44,6 +44,7 @@ import torch
 
 from forge.core.reward import BaseReward, RewardInputs, call_problem, is_async_reward
 from forge.core.reward_sources import SequenceClassificationReward, as_reward, is_model_and_tokenizer
+from forge.core.engine_rollout import generate_on_engine
 from forge.core.rollout import SamplingSettings, generate
 from forge.data.dataset import dataset_columns
 from forge.run.lifecycle import reraise_user_interrupt
@@ -409,9 +410,10 @@ def rollout_tool_calls(rollout) -> list[list[dict]] | None:
     return None if rollout.tool_calls is None else [[r.as_dict() for r in calls] for calls in rollout.tool_calls]
 
 
-def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = None):
+def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = None, engine=None):
     """The trainer's default evaluator: one greedy completion per held-out row, scored by the run's own rewards
-    (eval/reward, eval/rewards/<name>, eval/n), with the run's tools when it has them.
+    (eval/reward, eval/rewards/<name>, eval/n), with the run's tools when it has them, on the run's vLLM `engine`
+    when it has one (forge/core/engine_rollout.py).
     The global RNG state is restored afterwards, so evaluating mid-run does not change later samples."""
 
     @torch.no_grad()
@@ -423,7 +425,8 @@ def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = 
         for start in range(0, len(rows), 32):
             rollout = generate(model, tokenizer, prompts[start:start + 32], 1, settings, max_prompt_length,
                                config.truncate_prompts, config.share_prompt_prefix, tools=tools,
-                               rows=rows[start:start + 32])
+                               rows=rows[start:start + 32]) if engine is None else generate_on_engine(
+                engine, tokenizer, prompts[start:start + 32], 1, settings, max_prompt_length, config.truncate_prompts)
             completions += rollout.completions
             ids += completion_token_ids(rollout)
             calls += rollout_tool_calls(rollout) or []

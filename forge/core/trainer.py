@@ -30,15 +30,8 @@ from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
 from forge.core.logprobs import checkpointed_layers, completion_logprobs, micro_batches, padded_rows
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
-from forge.core.rollout import (
-    Batch,
-    Rollout,
-    SamplingSettings,
-    generate,
-    prompt_budget,
-    sampling_noise,
-    sampling_seed,
-)
+from forge.core.engine_rollout import generate_on_engine, open_engine
+from forge.core.rollout import Batch, Rollout, SamplingSettings, generate, prompt_budget, sampling_noise, sampling_seed
 from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
 from forge.envs import env_rewards, rollout_tools
 from forge.model import merged_adapters, prepare_policy
@@ -84,7 +77,9 @@ class GRPOTrainer:
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.device = ready.precision, next(model.parameters()).device
         self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)  # or an environment
-        self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings)
+        self.engine = None if config.generation_backend != "vllm" else open_engine(  # forge/model/vllm_engine.py
+            config, model, self.tokenizer, self.precision.compute, self.dist.world_size, self.tool_settings)
+        self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings, self.engine)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the model has no trainable parameters (all requires_grad=False)")
@@ -180,6 +175,9 @@ class GRPOTrainer:
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, config.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
         with self.sampling():
+            if self.engine is not None:  # vLLM (forge/core/engine_rollout.py)
+                return generate_on_engine(self.engine, self.tokenizer, prompts, config.group_size, settings,
+                                          self.max_prompt_length, config.truncate_prompts, noise)
             return generate(self.model, self.tokenizer, prompts, config.group_size, settings, self.max_prompt_length,
                             config.truncate_prompts, config.share_prompt_prefix, noise, self.tool_settings, rows=rows)
 
@@ -291,7 +289,9 @@ class GRPOTrainer:
     @contextlib.contextmanager
     def sampling(self):
         """The policy as generation and evaluation run it: in the run's precision (bf16 / fp16 autocast over the
-        fp32 masters), with its whole weights, LoRA adapters folded in unless turned off or sharded."""
+        fp32 masters), whole weights, LoRA folded in unless turned off or sharded; a vLLM engine gets the weights."""
+        if self.engine is not None:
+            self.engine.sync(self.model, self.global_step)
         with self.precision.autocast(self.model), self.whole_weights(), merged_adapters(
                 self.model, self.config.merge_lora_for_generation and not self.dist.fsdp):
             yield

