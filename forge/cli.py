@@ -255,18 +255,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     from forge.model import merge_and_export
 
     _check_saved_folders(("--adapter", args.adapter), ("--base", args.base))  # before anything is written to --out
-    print(merge_and_export(args.adapter, args.base, args.out))
+    print(merge_and_export(args.adapter, args.base, args.out, overwrite=args.overwrite))
     return 0
 
 
 def _check_saved_folders(*given: tuple[str, str | None]) -> None:
     """A folder Forge saved, given to `forge eval` or `forge export`, must verify before it loads (an UnverifiedSave,
-    exit code 2, names the folder, the file and what to load instead); a plain model folder or hub id loads as is."""
+    exit code 2, names the folder, the file and what to load instead); then the files any local folder's load reads
+    must be whole and finite (forge/run/model_files.py). A hub id loads as is."""
     from forge.run.integrity import check_saved_model
+    from forge.run.model_files import check_model_files
 
     for flag, value in given:
         if value:
             check_saved_model(Path(value).expanduser(), flag)
+            check_model_files(value, flag)
 
 
 def cmd_screen(args: argparse.Namespace) -> int:
@@ -377,7 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="merge a LoRA adapter into its base model (plain transformers folder)")
     export.add_argument("--adapter", required=True)
     export.add_argument("--base", default="default")
-    export.add_argument("--out", required=True)
+    export.add_argument("--out", required=True, help="a new or empty folder, or an earlier export of the same "
+                        "--adapter and --base (replaced)")
+    export.add_argument("--overwrite", action="store_true", help="replace what --out holds (never the --adapter or "
+                        "--base folder)")
     export.set_defaults(func=cmd_export)
     parser.commands = sub.choices  # each command's parser, for the unknown-flag message
     for command in parser.commands.values():

@@ -21,7 +21,10 @@ changes, so a run trains the same weights bit for bit with it on or off (tests/u
 from __future__ import annotations
 
 import resource
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +34,7 @@ from forge.core.advantages import group_reward_std
 from forge.core.reward import TrainerState
 from forge.core.rollout import check_prompt_lengths, render_prompt
 from forge.core.scoring import check_reward_columns, per_completion, rollout_inputs, score_completions
+from forge.run.lifecycle import note_user_interrupt
 from forge.run.rng import capture_rng_state, restore_rng_state
 
 PREFLIGHT_MODES = ("warn", "strict", "off")
@@ -87,13 +91,33 @@ def run_preflight(trainer, rows: list[dict], total_steps: int) -> PreflightRepor
     mode = trainer.config.preflight
     if mode == "off" or not rows:
         return None
-    report = preflight(trainer, rows, total_steps)
+    with ctrl_c_marked_as_the_users():
+        report = preflight(trainer, rows, total_steps)
     if trainer.dist.is_main:
         tqdm.write(format_report(report))
     if mode == "strict" and report.problems:
         raise PreflightFailed("preflight (preflight='strict'): " + " ".join(report.problems)
                               + " (preflight='warn' prints this and trains anyway)")
     return report
+
+
+@contextmanager
+def ctrl_c_marked_as_the_users():
+    """Ctrl-C raises KeyboardInterrupt marked as the user's (`note_user_interrupt`), as during training, so the
+    scoring tells it from a KeyboardInterrupt a reward raises itself, which is the reward's failure."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        note_user_interrupt()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:

@@ -1,11 +1,21 @@
-"""Trained adapters after the run: merge them into a plain model, or load them for evaluation."""
+"""Trained adapters after the run: merge them into a plain model, or load them for evaluation.
+
+An export never replaces what it was not asked to: its folder must be new or empty, or hold only an earlier export
+of the same adapter and base (`forge_export.json` says which); `overwrite` replaces anything else, but never a
+folder the export reads from. It is written into a temporary sibling and renamed into place, so a failed export
+leaves the folder as it was.
+"""
 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import pickle
+import shutil
 from pathlib import Path
 
+import torch
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -17,8 +27,105 @@ from forge.model.lora import LORA_INSTALL_HINT, is_peft_model, quiet_checkpointi
 # --------------------------------------------------------------------------------------------------
 
 
+EXPORT_RECORD = "forge_export.json"  # in an exported folder: its adapter, its base, the files the export wrote
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")  # named first in what a refused folder holds
+
+
+class ExportRefused(ValueError):
+    """The export's folder holds something it must not replace; the message names what and what to do."""
+
+
 def _tokenizer_saved_in(folder: str | os.PathLike) -> bool:
     return (Path(folder) / "tokenizer_config.json").is_file()
+
+
+def _source_name(source: str | os.PathLike | None) -> str | None:
+    """A local folder as its absolute path; a hub id or an alias ('default') as given."""
+    if source is None:
+        return None
+    path = Path(source).expanduser()
+    return str(path.resolve()) if path.exists() else str(source)
+
+
+def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike | None,
+                        base: str | os.PathLike | None, overwrite: bool = False) -> None:
+    """Raise ExportRefused unless exporting `adapter` (a folder, or None for a live model) merged into `base` may
+    write `out_dir`: new or empty, or only an earlier export of the same adapter and base; with `overwrite`,
+    anything but a folder the export reads from (or one holding it)."""
+    out = Path(out_dir).expanduser()
+    for flag, source in (("--adapter", adapter), ("--base", base)):
+        path = Path(source).expanduser() if source is not None else None
+        if path is not None and path.exists() and out.exists() and (
+                out.resolve() == path.resolve() or out.resolve() in path.resolve().parents):
+            holds = "is" if out.resolve() == path.resolve() else "holds"
+            raise ExportRefused(f"--out {out} {holds} the {flag} folder {path}, which the export reads: it never "
+                                f"writes there (not with --overwrite either); choose another --out")
+    if not out.exists() or overwrite:
+        return
+    if not out.is_dir():
+        raise ExportRefused(f"--out {out} is a file, not a folder; choose a new or empty folder, or pass --overwrite "
+                            f"(overwrite=True) to replace it")
+    present = sorted((p.name for p in out.iterdir()), key=lambda name: (not name.endswith(WEIGHT_SUFFIXES), name))
+    if not present:
+        return
+    record = _export_record(out)
+    if record is not None:
+        extra = sorted(set(present) - set(record.get("files", [])) - {EXPORT_RECORD})
+        same = (record.get("adapter"), record.get("base")) == (_source_name(adapter), _source_name(base)) \
+            and adapter is not None
+        if same and not extra:
+            return  # the same export again
+        what = (f"the export of --adapter {record.get('adapter')} --base {record.get('base')}"
+                + (f", and {_listed(extra)} besides" if extra else ""))
+    elif (out / "COMPLETE").is_file():
+        what = f"a Forge checkpoint ({_listed(present)})"
+    else:
+        what = _listed(present)
+    raise ExportRefused(f"--out {out} already holds {what}: an export writes only into a new or empty folder, or over "
+                        f"its own earlier export of the same adapter and base; choose another --out, or pass "
+                        f"--overwrite (overwrite=True) to replace what is there")
+
+
+def _export_record(out: Path) -> dict | None:
+    try:
+        record = json.loads((out / EXPORT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _listed(names: list[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _load_adapter(base_model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
+    """The PeftModel of `adapter_dir` on `base_model`; adapter weights that its adapter_config.json does not make
+    (a rank that lies) or a pickle torch refuses are a ValueError naming the folder and the files."""
+    try:
+        from peft import PeftModel
+    except ImportError as error:
+        raise ImportError(LORA_INSTALL_HINT) from error
+    try:
+        with quiet_checkpointing_deprecation():
+            return PeftModel.from_pretrained(base_model, str(adapter_dir))
+    except RuntimeError as error:
+        mismatch = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), None)
+        if mismatch is None:
+            raise
+        raise ValueError(f"adapter folder {adapter_dir}: its weights ({_adapter_weights(adapter_dir)}) do not fit "
+                         f"adapter_config.json: {mismatch.replace('torch.Size', '')} The config (its r, "
+                         f"target_modules) is not the one the adapter was saved with: restore the folder from where "
+                         f"it came from") from None
+    except pickle.UnpicklingError as error:
+        raise ValueError(f"adapter folder {adapter_dir}: {_adapter_weights(adapter_dir)} cannot be loaded: torch "
+                         f"refuses its pickle ({str(error).splitlines()[0]}); load an adapter saved as "
+                         f"adapter_model.safetensors") from None
+
+
+def _adapter_weights(adapter_dir: str | os.PathLike) -> str:
+    names = sorted(p.name for p in Path(adapter_dir).glob("adapter_model.*"))
+    return ", ".join(names) or "its weights"
 
 
 def merge_and_export(
@@ -27,19 +134,19 @@ def merge_and_export(
     out_dir: str | os.PathLike,
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Fold LoRA adapters into the base weights and save a plain model that transformers loads alone.
 
     ``adapter_dir_or_model`` is a saved adapter folder (loaded on top of ``base_name_or_path``) or a live
     PeftModel (merged in a copy, so the training model keeps its adapters). The tokenizer is taken from
-    ``tokenizer=``, else the adapter folder when one was saved there, else the base.
+    ``tokenizer=``, else the adapter folder when one was saved there, else the base. ``out_dir`` is refused
+    (ExportRefused) as `check_export_folder` says, before anything loads; merged weights holding NaN/inf are
+    refused and nothing is written.
     """
-    try:
-        from peft import PeftModel
-    except ImportError as error:
-        raise ImportError(LORA_INSTALL_HINT) from error
-
-    if isinstance(adapter_dir_or_model, nn.Module):
+    live = isinstance(adapter_dir_or_model, nn.Module)
+    check_export_folder(out_dir, None if live else adapter_dir_or_model, base_name_or_path, overwrite)
+    if live:
         if not is_peft_model(adapter_dir_or_model):
             raise TypeError("merge_and_export expects a PeftModel or an adapter folder, got a plain model")
         peft_model = copy.deepcopy(adapter_dir_or_model).to("cpu")
@@ -48,8 +155,7 @@ def merge_and_export(
         if not (adapter_dir / "adapter_config.json").is_file():
             raise FileNotFoundError(f"{adapter_dir} has no adapter_config.json; is it a saved LoRA adapter?")
         base_model, base_tokenizer = load_model(base_name_or_path, device="cpu")
-        with quiet_checkpointing_deprecation():
-            peft_model = PeftModel.from_pretrained(base_model, str(adapter_dir))
+        peft_model = _load_adapter(base_model, adapter_dir)
         if tokenizer is None:
             tokenizer = (
                 AutoTokenizer.from_pretrained(str(adapter_dir))
@@ -60,11 +166,34 @@ def merge_and_export(
         tokenizer = AutoTokenizer.from_pretrained(str(base_name_or_path))
 
     merged = peft_model.merge_and_unload()
-    out_path = Path(out_dir)
-    out_path.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(out_path, safe_serialization=True)
-    tokenizer.save_pretrained(out_path)
-    return out_path
+    bad = [name for name, tensor in merged.state_dict().items()
+           if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if bad:
+        raise ValueError(f"refusing to export: {len(bad)} merged weight tensors hold NaN/inf (e.g. {bad[:3]}); the "
+                         f"adapter or the base holds them, and a model of them computes nothing")
+    return _write_export(Path(out_dir).expanduser(), merged, tokenizer,
+                         {"adapter": None if live else _source_name(adapter_dir_or_model),
+                          "base": None if live else _source_name(base_name_or_path)})
+
+
+def _write_export(out: Path, merged: nn.Module, tokenizer: PreTrainedTokenizerBase, sources: dict) -> Path:
+    """Save into `{out}.tmp-{pid}`, record what was written, then put it in place of `out` (moved aside first and
+    deleted once the new one is in place)."""
+    staging, aside = out.with_name(f"{out.name}.tmp-{os.getpid()}"), out.with_name(f"{out.name}.old-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        merged.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        written = sorted(p.name for p in staging.iterdir())
+        (staging / EXPORT_RECORD).write_text(json.dumps({**sources, "files": written}, indent=2) + "\n")
+        if out.exists():
+            os.replace(out, aside)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if aside.exists():
+        shutil.rmtree(aside) if aside.is_dir() else aside.unlink()
+    return out
 
 
 def load_for_eval(
@@ -87,12 +216,7 @@ def load_for_eval(
         base_model, base_tokenizer = load_model(model, **load_kwargs)
         tokenizer = tokenizer or base_tokenizer
     if adapter is not None:
-        try:
-            from peft import PeftModel
-        except ImportError as error:
-            raise ImportError(LORA_INSTALL_HINT) from error
-        with quiet_checkpointing_deprecation():
-            base_model = PeftModel.from_pretrained(base_model, str(adapter))
+        base_model = _load_adapter(base_model, adapter)
         if _tokenizer_saved_in(adapter):
             tokenizer = AutoTokenizer.from_pretrained(str(adapter))
     return base_model.eval(), prepare_tokenizer(tokenizer)

@@ -79,9 +79,7 @@ def load_model(
         model = _load_gguf_as_plain_model(source, gguf_file, trust_remote_code=trust_remote_code)
         model = model.to(torch_dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, trust_remote_code=trust_remote_code
-        )
+        model = _from_pretrained_whole(source, torch_dtype, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(
         source, gguf_file=gguf_file, trust_remote_code=trust_remote_code
     )
@@ -89,6 +87,43 @@ def load_model(
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device), tokenizer
+
+
+def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
+    """from_pretrained, refusing weights that do not make the model config.json describes: a tensor of another shape,
+    or weights the files do not hold (transformers would start them at random and say so in a table of many lines,
+    which this keeps quiet: a refusal says it in one line)."""
+    report = logging.getLogger("transformers.modeling_utils")
+    level = report.level
+    report.setLevel(logging.ERROR)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                           ignore_mismatched_sizes=True, output_loading_info=True)
+    finally:
+        report.setLevel(level)
+    mismatched, missing = info.get("mismatched_keys") or [], sorted(info.get("missing_keys") or [])
+    if not mismatched and not missing:
+        return model
+    config = model.config
+    described = f"the {config.model_type} model ({type(model).__name__}) config.json describes"
+    if mismatched:
+        name, in_file, in_model = min(mismatched)
+        problem = (f"{_weights_named(source)} does not fit {described}: {name} is {list(in_file)} in the file and "
+                   f"{list(in_model)} in the model" + (f" ({len(mismatched) - 1} more like it)" if len(mismatched) > 1
+                                                       else ""))
+    else:
+        total = len(model.state_dict())
+        problem = (f"{_weights_named(source)} does not hold {described}: {len(missing)} of its {total} weights are "
+                   f"missing (e.g. {missing[:3]})")
+    raise ValueError(f"model folder {source}: {problem}. config.json and the weights are of different models: "
+                     f"restore the folder from where it came from, or load another")
+
+
+def _weights_named(source: str) -> str:
+    """The weight files of a local folder by name ('its weights' for a hub id)."""
+    folder = Path(source)
+    names = sorted(p.name for p in folder.glob("*") if p.suffix in (".safetensors", ".bin")) if folder.is_dir() else []
+    return ", ".join(names) if names else "its weights"
 
 
 def _load_gguf_as_plain_model(

@@ -4,12 +4,15 @@ stops a run that cannot learn, naming the fix (core/preflight.py)."""
 from __future__ import annotations
 
 import math
+import re
+import signal
 
 import pytest
 import torch
 
 from forge import GRPOConfig, GRPOTrainer
 from forge.core.preflight import PreflightFailed, format_report, preflight
+from forge.core.scoring import RewardError
 from forge.model.tiny import build_tiny_model
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
@@ -132,3 +135,24 @@ def test_the_command_line_exits_2_on_a_strict_failure(tmp_path, capsys):
                  "--max_new_tokens", "4", "--max_steps", "2", "--preflight", "strict"])
     assert code == 2
     assert "no group of 4 completions got different rewards" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("on_reward_error", ["raise", "score"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), SystemExit(0)], ids=["KeyboardInterrupt", "SystemExit"])
+def test_a_reward_raising_keyboard_interrupt_or_system_exit_in_the_preflight_is_its_failure(
+        tmp_path, capsys, error, on_reward_error):
+    def interrupts(prompts, completions, **kwargs):
+        raise error
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as before train() starts
+    try:
+        run = trainer(tmp_path, interrupts, on_reward_error=on_reward_error)
+        if on_reward_error == "raise":  # the preflight counts it; step 1 stops at it, naming the reward
+            with pytest.raises(RewardError, match=f"reward 'interrupts' raised {type(error).__name__}"):
+                run.train(ROWS)
+        else:
+            run.train(ROWS)
+            assert run.global_step == 3
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert re.search(r"reward        interrupts: .*; raised 100%", capsys.readouterr().out)

@@ -1,0 +1,307 @@
+"""`forge eval` and `forge export` never destroy a model or trust a folder blindly.
+
+`forge export --out` writes only into an empty or new folder, or over its own earlier export of the same adapter and
+base; --overwrite replaces anything else, but never a folder export reads from. A folder whose files are damaged in
+a way its hashes cannot tell (it has none, or they were rewritten with the damage) stops eval and export with exit
+code 2 and one line naming the folder and the file, before anything is written: NaN/inf weights, a pickle or a
+system file where safetensors should be, a tensor shape that lies, JSON that does not parse, a config.json or an
+adapter_config.json that does not describe the weights. Everything runs in this process on the tiny model.
+"""
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from forge.cli import main
+from forge.model.tiny import build_tiny_model
+from forge.run.checkpoint import save_checkpoint
+from forge.run.integrity import check_saved_model, write_manifest
+
+ROWS = [{"prompt": "What is 2 + 3?", "reference": "5"}, {"prompt": "What is 4 + 1?", "reference": "5"}]
+
+
+def forge_main(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+def save(path: Path, model, tokenizer) -> None:
+    """A Forge final/ of `model` (weights, config, tokenizer, COMPLETE with every file's sha256)."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    save_checkpoint(path, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                    trainer_state={"global_step": 1}, config={"model_name": "tiny"}, training_state=False)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """plain/ (a transformers folder), full/final (a full fine-tune's final/), lora/final and lora2/final (two
+    LoRA runs' final/ on plain/), data.jsonl."""
+    root = tmp_path_factory.mktemp("saved")
+    model, tokenizer = build_tiny_model(seed=0)
+    model.save_pretrained(root / "plain")
+    tokenizer.save_pretrained(root / "plain")
+    save(root / "full" / "final", model, tokenizer)
+    for run, value in (("lora", 0.01), ("lora2", 0.02)):
+        lora = peft.get_peft_model(build_tiny_model(tokenizer, seed=0)[0], peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():  # a trained adapter: B is no longer zero
+            for name, parameter in lora.named_parameters():
+                if "lora_B" in name:
+                    parameter.fill_(value)
+        save(root / run / "final", lora, tokenizer)
+    (root / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    return root
+
+
+def eval_args(saved: Path, *model_args) -> list:
+    return ["eval", *model_args, "--data", saved / "data.jsonl", "--n", "2", "--max_new_tokens", "2"]
+
+
+def export_args(saved: Path, out: Path, adapter: Path | None = None, base: Path | None = None) -> list:
+    return ["export", "--adapter", adapter or saved / "lora" / "final", "--base", base or saved / "plain", "--out", out]
+
+
+def error_line(capsys) -> str:
+    """The one line of the error: nothing else on stderr but the --debug hint (no traceback, no load report)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line]  # transformers' progress bar
+    assert len(lines) == 2 and lines[0].startswith("forge: error: ") and lines[1].startswith("(run again"), err
+    return lines[0]
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# --------------------------------------------------------------------------------------------------
+# export --out
+
+
+def test_export_refuses_a_folder_holding_a_trained_model_and_names_it(saved, tmp_path, capsys):
+    trained = tmp_path / "trained"
+    shutil.copytree(saved / "full" / "final", trained)
+    before = contents(trained)
+
+    assert forge_main(*export_args(saved, trained)) == 2
+    message = error_line(capsys)
+    assert f"--out {trained}" in message and "a Forge checkpoint" in message and "model.safetensors" in message
+    assert "--overwrite" in message
+    assert contents(trained) == before
+    check_saved_model(trained, "--model")  # still verifies
+
+
+def test_export_refuses_a_folder_holding_other_files_and_names_them(saved, tmp_path, capsys):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert forge_main(*export_args(saved, out)) == 2
+    message = error_line(capsys)
+    assert f"--out {out}" in message and "notes.txt" in message and "--overwrite" in message
+    assert contents(out) == {"notes.txt": b"mine"}
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("which", ["--adapter", "--base"])
+def test_export_never_writes_into_a_folder_it_reads_from(saved, tmp_path, capsys, which, overwrite):
+    adapter, base = tmp_path / "lora" / "final", tmp_path / "plain"
+    shutil.copytree(saved / "lora", tmp_path / "lora")
+    shutil.copytree(saved / "plain", base)
+    source = adapter if which == "--adapter" else base
+    before = contents(tmp_path)
+
+    argv = export_args(saved, source, adapter=adapter, base=base) + (["--overwrite"] if overwrite else [])
+    assert forge_main(*argv) == 2
+    message = error_line(capsys)
+    assert f"--out {source}" in message and f"{which} folder" in message
+    assert contents(tmp_path) == before
+    check_saved_model(adapter, "--adapter")  # the adapter still verifies
+    assert forge_main(*eval_args(saved, "--model", base, "--adapter", adapter)) == 0
+
+
+def test_export_refuses_a_folder_that_holds_what_it_reads_even_with_overwrite(saved, tmp_path, capsys):
+    shutil.copytree(saved / "lora", tmp_path / "run" / "lora")
+    assert forge_main(*export_args(saved, tmp_path / "run", adapter=tmp_path / "run" / "lora" / "final"),
+                      "--overwrite") == 2
+    assert "--adapter folder" in error_line(capsys)
+    check_saved_model(tmp_path / "run" / "lora" / "final", "--adapter")
+
+
+def test_export_writes_over_its_own_earlier_export_of_the_same_adapter_and_base(saved, tmp_path, capsys):
+    out = tmp_path / "merged"
+    assert forge_main(*export_args(saved, out)) == 0
+    first = contents(out)
+    assert "model.safetensors" in first
+    assert forge_main(*export_args(saved, out)) == 0  # the same command again
+    assert contents(out) == first
+    capsys.readouterr()
+
+    # another adapter over it: refused, naming the export that is there
+    assert forge_main(*export_args(saved, out, adapter=saved / "lora2" / "final")) == 2
+    message = error_line(capsys)
+    assert f"--out {out}" in message and str(saved / "lora" / "final") in message and "--overwrite" in message
+    assert contents(out) == first
+
+    # a file of the user's next to the export: no longer only an export
+    (out / "notes.txt").write_text("mine")
+    assert forge_main(*export_args(saved, out)) == 2
+    assert "notes.txt" in error_line(capsys)
+
+
+def test_overwrite_replaces_the_folder_with_the_export_alone(saved, tmp_path):
+    out = tmp_path / "trained"
+    shutil.copytree(saved / "full" / "final", out)
+    (out / "notes.txt").write_text("mine")
+    assert forge_main(*export_args(saved, out), "--overwrite") == 0
+    fresh = tmp_path / "fresh"
+    assert forge_main(*export_args(saved, fresh)) == 0
+    assert contents(out) == contents(fresh)  # the export and nothing of what was there
+    assert [p.name for p in tmp_path.iterdir() if p.name not in ("trained", "fresh")] == []  # no temporaries left
+
+
+# --------------------------------------------------------------------------------------------------
+# damaged folders: one line naming the folder and the file, exit 2, nothing written
+
+
+def rewrite_header(file: Path, change) -> None:
+    data = file.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + size:])
+
+
+def first_tensor(header: dict) -> dict:
+    return header[min(name for name in header if name != "__metadata__")]
+
+
+def nonfinite(value):
+    def spoil(file: Path) -> None:
+        tensors = load_file(file)
+        tensors[max(tensors)].view(-1)[0] = value
+        save_file(tensors, file, metadata={"format": "pt"})
+    return spoil
+
+
+def pickled(file: Path) -> None:
+    file.write_bytes(pickle.dumps({name: tensor.numpy() for name, tensor in load_file(file).items()}))
+
+
+def header_shape_lie(file: Path) -> None:
+    rewrite_header(file, lambda header: first_tensor(header).update(
+        shape=[2 * first_tensor(header)["shape"][0], *first_tensor(header)["shape"][1:]]))
+
+
+def shape_unlike_config(file: Path) -> None:
+    tensors = load_file(file)
+    tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"][:16].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def system_file(file: Path) -> None:
+    file.unlink()
+    file.symlink_to("/etc/passwd")
+
+
+def garbage(file: Path) -> None:
+    file.write_text('{"model_type": "llama", ')
+
+
+def change_json(**values):
+    def spoil(file: Path) -> None:
+        file.write_text(json.dumps(json.loads(file.read_text()) | values))
+    return spoil
+
+
+# case: (what is damaged: model or adapter, the file, how, words the message holds)
+DAMAGE = {
+    "NaN in the weights": ("model", "model.safetensors", nonfinite(float("nan")), ["NaN/inf"]),
+    "inf in the adapter": ("adapter", "adapter_model.safetensors", nonfinite(float("inf")), ["NaN/inf"]),
+    "a pickle as model.safetensors": ("model", "model.safetensors", pickled, ["pickle", "never"]),
+    "a pickled adapter": ("adapter", "adapter_model.safetensors", pickled, ["pickle", "never"]),
+    "a tensor shape that lies": ("model", "model.safetensors", header_shape_lie, ["shape"]),
+    "a shape config.json does not make": ("model", "model.safetensors", shape_unlike_config,
+                                          ["config.json", "[16, 32]"]),
+    "a weights link to a system file": ("model", "model.safetensors", system_file,
+                                        ["/etc/passwd", "not a safetensors file"]),
+    "an adapter rank that lies": ("adapter", "adapter_config.json", change_json(r=8),
+                                  ["adapter_model.safetensors", "size mismatch"]),
+    "garbage config.json": ("model", "config.json", garbage, ["not valid JSON"]),
+    "garbage tokenizer.json": ("model", "tokenizer.json", garbage, ["not valid JSON"]),
+    "garbage adapter_config.json": ("adapter", "adapter_config.json", garbage, ["not valid JSON"]),
+    "a model_type lie": ("model", "config.json", change_json(model_type="gpt2", architectures=["GPT2LMHeadModel"]),
+                         ["gpt2", "model.safetensors", "missing"]),
+}
+
+
+def damaged_folder(saved: Path, tmp_path: Path, case: str, forge_save: bool) -> tuple[str, Path, str]:
+    """(the flag, the damaged copy, its damaged file); a Forge save's COMPLETE is rewritten with the damage, so
+    the hashes pass."""
+    kind, name, spoil, _ = DAMAGE[case]
+    source = {"adapter": saved / "lora" / "final", "model": saved / "full" / "final"}[kind]
+    folder = tmp_path / "damaged"
+    shutil.copytree(source if forge_save else saved / "plain", folder)
+    if not forge_save:
+        (folder / "COMPLETE").unlink(missing_ok=True)
+    spoil(folder / name)
+    if forge_save:
+        write_manifest(folder)
+    return ("--adapter" if kind == "adapter" else "--model"), folder, name
+
+
+def check_refusal(message: str, flag: str, folder: Path, name: str, words: list[str]) -> None:
+    """Named as `--model FOLDER: FILE ...`, or by the loader (`model folder FOLDER: ...`) for what only loading
+    tells: a config.json or adapter_config.json that does not describe the weights."""
+    assert message.startswith((f"forge: error: {flag} {folder}", f"forge: error: model folder {folder}",
+                               f"forge: error: adapter folder {folder}")), message
+    assert name in message, message
+    assert all(word in message for word in words), message
+
+
+@pytest.mark.parametrize("forge_save", [True, False], ids=["forge-save", "plain-folder"])
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_folder_stops_eval_and_export_in_one_line(saved, tmp_path, capsys, case, forge_save):
+    if DAMAGE[case][0] == "adapter" and not forge_save:
+        pytest.skip("an adapter folder is always a Forge save here")
+    flag, folder, name = damaged_folder(saved, tmp_path, case, forge_save)
+    words = DAMAGE[case][3]
+    out = tmp_path / "out"
+
+    model_args = ["--model", saved / "plain", "--adapter", folder] if flag == "--adapter" else ["--model", folder]
+    assert forge_main(*eval_args(saved, *model_args), "--out", out) == 2
+    check_refusal(error_line(capsys), flag, folder, name, words)
+
+    argv = export_args(saved, out, adapter=folder) if flag == "--adapter" else export_args(saved, out, base=folder)
+    assert forge_main(*argv) == 2
+    check_refusal(error_line(capsys), "--adapter" if flag == "--adapter" else "--base", folder, name, words)
+    assert not out.exists()  # nothing written
+
+
+def test_eval_compare_refuses_nan_weights_before_writing_the_report(saved, tmp_path, capsys):
+    _, folder, name = damaged_folder(saved, tmp_path, "NaN in the weights", forge_save=True)
+    out = tmp_path / "report"
+    assert forge_main(*eval_args(saved, "--compare", saved / "plain", folder), "--out", out) == 2
+    check_refusal(error_line(capsys), "--compare", folder, name, ["NaN/inf"])
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# the preflight: a reward that raises KeyboardInterrupt or SystemExit
+
+
+def test_a_reward_raising_keyboard_interrupt_in_the_preflight_is_the_rewards_failure(saved, tmp_path, capsys):
+    (tmp_path / "rewards.py").write_text(
+        "def interrupts(prompts, completions, **kwargs):\n    raise KeyboardInterrupt\n")
+    argv = ["train", "--model", saved / "plain", "--dataset", saved / "data.jsonl", "--group_size", "2",
+            "--max_steps", "1", "--max_new_tokens", "2", "--preflight_prompts", "2",
+            "--reward", f"{tmp_path / 'rewards.py'}:interrupts"]
+    assert forge_main(*argv, "--output_dir", tmp_path / "raise") == 1
+    message = capsys.readouterr().err
+    assert "reward 'interrupts' raised KeyboardInterrupt" in message and "interrupted" not in message
