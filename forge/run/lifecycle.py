@@ -10,7 +10,7 @@ that step can still be saved, and a resumed run repeats the uninterrupted one bi
       .save(finished[, name])             {output_dir}/{step}/ (or final/: weights only), atomic, pruned
       .where_to_resume()                  saves the last finished step if needed; says where it is, how to resume
       .resume(where) -> FinishedStep      loads weights, optimizer, schedule and RNG; checks config and data
-    StopSignals                           SIGINT/SIGTERM: finish the step, save, raise TrainingInterrupted
+    StopSignals                           SIGINT/SIGTERM/SIGHUP: finish the step, save, raise TrainingInterrupted
     check_output_dir_is_free / claim_output_dir    refuse another run's directory; hold it for this run
 
 This module never reads the trainer: everything comes in through `CheckpointParts` and `FinishedStep`.
@@ -37,7 +37,7 @@ from forge.run.rng import restore_rng_state
 
 
 class TrainingInterrupted(RuntimeError):
-    """SIGINT/SIGTERM arrived; a checkpoint was written and the message says how to resume."""
+    """SIGINT/SIGTERM/SIGHUP arrived; a checkpoint was written and the message says how to resume."""
 
 
 @dataclass
@@ -402,10 +402,24 @@ def reraise_user_interrupt(error: BaseException) -> None:
         raise error
 
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def relayed_as(signum: int) -> int:
+    """The signal `forge train`'s watching process (forge/run/supervisor.py) passes a stop signal on as: a
+    real-time signal of its own, so the training process tells one signal that reached both processes (Ctrl-C
+    in a terminal, `timeout`, systemd, Slurm: a whole process group) from two; the signal itself without them."""
+    if not hasattr(signal, "SIGRTMAX"):
+        return signum
+    return signal.SIGRTMAX - 1 - STOP_SIGNALS.index(signum)
+
+
 class StopSignals:
-    """SIGINT/SIGTERM during training: the first lets the step under way finish, saves it and stops; a second
+    """SIGINT/SIGTERM/SIGHUP during training: the first lets the step under way finish, saves it and stops; a second
     abandons the step under way (KeyboardInterrupt, weights untouched) and the last finished step is saved,
-    unless the step's weights are being committed (then it finishes and is saved as after the first).
+    unless the step's weights are being committed (then it finishes and is saved as after the first). SIGHUP is
+    left alone where it is ignored (`nohup`). A signal that reached this process both directly and relayed by
+    `forge train`'s watching process (`relayed_as`) counts once.
 
     Each signal prints what will happen, with the same step numbers as the message the run stops with.
     `next_step()` is the number of the next optimizer step (the last finished one + 1); the run loop sets
@@ -421,11 +435,17 @@ class StopSignals:
         self.under_way: int | None = None
         self.saves_on_abandon = True
         self._previous: dict = {}
+        self._arrived: dict[tuple[int, bool], int] = {}  # (signal, relayed?) -> how many times
 
     def __enter__(self):
-        self.requested, self.committing = None, False
+        self.requested, self.committing, self._arrived = None, False, {}
         if hasattr(signal, "SIGTERM") and threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+            for signum in STOP_SIGNALS:
+                if signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) is signal.SIG_IGN:
+                    continue  # nohup's SIGHUP stays ignored
+                self._previous[signum] = signal.signal(signum, self._request_stop)
+                if relayed_as(signum) != signum:
+                    self._previous[relayed_as(signum)] = signal.signal(relayed_as(signum), self._relayed_stop)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -441,21 +461,27 @@ class StopSignals:
         """The step was skipped: the weights are (back to) those of the last finished step."""
         self.committing = False
 
-    def _request_stop(self, signum, frame) -> None:
+    def _relayed_stop(self, relayed, frame) -> None:
+        self._request_stop(next(s for s in STOP_SIGNALS if relayed_as(s) == relayed), frame, relayed=True)
+
+    def _request_stop(self, signum, frame, relayed: bool = False) -> None:
+        arrived = self._arrived[signum, relayed] = self._arrived.get((signum, relayed), 0) + 1
+        if arrived <= self._arrived.get((signum, not relayed), 0):
+            return  # the same signal, which reached this process by the other way already
         name, last = signal.Signals(signum).name, self.next_step() - 1
         if self.requested is not None and not self.committing:
-            tqdm.write(f"forge: a second {name}: step {last + 1} is abandoned; {self.kept(last)}")
+            _say(f"forge: a second {name}: step {last + 1} is abandoned; {self.kept(last)}")
             note_user_interrupt()  # if it lands inside a reward: the user's interrupt, not the reward's failure
             raise KeyboardInterrupt  # second signal: abandon the step under way (weights untouched)
         self.requested = signum
         if self.under_way is None:
-            tqdm.write(f"forge: {name} received; step {last} is finished: saving it, then stopping")
+            _say(f"forge: {name} received; step {last} is finished: saving it, then stopping")
         elif self.committing:
-            tqdm.write(f"forge: {name} received; step {self.under_way} is being committed: it finishes, is saved, "
-                       f"then the run stops")
+            _say(f"forge: {name} received; step {self.under_way} is being committed: it finishes, is saved, then "
+                 f"the run stops")
         else:
-            tqdm.write(f"forge: {name} received; step {self.under_way} finishes, is saved, then the run stops (send "
-                       f"{name} again to abandon step {last + 1}: {self.kept(last)})")
+            _say(f"forge: {name} received; step {self.under_way} finishes, is saved, then the run stops (send "
+                 f"{name} again to abandon step {last + 1}: {self.kept(last)})")
 
     def kept(self, last: int) -> str:
         """What a stop that abandons the step under way keeps, when the last finished step is `last`."""
@@ -473,7 +499,16 @@ class StopSignals:
         return f"stopped by {name} after step {step} of {total_steps}."
 
 
+def _say(line: str) -> None:
+    """A signal handler's line; a terminal that hung up (SIGHUP) must not turn the stop into an OSError."""
+    try:
+        tqdm.write(line)
+    except OSError:
+        pass
+
+
 __all__ = [
+    "STOP_SIGNALS",
     "CheckpointParts",
     "FinishedStep",
     "OutputDirInUse",
@@ -488,6 +523,7 @@ __all__ = [
     "note_user_interrupt",
     "nothing_to_resume",
     "previous_run",
+    "relayed_as",
     "reraise_user_interrupt",
     "resume_hint",
     "what_is_left",

@@ -13,9 +13,14 @@ interrupted: each says so itself), the parent prints one line, what ended it and
     command plus --resume
 
 The child is a copy of the parent (fork, no second interpreter or torch import), so watching costs one fork
-(4.5 ms for fork, exit and wait with torch imported, on a 2-core Xeon with AMX-BF16) and a sleeping parent. Signals: Ctrl-C in a terminal
-reaches both processes; the parent ignores it and the child handles it as ever (finish the step, save, exit
-130). A SIGTERM sent to the parent is passed on to the child. The child gets SIGKILL when the parent dies
+(4.5 ms for fork, exit and wait with torch imported, on a 2-core Xeon with AMX-BF16) and a sleeping parent.
+
+Signals: SIGINT, SIGTERM and SIGHUP sent to the parent are passed on to the child, so a stop signal to either
+process (`kill -INT`, `timeout -s INT`, a job runner, `Popen.send_signal`) gives the run's documented stop:
+finish the step under way, save it, exit 130. The parent passes each on as a real-time signal of its own
+(forge.run.lifecycle.relayed_as), so the child counts a signal that reached both processes (Ctrl-C in a terminal,
+a signal to the process group) once. Before training starts and after it ends the child takes a relayed signal
+as the signal itself. A SIGHUP ignored by `nohup` stays ignored. The child gets SIGKILL when the parent dies
 (Linux's PR_SET_PDEATHSIG), so `kill -9` of `forge train` still stops the training at once.
 
 Not watched: the Python API (`GRPOTrainer.train` in a script of yours: nothing outside the process can report
@@ -35,6 +40,7 @@ from collections.abc import Callable
 
 from forge.parallel.launch import how_it_ended
 from forge.run.integrity import latest_verified_checkpoint
+from forge.run.lifecycle import STOP_SIGNALS, relayed_as
 
 
 def run_watched(train: Callable[[], int], output_dir: str | os.PathLike) -> int:
@@ -53,6 +59,7 @@ def run_watched(train: Callable[[], int], output_dir: str | os.PathLike) -> int:
     child = os.fork()
     if child == 0:
         _die_with(parent)
+        _take_relayed_signals_as_themselves()
         try:
             code = train()
         except SystemExit:  # sys.exit() that no one caught inside the run: not an end of `forge train`
@@ -102,10 +109,19 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
+def _take_relayed_signals_as_themselves() -> None:
+    """In the child: a stop signal the parent relays is the signal itself (forge.run.lifecycle.StopSignals, during
+    training, counts a signal that came both ways once)."""
+    for signum in STOP_SIGNALS:
+        if relayed_as(signum) != signum:
+            signal.signal(relayed_as(signum), lambda relayed, frame, signum=signum: os.kill(os.getpid(), signum))
+
+
 def _wait_passing_signals(child: int) -> int:
-    """Wait for `child`; meanwhile ignore SIGINT (the terminal sends it to the child too) and pass on SIGTERM."""
-    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
-                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: _pass_on(child, signum))}
+    """Wait for `child`; meanwhile pass SIGINT, SIGTERM and SIGHUP on to it (nohup's ignored SIGHUP excepted)."""
+    previous = {signum: signal.signal(signum, lambda signum, frame: _pass_on(child, relayed_as(signum)))
+                for signum in STOP_SIGNALS
+                if not (signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) is signal.SIG_IGN)}
     try:
         return os.waitpid(child, 0)[1]
     finally:
@@ -118,4 +134,3 @@ def _pass_on(child: int, signum: int) -> None:
         os.kill(child, signum)
     except ProcessLookupError:  # it has just ended
         pass
-

@@ -239,6 +239,39 @@ def test_sigterm_to_forge_train_is_passed_on_and_kill_9_stops_the_training(works
     run.communicate(timeout=60)  # returns once every holder of its pipes, the training process too, is gone
 
 
+def training_process(run: subprocess.Popen) -> int:
+    """The pid of the process `forge train` (pid run.pid) forked to train."""
+    children = Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+@pytest.mark.parametrize("target", ["forge train", "the training process"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_to_either_process_finishes_the_step_saves_it_and_exits_130(workspace, tmp_path, signum,
+                                                                                  target):
+    out, ready = tmp_path / "out", tmp_path / "ready"
+    run = forge_train(workspace, out, env={"PAUSE_AT_STEP": "2", "READY_FILE": str(ready), "PAUSE_SECONDS": "2"})
+    started(run, ready)
+    os.kill(run.pid if target == "forge train" else training_process(run), signum)  # kill -INT, timeout -s, ...
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 130, stderr
+    assert (stdout + stderr).count(f"{signum.name} received") == 1, stderr
+    assert f"forge: stopped by {signum.name} after step 2 of 3" in stderr and (out / "2" / "COMPLETE").is_file()
+    assert not (out / "3").exists()
+
+
+def test_a_stop_signal_to_the_process_group_counts_once(workspace, tmp_path):
+    out, ready = tmp_path / "out", tmp_path / "ready"  # what `timeout -s TERM`, systemd or Slurm do: both get it
+    run = forge_train(workspace, out, env={"PAUSE_AT_STEP": "2", "READY_FILE": str(ready), "PAUSE_SECONDS": "2"},
+                      start_new_session=True)
+    started(run, ready)
+    os.killpg(run.pid, signal.SIGTERM)
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 130 and "a second SIGTERM" not in stdout + stderr, stderr
+    assert "forge: stopped by SIGTERM after step 2 of 3" in stderr and (out / "2" / "COMPLETE").is_file()
+
+
 @pytest.mark.parametrize("code, said", [
     (-signal.SIGKILL, "the training process was killed by SIGKILL (the kernel's out-of-memory killer sends it"),
     (-signal.SIGSEGV, "the training process was killed by SIGSEGV (a crash in native code)"),

@@ -391,6 +391,26 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, capsys
     assert f"The last finished step (2) is saved in {checkpoint}" in str(caught.value)
 
 
+def test_a_signal_that_came_both_ways_counts_once_and_nohups_sighup_stays_ignored():
+    from forge.run import lifecycle
+    from forge.run.lifecycle import StopSignals, relayed_as
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    try:
+        with StopSignals(lambda: 3) as signals:
+            signals.under_way = 3
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGTERM)  # sent to the process group: directly ...
+            os.kill(os.getpid(), relayed_as(signal.SIGTERM))  # ... and relayed by forge train's watching process
+            assert signals.requested == signal.SIGTERM
+            with pytest.raises(KeyboardInterrupt):  # a second one, both ways again, abandons the step
+                os.kill(os.getpid(), relayed_as(signal.SIGTERM))
+                os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+        lifecycle._user_interrupt.clear()  # the abandon marked the interrupt as the user's
+
+
 def test_a_signal_between_steps_stops_at_the_step_that_finished(tmp_path, capsys):
     """A signal while a finished step is logged, evaluated or saved: that step is the one saved, none starts."""
     sent = []
