@@ -259,6 +259,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_vllm_serve(args: argparse.Namespace) -> int:
+    from forge.model.loading import _DEFAULT_ALIASES, packaged_model_path
+    from forge.model.precision import choose_precision
+    from forge.model.vllm_engine import serve
+
+    folder = str(packaged_model_path()) if args.model in _DEFAULT_ALIASES else args.model
+    dtype = {"bfloat16": "bfloat16", "float16": "float16"}.get(str(choose_precision(args.dtype).compute)
+                                                                .removeprefix("torch."), "float32")
+    serve(folder, args.host, args.port, dtype, args.enforce_eager, args.gpu_memory_utilization, args.vllm_args)
+    return 0
+
+
 def _check_saved_folders(*given: tuple[str, str | None]) -> None:
     """A folder Forge saved, given to `forge eval` or `forge export`, must verify before it loads (an UnverifiedSave,
     exit code 2, names the folder, the file and what to load instead); then the files any local folder's load reads
@@ -385,6 +397,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="replace what --out holds (never the --adapter or "
                         "--base folder)")
     export.set_defaults(func=cmd_export)
+    serve = sub.add_parser("vllm-serve", help="serve a model on vLLM for `forge train --vllm_mode server`")
+    serve.add_argument("--model", default="default", help="hub id, local folder, or 'default' (packaged SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--dtype", default="auto", help="as GRPOConfig.dtype: the trainer's compute dtype")
+    serve.add_argument("--enforce_eager", action="store_true", help="no compiled model: faster start, slower tokens")
+    serve.add_argument("--gpu_memory_utilization", type=float, default=0.9)
+    serve.add_argument("--vllm_args", nargs=argparse.REMAINDER, default=[], help="the rest goes to vLLM's server")
+    serve.set_defaults(func=cmd_vllm_serve)
     parser.commands = sub.choices  # each command's parser, for the unknown-flag message
     for command in parser.commands.values():
         command.allow_abbrev = False  # `--num_generation` is a typo to name, not a prefix of --num_generations

@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import urllib.error
@@ -267,3 +268,23 @@ class ServerEngine:
 
     def close(self) -> None:
         pass
+
+
+def serve(model_folder: str, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
+          enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, extra: list[str] | None = None) -> None:
+    """Replace this process with vLLM's OpenAI-compatible server for `forge train --vllm_mode server`: the
+    token-in/token-out endpoint on, log-probs of the sampling softmax, and the development endpoints through
+    which a trainer has the workers reload its weights (`/collective_rpc`) and drop stale prefixes. Serve only on
+    a network you trust: those endpoints take no key. On a CPU the KV cache takes VLLM_CPU_KVCACHE_SPACE GiB
+    (4 unless set)."""
+    require_vllm()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),
+            "--host", host, "--port", str(port), "--dtype", dtype, "--enable-scale-out",
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-prefix-caching",
+            "--gpu-memory-utilization", str(gpu_memory_utilization),
+            *(["--enforce-eager"] if enforce_eager else []), *(extra or [])]
+    note(f"vllm-serve: {' '.join(argv[1:])}")
+    sys.stdout.flush()
+    os.execve(sys.executable, argv, env)
