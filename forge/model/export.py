@@ -117,9 +117,10 @@ def _load_adapter(base_model: nn.Module, adapter_dir: str | os.PathLike) -> nn.M
                          f"adapter_config.json: {mismatch.replace('torch.Size', '')} The config (its r, "
                          f"target_modules) is not the one the adapter was saved with: restore the folder from where "
                          f"it came from") from None
-    except pickle.UnpicklingError as error:
-        raise ValueError(f"adapter folder {adapter_dir}: {_adapter_weights(adapter_dir)} cannot be loaded: torch "
-                         f"refuses its pickle ({str(error).splitlines()[0]}); load an adapter saved as "
+    except pickle.UnpicklingError:
+        raise ValueError(f"adapter folder {adapter_dir}: {_adapter_weights(adapter_dir)} cannot be loaded: it is a "
+                         f"pickle that holds more than tensors, and unpickling it would run whatever code it names "
+                         f"(torch refuses it, and Forge never unpickles it); load an adapter saved as "
                          f"adapter_model.safetensors") from None
 
 

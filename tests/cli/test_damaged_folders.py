@@ -284,6 +284,33 @@ def test_a_damaged_folder_stops_eval_and_export_in_one_line(saved, tmp_path, cap
     assert not out.exists()  # nothing written
 
 
+class RunsCode:
+    """What a hostile pickle holds: unpickling it calls Path.touch, creating the file it names."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+def test_a_pickled_adapter_bin_is_refused_and_never_unpickled(saved, tmp_path, capsys):
+    adapter = tmp_path / "adapter"  # a plain peft folder: adapter_config.json and adapter_model.bin
+    shutil.copytree(saved / "lora" / "final", adapter, ignore=lambda *_: ["COMPLETE", "adapter_model.safetensors",
+                                                                          "forge_config.json", "trainer_state.json"])
+    touched = tmp_path / "code-ran"
+    (adapter / "adapter_model.bin").write_bytes(pickle.dumps(RunsCode(touched)))
+    out = tmp_path / "out"
+
+    assert forge_main(*eval_args(saved, "--model", saved / "plain", "--adapter", adapter), "--out", out) == 2
+    check_refusal(error_line(capsys), "--adapter", adapter, "adapter_model.bin", ["never unpickles"])
+    assert forge_main(*export_args(saved, out, adapter=adapter)) == 2
+    message = error_line(capsys)
+    check_refusal(message, "--adapter", adapter, "adapter_model.bin", ["never unpickles"])
+    assert "weights_only" not in message  # torch's advice to unpickle it anyway is not passed on
+    assert not touched.exists() and not out.exists()
+
+
 def test_eval_compare_refuses_nan_weights_before_writing_the_report(saved, tmp_path, capsys):
     _, folder, name = damaged_folder(saved, tmp_path, "NaN in the weights", forge_save=True)
     out = tmp_path / "report"
