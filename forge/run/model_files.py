@@ -50,14 +50,21 @@ def check_model_files(path: str | os.PathLike, given_as: str) -> None:
     if not path.is_dir():
         return
     for name in LOADED_JSON:
-        problem = _json_problem(path / name) if (path / name).is_file() else None
+        problem = _read(_json_problem, path / name) if (path / name).is_file() else None
         if problem:
             raise DamagedModelFolder(f"{given_as} {path}: {name} {problem}. {_restore(path)}")
     for name in _weight_files(path):
-        problem = weights_problem(path / name)
+        problem = _read(weights_problem, path / name)
         if problem:
             raise DamagedModelFolder(f"{given_as} {path}: {name}{_link_note(path / name)} {problem}. "
                                      f"{_restore(path)}")
+
+
+def _read(check, file: Path) -> str | None:
+    try:
+        return check(file)
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
 
 
 def _restore(path: Path) -> str:
@@ -76,7 +83,7 @@ def _json_problem(file: Path) -> str | None:
 
 def _weight_files(path: Path) -> list[str]:
     """The safetensors files a load of `path` reads: the adapter's, the single file, the shards of the index."""
-    names = [name for name in (ADAPTER_WEIGHTS_NAME, FULL_WEIGHTS_NAME) if (path / name).exists()]
+    names = [name for name in (ADAPTER_WEIGHTS_NAME, FULL_WEIGHTS_NAME) if os.path.lexists(path / name)]
     if (path / FULL_WEIGHTS_INDEX_NAME).is_file():  # parsed above
         weight_map = json.loads((path / FULL_WEIGHTS_INDEX_NAME).read_text(encoding="utf-8")).get("weight_map")
         if isinstance(weight_map, dict):
@@ -91,8 +98,10 @@ def _link_note(file: Path) -> str:
 def weights_problem(file: Path) -> str | None:
     """Why the safetensors file `file` cannot be loaded as weights (not safetensors, truncated, a header that lies
     about a tensor, NaN/inf), or None."""
-    if not file.is_file():
+    if not file.exists():
         return "is missing"
+    if not file.is_file():
+        return "is not a file"
     problem = safetensors_problem(file)
     if problem is not None:
         with file.open("rb") as f:
