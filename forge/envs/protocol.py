@@ -24,12 +24,18 @@ episodes are independent. The protocol is TRL's `environment_factory`, accepted 
   reward (`Episode.rewards`; `episode_return` sums them) and the end of the episode (the text is fed, then
   the completion ends).
 - Rewards receive the finished instances as `environments=` and Forge's records as `episodes=`; a class with
-  `get_reward` is also a reward of its own (named after the class, weight 1), as in TRL.
+  `get_reward` is also a reward of its own (named after the class, weight 1), as in TRL. A failed episode's
+  entry in `environments=` is None and its `episodes=` entry says why (`Episode.failure`).
 
 An environment that raises, hangs or returns what cannot be read costs its completion, never the run: a
 failing call is an error text the model reads and counts in the tools/* failures; a factory or `reset` that
-fails makes a failed episode (`Episode.failure`), which samples nothing and is left out of the loss and the
-group statistics. Environments are built from the rows at every step, never saved: a resumed run rebuilds
+fails, or a method whose Observation's reward is not a number, makes a failed episode (`Episode.failure`, one
+line naming the class and the method), which samples nothing more and is left out of the loss and the group
+statistics. Failed episodes are counted each step (env/failed_episodes, env/timed_out_episodes), marked in
+samples.jsonl (`episode_failure`), and the run-health alarm `episodes_failing` goes off when most of a step's
+episodes failed. Text from an environment reaches the tokenizer with lone surrogates replaced (U+FFFD). Before
+the run, one instance is built to read its tools, under the same timeout (tool_timeout) and error handling; a
+factory that fails there stops the run with one line. Environments are built from the rows at every step, never saved: a resumed run rebuilds
 them, so an environment whose state depends only on its row resumes bitwise.
 """
 
@@ -44,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forge.tools.calls import Tool, ToolCall, ToolSettings, as_tool, load_object, run_calls
+from forge.tools.outcome import describe_error
 
 RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools
 
@@ -67,9 +74,10 @@ class Episode:
     turns: int = 0  # calls answered
     rewards: list[float] = field(default_factory=list)  # per-turn rewards, in order
     done: bool = False  # the environment ended the episode (Observation.done)
-    failure: str | None = None  # why the episode could not run (factory or reset raised, hung, ...)
+    failure: str | None = None  # why the episode could not run (factory or reset raised, hung, ...), one line
+    timed_out: bool = False  # the failure: building or resetting the instance took longer than tool_timeout
     toolbox: dict[str, Tool] = field(default_factory=dict, repr=False)  # this instance's methods, as tools
-    outbox: dict[int, Observation] = field(default_factory=dict, repr=False)  # turn -> what its call returned
+    outbox: dict[int, dict] = field(default_factory=dict, repr=False)  # turn -> its Observation's reward, done
 
     @property
     def total_reward(self) -> float | None:
@@ -110,11 +118,22 @@ class EnvironmentSettings:
 
     @classmethod
     def of(cls, factory: Callable[[], Any], settings: ToolSettings) -> EnvironmentSettings:
-        """Probe one instance for its methods. `settings.tools` are standalone tools every episode also has."""
+        """Probe one instance for its methods (built under settings.timeout, as an episode's is).
+        `settings.tools` are standalone tools every episode also has."""
         if not callable(factory):
             raise TypeError(f"environment_factory must be a class or a callable returning an instance, got "
                             f"{type(factory).__name__}")
-        probe = factory()
+        built: dict = {}
+        (result,) = run_calls([ToolCall("probe", "probe", {})], settings,
+                              toolboxes=[{"probe": Tool(lambda: _build(factory, built), "probe", {}, "probe")}])
+        name, method = _factory_name(factory)
+        if result.failure is not None:
+            failed = (f"did not return within tool_timeout={settings.timeout:g} s" if result.failure == "timeout"
+                      else f"raised {result.output.removeprefix('error: ')}")
+            raise ValueError(f"environment_factory {name}: {method} {failed}; Forge builds one instance before the "
+                             f"run to read its tools, so the factory must build one quickly without a dataset row "
+                             f"(do slow set-up in reset)")
+        probe = built["instance"]
         if not callable(getattr(probe, "reset", None)):
             raise TypeError(f"environment {type(probe).__name__} has no reset method; define reset(self, **row) "
                              f"(it may return the opening observation)")
@@ -128,16 +147,20 @@ class EnvironmentSettings:
         """One episode per completion (rows[i] opens episodes i*G..(i+1)*G-1): build each instance and reset it
         with its row, all in parallel under the tool timeout; a failure marks the episode, never raises."""
         episodes = [Episode() for _ in range(len(rows) * group_size)]
-        calls, boxes = [], []
+        calls, boxes, built = [], [], [{} for _ in episodes]  # built[n]: what episode n's call got to
         for n, episode in enumerate(episodes):
             row = dict(rows[n // group_size])
             calls.append(ToolCall("reset", "reset", {"row": row}))
-            boxes.append({"reset": Tool(self._opener(episode), "reset", {}, "reset")})
-        for episode, result in zip(episodes, run_calls(calls, self.tools, toolboxes=boxes)):
-            if result.failure is not None:
-                episode.failure, episode.opening = f"reset: {result.output}", None
-            elif episode.opening is not None:
-                episode.opening = result.output  # as the model reads it: cut at max_tool_output_chars
+            boxes.append({"reset": Tool(self._opener(built[n]), "reset", {}, "reset")})
+        name, builder = _factory_name(self.factory)
+        for episode, result, got in zip(episodes, run_calls(calls, self.tools, toolboxes=boxes), built):
+            if result.failure is not None:  # a call abandoned at its timeout writes on in `got`, no one reads it
+                method = f"{type(got['instance']).__name__}.reset" if "instance" in got else builder
+                episode.failure = f"{method}: {result.output}"
+                episode.timed_out = result.failure == "timeout"
+                continue
+            episode.environment = got["instance"]
+            episode.opening = None if got["opening"] is None else result.output  # as read: cut, no lone surrogate
             if episode.failure is None:
                 episode.toolbox = {t.name: t for t in self.standalone} | {
                     t.name: Tool(self._method(episode, t.name), t.name, t.schema, t.text_tag)
@@ -147,49 +170,84 @@ class EnvironmentSettings:
             first = next((e.opening for e in group if e.failure is None), None)
             for episode in group:
                 if episode.failure is None and episode.opening != first:
+                    episode.environment = None
                     episode.failure = (f"reset opened with {str(episode.opening)[:80]!r}, its group with "
                                        f"{str(first)[:80]!r}; the completions of a row share their prompt, so "
                                        f"reset must open the same way for the same row")
         return episodes
 
-    def _opener(self, episode: Episode) -> Callable[..., str]:
+    def _opener(self, built: dict) -> Callable[..., str]:
         factory = self.factory
 
         def open_episode(row: dict) -> str:
-            environment = factory()
-            episode.environment = environment
+            environment = _build(factory, built)
             reset = environment.reset
             parameters = inspect.signature(reset).parameters.values()
             takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
             named = {p.name for p in parameters}
             observation = _resolved(reset(**{k: v for k, v in row.items() if takes_all or k in named}))
-            episode.opening = None if observation is None else as_text(observation)
-            return episode.opening or ""
+            built["opening"] = None if observation is None else as_text(observation)
+            return built["opening"] or ""
 
         return open_episode
 
     @staticmethod
     def _method(episode: Episode, name: str) -> Callable[..., str]:
+        method = getattr(type(episode.environment), name)  # the class's: an instance attribute cannot shadow it
+        where = f"{type(episode.environment).__name__}.{name}"
+
         def call(**arguments) -> str:
             turn = episode.turns  # read before the call: a late, abandoned call writes to a turn no one reads
-            value = _resolved(getattr(episode.environment, name)(**arguments))
+            value = _resolved(method(episode.environment, **arguments))
             if isinstance(value, Observation):
-                episode.outbox[turn] = value
+                episode.outbox[turn] = {"done": bool(value.done), **_reward_of(value, where)}
                 return as_text(value.text)
             return as_text(value)
 
-        call.__signature__ = inspect.signature(getattr(episode.environment, name))
+        call.__signature__ = inspect.signature(method.__get__(episode.environment))
         return call
 
     @staticmethod
     def settle(episode: Episode, failed: bool) -> None:
-        """After a call of the episode was answered: count the turn, keep its reward and whether it ended."""
+        """After a call of the episode was answered: count the turn, keep its reward and whether it ended (a
+        reward that is not a number fails the episode)."""
         observation = None if failed else episode.outbox.pop(episode.turns, None)
         episode.turns += 1
-        if observation is not None:
-            if observation.reward is not None:
-                episode.rewards.append(float(observation.reward))
-            episode.done = episode.done or bool(observation.done)
+        if observation is None:
+            return
+        if observation.get("problem"):
+            episode.failure, episode.environment, episode.done = observation["problem"], None, True
+            return
+        if observation["reward"] is not None:
+            episode.rewards.append(observation["reward"])
+        episode.done = episode.done or observation["done"]
+
+
+def _build(factory: Callable[[], Any], built: dict) -> Any:
+    """factory(), kept in `built["instance"]` (so a caller knows how far the call got)."""
+    built["instance"] = factory()
+    return built["instance"]
+
+
+def _factory_name(factory: Callable[[], Any]) -> tuple[str, str]:
+    """(the factory's name, the method that builds an instance): ('Guess', 'Guess.__init__') for a class."""
+    name = getattr(factory, "__qualname__", None) or type(factory).__name__
+    return name, f"{name}.__init__" if isinstance(factory, type) else name
+
+
+def _reward_of(observation: Observation, where: str) -> dict:
+    """{'reward': float or None} for an Observation's reward, or {'problem': the episode's failure} when it is not
+    a number (run inside the call's isolation: a __float__ that raises or hangs costs the call)."""
+    reward = observation.reward
+    if reward is None:
+        return {"reward": None}
+    problem = f"{where} returned Observation(reward={reward!r:.60}); a reward is a number or None"
+    if isinstance(reward, (str, bytes)) or not hasattr(type(reward), "__float__"):
+        return {"problem": problem}
+    try:
+        return {"reward": float(reward)}
+    except (TypeError, ValueError, RuntimeError) as error:
+        return {"problem": f"{problem} ({describe_error(error)})"}
 
 
 def with_opening(prompt: Any, opening: str | None) -> Any:

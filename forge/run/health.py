@@ -107,6 +107,10 @@ HEALTH_RULES: dict[str, Rule] = {
     "grad_norm_exploding": Rule(10.0, _spike("grad_norm", 1e-6),
                                 "the gradient norm jumped over 10x its recent level: lower learning_rate or "
                                 "max_grad_norm"),
+    "episodes_failing": Rule(0.5, _latest("env/frac_failed_episodes", lambda v, t: v > t),
+                             "most of this step's environment episodes failed (env/failed_episodes), so they "
+                             "sampled nothing and taught nothing: their environment's __init__ or reset raised or "
+                             "took longer than tool_timeout; samples.jsonl says why (episode_failure)"),
     "skipped_steps": Rule(1.0, _skipped,
                           "an optimizer step was skipped for a NaN/inf loss, gradient or weight: lower learning_rate "
                           "or use dtype='float32'"),

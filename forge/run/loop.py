@@ -185,8 +185,10 @@ class TrainingRun:
                 self.rollouts_without_calls = None
         health, started = self.health.check(metrics)
         metrics.update(health)
+        failures = [sample["episode_failure"] for sample in metrics["_samples"] if "episode_failure" in sample]
         for name in started if self.dist.is_main else ():
-            tqdm.write(f"forge: health: step {step}: {name}: {HEALTH_RULES[name].says}")
+            example = f" (e.g. {failures[0]})" if name == "episodes_failing" and failures else ""
+            tqdm.write(f"forge: health: step {step}: {name}: {HEALTH_RULES[name].says}{example}")
         if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps:
             self.logger.log(metrics, step=step, epoch=round(metrics["epoch"], 4))
             self.logger.log_samples(metrics.pop("_samples"), step=step)

@@ -41,6 +41,9 @@ class RolloutStats:
     tool_timeouts: int = field(default=0, metadata=SUM)
     tool_malformed: int = field(default=0, metadata=SUM)  # unparseable calls and unknown tools
     tool_truncated: int = field(default=0, metadata=SUM)  # outputs cut at max_tool_output_chars
+    env_episodes: int = field(default=0, metadata=SUM)  # runs with an environment: episodes run
+    env_failed: int = field(default=0, metadata=SUM)  # ... that failed (Episode.failure)
+    env_timed_out: int = field(default=0, metadata=SUM)  # ... because building or resetting timed out
     gen_seconds: float = field(default=0.0, metadata=MAX)  # the ranks generate side by side
     samples: list[dict] = field(default_factory=list)  # one logged sample per prompt (this rank's)
 
@@ -57,6 +60,10 @@ class RolloutStats:
         self.errors += scores.errors
         self.timeouts += scores.timeouts
         self.nonfinite += scores.nonfinite
+        if rollout.episodes is not None:
+            self.env_episodes += len(rollout.episodes)
+            self.env_failed += sum(episode.failure is not None for episode in rollout.episodes)
+            self.env_timed_out += sum(episode.timed_out for episode in rollout.episodes)
         if rollout.tool_calls is not None:
             results = [result for calls in rollout.tool_calls for result in calls]
             failures = [result.failure for result in results]
@@ -132,6 +139,10 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         "param_delta_norm": param_delta_norm,
     }
     metrics.update(tool_metrics(stats))
+    if stats.env_episodes:
+        metrics.update({"env/failed_episodes": int(stats.env_failed),
+                        "env/timed_out_episodes": int(stats.env_timed_out),
+                        "env/frac_failed_episodes": stats.env_failed / stats.env_episodes})
     for name, parts in stats.components.items():
         values = torch.cat(parts)  # (N_total,)
         if name in stats.applies:  # over the samples the reward applies to (it returned a number)
@@ -201,6 +212,8 @@ def rollout_samples(rows: list[dict], rollout, rewards: torch.Tensor, group_size
                   "reward": float(rewards[i])}
         if rollout.tool_calls is not None:  # the calls and the results fed back, in order
             sample["tool_calls"] = [result.as_dict() for result in rollout.tool_calls[i]]
+        if rollout.episodes is not None and rollout.episodes[i].failure is not None:
+            sample["episode_failure"] = rollout.episodes[i].failure  # it sampled nothing; this is why
         out.append(sample)
     return out
 

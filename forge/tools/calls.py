@@ -227,6 +227,38 @@ class CallFormat:
     extra: dict = field(default_factory=dict)
 
 
+MAX_CALL_DEPTH = 64  # the most nested JSON arrays and objects a call may hold (deeper: a malformed call)
+
+
+def _too_deep(text: str) -> str | None:
+    """Why the JSON `text` is refused before parsing (it nests deeper than MAX_CALL_DEPTH, where json.loads would
+    recurse to a RecursionError and the tools, the logs and rewards after it too), else None."""
+    depth, in_string, escaped = 0, False, False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > MAX_CALL_DEPTH:
+                return f"the call nests deeper than {MAX_CALL_DEPTH} levels of JSON arrays and objects"
+        elif char in "]}":
+            depth -= 1
+    return None
+
+
+def _json(text: str) -> tuple[Any, str | None]:
+    """(value, None) for JSON text, or (None, why not): not JSON, or nested too deep."""
+    problem = _too_deep(text)
+    if problem is not None:
+        return None, problem
+    try:
+        return json.loads(text), None
+    except (json.JSONDecodeError, RecursionError) as error:
+        return None, f"not JSON ({error})"
+
+
 def _parse_text_call(segment: str, tools: list[Tool]) -> ToolCall | None:
     """`... <calc>745 * 48</calc>` -> ToolCall('calculator', {'expression': '745 * 48'})."""
     for tool in tools:
@@ -242,11 +274,10 @@ def _parse_text_call(segment: str, tools: list[Tool]) -> ToolCall | None:
         names = tool.parameters
         if len(names) == 1:
             return ToolCall(text, tool.name, {names[0]: argument})
-        try:  # several parameters: the tag holds a JSON object of them
-            arguments = json.loads(argument)
-        except json.JSONDecodeError as error:
+        arguments, problem = _json(argument)  # several parameters: the tag holds a JSON object of them
+        if problem is not None:
             return ToolCall(text, tool.name, None, f"{opening} of a tool with parameters {names} must hold a "
-                            f"JSON object ({error})")
+                            f"JSON object ({problem})")
         if not isinstance(arguments, dict):
             return ToolCall(text, tool.name, None, f"{opening} must hold a JSON object of {names}")
         return ToolCall(text, tool.name, arguments)
@@ -262,19 +293,18 @@ def _parse_template_call(segment: str) -> ToolCall | None:
         return ToolCall(segment[-len("</tool_call>"):], None, None, "</tool_call> without an opening <tool_call>")
     text = segment[start:]
     body = text[len("<tool_call>"):-len("</tool_call>")].strip()
-    try:
-        payload = json.loads(body)
-    except json.JSONDecodeError as error:
-        return ToolCall(text, None, None, f"the call is not JSON ({error}); write "
+    payload, problem = _json(body)
+    if problem is not None:
+        return ToolCall(text, None, None, f"the call is {problem}; write "
                         '{"name": <tool>, "arguments": {...}}')
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return ToolCall(text, None, None, 'a call is a JSON object {"name": <tool>, "arguments": {...}}')
     arguments = payload.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
+        parsed, problem = _json(arguments)
+        if problem is not None and problem.startswith("the call nests"):
+            return ToolCall(text, payload["name"], None, problem)
+        arguments = arguments if problem is not None else parsed
     if not isinstance(arguments, dict):
         return ToolCall(text, payload["name"], None, '"arguments" must be a JSON object')
     return ToolCall(text, payload["name"], arguments)

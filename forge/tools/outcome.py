@@ -4,16 +4,25 @@ cut to length.
 `call_tool` runs inside the call's isolation (its thread or its worker process), so everything that can go wrong
 while turning a result into text (an int past Python's 4,300-digit str limit, a `__str__` that raises or blocks,
 a list nested too deep for JSON, an exception whose own `__str__` raises) happens under the call's timeout and
-error handling and costs that call, never the run.
+error handling and costs that call, never the run. The text has no lone surrogate (a str that cannot be UTF-8, e.g.
+"\\udcff" from bytes decoded with surrogateescape): each becomes U+FFFD, so a tokenizer can always read it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["call_tool", "describe_error", "truncate_output"]
+__all__ = ["call_tool", "describe_error", "readable", "truncate_output"]
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def readable(text: str) -> str:
+    """`text` with every lone surrogate replaced by U+FFFD (a str without them comes back as it is)."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 def truncate_output(text: str, limit: int) -> tuple[str, bool]:
@@ -29,7 +38,7 @@ def call_tool(function: Callable[..., Any], arguments: dict, max_output_chars: i
         text, failure = _as_text(function(**arguments)), None
     except BaseException as error:  # noqa: BLE001 - a tool's failure is the model's to read, not the run's
         text, failure = f"error: {describe_error(error)}", "error"
-    text, cut = truncate_output(text, max_output_chars)
+    text, cut = truncate_output(readable(text), max_output_chars)
     return text, failure, cut
 
 

@@ -220,7 +220,7 @@ def test_a_failing_factory_or_reset_fails_only_its_episode(tiny_model, tiny_toke
     assert failed.count(True) == 2 and failed.count(False) == 2
     for n, bad in enumerate(failed):
         assert (int(rollout.completion_lengths[n]) == 0) == bad
-        assert (rollout.episodes[n].failure or "").startswith("reset: error: RuntimeError: reset broke") == bad
+        assert (rollout.episodes[n].failure or "").startswith("Flaky.reset: error: RuntimeError: reset broke") == bad
 
     model, tokenizer = build_tiny_model(seed=0)
     built.clear()
@@ -479,3 +479,115 @@ def test_forge_train_with_an_environment_that_scores_itself_needs_no_reward_flag
     log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
     assert {key.split("/")[1] for key in log[0] if key.startswith("rewards/") and key.count("/") == 2} == {
         "GuessNumber"}  # rewards/NAME/mean and /std: the environment's reward only
+
+
+# ----------------------------------------------------------------------------------------------------
+# failing loudly and by count
+
+
+class BrokenInit(Counter):
+    def __init__(self):
+        raise RuntimeError("no database")
+
+
+class HangingInit(Counter):
+    def __init__(self):
+        time.sleep(3)
+
+
+def test_a_factory_that_raises_or_hangs_is_one_line_naming_the_class_and_method():
+    with pytest.raises(ValueError, match=r"^environment_factory BrokenInit: BrokenInit\.__init__ raised "
+                                         r"RuntimeError: no database; ") as caught:
+        environment(BrokenInit, timeout=0.5)
+    assert "\n" not in str(caught.value)
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"HangingInit\.__init__ did not return within tool_timeout=0\.5 s"):
+        environment(HangingInit, timeout=0.5)
+    assert time.perf_counter() - started < 2
+
+
+class FailsByRow(Counter):
+    """reset raises for the row starting at 10 and hangs for the row starting at 0."""
+
+    def reset(self, start: int = 0, **row):
+        if int(start) == 10:
+            raise RuntimeError("reset broke")
+        time.sleep(2)
+
+
+def test_failed_and_timed_out_episodes_are_counted_alarmed_and_marked(tmp_path, capsys):
+    import json
+
+    seen = []
+
+    def reward(prompts, completions, environments, episodes, **kwargs):
+        seen.extend(zip(environments, episodes))
+        return [1.0] * len(completions)
+
+    model, tokenizer = build_tiny_model(seed=0)
+    config = GRPOConfig(group_size=2, prompts_per_step=2, gradient_accumulation_steps=1, max_new_tokens=6,
+                        save_steps=0, max_steps=1, logging_steps=1, output_dir=str(tmp_path), tool_format="text",
+                        tool_timeout=0.5)
+    trainer = GRPOTrainer(model, tokenizer, reward, config, environment_factory=FailsByRow)
+    trainer.train(ROWS)
+    log = json.loads((tmp_path / "training_log.jsonl").read_text().splitlines()[0])
+    assert (log["env/failed_episodes"], log["env/timed_out_episodes"], log["env/frac_failed_episodes"]) == (4, 2, 1.0)
+    assert log["health/episodes_failing"] == 1.0
+    assert "episodes_failing: most of this step's environment episodes failed" in capsys.readouterr().out
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sorted(s["episode_failure"][:41] for s in samples) == ["FailsByRow.reset: error: RuntimeError: re",
+                                                                  "FailsByRow.reset: error: the call took lo"]
+    assert all(env is None and episode.failure for env, episode in seen)  # a failed episode has no instance
+
+
+class Surrogates(Counter):
+    def reset(self, start: int = 0, **row):
+        super().reset(start)
+        return " open\udcff"
+
+    def add(self, amount: str) -> str:
+        """Add to the running total.
+
+        Args:
+            amount: the number to add
+        """
+        return "bad \ud800 bytes"
+
+
+def test_lone_surrogates_from_environments_are_replaced_before_tokenizing(scripted, tiny_model, tiny_tokenizer):
+    scripted(tiny_tokenizer, "<add>3</add>")
+    rollout = run(tiny_model, tiny_tokenizer, Surrogates, rows=ROWS[:1], group_size=1, max_new_tokens=20)
+    assert rollout.episodes[0].failure is None
+    assert rollout.completions[0].startswith("<add>3</add><result>bad \ufffd bytes</result>")
+    assert rollout.episodes[0].opening == " open\ufffd"
+
+
+class TextReward(Counter):
+    def add(self, amount: str) -> Observation:
+        """Add to the running total.
+
+        Args:
+            amount: the number to add
+        """
+        return Observation("ok", reward="high")
+
+
+def test_a_reward_that_is_not_a_number_fails_the_episode_naming_environment_and_method(scripted, tiny_model,
+                                                                                       tiny_tokenizer):
+    scripted(tiny_tokenizer, "<add>3</add><add>4</add>")
+    rollout = run(tiny_model, tiny_tokenizer, TextReward, rows=ROWS[:1], group_size=1, max_new_tokens=30)
+    episode = rollout.episodes[0]
+    assert episode.failure == ("TextReward.add returned Observation(reward='high'); a reward is a number or None")
+    assert bool(rollout.failed[0]) and episode.turns == 1 and episode.rewards == []
+
+
+class Shadowing(Counter):
+    def reset(self, start: int = 0, **row):
+        super().reset(start)
+        self.add = 0  # an attribute named like a tool method
+
+
+def test_an_attribute_named_like_a_method_does_not_hide_the_method(scripted, tiny_model, tiny_tokenizer):
+    scripted(tiny_tokenizer, "<add>3</add>")
+    rollout = run(tiny_model, tiny_tokenizer, Shadowing, rows=ROWS[:1], group_size=1, max_new_tokens=20)
+    assert rollout.episodes[0].failure is None and rollout.tool_calls[0][0].failure is None

@@ -32,6 +32,7 @@ BROKEN = {  # rule -> how the last steps of an otherwise healthy stream go bad
     "logprob_gap": lambda m, i: m | {"sampling/logp_diff_mean": 0.4} if i == 9 else m,
     "grad_norm_exploding": lambda m, i: m | {"grad_norm": 40.0} if i == 9 else m,
     "skipped_steps": lambda m, i: m | {"skipped_steps": 1} if i == 9 else m,
+    "episodes_failing": lambda m, i: m | {"env/frac_failed_episodes": 0.75 if i == 9 else 0.25},
 }
 
 

@@ -167,6 +167,44 @@ def test_text_and_template_call_parsing():
     assert fmt.parse('<tool_call>{"arguments": {}}</tool_call>').error.startswith("a call is a JSON object")
 
 
+def test_a_deeply_nested_json_call_is_a_malformed_call_not_a_crash():
+    deep = "[" * 100_000 + "]" * 100_000  # json.loads alone raises RecursionError on this
+    fmt = call_format("template", as_tools([calculator]), _template_tokenizer())
+    call = fmt.parse(f'<tool_call>{{"name": "calculator", "arguments": {{"expression": {deep}}}}}</tool_call>')
+    assert call.arguments is None and "nests deeper than" in call.error
+    as_string = fmt.parse('<tool_call>{"name": "calculator", "arguments": "' + deep + '"}</tool_call>')
+    assert as_string.arguments is None and "nests deeper than" in as_string.error
+
+    def pair(a: str, b: str) -> str:
+        """Two arguments.
+
+        Args:
+            a: one
+            b: two
+        """
+        return a + b
+
+    text = call_format("text", as_tools([pair]))
+    call = text.parse(f'<pair>{{"a": {deep}, "b": "x"}}</pair>')
+    assert call.arguments is None and "nests deeper than" in call.error
+    (result,) = run_calls([call], settings_for(pair))
+    assert result.failure == "malformed"
+
+
+def test_lone_surrogates_in_a_tool_result_are_replaced():
+    def broken_bytes(text: str) -> str:
+        """Answer with a lone surrogate.
+
+        Args:
+            text: anything
+        """
+        return "caf\udce9 " + text
+
+    (result,) = run_calls([ToolCall("", "broken_bytes", {"text": "x"})], settings_for(broken_bytes))
+    assert result.failure is None and result.output == "caf\ufffd x"
+    result.output.encode("utf-8")  # what a tokenizer needs
+
+
 def test_load_tools_for_the_cli(tmp_path):
     path = tmp_path / "my_tools.py"
     path.write_text('def shout(text: str) -> str:\n    """Upper case.\n\n    Args:\n        text: words\n    """\n'
