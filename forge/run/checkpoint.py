@@ -53,6 +53,7 @@ from safetensors.torch import load_file
 
 from forge.parallel import sharding
 from forge.run import state_files
+from forge.run.checkpoint_fields import check_tensors
 from forge.run.integrity import (
     ADAPTER_WEIGHTS_NAME,
     CONFIG_NAME,
@@ -429,15 +430,18 @@ def _load_weights_file(path: Path, name: str) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"checkpoint {path} is damaged: {name} {problem}. {offer_previous(path)}")
 
 
-def _load_full_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, or every shard listed in model.safetensors.index.json."""
+def _load_full_state_dict(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """model.safetensors, or every shard listed in model.safetensors.index.json; each tensor of the `expected`
+    shape and dtype."""
     try:
         names = weight_files(path)
     except Damaged as damaged:
         raise CheckpointError(f"checkpoint {path} is damaged: {damaged}. {offer_previous(path)}") from None
     state_dict: dict[str, torch.Tensor] = {}
     for name in names:
-        state_dict.update(_load_weights_file(path, name))
+        tensors = _load_weights_file(path, name)
+        check_tensors(path, name, tensors, expected)
+        state_dict.update(tensors)
     return state_dict
 
 
@@ -464,7 +468,9 @@ def _load_adapter_weights(model: Any, path: Path) -> None:
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     adapter_state = _load_weights_file(path, ADAPTER_WEIGHTS_NAME)
-    expected = set(get_peft_model_state_dict(model))
+    own = get_peft_model_state_dict(model)
+    check_tensors(path, ADAPTER_WEIGHTS_NAME, adapter_state, own)
+    expected = set(own)
     missing = sorted(expected - set(adapter_state))
     unexpected = sorted(set(adapter_state) - expected)
     _raise_on_key_mismatch(path, missing, unexpected)
@@ -485,10 +491,10 @@ def _load_full_weights(model: Any, path: Path) -> None:
             f"checkpoint {path} holds full model weights, but the model is a peft (LoRA) model; "
             "load it without LoRA (use_lora=False)"
         )
-    state_dict = _load_full_state_dict(path)
+    model_tensors = model.state_dict(keep_vars=True)
+    state_dict = _load_full_state_dict(path, model_tensors)
     result = model.load_state_dict(state_dict, strict=False)
     # A tied weight (e.g. lm_head sharing embed_tokens) is saved once: it is not missing.
-    model_tensors = model.state_dict(keep_vars=True)
     loaded_storage = {model_tensors[k].data_ptr() for k in state_dict if k in model_tensors}
     missing = [k for k in result.missing_keys if model_tensors[k].data_ptr() not in loaded_storage]
     _raise_on_key_mismatch(path, missing, list(result.unexpected_keys))

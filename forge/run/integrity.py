@@ -169,18 +169,42 @@ def _read_manifest(path: Path) -> dict[str, str] | None:
 
 
 def weight_files(path: Path) -> list[str]:
-    """The safetensors files that hold the checkpoint's weights (adapter, single file or shards)."""
+    """The safetensors files that hold the checkpoint's weights (adapter, single file or shards), each inside
+    the checkpoint folder (Damaged for one that is not: `inside`)."""
     if (path / ADAPTER_WEIGHTS_NAME).is_file():
-        return [ADAPTER_WEIGHTS_NAME]
+        return [inside(path, ADAPTER_WEIGHTS_NAME)]
     if (path / FULL_WEIGHTS_NAME).exists():
-        return [FULL_WEIGHTS_NAME]
+        return [inside(path, FULL_WEIGHTS_NAME)]
     if (path / FULL_WEIGHTS_INDEX_NAME).is_file():
         try:
             index = json.loads((path / FULL_WEIGHTS_INDEX_NAME).read_text(encoding="utf-8"))
-            return sorted(set(index["weight_map"].values()))
+            names = sorted(set(index["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise Damaged(FULL_WEIGHTS_INDEX_NAME, "is unreadable") from None
+        return [inside(path, name, named_by=FULL_WEIGHTS_INDEX_NAME) for name in names]
     raise Damaged(FULL_WEIGHTS_NAME, f"is missing (and there is no {ADAPTER_WEIGHTS_NAME} either)")
+
+
+def inside(path: Path, name: Any, named_by: str | None = None) -> str:
+    """`name`, a file of the checkpoint `path`: a relative path without `..` that, links followed, stays inside
+    the folder; Damaged otherwise (a checkpoint's files are read from the checkpoint only)."""
+    outside = (not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts
+               or not (path / name).resolve().is_relative_to(path.resolve()))
+    if not outside:
+        return name
+    if named_by is not None:
+        raise Damaged(named_by, f"names {name!r:.200}, outside the checkpoint; a checkpoint's files are read only "
+                                f"from inside it")
+    raise Damaged(name, f"is a link to {(path / name).resolve()}, outside the checkpoint; a checkpoint's files "
+                        f"are read only from inside it")
+
+
+def _links_out(path: Path) -> None:
+    """Damaged for the first link anywhere in the checkpoint that leads outside it."""
+    for folder, directories, files in os.walk(path):
+        for entry in directories + files:
+            if os.path.islink(os.path.join(folder, entry)):
+                inside(path, os.path.relpath(os.path.join(folder, entry), path))
 
 
 def safetensors_problem(file: Path) -> str | None:
@@ -213,6 +237,9 @@ def _verify(path: Path, require_training_state: bool) -> bool:
     Raises Damaged for the first file that is missing, does not match its sha256, or (without checksums)
     is a truncated safetensors file or holds NaN/inf weights."""
     manifest = _read_manifest(path)
+    _links_out(path)
+    for name in manifest or ():
+        inside(path, name, named_by=COMPLETE_MARKER)
     sharded = is_sharded(path)  # an FSDP2 run's: weights and optimizer in sharded/, whole weights only in final/
     weights = weight_files(path) if not sharded or _has_whole_weights(path) else []
     required = [*weights, TRAINER_STATE_NAME, CONFIG_NAME]

@@ -31,6 +31,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from forge.run import checkpoint as ckpt
+from forge.run import checkpoint_fields as fields
 from forge.run import integrity
 from forge.run.optim import apply_new_hyperparameters
 from forge.run.rng import restore_rng_state
@@ -317,17 +318,18 @@ class RunLifecycle:
                                  f", the newest is {newest} (--resume, resume_from='latest')" if newest else
                                  f"; {path.parent} has none, so start a new run from these weights (--model {path})"))
         state = ckpt.load_checkpoint(path)
+        saved = fields.check_trainer_state(path, state.trainer_state, parts.dataset_identity.get("dataset_size"))
+        if not isinstance(state.config, dict):
+            raise fields.refused(path, integrity.CONFIG_NAME, f"is a JSON {type(state.config).__name__}, not an object")
         ckpt.check_compatible(state.config, parts.run_config, checkpoint_path=path)
-        check_same_dataset(state.trainer_state, parts.dataset_identity, path)
+        check_same_dataset(saved, parts.dataset_identity, path)
         check_same_sharding(path, sharded=parts.sharded_by is not None)
-        if parts.sharded_by is not None:
-            ckpt.load_sharded_state(path, parts.model, parts.optimizer)  # on every rank
-        else:
-            ckpt.load_model_weights(parts.model, path)
-            parts.optimizer.load_state_dict(state.optimizer_state)
-        parts.scheduler.load_state_dict(state.scheduler_state)
-        restore_rng_state(state.rng_state)
-        saved = state.trainer_state
+        load_weights_and_optimizer(path, state, parts.model, parts.optimizer, sharded=parts.sharded_by is not None)
+        fields.check_scheduler_state(path, state.scheduler_state)
+        with fields.loading(path, integrity.SCHEDULER_NAME):
+            parts.scheduler.load_state_dict(state.scheduler_state)
+        with fields.loading(path, integrity.RNG_STATE_NAME):
+            restore_rng_state(state.rng_state)
         step = int(saved["global_step"])
         self.saved = (step, path)
         # This run's learning_rate / weight_decay apply from here on (the saved optimizer state would win).
@@ -344,6 +346,21 @@ class RunLifecycle:
         return FinishedStep(step, int(saved["epoch"]), int(saved["position"]), state.rng_state,
                             int(saved.get("nonfinite_in_a_row", 0)), int(saved.get("skipped_steps", 0)),
                             float(saved.get("loss_scale", 1.0)), saved.get("entropy_control"))
+
+
+def load_weights_and_optimizer(path: Path, state: ckpt.CheckpointState, model, optimizer, sharded: bool) -> None:
+    """The checkpoint's weights and optimizer state into the run's (sharded: on every rank), each field checked
+    against the run's first (forge/run/checkpoint_fields.py)."""
+    own = fields.hyperparameters(optimizer)
+    if sharded:
+        ckpt.load_sharded_state(path, model, optimizer)
+    else:
+        ckpt.load_model_weights(model, path)
+        fields.check_optimizer_state(path, state.optimizer_state, optimizer)
+        with fields.loading(path, integrity.OPTIMIZER_NAME):
+            optimizer.load_state_dict(state.optimizer_state)
+    name = integrity.SHARDED_LAYOUT if sharded else integrity.OPTIMIZER_NAME
+    fields.check_hyperparameters(path, name, optimizer, own)
 
 
 def nothing_to_resume(output_dir: Path) -> str:
