@@ -4,7 +4,8 @@
 # ratio, resume); Forge's step time at fp32 vs dtype=auto on the tiny model; one decode step of a random-init
 # Qwen2.5-0.5B-shaped model, eager vs static cache vs compiled with CUDA graphs (bench/compiled_decode.py:
 # compile time, ms/step); one bf16 GRPO step of that model in Forge and, if TRL is importable there, in TRL
-# (bench/gpu_step.py: step and generation seconds, tokens/s, peak GPU memory). The device has no internet and
+# (bench/gpu_step.py: step and generation seconds, tokens/s, peak GPU memory); where vLLM imports on the device,
+# the same step with generation_backend='vllm' next to the own decode. The device has no internet and
 # no package index. A part that fails or times out is reported and the next one runs.
 #
 # Prepare here (this machine), in the repo root:
@@ -46,4 +47,11 @@ part "bf16 step, Forge eager and compiled decode" "${PIPESTATUS[0]}"
 timeout 80 python3 bench/gpu_step.py --device cuda --prompts 8 --max-new-tokens 128 --backends '' 2>&1 \
     | tail -n 30 | tee "$OUT/gpu_step_trl.log"
 part "bf16 step, TRL" "${PIPESTATUS[0]}"
+if python3 -c "import vllm" 2>/dev/null; then  # vLLM as the device has it (the carry limit keeps its wheel out)
+    timeout 300 python3 bench/gpu_step.py --device cuda --prompts 8 --max-new-tokens 128 --skip-trl \
+        --backends eager,vllm 2>&1 | tail -n 60 | tee "$OUT/gpu_step_vllm.log"
+    part "bf16 step, Forge's own decode and vLLM colocated" "${PIPESTATUS[0]}"
+else
+    echo "vLLM is not importable on the device: the vLLM step is skipped" | tee -a "$OUT/parts.txt"
+fi
 nvidia-smi --query-gpu=name,memory.used --format=csv | tee -a "$OUT/gpu.txt"

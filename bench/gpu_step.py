@@ -5,7 +5,8 @@ the tokenizer is Forge's tiny offline one; the output layer keeps the full 151,9
 the real model's) but logits past the tokenizer's last id are masked, so every sampled token decodes. Reports per
 framework: step seconds, generation seconds, generated tokens per second, peak GPU memory. bench/gpu_check.sh
 runs it on a GPU; `--small` (two layers) checks it on a CPU. Forge runs with each `--backends` value of
-generation_backend (eager, compiled: CUDA graphs over a static cache), two steps each: the first compiles.
+generation_backend (eager, compiled: CUDA graphs over a static cache; vllm: a colocated vLLM engine, when vLLM is
+importable, its start-up and weight pushes in the step), two steps each: the first compiles.
 
     python bench/gpu_step.py [--device cuda] [--small] [--max-new-tokens 128] [--backends eager,compiled]
                              [--skip-trl]
@@ -26,8 +27,10 @@ QWEN25_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers"
               "rope_theta": 1000000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
 
 
-def qwen_shaped(tokenizer, small: bool, seed: int = 0):
-    """A random-init Qwen2ForCausalLM of Qwen2.5-0.5B's shape whose logits past the tokenizer are -inf."""
+def qwen_shaped(tokenizer, small: bool, seed: int = 0, mask: bool = True):
+    """A random-init Qwen2ForCausalLM of Qwen2.5-0.5B's shape whose logits past the tokenizer are -inf (mask=False:
+    not masked, as vLLM runs its own copy of the weights without Forge's hook; ids past the tokenizer then decode
+    to nothing, which costs the step nothing)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -40,7 +43,8 @@ def qwen_shaped(tokenizer, small: bool, seed: int = 0):
     def mask_unknown(module, args, output):  # (..., V): ids the tokenizer cannot decode are never sampled
         return output.index_fill(-1, torch.arange(known, output.shape[-1], device=output.device), float("-inf"))
 
-    model.lm_head.register_forward_hook(mask_unknown)
+    if mask:
+        model.lm_head.register_forward_hook(mask_unknown)
     return model
 
 
@@ -61,7 +65,7 @@ def forge_step(args, tokenizer, backend: str) -> dict:
     from forge import GRPOConfig, GRPOTrainer
     from forge.run.optim import make_scheduler
 
-    model = qwen_shaped(tokenizer, args.small).to(args.device)
+    model = qwen_shaped(tokenizer, args.small, mask=backend != "vllm").to(args.device)
     config = GRPOConfig(group_size=8, prompts_per_step=args.prompts, gradient_accumulation_steps=1,
                         max_new_tokens=args.max_new_tokens, max_steps=2, save_steps=0, logging_steps=100,
                         dtype="auto", kl_beta=0.0, micro_batch_size=16, preflight="off", learning_rate=1e-6,

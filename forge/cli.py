@@ -220,7 +220,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from forge.eval.evaluate import evaluate_model
 
     common = {"data": args.data, "split": args.split, "n": args.n, "max_new_tokens": args.max_new_tokens,
-              "num_samples": args.num_samples, "temperature": args.temperature, "seed": args.seed}
+              "num_samples": args.num_samples, "temperature": args.temperature, "seed": args.seed,
+              "generation_backend": args.generation_backend}
     data_options = {"chat": args.chat, "prompt_column": args.prompt_column, "reference_column": args.reference_column}
     if args.reward:
         if args.compare:
@@ -367,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num_samples", type=int, default=1, help="samples per problem (>1 enables pass@k, maj@k)")
     ev.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--generation_backend", default="auto", choices=["auto", "eager", "compiled", "vllm"],
+                    help="Forge's own decode loop (auto, eager, compiled) or vLLM (docs/scaling.md)")
     ev.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="evaluate two models side by side")
     ev.add_argument("--reward", default=None, help="also report the mean reward of greedy completions under these "
                     "rewards (reward, rewards/NAME), the syntax of `forge train --reward`: for data the math grader "

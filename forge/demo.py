@@ -102,6 +102,9 @@ class DemoSettings:
     dtype: str = "auto"
     """Compute dtype (GRPOConfig.dtype) of training and of every evaluation: 'auto' = bf16 on a CPU with bf16
     matrix units (AMX / AVX512-BF16) or a bf16 GPU, fp32 elsewhere; 'float32' forces fp32. Weights stay fp32."""
+    generation_backend: str = "auto"
+    """Sampling during training: Forge's own decode loop ('auto') or 'vllm' (vLLM installed; docs/scaling.md).
+    Every evaluation decodes with Forge's own greedy loop, so runs on either backend are measured alike."""
     quick: bool = False
     """Smoke run (~2 minutes): 3 steps, 20 held-out problems, small screening; learning not expected."""
     tools: bool = False
@@ -211,6 +214,7 @@ def demo_config(settings: DemoSettings, output_dir, **overrides) -> GRPOConfig:
         reward_weights=[1.0, settings.format_weight], output_dir=str(output_dir), seed=settings.seed,
         loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
         drop_zero_std_groups=True, micro_batch_size=settings.group_size, dtype=settings.dtype,
+        generation_backend=settings.generation_backend,
         overwrite_output_dir=True,  # each demo run replaces the previous one in its output dir
     )
     return replace(config, **overrides) if overrides else config

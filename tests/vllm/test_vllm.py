@@ -253,3 +253,19 @@ def test_packaged_smollm2_trains_a_lora_step_on_vllm(tmp_path):
     metrics = json.loads((tmp_path / "out" / "training_log.jsonl").read_text().splitlines()[0])
     assert all(torch.isfinite(torch.tensor(metrics[k])) for k in ("loss", "grad_norm"))
     assert metrics["sampling/logp_diff_mean"] < 1e-3, metrics["sampling/logp_diff_mean"]
+
+
+def test_evaluation_on_vllm_gives_the_own_loops_greedy_answers():
+    from forge.eval.evaluate import evaluate
+
+    model, tokenizer = tiny()
+    rows = [{"prompt": p, "reference": "19"} for p in PROMPTS]
+    on_vllm = evaluate(model, tokenizer, rows, max_new_tokens=12, generation_backend="vllm")
+    own = evaluate(model, tokenizer, rows, max_new_tokens=12)
+    assert [r["responses"] for r in on_vllm.records] == [r["responses"] for r in own.records]
+    sampled = evaluate(model, tokenizer, rows, max_new_tokens=12, generation_backend="vllm", num_samples=4,
+                       temperature=1.0, k_values=(1, 4), seed=5)
+    again = evaluate(model, tokenizer, rows, max_new_tokens=12, generation_backend="vllm", num_samples=4,
+                     temperature=1.0, k_values=(1, 4), seed=5)
+    assert [r["responses"] for r in sampled.records] == [r["responses"] for r in again.records]
+    assert len({c for r in sampled.records for c in r["responses"]}) > len(rows)  # really sampled
