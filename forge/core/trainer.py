@@ -126,7 +126,7 @@ class GRPOTrainer:
             stats, update, group_std=group_reward_std(torch.cat(stats.scores), self.config.group_size,
                                                       torch.cat(stats.valid)),
             seconds=time.perf_counter() - started, skipped_steps=self.guard.skipped_steps,
-            param_delta_norm=math.sqrt(squared_delta))
+            param_delta_norm=math.sqrt(squared_delta), engine=self.engine)
         metrics["_samples"] = step_metrics.ordered_samples(self.dist.gather_objects(stats.samples),
                                                            len(batch.rollouts), self.config.log_completions)
         return metrics
@@ -288,8 +288,7 @@ class GRPOTrainer:
 
     @contextlib.contextmanager
     def sampling(self):
-        """The policy as generation and evaluation run it: in the run's precision (bf16 / fp16 autocast over the
-        fp32 masters), whole weights, LoRA folded in unless turned off or sharded; a vLLM engine gets the weights."""
+        """The policy as sampling runs it: the run's autocast, whole weights, LoRA merged, vLLM's engine synced."""
         if self.engine is not None:
             self.engine.sync(self.model, self.global_step)
         with self.precision.autocast(self.model), self.whole_weights(), merged_adapters(

@@ -105,7 +105,19 @@ def engine_dtype(model: nn.Module, compute: torch.dtype) -> str:
 # colocate: an engine inside this process
 
 
-class ColocatedEngine:
+class PushTimer:
+    """What both engines count of their weight pushes: how many, and the seconds not yet reported."""
+
+    pushes: int = 0
+    push_seconds: float = 0.0
+
+    def take_push_seconds(self) -> float:
+        """Seconds spent pushing weights since the last call (a step's metric `vllm/push_seconds`)."""
+        seconds, self.push_seconds = self.push_seconds, 0.0
+        return seconds
+
+
+class ColocatedEngine(PushTimer):
     """vLLM's LLM in this process, started from the policy's weights; pushes go straight into its model runner."""
 
     def __init__(self, model: nn.Module, compute: torch.dtype, stop_ids: list[int], *, max_rows: int,
@@ -121,7 +133,6 @@ class ColocatedEngine:
             needed = kv_cache_bytes_per_token(base.config, dtype) * max_rows * max_model_len * 2
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-needed // 2**30)))  # whole GiB
         self.stop_ids, self.version = list(stop_ids), None
-        self.push_seconds, self.pushes = 0.0, 0
         self.folder = Path(tempfile.mkdtemp(prefix="forge-vllm-"))
         started = time.perf_counter()
         try:
@@ -163,6 +174,7 @@ class ColocatedEngine:
                 for o in outputs]
 
     def close(self) -> None:
+        """Drop the engine (its KV cache is freed when Python collects it)."""
         self.llm = None
 
 
@@ -189,7 +201,7 @@ def as_sample(token_ids, logprobs, finish_reason: str | None) -> Sample:
 # server: `forge vllm-serve` in another process (another GPU, or another machine sharing a folder)
 
 
-class ServerEngine:
+class ServerEngine(PushTimer):
     """A client of `forge vllm-serve` (vLLM's OpenAI-compatible server in development mode): token-in/token-out
     generation on /inference/v1/generate, weights pushed as a safetensors file its workers reload from
     (`reload_weights`), so the server must see `weights_dir` (the same machine, or a shared folder)."""
@@ -200,7 +212,7 @@ class ServerEngine:
         self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine_dtype(model, compute),
                                                                              torch.float32)
         self.weights_dir = Path(weights_dir)
-        self.push_seconds, self.pushes, self.startup_seconds = 0.0, 0, 0.0
+        self.startup_seconds = 0.0
         self.wait_until_up(timeout)
 
     def wait_until_up(self, timeout: float) -> None:

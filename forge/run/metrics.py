@@ -108,8 +108,9 @@ class UpdateTotals:
 
 
 def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, seconds: float,
-                 skipped_steps: int, param_delta_norm: float) -> dict:
-    """The logged metrics of one optimizer step from the statistics of the whole batch (every rank's share)."""
+                 skipped_steps: int, param_delta_norm: float, engine=None) -> dict:
+    """The logged metrics of one optimizer step from the statistics of the whole batch (every rank's share);
+    with a vLLM engine (forge/model/vllm_engine.py) also the seconds this step spent pushing weights to it."""
     rewards = torch.cat(stats.scores)  # (N_total,)
     lengths, truncated = torch.cat(stats.lengths), torch.cat(stats.truncated)  # (N_total,) each
     terminated = lengths[truncated == 0]  # (n_eos,) completions that ended with EOS
@@ -137,6 +138,7 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         "rewards/nonfinite": int(stats.nonfinite),
         "skipped_steps": skipped_steps,
         "param_delta_norm": param_delta_norm,
+        **({} if engine is None else {"vllm/push_seconds": engine.take_push_seconds()}),
     }
     metrics.update(tool_metrics(stats))
     if stats.env_episodes:

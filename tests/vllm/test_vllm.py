@@ -253,6 +253,7 @@ def test_packaged_smollm2_trains_a_lora_step_on_vllm(tmp_path):
     metrics = json.loads((tmp_path / "out" / "training_log.jsonl").read_text().splitlines()[0])
     assert all(torch.isfinite(torch.tensor(metrics[k])) for k in ("loss", "grad_norm"))
     assert metrics["sampling/logp_diff_mean"] < 1e-3, metrics["sampling/logp_diff_mean"]
+    assert metrics["vllm/push_seconds"] == 0.0  # step 1 samples from the weights the engine started with
 
 
 def test_evaluation_on_vllm_gives_the_own_loops_greedy_answers():
