@@ -153,10 +153,21 @@ def load_hf_rows(spec: str, *, prompt_column: str | None = None, reference_colum
     first rows."""
     path, config, named_split = parse_hf_spec(spec)
     split = named_split or split or "train"
+    local = Path(path).expanduser()
+    scripts = sorted(p.name for p in local.glob("*.py")) if local.is_dir() else []
+    if scripts:
+        raise ValueError(f"{spec}: the folder holds a loading script ({', '.join(scripts[:3])}); Forge loads data "
+                         f"files only (parquet, JSON, JSONL, CSV, or a save_to_disk folder) and never runs a "
+                         f"dataset's code: write the rows to one of those where you trust the script, and pass that")
     try:
         records = _load_split(path, config, split)
     except OSError as error:  # no such folder, not on the hub (datasets' DatasetNotFoundError), no network
         raise ValueError(_not_loaded(spec, path, error)) from None
+    except RuntimeError as error:  # a hub dataset that is a loading script: `datasets` refuses to run it
+        if "script" not in str(error).lower():
+            raise
+        raise ValueError(f"{spec}: {str(error).splitlines()[0]}; Forge loads data files only (parquet, JSON, "
+                         f"JSONL, CSV) and never runs a dataset's code: pick a release of it in data files") from None
     limit = n if n is not None else max_samples
     return rows_from_records(records, prompt_column or "question", reference_column or "answer", chat=chat,
                              system_prompt=system_prompt, max_samples=limit, name=f"{spec} (split {split})")

@@ -445,7 +445,9 @@ def _load_full_state_dict(path: Path, expected: dict[str, torch.Tensor]) -> dict
     return state_dict
 
 
-def _raise_on_key_mismatch(path: Path, missing: list[str], unexpected: list[str]) -> None:
+def _raise_on_key_mismatch(path: Path, name: str, missing: list[str], unexpected: list[str]) -> None:
+    """A CheckpointError (the checkpoint's fault, exit code 1) naming the file when its tensor names are not the
+    model's."""
     if not missing and not unexpected:
         return
     details = []
@@ -453,10 +455,8 @@ def _raise_on_key_mismatch(path: Path, missing: list[str], unexpected: list[str]
         details.append(f"missing {len(missing)} keys (e.g. {missing[:3]})")
     if unexpected:
         details.append(f"{len(unexpected)} unexpected keys (e.g. {unexpected[:3]})")
-    raise ValueError(
-        f"weights in {path} do not fit the model: {'; '.join(details)}. "
-        "Was the checkpoint saved from a different model or LoRA setup?"
-    )
+    raise CheckpointError(f"checkpoint {path}: {name} does not fit the model: {'; '.join(details)}. Was the "
+                          f"checkpoint saved from a different model or LoRA setup? {offer_previous(path)}")
 
 
 def _load_adapter_weights(model: Any, path: Path) -> None:
@@ -473,7 +473,7 @@ def _load_adapter_weights(model: Any, path: Path) -> None:
     expected = set(own)
     missing = sorted(expected - set(adapter_state))
     unexpected = sorted(set(adapter_state) - expected)
-    _raise_on_key_mismatch(path, missing, unexpected)
+    _raise_on_key_mismatch(path, ADAPTER_WEIGHTS_NAME, missing, unexpected)
     set_peft_model_state_dict(model, adapter_state)
 
 
@@ -497,7 +497,8 @@ def _load_full_weights(model: Any, path: Path) -> None:
     # A tied weight (e.g. lm_head sharing embed_tokens) is saved once: it is not missing.
     loaded_storage = {model_tensors[k].data_ptr() for k in state_dict if k in model_tensors}
     missing = [k for k in result.missing_keys if model_tensors[k].data_ptr() not in loaded_storage]
-    _raise_on_key_mismatch(path, missing, list(result.unexpected_keys))
+    name = FULL_WEIGHTS_NAME if (path / FULL_WEIGHTS_NAME).exists() else FULL_WEIGHTS_INDEX_NAME
+    _raise_on_key_mismatch(path, name, missing, list(result.unexpected_keys))
 
 
 def load_model_weights(model: Any, path: str | os.PathLike) -> None:

@@ -5,6 +5,7 @@ the watched runs as `python -m forge` subprocesses."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,6 +144,30 @@ def test_a_missing_hf_dataset_exits_2_naming_it(name, workspace, tmp_path, capsy
     said = (f"no such folder or file {path}; pass an existing folder" if path.startswith("/") else
             f"cannot load {path} (Couldn't reach '{path}' on the Hub (OfflineModeIsEnabled)); check the name")
     assert message.startswith(f"forge: error: {name}: {said}") and "checkpoint" not in message
+
+
+def test_a_model_folder_with_pickled_weights_only_is_refused_in_one_line_and_never_unpickled(workspace, tmp_path,
+                                                                                             capsys):
+    import pickle
+
+    folder, marker = tmp_path / "pickled", tmp_path / "payload-ran"
+    shutil.copytree(workspace / "tiny", folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps((Path.touch, (marker,))))  # what torch.save writes: pickle
+    assert forge_main("train", *train_flags(workspace, tmp_path / "out"), "--model", folder) == 2
+    assert error_of(capsys).startswith(f"forge: error: model folder {folder}: its weights are pytorch_model.bin, a "
+                                       f"pickle (torch.save); Forge loads safetensors weights only")
+    assert not marker.exists()
+
+
+def test_a_dataset_folder_with_a_loading_script_is_refused_in_one_line(workspace, tmp_path, capsys):
+    pytest.importorskip("datasets")
+    folder = tmp_path / "scripted"
+    folder.mkdir()
+    (folder / "scripted.py").write_text("import datasets\n\nclass Scripted(datasets.GeneratorBasedBuilder):\n    pass\n")
+    name = f"hf:{folder}"
+    assert forge_main("train", *train_flags(workspace, tmp_path / "out", dataset=name)) == 2
+    assert error_of(capsys).startswith(f"forge: error: {name}: the folder holds a loading script (scripted.py)")
 
 
 def test_a_missing_dataset_file_exits_2_naming_it(workspace, tmp_path, capsys):

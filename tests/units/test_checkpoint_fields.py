@@ -199,3 +199,9 @@ def test_adamw_maximize_in_an_fsdp_layout_is_refused(tmp_path, tiny_tokenizer, o
     with pytest.raises(CheckpointError, match=r"sharded/layout\.json has param_groups/0/maximize=True where this "
                                               r"run's AdamW has False \(a resumed run would do gradient ascent\)"):
         load_weights_and_optimizer(checkpoint, load_checkpoint(checkpoint), fresh, fresh_optimizer, sharded=True)
+
+
+def test_weights_missing_a_tensor_are_the_checkpoints_fault_exit_1_naming_the_file(run):
+    edit_weights(run / "1" / "model.safetensors", lambda t: t.pop(next(k for k in t if k.endswith("q_proj.weight"))))
+    message = resume(run)  # a CheckpointError (exit 1): the run's own file, not the user's input
+    assert "model.safetensors does not fit the model: missing 1 keys" in message
