@@ -3,6 +3,13 @@ Forge's own decode loop: the same prompts rendered and tokenized by Forge, the s
 
 A step's sampling noise (forge/core/rollout.py `sampling_noise`, drawn from (seed, step)) gives each prompt's
 request its seed, so the engine's draws depend on the run's seed and step only, on 1 or N processes alike.
+
+With tools or an environment, each completion is its own request and stops at a stop token or at a token that may
+close a call (the own loop's `closing_token_ids`); a completed call is answered as the own loop answers it
+(`answer_calls`: timeouts, budgets, truncation marker, the environment's end), its result's tokens appended, and the
+completion so far is sent back as token ids, so nothing the model sampled is ever re-tokenized. The masks and
+budgets are the own loop's: `action_mask` marks the sampled tokens, only they count towards max_new_tokens, and
+sampled and fed tokens together towards max_episode_tokens and the model's context.
 """
 
 from __future__ import annotations
@@ -11,30 +18,44 @@ from collections.abc import Sequence
 
 import torch
 
-from forge.core.rollout import Prompt, Rollout, SamplingSettings, eos_ids, sampled_rollout, tokenize_prompts
+from forge.core.rollout import (
+    DecodeRow,
+    Prompt,
+    Rollout,
+    SamplingSettings,
+    answer_calls,
+    as_rollout,
+    eos_ids,
+    sampled_rollout,
+    tokenize_prompts,
+)
+from forge.envs.protocol import EnvironmentSettings, with_opening
+from forge.logging.logger import note
 from forge.model.vllm_engine import MODES, ColocatedEngine, EngineSampling, ServerEngine
+from forge.tools.calls import ToolSettings, call_format, closing_token_ids, ended_call
 
 
-def open_engine(config, model, tokenizer, compute: torch.dtype, world_size: int = 1, tools=None):
+def open_engine(config, model, tokenizer, compute: torch.dtype, world_size: int = 1):
     """The run's engine (GRPOConfig.vllm_mode): started from the policy's weights, or a running server."""
-    if tools is not None:
-        raise ValueError("tools and environments decode with Forge's own loop (a call's result is fed in the "
-                         "middle of a completion); leave generation_backend at 'auto' for this run")
     stop_ids = eos_ids(tokenizer, model)
     if config.vllm_mode not in MODES:
         raise ValueError(f"vllm_mode={config.vllm_mode!r}: use one of {', '.join(MODES)}")
+    context = getattr(model.config, "max_position_embeddings", None) or 4096
     if config.vllm_mode == "server":
-        url = config.vllm_server_base_url or f"http://{config.vllm_server_host}:{config.vllm_server_port}"
-        return ServerEngine(url, stop_ids, compute, model, weights_dir=f"{config.output_dir}/vllm-weights",
-                            timeout=config.vllm_server_timeout)
-    if world_size > 1:
+        engine = ServerEngine(url := config.vllm_server_base_url or
+                              f"http://{config.vllm_server_host}:{config.vllm_server_port}", stop_ids, compute, model,
+                              weights_dir=f"{config.output_dir}/vllm-weights", timeout=config.vllm_server_timeout)
+        note(f"vLLM server at {url}: weights pushed through {config.output_dir}/vllm-weights")
+    elif world_size > 1:
         raise ValueError("vllm_mode='colocate' starts one engine per process; with several training processes "
                          "run one `forge vllm-serve` and set vllm_mode='server' (docs/scaling.md)")
-    context = getattr(model.config, "max_position_embeddings", None) or 4096
-    return ColocatedEngine(model, compute, stop_ids, max_rows=config.prompts_per_step * config.group_size,
-                           max_new_tokens=config.max_new_tokens, max_model_len=context,
-                           enforce_eager=config.vllm_enforce_eager,
-                           gpu_memory_utilization=config.vllm_gpu_memory_utilization, seed=config.seed)
+    else:
+        engine = ColocatedEngine(model, compute, stop_ids, max_rows=config.prompts_per_step * config.group_size,
+                                 max_new_tokens=config.max_new_tokens, max_model_len=context,
+                                 enforce_eager=config.vllm_enforce_eager,
+                                 gpu_memory_utilization=config.vllm_gpu_memory_utilization, seed=config.seed)
+    engine.context = context  # prompt + completion never pass it (tool rollouts)
+    return engine
 
 
 def request_seeds(noise: torch.Tensor, group_size: int) -> list[int]:
@@ -44,9 +65,14 @@ def request_seeds(noise: torch.Tensor, group_size: int) -> list[int]:
 
 def generate_on_engine(engine, tokenizer, prompts: Sequence[Prompt], group_size: int, settings: SamplingSettings,
                        max_prompt_length: int = 10**9, truncate_prompts: str = "error",
-                       noise: torch.Tensor | None = None) -> Rollout:
+                       noise: torch.Tensor | None = None, tools: ToolSettings | EnvironmentSettings | None = None,
+                       rows: Sequence[dict] | None = None) -> Rollout:
     """`group_size` completions for every prompt from the engine, as a Rollout (rollout.generate's contract:
-    completions end at the first stop token, sampler log-probs of the sampled tokens, `truncated` when none)."""
+    completions end at the first stop token, sampler log-probs of the sampled tokens, `truncated` when none;
+    with tools or an environment, reset with the prompts' dataset `rows`: calls answered as the own loop does)."""
+    if tools is not None:
+        return _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_length, truncate_prompts,
+                           noise, tools, rows)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts)  # (P, Lp)
     own_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]  # padding dropped
     sampling = EngineSampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
@@ -54,3 +80,60 @@ def generate_on_engine(engine, tokenizer, prompts: Sequence[Prompt], group_size:
     groups = engine.sample(own_tokens, group_size, sampling, None if noise is None else request_seeds(noise, group_size))
     samples = [(s.token_ids, s.logprobs, s.stopped) for group in groups for s in group]  # (N,)
     return sampled_rollout(samples, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer)
+
+
+def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_length, truncate_prompts, noise,
+                tools, rows) -> Rollout:
+    """generate_on_engine with tools or an environment: rounds of sampling until every completion is done."""
+    environment = tools if isinstance(tools, EnvironmentSettings) else None
+    tools = environment.tools if environment is not None else tools
+    episodes = None
+    if environment is not None:
+        episodes = environment.start(rows if rows is not None else [{"prompt": p} for p in prompts], group_size)
+        prompts = [with_opening(p, episodes[i * group_size].opening) for i, p in enumerate(prompts)]
+    fmt = call_format(tools.format, tools.tools, tokenizer)
+    schemas = [t.schema for t in tools.tools] if fmt.kind == "template" else None
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts,
+                                               tools=schemas)  # (P, Lp)
+    own_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+    closers = set(closing_token_ids(tokenizer, fmt.closers).nonzero().squeeze(1).tolist())
+    stops = sorted(closers | (set(engine.stop_ids) if fmt.stops_at_eos else set()))
+    budget = tools.max_episode_tokens or 10**9
+    decoding = [DecodeRow(min(budget, engine.context - len(own_tokens[n // group_size])),
+                          None if episodes is None else episodes[n]) for n in range(len(prompts) * group_size)]
+    sampling = EngineSampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
+                              greedy=not settings.do_sample)
+    for turn in range(10**9):  # each round: every running row samples up to its next stop; calls are answered
+        active = [n for n, row in enumerate(decoding) if not row.done]
+        if not active:
+            break
+        seeds = None if noise is None else request_seeds(noise[active, min(turn, noise.shape[1] - 1):], 1)
+        samples = engine.sample([own_tokens[n // group_size] + decoding[n].tokens for n in active], 1, sampling,
+                                seeds, max_tokens=[min(settings.max_new_tokens - decoding[n].model_tokens,
+                                                       decoding[n].limit - len(decoding[n].tokens)) for n in active],
+                                stop_ids=stops)
+        round_calls = []
+        for n, (sample,) in zip(active, samples):
+            row = decoding[n]
+            row.tokens += sample.token_ids
+            row.sampled += [1] * len(sample.token_ids)
+            row.logprobs += sample.logprobs
+            row.model_tokens += len(sample.token_ids)
+            last = sample.token_ids[-1] if sample.token_ids else None
+            if sample.stopped and last in engine.stop_ids and fmt.stops_at_eos:
+                row.done = row.eos = True
+                continue
+            if sample.stopped and last in closers:
+                call, overflow = ended_call(tokenizer, fmt, row.tokens[row.segment_start:])
+                if call is not None:
+                    if len(row.calls) >= tools.max_calls:
+                        row.done = row.hit_call_limit = True
+                        continue
+                    if row.model_tokens < settings.max_new_tokens and len(row.tokens) < row.limit:
+                        round_calls.append((n, call, overflow))  # a call the model can still read
+                        continue
+            if not sample.token_ids or row.model_tokens >= settings.max_new_tokens or len(row.tokens) >= row.limit:
+                row.done = True
+        if round_calls:
+            answer_calls(round_calls, decoding, tools, fmt, tokenizer)
+    return as_rollout(decoding, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer, True)

@@ -314,7 +314,7 @@ def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g
 TRUNCATION_MARKER = " [truncated: token budget]"  # ends a fed result cut to the completion's token budget
 
 
-class _Row:
+class DecodeRow:
     """One completion being decoded."""
 
     def __init__(self, limit: int, episode: Episode | None = None):
@@ -410,7 +410,7 @@ def _generate(model, tokenizer, prompts, group_size, settings, max_prompt_length
 
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
     budget = (tools.max_episode_tokens if tools is not None else None) or 10**9
-    rows_ = [_Row(min(budget, context - length), None if episodes is None else episodes[n])
+    rows_ = [DecodeRow(min(budget, context - length), None if episodes is None else episodes[n])
              for n, length in enumerate(mask.sum(dim=1).tolist())]
     unit_temperature = replace(settings, temperature=1.0)  # for the logits the loop scales itself
     active = torch.arange(num_rows, device=device)  # rows still decoding
@@ -418,7 +418,7 @@ def _generate(model, tokenizer, prompts, group_size, settings, max_prompt_length
     if any(row.done for row in rows_):  # failed episodes leave before the first token
         keep = torch.tensor([not row.done for row in rows_]).nonzero().squeeze(1).to(device)
         if keep.numel() == 0:
-            return _as_rollout(rows_, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
+            return as_rollout(rows_, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
                                tools is not None)
         cache.batch_select_indices(keep)
         active, next_logits, mask, next_position = active[keep], next_logits[keep], mask[keep], next_position[keep]
@@ -453,7 +453,7 @@ def _generate(model, tokenizer, prompts, group_size, settings, max_prompt_length
             if row.model_tokens >= settings.max_new_tokens or len(row.tokens) >= row.limit:
                 row.done = True
         if round_calls:
-            _answer(round_calls, rows_, tools, fmt, tokenizer)
+            answer_calls(round_calls, rows_, tools, fmt, tokenizer)
 
         running = torch.tensor([not rows_[i].done for i in active_list], device=device)  # (n,)
         if not running.any():
@@ -479,11 +479,11 @@ def _generate(model, tokenizer, prompts, group_size, settings, max_prompt_length
         out = model(input_ids=step_ids, attention_mask=mask, position_ids=next_position[:, None] + offsets.clamp(min=0),
                     use_cache=True, logits_to_keep=LAST_POSITION, **{CACHE_ARG: cache})
         next_logits, next_position = out.logits[:, -1], next_position + lengths
-    return _as_rollout(rows_, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
+    return as_rollout(rows_, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
                                tools is not None)
 
 
-def _answer(round_calls: list, rows: list[_Row], tools: ToolSettings, fmt: CallFormat, tokenizer) -> None:
+def answer_calls(round_calls: list, rows: list[DecodeRow], tools: ToolSettings, fmt: CallFormat, tokenizer) -> None:
     """Run the calls of one decode step together; give each row its result's tokens to feed, cut to the row's
     token budget (then marked and ending the row); an environment that ended its episode ends the row."""
     toolboxes = None
@@ -510,7 +510,7 @@ def _answer(round_calls: list, rows: list[_Row], tools: ToolSettings, fmt: CallF
         row.done = row.done or len(row.tokens) >= row.limit
 
 
-def _as_rollout(rows: list[_Row], prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, tokenizer,
+def as_rollout(rows: list[DecodeRow], prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, tokenizer,
                 with_tools: bool) -> Rollout:
     """The decoded rows as padded tensors: (N, T), T = max_new_tokens or the longest row with tool results."""
     num_rows = len(rows)
@@ -542,10 +542,10 @@ def sampled_rollout(samples: Sequence[tuple[list[int], list[float], bool]], prom
     of (token ids, their sampler log-probs, ended on a stop token), group by group."""
     rows = []
     for tokens, logprobs, stopped in samples:
-        row = _Row(len(tokens))
+        row = DecodeRow(len(tokens))
         row.tokens, row.sampled, row.logprobs, row.eos = list(tokens), [1] * len(tokens), list(logprobs), stopped
         rows.append(row)
-    return _as_rollout(rows, prompt_ids, prompt_mask, group_size, max_new_tokens, tokenizer, False)
+    return as_rollout(rows, prompt_ids, prompt_mask, group_size, max_new_tokens, tokenizer, False)
 
 
 # --------------------------------------------------------------------------------------------------

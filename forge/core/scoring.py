@@ -426,7 +426,8 @@ def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = 
             rollout = generate(model, tokenizer, prompts[start:start + 32], 1, settings, max_prompt_length,
                                config.truncate_prompts, config.share_prompt_prefix, tools=tools,
                                rows=rows[start:start + 32]) if engine is None else generate_on_engine(
-                engine, tokenizer, prompts[start:start + 32], 1, settings, max_prompt_length, config.truncate_prompts)
+                engine, tokenizer, prompts[start:start + 32], 1, settings, max_prompt_length, config.truncate_prompts,
+                tools=tools, rows=rows[start:start + 32])
             completions += rollout.completions
             ids += completion_token_ids(rollout)
             calls += rollout_tool_calls(rollout) or []

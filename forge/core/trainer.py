@@ -78,7 +78,7 @@ class GRPOTrainer:
         self.precision, self.device = ready.precision, next(model.parameters()).device
         self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)  # or an environment
         self.engine = None if config.generation_backend != "vllm" else open_engine(  # forge/model/vllm_engine.py
-            config, model, self.tokenizer, self.precision.compute, self.dist.world_size, self.tool_settings)
+            config, model, self.tokenizer, self.precision.compute, self.dist.world_size)
         self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings, self.engine)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
@@ -177,7 +177,7 @@ class GRPOTrainer:
         with self.sampling():
             if self.engine is not None:  # vLLM (forge/core/engine_rollout.py)
                 return generate_on_engine(self.engine, self.tokenizer, prompts, config.group_size, settings,
-                                          self.max_prompt_length, config.truncate_prompts, noise)
+                                          self.max_prompt_length, config.truncate_prompts, noise, self.tool_settings, rows)
             return generate(self.model, self.tokenizer, prompts, config.group_size, settings, self.max_prompt_length,
                             config.truncate_prompts, config.share_prompt_prefix, noise, self.tool_settings, rows=rows)
 

@@ -126,13 +126,14 @@ class ColocatedEngine(PushTimer):
         # The engine in this process (not vLLM's engine-core subprocess), so its model runner takes the pushed
         # tensors directly; on a CPU its KV cache is sized for this run unless VLLM_CPU_KVCACHE_SPACE says.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would fill a training console
         device = next(model.parameters()).device
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine_dtype(model, compute), torch.float32)
         if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             base = model.get_base_model() if is_peft_model(model) else model
             needed = kv_cache_bytes_per_token(base.config, dtype) * max_rows * max_model_len * 2
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-needed // 2**30)))  # whole GiB
-        self.stop_ids, self.version = list(stop_ids), None
+        self.stop_ids, self.version, self.dtype = list(stop_ids), None, dtype
         self.folder = Path(tempfile.mkdtemp(prefix="forge-vllm-"))
         started = time.perf_counter()
         try:
@@ -156,19 +157,23 @@ class ColocatedEngine(PushTimer):
         started = time.perf_counter()
         if self.version is not None or version != 0:  # the engine started from these weights at step 0
             with checkpoint_weights(model) as weights:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+                self.llm.collective_rpc("reload_weights", kwargs={
+                    "weights_iterator": ((name, t.to(self.dtype)) for name, t in weights)})  # the engine's dtype
             self.pushes += 1
         self.llm.reset_prefix_cache()  # cached prompt keys/values were computed with the old weights
         self.version = version
         self.push_seconds += time.perf_counter() - started
 
-    def sample(self, prompts: list[list[int]], group_size: int, sampling: EngineSampling,
-               seeds: list[int] | None) -> list[list[Sample]]:
+    def sample(self, prompts: list[list[int]], group_size: int, sampling: EngineSampling, seeds: list[int] | None,
+               max_tokens: list[int] | None = None, stop_ids: list[int] | None = None) -> list[list[Sample]]:
+        """group_size Samples for each prompt (token ids); max_tokens and stop_ids per call override sampling's
+        max_new_tokens and the run's stop tokens (a tool rollout stops where a call may end, too)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [SamplingParams(**request_params(sampling, group_size, self.stop_ids, None if seeds is None
-                                                  else seeds[i])) for i in range(len(prompts))]
+        params = [SamplingParams(**request_params(
+            sampling, group_size, self.stop_ids if stop_ids is None else stop_ids, None if seeds is None else seeds[i],
+            None if max_tokens is None else max_tokens[i])) for i in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [[as_sample(c.token_ids, c.logprobs, c.finish_reason) for c in sorted(o.outputs, key=lambda c: c.index)]
                 for o in outputs]
@@ -178,9 +183,11 @@ class ColocatedEngine(PushTimer):
         self.llm = None
 
 
-def request_params(sampling: EngineSampling, group_size: int, stop_ids: list[int], seed: int | None) -> dict:
+def request_params(sampling: EngineSampling, group_size: int, stop_ids: list[int], seed: int | None,
+                   max_tokens: int | None = None) -> dict:
     """vLLM SamplingParams for one prompt's group: n completions, the sampled token's log-prob, Forge's stops."""
-    return dict(n=group_size, max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0,
+    return dict(n=group_size, max_tokens=sampling.max_new_tokens if max_tokens is None else max_tokens, seed=seed,
+                logprobs=0,
                 stop_token_ids=stop_ids, detokenize=False, skip_special_tokens=False,
                 temperature=0.0 if sampling.greedy else sampling.temperature,
                 top_p=1.0 if sampling.greedy else sampling.top_p,
@@ -254,12 +261,14 @@ class ServerEngine(PushTimer):
         self.version, self.pushes = version, self.pushes + 1
         self.push_seconds += time.perf_counter() - started
 
-    def sample(self, prompts: list[list[int]], group_size: int, sampling: EngineSampling,
-               seeds: list[int] | None) -> list[list[Sample]]:
+    def sample(self, prompts: list[list[int]], group_size: int, sampling: EngineSampling, seeds: list[int] | None,
+               max_tokens: list[int] | None = None, stop_ids: list[int] | None = None) -> list[list[Sample]]:
+        """As ColocatedEngine.sample, one HTTP request per prompt, sent together."""
         from concurrent.futures import ThreadPoolExecutor
 
         def one(i: int) -> list[Sample]:
-            params = request_params(sampling, group_size, self.stop_ids, None if seeds is None else seeds[i])
+            params = request_params(sampling, group_size, self.stop_ids if stop_ids is None else stop_ids,
+                                    None if seeds is None else seeds[i], None if max_tokens is None else max_tokens[i])
             answer = self.post("/inference/v1/generate", {"token_ids": prompts[i], "sampling_params": params})
             choices = sorted(answer["choices"], key=lambda c: c["index"])
             return [Sample(list(c["token_ids"]), [float(p["logprob"]) for p in c["logprobs"]["content"]],

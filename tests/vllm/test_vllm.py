@@ -3,7 +3,7 @@
 Checked against Forge itself, where Forge's own decode is the reference the issue sets: the engine's sampler
 log-probs are the policy's own log-probs of the sampled tokens; after optimizer steps the engine's greedy tokens
 are Forge's greedy decode of the updated policy (full fine-tuning and LoRA), so the weights really were pushed;
-completions end at the first stop token; a run killed with SIGKILL and resumed ends with the weights and samples
+completions end at the first stop token; a tool rollout continues each completion from its own token ids; a run killed with SIGKILL and resumed ends with the weights and samples
 of the uninterrupted run; server mode (`forge vllm-serve` in another process) trains and syncs the same way; the
 packaged SmolLM2 trains a LoRA step on the engine with a small sampler/trainer gap.
 
@@ -112,19 +112,22 @@ def test_after_optimizer_steps_the_engine_samples_the_updated_policy(tmp_path, l
     assert trainer.evaluate(ROWS) == on_engine_eval
 
 
-def test_tools_are_refused_with_the_backend_to_use(tmp_path):
-    def add(a: int, b: int) -> int:
-        """Add two numbers.
-
-        Args:
-            a: the first
-            b: the second
-        """
-        return a + b
+def test_a_tool_rollout_on_vllm_continues_each_completion_token_for_token(tmp_path):
+    """A completion stops at every token that may close a call ('>' and friends are common in the tiny vocabulary)
+    and goes on in a new request from its own token ids: the sampler's log-probs of every sampled token are then
+    still the policy's, which they would not be if a continuation's context were wrong."""
+    from forge.tools.calls import calculator
 
     model, tokenizer = tiny()
-    with pytest.raises(ValueError, match="tools and environments decode with Forge's own loop"):
-        GRPOTrainer(model, tokenizer, reward_fn=text_length, config=config(tmp_path), tools=[add])
+    trainer = GRPOTrainer(model, tokenizer, reward_fn=text_length, config=config(tmp_path, max_new_tokens=24),
+                          tools=[calculator])
+    trainer.sampling_rng.manual_seed(3)
+    rollout = trainer.generate(PROMPTS)
+    assert rollout.action_mask is not None and len(rollout.tool_calls) == len(PROMPTS) * 4
+    sampled = rollout.sampled_mask.bool()
+    gap = (trainer.rollout_logprobs(trainer.model, rollout) - rollout.sampler_logprobs).abs()[sampled]
+    assert float(gap.max()) < 1e-4
+    assert (rollout.sampled_mask.sum(dim=1) <= 24).all()
 
 
 # ----------------------------------------------------------------------------------------------------
