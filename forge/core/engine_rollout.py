@@ -35,8 +35,10 @@ from forge.model.vllm_engine import MODES, ColocatedEngine, EngineSampling, Serv
 from forge.tools.calls import ToolSettings, call_format, closing_token_ids, ended_call
 
 
-def open_engine(config, model, tokenizer, compute: torch.dtype, world_size: int = 1):
-    """The run's engine (GRPOConfig.vllm_mode): started from the policy's weights, or a running server."""
+def open_engine(config, model, tokenizer, compute: torch.dtype, dist=None):
+    """The run's engine (GRPOConfig.vllm_mode): started from the policy's weights, or a running server that the
+    processes of the run (`dist`, forge/parallel) share: the first pushes each step's weights, the others wait."""
+    world_size = 1 if dist is None else dist.world_size
     stop_ids = eos_ids(tokenizer, model)
     if config.vllm_mode not in MODES:
         raise ValueError(f"vllm_mode={config.vllm_mode!r}: use one of {', '.join(MODES)}")
@@ -44,7 +46,8 @@ def open_engine(config, model, tokenizer, compute: torch.dtype, world_size: int 
     if config.vllm_mode == "server":
         engine = ServerEngine(url := config.vllm_server_base_url or
                               f"http://{config.vllm_server_host}:{config.vllm_server_port}", stop_ids, compute, model,
-                              weights_dir=f"{config.output_dir}/vllm-weights", timeout=config.vllm_server_timeout)
+                              weights_dir=f"{config.output_dir}/vllm-weights", timeout=config.vllm_server_timeout,
+                              pushes=dist is None or dist.is_main, after_push=None if dist is None else dist.barrier)
         note(f"vLLM server at {url}: weights pushed through {config.output_dir}/vllm-weights")
     elif world_size > 1:
         raise ValueError("vllm_mode='colocate' starts one engine per process; with several training processes "

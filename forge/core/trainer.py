@@ -78,7 +78,7 @@ class GRPOTrainer:
         self.precision, self.device = ready.precision, next(model.parameters()).device
         self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)  # or an environment
         self.engine = None if config.generation_backend != "vllm" else open_engine(  # forge/model/vllm_engine.py
-            config, model, self.tokenizer, self.precision.compute, self.dist.world_size)
+            config, model, self.tokenizer, self.precision.compute, self.dist)
         self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings, self.engine)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:

@@ -214,8 +214,9 @@ class ServerEngine(PushTimer):
     (`reload_weights`), so the server must see `weights_dir` (the same machine, or a shared folder)."""
 
     def __init__(self, base_url: str, stop_ids: list[int], compute: torch.dtype, model: nn.Module,
-                 weights_dir: str | os.PathLike, timeout: float = 240.0):
+                 weights_dir: str | os.PathLike, timeout: float = 240.0, pushes: bool = True, after_push=None):
         self.base_url, self.stop_ids, self.version = base_url.rstrip("/"), list(stop_ids), None
+        self.pushing, self.after_push = pushes, after_push  # several processes: one pushes, all wait for it
         self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine_dtype(model, compute),
                                                                              torch.float32)
         self.weights_dir = Path(weights_dir)
@@ -251,14 +252,19 @@ class ServerEngine(PushTimer):
         if version == self.version:
             return
         started = time.perf_counter()
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        with checkpoint_weights(model) as weights:
-            save_file({n: t.to(self.dtype).contiguous().clone() for n, t in weights},
-                      str(self.weights_dir / "model.safetensors.tmp"))
-        os.replace(self.weights_dir / "model.safetensors.tmp", self.weights_dir / "model.safetensors")
-        self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
-        self.post("/reset_prefix_cache", {})
-        self.version, self.pushes = version, self.pushes + 1
+        if self.pushing:
+            self.weights_dir.mkdir(parents=True, exist_ok=True)
+            with checkpoint_weights(model) as weights:
+                save_file({n: t.to(self.dtype).contiguous().clone() for n, t in weights},
+                          str(self.weights_dir / "model.safetensors.tmp"))
+            os.replace(self.weights_dir / "model.safetensors.tmp", self.weights_dir / "model.safetensors")
+            self.post("/collective_rpc", {"method": "reload_weights",
+                                          "kwargs": {"weights_path": str(self.weights_dir)}})
+            self.post("/reset_prefix_cache", {})
+            self.pushes += 1
+        if self.after_push is not None:
+            self.after_push()  # no process samples before the step's weights are in
+        self.version = version
         self.push_seconds += time.perf_counter() - started
 
     def sample(self, prompts: list[list[int]], group_size: int, sampling: EngineSampling, seeds: list[int] | None,
