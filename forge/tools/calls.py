@@ -21,6 +21,7 @@ import inspect
 import json
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -202,12 +203,31 @@ def run_calls(calls: Sequence[ToolCall], settings: ToolSettings,
         if thread.is_alive():
             results[i] = ToolResult(calls[i], f"error: the call took longer than {settings.timeout:g} s and was "
                                     f"abandoned", "timeout", seconds=seconds)
+            stateful = toolboxes is not None and toolboxes[i].get(calls[i].name) not in settings.tools
+            _say_abandoned(calls[i].name, settings.timeout, stateful)
         elif outcome is None:  # the thread died outside the tool's own error handling
             results[i] = ToolResult(calls[i], "error: the call ended without a result", "error", seconds=seconds)
         else:
             text, failure, cut = outcome
             results[i] = ToolResult(calls[i], text, failure, cut, seconds)
     return results  # type: ignore[return-value]
+
+
+_abandoned: set[str] = set()  # tools whose abandoned thread was announced (once per tool and process)
+
+
+def _say_abandoned(name: str, timeout: float, stateful: bool) -> None:
+    """Warn, once per tool, that a call abandoned at its timeout runs on in its thread; `stateful`: an environment's
+    method (its state lives in the trainer, so it always runs in a thread)."""
+    if name in _abandoned:
+        return
+    _abandoned.add(name)
+    way_out = ("an environment's method runs in the trainer, where its state is: make it return in time, or run "
+               "its slow work in a subprocess" if stateful else
+               "set tool_isolation='process', where such a call's worker is killed")
+    warnings.warn(f"tool {name} ran past tool_timeout={timeout:g} s and keeps running in a thread (Python cannot "
+                  f"stop one): while it runs it takes CPU and, in Python code, the GIL from the training; {way_out} "
+                  f"(docs/tools.md)", RuntimeWarning, stacklevel=3)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -136,6 +136,21 @@ def test_a_hanging_tool_times_out_and_calls_run_in_parallel():
     assert took < 0.9  # one timeout for the round (serial would be >= 0.3 + 0.3 + 0.5)
 
 
+def test_a_call_abandoned_in_a_thread_is_said_once_with_the_way_out(monkeypatch):
+    from forge.tools import calls
+
+    monkeypatch.setattr(calls, "_abandoned", set())
+    settings = settings_for(sleepy, timeout=0.2)
+    with pytest.warns(RuntimeWarning, match=r"tool sleepy ran past tool_timeout=0\.2 s and keeps running in a thread "
+                                            r".*tool_isolation='process'"):
+        run_calls([ToolCall("", "sleepy", {"seconds": 3})], settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per tool
+        run_calls([ToolCall("", "sleepy", {"seconds": 3})], settings)
+    (worker,) = run_calls([ToolCall("", "sleepy", {"seconds": 0.05})], settings_for(sleepy, isolation="process"))
+    assert worker.failure is None  # (a worker past its timeout is killed: nothing to say)
+
+
 def test_a_huge_output_is_truncated_with_a_marker():
     (result,) = run_calls([ToolCall("", "flood", {"text": ""})], settings_for(flood, max_output_chars=100))
     assert result.truncated and result.failure is None
