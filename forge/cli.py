@@ -262,9 +262,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_vllm_serve(args: argparse.Namespace) -> int:
+    from forge.core.config import VLLM_INSTALL
     from forge.model.loading import _DEFAULT_ALIASES, packaged_model_path
     from forge.model.precision import choose_precision
-    from forge.core.config import VLLM_INSTALL
     from forge.model.vllm_engine import serve
 
     if importlib.util.find_spec("vllm") is None:

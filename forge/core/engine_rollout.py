@@ -32,7 +32,7 @@ from forge.core.rollout import (
 from forge.envs.protocol import EnvironmentSettings, with_opening
 from forge.logging.logger import note
 from forge.model.vllm_engine import MODES, ColocatedEngine, EngineSampling, ServerEngine
-from forge.tools.calls import ToolSettings, call_format, closing_token_ids, ended_call
+from forge.tools.calls import ToolSettings, call_format, closing_token_ids
 
 
 def open_engine(config, model, tokenizer, compute: torch.dtype, dist=None):
@@ -99,8 +99,8 @@ def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_len
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts,
                                                tools=schemas)  # (P, Lp)
     own_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-    closers = set(closing_token_ids(tokenizer, fmt.closers).nonzero().squeeze(1).tolist())
-    stops = sorted(closers | (set(engine.stop_ids) if fmt.stops_at_eos else set()))
+    closing = closing_token_ids(tokenizer, fmt.closers)  # (V,) tokens after which a call may have ended
+    stops = sorted(set(closing.nonzero().squeeze(1).tolist()) | (set(engine.stop_ids) if fmt.stops_at_eos else set()))
     budget = tools.max_episode_tokens or 10**9
     decoding = [DecodeRow(min(budget, engine.context - len(own_tokens[n // group_size])),
                           None if episodes is None else episodes[n]) for n in range(len(prompts) * group_size)]
@@ -117,26 +117,10 @@ def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_len
                                 stop_ids=stops)
         round_calls = []
         for n, (sample,) in zip(active, samples):
-            row = decoding[n]
-            row.tokens += sample.token_ids
-            row.sampled += [1] * len(sample.token_ids)
-            row.logprobs += sample.logprobs
-            row.model_tokens += len(sample.token_ids)
-            last = sample.token_ids[-1] if sample.token_ids else None
-            if sample.stopped and last in engine.stop_ids and fmt.stops_at_eos:
-                row.done = row.eos = True
-                continue
-            if sample.stopped and last in closers:
-                call, overflow = ended_call(tokenizer, fmt, row.tokens[row.segment_start:])
-                if call is not None:
-                    if len(row.calls) >= tools.max_calls:
-                        row.done = row.hit_call_limit = True
-                        continue
-                    if row.model_tokens < settings.max_new_tokens and len(row.tokens) < row.limit:
-                        round_calls.append((n, call, overflow))  # a call the model can still read
-                        continue
-            if not sample.token_ids or row.model_tokens >= settings.max_new_tokens or len(row.tokens) >= row.limit:
-                row.done = True
+            call = decoding[n].take(sample.token_ids, sample.logprobs, engine.stop_ids, closing, tokenizer, fmt, tools,
+                                    settings.max_new_tokens)
+            if call is not None:
+                round_calls.append((n, *call))
         if round_calls:
             answer_calls(round_calls, decoding, tools, fmt, tokenizer)
     return as_rollout(decoding, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer, True)

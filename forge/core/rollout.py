@@ -332,6 +332,33 @@ class DecodeRow:
         self.hit_call_limit = False
         self.ended = False  # the environment ended the episode
 
+    def take(self, tokens: list[int], logprobs: list[float], stop_ids, closing: torch.Tensor | None, tokenizer,
+             fmt: CallFormat | None, tools: ToolSettings | None, max_new_tokens: int) -> tuple | None:
+        """Append tokens the model sampled (their last one decides what follows). Returns (call, overflow) when
+        they end a call the model can still read, to be answered; otherwise settles the row: done at a stop token,
+        at a call past tools.max_calls (left unanswered), or with its budget spent. closing: (V,) the tokens after
+        which a call may have ended (closing_token_ids)."""
+        self.tokens += tokens
+        self.sampled += [1] * len(tokens)
+        self.logprobs += logprobs
+        self.model_tokens += len(tokens)
+        self.fed = []
+        last = tokens[-1] if tokens else None
+        if last in stop_ids and (fmt is None or fmt.stops_at_eos):
+            self.done = self.eos = True
+            return None
+        if closing is not None and last is not None and last < closing.numel() and bool(closing[last]):
+            call, overflow = ended_call(tokenizer, fmt, self.tokens[self.segment_start:])
+            if call is not None:
+                if len(self.calls) >= tools.max_calls:
+                    self.done = self.hit_call_limit = True
+                    return None
+                if self.model_tokens < max_new_tokens and len(self.tokens) < self.limit:
+                    return call, overflow  # a call the model can still read
+        if not tokens or self.model_tokens >= max_new_tokens or len(self.tokens) >= self.limit:
+            self.done = True
+        return None
+
     def feed(self, ids: list[int]) -> None:
         self.fed = ids
         self.tokens += ids
@@ -432,26 +459,10 @@ def _generate(model, tokenizer, prompts, group_size, settings, max_prompt_length
 
         round_calls: list[tuple[int, object, str]] = []
         for i, token, token_logp in zip(active_list, tokens.tolist(), logp_of):
-            row = rows_[i]
-            row.tokens.append(token)
-            row.sampled.append(1)
-            row.logprobs.append(token_logp)
-            row.model_tokens += 1
-            row.fed = []
-            if token in stop_ids and (fmt is None or fmt.stops_at_eos):
-                row.done = row.eos = True
-                continue
-            if closing is not None and token < closing.numel() and bool(closing[token]):
-                call, overflow = ended_call(tokenizer, fmt, row.tokens[row.segment_start:])
-                if call is not None:
-                    if len(row.calls) >= tools.max_calls:
-                        row.done = row.hit_call_limit = True
-                        continue
-                    if row.model_tokens < settings.max_new_tokens and len(row.tokens) < row.limit:
-                        round_calls.append((i, call, overflow))  # a call the model can still read
-                        continue
-            if row.model_tokens >= settings.max_new_tokens or len(row.tokens) >= row.limit:
-                row.done = True
+            call = rows_[i].take([token], [token_logp], stop_ids, closing, tokenizer, fmt, tools,
+                                 settings.max_new_tokens)
+            if call is not None:
+                round_calls.append((i, *call))
         if round_calls:
             answer_calls(round_calls, rows_, tools, fmt, tokenizer)
 
