@@ -45,6 +45,7 @@ import asyncio
 import dataclasses
 import inspect
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,8 +125,10 @@ class EnvironmentSettings:
             raise TypeError(f"environment_factory must be a class or a callable returning an instance, got "
                             f"{type(factory).__name__}")
         built: dict = {}
-        (result,) = run_calls([ToolCall("probe", "probe", {})], settings,
-                              toolboxes=[{"probe": Tool(lambda: _build(factory, built), "probe", {}, "probe")}])
+        with warnings.catch_warnings():  # a probe past its timeout is said below, as the refusal
+            warnings.simplefilter("ignore", RuntimeWarning)
+            (result,) = run_calls([ToolCall("probe", "probe", {})], settings,
+                                  toolboxes=[{"probe": Tool(lambda: _build(factory, built), "probe", {}, "probe")}])
         name, method = _factory_name(factory)
         if result.failure is not None:
             failed = (f"did not return within tool_timeout={settings.timeout:g} s" if result.failure == "timeout"
