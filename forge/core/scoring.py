@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
+from forge.core.engine_rollout import generate_on_engine
 from forge.core.reward import BaseReward, RewardInputs, call_problem, is_async_reward
 from forge.core.reward_sources import SequenceClassificationReward, as_reward, is_model_and_tokenizer
-from forge.core.engine_rollout import generate_on_engine
 from forge.core.rollout import SamplingSettings, generate
 from forge.data.dataset import dataset_columns
 from forge.run.lifecycle import reraise_user_interrupt

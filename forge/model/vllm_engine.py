@@ -186,12 +186,11 @@ class ColocatedEngine(PushTimer):
 def request_params(sampling: EngineSampling, group_size: int, stop_ids: list[int], seed: int | None,
                    max_tokens: int | None = None) -> dict:
     """vLLM SamplingParams for one prompt's group: n completions, the sampled token's log-prob, Forge's stops."""
-    return dict(n=group_size, max_tokens=sampling.max_new_tokens if max_tokens is None else max_tokens, seed=seed,
-                logprobs=0,
-                stop_token_ids=stop_ids, detokenize=False, skip_special_tokens=False,
-                temperature=0.0 if sampling.greedy else sampling.temperature,
-                top_p=1.0 if sampling.greedy else sampling.top_p,
-                top_k=0 if sampling.greedy else max(sampling.top_k, 0))
+    return {"n": group_size, "max_tokens": sampling.max_new_tokens if max_tokens is None else max_tokens,
+            "seed": seed, "logprobs": 0, "stop_token_ids": stop_ids, "detokenize": False,
+            "skip_special_tokens": False, "temperature": 0.0 if sampling.greedy else sampling.temperature,
+            "top_p": 1.0 if sampling.greedy else sampling.top_p,
+            "top_k": 0 if sampling.greedy else max(sampling.top_k, 0)}
 
 
 def as_sample(token_ids, logprobs, finish_reason: str | None) -> Sample:
