@@ -155,7 +155,7 @@ class EnvironmentSettings:
             row = dict(rows[n // group_size])
             calls.append(ToolCall("reset", "reset", {"row": row}))
             boxes.append({"reset": Tool(self._opener(built[n]), "reset", {}, "reset")})
-        name, builder = _factory_name(self.factory)
+        _, builder = _factory_name(self.factory)
         for episode, result, got in zip(episodes, run_calls(calls, self.tools, toolboxes=boxes), built):
             if result.failure is not None:  # a call abandoned at its timeout writes on in `got`, no one reads it
                 method = f"{type(got['instance']).__name__}.reset" if "instance" in got else builder

@@ -185,7 +185,7 @@ class TrainingRun:
                 self.rollouts_without_calls = None
         health, started = self.health.check(metrics)
         metrics.update(health)
-        failures = [sample["episode_failure"] for sample in metrics["_samples"] if "episode_failure" in sample]
+        failures = [sample["episode_failure"] for sample in metrics.get("_samples", ()) if "episode_failure" in sample]
         for name in started if self.dist.is_main else ():
             example = f" (e.g. {failures[0]})" if name == "episodes_failing" and failures else ""
             tqdm.write(f"forge: health: step {step}: {name}: {HEALTH_RULES[name].says}{example}")

@@ -204,8 +204,9 @@ def _visible_inside(interpreter: str) -> dict:
         hops.append(os.path.join(os.path.realpath(os.path.dirname(target)), os.path.basename(target)))
     needed = [os.path.dirname(os.path.dirname(hop)) for hop in hops]
     try:
-        found = subprocess.run([interpreter, "-I", "-c", "import json, sys; print(json.dumps([sys.prefix, "
-                                "sys.base_prefix, *sys.path]))"], capture_output=True, text=True, timeout=60)
+        question = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, *sys.path]))"
+        found = subprocess.run([interpreter, "-I", "-c", question], capture_output=True, text=True, timeout=60,
+                               check=False)
         needed += json.loads(found.stdout) if found.returncode == 0 else []
     except (OSError, ValueError, subprocess.TimeoutExpired):
         pass  # it is found inside or not; the sandbox then says which

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_checkpoint_attacks import CONFIG, OneRank, one_rank_group, rehash, sharded_model  # noqa: F401
 
 from forge import GRPOConfig, GRPOTrainer
 from forge.model.tiny import build_tiny_model
 from forge.run import state_files
 from forge.run.integrity import CheckpointError
-from test_checkpoint_attacks import CONFIG, OneRank, one_rank_group, rehash, sharded_model  # noqa: F401
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
 
@@ -109,7 +109,8 @@ def test_weights_of_another_shape_are_one_line(run):
         key = next(k for k in tensors if k.endswith("q_proj.weight"))
         tensors[key] = torch.zeros(tensors[key].shape[0] + 1, tensors[key].shape[1])
 
-    message = resume(run) if edit_weights(run / "1" / "model.safetensors", grow) is None else ""
+    edit_weights(run / "1" / "model.safetensors", grow)
+    message = resume(run)
     assert "model.safetensors" in message and "shape" in message
 
 
@@ -172,7 +173,7 @@ def test_a_bad_scheduler_layout_is_one_line(run):
     assert "scheduler.safetensors" in resume(run)
 
 
-def test_adamw_maximize_in_an_fsdp_layout_is_refused(tmp_path, tiny_tokenizer, one_rank_group):
+def test_adamw_maximize_in_an_fsdp_layout_is_refused(tmp_path, tiny_tokenizer, one_rank_group):  # noqa: F811
     from forge.run.checkpoint import load_checkpoint, save_sharded_checkpoint
     from forge.run.lifecycle import load_weights_and_optimizer
 
