@@ -285,7 +285,13 @@ def load_reward_from_path(path: str, convention: str = "forge") -> BaseReward:
         )
     target = getattr(module, attribute)
     if isinstance(target, type):  # a reward class (BaseReward or a plain callable class): its default instance
-        target = target()
+        try:
+            target = target()
+        except Exception as error:  # noqa: BLE001 - the user's __init__: said in one line, with its own words
+            detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+            raise ValueError(f"reward {path!r}: {attribute}() raised {type(error).__name__}: {detail}; a reward "
+                             f"class given by name is built with no arguments: give its arguments defaults, or pass "
+                             f"an instance from Python") from None
     return as_reward(target, convention)
 
 

@@ -236,3 +236,17 @@ def test_a_reward_class_by_path_is_instantiated_whatever_its_base(tmp_path):
     path.write_text("class Shout:\n    def __call__(self, prompts, completions, **kwargs):\n"
                     "        return [float(c.isupper()) for c in completions]\n")
     assert load_reward_from_path(f"{path}:Shout")(["p", "p"], ["HI", "hi"]).scores == [1.0, 0.0]
+
+
+def test_a_reward_class_that_cannot_be_built_is_one_line_naming_it(tmp_path, capsys):
+    from forge.cli import main
+
+    path = tmp_path / "broken_reward.py"
+    path.write_text("class NeedsADatabase:\n    def __init__(self):\n        raise RuntimeError('no database')\n\n"
+                    "    def __call__(self, prompts, completions, **kwargs):\n        return [0.0] * len(completions)\n")
+    assert main(["train", "--model", "nowhere-model-needed", "--reward", f"{path}:NeedsADatabase",
+                 "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert (f"forge: error: reward '{path}:NeedsADatabase': NeedsADatabase() raised RuntimeError: no database; a "
+            f"reward class given by name is built with no arguments") in err
