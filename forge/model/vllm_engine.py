@@ -131,7 +131,10 @@ class ColocatedEngine(PushTimer):
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine_dtype(model, compute), torch.float32)
         if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             base = model.get_base_model() if is_peft_model(model) else model
-            needed = kv_cache_bytes_per_token(base.config, dtype) * max_rows * max_model_len * 2
+            # a step's rows with prompts of up to 1,024 tokens at once, and at least one request of the whole
+            # context (vLLM refuses to start otherwise); longer prompts wait for room, they do not fail
+            tokens = max(max_rows * (max_new_tokens + 1024), max_model_len)
+            needed = kv_cache_bytes_per_token(base.config, dtype) * tokens * 5 // 4
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-needed // 2**30)))  # whole GiB
         self.stop_ids, self.version, self.dtype = list(stop_ids), None, dtype
         self.folder = Path(tempfile.mkdtemp(prefix="forge-vllm-"))
