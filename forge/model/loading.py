@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -94,16 +93,19 @@ def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: b
     """from_pretrained, refusing weights that do not make the model config.json describes: a tensor of another shape,
     or weights the files do not hold (transformers would start them at random and say so in a table of many lines,
     which this keeps quiet: a refusal says it in one line)."""
-    _refuse_pickled_weights(source)
     report = logging.getLogger("transformers.modeling_utils")
     level = report.level
     report.setLevel(logging.ERROR)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
                                                            ignore_mismatched_sizes=True, output_loading_info=True)
-    except pickle.UnpicklingError as error:  # a hub repo's .bin that torch's weights-only loader refused
-        raise ValueError(f"model {source}: its weights are a pickle (torch.save) that holds more than tensors "
-                         f"({str(error).splitlines()[0][:120]}); load a release of it in safetensors") from None
+    except Exception as error:
+        if "Weights only load failed" not in str(error):  # torch's refusal of a pickle that is not tensors only
+            raise
+        raise ValueError(f"model {source}: its weights ({_weights_named(source)}) are a pickle (torch.save) that "
+                         f"holds more than tensors; torch's weights-only loader refused it (Weights only load "
+                         f"failed), so nothing in it ran. Load a safetensors release of the model, or one whose "
+                         f"pickle holds tensors only") from None
     finally:
         report.setLevel(level)
     mismatched, missing = info.get("mismatched_keys") or [], sorted(info.get("missing_keys") or [])
@@ -122,23 +124,6 @@ def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: b
                    f"missing (e.g. {missing[:3]})")
     raise ValueError(f"model folder {source}: {problem}. config.json and the weights are of different models: "
                      f"restore the folder from where it came from, or load another")
-
-
-PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")  # what torch.save writes: a pickle
-
-
-def _refuse_pickled_weights(source: str) -> None:
-    """A local folder whose weights are only in pickle files (pytorch_model.bin, ...) is refused before transformers
-    reads them: unpickling runs whatever code the file names."""
-    folder = Path(source).expanduser()
-    if not folder.is_dir() or any(folder.glob("*.safetensors")):
-        return
-    pickled = sorted({p.name for pattern in PICKLED_WEIGHTS for p in folder.glob(pattern)})
-    if pickled:
-        raise ValueError(f"model folder {source}: its weights are {', '.join(pickled[:3])}, a pickle (torch.save); "
-                         f"Forge loads safetensors weights only (unpickling runs whatever code the file names). "
-                         f"Load the model's safetensors release, or convert this folder where you trust the file "
-                         f"(transformers' save_pretrained writes safetensors)")
 
 
 def _weights_named(source: str) -> str:

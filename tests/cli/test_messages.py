@@ -146,8 +146,8 @@ def test_a_missing_hf_dataset_exits_2_naming_it(name, workspace, tmp_path, capsy
     assert message.startswith(f"forge: error: {name}: {said}") and "checkpoint" not in message
 
 
-def test_a_model_folder_with_pickled_weights_only_is_refused_in_one_line_and_never_unpickled(workspace, tmp_path,
-                                                                                             capsys):
+def test_a_model_folder_whose_pickle_holds_more_than_tensors_is_one_line_and_nothing_in_it_runs(workspace,
+                                                                                              tmp_path, capsys):
     import pickle
 
     folder, marker = tmp_path / "pickled", tmp_path / "payload-ran"
@@ -155,8 +155,9 @@ def test_a_model_folder_with_pickled_weights_only_is_refused_in_one_line_and_nev
     (folder / "model.safetensors").unlink()
     (folder / "pytorch_model.bin").write_bytes(pickle.dumps((Path.touch, (marker,))))  # what torch.save writes: pickle
     assert forge_main("train", *train_flags(workspace, tmp_path / "out"), "--model", folder) == 2
-    assert error_of(capsys).startswith(f"forge: error: model folder {folder}: its weights are pytorch_model.bin, a "
-                                       f"pickle (torch.save); Forge loads safetensors weights only")
+    assert error_of(capsys).startswith(f"forge: error: model {folder}: its weights (pytorch_model.bin) are a pickle "
+                                       f"(torch.save) that holds more than tensors; torch's weights-only loader "
+                                       f"refused it (Weights only load failed), so nothing in it ran")
     assert not marker.exists()
 
 
