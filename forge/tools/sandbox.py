@@ -125,7 +125,8 @@ def run_python(
     allow_unisolated: bool = False,
 ) -> SandboxResult:
     """Run `code` as a Python program in the sandbox; see the module docstring. Never raises for anything the
-    program does.
+    program does; raises RuntimeError, having run nothing, when the sandbox cannot isolate it (the cause said),
+    unless `allow_unisolated` or `namespaces=False` opts in to running it unisolated.
 
     timeout:          wall-clock seconds before the whole program is killed (CPU time is capped too)
     memory_mb:        memory of the whole program (0 = none); also each process's address-space limit
