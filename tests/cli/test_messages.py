@@ -272,8 +272,10 @@ def training_process(run: subprocess.Popen) -> int:
     return int(children[0])
 
 
-@pytest.mark.parametrize("target", ["forge train", "the training process"])
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+@pytest.mark.parametrize("signum, target", [  # SIGTERM to forge train: test_sigterm_to_forge_train_is_passed_on_...
+    (signal.SIGINT, "forge train"), (signal.SIGHUP, "forge train"), (signal.SIGINT, "the training process"),
+    (signal.SIGTERM, "the training process"), (signal.SIGHUP, "the training process")],
+    ids=lambda value: value.name if isinstance(value, signal.Signals) else value.replace(" ", "-"))
 def test_a_stop_signal_to_either_process_finishes_the_step_saves_it_and_exits_130(workspace, tmp_path, signum,
                                                                                   target):
     out, ready = tmp_path / "out", tmp_path / "ready"
