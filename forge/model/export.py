@@ -11,9 +11,9 @@ from __future__ import annotations
 import copy
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
+from pickle import UnpicklingError  # only to name torch's refusal; nothing is unpickled here
 
 import torch
 from torch import nn
@@ -117,7 +117,7 @@ def _load_adapter(base_model: nn.Module, adapter_dir: str | os.PathLike) -> nn.M
                          f"adapter_config.json: {mismatch.replace('torch.Size', '')} The config (its r, "
                          f"target_modules) is not the one the adapter was saved with: restore the folder from where "
                          f"it came from") from None
-    except pickle.UnpicklingError:
+    except UnpicklingError:
         raise ValueError(f"adapter folder {adapter_dir}: {_adapter_weights(adapter_dir)} cannot be loaded: it is a "
                          f"pickle that holds more than tensors, and unpickling it would run whatever code it names "
                          f"(torch refuses it, and Forge never unpickles it); load an adapter saved as "
