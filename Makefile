@@ -47,7 +47,7 @@ test: $(VENV)/.dev-installed
 	$(PY) -m pytest $(ARGS)
 
 test-vllm: $(VLLM_VENV)/.vllm-installed
-	$(VLLM_VENV)/bin/python -m pytest tests/vllm $(ARGS)
+	$(VLLM_VENV)/bin/python -m pytest tests/on_vllm $(ARGS)
 
 test-slow: $(VENV)/.dev-installed
 	$(PY) -m pytest -m slow $(ARGS)

@@ -1,6 +1,6 @@
 """Rollouts on a serving engine (forge/core/engine_rollout.py), with a scripted engine in vLLM's place: what Forge
 sends (token ids, seeds, budgets, stops) and what it builds of the answers (masks, stops, tool results, the call
-limit). The real engine is tested in tests/vllm (`make test-vllm`)."""
+limit). The real engine is tested in tests/on_vllm (`make test-vllm`)."""
 
 from __future__ import annotations
 
