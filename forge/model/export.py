@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from pickle import UnpicklingError  # only to name torch's refusal; nothing is unpickled here
 
@@ -107,7 +108,9 @@ def _load_adapter(base_model: nn.Module, adapter_dir: str | os.PathLike) -> nn.M
     except ImportError as error:
         raise ImportError(LORA_INSTALL_HINT) from error
     try:
-        with quiet_checkpointing_deprecation():
+        with quiet_checkpointing_deprecation(), warnings.catch_warnings():
+            # torch's note on an adapter_model.bin's pickle protocol, printed before its own refusal of it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return PeftModel.from_pretrained(base_model, str(adapter_dir))
     except RuntimeError as error:
         mismatch = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), None)
