@@ -157,15 +157,15 @@ class ColocatedEngine(PushTimer):
         """Push the policy's weights when `version` (the optimizer step) differs from the last one pushed."""
         if version == self.version:
             return
-        started = time.perf_counter()
         if self.version is not None or version != 0:  # the engine started from these weights at step 0
+            started = time.perf_counter()
             with checkpoint_weights(model) as weights:
                 self.llm.collective_rpc("reload_weights", kwargs={
                     "weights_iterator": ((name, t.to(self.dtype)) for name, t in weights)})  # the engine's dtype
             self.pushes += 1
+            self.push_seconds += time.perf_counter() - started
         self.llm.reset_prefix_cache()  # cached prompt keys/values were computed with the old weights
         self.version = version
-        self.push_seconds += time.perf_counter() - started
 
     def sample(self, prompts: list[list[int]], group_size: int, sampling: EngineSampling, seeds: list[int] | None,
                max_tokens: list[int] | None = None, stop_ids: list[int] | None = None) -> list[list[Sample]]:
