@@ -201,6 +201,9 @@ def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
     command = [sys.executable, "-m", "forge.parallel.launch", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "forge", *argv]
     env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600", "OMP_NUM_THREADS": "1", **os.environ}
+    from forge.run.supervisor import newest_checkpoint, resume_hint
+
+    resumed_from = newest_checkpoint(output_dir) if "--resume" in argv else None
     launcher = subprocess.Popen(command, env=env)
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),  # the terminal already sent it
                 signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signum))}
@@ -210,9 +213,8 @@ def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if code not in (0, 130):  # 130: interrupted, and rank 0 said where it saved
-        from forge.run.supervisor import resume_hint
-
-        print(f"forge: error: the {nproc}-process run did not finish; {resume_hint(output_dir)}", file=sys.stderr)
+        print(f"forge: error: the {nproc}-process run did not finish; {resume_hint(output_dir, resumed_from)}",
+              file=sys.stderr)
     return code
 
 

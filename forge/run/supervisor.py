@@ -37,6 +37,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from forge.parallel.launch import how_it_ended
 from forge.run.integrity import latest_verified_checkpoint
@@ -86,14 +87,24 @@ def unfinished_exit(code: int, output_dir: str | os.PathLike) -> str:
     return f"the training process {how}; {resume_hint(output_dir)}"
 
 
-def resume_hint(output_dir: str | os.PathLike) -> str:
-    """Which checkpoint of `output_dir` --resume continues from, or that none is saved."""
+def newest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint --resume would continue from (whole files, COMPLETE verified), or None."""
     try:
         newest = latest_verified_checkpoint(output_dir)
     except OSError:
-        newest = None
+        return None
+    return None if newest is None else Path(newest)
+
+
+def resume_hint(output_dir: str | os.PathLike, resumed_from: Path | None = None) -> str:
+    """Which checkpoint of `output_dir` --resume continues from, or that none is saved. resumed_from: the one this
+    run resumed from; when it is still the newest, the run stopped on it, and resuming from it again is no advice."""
+    newest = newest_checkpoint(output_dir)
     if newest is None:
         return f"no finished step is saved in {output_dir}, so start the run again"
+    if resumed_from is not None and newest == resumed_from:
+        return (f"it stopped before finishing a step after {newest}, which it resumed from: if the lines above "
+                f"refuse that checkpoint, restore it or remove it to resume from an earlier one")
     return f"the last finished step is saved in {newest}: continue with the same command plus --resume"
 
 

@@ -310,3 +310,17 @@ def test_how_the_training_process_ended_is_named(code, said, tmp_path):
     from forge.run.supervisor import unfinished_exit
 
     assert unfinished_exit(code, tmp_path).startswith(said)
+
+
+def test_the_resume_hint_never_points_back_to_the_checkpoint_a_run_stopped_on(tmp_path, monkeypatch):
+    from forge.run import supervisor
+
+    saved = tmp_path / "2"  # what latest_verified_checkpoint finds (its checks: tests/units/test_checkpoint.py)
+    monkeypatch.setattr(supervisor, "latest_verified_checkpoint", lambda d: saved if d == tmp_path else None)
+    assert supervisor.resume_hint(tmp_path) == (
+        f"the last finished step is saved in {saved}: continue with the same command plus --resume")
+    assert supervisor.resume_hint(tmp_path, resumed_from=saved) == (
+        f"it stopped before finishing a step after {saved}, which it resumed from: if the lines above refuse that "
+        f"checkpoint, restore it or remove it to resume from an earlier one")
+    assert supervisor.resume_hint(tmp_path, resumed_from=tmp_path / "1").endswith("plus --resume")
+    assert supervisor.resume_hint(tmp_path / "empty").startswith("no finished step is saved")
