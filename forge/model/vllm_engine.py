@@ -126,7 +126,7 @@ class ColocatedEngine(PushTimer):
         # The engine in this process (not vLLM's engine-core subprocess), so its model runner takes the pushed
         # tensors directly; on a CPU its KV cache is sized for this run unless VLLM_CPU_KVCACHE_SPACE says.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would fill a training console
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO and per-push warnings would fill a console
         device = next(model.parameters()).device
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine_dtype(model, compute), torch.float32)
         if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
