@@ -187,13 +187,16 @@ def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
     (forge/parallel/launch.py). When a process fails, the launcher stops the others and this says which step is
     saved for --resume.
 
-    Each process sees WORLD_SIZE=N and trains instead of relaunching. Ctrl-C reaches every process from the
-    terminal; a SIGTERM sent to this one is passed on to the launcher, which passes it to the processes.
+    Each process sees WORLD_SIZE=N and trains instead of relaunching. The launcher runs in a session of its own,
+    so a stop signal (SIGINT from Ctrl-C or `kill -INT`, SIGTERM, SIGHUP) reaches the processes once, passed on by
+    this one to the launcher and by the launcher to them; and the launcher gets SIGTERM when this process dies.
     They finish the step and rank 0 saves a checkpoint, so the launcher is given a longer grace period than
     its default 30 s before it kills them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, in seconds, sets it).
     """
     import signal
     import subprocess
+
+    from forge.run.lifecycle import STOP_SIGNALS
 
     # The processes do not need --nproc, and the launcher would take it for an abbreviation of its own option.
     argv = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
@@ -204,9 +207,11 @@ def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
     from forge.run.supervisor import newest_checkpoint, resume_hint
 
     resumed_from = newest_checkpoint(output_dir) if "--resume" in argv else None
-    launcher = subprocess.Popen(command, env=env)
-    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),  # the terminal already sent it
-                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signum))}
+    launcher = subprocess.Popen(command, env={**env, "FORGE_PARENT_PID": str(os.getpid())},
+                                start_new_session=True)  # signals reach it through this process alone
+    previous = {signum: signal.signal(signum, lambda signum, frame: launcher.send_signal(signum))
+                for signum in STOP_SIGNALS  # SIGHUP stays ignored under nohup
+                if not (signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) is signal.SIG_IGN)}
     try:
         code = launcher.wait()
     finally:

@@ -3,11 +3,13 @@
 `python -m forge.parallel.launch ARGS` takes torch.distributed.run's arguments and runs it. When a process of the
 run fails, torch's launcher stops the others and raises ChildFailedError, which its own entry point prints as a
 Python traceback. Here it becomes one line naming the processes that failed and how each ended, and those the
-launcher stopped; the exit code is 1. (`forge train` then says which step is saved for --resume.)
+launcher stopped; the exit code is 1. (`forge train` then says which step is saved for --resume.) A stop signal
+passed on by `forge train` ends the launcher with 130, once the processes have finished their step and saved it.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -41,15 +43,35 @@ def failures_line(failures: dict) -> str:
     return line
 
 
+def stop_with_parent() -> None:
+    """Have Linux send this launcher SIGTERM when `forge train` (FORGE_PARENT_PID) dies (prctl PR_SET_PDEATHSIG): it
+    runs in a session of its own, so nothing else would stop its processes then."""
+    parent = os.environ.get("FORGE_PARENT_PID")
+    if parent is None:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != int(parent):  # forge train died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    stop_with_parent()
     try:
         run(parse_args(argv))
     except ChildFailedError as failed:
         print(f"forge: error: {failures_line(failed.failures)}", file=sys.stderr)
         return 1
+    except SignalException:  # a stop signal, passed on to the processes: they finished the step, rank 0 saved it
+        return 130
     return 0
 
 

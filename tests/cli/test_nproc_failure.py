@@ -3,9 +3,13 @@ which step is saved for --resume, and no launcher traceback is printed; the exit
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from forge.model.tiny import build_tiny_model
 
@@ -42,8 +46,8 @@ def test_a_process_that_dies_is_named_and_the_saved_step_is_given(tmp_path):
          "--output_dir", str(out)], check=False, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-3000:]
     # process 0 is either stopped by the launcher or ends first on its lost collective (exit 1): both are named
-    failure = next(line for line in done.stderr.splitlines() if line.startswith("forge: error: process "))
-    assert "process 1 of the run exited with code 3" in failure, done.stderr[-3000:]
+    assert any(line.startswith("forge: error: ") and "process 1 of the run exited with code 3" in line
+               for line in done.stderr.splitlines()), done.stderr[-3000:]
     assert (f"forge: error: the 2-process run did not finish; the last finished step is saved in {out / '1'}: "
             f"continue with the same command plus --resume") in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
@@ -61,3 +65,52 @@ def test_the_failure_line_names_who_failed_and_who_was_stopped():
         "out-of-memory killer sends it when memory runs out: see `dmesg`) (each one's own output is above); the "
         "launcher then stopped process 2")
     assert failures_line({0: Failure(exitcode=-15)}) == "process 0 of the run was killed by SIGTERM (its own output is above)"
+
+
+PAUSING = '''
+import os, pathlib, time
+
+
+def pauses_at_step_2(prompts, completions, **kwargs):
+    path = os.path.join(os.environ["FORGE_TEST_DIR"], "calls-" + os.environ["RANK"])
+    calls = int(open(path).read()) + 1 if os.path.exists(path) else 1
+    open(path, "w").write(str(calls))
+    if calls == 2:
+        pathlib.Path(os.environ["FORGE_TEST_DIR"], "ready-" + os.environ["RANK"]).touch()
+        time.sleep(3)
+    return [float(len(c) % 3) for c in completions]
+'''
+
+
+@pytest.mark.parametrize("to_the_group", [False, True], ids=["kill-INT-forge-train", "ctrl-c"])
+def test_sigint_to_a_two_process_run_finishes_the_step_saves_it_and_exits_130(tmp_path, to_the_group):
+    model, tokenizer = build_tiny_model(seed=0)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    (tmp_path / "pausing.py").write_text(PAUSING)
+    rows = [{"prompt": f"What is {a} + 1?", "reference": str(a + 1)} for a in range(8)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FORGE_TEST_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "out"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "forge", "train", "--nproc", "2", "--model", str(tmp_path / "tiny"),
+         "--dataset", str(tmp_path / "data.jsonl"), "--reward", "pausing:pauses_at_step_2",
+         "--group_size", "2", "--prompts_per_step", "2", "--gradient_accumulation_steps", "1",
+         "--max_new_tokens", "4", "--max_steps", "3", "--save_steps", "1", "--preflight", "off",
+         "--output_dir", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)  # its own process group, as a terminal's foreground job
+    deadline = time.monotonic() + 300
+    while not all((tmp_path / f"ready-{rank}").exists() for rank in (0, 1)):
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run never reached step 2"
+        time.sleep(0.1)
+    if to_the_group:
+        os.killpg(run.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    else:
+        os.kill(run.pid, signal.SIGINT)  # kill -INT, timeout -s INT, Popen.send_signal: forge train alone
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 130, stderr[-3000:]
+    assert "forge: stopped by SIGINT after step 2 of 3" in stderr, stderr[-3000:]
+    assert "a second SIGINT" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert (out / "2" / "COMPLETE").is_file() and not (out / "3").exists()
