@@ -209,7 +209,8 @@ class GRPOConfig:
     """With generation_backend='vllm': 'colocate' (an engine inside the training process, started from the
     policy's weights) or 'server' (a `forge vllm-serve` process, on another GPU or the same machine)."""
     vllm_enforce_eager: bool = False
-    """Colocate: run vLLM's model eagerly instead of compiling it (a shorter start-up, slower tokens)."""
+    """Colocate: run vLLM's model eagerly instead of compiling it. On a CPU it started in seconds instead of over a
+    minute and sampled as fast (docs/performance.md); on a GPU the compiled model's CUDA graphs sample faster."""
     vllm_gpu_memory_utilization: float = 0.3
     """Colocate on a GPU: the fraction of its memory vLLM may take (weights and KV cache); the rest trains. On a
     CPU the KV cache is sized for the run instead (VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it)."""
