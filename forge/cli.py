@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
 import json
 import math
 import os
@@ -269,16 +268,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_vllm_serve(args: argparse.Namespace) -> int:
-    from forge.core.config import VLLM_INSTALL
+    from forge.core.config import require_vllm
     from forge.model.loading import _DEFAULT_ALIASES, packaged_model_path
     from forge.model.precision import choose_precision
-    from forge.model.vllm_engine import serve
+    from forge.model.vllm_engine import dtype_name, engine_dtype, serve
 
-    if importlib.util.find_spec("vllm") is None:
-        raise ImportError(VLLM_INSTALL)
+    require_vllm()
     folder = str(packaged_model_path()) if args.model in _DEFAULT_ALIASES else args.model
-    dtype = {"bfloat16": "bfloat16", "float16": "float16"}.get(str(choose_precision(args.dtype).compute)
-                                                                .removeprefix("torch."), "float32")
+    dtype = dtype_name(engine_dtype(choose_precision(args.dtype).compute))
     serve(folder, args.host, args.port, dtype, args.enforce_eager, args.gpu_memory_utilization, args.vllm_args)
     return 0
 

@@ -36,6 +36,12 @@ VLLM_INSTALL = ("generation_backend='vllm' needs vLLM: on a GPU `pip install 'fo
                 "docs/scaling.md)")
 
 
+def require_vllm() -> None:
+    """Raise ImportError with VLLM_INSTALL when vLLM is not importable."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(VLLM_INSTALL)
+
+
 @dataclass(init=False)
 class GRPOConfig:
     """Every knob of a Forge run. The first block keeps the original Forge fields and defaults.

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from forge.core.config import require_vllm
 from forge.core.rollout import (
     DecodeRow,
     Prompt,
@@ -27,38 +28,56 @@ from forge.core.rollout import (
     as_rollout,
     eos_ids,
     sampled_rollout,
+    start_episodes,
     tokenize_prompts,
 )
-from forge.envs.protocol import EnvironmentSettings, with_opening
+from forge.envs.protocol import EnvironmentSettings
 from forge.logging.logger import note
 from forge.model.vllm_engine import MODES, ColocatedEngine, EngineSampling, ServerEngine
 from forge.tools.calls import ToolSettings, call_format, closing_token_ids
 
 
 def open_engine(config, model, tokenizer, compute: torch.dtype, dist=None):
-    """The run's engine (GRPOConfig.vllm_mode): started from the policy's weights, or a running server that the
-    processes of the run (`dist`, forge/parallel) share: the first pushes each step's weights, the others wait."""
-    world_size = 1 if dist is None else dist.world_size
-    stop_ids = eos_ids(tokenizer, model)
+    """The run's engine (GRPOConfig.vllm_mode), or None when the run samples with the own loop: started from the
+    policy's weights, or a running server that the processes of the run (`dist`, forge/parallel) share: the first
+    pushes each step's weights, the others wait."""
+    if config.generation_backend != "vllm":
+        return None
     if config.vllm_mode not in MODES:
         raise ValueError(f"vllm_mode={config.vllm_mode!r}: use one of {', '.join(MODES)}")
-    context = getattr(model.config, "max_position_embeddings", None) or 4096
     if config.vllm_mode == "server":
-        engine = ServerEngine(url := config.vllm_server_base_url or
-                              f"http://{config.vllm_server_host}:{config.vllm_server_port}", stop_ids, compute, model,
+        url = config.vllm_server_base_url or f"http://{config.vllm_server_host}:{config.vllm_server_port}"
+        engine = ServerEngine(url, eos_ids(tokenizer, model), compute, context_of(model),
                               weights_dir=f"{config.output_dir}/vllm-weights", timeout=config.vllm_server_timeout,
                               pushes=dist is None or dist.is_main, after_push=None if dist is None else dist.barrier)
         note(f"vLLM server at {url}: weights pushed through {config.output_dir}/vllm-weights")
-    elif world_size > 1:
+        return engine
+    if dist is not None and dist.world_size > 1:
         raise ValueError("vllm_mode='colocate' starts one engine per process; with several training processes "
                          "run one `forge vllm-serve` and set vllm_mode='server' (docs/scaling.md)")
-    else:
-        engine = ColocatedEngine(model, compute, stop_ids, max_rows=config.prompts_per_step * config.group_size,
-                                 max_new_tokens=config.max_new_tokens, max_model_len=context,
-                                 enforce_eager=config.vllm_enforce_eager,
-                                 gpu_memory_utilization=config.vllm_gpu_memory_utilization, seed=config.seed)
-    engine.context = context  # prompt + completion never pass it (tool rollouts)
-    return engine
+    return colocated_engine(model, tokenizer, compute, config.prompts_per_step * config.group_size,
+                            config.max_new_tokens, enforce_eager=config.vllm_enforce_eager,
+                            gpu_memory_utilization=config.vllm_gpu_memory_utilization, seed=config.seed)
+
+
+def colocated_engine(model, tokenizer, compute: torch.dtype, max_rows: int, max_new_tokens: int,
+                     **options) -> ColocatedEngine:
+    """An engine in this process started from `model`'s weights, stopping where Forge's own loop stops; options:
+    enforce_eager, gpu_memory_utilization, seed (ColocatedEngine)."""
+    require_vllm()
+    return ColocatedEngine(model, compute, eos_ids(tokenizer, model), max_rows=max_rows,
+                           max_new_tokens=max_new_tokens, context=context_of(model), **options)
+
+
+def context_of(model) -> int:
+    """The model's context: prompt + completion never pass it."""
+    return getattr(model.config, "max_position_embeddings", None) or 4096
+
+
+def engine_sampling(settings: SamplingSettings) -> EngineSampling:
+    """A generation's SamplingSettings as the engine takes them (do_sample=False: greedy)."""
+    return EngineSampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
+                          greedy=not settings.do_sample)
 
 
 def request_seeds(noise: torch.Tensor, group_size: int) -> list[int]:
@@ -78,9 +97,8 @@ def generate_on_engine(engine, tokenizer, prompts: Sequence[Prompt], group_size:
                            noise, tools, rows)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts)  # (P, Lp)
     own_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]  # padding dropped
-    sampling = EngineSampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
-                              greedy=not settings.do_sample)
-    groups = engine.sample(own_tokens, group_size, sampling, None if noise is None else request_seeds(noise, group_size))
+    groups = engine.sample(own_tokens, group_size, engine_sampling(settings),
+                           None if noise is None else request_seeds(noise, group_size))
     samples = [(s.token_ids, s.logprobs, s.stopped) for group in groups for s in group]  # (N,)
     return sampled_rollout(samples, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer)
 
@@ -88,12 +106,7 @@ def generate_on_engine(engine, tokenizer, prompts: Sequence[Prompt], group_size:
 def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_length, truncate_prompts, noise,
                 tools, rows) -> Rollout:
     """generate_on_engine with tools or an environment: rounds of sampling until every completion is done."""
-    environment = tools if isinstance(tools, EnvironmentSettings) else None
-    tools = environment.tools if environment is not None else tools
-    episodes = None
-    if environment is not None:
-        episodes = environment.start(rows if rows is not None else [{"prompt": p} for p in prompts], group_size)
-        prompts = [with_opening(p, episodes[i * group_size].opening) for i, p in enumerate(prompts)]
+    tools, episodes, prompts = start_episodes(tools, prompts, rows, group_size)
     fmt = call_format(tools.format, tools.tools, tokenizer)
     schemas = [t.schema for t in tools.tools] if fmt.kind == "template" else None
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts,
@@ -104,8 +117,7 @@ def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_len
     budget = tools.max_episode_tokens or 10**9
     decoding = [DecodeRow(min(budget, engine.context - len(own_tokens[n // group_size])),
                           None if episodes is None else episodes[n]) for n in range(len(prompts) * group_size)]
-    sampling = EngineSampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
-                              greedy=not settings.do_sample)
+    sampling = engine_sampling(settings)
     for turn in range(10**9):  # each round: every running row samples up to its next stop; calls are answered
         active = [n for n, row in enumerate(decoding) if not row.done]
         if not active:

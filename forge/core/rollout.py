@@ -411,15 +411,19 @@ def generate(
                          share_prompt_prefix, noise, tools, call_format_, rows)
 
 
+def start_episodes(tools, prompts: Sequence[Prompt], rows: Sequence[dict] | None, group_size: int):
+    """(tools, episodes, prompts): for an environment, its tools, one episode per completion reset with its
+    dataset row, and the prompts with their opening observation; plain tools (or None) pass through unchanged."""
+    if not isinstance(tools, EnvironmentSettings):
+        return tools, None, prompts
+    episodes = tools.start(rows if rows is not None else [{"prompt": p} for p in prompts], group_size)
+    return tools.tools, episodes, [with_opening(p, episodes[i * group_size].opening) for i, p in enumerate(prompts)]
+
+
 def _generate(model, tokenizer, prompts, group_size, settings, max_prompt_length, truncate_prompts,
               share_prompt_prefix, noise, tools, call_format_, rows) -> Rollout:
     """generate's decode loop."""
-    environment = tools if isinstance(tools, EnvironmentSettings) else None
-    tools = environment.tools if environment is not None else tools
-    episodes = None
-    if environment is not None:
-        episodes = environment.start(rows if rows is not None else [{"prompt": p} for p in prompts], group_size)
-        prompts = [with_opening(p, episodes[i * group_size].opening) for i, p in enumerate(prompts)]
+    tools, episodes, prompts = start_episodes(tools, prompts, rows, group_size)
     fmt = None if tools is None else call_format_ or call_format(tools.format, tools.tools, tokenizer)
     device = next(model.parameters()).device
     schemas = [t.schema for t in tools.tools] if fmt is not None and fmt.kind == "template" else None

@@ -78,8 +78,7 @@ class GRPOTrainer:
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.device = ready.precision, next(model.parameters()).device
         self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)  # or an environment
-        self.engine = None if config.generation_backend != "vllm" else open_engine(  # forge/model/vllm_engine.py
-            config, model, self.tokenizer, self.precision.compute, self.dist)
+        self.engine = open_engine(config, model, self.tokenizer, self.precision.compute, self.dist)  # or None
         self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings, self.engine)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
@@ -175,10 +174,11 @@ class GRPOTrainer:
         settings = SamplingSettings.from_config(config)
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, config.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
+        if self.engine is not None:  # vLLM samples its own copy of the weights (forge/core/engine_rollout.py)
+            self.engine.sync(self.model, self.global_step)
+            return generate_on_engine(self.engine, self.tokenizer, prompts, config.group_size, settings,
+                                      self.max_prompt_length, config.truncate_prompts, noise, self.tool_settings, rows)
         with self.sampling():
-            if self.engine is not None:  # vLLM (forge/core/engine_rollout.py)
-                return generate_on_engine(self.engine, self.tokenizer, prompts, config.group_size, settings,
-                                          self.max_prompt_length, config.truncate_prompts, noise, self.tool_settings, rows)
             return generate(self.model, self.tokenizer, prompts, config.group_size, settings, self.max_prompt_length,
                             config.truncate_prompts, config.share_prompt_prefix, noise, self.tool_settings, rows=rows)
 
@@ -289,7 +289,7 @@ class GRPOTrainer:
 
     @contextlib.contextmanager
     def sampling(self):
-        """The policy as sampling runs it: the run's autocast, whole weights, LoRA merged, vLLM's engine synced."""
+        """The policy as sampling runs it: the run's autocast, whole weights, LoRA merged, vLLM synced."""
         if self.engine is not None:
             self.engine.sync(self.model, self.global_step)
         with self.precision.autocast(self.model), self.whole_weights(), merged_adapters(

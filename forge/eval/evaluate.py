@@ -12,7 +12,6 @@ restored afterwards, so calling `evaluate` in the middle of a run does not chang
 
 from __future__ import annotations
 
-import importlib.util
 import time
 import warnings
 from collections.abc import Sequence
@@ -22,9 +21,9 @@ from typing import Any
 
 import torch
 
-from forge.core.config import VLLM_INSTALL, GRPOConfig
-from forge.core.engine_rollout import generate_on_engine
-from forge.core.rollout import SamplingSettings, eos_ids, generate, sampling_noise
+from forge.core.config import GRPOConfig
+from forge.core.engine_rollout import colocated_engine, generate_on_engine
+from forge.core.rollout import SamplingSettings, generate, sampling_noise
 from forge.core.scoring import build_reward_list, greedy_reward_evaluator
 from forge.data.answers import answers_match, readable_reference
 from forge.data.dataset import TASKS, as_chat_rows, load_rows, pick_chat, task_for, warn_if_raw_prompts
@@ -42,7 +41,6 @@ from forge.eval.metrics import (
     pass_at_k,
 )
 from forge.model import load_for_eval, merged_adapters
-from forge.model.vllm_engine import ColocatedEngine
 
 EVAL_DATASETS = tuple(name for name in TASKS if name != "reasoning-gym")
 """Names `load_eval_rows` understands (the built-in tasks' held-out rows), besides ``reasoning-gym:NAME``,
@@ -140,9 +138,9 @@ def evaluate(
     formats = [answer_format or detect_answer_format(row["prompt"]) for row in rows]
 
     device = next(model.parameters()).device
-    engine = None if generation_backend != "vllm" else evaluation_engine(model, tokenizer, batch_size * num_samples,
-                                                                         max_new_tokens, seed)
-    noise = torch.Generator().manual_seed(seed)  # the vLLM requests' seeds (the own loop uses torch's global RNG)
+    engine = None if generation_backend != "vllm" else colocated_engine(
+        model, tokenizer, autocast_dtype(device.type), batch_size * num_samples, max_new_tokens, seed=seed)
+    request_rng = torch.Generator().manual_seed(seed)  # the vLLM requests' seeds (the own loop: torch's global RNG)
     was_training = model.training
     model.eval()
     started = time.perf_counter()
@@ -158,7 +156,7 @@ def evaluate(
                 rollout = generate(model, tokenizer, prompts, num_samples, settings,
                                    max_prompt_length=max_prompt_length or 10**9) if engine is None else \
                     generate_on_engine(engine, tokenizer, prompts, num_samples, settings, max_prompt_length or 10**9,
-                                       noise=sampling_noise(noise, len(prompts) * num_samples, max_new_tokens))
+                                       noise=sampling_noise(request_rng, len(prompts) * num_samples, max_new_tokens))
                 lengths, truncated = rollout.completion_lengths.tolist(), rollout.truncated.tolist()
                 for offset, row in enumerate(chunk):
                     samples = slice(offset * num_samples, (offset + 1) * num_samples)  # this prompt's group
@@ -176,15 +174,9 @@ def evaluate(
     return EvalResult(metrics=metrics, records=records, settings=decoding)
 
 
-def evaluation_engine(model, tokenizer, rows: int, max_new_tokens: int, seed: int) -> ColocatedEngine:
-    """A vLLM engine for one evaluation, from the model's weights in the dtype its generation runs in."""
-    if importlib.util.find_spec("vllm") is None:
-        raise ImportError(VLLM_INSTALL)
-    device_type = next(model.parameters()).device.type
-    compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
-    context = getattr(model.config, "max_position_embeddings", None) or 4096
-    return ColocatedEngine(model, compute, eos_ids(tokenizer, model), max_rows=rows, max_new_tokens=max_new_tokens,
-                           max_model_len=context, seed=seed)
+def autocast_dtype(device_type: str) -> torch.dtype:
+    """The dtype generation computes in here: autocast's when it is on, else fp32."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
 
 
 def unreadable_references(rows: Sequence[dict]) -> list[int]:

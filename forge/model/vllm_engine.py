@@ -81,24 +81,34 @@ def checkpoint_weights(model: nn.Module) -> Iterator[list[tuple[str, torch.Tenso
                if "lora_" not in name]
 
 
+def save_weights(model: nn.Module, file: Path, dtype: torch.dtype) -> None:
+    """The policy's checkpoint_weights in `dtype`, as one safetensors file."""
+    with checkpoint_weights(model) as weights:
+        save_file({name: t.to(dtype).contiguous().clone() for name, t in weights}, str(file))
+
+
 def write_model_folder(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
     """The policy as a model folder vLLM can start from: config, generation config and weights (no tokenizer:
     the engine works on token ids)."""
-    base = model.get_base_model() if is_peft_model(model) else model
-    base.config.save_pretrained(folder)
-    with checkpoint_weights(model) as weights:
-        save_file({name: t.to(dtype).contiguous().clone() for name, t in weights}, str(folder / "model.safetensors"))
+    (model.get_base_model() if is_peft_model(model) else model).config.save_pretrained(folder)
+    save_weights(model, folder / "model.safetensors", dtype)
 
 
 def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes of keys and values one token takes in every layer."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize
 
 
-def engine_dtype(model: nn.Module, compute: torch.dtype) -> str:
-    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(compute, "float32")
+def engine_dtype(compute: torch.dtype) -> torch.dtype:
+    """The dtype the engine holds the weights in: the run's compute dtype (bf16, fp16), else fp32."""
+    return compute if compute in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16', 'float16' or 'float32': vLLM's name of a torch dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -121,36 +131,35 @@ class ColocatedEngine(PushTimer):
     """vLLM's LLM in this process, started from the policy's weights; pushes go straight into its model runner."""
 
     def __init__(self, model: nn.Module, compute: torch.dtype, stop_ids: list[int], *, max_rows: int,
-                 max_new_tokens: int, max_model_len: int, enforce_eager: bool = False,
+                 max_new_tokens: int, context: int, enforce_eager: bool = False,
                  gpu_memory_utilization: float = 0.3, seed: int = 0):
         # The engine in this process (not vLLM's engine-core subprocess), so its model runner takes the pushed
         # tensors directly; on a CPU its KV cache is sized for this run unless VLLM_CPU_KVCACHE_SPACE says.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO and per-push warnings would fill a console
         device = next(model.parameters()).device
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine_dtype(model, compute), torch.float32)
+        dtype = engine_dtype(compute)
         if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             base = model.get_base_model() if is_peft_model(model) else model
             # a step's rows with prompts of up to 1,024 tokens at once, and at least one request of the whole
             # context (vLLM refuses to start otherwise); longer prompts wait for room, they do not fail
-            tokens = max(max_rows * (max_new_tokens + 1024), max_model_len)
+            tokens = max(max_rows * (max_new_tokens + 1024), context)
             needed = kv_cache_bytes_per_token(base.config, dtype) * tokens * 5 // 4
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-needed // 2**30)))  # whole GiB
-        self.stop_ids, self.version, self.dtype = list(stop_ids), None, dtype
-        self.folder = Path(tempfile.mkdtemp(prefix="forge-vllm-"))
+        self.stop_ids, self.version, self.dtype, self.context = list(stop_ids), None, dtype, context
+        folder = Path(tempfile.mkdtemp(prefix="forge-vllm-"))
         started = time.perf_counter()
         try:
-            write_model_folder(model, self.folder, dtype)
+            write_model_folder(model, folder, dtype)
             from vllm import LLM
 
-            self.llm = LLM(model=str(self.folder), skip_tokenizer_init=True, dtype=engine_dtype(model, compute),
-                           seed=seed, enforce_eager=enforce_eager, max_model_len=max_model_len,
+            self.llm = LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype_name(dtype),
+                           seed=seed, enforce_eager=enforce_eager, max_model_len=context,
                            logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True,
                            **({"gpu_memory_utilization": gpu_memory_utilization} if device.type == "cuda" else {}))
         finally:
-            shutil.rmtree(self.folder, ignore_errors=True)
-        self.startup_seconds = time.perf_counter() - started
-        note(f"vLLM engine started in {self.startup_seconds:.1f} s ({engine_dtype(model, compute)}, "
+            shutil.rmtree(folder, ignore_errors=True)
+        note(f"vLLM engine started in {time.perf_counter() - started:.1f} s ({dtype_name(dtype)}, "
              f"{'eager' if enforce_eager else 'compiled'}, in this process)")
 
     def sync(self, model: nn.Module, version: int) -> None:
@@ -180,10 +189,6 @@ class ColocatedEngine(PushTimer):
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [[as_sample(c.token_ids, c.logprobs, c.finish_reason) for c in sorted(o.outputs, key=lambda c: c.index)]
                 for o in outputs]
-
-    def close(self) -> None:
-        """Drop the engine (its KV cache is freed when Python collects it)."""
-        self.llm = None
 
 
 def request_params(sampling: EngineSampling, group_size: int, stop_ids: list[int], seed: int | None,
@@ -215,14 +220,11 @@ class ServerEngine(PushTimer):
     generation on /inference/v1/generate, weights pushed as a safetensors file its workers reload from
     (`reload_weights`), so the server must see `weights_dir` (the same machine, or a shared folder)."""
 
-    def __init__(self, base_url: str, stop_ids: list[int], compute: torch.dtype, model: nn.Module,
+    def __init__(self, base_url: str, stop_ids: list[int], compute: torch.dtype, context: int,
                  weights_dir: str | os.PathLike, timeout: float = 240.0, pushes: bool = True, after_push=None):
         self.base_url, self.stop_ids, self.version = base_url.rstrip("/"), list(stop_ids), None
         self.pushing, self.after_push = pushes, after_push  # several processes: one pushes, all wait for it
-        self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine_dtype(model, compute),
-                                                                             torch.float32)
-        self.weights_dir = Path(weights_dir)
-        self.startup_seconds = 0.0
+        self.dtype, self.context, self.weights_dir = engine_dtype(compute), context, Path(weights_dir)
         self.wait_until_up(timeout)
 
     def wait_until_up(self, timeout: float) -> None:
@@ -256,9 +258,7 @@ class ServerEngine(PushTimer):
         started = time.perf_counter()
         if self.pushing:
             self.weights_dir.mkdir(parents=True, exist_ok=True)
-            with checkpoint_weights(model) as weights:
-                save_file({n: t.to(self.dtype).contiguous().clone() for n, t in weights},
-                          str(self.weights_dir / "model.safetensors.tmp"))
+            save_weights(model, self.weights_dir / "model.safetensors.tmp", self.dtype)
             os.replace(self.weights_dir / "model.safetensors.tmp", self.weights_dir / "model.safetensors")
             self.post("/collective_rpc", {"method": "reload_weights",
                                           "kwargs": {"weights_path": str(self.weights_dir)}})
@@ -284,9 +284,6 @@ class ServerEngine(PushTimer):
 
         with ThreadPoolExecutor(max_workers=min(32, len(prompts) or 1)) as pool:
             return list(pool.map(one, range(len(prompts))))
-
-    def close(self) -> None:
-        pass
 
 
 def serve(model_folder: str, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
