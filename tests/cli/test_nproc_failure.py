@@ -28,22 +28,29 @@ def dies_on_rank_1_at_step_2(prompts, completions, **kwargs):
 '''
 
 
-def test_a_process_that_dies_is_named_and_the_saved_step_is_given(tmp_path):
+def two_process_run(tmp_path: Path, module: str, source: str, reward: str) -> tuple[list[str], dict, Path]:
+    """(command, environment, output dir) of a 3-step `forge train --nproc 2` on the tiny model, saving every step,
+    with the reward `reward` of a module `module` written from `source`."""
     model, tokenizer = build_tiny_model(seed=0)
     model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
-    (tmp_path / "dying.py").write_text(REWARD)
+    (tmp_path / f"{module}.py").write_text(source)
     rows = [{"prompt": f"What is {a} + 1?", "reference": str(a + 1)} for a in range(8)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FORGE_TEST_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "forge", "train", "--nproc", "2", "--model", str(tmp_path / "tiny"),
-         "--dataset", str(tmp_path / "data.jsonl"), "--reward", "dying:dies_on_rank_1_at_step_2",
-         "--group_size", "2", "--prompts_per_step", "2", "--gradient_accumulation_steps", "1",
-         "--max_new_tokens", "4", "--max_steps", "3", "--save_steps", "1", "--preflight", "off",
-         "--output_dir", str(out)], check=False, env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "forge", "train", "--nproc", "2", "--model", str(tmp_path / "tiny"),
+               "--dataset", str(tmp_path / "data.jsonl"), "--reward", f"{module}:{reward}",
+               "--group_size", "2", "--prompts_per_step", "2", "--gradient_accumulation_steps", "1",
+               "--max_new_tokens", "4", "--max_steps", "3", "--save_steps", "1", "--preflight", "off",
+               "--output_dir", str(out)]
+    return command, env, out
+
+
+def test_a_process_that_dies_is_named_and_the_saved_step_is_given(tmp_path):
+    command, env, out = two_process_run(tmp_path, "dying", REWARD, "dies_on_rank_1_at_step_2")
+    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-3000:]
     # process 0 is either stopped by the launcher or ends first on its lost collective (exit 1): both are named
     assert any(line.startswith("forge: error: ") and "process 1 of the run exited with code 3" in line
@@ -84,22 +91,9 @@ def pauses_at_step_2(prompts, completions, **kwargs):
 
 @pytest.mark.parametrize("to_the_group", [False, True], ids=["kill-INT-forge-train", "ctrl-c"])
 def test_sigint_to_a_two_process_run_finishes_the_step_saves_it_and_exits_130(tmp_path, to_the_group):
-    model, tokenizer = build_tiny_model(seed=0)
-    model.save_pretrained(tmp_path / "tiny")
-    tokenizer.save_pretrained(tmp_path / "tiny")
-    (tmp_path / "pausing.py").write_text(PAUSING)
-    rows = [{"prompt": f"What is {a} + 1?", "reference": str(a + 1)} for a in range(8)]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FORGE_TEST_DIR": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    out = tmp_path / "out"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "forge", "train", "--nproc", "2", "--model", str(tmp_path / "tiny"),
-         "--dataset", str(tmp_path / "data.jsonl"), "--reward", "pausing:pauses_at_step_2",
-         "--group_size", "2", "--prompts_per_step", "2", "--gradient_accumulation_steps", "1",
-         "--max_new_tokens", "4", "--max_steps", "3", "--save_steps", "1", "--preflight", "off",
-         "--output_dir", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)  # its own process group, as a terminal's foreground job
+    command, env, out = two_process_run(tmp_path, "pausing", PAUSING, "pauses_at_step_2")
+    run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # its own process group, as a terminal's foreground job
     deadline = time.monotonic() + 300
     while not all((tmp_path / f"ready-{rank}").exists() for rank in (0, 1)):
         assert run.poll() is None, run.communicate()[1][-3000:]
