@@ -79,7 +79,7 @@ def main() -> None:
     print(f"forge before the engine starts: {alone:.0f} tokens/s", flush=True)
     started = time.perf_counter()
     engine = ColocatedEngine(model, precision.compute, eos_ids(tokenizer, model), max_rows=len(prompts) *
-                             args.group_size, max_new_tokens=args.max_new_tokens, max_model_len=2048,
+                             args.group_size, max_new_tokens=args.max_new_tokens, context=2048,
                              enforce_eager=args.eager, seed=0)
     startup = time.perf_counter() - started
     engine.sync(model, 0)
