@@ -1,8 +1,10 @@
 """GRPOConfig's field docstrings as documentation: the `forge train --help` text and docs/config.md.
 
     python -m forge.core.config_docs > docs/config.md
+    python -m forge.core.config_docs trl      the name tables of docs/from-trl.md (core/trl_names.py)
 
-tests/math/test_config.py fails when docs/config.md differs from what this prints.
+tests/math/test_config.py fails when docs/config.md differs from what this prints, tests/units/test_trl_table.py
+when docs/from-trl.md does not hold the name tables.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import textwrap
 from dataclasses import fields
 
 from forge.core.config import GRPOConfig
+from forge.core.trl_names import TRAINING_ARGUMENTS_FIELDS, TRL_GRPO_FIELDS, classify
 
 
 def field_docs() -> dict[str, str]:
@@ -48,5 +51,23 @@ def reference_markdown() -> str:
     return "\n".join(out) + "\n"
 
 
+def trl_tables_markdown() -> str:
+    """docs/from-trl.md's tables: every field of transformers' TrainingArguments and of TRL's GRPOConfig, with its
+    class (mapped, ignored, refused) and what it is in Forge, from forge/core/trl_names.py."""
+    forge_fields = {f.name for f in fields(GRPOConfig)}
+    out = []
+    for title, names in (("transformers' `TrainingArguments` (5.24)", TRAINING_ARGUMENTS_FIELDS),
+                         ("TRL's own `GRPOConfig` fields (1.16)", TRL_GRPO_FIELDS)):
+        rows = [(name, *classify(name, forge_fields)) for name in names]
+        counts = {kind: sum(1 for _, k, _ in rows if k == kind) for kind in ("mapped", "ignored", "refused")}
+        out += [f"### {title}", "", f"{len(rows)} fields: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + ".",
+                "", "| name | class | in Forge |", "|---|---|---|"]
+        out += [f"| `{name}` | {kind} | {text.replace('|', '/')} |" for name, kind, text in rows]
+        out.append("")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
-    print(reference_markdown(), end="")
+    import sys
+
+    print(trl_tables_markdown() if sys.argv[1:] == ["trl"] else reference_markdown(), end="")

@@ -1,7 +1,20 @@
-"""TRL's GRPOConfig names: one table of what each means in Forge (docs/from-trl.md).
+"""TRL's GRPOConfig names, and every field of transformers' TrainingArguments it inherits: one table of what each
+means in Forge (docs/from-trl.md, generated from it by forge/core/config_docs.py).
 
-`forge_names` turns keyword values given in TRL's names into Forge's fields; GRPOConfig applies it to every
-construction, and the command line takes the same names as flags (cli_config.py).
+Every name is in one class:
+
+    a GRPOConfig field     the same name, the same meaning (learning_rate, max_steps, seed, ...)
+    TRL_NAMES              mapped: another name for a Forge field (num_generations -> group_size)
+    TRL_CONVERTED          mapped: a value Forge states another way (bf16=True -> dtype='bfloat16'); a converter
+                           refuses, with the reason, a value Forge cannot honour (save_strategy='epoch')
+    TRL_IGNORED            accepted, no effect, with the one-line reason (dataloader_num_workers: no DataLoader)
+    TRL_REFUSED            refused with the reason and what to set instead, unless given its "off" value (None,
+                           False, 0, empty, or TRL_NEUTRAL's): honouring it silently would mislead (push_to_hub)
+
+`forge_names` turns keyword values given in these names into Forge's fields; GRPOConfig applies it to every
+construction, and the command line takes the mapped names as flags (cli_config.py). TRAINING_ARGUMENTS_FIELDS and
+TRL_GRPO_FIELDS record the names the table covers (transformers 5.24, TRL 1.16); tests/units/test_trl_table.py
+fails when an installed transformers or TRL has a field the table does not classify.
 """
 
 from __future__ import annotations
@@ -16,18 +29,23 @@ TRL_NAMES = {
     "max_completion_length": "max_new_tokens",
     "beta": "kl_beta",
     "epsilon": "clip_epsilon",
-    "lr_scheduler_type": "lr_scheduler",
     "use_bias_correction_kl": "kl_bias_correction",
     "use_adaptive_entropy": "adaptive_entropy",
+    "activation_checkpointing": "gradient_checkpointing",
+    "run_name": "wandb_run_name",
+    "eval_on_start": "eval_before_training",
+    "shuffle_dataset": "shuffle",
 }
 """TRL name -> the Forge field that means the same thing. Names TRL and Forge share (loss_type, scale_rewards,
-num_iterations, temperature, learning_rate, gradient_accumulation_steps, max_prompt_length, logging_steps,
-save_steps, max_steps, seed, top_p, top_k, ...) need no entry."""
+num_iterations, temperature, learning_rate, gradient_accumulation_steps, logging_steps, save_steps, max_steps,
+seed, top_p, top_k, ...) need no entry."""
+
+Converter = Callable[[Any, dict], dict]
 
 
 def _completions_per_device(value: Any, values: dict) -> dict:
-    """TRL's per_device_train_batch_size counts completions per process and step; Forge's prompts_per_step counts
-    prompts over all processes: prompts_per_step = per_device_train_batch_size x processes / group_size."""
+    """prompts_per_step = it x processes / num_generations (TRL counts completions per process and step, Forge
+    prompts over all processes); it must be a multiple of num_generations."""
     group = values.get("num_generations", values["group_size"])
     total = int(value) * int(os.environ.get("WORLD_SIZE", "1"))
     if total % group:
@@ -37,7 +55,7 @@ def _completions_per_device(value: Any, values: dict) -> dict:
 
 
 def _report_to(value: Any, values: dict) -> dict:
-    """TRL's report_to ("wandb", "tensorboard", "trackio", "none", "all", or a list) -> Forge's use_* switches."""
+    """use_wandb, use_tensorboard, use_trackio from "wandb", "tensorboard", "trackio", "none", "all" or a list."""
     wanted = {value} if isinstance(value, str) else set(value or ())
     known = {"wandb", "tensorboard", "trackio"}
     if wanted - known - {"none", "all"}:
@@ -47,57 +65,370 @@ def _report_to(value: Any, values: dict) -> dict:
     return {f"use_{name}": name in wanted for name in sorted(known)}
 
 
-def _precision(dtype: str) -> Callable[[Any, dict], dict]:
-    return lambda value, values: {"dtype": dtype} if value else {}
+def _precision(dtype: str) -> Converter:
+    def convert(value: Any, values: dict) -> dict:
+        return {"dtype": dtype} if value else {}
+
+    convert.__doc__ = f"dtype='{dtype}' when true (Forge's default 'auto' picks bf16 where the hardware runs it fast)"
+    return convert
+
+
+def _use_vllm(value: Any, values: dict) -> dict:
+    """generation_backend='vllm' when true."""
+    return {"generation_backend": "vllm"} if value else {}
 
 
 def _epsilon_high(value: Any, values: dict) -> dict:
-    """TRL's epsilon_high caps the ratio at 1 + epsilon_high, except under loss_type='cispo', where it caps it at
-    epsilon_high itself; Forge's clip_epsilon_high always means 1 + clip_epsilon_high."""
+    """clip_epsilon_high; with loss_type='cispo' TRL caps the ratio at epsilon_high itself, Forge at 1 +
+    clip_epsilon_high, so 5.0 becomes 4.0."""
     cispo = values.get("loss_type") == "cispo"
     return {"clip_epsilon_high": value - 1.0 if cispo and value is not None else value}
 
 
-TRL_CONVERTED: dict[str, Callable[[Any, dict], dict]] = {
+def _lr_scheduler(value: Any, values: dict) -> dict:
+    """lr_scheduler: 'cosine', 'linear', 'constant' as they are, 'constant_with_warmup' as 'constant' (Forge's
+    schedules all start with the warmup_ratio warmup)."""
+    return {"lr_scheduler": "constant" if value == "constant_with_warmup" else str(value)}
+
+
+def _warmup_steps(value: Any, values: dict) -> dict:
+    """warmup_ratio: a value below 1 is the ratio itself (as in transformers); whole steps over max_steps."""
+    if value < 1:
+        return {"warmup_ratio": float(value)}
+    if values["max_steps"] > 0:
+        return {"warmup_ratio": value / values["max_steps"]}
+    raise TypeError(f"warmup_steps={value}: with no max_steps Forge cannot turn steps into its warmup_ratio "
+                    f"before the dataset is read; set warmup_ratio (the fraction of the run spent warming up)")
+
+
+def _steps_strategy(name: str, every: str, off: dict | None, default_every: str | None = None) -> Converter:
+    """TRL's save/eval/logging_strategy: 'steps' keeps `every`, 'no' sets `off` (None: refused); 'epoch' and
+    'best' are refused (Forge counts in optimizer steps)."""
+
+    def convert(value: Any, values: dict) -> dict:
+        if value == "steps":  # eval_strategy='steps' without eval_steps evaluates every logging_steps, as in TRL
+            return {every: values[default_every]} if default_every and values[every] == 0 else {}
+        if value == "no" and off is not None:
+            return off
+        if value == "no":
+            raise TypeError(f"{name}='no': Forge always writes training_log.jsonl; set {every} to log less often")
+        raise TypeError(f"{name}={value!r}: Forge counts {every} in optimizer steps; use 'steps' with {every} (one "
+                        f"epoch is rows / (prompts_per_step x gradient_accumulation_steps) x num_iterations steps)")
+
+    said = "refused" if off is None else "= " + ", ".join(f"{k}={v}" for k, v in off.items())
+    convert.__doc__ = f"{every}: 'steps' as given, 'no' {said}; 'epoch' refused (Forge counts in optimizer steps)"
+    return convert
+
+
+def _sampling(value: Any, values: dict) -> dict:
+    """shuffle: 'random' = True, 'sequential' = False."""
+    if value not in ("random", "sequential"):
+        raise TypeError(f"train_sampling_strategy={value!r}: Forge shuffles ('random') or keeps the order "
+                        f"('sequential'), set with shuffle")
+    return {"shuffle": value == "random"}
+
+
+def _resume(value: Any, values: dict) -> dict:
+    """resume_from: True = 'latest' (the newest checkpoint in output_dir), a path as it is."""
+    return {} if value in (None, False) else {"resume_from": "latest" if value is True else str(value)}
+
+
+def _project(value: Any, values: dict) -> dict:
+    """wandb_project and trackio_project: the project the trackers log to."""
+    return {"wandb_project": str(value), "trackio_project": str(value)}
+
+
+def _model_init_kwargs(value: Any, values: dict) -> dict:
+    """dtype: its torch_dtype / dtype (Forge keeps float32 master weights and computes in that dtype)."""
+    kwargs = dict(value or {})
+    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
+    if kwargs:
+        raise TypeError(f"model_init_kwargs {sorted(kwargs)}: Forge loads a model by name with its dtype only; load "
+                        f"it yourself (AutoModelForCausalLM.from_pretrained(name, ...)) and pass the model object")
+    return {} if dtype is None else {"dtype": str(dtype).removeprefix("torch.")}
+
+
+def _checkpointing_kwargs(value: Any, values: dict) -> dict:
+    """gradient_checkpointing's arguments: Forge's checkpointing is non-reentrant ({'use_reentrant': False})."""
+    if dict(value or {}) not in ({}, {"use_reentrant": False}):
+        raise TypeError(f"gradient_checkpointing_kwargs={value!r}: Forge checkpoints non-reentrantly and takes no "
+                        f"other arguments; leave it out or give {{'use_reentrant': False}}")
+    return {}
+
+
+def _fixed(name: str, what_forge_does: str, *accepted: Any) -> Converter:
+    """A setting Forge has fixed: accepted when its value is what Forge does, refused saying what that is."""
+
+    def convert(value: Any, values: dict) -> dict:
+        if value in accepted:
+            return {}
+        raise TypeError(f"{name}={value!r}: {what_forge_does}; leave it out")
+
+    convert.__doc__ = f"{' or '.join(map(repr, accepted))} only: {what_forge_does}"
+    return convert
+
+
+TRL_CONVERTED: dict[str, Converter] = {
     "per_device_train_batch_size": _completions_per_device,
     "report_to": _report_to,
     "bf16": _precision("bfloat16"),
     "fp16": _precision("float16"),
     "epsilon_high": _epsilon_high,
-    "use_vllm": lambda value, values: {"generation_backend": "vllm"} if value else {},
+    "use_vllm": _use_vllm,
+    "lr_scheduler_type": _lr_scheduler,
+    "warmup_steps": _warmup_steps,
+    "save_strategy": _steps_strategy("save_strategy", "save_steps", {"save_steps": 0}),
+    "eval_strategy": _steps_strategy("eval_strategy", "eval_steps", {"eval_steps": 0}, "logging_steps"),
+    "logging_strategy": _steps_strategy("logging_strategy", "logging_steps", None),
+    "train_sampling_strategy": _sampling,
+    "resume_from_checkpoint": _resume,
+    "project": _project,
+    "model_init_kwargs": _model_init_kwargs,
+    "gradient_checkpointing_kwargs": _checkpointing_kwargs,
+    "activation_checkpointing_kwargs": _checkpointing_kwargs,
+    "optim": _fixed("optim", "Forge's optimizer is torch's AdamW", "adamw_torch", "adamw_torch_fused", "adamw_hf"),
+    "adam_beta1": _fixed("adam_beta1", "Forge's AdamW uses torch's betas (0.9, 0.999)", 0.9),
+    "adam_beta2": _fixed("adam_beta2", "Forge's AdamW uses torch's betas (0.9, 0.999)", 0.999),
+    "adam_epsilon": _fixed("adam_epsilon", "Forge's AdamW uses torch's eps", 1e-8),
+    "average_tokens_across_devices": _fixed(
+        "average_tokens_across_devices", "Forge's loss always counts the tokens of every process", True),
 }
-"""TRL name -> converter(value, every field: given or default) -> Forge fields: names whose value Forge states another way."""
+"""TRL name -> converter(value, every field: given or default) -> Forge fields: names whose value Forge states
+another way. A converter raises TypeError, saying what to set, for a value Forge cannot honour."""
+
+_NO_DATALOADER = "Forge reads the dataset rows in the training process; there is no DataLoader"
+_NO_DDP = "Forge sums the gradients of its processes itself, without DistributedDataParallel"
+_PREDICTION_LOOP = "a setting of the Trainer's prediction loop; Forge's evaluation scores greedy completions"
+_HUB_ONLY = "used only by push_to_hub, which Forge refuses"
+_VLLM_OWN = "Forge's vLLM engine sets it for the run (forge/model/vllm_engine.py)"
+
+TRL_IGNORED = {
+    "label_smoothing_factor": "a supervised-loss setting; the GRPO loss has no labels (TRL's GRPO ignores it too)",
+    "bf16_full_eval": "evaluation runs in the run's precision (dtype)",
+    "fp16_full_eval": "evaluation runs in the run's precision (dtype)",
+    "tf32": "torch's own setting (torch.backends.cuda.matmul.allow_tf32); Forge leaves it as torch has it",
+    "use_cache": "generation always uses a KV cache and the loss pass none",
+    "torch_empty_cache_steps": "Forge does not empty the CUDA cache on a schedule",
+    "logging_first_step": "Forge logs every logging_steps and the last step",
+    "log_on_each_node": "only the main process logs",
+    "logging_nan_inf_filter": "a NaN/inf loss skips the step (max_consecutive_nonfinite); the log shows it as null",
+    "include_num_input_tokens_seen": "Forge logs its own token counts (docs/metrics.md)",
+    "log_level": "Forge prints its own one-line messages",
+    "log_level_replica": "Forge prints its own one-line messages, on the main process",
+    "disable_tqdm": "the progress bar shows on the main process; TQDM_DISABLE=1 hides it",
+    "per_device_eval_batch_size": "evaluation decodes the eval rows 32 prompts at a time",
+    "prediction_loss_only": _PREDICTION_LOOP,
+    "eval_do_concat_batches": _PREDICTION_LOOP,
+    "eval_use_gather_object": _PREDICTION_LOOP,
+    "eval_accumulation_steps": _PREDICTION_LOOP,
+    "include_for_metrics": _PREDICTION_LOOP,
+    "batch_eval_metrics": _PREDICTION_LOOP,
+    "save_only_model": "numbered checkpoints always hold the optimizer, schedule and RNG (resumable); final/ the "
+                       "model only",
+    "save_on_each_node": "the main process writes the checkpoints",
+    "enable_jit_checkpoint": "Forge always saves the finished step on SIGTERM, SIGINT and SIGHUP",
+    "hub_token": _HUB_ONLY,
+    "hub_private_repo": _HUB_ONLY,
+    "hub_model_id": _HUB_ONLY,
+    "hub_strategy": _HUB_ONLY,
+    "hub_always_push": _HUB_ONLY,
+    "hub_revision": _HUB_ONLY,
+    "metric_for_best_model": "used only by load_best_model_at_end, which Forge refuses",
+    "greater_is_better": "used only by load_best_model_at_end, which Forge refuses",
+    "ignore_data_skip": "a resumed run always continues the data order where its checkpoint left it",
+    "dataloader_drop_last": "an epoch's incomplete last batch is always left out",
+    "dataloader_num_workers": _NO_DATALOADER,
+    "dataloader_pin_memory": _NO_DATALOADER,
+    "dataloader_persistent_workers": _NO_DATALOADER,
+    "dataloader_prefetch_factor": _NO_DATALOADER,
+    "dataloader_multiprocessing_context": _NO_DATALOADER,
+    "dataloader_in_order": _NO_DATALOADER,
+    "remove_unused_columns": "every dataset column reaches the rewards by its name",
+    "label_names": "the GRPO loss has no labels",
+    "length_column_name": "Forge does not group rows by length",
+    "ddp_find_unused_parameters": _NO_DDP,
+    "ddp_bucket_cap_mb": _NO_DDP,
+    "ddp_broadcast_buffers": _NO_DDP,
+    "ddp_static_graph": _NO_DDP,
+    "ddp_backend": "Forge uses gloo on CPUs, NCCL for CUDA tensors (forge/parallel/distributed.py)",
+    "ddp_timeout": "Forge's processes wait for each other with torch.distributed's default timeout",
+    "debug": "a Trainer diagnostic Forge does not have",
+    "skip_memory_metrics": "a Trainer diagnostic Forge does not have",
+    "do_train": "a flag for your script; the Trainer does not read it either",
+    "do_eval": "a flag for your script; the Trainer does not read it either",
+    "do_predict": "a flag for your script; the Trainer does not read it either",
+    "local_rank": "Forge reads LOCAL_RANK from the launcher's environment",
+    "disable_dropout": "Forge always runs the policy without dropout",
+    "cast_lm_head_to_fp32": "Forge computes the log-softmax in float32 (logprob_chunk_size positions at a time)",
+    "num_generations_eval": "evaluation scores one greedy completion per prompt",
+    "ds3_gather_for_generation": "no DeepSpeed; under fsdp rollouts gather the whole weights",
+    "pad_to_multiple_of": "Forge pads each batch to its longest sequence",
+    "cache_implementation": "Forge's decode loop keeps its own KV cache (generation_backend)",
+    "vllm_model_impl": _VLLM_OWN,
+    "vllm_enable_sleep_mode": _VLLM_OWN,
+    "vllm_group_port": "Forge pushes weights to `forge vllm-serve` over its HTTP port (vllm_server_port)",
+    "vllm_max_model_length": _VLLM_OWN,
+    "vespo_k_pos": "used only by loss_type='vespo', which Forge does not have",
+    "vespo_lambda_pos": "used only by loss_type='vespo', which Forge does not have",
+    "vespo_k_neg": "used only by loss_type='vespo', which Forge does not have",
+    "vespo_lambda_neg": "used only by loss_type='vespo', which Forge does not have",
+    "ref_model_mixup_alpha": "used only by sync_ref_model, which Forge refuses",
+    "ref_model_sync_steps": "used only by sync_ref_model, which Forge refuses",
+    "vllm_importance_sampling_mode": "used only by vllm_importance_sampling_correction (Forge's: rollout_is)",
+    "vllm_importance_sampling_clip_max": "used only by vllm_importance_sampling_correction (Forge's: "
+                                         "rollout_is_threshold)",
+    "vllm_importance_sampling_clip_min": "used only by vllm_importance_sampling_correction (Forge's: rollout_is)",
+    "vllm_importance_sampling_cap": "used only by vllm_importance_sampling_correction (Forge's: "
+                                    "rollout_is_threshold)",
+    "log_multimodal": "Forge's prompts are text",
+    "log_unique_prompts": "samples.jsonl holds log_completions samples of each logged step",
+    "use_transformers_continuous_batching": "Forge decodes with its own loop or vLLM (generation_backend)",
+    "transformers_continuous_batching_config": "Forge decodes with its own loop or vLLM (generation_backend)",
+    "use_transformers_paged": "Forge decodes with its own loop or vLLM (generation_backend)",
+}
+"""TRL or TrainingArguments name -> why it changes nothing in a Forge run. Accepted with any value."""
+
+_NO_HUB = "Forge reaches no hub: upload {output_dir}/final with `huggingface-cli upload` after the run"
 
 TRL_REFUSED = {
     "generation_batch_size": "set prompts_per_step (prompts per rollout batch) and gradient_accumulation_steps",
     "steps_per_generation": "set gradient_accumulation_steps: the rollout batches of one optimizer step",
-    "log_completions": "Forge writes log_completions samples per logged step to samples.jsonl (an int, 0 = none)",
     "num_completions_to_print": "set log_completions: how many samples per logged step go to samples.jsonl",
     "use_liger_loss": "Forge computes the loss in chunks itself (logprob_chunk_size)",
     "vllm_importance_sampling_correction": "set rollout_is ('token_truncate', ...) and rollout_is_threshold",
     "peft_config": "pass it to GRPOTrainer(..., peft_config=LoraConfig(...)), or set use_lora and lora_r, ...",
+    "lr_scheduler_kwargs": "Forge's schedules take no arguments (lr_scheduler: cosine and linear decay to 0)",
+    "optim_args": "Forge's optimizer is torch's AdamW with its defaults (learning_rate, weight_decay)",
+    "optim_target_modules": "Forge's optimizer is torch's AdamW over every trainable weight",
+    "torch_compile": "Forge compiles the decode step only: generation_backend='compiled'",
+    "torch_compile_backend": "Forge compiles the decode step only: generation_backend='compiled'",
+    "torch_compile_mode": "Forge compiles the decode step only: generation_backend='compiled'",
+    "use_liger_kernel": "Forge computes the loss in chunks itself (logprob_chunk_size)",
+    "liger_kernel_config": "Forge computes the loss in chunks itself (logprob_chunk_size)",
+    "neftune_noise_alpha": "Forge adds no noise to the embeddings",
+    "auto_find_batch_size": "Forge does not search for a batch size; set micro_batch_size",
+    "trackio_space_id": "Forge's trackio logs locally (TRACKIO_DIR), to no Space",
+    "trackio_bucket_id": "Forge's trackio logs locally (TRACKIO_DIR), to no bucket",
+    "trackio_static_space_id": "Forge's trackio logs locally (TRACKIO_DIR), to no Space",
+    "eval_delay": "Forge evaluates every eval_steps from the first step; set eval_steps",
+    "push_to_hub": _NO_HUB,
+    "log_completions_hub_repo": _NO_HUB,
+    "load_best_model_at_end": "Forge keeps the last weights; pick a checkpoint by its eval/ rows in training_log.jsonl",
+    "restore_callback_states_from_checkpoint": "Forge's checkpoints do not hold callbacks' state",
+    "full_determinism": "call torch.use_deterministic_algorithms(True) before training; Forge seeds python, numpy "
+                        "and torch with seed",
+    "data_seed": "Forge shuffles the rows with seed; set seed",
+    "use_cpu": "hide the GPUs instead: CUDA_VISIBLE_DEVICES= python train.py",
+    "accelerator_config": "Forge's processes are plain data parallel, or FSDP2 with fsdp=True (docs/scaling.md)",
+    "parallelism_config": "Forge's processes are plain data parallel, or FSDP2 with fsdp=True (docs/scaling.md)",
+    "fsdp_config": "Forge's FSDP2 shards each decoder layer and takes no config; set fsdp=True",
+    "deepspeed": "Forge shards with FSDP2 instead: fsdp=True (docs/scaling.md)",
+    "trust_remote_code": "Forge loads architectures transformers has; load the model yourself and pass the object",
+    "router_aux_loss_coef": "Forge's loss adds no router auxiliary loss",
+    "min_p": "Forge samples with temperature, top_p and top_k",
+    "generation_kwargs": "Forge samples with temperature, top_p and top_k; no other generation arguments",
+    "chat_template_kwargs": "Forge applies the tokenizer's chat template with no extra arguments",
+    "repetition_penalty": "Forge samples with temperature, top_p and top_k",
+    "vllm_structured_outputs_regex": "Forge's vLLM sampling has no structured outputs",
+    "vllm_tensor_parallel_size": "Forge's vLLM engine runs on one device per process",
+    "sync_ref_model": "Forge's reference stays the initial model (kl_beta)",
 }
-"""TRL name -> why Forge does not take it as is, and what to set instead."""
+"""TRL or TrainingArguments name -> why Forge does not take it, and what to set instead. Given with its "off"
+value (None, False, 0, '', empty, or the value in TRL_NEUTRAL) it is accepted, as it asks for nothing."""
+
+TRL_NEUTRAL = {"repetition_penalty": 1.0, "vllm_tensor_parallel_size": 1}
+"""Refused names whose "off" value is not falsy."""
+
+TRAINING_ARGUMENTS_FIELDS = (
+    "output_dir", "per_device_train_batch_size", "num_train_epochs", "max_steps", "learning_rate",
+    "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "optim", "optim_args", "weight_decay", "adam_beta1",
+    "adam_beta2", "adam_epsilon", "optim_target_modules", "gradient_accumulation_steps",
+    "average_tokens_across_devices", "max_grad_norm", "label_smoothing_factor", "bf16", "fp16", "bf16_full_eval",
+    "fp16_full_eval", "tf32", "activation_checkpointing", "activation_checkpointing_kwargs", "gradient_checkpointing",
+    "gradient_checkpointing_kwargs", "torch_compile", "torch_compile_backend", "torch_compile_mode",
+    "use_liger_kernel", "liger_kernel_config", "use_cache", "neftune_noise_alpha", "torch_empty_cache_steps",
+    "auto_find_batch_size", "logging_strategy", "logging_steps", "logging_first_step", "log_on_each_node",
+    "logging_nan_inf_filter", "include_num_input_tokens_seen", "log_level", "log_level_replica", "disable_tqdm",
+    "report_to", "run_name", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
+    "eval_strategy", "eval_steps", "eval_delay", "per_device_eval_batch_size", "prediction_loss_only",
+    "eval_on_start", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
+    "include_for_metrics", "batch_eval_metrics", "save_only_model", "save_strategy", "save_steps",
+    "save_on_each_node", "save_total_limit", "enable_jit_checkpoint", "push_to_hub", "hub_token",
+    "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision", "load_best_model_at_end",
+    "metric_for_best_model", "greater_is_better", "ignore_data_skip", "restore_callback_states_from_checkpoint",
+    "full_determinism", "seed", "data_seed", "use_cpu", "accelerator_config", "parallelism_config",
+    "dataloader_drop_last", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+    "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order",
+    "remove_unused_columns", "label_names", "train_sampling_strategy", "length_column_name",
+    "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend",
+    "ddp_timeout", "fsdp", "fsdp_config", "deepspeed", "debug", "skip_memory_metrics", "do_train", "do_eval",
+    "do_predict", "resume_from_checkpoint", "local_rank",
+)
+"""transformers 5.24's TrainingArguments fields, in its order."""
+
+TRL_GRPO_FIELDS = (
+    "model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "disable_dropout", "cast_lm_head_to_fp32",
+    "num_generations", "num_generations_eval", "max_completion_length", "ds3_gather_for_generation",
+    "shuffle_dataset", "pad_to_multiple_of", "generation_batch_size", "steps_per_generation", "temperature", "top_p",
+    "top_k", "min_p", "generation_kwargs", "chat_template_kwargs", "repetition_penalty", "cache_implementation",
+    "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
+    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "beta", "num_iterations",
+    "epsilon", "delta", "epsilon_high", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
+    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level", "reward_weights",
+    "multi_objective_aggregation", "scale_rewards", "loss_type", "mask_truncated_completions", "sync_ref_model",
+    "ref_model_mixup_alpha", "ref_model_sync_steps", "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy",
+    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target", "max_tool_calling_iterations",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_bias_correction_kl", "log_completions",
+    "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
+    "use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged",
+    "vllm_importance_sampling_cap",
+)
+"""TRL 1.16's GRPOConfig fields besides those of TrainingArguments, in its order."""
+
+
+def is_off(name: str, value: Any) -> bool:
+    """Whether a refused name's value asks for nothing (None, False, 0, '', empty, or TRL_NEUTRAL's value)."""
+    return value is None or value is False or value == TRL_NEUTRAL.get(name, 0) or value in ("", [], {}, ())
+
+
+def classify(name: str, forge_fields: set[str]) -> tuple[str, str]:
+    """(class, meaning) of a TRL or TrainingArguments name: 'mapped' (a Forge field of that name, TRL_NAMES,
+    TRL_CONVERTED), 'ignored' or 'refused'; ('unclassified', '') for a name the table does not hold."""
+    if name in forge_fields:
+        return "mapped", f"`{name}`"
+    if name in TRL_NAMES:
+        return "mapped", f"`{TRL_NAMES[name]}`"
+    if name in TRL_CONVERTED:
+        doc = TRL_CONVERTED[name].__doc__ or ""
+        return "mapped", " ".join(doc.split())
+    if name in TRL_IGNORED:
+        return "ignored", TRL_IGNORED[name]
+    if name in TRL_REFUSED:
+        return "refused", TRL_REFUSED[name]
+    return "unclassified", ""
 
 
 def forge_names(values: dict, defaults: dict[str, Any]) -> dict:
     """Keyword values with TRL's names turned into Forge's fields (the tables above); `defaults` maps every Forge
-    field to its default. An unknown name, a refused one, or a TRL name given with its Forge field raises
-    TypeError naming what to use."""
+    field to its default. An unknown name, a refused one that asks for something, a value a converter cannot
+    honour, or a TRL name given with its Forge field raises TypeError naming what to use."""
     known = set(defaults)
     out = {k: v for k, v in values.items() if k in known}
-    unknown = sorted(k for k in values if k not in known and k not in TRL_NAMES and k not in TRL_CONVERTED
-                     and k not in TRL_REFUSED)
+    unknown = sorted(k for k in values if k not in known and classify(k, known)[0] == "unclassified")
     if unknown:
         guesses = {k: get_close_matches(k, sorted(known | set(TRL_NAMES) | set(TRL_CONVERTED)), n=2) for k in unknown}
         hint = "; ".join(f"{k}: did you mean {' or '.join(g)}?" for k, g in guesses.items() if g)
         raise TypeError(f"unknown GRPOConfig fields {unknown}{'; ' + hint if hint else ''} (every field: "
                         f"docs/config.md, `forge train --help`)")
     for name, value in values.items():
-        if name in known:
+        if name in known or name in TRL_IGNORED:
             continue
         if name in TRL_REFUSED:
-            raise TypeError(f"GRPOConfig: TRL's {name!r} has no Forge equivalent as is: {TRL_REFUSED[name]}")
+            if is_off(name, value):
+                continue
+            raise TypeError(f"GRPOConfig: {name}={value!r} has no Forge equivalent: {TRL_REFUSED[name]}")
         converted = ({TRL_NAMES[name]: value} if name in TRL_NAMES
                      else TRL_CONVERTED[name](value, {**defaults, **values}))
         for field_name, field_value in converted.items():

@@ -90,7 +90,7 @@ def test_trl_names_in_a_yaml_file_and_flags_win_whichever_name_they_use(tmp_path
 @pytest.mark.parametrize("argv, message", [
     (["train", "--vllm_mode", "nearby"], "vllm_mode='nearby': use 'colocate' or 'server'"),
     (["train", "--num_generation", "4"], "forge train: unknown option --num_generation (did you mean --num_generations"),
-    (["train", "--learning_rat", "1e-5"], "unknown option --learning_rat (did you mean --learning_rate?)"),
+    (["train", "--learning_rat", "1e-5"], "unknown option --learning_rat (did you mean --learning_rate"),
     (["train", "--num_generations", "4", "--group_size", "2"], "got both 'num_generations' (TRL's name) and 'group_"),
     (["eval", "--modle", "x"], "forge eval: unknown option --modle (did you mean --model?)"),
     (["plot", "out", "--outt", "x.png"], "forge plot: unknown option --outt (did you mean --out?)"),
