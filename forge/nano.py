@@ -62,6 +62,7 @@ import os
 import random
 import re
 import time
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
@@ -131,7 +132,7 @@ def load(name: str = "default"):
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
     if gguf_file is not None:  # a GGUF-loaded model is tagged as quantized: rebuild it as a plain one
-        del model.config.quantization_config
+        vars(model.config).pop("quantization_config", None)
         plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
         plain.generation_config, model = model.generation_config, plain
@@ -382,10 +383,11 @@ def train(model, tokenizer, task: Arithmetic, config: Config):
         rollout = generate(model, tokenizer, prompt_ids, prompt_mask, config.group_size,  # 2. generate
                            config.max_new_tokens, config.temperature, sampling)
         rewards = task.rewards(rollout, problems, config.group_size)  # 3. score, (N,)
+        learning_rate = scheduler.get_last_lr()[0]  # the rate this step uses
         stats = update(model, reference, optimizer, scheduler, rollout, rewards, config)[-1]  # 4-6.
         print(f"step {step:3d} | reward {rewards.mean():.3f} | loss {stats['loss']:+.4f} | "
               f"kl {stats['kl']:.4f} | grad_norm {stats['grad_norm']:.3f} | "
-              f"lr {scheduler.get_last_lr()[0]:.2e} | {time.perf_counter() - started:.1f} s", flush=True)
+              f"lr {learning_rate:.2e} | {time.perf_counter() - started:.1f} s", flush=True)
     return model
 
 
@@ -403,6 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     config = Config(**(args | {"lora_target_modules": tuple(args["lora_target_modules"].split(","))}))
     if config.threads:
         torch.set_num_threads(config.threads)
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")  # said by peft
     model, tokenizer = load(config.model)
     task = Arithmetic(tokenizer, config.seed)
     started = time.perf_counter()
