@@ -29,6 +29,7 @@ from forge.core.grpo import (
     LossType,
 )
 from forge.core.trl_names import forge_names
+from forge.model.lora import lora_fields
 from forge.run.health import HEALTH_RULES, parse_thresholds
 
 VLLM_INSTALL = ("generation_backend='vllm' needs vLLM: on a GPU `pip install 'forge-rl[vllm]'`; on a CPU, in a venv "
@@ -197,8 +198,9 @@ class GRPOConfig:
     lora_dropout: float = 0.0
     """Saved in the adapter's config for use elsewhere. Forge itself trains with dropout off (sampling, pi_old
     and pi_theta must be one network), so it does not change a Forge run."""
-    lora_target_modules: list[str] | None = None
-    """Module names to adapt; None = the attention projections of the architecture (q/k/v/o for Llama)."""
+    lora_target_modules: list[str] | str | None = None
+    """Module names to adapt; a string is what peft makes of it ('all-linear', or a regex the whole module name
+    matches); None = the attention projections of the architecture (q/k/v/o for Llama)."""
 
     # --- engine ---
     share_prompt_prefix: bool = True
@@ -552,8 +554,9 @@ def trainer_arguments(tokenizer: Any, reward_fn: Any, config: Any, *, reward_fun
 
     TRL's keywords mean: reward_funcs = the rewards, called TRL's way ('trl'); args = the config;
     processing_class = the tokenizer; peft_config = a peft LoraConfig (use_lora with its r, alpha, dropout and
-    target modules). TRL's positional order, GRPOTrainer(model, reward_funcs, args), is recognised by its types:
-    in Forge's, the second argument is a tokenizer and the fourth a GRPOConfig."""
+    target modules, as the run's record; GRPOTrainer hands the LoraConfig itself to peft). TRL's positional order,
+    GRPOTrainer(model, reward_funcs, args), is recognised by its types: in Forge's, the second argument is a
+    tokenizer and the fourth a GRPOConfig."""
     if tokenizer is not None and not hasattr(tokenizer, "convert_tokens_to_ids"):  # TRL order: (model, rewards, args)
         if reward_funcs is not None or (reward_fn is not None and not isinstance(reward_fn, GRPOConfig)):
             raise TypeError("GRPOTrainer(model, tokenizer, reward_fn, config): the second argument is not a tokenizer; "
@@ -569,13 +572,7 @@ def trainer_arguments(tokenizer: Any, reward_fn: Any, config: Any, *, reward_fun
             raise TypeError(f"GRPOTrainer got both {forge}= and TRL's {trl}=; give one")
     config = config if config is not None else args if args is not None else GRPOConfig()
     if peft_config is not None:
-        targets = getattr(peft_config, "target_modules", None)
-        if isinstance(targets, str):
-            raise TypeError(f"peft_config.target_modules={targets!r}: Forge adapts the modules named in a list "
-                            f"(e.g. ['q_proj', 'v_proj']); None adapts the attention projections")
-        config = dataclasses.replace(config, use_lora=True, lora_r=peft_config.r, lora_alpha=peft_config.lora_alpha,
-                                     lora_dropout=getattr(peft_config, "lora_dropout", 0.0),
-                                     lora_target_modules=None if targets is None else sorted(targets))
+        config = dataclasses.replace(config, **lora_fields(peft_config))
     rewards = reward_fn if reward_fn is not None else reward_funcs
     if rewards is None:
         raise ValueError("GRPOTrainer needs reward_fn (e.g. reward_fn=ExactMatchReward()), or TRL's reward_funcs=[...]")

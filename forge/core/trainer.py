@@ -44,9 +44,10 @@ from forge.run.lifecycle import StopSignals, TrainingInterrupted
 from forge.run.loop import TrainingRun
 from forge.run.optim import GuardedStep, advance_schedule
 from forge.run.rng import seed_everything
+from forge.run.trainer_surface import RunEvents, TrainerSurface, with_resume
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerSurface):
     """GRPO fine-tuning of a HuggingFace causal LM.
 
     model:     a PreTrainedModel (or PeftModel), or a hub id / local path / "default" that Forge loads
@@ -56,14 +57,14 @@ class GRPOTrainer:
     evaluator: what train(eval_dataset=...) measures; None = the mean reward of greedy completions (eval/reward)
     tools:     typed, docstringed functions the policy may call during rollouts (forge/tools); their result
                tokens are context, not actions; environment_factory: an environment class (forge/envs)
-    TRL's keywords work too (docs/from-trl.md): reward_funcs= (rewards called as TRL calls them), args=,
-    train_dataset=, eval_dataset=, processing_class=, peft_config=.
+    TRL's keywords work too (docs/from-trl.md): reward_funcs= (called as TRL calls them), args=, train_dataset=,
+    eval_dataset=, processing_class=, peft_config= (a LoraConfig), callbacks= (forge/run/trainer_surface.py).
     """
 
     def __init__(self, model, tokenizer=None, reward_fn=None, config: GRPOConfig | None = None,
                  evaluator: Callable[..., dict] | None = None, tools: list[Callable] | None = None, *,
                  reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 peft_config=None, environment_factory=None):
+                 peft_config=None, environment_factory=None, callbacks=None):
         tokenizer, reward_fn, config, convention = trainer_arguments(
             tokenizer, reward_fn, config, reward_funcs=reward_funcs, args=args, processing_class=processing_class,
             peft_config=peft_config)
@@ -73,7 +74,7 @@ class GRPOTrainer:
         self.dist = DataParallel(fsdp=config.fsdp)
         ready = prepare_policy(model, tokenizer, config, device=self.dist.device, seed=seed_everything,
                                sync=self.dist.broadcast_from_main, announce=self.dist.is_main,
-                               shard=self.dist.shard if self.dist.fsdp else None)
+                               shard=self.dist.shard if self.dist.fsdp else None, peft_config=peft_config)
         self.model = model = ready.model
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.device = ready.precision, next(model.parameters()).device
@@ -95,22 +96,21 @@ class GRPOTrainer:
         self.max_prompt_length = prompt_budget(context, config.max_new_tokens, config.max_prompt_length)
         self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # set again by train()
         self.scheduler = None  # built by train(), once the number of steps is known
+        self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer, is_main=self.dist.is_main)
 
-    def train(self, dataset: Any = None, eval_dataset: Any = None) -> dict:
-        """Run GRPO over `dataset` (rows {"prompt", ...}, a HF Dataset or a JSONL path; default: train_dataset)."""
+    def train(self, dataset: Any = None, eval_dataset: Any = None, resume_from_checkpoint: bool | str | None = None):
+        """Run GRPO over `dataset` (rows {"prompt", ...}, a HF Dataset or a JSONL path; default: train_dataset);
+        resume_from_checkpoint (TRL's): True = the newest checkpoint in output_dir, or a checkpoint's path."""
+        self.config = with_resume(self.config, resume_from_checkpoint)
         return TrainingRun(self, self.train_dataset if dataset is None else dataset,
-                           self.eval_dataset if eval_dataset is None else eval_dataset, self.check_rows,
-                           partial(run_preflight, self)).run()
+                           self.eval_dataset if eval_dataset is None else eval_dataset,
+                           partial(check_before_training, self), partial(run_preflight, self)).run()
 
-    def check_rows(self, rows: list[dict]) -> None:
-        """Before the run: every prompt fits the model, every reward gets its arguments (core/preflight.py)."""
-        check_before_training(self, rows)
-
-    def evaluate(self, rows: list[dict]) -> dict:
-        """The evaluator's metrics on these rows, in the run's precision with its whole (merged) weights."""
+    def evaluate(self, rows: list[dict] | None = None) -> dict:
+        """The evaluator's metrics on `rows` (default: eval_dataset) in the run's precision, whole merged weights."""
         with self.sampling():
-            return self.evaluator(self.model, self.tokenizer, rows, max_new_tokens=self.config.max_new_tokens,
-                                  max_prompt_length=self.max_prompt_length)
+            return self.evaluator(self.model, self.tokenizer, self.eval_rows() if rows is None else rows,
+                                  max_new_tokens=self.config.max_new_tokens, max_prompt_length=self.max_prompt_length)
 
     def step(self, rows: list[dict]) -> dict:
         """One optimizer step (num_iterations of them when num_iterations > 1) on these dataset rows."""

@@ -4,6 +4,7 @@ no-grad passes (`merged_adapters`)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Iterator
 
@@ -77,34 +78,69 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+_REFERENCE_KEEPING_INITS = (True, False, "gaussian")  # inits that leave the base weights as they are
+
+
+def lora_fields(peft_config) -> dict:
+    """GRPOConfig's LoRA fields as a peft `LoraConfig` sets them: the run's record of its adapters (apply_lora hands
+    the LoraConfig itself to peft). Refuses, naming the field, what would make the adapter-disabled model, Forge's
+    reference policy, differ from the model training started from: trained biases and inits that rewrite the base
+    weights (PiSSA, OLoRA, LoftQ, ...); and other PEFT methods than LoRA."""
+    try:
+        from peft import LoraConfig
+    except ImportError as error:
+        raise ImportError(LORA_INSTALL_HINT) from error
+    if not isinstance(peft_config, LoraConfig):
+        raise TypeError(f"peft_config is a {type(peft_config).__name__}: Forge trains LoRA adapters; give a "
+                        f"peft.LoraConfig (use_dora=True for DoRA)")
+    if peft_config.bias != "none":
+        raise TypeError(f"peft_config.bias={peft_config.bias!r}: Forge's reference policy is the model with its "
+                        f"adapters off, which would keep the trained biases; use bias='none'")
+    if peft_config.init_lora_weights not in _REFERENCE_KEEPING_INITS:
+        raise TypeError(f"peft_config.init_lora_weights={peft_config.init_lora_weights!r} rewrites the base weights, "
+                        f"so the adapter-disabled model (Forge's reference policy) would not be the initial model; "
+                        f"use True (the default) or 'gaussian'")
+    targets = peft_config.target_modules
+    return {"use_lora": True, "lora_r": peft_config.r, "lora_alpha": peft_config.lora_alpha,
+            "lora_dropout": peft_config.lora_dropout,
+            "lora_target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets}
+
+
 def apply_lora(
     model: nn.Module,
     r: int = 16,
     alpha: int = 32,
     dropout: float = 0.0,
-    target_modules: list[str] | None = None,
+    target_modules: list[str] | str | None = None,
+    peft_config=None,
 ) -> nn.Module:
-    """Wrap ``model`` in LoRA adapters; only the adapter weights stay trainable. A PeftModel is returned as is."""
+    """Wrap ``model`` in LoRA adapters; only the adapter weights (and a LoraConfig's modules_to_save) stay
+    trainable. A peft ``LoraConfig`` given as ``peft_config`` goes to peft as it is (a copy; task_type CAUSAL_LM
+    when unset), so its target_modules ("all-linear", a regex, a list), layers_to_transform, modules_to_save,
+    use_rslora and use_dora mean what they mean in peft; without one, the LoRA of r, alpha, dropout and
+    target_modules (None: the attention projections, `default_lora_targets`). A PeftModel is returned as is."""
     try:
         from peft import LoraConfig, TaskType, get_peft_model
     except ImportError as error:
         raise ImportError(LORA_INSTALL_HINT) from error
     if is_peft_model(model):
+        if peft_config is not None:
+            raise TypeError("the model already has adapters (a PeftModel); pass peft_config with the base model")
         return model
-    lora_config = LoraConfig(
-        task_type=TaskType.CAUSAL_LM,
-        r=r,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        target_modules=target_modules or default_lora_targets(model),
-    )
+    if peft_config is not None:
+        lora_fields(peft_config)  # refuses what Forge cannot train
+        lora_config = copy.deepcopy(peft_config)
+        lora_config.task_type = lora_config.task_type or TaskType.CAUSAL_LM
+    else:
+        lora_config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                 target_modules=target_modules or default_lora_targets(model))
     with quiet_checkpointing_deprecation():
         return get_peft_model(model, lora_config)
 
 
 def _mergeable_lora_layers(model: nn.Module) -> list | None:
     """The LoRA linear layers of a PeftModel when every one can be merged by adding B @ A * scale to a weight of its
-    own (plain LoRA on nn.Linear, no DoRA, weight used by no other module) and its adapters are on; None otherwise
+    own (plain LoRA on nn.Linear, no DoRA, no modules_to_save, weight used by no other module) and its adapters are on; None otherwise
     (adapters switched off, by the caller's `disable_adapter()` or an enclosing merge, leave nothing to merge)."""
     if not is_peft_model(model):
         return None
@@ -112,6 +148,8 @@ def _mergeable_lora_layers(model: nn.Module) -> list | None:
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     adapted = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    if any(p.requires_grad and ".lora_A." not in n and ".lora_B." not in n for n, p in model.named_parameters()):
+        return None  # modules_to_save and the like: switching the adapters off would switch them off too
     users: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):

@@ -77,13 +77,14 @@ class Policy:
 
 def prepare_policy(model, tokenizer, config, *, device: torch.device | None = None,
                    seed=lambda seed: torch.manual_seed(seed), sync=lambda params: None,
-                   announce: bool = True, shard=None) -> Policy:
+                   announce: bool = True, shard=None, peft_config=None) -> Policy:
     """What GRPOTrainer does to the model it is given (a model object, or a name `load_model` understands):
     choose the precision, load, prepare the tokenizer, add LoRA (its random init seeded by `seed(config.seed)`),
     make the trainable weights float32 masters, move to `device`, `sync(trainable parameters)` (every process
     starts from the same weights), enable checkpointing, build the reference; `announce` logs the precision.
     `shard` (FSDP2, forge/parallel/sharding.py): shards the model and the reference over the processes, which also puts
-    each rank's shards on its device, instead of moving the whole model there."""
+    each rank's shards on its device, instead of moving the whole model there. `peft_config`: a peft LoraConfig
+    that apply_lora hands to peft as it is (config's lora_* fields are then its record)."""
     named = isinstance(model, (str, os.PathLike))
     precision = choose_precision(config.dtype, device or (None if named else next(model.parameters()).device))
     if named:  # LoRA: the frozen base in the compute dtype; full fine-tuning: fp32 master weights
@@ -94,7 +95,7 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
     if config.use_lora or is_peft_model(model):
         seed(config.seed)  # the adapters' random init is part of the seeded run
         model = apply_lora(model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
-                           target_modules=config.lora_target_modules)
+                           target_modules=config.lora_target_modules, peft_config=peft_config)
     lora = is_peft_model(model)
     model = as_master_weights(model, precision, lora=lora)
     if device is not None and shard is None:

@@ -7,12 +7,14 @@
         for each step's rows:  trainer.step(rows)                      -> the GRPO step (core/trainer.py)
             log every logging_steps (with the run-health keys, forge/run/health.py), evaluate every eval_steps,
             save every save_steps; a run-health alarm in stop_on_health stops the run
+            the callbacks hear each event and may ask to log, evaluate, save or stop  -> run/trainer_surface.py
             a signal: finish the step, save it, raise TrainingInterrupted
         a failed step (StepFailed: a reward, non-finite losses): say where the last finished step is saved
         save final/, evaluate, close the logs
 
 The trainer is given, not imported: anything with the attributes read below runs here (`config`, `dist`,
-`model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `guard`, `signals`, `global_step`, and the methods
+`model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `guard`, `signals`, `global_step`, `events` (a
+RunEvents), and the methods
 `step(rows) -> metrics`, `evaluate(rows) -> metrics`).
 """
 
@@ -66,7 +68,7 @@ class TrainingRun:
                  preflight: Callable[[list[dict], int], object] | None = None):
         """Load and check everything the run reads (rows, eval rows, and `check_rows`), before any step."""
         config, dist = trainer.config, trainer.dist
-        self.trainer, self.config, self.dist = trainer, config, dist
+        self.trainer, self.config, self.dist, self.events = trainer, config, dist, trainer.events
         self.rows, self.identity = training_rows(dataset)
         trainer.rows_per_step = rows_per_step(len(self.rows), config.prompts_per_step,
                                               config.prompts_per_optimizer_step)
@@ -124,6 +126,7 @@ class TrainingRun:
         if config.resume_from:
             self.logger.truncate_after(trainer.global_step)  # rows past the checkpoint come again, once
             self.health.resume(self.logger.log_path)  # the window the uninterrupted run would have had
+        self.events.train_begin(config, self.total_steps, trainer.global_step, trainer.scheduler)
         if self.eval_rows is not None and config.eval_before_training and trainer.global_step == 0:
             self.evaluate(epoch)
 
@@ -141,12 +144,16 @@ class TrainingRun:
                 for batch_rows, epoch, position in steps:
                     if trainer.global_step >= self.total_steps:
                         break
+                    self.events.step_begin(epoch)
                     metrics = trainer.step(batch_rows)
                     signals.under_way = None  # finished: logged, evaluated, saved below
                     metrics["epoch"] = epoch + position / max(1, len(self.rows))
+                    self.events.step_end(trainer.global_step, metrics["epoch"])  # callbacks may ask for more
                     self.after_step(metrics, epoch, position, bar)
                     self.stop_if_asked()
                     self.stop_on_alarm()
+                    if self.events.control.should_training_stop:  # a callback ends the run as max_steps would
+                        break
                     signals.under_way = trainer.global_step + config.num_iterations
         except (StepFailed, FloatingPointError) as error:  # the weights are still those of the last step
             error.args = (f"{error.args[0]}\n{self.where_to_resume()}",)
@@ -168,12 +175,13 @@ class TrainingRun:
         self.dist.barrier()
         if self.eval_rows is not None and not reached(trainer.global_step, config.eval_steps, config.num_iterations):
             self.evaluate(epoch)
+        self.events.train_end()
         self.logger.close()
         return {"global_step": trainer.global_step}
 
     def after_step(self, metrics: dict, epoch: int, position: int, bar) -> None:
         """Log, evaluate and save after an optimizer step."""
-        config, step = self.config, self.trainer.global_step
+        config, step, asked = self.config, self.trainer.global_step, self.events.control
         bar.update(step - bar.n)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
         if not self.warned_flat and self.dist.is_main:
@@ -189,16 +197,18 @@ class TrainingRun:
         for name in started if self.dist.is_main else ():
             example = f" (e.g. {failures[0]})" if name == "episodes_failing" and failures else ""
             tqdm.write(f"forge: health: step {step}: {name}: {HEALTH_RULES[name].says}{example}")
-        if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps:
-            self.logger.log(metrics, step=step, epoch=round(metrics["epoch"], 4))
+        if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps or asked.should_log:
+            self.log(metrics, step, round(metrics["epoch"], 4))
             self.logger.log_samples(metrics.pop("_samples"), step=step)
-        if self.eval_rows is not None and reached(step, config.eval_steps, config.num_iterations):
+        if self.eval_rows is not None and (reached(step, config.eval_steps, config.num_iterations)
+                                           or asked.should_evaluate):
             self.evaluate(epoch)
         # Nothing draws random numbers from here to the next step's sampling: this is the state it will use.
         finished = self.finished(epoch, position)
-        if reached(step, config.save_steps, config.num_iterations):
+        if reached(step, config.save_steps, config.num_iterations) or asked.should_save:
             self.lifecycle.save(finished)
             self.dist.barrier()  # the other ranks wait until rank 0's checkpoint is complete
+            self.events.saved()
         self.lifecycle.finished(finished)
         self.alarms = [n for n in started if {n, "any"} & set(config.stop_on_health or ())]
 
@@ -235,8 +245,14 @@ class TrainingRun:
                             {"coef": control.coef, "last_entropy": control.last_entropy} if control.adaptive else None)
 
     def evaluate(self, epoch: int) -> None:
-        metrics = self.trainer.evaluate(self.eval_rows)
-        self.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.trainer.global_step, epoch=epoch)
+        metrics = {f"eval/{k}": v for k, v in self.trainer.evaluate(self.eval_rows).items()}
+        self.log(metrics, self.trainer.global_step, epoch)
+        self.events.evaluated(metrics)
+
+    def log(self, metrics: dict, step: int, epoch: float) -> None:
+        """A row of training_log.jsonl (and the trackers); the callbacks' on_log and state.log_history get it too."""
+        self.logger.log(metrics, step=step, epoch=epoch)
+        self.events.log(metrics, step, epoch)
 
 
 __all__ = ["HealthStop", "StepFailed", "TrainingRun", "reached"]

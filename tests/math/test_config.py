@@ -140,7 +140,7 @@ def test_to_dict_from_dict_round_trip():
     ({"learning_rate": "1e-5"}, "learning_rate='1e-5' (str) must be a float"),
     ({"max_prompt_length": 2.0}, "max_prompt_length=2.0 (float) must be an int (a whole number) or None"),
     ({"reward_weights": [1.0, "0.5"]}, "reward_weights=[1.0, '0.5'] (list) must be a list of float values or None"),
-    ({"lora_target_modules": "q_proj"}, "lora_target_modules='q_proj' (str) must be a list of str values or None"),
+    ({"lora_target_modules": 3}, "lora_target_modules=3 (int) must be a list of str values or a string or None"),
     ({"output_dir": None}, "output_dir=None (NoneType) must be a string"),
     ({"learning_rate": float("inf")}, "learning_rate=inf must be a finite number"),
     ({"learning_rate": float("nan")}, "learning_rate=nan must be a finite number"),

@@ -1,0 +1,173 @@
+"""The part of transformers' Trainer a TRL script touches, around a Forge run (docs/from-trl.md).
+
+    GRPOTrainer(..., callbacks=[MyCallback()])     transformers' own TrainerCallback objects
+    trainer.state.log_history / .global_step / .epoch      transformers' own TrainerState
+    trainer.save_model(path), trainer.evaluate(), trainer.train(resume_from_checkpoint=True)
+    trainer.model, trainer.processing_class, trainer.args (the GRPOConfig)
+
+`RunEvents` holds transformers' CallbackHandler, TrainerState and TrainerControl for one trainer; the run loop
+(forge/run/loop.py) reports to it once per event, and the callbacks receive `args, state, control` as in
+transformers:
+
+    on_init_end       the trainer is built
+    on_train_begin    after resuming and the preflight, before the first step
+    on_epoch_begin / on_epoch_end    around each pass over the dataset
+    on_step_begin / on_step_end      around each optimizer step; on_step_end before the step is logged, evaluated
+                                     and saved, so a callback can ask for those
+    on_log            each row written to training_log.jsonl (training and eval/ rows), after it joins
+                      state.log_history
+    on_evaluate       after an evaluation, with its eval/ metrics
+    on_save           after a numbered checkpoint is written
+    on_train_end      after final/ is written
+
+A callback that sets `control.should_training_stop` ends the run after that step as reaching max_steps does:
+the step is logged, final/ is saved, on_train_end is called. `should_save`, `should_evaluate` and `should_log`
+add a numbered checkpoint, an evaluation or a log row at that step; `should_epoch_stop` is not read. `args` is the
+GRPOConfig: a callback reads `args.output_dir`, `args.logging_steps`, ... (Forge's field names, docs/config.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerControl, TrainerState
+from transformers.trainer_callback import CallbackHandler
+from transformers.utils import logging as transformers_logging
+
+from forge.data.dataset import checked_rows
+
+
+class RunEvents:
+    """transformers' callback machinery for one trainer: `handler` calls the callbacks, `state` and `control` are
+    what they see and set. The loop calls one method per event; each returns nothing and keeps `control`."""
+
+    def __init__(self, callbacks: list | None, args: Any, model: Any, tokenizer: Any, optimizer: Any,
+                 is_main: bool = True):
+        # transformers warns when its DefaultFlowCallback is missing: here Forge's loop decides when to log,
+        # evaluate and save (the callback would read TrainingArguments fields the GRPOConfig does not have).
+        quiet = transformers_logging.get_logger("transformers.trainer_callback")
+        level = quiet.level
+        quiet.setLevel(transformers_logging.ERROR)
+        try:
+            self.handler = CallbackHandler(list(callbacks or []), model, tokenizer, optimizer, None)
+        finally:
+            quiet.setLevel(level)
+        self.args = args
+        self.state = TrainerState(is_local_process_zero=int(os.environ.get("LOCAL_RANK", "0")) == 0,
+                                  is_world_process_zero=is_main)
+        self.control = TrainerControl()
+        self.epoch_seen: int | None = None  # the epoch on_epoch_begin was last called for
+        self.call("on_init_end")
+
+    def call(self, event: str, **kwargs: Any) -> None:
+        self.control = getattr(self.handler, event)(self.args, self.state, self.control, **kwargs)
+
+    def train_begin(self, args: Any, total_steps: int, global_step: int, scheduler: Any) -> None:
+        self.args = args
+        self.handler.lr_scheduler = scheduler
+        state = self.state
+        state.max_steps, state.global_step, state.num_train_epochs = total_steps, global_step, args.num_train_epochs
+        state.logging_steps, state.eval_steps, state.save_steps = args.logging_steps, args.eval_steps, args.save_steps
+        state.train_batch_size = args.prompts_per_step * args.group_size  # completions per rollout batch
+        self.epoch_seen = None
+        self.call("on_train_begin")
+
+    def step_begin(self, epoch: int) -> None:
+        if epoch != self.epoch_seen:
+            if self.epoch_seen is not None:
+                self.call("on_epoch_end")
+            self.epoch_seen = epoch
+            self.call("on_epoch_begin")
+        self.call("on_step_begin")
+
+    def step_end(self, global_step: int, epoch: float) -> None:
+        self.state.global_step, self.state.epoch = global_step, epoch
+        self.call("on_step_end")
+
+    def log(self, metrics: dict, step: int, epoch: float) -> None:
+        """A row of training_log.jsonl: its numbers, with step and epoch, join state.log_history; on_log gets them."""
+        row = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        row |= {"epoch": epoch, "step": step}
+        self.state.log_history.append(row)
+        self.call("on_log", logs=row)
+
+    def evaluated(self, metrics: dict) -> None:
+        self.call("on_evaluate", metrics=metrics)
+
+    def saved(self) -> None:
+        self.call("on_save")
+
+    def train_end(self) -> None:
+        if self.epoch_seen is not None:
+            self.call("on_epoch_end")
+        self.call("on_train_end")
+
+
+def with_resume(config: Any, resume_from_checkpoint: bool | str | None) -> Any:
+    """The config with TRL's train(resume_from_checkpoint=) applied: True = the newest checkpoint in output_dir
+    (resume_from='latest'), a path = that checkpoint; None or False leave it as it is."""
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return config
+    where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+    return dataclasses.replace(config, resume_from=where)
+
+
+class TrainerSurface:
+    """Mixed into GRPOTrainer: transformers Trainer's names for what Forge's trainer has (`events` is its
+    RunEvents, `config` its GRPOConfig, `tokenizer`, `model`, `dist`, `eval_dataset`)."""
+
+    @property
+    def state(self) -> TrainerState:
+        return self.events.state
+
+    @property
+    def control(self) -> TrainerControl:
+        return self.events.control
+
+    @property
+    def callback_handler(self) -> CallbackHandler:
+        return self.events.handler
+
+    @property
+    def args(self):
+        return self.config
+
+    @property
+    def processing_class(self):
+        return self.tokenizer
+
+    def add_callback(self, callback) -> None:
+        self.events.handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.events.handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.events.handler.remove_callback(callback)
+
+    def eval_rows(self) -> list[dict]:
+        """The rows of eval_dataset, checked, for evaluate() without rows."""
+        if self.eval_dataset is None:
+            raise ValueError("evaluate() without rows evaluates eval_dataset, and this trainer has none: pass "
+                             "GRPOTrainer(..., eval_dataset=...) or trainer.evaluate(rows)")
+        return checked_rows(self.eval_dataset)
+
+    def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
+        """Write the model as it is now (the adapter alone under LoRA, as peft saves it) and its tokenizer into
+        `output_dir` (default: the config's output_dir), next to what the folder holds; returns the folder."""
+        path = Path(self.config.output_dir if output_dir is None else output_dir)
+        if self.dist.fsdp:
+            raise ValueError(f"save_model under fsdp=True: the weights are sharded over the processes; the run "
+                             f"writes them whole to {Path(self.config.output_dir) / 'final'} when it ends")
+        if self.dist.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(path, safe_serialization=True)
+            self.tokenizer.save_pretrained(path)
+        self.dist.barrier()
+        return path
+
+
+__all__ = ["RunEvents", "TrainerSurface", "with_resume"]
