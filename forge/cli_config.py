@@ -75,7 +75,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         trl.add_argument(f"--{name}", type=_field_parser(field), default=None, metavar=field.upper(),
                          help=f"the same as --{field}", **flag)
     for name, convert in TRL_CONVERTED.items():
-        what = (convert.__doc__ or "").split(":")[0].split(". ")[0]
+        what = " ".join((convert.__doc__ or "").split()).split(". ")[0]
         trl.add_argument(f"--{name}", type=_trl_value, nargs="?", const=True, default=None, metavar="VALUE",
                          help=(what or f"TRL's {name} (the Forge field it sets: docs/from-trl.md)").replace("%", "%%"))
 

@@ -108,9 +108,9 @@ def _steps_strategy(name: str, every: str, off: dict | None, default_every: str 
     def convert(value: Any, values: dict) -> dict:
         if value == "steps":  # eval_strategy='steps' without eval_steps evaluates every logging_steps, as in TRL
             return {every: values[default_every]} if default_every and values[every] == 0 else {}
-        if value == "no" and off is not None:
+        if value in ("no", False) and off is not None:  # False: the command line reads `no` as a bool
             return off
-        if value == "no":
+        if value in ("no", False):
             raise TypeError(f"{name}='no': Forge always writes training_log.jsonl; set {every} to log less often")
         raise TypeError(f"{name}={value!r}: Forge counts {every} in optimizer steps; use 'steps' with {every} (one "
                         f"epoch is rows / (prompts_per_step x gradient_accumulation_steps) x num_iterations steps)")

@@ -73,6 +73,14 @@ def test_trl_names_are_forge_train_flags(capsys):
     assert "--num_generations" in capsys.readouterr().out
 
 
+def test_training_arguments_names_are_forge_train_flags():
+    config = build_config(build_parser().parse_args([
+        "train", "--save_strategy", "no", "--eval_strategy", "steps", "--logging_steps", "3", "--warmup_steps",
+        "0.2", "--run_name", "r", "--optim", "adamw_torch", "--resume_from_checkpoint", "true"]))
+    assert (config.save_steps, config.eval_steps, config.warmup_ratio, config.wandb_run_name, config.resume_from) == (
+        0, 3, 0.2, "r", "latest")
+
+
 def test_trl_names_in_a_yaml_file_and_flags_win_whichever_name_they_use(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"num_generations": 4, "beta": "1e-3", "per_device_train_batch_size": 8,
