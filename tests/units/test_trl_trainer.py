@@ -245,3 +245,20 @@ def test_modules_to_save_and_dora_train_and_the_reference_stays_the_initial_mode
         policy = trainer.model(ids).logits
     torch.testing.assert_close(reference, expected)
     assert not torch.allclose(policy, expected)
+
+
+@pytest.mark.slow
+def test_the_documented_script_on_the_packaged_model(tmp_path):
+    """docs/from-trl.md's quickstart with LoRA on every linear layer, a stopping callback and save_model, on the
+    packaged SmolLM2 ("default", offline)."""
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, max_completion_length=16,
+                      per_device_train_batch_size=8, beta=0.0, logging_steps=1, max_steps=3, save_strategy="no",
+                      report_to="none", preflight="off")
+    trainer = GRPOTrainer(model="default", reward_funcs=reward_len, args=args, train_dataset=dataset,
+                          callbacks=[StopAfter(1)],
+                          peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    trainer.train()
+    trainer.save_model(args.output_dir)
+    assert trainer.state.global_step == 1 and (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert "reward" in trainer.state.log_history[-1]
