@@ -4,9 +4,8 @@
 
 Forge only. Each measurement is a fresh process (bench/runners.py: one warm-up step, `--steps` timed steps);
 the rounds alternate off, on, off, on, ... With checkpointing on, each decoder layer keeps only its input in
-the loss pass and is recomputed in backward; a recomputed layer cannot keep a KV cache, so that loss pass runs
-every completion with its own copy of the prompt (off: the prompt runs once per group). The default loss
-micro-batch is the whole rollout (0), where activation memory is largest.
+the loss pass and is recomputed in backward, the prompt's KV cache kept (each group's prompt runs once either
+way). The default loss micro-batch is the whole rollout (0), where activation memory is largest.
 
 Results: a Markdown table on stdout and in bench/results/checkpointing_<workload>_<model>_<mode>.md (+ .json).
 """

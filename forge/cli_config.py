@@ -34,6 +34,8 @@ def _field_parser(annotation):
         convert = lambda text: [item(x) for x in text.split(",") if x]
     elif base is bool:
         convert = parse_bool
+    elif set(args) == {int, str}:  # a number or a word (micro_batch_size: 8 or auto)
+        convert = lambda text: int(text) if text.strip().lstrip("-").isdigit() else text
     else:
         convert = base
 

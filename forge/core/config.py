@@ -88,8 +88,9 @@ class GRPOConfig:
     # --- batching ---
     prompts_per_step: int = 1
     """Prompts generated together in one batched rollout (each gets group_size completions)."""
-    micro_batch_size: int = 0
-    """Completions per forward/backward pass when computing the loss; 0 = the whole rollout batch."""
+    micro_batch_size: int | str = 0
+    """Completions per forward/backward pass when computing the loss; 0 = the whole rollout batch; 'auto' = the
+    largest that fits max_memory_mb, measured by the preflight (one group per pass when the preflight is off)."""
     max_steps: int = -1
     """Stop after this many optimizer steps; -1 = run num_train_epochs."""
     shuffle: bool = True
@@ -238,13 +239,14 @@ class GRPOConfig:
     W + s B A once to bf16 doubles the sampler/trainer log-prob gap), while evaluation merges (bench/merged_bf16.py).
     Needs memory for one copy of the adapted weights during generation, and is skipped when that does not fit on
     the GPU, under FSDP2, and for DoRA or quantised layers."""
-    logprob_chunk_size: int = 1024
-    """Positions per chunk in the log-softmax, so (tokens x vocab) fp32 logits are never all alive."""
+    logprob_chunk_size: int = 0
+    """Positions whose logits exist at once in the loss pass and the log-probs: the logits are made from the last
+    hidden states chunk by chunk (recomputed in backward), so the (tokens x vocabulary) logits never exist.
+    0 = as many positions as make 2^22 logits (16 MB in fp32), whatever the vocabulary (bench/logprob_chunks.py)."""
     gradient_checkpointing: bool = False
     """Keep only each decoder layer's input in the loss pass and recompute the rest in backward: less activation
-    memory for more compute. The loss pass then runs every completion with its own copy of the prompt
-    (a checkpointed layer cannot keep the shared prompt cache), which costs the most with long prompts and
-    large groups. Generation is unchanged."""
+    memory for one more forward of the layers. The prompt's keys and values are kept, so each group's prompt still
+    runs once. Generation is unchanged."""
     fsdp: bool = False
     """Shard the weights, gradients and AdamW state over the processes with PyTorch's FSDP2 (`fully_shard` per
     decoder layer), instead of a whole copy on every process: for a model too big to train data-parallel. Needs
@@ -316,6 +318,11 @@ class GRPOConfig:
     'off' skips it. It leaves the run's weights and random state unchanged."""
     preflight_prompts: int = 4
     """Prompts the preflight samples (each with group_size completions)."""
+    max_memory_mb: float | None = None
+    """The memory the run may use (the resident set on a CPU, allocated memory on a GPU); None = what the process
+    holds plus what the machine has free when the preflight runs. The preflight projects the run's peak from its
+    own samples and stops a run that would not fit, naming what to turn (micro_batch_size='auto' fits the
+    loss pass to it)."""
     health_window: int = 5
     """Steps the run-health rules look back over; an alarm is said once per episode (docs/reliability.md)."""
     health_thresholds: list[str] | None = None
@@ -401,7 +408,8 @@ class GRPOConfig:
         need(self.num_train_epochs >= 1 or self.max_steps > 0, "num_train_epochs must be >= 1")
         need(self.save_steps >= 0 and self.logging_steps >= 1, "save_steps >= 0 and logging_steps >= 1")
         need(self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step} must be >= 1")
-        need(self.micro_batch_size >= 0, "micro_batch_size must be >= 0 (0 = whole rollout batch)")
+        need(self.micro_batch_size == "auto" or (isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 0),
+             f"micro_batch_size={self.micro_batch_size!r} must be >= 0 (0 = whole rollout batch) or 'auto'")
         need(self.num_iterations >= 1, f"num_iterations={self.num_iterations} must be >= 1")
         need(self.loss_type in LOSS_TYPES,
              f"loss_type={self.loss_type!r} unknown; choose one of {sorted(LOSS_TYPES)}")
@@ -450,7 +458,7 @@ class GRPOConfig:
         need(self.weight_decay >= 0, "weight_decay must be >= 0")
         need(self.lora_r >= 1 and self.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0")
         need(0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)")
-        need(self.logprob_chunk_size >= 1, "logprob_chunk_size must be >= 1")
+        need(self.logprob_chunk_size >= 0, "logprob_chunk_size must be >= 0 (0 = sized by the vocabulary)")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype={self.dtype!r}; choose auto, float32, bfloat16 or float16")
         need(self.eval_steps >= 0, "eval_steps must be >= 0")
@@ -460,6 +468,7 @@ class GRPOConfig:
         need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
         need(self.preflight in ("warn", "strict", "off"), f"preflight={self.preflight!r}; choose 'warn', 'strict' or 'off'")
         need(self.preflight_prompts >= 1, "preflight_prompts must be >= 1")
+        need(self.max_memory_mb is None or self.max_memory_mb > 0, "max_memory_mb must be > 0 (None = what is free)")
         need(self.health_window >= 2, "health_window must be >= 2 steps")
         need(not set(self.stop_on_health or ()) - {"any", *HEALTH_RULES},
              f"stop_on_health={self.stop_on_health}; name rules of {sorted(HEALTH_RULES)}, or 'any'")

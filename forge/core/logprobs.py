@@ -7,10 +7,15 @@ one prompt computation. The same chunked log-softmax also gives each position's 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from forge.core.grpo import token_logprobs_from_logits
 from forge.core.rollout import padded_positions, prefill
@@ -24,7 +29,7 @@ def completion_logprobs(
     completion_ids: torch.Tensor,
     prompt_index: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 0,
     share_prompt_prefix: bool = True,
     with_entropy: bool = False,
     entropy_grad: bool = False,
@@ -36,14 +41,22 @@ def completion_logprobs(
     call runs the model the same number of times whatever the prompts (FSDP2).
 
     prompt_ids/mask: (P, Lp) the prompts; completion_ids: (n, T); prompt_index: (n,) the prompt of each
-    completion. With share_prompt_prefix, each distinct prompt is run once and its cache expanded.
+    completion. With share_prompt_prefix, each distinct prompt is run once and its cache expanded. The logits
+    are made chunk_size positions at a time from the last hidden states (logprobs_from_hidden; 0 = CHUNK_LOGITS
+    logits at a time).
     """
     device = next(model.parameters()).device
+    chunk_size = chunk_size or max(1, CHUNK_LOGITS // model.get_output_embeddings().weight.shape[0])
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     completion_ids, prompt_index = completion_ids.to(device), prompt_index.to(device)
+    scoring = {"temperature": temperature, "chunk_size": chunk_size, "with_entropy": with_entropy,
+               "entropy_grad": entropy_grad}
     if not share_prompt_prefix:
-        return _full_sequence_logprobs(model, prompt_ids[prompt_index], prompt_mask[prompt_index],
-                                       completion_ids, temperature, chunk_size, with_entropy, entropy_grad)
+        ids = torch.cat([prompt_ids[prompt_index], completion_ids], dim=1)  # (n, Lp + T)
+        mask = torch.cat([prompt_mask[prompt_index], torch.ones_like(completion_ids)], dim=1)
+        hidden = last_hidden(model, input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask),
+                             use_cache=False)  # (n, Lp + T, H)
+        return scored(model, hidden[:, prompt_ids.shape[1] - 1:-1], completion_ids, **scoring)
 
     used, expand = torch.unique(prompt_index, return_inverse=True)  # (u,), (n,)
     ids, mask = prompt_ids[used], prompt_mask[used]  # (u, Lp)
@@ -52,53 +65,134 @@ def completion_logprobs(
     ids, mask = ids[:, first:], mask[:, first:]
     cache, last_logits = prefill(model, ids, mask, share_template)  # (u, V)
     cache.batch_select_indices(expand)  # (n, ...) each completion sees its prompt's keys and values
-    first_logits = last_logits[expand]  # (n, V) predicts the first completion token
-
     full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids)], dim=1)  # (n, Lp + T)
     positions = mask[expand].sum(dim=1, keepdim=True) + torch.arange(completion_ids.shape[1], device=device)
-    logits = model(input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
-                   use_cache=True, **{CACHE_ARG: cache}).logits  # (n, T, V)
-    logits = torch.cat([first_logits[:, None], logits[:, :-1]], dim=1)  # (n, T, V) aligned with targets
-    return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size, with_entropy,
-                                      entropy_grad)  # (n, T), and (n, T) entropies with_entropy
+    hidden = last_hidden(model, input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
+                         use_cache=True, **{CACHE_ARG: cache})  # (n, T, H)
+    # The first completion token is predicted by the prompt's last position, the others by the one before them.
+    first_token = token_logprobs_from_logits(last_logits[expand][:, None], completion_ids[:, :1], temperature,
+                                             with_entropy=with_entropy, entropy_grad=entropy_grad)  # (n, 1)
+    rest = scored(model, hidden[:, :-1], completion_ids[:, 1:], **scoring)  # (n, T - 1)
+    if not with_entropy:
+        return torch.cat([first_token, rest], dim=1)  # (n, T)
+    return torch.cat([first_token[0], rest[0]], dim=1), torch.cat([first_token[1], rest[1]], dim=1)
 
 
-def _full_sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, temperature, chunk_size,
-                            with_entropy=False, entropy_grad=False):
-    """The straightforward path: every completion re-reads its own copy of the prompt."""
-    prompt_len = prompt_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, Lp + T)
-    mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=padded_positions(mask), use_cache=False).logits
-    logits = logits[:, prompt_len - 1:-1]  # (n, T, V): position t predicts completion token t
-    return token_logprobs_from_logits(logits, completion_ids, temperature, chunk_size, with_entropy, entropy_grad)
+def last_hidden(model, **inputs) -> torch.Tensor:
+    """The model's last hidden states (B, L, H) where its logits are a plain head of them (logit_head), else its
+    logits (B, L, V): scored() takes either."""
+    head = logit_head(model)
+    if head is None:
+        return model(**inputs).logits
+    return model.get_decoder()(**inputs).last_hidden_state
+
+
+def scored(model, states: torch.Tensor, targets: torch.Tensor, **scoring):
+    """log p(targets) (and entropies) from what last_hidden returned for these positions."""
+    head = logit_head(model)
+    if head is None:
+        return token_logprobs_from_logits(states, targets, **scoring)
+    return logprobs_from_hidden(states, head, targets, **scoring)
+
+
+CHUNK_LOGITS = 2**22  # logits per chunk (16 MB in fp32): 0.7-0.9x the time of whole logits on an EPYC CPU
+
+_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def logit_head(model) -> torch.nn.Module | None:
+    """The output layer when the model's logits are exactly `head(decoder(x).last_hidden_state)`, so the loss
+    pass can make the logits chunk by chunk from the hidden states; None for a model that scales or caps its
+    logits after the head (then its full logits are used), and under FSDP2, whose root module gathers the head.
+    Checked once per model, by one forward over three tokens compared bit for bit."""
+    if model not in _HEADS:
+        _HEADS[model] = _plain_head(model)
+    return _HEADS[model]
+
+
+def _plain_head(model) -> torch.nn.Module | None:
+    if isinstance(model, FSDPModule) or not hasattr(model, "get_decoder"):
+        return None
+    head = model.get_output_embeddings()
+    if head is None:
+        return None
+    device = next(model.parameters()).device
+    ids = torch.arange(3, device=device)[None] % head.weight.shape[0]  # (1, 3)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits  # (1, 3, V)
+        again = head(model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state)
+    return head if logits.shape == again.shape and torch.equal(logits, again) else None
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
+    chunk_size: int = 1024, with_entropy: bool = False, entropy_grad: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log p(target_t) (B, T) from the last hidden states (B, T, H) and the output layer `head`, whose logits are
+    made chunk_size positions at a time: the (B, T, V) logits never exist. Under autograd each chunk is
+    checkpointed, so its backward makes that chunk's logits again instead of keeping them; the values are those
+    of token_logprobs_from_logits on the chunk's logits (and its entropies with with_entropy)."""
+    batch, length, width = hidden.shape
+    flat_hidden, flat_targets = hidden.reshape(-1, width), targets.reshape(-1)  # (B*T, H), (B*T,)
+    chunk = partial(_chunk_logprobs, head, temperature=temperature, with_entropy=with_entropy,
+                    entropy_grad=entropy_grad)
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    pieces = [checkpoint(chunk, flat_hidden[i:i + chunk_size], flat_targets[i:i + chunk_size], use_reentrant=False)
+              if recompute else chunk(flat_hidden[i:i + chunk_size], flat_targets[i:i + chunk_size])
+              for i in range(0, flat_targets.numel(), chunk_size)]
+    if not pieces:  # no positions
+        empty = hidden.new_zeros((batch, length), dtype=torch.float32)
+        return (empty, empty.clone()) if with_entropy else empty
+    if not with_entropy:
+        return torch.cat(pieces).view(batch, length)
+    return torch.cat([p[0] for p in pieces]).view(batch, length), torch.cat([p[1] for p in pieces]).view(batch, length)
+
+
+def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, **scoring):
+    """One chunk: (c, H) hidden states -> (c,) log-probs (and (c,) entropies)."""
+    out = token_logprobs_from_logits(head(hidden)[None], targets[None], chunk_size=hidden.shape[0], **scoring)
+    return tuple(t[0] for t in out) if isinstance(out, tuple) else out[0]
 
 
 @contextmanager
 def checkpointed_layers(model, enabled: bool = True) -> Iterator[None]:
-    """Recompute each decoder layer in backward instead of keeping its activations (transformers' gradient
-    checkpointing, enabled on the model beforehand), while dropout stays off.
+    """Recompute each decoder layer in backward instead of keeping its activations (torch.utils.checkpoint, per
+    layer), with the KV cache kept: the loss pass still computes each group's prompt once.
 
-    transformers checkpoints a layer only while that layer is in training mode; Forge keeps the model in eval
-    mode so that sampling, pi_old and pi_theta are one network. So only the checkpointing layers themselves are
-    switched to training mode here (their submodules, dropout included, are not). A checkpointed layer drops
-    any KV cache, so use it with the full-sequence log-prob path (share_prompt_prefix=False).
+    transformers' own gradient checkpointing drops the cache. Here each layer's forward remembers what its cache
+    layer held when it ran, and its recomputation in backward starts from that again, so it appends the same keys
+    and values to the same prompt and gives the same activations. Dropout stays as the model has it (off).
     """
     if not enabled:
         yield
         return
-    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
-        raise RuntimeError("gradient checkpointing was requested but the model has no checkpointing layers; "
-                           "enable it first (forge.model.enable_checkpointing)")
-    modes = [layer.training for layer in layers]
-    for layer in layers:
-        layer.training = True
+        raise RuntimeError(f"gradient checkpointing was requested but {type(model).__name__} has no decoder layers "
+                           "transformers can checkpoint (GradientCheckpointingLayer)")
+    for index, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None)
+        layer.forward = partial(_recomputable, layer.forward, getattr(attention, "layer_idx", index))
     try:
         yield
     finally:
-        for layer, mode in zip(layers, modes):
-            layer.training = mode
+        for layer in layers:
+            del layer.forward  # the class's forward again
+
+
+def _recomputable(forward, cache_index: int, *args, **kwargs):
+    """One decoder layer's forward under activation checkpointing, its cache layer put back as it was for the
+    recomputation (which runs in backward, when the cache has moved on)."""
+    cache = kwargs.get(CACHE_ARG)
+    cache_layers = getattr(cache, "layers", [])
+    held = dict(vars(cache_layers[cache_index])) if cache_index < len(cache_layers) else None
+
+    def run(*args, **kwargs):
+        if held is not None:
+            vars(cache_layers[cache_index]).update(held)
+        return forward(*args, **kwargs)
+
+    return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 def micro_batches(rollout, size: int, rows: torch.Tensor | None = None) -> list[torch.Tensor]:

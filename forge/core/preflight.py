@@ -20,7 +20,7 @@ changes, so a run trains the same weights bit for bit with it on or off (tests/u
 
 from __future__ import annotations
 
-import resource
+import dataclasses
 import signal
 import threading
 import time
@@ -31,9 +31,11 @@ import torch
 from tqdm.auto import tqdm
 
 from forge.core.advantages import group_reward_std
+from forge.core.logprobs import checkpointed_layers, micro_batches
 from forge.core.reward import TrainerState
 from forge.core.rollout import check_prompt_lengths, render_prompt
 from forge.core.scoring import check_reward_columns, per_completion, rollout_inputs, score_completions
+from forge.run import memory
 from forge.run.lifecycle import note_user_interrupt
 from forge.run.rng import capture_rng_state, restore_rng_state
 
@@ -73,8 +75,9 @@ class PreflightReport:
     step_seconds: float  # projected for one optimizer step of this run
     run_seconds: float  # projected for the whole run
     seconds: float  # the preflight's own time
-    peak_memory_mb: float  # the process's peak resident memory (CUDA: peak allocated) so far
     prompt_as_seen: str
+    memory: memory.MemoryProjection | None = None  # the run's projected peak (None under FSDP2)
+    memory_budget_mb: float | None = None  # what it was checked against
     problems: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
@@ -93,8 +96,11 @@ def run_preflight(trainer, rows: list[dict], total_steps: int) -> PreflightRepor
         return None
     with ctrl_c_marked_as_the_users():
         report = preflight(trainer, rows, total_steps)
+    too_big = fit_memory(trainer, report)
     if trainer.dist.is_main:
         tqdm.write(format_report(report))
+    if too_big:
+        raise PreflightFailed(too_big)
     if mode == "strict" and report.problems:
         raise PreflightFailed("preflight (preflight='strict'): " + " ".join(report.problems)
                               + " (preflight='warn' prints this and trains anyway)")
@@ -126,9 +132,9 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     started, rng_state = time.perf_counter(), capture_rng_state()
     mine = rows[:: max(1, len(rows) // config.preflight_prompts)][:config.preflight_prompts]  # spread over the data
     trainer.model.eval()
-    generation_started = time.perf_counter()
+    generation_started, held = time.perf_counter(), memory.reset_peak(trainer.device)
     rollout = trainer.generate([row["prompt"] for row in mine], mine)
-    generation_seconds = time.perf_counter() - generation_started
+    generation_seconds, generation_rise = time.perf_counter() - generation_started, memory.peak_mb(trainer.device) - held
     prompts, columns, _ = per_completion(mine, group)
     score = {"on_error": "score", "error_value": 0.0, "timeout": config.reward_timeout,
              "trainer_state": TrainerState(0, total_steps, trainer.device), **rollout_inputs(rollout)}
@@ -137,7 +143,7 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     checks = [reward_check(name, score_completions([(name, reward, 1.0)], prompts, rollout.completions, columns,
                                                    **score)) for name, reward, _ in trainer.rewards]
     scoring_seconds = (time.perf_counter() - scoring_started) / (len(trainer.rewards) + 1)
-    update_seconds = loss_pass_seconds(trainer, rollout)
+    update_seconds, loss_rise = loss_pass(trainer, rollout)
     restore_rng_state(rng_state)
 
     lengths = rollout.completion_lengths.float()  # (N,)
@@ -160,8 +166,9 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
         finished_lengths={q: float(torch.quantile(finished, q / 100)) for q in (50, 90, 99)} if finished.numel()
         else {}, rewards=checks, flat_low=float(low.float().mean()), flat_high=float((flat & ~low).float().mean()),
         tokens_per_second=float(lengths.sum()) / max(generation_seconds, 1e-9), step_seconds=step_seconds,
-        run_seconds=step_seconds * total_steps, seconds=time.perf_counter() - started, peak_memory_mb=peak_memory_mb(),
-        prompt_as_seen=render_prompt(trainer.tokenizer, mine[0]["prompt"]))
+        run_seconds=step_seconds * total_steps, seconds=time.perf_counter() - started,
+        prompt_as_seen=render_prompt(trainer.tokenizer, mine[0]["prompt"]),
+        memory=None if trainer.dist.fsdp else projected_memory(trainer, rollout, held, generation_rise, loss_rise))
     judge(report, string_prompts=isinstance(mine[0]["prompt"], str),
           chat_model=bool(getattr(trainer.tokenizer, "chat_template", None)))
     return report
@@ -177,23 +184,64 @@ def reward_check(name: str, scores) -> RewardCheck:
                        float((~applies).float().mean()), scores.nonfinite / n)
 
 
-def loss_pass_seconds(trainer, rollout) -> float:
-    """Seconds of one forward and backward over the preflight's completions, as the loss pass runs them; the
-    gradients are dropped again (no weight and no optimizer state changes). Not measured under FSDP2."""
+def loss_pass(trainer, rollout) -> tuple[float, float]:
+    """(seconds, MB the memory peak rose) of one forward and backward over the preflight's completions, micro-batch
+    by micro-batch as the loss pass runs them; the gradients are dropped again (no weight and no optimizer state
+    changes). Not measured under FSDP2."""
     if trainer.dist.fsdp:
-        return 0.0
-    started = time.perf_counter()
-    indices = torch.arange(rollout.completion_ids.shape[0])
-    logprobs, _ = trainer.logprobs(trainer.model, rollout, indices, with_entropy=True)
-    (logprobs * 0).sum().backward()
+        return 0.0, 0.0
+    started, held = time.perf_counter(), memory.reset_peak(trainer.device)
+    for indices in micro_batches(rollout, trainer.micro_batch_size):  # as the loss pass holds them
+        with checkpointed_layers(trainer.model, trainer.config.gradient_checkpointing):
+            logprobs, _ = trainer.logprobs(trainer.model, rollout, indices, with_entropy=True)
+        (logprobs * 0).sum().backward()
+    rise = memory.peak_mb(trainer.device) - held
     trainer.optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, rise
 
 
-def peak_memory_mb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
+def projected_memory(trainer, rollout, held: float, generation_rise: float, loss_rise: float
+                     ) -> memory.MemoryProjection:
+    """The run's peak, scaled from what the preflight's generation and loss pass added to what was `held`."""
+    config, rows = trainer.config, rollout.completion_ids.shape[0]
+    run_rows = config.prompts_per_step // trainer.dist.world_size * config.group_size
+    prompt = rollout.prompt_ids.shape[1]
+    return memory.project(
+        generation_rise, loss_rise, held=held + memory.optimizer_state_mb(trainer.trainable, trainer.optimizer),
+        sampled_rows=rows, run_rows=run_rows, measured_micro_batch=min(trainer.micro_batch_size or rows, rows),
+        measured_tokens=prompt + int(rollout.completion_lengths.max()),
+        run_micro_batch=min(trainer.micro_batch_size or run_rows, run_rows), run_tokens=prompt + config.max_new_tokens)
+
+
+def fit_memory(trainer, report: PreflightReport) -> str | None:
+    """Check the projected peak against max_memory_mb (default: 90% of what this process holds plus its share of
+    what the machine has free): micro_batch_size='auto' takes the largest micro-batch that fits; a run that still
+    does not fit stops (the returned message, raised after the report prints), naming what to turn, instead of
+    being killed for memory later."""
+    config, projection = trainer.config, report.memory
+    if projection is None:
+        return None
+    free = memory.available_mb(trainer.device)
+    budget = config.max_memory_mb or (None if free is None else
+                                      0.9 * (projection.held + (free - projection.held) / trainer.dist.world_size))
+    report.memory_budget_mb = budget
+    if budget is None:
+        return None
+    if config.micro_batch_size == "auto":
+        run_rows = config.prompts_per_step // trainer.dist.world_size * config.group_size
+        fitted = memory.fitting_micro_batch(projection, budget, run_rows)
+        if fitted:
+            per_row = projection.loss_pass / max(projection.micro_batch_size, 1)
+            trainer.micro_batch_size = fitted
+            report.memory = projection = dataclasses.replace(projection, loss_pass=per_row * fitted,
+                                                             micro_batch_size=fitted)
+    if not trainer.dist.any(projection.peak > budget):
+        return None
+    return (f"this run's memory is projected to peak at {projection.peak:.0f} MB (held {projection.held:.0f}, "
+            f"generation +{projection.generation:.0f}, loss pass +{projection.loss_pass:.0f} per micro-batch of "
+            f"{projection.micro_batch_size}), over its budget of {budget:.0f} MB (max_memory_mb; default 90% of what "
+            f"is free): set micro_batch_size='auto' or lower it, turn on gradient_checkpointing, or lower "
+            f"max_new_tokens or prompts_per_step; raise max_memory_mb only if that memory is there")
 
 
 def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool) -> None:
@@ -240,8 +288,12 @@ def format_report(report: PreflightReport) -> str:
         lines.append(f"  reward        {check.name}: mean {check.mean:.3g}, std {check.std:.3g}; raised "
                      f"{check.raised:.0%}, None {check.none:.0%}, NaN/inf {check.nonfinite:.0%}")
     lines.append(f"  speed         {report.tokens_per_second:.0f} tokens/s generating; ~{report.step_seconds:.1f} s "
-                 f"per step, ~{report.run_seconds / 60:.1f} min for the run (projected); peak memory "
-                 f"{report.peak_memory_mb:.0f} MB")
+                 f"per step, ~{report.run_seconds / 60:.1f} min for the run (projected)")
+    if report.memory is not None:
+        budget = f" of a {report.memory_budget_mb:.0f} MB budget" if report.memory_budget_mb else ""
+        lines.append(f"  memory        ~{report.memory.peak:.0f} MB peak{budget} (projected: held "
+                     f"{report.memory.held:.0f}, generating +{report.memory.generation:.0f}, loss pass "
+                     f"+{report.memory.loss_pass:.0f} per {report.memory.micro_batch_size} completions)")
     seen = report.prompt_as_seen if len(report.prompt_as_seen) <= 300 else \
         report.prompt_as_seen[:150] + " [...] " + report.prompt_as_seen[-150:]
     lines.append(f"  first prompt  {seen!r}")

@@ -96,6 +96,8 @@ class GRPOTrainer(TrainerSurface):
         self.max_prompt_length = prompt_budget(context, config.max_new_tokens, config.max_prompt_length)
         self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # set again by train()
         self.scheduler = None  # built by train(), once the number of steps is known
+        auto = config.micro_batch_size == "auto"  # one group per pass until the preflight fits it to max_memory_mb
+        self.micro_batch_size = config.group_size if auto else config.micro_batch_size
         self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer, is_main=self.dist.is_main)
 
     def train(self, dataset: Any = None, eval_dataset: Any = None, resume_from_checkpoint: bool | str | None = None):
@@ -225,7 +227,7 @@ class GRPOTrainer(TrainerSurface):
     def rollout_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         """(N, T) log-probs of every completion of a rollout under `model`, micro-batch by micro-batch, on CPU."""
         with self.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
-            parts = [self.logprobs(model, rollout, i) for i in micro_batches(rollout, self.config.micro_batch_size)]
+            parts = [self.logprobs(model, rollout, i) for i in micro_batches(rollout, self.micro_batch_size)]
         return padded_rows(parts, rollout.completion_ids)
 
     def update(self, batch: Batch) -> dict:
@@ -240,7 +242,7 @@ class GRPOTrainer(TrainerSurface):
                 # Rows without a loss token (dropped groups, masked samples) cost no forward; FSDP2 keeps them,
                 # as its forward and backward are collectives that need as many micro-batches on every rank.
                 carrying = None if self.dist.fsdp else batch.loss_mask[r].any(dim=1).nonzero().squeeze(1)
-                for indices in micro_batches(rollout, config.micro_batch_size, carrying):
+                for indices in micro_batches(rollout, self.micro_batch_size, carrying):
                     self.loss_and_backward(batch, r, indices, normaliser, totals)
         self.dist.all_reduce_grads(self.trainable)
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")
@@ -255,12 +257,8 @@ class GRPOTrainer(TrainerSurface):
         """The loss of one micro-batch (rows `indices` of rollout r) and its backward; gradients accumulate."""
         config, rollout, mask = self.config, batch.rollouts[r], batch.loss_mask[r][indices]
         settings = dataclasses.replace(config.loss_settings, entropy_coef=self.entropy_control.applied)
-        # Gradient checkpointing recomputes layers in backward, which a shared prompt cache cannot survive:
-        # each completion then carries its own copy of the prompt.
-        with checkpointed_layers(self.model, config.gradient_checkpointing):
+        with checkpointed_layers(self.model, config.gradient_checkpointing):  # layers recomputed in backward
             logprobs, entropy = self.logprobs(self.model, rollout, indices, with_entropy=True,
-                                              share_prompt=config.share_prompt_prefix
-                                              and not config.gradient_checkpointing,
                                               entropy_grad=settings.entropy_coef != 0)  # (n, T') each
         length = logprobs.shape[1]
         old, ref, sampler = (None if t is None else t[indices, :length].to(self.device)  # (n, T') each

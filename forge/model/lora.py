@@ -69,18 +69,6 @@ def quiet_checkpointing_deprecation() -> Iterator[None]:
         yield
 
 
-def enable_checkpointing(model) -> None:
-    """Turn on transformers' per-layer activation checkpointing (non-reentrant, so frozen inputs need no grad)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-_REFERENCE_KEEPING_INITS = (True, False, "gaussian")  # inits that leave the base weights as they are
-
-
 def lora_fields(peft_config) -> dict:
     """GRPOConfig's LoRA fields as a peft `LoraConfig` sets them: the run's record of its adapters (apply_lora hands
     the LoraConfig itself to peft). Refuses, naming the field, what would make the adapter-disabled model, Forge's

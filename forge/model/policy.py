@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from forge.logging.logger import note
 from forge.model.loading import load_model, prepare_tokenizer
-from forge.model.lora import apply_lora, enable_checkpointing, is_peft_model
+from forge.model.lora import apply_lora, is_peft_model
 from forge.model.precision import Precision, as_master_weights, choose_precision
 
 # --------------------------------------------------------------------------------------------------
@@ -101,8 +101,6 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
     if device is not None and shard is None:
         model = model.to(device)  # several processes on GPUs: one GPU per rank
     sync([p for p in model.parameters() if p.requires_grad])
-    if config.gradient_checkpointing:
-        enable_checkpointing(model)
     reference = None  # LoRA: the same weights with adapters off. Full: a frozen copy, only if needed.
     if config.kl_beta > 0 and not lora:
         reference = make_reference_model(model).to(precision.compute)

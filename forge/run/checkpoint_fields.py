@@ -89,6 +89,8 @@ def check_trainer_state(path: Path, state: Any, dataset_size: int | None = None)
         "loss_scale": (_is_number(state.get("loss_scale", 1.0)) and state.get("loss_scale", 1.0) > 0,
                        "a finite number > 0"),
         "entropy_control": (isinstance(state.get("entropy_control"), (dict, type(None))), "an object or null"),
+        "micro_batch_size": (state.get("micro_batch_size") is None or _is_count(state.get("micro_batch_size"), 1),
+                             "a whole number >= 1 or null"),
     }
     for field, (fits, should_be) in bounds.items():
         if not fits:

@@ -53,6 +53,7 @@ class FinishedStep:
     skipped_steps: int = 0  # optimizer steps skipped for a NaN/inf in the whole run
     loss_scale: float = 1.0  # fp16's dynamic loss scale (1 in fp32 / bf16)
     entropy_control: dict | None = None  # adaptive entropy control's coefficient and last entropy (None: fixed)
+    micro_batch_size: int | None = None  # the loss-pass micro-batch micro_batch_size='auto' chose (None: fixed)
 
 
 @dataclass
@@ -266,6 +267,7 @@ class RunLifecycle:
         state = {"global_step": finished.step, "epoch": finished.epoch, "position": finished.position,
                  "nonfinite_in_a_row": finished.nonfinite_in_a_row, "skipped_steps": finished.skipped_steps,
                  "loss_scale": finished.loss_scale, "entropy_control": finished.entropy_control,
+                 "micro_batch_size": finished.micro_batch_size,
                  "model_name": parts.run_config["model_name"], "is_lora": parts.is_lora, **parts.dataset_identity}
         files = {"model": parts.model, "tokenizer": parts.tokenizer, "optimizer": parts.optimizer,
                  "scheduler": parts.scheduler, "trainer_state": state, "config": parts.run_config,
@@ -345,7 +347,8 @@ class RunLifecycle:
                           f"resume_from='latest' would pick them", stacklevel=3)
         return FinishedStep(step, int(saved["epoch"]), int(saved["position"]), state.rng_state,
                             int(saved.get("nonfinite_in_a_row", 0)), int(saved.get("skipped_steps", 0)),
-                            float(saved.get("loss_scale", 1.0)), saved.get("entropy_control"))
+                            float(saved.get("loss_scale", 1.0)), saved.get("entropy_control"),
+                            saved.get("micro_batch_size"))
 
 
 def load_weights_and_optimizer(path: Path, state: ckpt.CheckpointState, model, optimizer, sharded: bool) -> None:

@@ -117,6 +117,8 @@ class TrainingRun:
             trainer.guard.restore(resumed.nonfinite_in_a_row, resumed.skipped_steps, resumed.loss_scale)
             if resumed.entropy_control:  # adaptive entropy control goes on from where it was
                 trainer.entropy_control = dataclasses.replace(trainer.entropy_control, **resumed.entropy_control)
+            if resumed.micro_batch_size and config.micro_batch_size == "auto":  # as the preflight fitted it
+                trainer.micro_batch_size = resumed.micro_batch_size
         elif self.preflight is not None:
             self.preflight(self.rows, self.total_steps)  # leaves the weights and the random state as they were
         self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
@@ -242,7 +244,8 @@ class TrainingRun:
         guard, control = self.trainer.guard, self.trainer.entropy_control
         return FinishedStep(self.trainer.global_step, epoch, position, capture_rng_state(),
                             guard.nonfinite_in_a_row, guard.skipped_steps, guard.loss_scale,
-                            {"coef": control.coef, "last_entropy": control.last_entropy} if control.adaptive else None)
+                            {"coef": control.coef, "last_entropy": control.last_entropy} if control.adaptive else None,
+                            self.trainer.micro_batch_size if self.config.micro_batch_size == "auto" else None)
 
     def evaluate(self, epoch: int) -> None:
         metrics = {f"eval/{k}": v for k, v in self.trainer.evaluate(self.eval_rows).items()}

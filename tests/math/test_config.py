@@ -87,7 +87,7 @@ def test_derived_values():
     ({"weight_decay": -0.1}, "weight_decay"),
     ({"lora_r": 0}, "lora_r"),
     ({"lora_dropout": 1.0}, "lora_dropout"),
-    ({"logprob_chunk_size": 0}, "logprob_chunk_size"),
+    ({"logprob_chunk_size": -1}, "logprob_chunk_size"),
     ({"dtype": "fp8"}, "dtype"),
     ({"eval_steps": -1}, "eval_steps"),
     ({"save_total_limit": 0}, "save_total_limit"),

@@ -25,9 +25,10 @@ import types
 
 import pytest
 import torch
+from completion_masks import completion_mask_from_ids
 
 from forge import GRPOConfig, GRPOTrainer
-from forge.core.rollout import Rollout, completion_mask_from_ids, render_prompt, tokenize_prompts
+from forge.core.rollout import Rollout, render_prompt, tokenize_prompts
 from forge.data.arithmetic import chat_prompt
 from forge.model.tiny import build_tiny_model
 
@@ -213,32 +214,56 @@ def test_the_masked_batch_masks_what_it_claims(tiny_tokenizer):
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(tmp_path, tiny_tokenizer, mode):
-    """gradient_checkpointing=True: every decoder layer runs again in backward, same loss and gradients."""
+    """gradient_checkpointing=True: every decoder layer that ran under autograd runs once more (in backward), the
+    prompt still once per group (the loss pass keeps its cache), and the loss and gradients are the same."""
     base, _ = build_tiny_model(tiny_tokenizer, seed=0)
     plain, plain_grads = make_trainer(base, tiny_tokenizer, tmp_path / "plain", True, mode, "grpo", 0.1)
     checkpointed, checkpointed_grads = make_trainer(base, tiny_tokenizer, tmp_path / "ckpt", True, mode, "grpo",
                                                     0.1, gradient_checkpointing=True)
-    recomputed = {}
+    calls = {}
     for name, trainer in (("plain", plain), ("checkpointed", checkpointed)):
-        # Attention calls made after the backward pass has started (the LM head's backward hook), before the next
-        # forward pass (the embedding's pre-hook): layers recomputed for the backward.
-        state = {"in_backward": False, "calls": 0}
+        counts = {"all": 0, "grad": 0, "prompt_rows": []}
         model = trainer.model.get_base_model() if mode == "lora" else trainer.model
-        model.model.embed_tokens.register_forward_pre_hook(lambda *a, state=state: state.update(in_backward=False))
-        model.lm_head.register_full_backward_hook(lambda *a, state=state: state.update(in_backward=True))
         for layer in model.model.layers:
-            layer.self_attn.register_forward_pre_hook(
-                lambda *a, state=state: state.update(calls=state["calls"] + state["in_backward"]))
+            layer.self_attn.register_forward_pre_hook(lambda *a, counts=counts: counts.update(
+                all=counts["all"] + 1, grad=counts["grad"] + torch.is_grad_enabled()))
         trainer.step(rows())
-        recomputed[name] = state["calls"]
-    assert recomputed["plain"] == 0
-    # every layer of every loss micro-batch (2 rollouts of 8 completions, micro-batches of 3: 6 passes)
-    assert recomputed["checkpointed"] == 6 * len(model.model.layers)
+        calls[name] = counts
+    # The same sampling in both runs; the checkpointed one runs each layer call made under autograd again.
+    assert calls["plain"]["grad"] > 0
+    assert calls["checkpointed"]["all"] == calls["plain"]["all"] + calls["plain"]["grad"]
     assert checkpointed_grads.keys() == plain_grads.keys() and plain_grads
     assert not any(m.training for m in checkpointed.model.modules())  # back in eval mode: dropout stays off
     for name, expected in plain_grads.items():
         scale = expected.abs().max().clamp(min=1e-3)
         torch.testing.assert_close(checkpointed_grads[name] / scale, expected / scale, rtol=0, atol=1e-5, msg=name)
+
+
+def test_checkpointed_layers_keep_the_shared_prompt(tiny_model, tiny_tokenizer):
+    """Under checkpointing the loss pass runs each prompt once (not once per completion), with the same log-probs
+    and gradients as without, including prompts whose common template is computed once (prefill)."""
+    from forge.core.logprobs import checkpointed_layers, completion_logprobs
+
+    rollout = hand_rollouts(tiny_tokenizer)[0]  # chat prompts: a shared template, different lengths
+    rows_seen, results = [], []
+    tiny_model.model.layers[0].register_forward_pre_hook(
+        lambda module, args: rows_seen.append(args[0].shape[0]) if torch.is_grad_enabled() else None)
+    for enabled in (False, True):
+        tiny_model.zero_grad(set_to_none=True)
+        rows_seen.clear()
+        with checkpointed_layers(tiny_model, enabled):
+            values = completion_logprobs(tiny_model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                         rollout.prompt_index)
+        (values * torch.linspace(-1, 1, values.shape[1])).sum().backward()
+        results.append((values.detach(), {n: p.grad.clone() for n, p in tiny_model.named_parameters()},
+                        list(rows_seen)))
+    (plain, plain_grads, plain_rows), (ckpt, ckpt_grads, ckpt_rows) = results
+    prompts = rollout.prompt_ids.shape[0]
+    assert max(plain_rows[:-1]) <= prompts and plain_rows[-1] == rollout.completion_ids.shape[0], plain_rows
+    assert ckpt_rows[:len(plain_rows)] == plain_rows  # forward as without checkpointing, then the recomputations
+    torch.testing.assert_close(ckpt, plain, rtol=0, atol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_the_batch_exercises_what_it_claims(tiny_tokenizer):

@@ -15,12 +15,13 @@ import warnings
 
 import pytest
 import torch
+from completion_masks import completion_mask_from_ids
 from safetensors.torch import load_file
 
 import forge.core.trainer as trainer_module
 from forge import ExactMatchReward, GRPOConfig, GRPOTrainer
 from forge.core.logprobs import completion_logprobs
-from forge.core.rollout import Rollout, completion_mask_from_ids
+from forge.core.rollout import Rollout
 from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 EOS = 2  # the tiny tokenizer's </s>
@@ -493,7 +494,7 @@ def test_the_loss_pass_runs_no_forward_on_rows_without_loss(tmp_path, tiny_model
                          micro_batch_size=0)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, flat_for_flat_prompts, config)
     rows_per_forward = []
-    hook = trainer.model.register_forward_pre_hook(
+    hook = trainer.model.get_decoder().register_forward_pre_hook(  # the decoder runs in every forward
         lambda module, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0])
         if torch.is_grad_enabled() else None, with_kwargs=True)
     trainer.train(rows)  # one step: sampling (no gradients), then the loss pass
