@@ -73,6 +73,11 @@ def _precision(dtype: str) -> Converter:
     return convert
 
 
+def _auto_batch(value: Any, values: dict) -> dict:
+    """micro_batch_size='auto' when true: the largest loss-pass micro-batch that fits max_memory_mb."""
+    return {"micro_batch_size": "auto"} if value else {}
+
+
 def _use_vllm(value: Any, values: dict) -> dict:
     """generation_backend='vllm' when true."""
     return {"generation_backend": "vllm"} if value else {}
@@ -175,6 +180,7 @@ TRL_CONVERTED: dict[str, Converter] = {
     "fp16": _precision("float16"),
     "epsilon_high": _epsilon_high,
     "use_vllm": _use_vllm,
+    "auto_find_batch_size": _auto_batch,
     "lr_scheduler_type": _lr_scheduler,
     "warmup_steps": _warmup_steps,
     "save_strategy": _steps_strategy("save_strategy", "save_steps", {"save_steps": 0}),
@@ -306,7 +312,6 @@ TRL_REFUSED = {
     "use_liger_kernel": "Forge computes the loss in chunks itself (logprob_chunk_size)",
     "liger_kernel_config": "Forge computes the loss in chunks itself (logprob_chunk_size)",
     "neftune_noise_alpha": "Forge adds no noise to the embeddings",
-    "auto_find_batch_size": "Forge does not search for a batch size; set micro_batch_size",
     "trackio_space_id": "Forge's trackio logs locally (TRACKIO_DIR), to no Space",
     "trackio_bucket_id": "Forge's trackio logs locally (TRACKIO_DIR), to no bucket",
     "trackio_static_space_id": "Forge's trackio logs locally (TRACKIO_DIR), to no Space",
