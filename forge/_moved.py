@@ -37,6 +37,7 @@ MOVED_NAMES = {
     "forge.core.reward": dict.fromkeys(("REWARD_REGISTRY", "CompositeReward", "SequenceClassificationReward",
                                         "as_reward", "build_reward", "is_model_and_tokenizer",
                                         "load_reward_from_path"), "forge.core.reward_sources"),
+    "forge.core.rollout": {"Batch": "forge.core.batch"},
 }
 
 

@@ -20,21 +20,20 @@ import torch
 
 from forge.core.config import require_vllm
 from forge.core.rollout import (
-    DecodeRow,
+    Decoding,
     Prompt,
     Rollout,
     SamplingSettings,
-    answer_calls,
     as_rollout,
     eos_ids,
     sampled_rollout,
-    start_episodes,
     tokenize_prompts,
 )
+from forge.core.tool_turns import ToolTurns
 from forge.envs.protocol import EnvironmentSettings
 from forge.logging.logger import note
 from forge.model.vllm_engine import MODES, ColocatedEngine, EngineSampling, ServerEngine
-from forge.tools.calls import ToolSettings, call_format, closing_token_ids
+from forge.tools.calls import ToolSettings
 
 
 def open_engine(config, model, tokenizer, compute: torch.dtype, dist=None):
@@ -106,33 +105,28 @@ def generate_on_engine(engine, tokenizer, prompts: Sequence[Prompt], group_size:
 def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_length, truncate_prompts, noise,
                 tools, rows) -> Rollout:
     """generate_on_engine with tools or an environment: rounds of sampling until every completion is done."""
-    tools, episodes, prompts = start_episodes(tools, prompts, rows, group_size)
-    fmt = call_format(tools.format, tools.tools, tokenizer)
-    schemas = [t.schema for t in tools.tools] if fmt.kind == "template" else None
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts,
-                                               tools=schemas)  # (P, Lp)
+    turns = ToolTurns(tools, prompts, rows, group_size, tokenizer)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, turns.prompts, max_prompt_length, truncate_prompts,
+                                               tools=turns.schemas)  # (P, Lp)
     own_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-    closing = closing_token_ids(tokenizer, fmt.closers)  # (V,) tokens after which a call may have ended
-    stops = sorted(set(closing.nonzero().squeeze(1).tolist()) | (set(engine.stop_ids) if fmt.stops_at_eos else set()))
-    budget = tools.max_episode_tokens or 10**9
-    decoding = [DecodeRow(min(budget, engine.context - len(own_tokens[n // group_size])),
-                          None if episodes is None else episodes[n]) for n in range(len(prompts) * group_size)]
+    stops = sorted(set(turns.closing.nonzero().squeeze(1).tolist())
+                   | (set(engine.stop_ids) if turns.fmt.stops_at_eos else set()))
+    decodings = [Decoding(min(turns.budget, engine.context - len(own_tokens[n // group_size])), turns.episode(n))
+                 for n in range(len(turns.prompts) * group_size)]
     sampling = engine_sampling(settings)
-    for turn in range(10**9):  # each round: every running row samples up to its next stop; calls are answered
-        active = [n for n, row in enumerate(decoding) if not row.done]
+    for turn in range(10**9):  # each round: every running completion samples up to its next stop; calls answered
+        active = [n for n, decoding in enumerate(decodings) if not decoding.done]
         if not active:
             break
         seeds = None if noise is None else request_seeds(noise[active, min(turn, noise.shape[1] - 1):], 1)
-        samples = engine.sample([own_tokens[n // group_size] + decoding[n].tokens for n in active], 1, sampling,
-                                seeds, max_tokens=[min(settings.max_new_tokens - decoding[n].model_tokens,
-                                                       decoding[n].limit - len(decoding[n].tokens)) for n in active],
+        samples = engine.sample([own_tokens[n // group_size] + decodings[n].tokens for n in active], 1, sampling,
+                                seeds, max_tokens=[min(settings.max_new_tokens - decodings[n].model_tokens,
+                                                       decodings[n].limit - len(decodings[n].tokens))
+                                                   for n in active],
                                 stop_ids=stops)
-        round_calls = []
         for n, (sample,) in zip(active, samples):
-            call = decoding[n].take(sample.token_ids, sample.logprobs, engine.stop_ids, closing, tokenizer, fmt, tools,
-                                    settings.max_new_tokens)
-            if call is not None:
-                round_calls.append((n, *call))
-        if round_calls:
-            answer_calls(round_calls, decoding, tools, fmt, tokenizer)
-    return as_rollout(decoding, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer, True)
+            decodings[n].take(sample.token_ids, sample.logprobs, engine.stop_ids, settings.max_new_tokens,
+                              turns.fmt.stops_at_eos)
+        turns.answer(decodings, [(n, sample.token_ids) for n, (sample,) in zip(active, samples)],
+                     settings.max_new_tokens)
+    return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer, True)

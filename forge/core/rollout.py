@@ -1,11 +1,11 @@
 """Rollouts: `group_size` completions for each of many prompts, in one batched decode loop (`generate`).
 
 The completions of a prompt all start from the same prompt, so the prompt is run through the model once per
-group and its key/value cache is expanded to the group. Finished rows leave the decode batch, so the tail of
-generation costs only what the still-running completions need; the cache is allocated once for prompt +
-max_new_tokens and written in place (forge/model/kv_cache.py). With tools, a row that ends a call is fed the
-result's tokens while the other rows go on sampling. The log-probs of the sampled tokens under the policy
-are computed by core/logprobs.py.
+group and its key/value cache is expanded to the group. Finished completions leave the decode batch, so the
+tail of generation costs only what the still-running completions need; the cache is allocated once for prompt +
+max_new_tokens and written in place (forge/model/kv_cache.py). Tools and environments are the loop's hook
+(ToolTurns, after the loop): a completion that ends a call is fed the result's tokens while the others go on
+sampling. The log-probs of the sampled tokens under the policy are computed by core/logprobs.py.
 """
 
 from __future__ import annotations
@@ -16,19 +16,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from forge.envs.protocol import EnvironmentSettings, Episode, with_opening
-from forge.model.kv_cache import CACHE_ARG, grow, preallocated, returned_cache
+from forge.core.tool_turns import ToolTurns
+from forge.envs.protocol import EnvironmentSettings, Episode
+from forge.model.kv_cache import CACHE_ARG, LAST_POSITION, preallocated, returned_cache
 from forge.model.packed_linear import packed_linears
 from forge.model.static_decode import decoder, resolve_backend
-from forge.tools.calls import (
-    CallFormat,
-    ToolResult,
-    ToolSettings,
-    call_format,
-    closing_token_ids,
-    ended_call,
-    run_calls,
-)
+from forge.tools.calls import CallFormat, ToolResult, ToolSettings
 
 Prompt = str | list[dict]  # plain text, or chat messages rendered with the tokenizer's chat template
 
@@ -96,19 +89,6 @@ class Rollout:
     def sampled_mask(self) -> torch.Tensor:
         """(N, T) 1 on the completion tokens the model sampled: the tokens that are actions in the loss."""
         return self.completion_mask if self.action_mask is None else self.completion_mask * self.action_mask
-
-
-@dataclass
-class Batch:
-    """The rollouts of one optimizer step, with everything the loss needs (one entry per rollout batch): what
-    GRPOTrainer.collect gives GRPOTrainer.update."""
-
-    rollouts: list[Rollout] = field(default_factory=list)  # each: P prompts x G completions
-    rows: list[list[dict]] = field(default_factory=list)  # the dataset rows of each rollout
-    advantages: list[torch.Tensor] = field(default_factory=list)  # (N,)
-    loss_mask: list[torch.Tensor] = field(default_factory=list)  # (N, T): completion mask x kept samples
-    old_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None: pi_old = sg(pi)
-    ref_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None when kl_beta == 0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -199,14 +179,6 @@ def _common_prefix_length(encoded: list[list[int]]) -> int:
     return max(limit, 0)
 
 
-def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """(N, T) mask: 1 up to and including the first EOS. Built from positions, never by comparing with the
-    pad id, because the pad token is often the EOS token."""
-    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_token_ids), device=completion_ids.device))
-    eos_seen_before = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) > 0  # (N, T)
-    return (~eos_seen_before).long()
-
-
 def eos_ids(tokenizer, model=None) -> list[int]:
     ids = {tokenizer.eos_token_id}
     generation_config = getattr(model, "generation_config", None)
@@ -261,11 +233,6 @@ def padded_positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 MIN_SHARED_PREFIX = 8  # below this many tokens, a separate prefix pass costs more than it saves
-# The last position as an index (logits_to_keep): the model gathers it into a contiguous (n, 1, C) input of the
-# output layer. logits_to_keep=1 slices a strided view, which torch.matmul cannot fold into one matrix product:
-# it copies the transposed output weight once per row instead (0.55 s for the demo's 4 prompts on a CPU, 60x the
-# product itself). The same logits in bf16; in fp32 the one product and the per-row ones can differ in the last bit.
-LAST_POSITION = torch.tensor([-1])
 
 
 def prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool = True,
@@ -311,53 +278,38 @@ def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g
     return preallocated(cache, mask.shape[1] + max_new_tokens, repeats), next_logits, mask  # the cache: N rows
 
 
-TRUNCATION_MARKER = " [truncated: token budget]"  # ends a fed result cut to the completion's token budget
-
-
-class DecodeRow:
-    """One completion being decoded."""
+class Decoding:
+    """One completion being decoded: its tokens so far and why it ended."""
 
     def __init__(self, limit: int, episode: Episode | None = None):
         self.tokens: list[int] = []  # completion tokens, model and fed
         self.sampled: list[int] = []  # 1 where the model sampled the token, 0 where it was fed
         self.logprobs: list[float] = []  # sampler log-prob of each token (0 for fed tokens)
-        self.fed: list[int] = []  # result tokens fed in this step's forward, after the sampled token
         self.limit = limit  # most completion tokens: max_episode_tokens and the context left after the prompt
         self.model_tokens = 0
+        self.done = episode is not None and episode.failure is not None  # a failed episode samples nothing
+        self.eos = False
+        # With tools or an environment (ToolTurns):
+        self.fed: list[int] = []  # result tokens fed in this step's forward, after the sampled token
         self.segment_start = 0  # where the model text since the last result begins (index into tokens)
         self.calls: list[ToolResult] = []
         self.episode = episode
-        self.done = episode is not None and episode.failure is not None  # a failed episode samples nothing
-        self.eos = False
         self.hit_call_limit = False
         self.ended = False  # the environment ended the episode
 
-    def take(self, tokens: list[int], logprobs: list[float], stop_ids, closing: torch.Tensor | None, tokenizer,
-             fmt: CallFormat | None, tools: ToolSettings | None, max_new_tokens: int) -> tuple | None:
-        """Append tokens the model sampled (their last one decides what follows). Returns (call, overflow) when
-        they end a call the model can still read, to be answered; otherwise settles the row: done at a stop token,
-        at a call past tools.max_calls (left unanswered), or with its budget spent. closing: (V,) the tokens after
-        which a call may have ended (closing_token_ids)."""
+    def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int,
+             stops_at_eos: bool = True) -> None:
+        """Append tokens the model sampled; done at a stop token (unless a call format reads past it) or with
+        the budget spent."""
         self.tokens += tokens
         self.sampled += [1] * len(tokens)
         self.logprobs += logprobs
         self.model_tokens += len(tokens)
         self.fed = []
-        last = tokens[-1] if tokens else None
-        if last in stop_ids and (fmt is None or fmt.stops_at_eos):
+        if tokens and tokens[-1] in stop_ids and stops_at_eos:
             self.done = self.eos = True
-            return None
-        if closing is not None and last is not None and last < closing.numel() and bool(closing[last]):
-            call, overflow = ended_call(tokenizer, fmt, self.tokens[self.segment_start:])
-            if call is not None:
-                if len(self.calls) >= tools.max_calls:
-                    self.done = self.hit_call_limit = True
-                    return None
-                if self.model_tokens < max_new_tokens and len(self.tokens) < self.limit:
-                    return call, overflow  # a call the model can still read
-        if not tokens or self.model_tokens >= max_new_tokens or len(self.tokens) >= self.limit:
+        elif not tokens or self.model_tokens >= max_new_tokens or len(self.tokens) >= self.limit:
             self.done = True
-        return None
 
     def feed(self, ids: list[int]) -> None:
         self.fed = ids
@@ -368,7 +320,7 @@ class DecodeRow:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The decode loop (with tools or an environment: a row that ends a call is fed the result)
+# The decode loop
 
 
 @torch.no_grad()
@@ -391,163 +343,113 @@ def generate(
     noise: optional (P * group_size, max_new_tokens) uniforms in [0, 1); a row's k-th sampled token is drawn
     with noise[row, k] (see sample_next_token). None samples from torch's global generator.
     tools: the tools the policy may call (forge/tools), or an environment (forge/envs: one instance per
-    completion, reset with its dataset row from `rows`, whose methods are the tools). When a row's text ends a
-    call (CallFormat), the calls of that decode step run together, each with its timeout; each result is
-    rendered, tokenized and *fed* to its row in the next forward, all its tokens in that one pass, while the other
-    rows go on sampling (rows of unequal inputs are left-padded within the step). A completion is then one
-    interleaved sequence (model text, result, model text, ...); `Rollout.action_mask` marks the sampled tokens,
-    and only those count towards max_new_tokens. Sampled and fed tokens together count towards
-    `tools.max_episode_tokens`, and prompt + completion never pass the model's context: a result that does not
-    fit is cut, ends with TRUNCATION_MARKER, and ends the row. A row also ends at a call beyond
-    `tools.max_calls` (left unanswered), and when its environment ends the episode. With no call made and no
-    opening observation, the tokens are those sampled without tools (the noise is indexed by sampled tokens).
+    completion, reset with its dataset row from `rows`, whose methods are the tools), run by the decode loop's
+    hook, ToolTurns (below the loop: what a call, its result and the token budgets do).
     The eager decode step runs the linear layers on weights packed once for this generation where that measured
     faster with the same bits (forge/model/packed_linear.py).
     """
+    turns = None if tools is None else ToolTurns(tools, prompts, rows, group_size, tokenizer, call_format_)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts if turns is None else turns.prompts,
+                                               max_prompt_length, truncate_prompts,
+                                               tools=None if turns is None else turns.schemas)  # (P, Lp)
     device = next(model.parameters()).device
-    eager = tools is not None or resolve_backend(settings.backend, device.type) == "eager"
+    eager = turns is not None or resolve_backend(settings.backend, device.type) == "eager"
     with packed_linears(model, enabled=eager):
-        return _generate(model, tokenizer, prompts, group_size, settings, max_prompt_length, truncate_prompts,
-                         share_prompt_prefix, noise, tools, call_format_, rows)
+        decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings, share_prompt_prefix,
+                           noise, turns)
+    return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
+                      with_tools=turns is not None)
 
 
-def start_episodes(tools, prompts: Sequence[Prompt], rows: Sequence[dict] | None, group_size: int):
-    """(tools, episodes, prompts): for an environment, its tools, one episode per completion reset with its
-    dataset row, and the prompts with their opening observation; plain tools (or None) pass through unchanged."""
-    if not isinstance(tools, EnvironmentSettings):
-        return tools, None, prompts
-    episodes = tools.start(rows if rows is not None else [{"prompt": p} for p in prompts], group_size)
-    return tools.tools, episodes, [with_opening(p, episodes[i * group_size].opening) for i, p in enumerate(prompts)]
-
-
-def _generate(model, tokenizer, prompts, group_size, settings, max_prompt_length, truncate_prompts,
-              share_prompt_prefix, noise, tools, call_format_, rows) -> Rollout:
-    """generate's decode loop."""
-    tools, episodes, prompts = start_episodes(tools, prompts, rows, group_size)
-    fmt = None if tools is None else call_format_ or call_format(tools.format, tools.tools, tokenizer)
+def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+           settings: SamplingSettings, share_prompt_prefix: bool = True, noise: torch.Tensor | None = None,
+           turns: ToolTurns | None = None) -> list[Decoding]:
+    """The batched decode loop over P prompts (P, Lp): each step samples one token for every running completion
+    and runs one forward; finished completions leave the batch. `turns` (tools) answers the calls that ended and
+    feeds their results in the next forward."""
     device = next(model.parameters()).device
-    schemas = [t.schema for t in tools.tools] if fmt is not None and fmt.kind == "template" else None
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts,
-                                               tools=schemas)
-    stop_ids = eos_ids(tokenizer, model)
-    closing = None if fmt is None else closing_token_ids(tokenizer, fmt.closers)
-    num_rows = len(prompts) * group_size
-
+    stop_ids, max_new_tokens = eos_ids(tokenizer, model), settings.max_new_tokens
+    stops_at_eos = turns is None or turns.fmt.stops_at_eos
     cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
-                                              settings.max_new_tokens)  # (N, V), (N, Lp)
-    cache, decode_step = decoder(model, cache, settings.backend if tools is None else "eager")
-    if noise is not None:
-        noise = noise.to(device)  # (N, max_new_tokens)
-
+                                              max_new_tokens)  # (N, V), (N, Lp)
+    cache, decode_step = decoder(model, cache, settings.backend if turns is None else "eager")
+    noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
-    budget = (tools.max_episode_tokens if tools is not None else None) or 10**9
-    rows_ = [DecodeRow(min(budget, context - length), None if episodes is None else episodes[n])
-             for n, length in enumerate(mask.sum(dim=1).tolist())]
-    unit_temperature = replace(settings, temperature=1.0)  # for the logits the loop scales itself
-    active = torch.arange(num_rows, device=device)  # rows still decoding
+    budget = 10**9 if turns is None else turns.budget
+    decodings = [Decoding(min(budget, context - length), None if turns is None else turns.episode(n))
+                 for n, length in enumerate(mask.sum(dim=1).tolist())]
+    active = torch.arange(len(decodings), device=device)  # (n,) the completions still decoding
     next_position = mask.sum(dim=1)  # (N,)
-    if any(row.done for row in rows_):  # failed episodes leave before the first token
-        keep = torch.tensor([not row.done for row in rows_]).nonzero().squeeze(1).to(device)
-        if keep.numel() == 0:
-            return as_rollout(rows_, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
-                               tools is not None)
-        cache.batch_select_indices(keep)
-        active, next_logits, mask, next_position = active[keep], next_logits[keep], mask[keep], next_position[keep]
-    while True:
-        active_list = active.tolist()
+    running = still_running(decodings, cache, active, next_logits, mask, next_position)  # failed episodes leave
+    while running is not None:
+        active, next_logits, mask, next_position = running
         draws = None if noise is None else noise[active, torch.tensor(
-            [rows_[i].model_tokens for i in active_list], device=device)]  # (n,)
-        scaled = next_logits.float() / settings.temperature  # (n, V) the sampling softmax's logits, once
-        tokens = sample_next_token(scaled if settings.do_sample else next_logits, unit_temperature, draws)  # (n,)
-        logp_of = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()  # (n,)
-
-        round_calls: list[tuple[int, object, str]] = []
-        for i, token, token_logp in zip(active_list, tokens.tolist(), logp_of):
-            call = rows_[i].take([token], [token_logp], stop_ids, closing, tokenizer, fmt, tools,
-                                 settings.max_new_tokens)
-            if call is not None:
-                round_calls.append((i, *call))
-        if round_calls:
-            answer_calls(round_calls, rows_, tools, fmt, tokenizer)
-
-        running = torch.tensor([not rows_[i].done for i in active_list], device=device)  # (n,)
-        if not running.any():
+            [decodings[i].model_tokens for i in active.tolist()], device=device)]  # (n,)
+        tokens, logprobs = sample_with_logprobs(next_logits, settings, draws)  # (n,) each
+        for i, token, logprob in zip(active.tolist(), tokens.tolist(), logprobs.tolist()):
+            decodings[i].take([token], [logprob], stop_ids, max_new_tokens, stops_at_eos)
+        if turns is not None:  # the calls that just ended run; their results are fed in the next forward
+            turns.answer(decodings, [(i, [token]) for i, token in zip(active.tolist(), tokens.tolist())],
+                         max_new_tokens)
+        running = still_running(decodings, cache, active, tokens, mask, next_position)
+        if running is None:
             break
-        if not running.all():  # drop finished rows from the decode batch
-            keep = running.nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-            active, tokens, mask, next_position = active[keep], tokens[keep], mask[keep], next_position[keep]
-        inputs = [[token] + rows_[i].fed for i, token in zip(active.tolist(), tokens.tolist())]
-        width = max(len(ids) for ids in inputs)
-        if width == 1:  # every row feeds its one sampled token
+        active, tokens, mask, next_position = running
+        if turns is not None and any(decodings[i].fed for i in active.tolist()):  # results join this forward
+            next_logits, mask, next_position = turns.forward(model, cache, decodings, active, tokens, mask,
+                                                             next_position)
+        else:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (n, L + 1)
             next_logits, next_position = decode_step(tokens, mask, next_position), next_position + 1  # (n, V)
-            continue
-        # Some rows also feed a result: every row's inputs, left-padded to the widest, in one forward.
-        lengths = torch.tensor([len(ids) for ids in inputs], device=device)  # (n,)
-        step_ids = torch.full((len(inputs), width), tokenizer.pad_token_id, dtype=torch.long, device=device)
-        for j, ids in enumerate(inputs):
-            step_ids[j, width - len(ids):] = torch.tensor(ids, device=device)
-        offsets = torch.arange(width, device=device)[None, :] - (width - lengths[:, None])  # (n, width), <0 = pad
-        mask = torch.cat([mask, (offsets >= 0).long()], dim=1)  # (n, L + width)
-        grow(cache, mask.shape[1])
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=next_position[:, None] + offsets.clamp(min=0),
-                    use_cache=True, logits_to_keep=LAST_POSITION, **{CACHE_ARG: cache})
-        next_logits, next_position = out.logits[:, -1], next_position + lengths
-    return as_rollout(rows_, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
-                               tools is not None)
+        running = active, next_logits, mask, next_position
+    return decodings
 
 
-def answer_calls(round_calls: list, rows: list[DecodeRow], tools: ToolSettings, fmt: CallFormat, tokenizer) -> None:
-    """Run the calls of one decode step together; give each row its result's tokens to feed, cut to the row's
-    token budget (then marked and ending the row); an environment that ended its episode ends the row."""
-    toolboxes = None
-    if rows[round_calls[0][0]].episode is not None:
-        toolboxes = [rows[i].episode.toolbox for i, _, _ in round_calls]
-    results = run_calls([call for _, call, _ in round_calls], tools, toolboxes=toolboxes)
-    for (i, _, overflow), result in zip(round_calls, results):
-        row = rows[i]
-        row.calls.append(result)
-        if row.episode is not None:
-            EnvironmentSettings.settle(row.episode, failed=result.failure is not None)
-            row.done = row.ended = row.episode.done
-        rendered = fmt.render(result)
-        # The call's last token may run past the closer ("</calc><" as one token, the model starting
-        # "<result>" itself): feed only the rest of the result then.
-        rendered = rendered[len(overflow):] if overflow and rendered.startswith(overflow) else rendered
-        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"] or [tokenizer.pad_token_id]
-        room = row.limit - len(row.tokens)
-        if len(ids) > room:
-            marker = tokenizer(TRUNCATION_MARKER, add_special_tokens=False)["input_ids"]
-            ids = (ids[:max(room - len(marker), 0)] + marker)[:room]
-            row.done = True
-        row.feed(ids)
-        row.done = row.done or len(row.tokens) >= row.limit
+def sample_with_logprobs(logits: torch.Tensor, settings: SamplingSettings,
+                         draws: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, V) next-token logits -> (n,) sampled tokens and (n,) their log-probs under the sampling softmax."""
+    scaled = logits.float() / settings.temperature  # (n, V) the sampling softmax's logits, once
+    unit_temperature = replace(settings, temperature=1.0)  # the logits are scaled already
+    tokens = sample_next_token(scaled if settings.do_sample else logits, unit_temperature, draws)  # (n,)
+    return tokens, torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # (n,) each
 
 
-def as_rollout(rows: list[DecodeRow], prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, tokenizer,
-                with_tools: bool) -> Rollout:
-    """The decoded rows as padded tensors: (N, T), T = max_new_tokens or the longest row with tool results."""
-    num_rows = len(rows)
-    length = max([len(row.tokens) for row in rows] + [1 if with_tools else max_new_tokens])
-    completion_ids = torch.full((num_rows, length), tokenizer.pad_token_id, dtype=torch.long)  # (N, T)
-    completion_mask = torch.zeros((num_rows, length), dtype=torch.long)  # (N, T)
-    action_mask = torch.zeros((num_rows, length), dtype=torch.long)  # (N, T)
-    sampler_logprobs = torch.zeros((num_rows, length), dtype=torch.float32)  # (N, T)
-    for n, row in enumerate(rows):
-        k = len(row.tokens)
-        completion_ids[n, :k] = torch.tensor(row.tokens, dtype=torch.long)
+def still_running(decodings: list[Decoding], cache, active: torch.Tensor, *per_row: torch.Tensor):
+    """The decode batch without its finished completions: (active, *per_row) of the running ones, their cache
+    rows kept; None when none is running."""
+    running = torch.tensor([not decodings[i].done for i in active.tolist()], device=active.device)  # (n,)
+    if not running.any():
+        return None
+    if running.all():
+        return (active, *per_row)
+    keep = running.nonzero().squeeze(1)
+    cache.batch_select_indices(keep)
+    return tuple(t[keep] for t in (active, *per_row))
+
+
+def as_rollout(decodings: list[Decoding], prompt_ids, prompt_mask, group_size: int, max_new_tokens: int,
+               tokenizer, with_tools: bool) -> Rollout:
+    """The decoded completions as padded tensors: (N, T), T = max_new_tokens or the longest with tool results."""
+    num_completions = len(decodings)
+    length = max([len(d.tokens) for d in decodings] + [1 if with_tools else max_new_tokens])
+    completion_ids = torch.full((num_completions, length), tokenizer.pad_token_id, dtype=torch.long)  # (N, T)
+    completion_mask = torch.zeros((num_completions, length), dtype=torch.long)  # (N, T)
+    action_mask = torch.zeros((num_completions, length), dtype=torch.long)  # (N, T)
+    sampler_logprobs = torch.zeros((num_completions, length), dtype=torch.float32)  # (N, T)
+    for n, d in enumerate(decodings):
+        k = len(d.tokens)
+        completion_ids[n, :k] = torch.tensor(d.tokens, dtype=torch.long)
         completion_mask[n, :k] = 1
-        action_mask[n, :k] = torch.tensor(row.sampled, dtype=torch.long)
-        sampler_logprobs[n, :k] = torch.tensor(row.logprobs, dtype=torch.float32)
-    truncated = torch.tensor([not row.eos and not row.hit_call_limit and not row.ended for row in rows])
-    texts = tokenizer.batch_decode([row.tokens for row in rows], skip_special_tokens=True)
+        action_mask[n, :k] = torch.tensor(d.sampled, dtype=torch.long)
+        sampler_logprobs[n, :k] = torch.tensor(d.logprobs, dtype=torch.float32)
+    truncated = torch.tensor([not d.eos and not d.hit_call_limit and not d.ended for d in decodings])
+    texts = tokenizer.batch_decode([d.tokens for d in decodings], skip_special_tokens=True)
     if not with_tools:
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
                        sampler_logprobs)
-    episodes = [row.episode for row in rows] if rows and rows[0].episode is not None else None
+    episodes = [d.episode for d in decodings] if decodings and decodings[0].episode is not None else None
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
-                   sampler_logprobs, action_mask=action_mask, tool_calls=[row.calls for row in rows],
+                   sampler_logprobs, action_mask=action_mask, tool_calls=[d.calls for d in decodings],
                    episodes=episodes)
 
 
@@ -555,12 +457,13 @@ def sampled_rollout(samples: Sequence[tuple[list[int], list[float], bool]], prom
                     group_size: int, max_new_tokens: int, tokenizer) -> Rollout:
     """A Rollout of completions sampled elsewhere (a serving engine, forge/core/engine_rollout.py): samples (N,)
     of (token ids, their sampler log-probs, ended on a stop token), group by group."""
-    rows = []
+    decodings = []
     for tokens, logprobs, stopped in samples:
-        row = DecodeRow(len(tokens))
-        row.tokens, row.sampled, row.logprobs, row.eos = list(tokens), [1] * len(tokens), list(logprobs), stopped
-        rows.append(row)
-    return as_rollout(rows, prompt_ids, prompt_mask, group_size, max_new_tokens, tokenizer, False)
+        decoding = Decoding(len(tokens))
+        decoding.tokens, decoding.sampled, decoding.logprobs = list(tokens), [1] * len(tokens), list(logprobs)
+        decoding.eos = stopped
+        decodings.append(decoding)
+    return as_rollout(decodings, prompt_ids, prompt_mask, group_size, max_new_tokens, tokenizer, False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -572,13 +475,14 @@ def sampling_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"forge-sampling:{seed}:{step}".encode()).digest()[:8], "little")
 
 
-def sampling_noise(generator: torch.Generator, rows: int, max_new_tokens: int, rank: int = 0,
+def sampling_noise(generator: torch.Generator, num_completions: int, max_new_tokens: int, rank: int = 0,
                    world_size: int = 1) -> torch.Tensor:
-    """(rows, max_new_tokens) uniforms that sample this rank's `rows` completions.
+    """(num_completions, max_new_tokens) uniforms that sample this rank's completions.
 
-    Every rank draws the noise of the whole rollout batch (all ranks' rows) from a generator seeded by
-    (seed, step) and keeps its own rows: ranks never share draws, yet each prompt gets the same draws on 1 or
+    Every rank draws the noise of the whole rollout batch (all ranks' completions) from a generator seeded
+    by (seed, step) and keeps its own: ranks never share draws, yet each prompt gets the same draws on 1 or
     N processes, so a run's completions do not depend on the number of processes, and resuming at a step needs
     no saved sampler state."""
-    noise = torch.rand(rows * world_size, max_new_tokens, dtype=torch.float64, generator=generator)  # (N_total, T)
-    return noise[rank * rows:(rank + 1) * rows]  # (N, T)
+    n = num_completions
+    noise = torch.rand(n * world_size, max_new_tokens, dtype=torch.float64, generator=generator)  # (N_total, T)
+    return noise[rank * n:(rank + 1) * n]  # (N, T)

@@ -13,7 +13,8 @@ from test_tools import install_script, one_and_two_processes
 
 import forge.core.rollout as rollout_module
 from forge import GRPOConfig, GRPOTrainer
-from forge.core.rollout import TRUNCATION_MARKER, SamplingSettings, generate
+from forge.core.rollout import SamplingSettings, generate
+from forge.core.tool_turns import TRUNCATION_MARKER
 from forge.envs import EnvironmentSettings, Observation, episode_return
 from forge.model.tiny import build_tiny_model
 from forge.tools.calls import ToolSettings

@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
+from completion_masks import completion_mask_from_ids
 from peft import LoraConfig, get_peft_model
 
 from forge.core.logprobs import completion_logprobs
 from forge.core.rollout import (
     SamplingSettings,
-    completion_mask_from_ids,
     eos_ids,
     generate,
     sample_next_token,

@@ -1,0 +1,22 @@
+"""Batch: what GRPOTrainer.collect hands GRPOTrainer.update, the rollouts of one optimizer step with
+everything the loss needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from forge.core.rollout import Rollout
+
+
+@dataclass
+class Batch:
+    """The rollouts of one optimizer step, with everything the loss needs (one entry per rollout batch)."""
+
+    rollouts: list[Rollout] = field(default_factory=list)  # each: P prompts x G completions
+    rows: list[list[dict]] = field(default_factory=list)  # the dataset rows of each rollout
+    advantages: list[torch.Tensor] = field(default_factory=list)  # (N,)
+    loss_mask: list[torch.Tensor] = field(default_factory=list)  # (N, T): completion mask x kept samples
+    old_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None: pi_old = sg(pi)
+    ref_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None when kl_beta == 0
