@@ -365,9 +365,10 @@ class GRPOConfig:
         """The loss variant these fields describe, as grpo_loss takes it (delta and clip_ratio_c are one cap: the
         smaller of those set)."""
         caps = [c for c in (self.delta, self.clip_ratio_c) if c is not None]
-        return LossSettings(clip_eps_low=self.clip_epsilon, clip_eps_high=self.epsilon_high, kl_beta=self.kl_beta,
-                            loss_type=self.loss_type, importance_level=self.importance_sampling_level,
-                            kl_estimator=self.kl_loss_type, negative_ratio_cap=min(caps) if caps else None,
+        return LossSettings(clip_epsilon=self.clip_epsilon, clip_epsilon_high=self.clip_epsilon_high,
+                            kl_beta=self.kl_beta, loss_type=self.loss_type,
+                            importance_sampling_level=self.importance_sampling_level,
+                            kl_loss_type=self.kl_loss_type, negative_ratio_cap=min(caps) if caps else None,
                             sapo_temperature_pos=self.sapo_temperature_pos,
                             sapo_temperature_neg=self.sapo_temperature_neg,
                             top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,

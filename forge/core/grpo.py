@@ -8,9 +8,8 @@ eq. 3): a per-token ratio against the policy that sampled, clipped, plus a KL pe
     kl_t      = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     k3 estimator, >= 0
     loss      = aggregate(pg_t + beta * kl_t)
 
-`A` is the group-relative advantage of the completion (core/advantages.py: its reward minus the group mean,
-divided by the group std, the batch std, or nothing: Dr. GRPO). The published variants change one piece of this, and
-each is one small function plus one entry in a dict below, so adding a variant touches no other code:
+`A` is the group-relative advantage of the completion (core/advantages.py). The published variants change one
+piece of this, each one small function plus one entry in a dict below; adding a variant touches no other code:
 
     ADVANTAGE_SCALES           group / batch / none / rloo / reinforce_plus_plus_baseline
     MULTI_REWARD_AGGREGATIONS  sum_then_normalize / normalize_then_sum (GDPO); None rewards do not apply
@@ -21,7 +20,8 @@ each is one small function plus one entry in a dict below, so adding a variant t
     ROLLOUT_IS_MODES           none / token or sequence, truncated or masked sampler importance weights
 
 plus the token entropy (from the same chunked log-softmax as the log-probs), its top-quantile mask and bonus.
-grpo_loss takes the variant as one LossSettings (GRPOConfig.loss_settings derives it from a run's config).
+grpo_loss comes first and reads as plain GRPO; it takes the variant as one LossSettings (GRPOConfig.loss_settings
+derives it from a run's config) and looks each piece up in the tables after it.
 
 This module imports only torch, the standard library and core/advantages.py (pure tensor math too): everything
 comes in as tensors and numbers, so every formula is tested with hand-built tensors.
@@ -44,6 +44,197 @@ from forge.core.advantages import (  # re-exported: the original API had them he
     multi_reward_advantages,
     weighted_reward_sum,
 )
+
+# ----------------------------------------------------------------------------------------------------
+# The loss: plain GRPO first; each variant is one entry in a table further down
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss variant: everything grpo_loss needs besides tensors (GRPOConfig.loss_settings derives it; the
+    fields carry GRPOConfig's names)."""
+
+    clip_epsilon: float = 0.2
+    clip_epsilon_high: float | None = None  # None = clip_epsilon
+    kl_beta: float = 0.0
+    loss_type: str = "grpo"  # key of LOSS_TYPES
+    importance_sampling_level: str = "token"  # key of IMPORTANCE_LEVELS
+    kl_loss_type: str = "k3"  # key of KL_ESTIMATORS
+    negative_ratio_cap: float | None = None  # delta / clip_ratio_c (the smaller when both are set)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    rollout_is: str = "none"  # key of ROLLOUT_IS_MODES
+    rollout_is_threshold: float = 3.0
+    kl_bias_correction: bool = False  # the KL term weighted by the importance ratio (DeepSeek-V3.2)
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask; None = off
+
+    @property
+    def epsilon_high(self) -> float:
+        """The upper clip range: clip_epsilon_high, or clip_epsilon when it is None."""
+        return self.clip_epsilon if self.clip_epsilon_high is None else self.clip_epsilon_high
+
+    @property
+    def needs_entropy(self) -> bool:  # the token entropies, for the high-entropy mask or the bonus
+        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+
+    @property
+    def reshapes_policy_term(self) -> bool:
+        """Whether a variant masks or weighs the per-token policy term (plain GRPO does not)."""
+        return (self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0
+                or self.rollout_is != "none")
+
+
+class LossStats(NamedTuple):
+    """Statistics of one loss evaluation, all detached scalars (token means over the completion mask)."""
+
+    policy_loss: torch.Tensor
+    kl: torch.Tensor
+    ratio_mean: torch.Tensor
+    clip_frac_low: torch.Tensor
+    clip_frac_high: torch.Tensor
+    clip_frac: torch.Tensor
+    clip_frac_capped: torch.Tensor | None = None  # A < 0 tokens held by delta / clip_ratio_c
+    entropy: torch.Tensor | None = None  # mean token entropy; 0 when grpo_loss was given no entropy
+    rollout_is_weight_mean: torch.Tensor | None = None  # mean pi_old / pi_sampler weight; 1 when rollout_is is off
+    rollout_is_dropped_frac: torch.Tensor | None = None  # tokens a mask mode set to weight 0
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    settings: LossSettings = LossSettings(),
+    normaliser: LossNormaliser | None = None,
+    entropy: torch.Tensor | None = None,
+    sampler_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """The GRPO objective (or a variant of it) for a batch of completions.
+
+    logprobs:         (B, T) log pi_theta of each completion token (with grad)
+    old_logprobs:     (B, T) log pi_old, the policy that sampled; None = logprobs.detach() (one update per
+                      rollout: the ratio is 1, the loss value ~0, and its gradient is the policy gradient)
+    ref_logprobs:     (B, T) log pi_ref, or None when kl_beta == 0
+    advantages:       (B,)   group-relative advantage of each completion
+    completion_mask:  (B, T) 1 on completion tokens up to and including EOS, 0 on padding
+    settings:         the variant (LossSettings; the default is GRPO with clip 0.2 and no KL term)
+    entropy:          (B, T) token entropies, needed for top_entropy_quantile < 1 and entropy_coef != 0 (with
+                      grad for the bonus), logged otherwise
+    sampler_logprobs: (B, T) log-probs recorded while sampling, needed for rollout_is != 'none'
+    """
+    mask = completion_mask.to(logprobs.dtype)  # (B, T)
+    old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs
+    if normaliser is None:  # this batch is the whole optimizer batch
+        normaliser = LossNormaliser(float(mask.shape[0]), float(mask.sum()), int(mask.shape[1]))
+    if settings.needs_entropy and entropy is None:
+        raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the token entropies (entropy=...)")
+    objective, aggregation = LOSS_TYPES[settings.loss_type]  # plain GRPO: "clip", "grpo"
+
+    # 1. the ratio against the policy that sampled, and the clipped policy term (DeepSeekMath eq. 3)
+    log_ratio = IMPORTANCE_LEVELS[settings.importance_sampling_level](logprobs, old_logprobs, mask)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = advantages[:, None].to(logprobs.dtype)  # (B, 1)
+    term = POLICY_OBJECTIVES[objective](ratio, logprobs, adv, settings)
+    pg_loss, acting, is_weight = term.pg_loss, mask, None  # (B, T), (B, T): the tokens the gradient acts on
+    if settings.reshapes_policy_term:
+        pg_loss, acting, is_weight = reshaped_policy_term(pg_loss, adv, logprobs, old_logprobs, mask, settings,
+                                                          entropy, sampler_logprobs)
+    # 2. the KL penalty against the reference (k3 by default), per token
+    kl = kl_term(logprobs, ref_logprobs, ratio, settings)  # (B, T)
+    per_token = pg_loss + settings.kl_beta * kl if settings.kl_beta > 0 else pg_loss  # (B, T)
+    # 3. aggregated over tokens and completions (per-completion mean for GRPO)
+    aggregate = LOSS_AGGREGATIONS[aggregation]
+    loss = aggregate(per_token, mask, normaliser)
+    if settings.entropy_coef != 0.0:
+        loss = loss - settings.entropy_coef * entropy_bonus(entropy, mask, acting, normaliser, settings)
+    return loss, loss_stats(term, ratio, kl, pg_loss, aggregate, mask, normaliser, entropy, is_weight)
+
+
+def kl_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, ratio: torch.Tensor,
+            settings: LossSettings) -> torch.Tensor:
+    """(B, T) per-token KL estimate against the reference (zeros without one; with kl_beta > 0 one is needed)."""
+    estimate_kl = KL_ESTIMATORS[settings.kl_loss_type]
+    if settings.kl_beta <= 0:  # logged only
+        return torch.zeros_like(logprobs) if ref_logprobs is None else estimate_kl(logprobs, ref_logprobs)
+    if ref_logprobs is None:
+        raise ValueError("kl_beta > 0 needs ref_logprobs")
+    kl = estimate_kl(logprobs, ref_logprobs)  # (B, T)
+    if settings.kl_bias_correction:  # DeepSeek-V3.2: the unbiased reverse-KL gradient off-policy
+        kl = kl * ratio
+    return kl
+
+
+def loss_stats(term: PolicyTerm, ratio: torch.Tensor, kl: torch.Tensor, pg_loss: torch.Tensor, aggregate,
+               mask: torch.Tensor, normaliser: LossNormaliser, entropy: torch.Tensor | None,
+               is_weight: torch.Tensor | None) -> LossStats:
+    """The loss's statistics (detached): token means over the completion mask."""
+    with torch.no_grad():
+        low, high = term.clipped_low.to(mask.dtype), term.clipped_high.to(mask.dtype)
+        nothing = torch.zeros((), device=mask.device)
+        return LossStats(
+            policy_loss=aggregate(pg_loss.detach(), mask, normaliser),
+            kl=masked_mean(kl.detach(), mask),
+            ratio_mean=masked_mean(ratio.detach(), mask),
+            clip_frac_low=masked_mean(low, mask),
+            clip_frac_high=masked_mean(high, mask),
+            clip_frac=masked_mean(torch.clamp(low + high, max=1), mask),
+            clip_frac_capped=masked_mean(term.capped.to(mask.dtype), mask),
+            entropy=masked_mean(entropy.detach().float(), mask) if entropy is not None else nothing,
+            rollout_is_weight_mean=masked_mean(is_weight, mask) if is_weight is not None else nothing.add(1.0),
+            rollout_is_dropped_frac=(masked_mean((is_weight == 0).to(mask.dtype), mask) if is_weight is not None
+                                     else nothing),
+        )
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Variants that multiply the policy term: off-policy sequence mask, high-entropy tokens, sampler IS weights
+
+
+def reshaped_policy_term(pg_loss: torch.Tensor, adv: torch.Tensor, logprobs: torch.Tensor,
+                         old_logprobs: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
+                         entropy: torch.Tensor | None, sampler_logprobs: torch.Tensor | None):
+    """(pg_loss (B, T), acting (B, T): the tokens the policy gradient and the entropy bonus act on, is_weight
+    (B, T) or None) after the variants that mask or weigh the policy term."""
+    acting, is_weight = mask, None
+    if settings.off_policy_mask_threshold is not None:
+        sampled = old_logprobs if sampler_logprobs is None else sampler_logprobs
+        pg_loss = pg_loss * off_policy_sequence_mask(adv, logprobs, sampled, mask,
+                                                     settings.off_policy_mask_threshold)
+    if settings.top_entropy_quantile < 1.0:
+        acting = mask * high_entropy_mask(entropy, mask, settings.top_entropy_quantile).to(mask.dtype)
+        pg_loss = pg_loss * (acting > 0).to(pg_loss.dtype)
+    if settings.rollout_is != "none":
+        if sampler_logprobs is None:
+            raise ValueError(f"rollout_is={settings.rollout_is!r} needs the sampler's log-probs "
+                             f"(sampler_logprobs=...)")
+        is_weight = rollout_importance_weights(old_logprobs, sampler_logprobs, mask, settings.rollout_is,
+                                               settings.rollout_is_threshold)  # (B, T)
+        pg_loss = pg_loss * is_weight
+    return pg_loss, acting, is_weight
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, acting: torch.Tensor, normaliser: LossNormaliser,
+                  settings: LossSettings) -> torch.Tensor:
+    """The mean entropy of the tokens the policy gradient acts on (all completion tokens; with
+    top_entropy_quantile < 1 the high-entropy ones, as TRL does), whatever the aggregation, so entropy_coef
+    means the same for every loss_type. Each micro-batch's mean is weighted by its share of the optimizer
+    batch's tokens, so the shares sum to the batch's (exactly the token mean when every token acts)."""
+    if settings.top_entropy_quantile < 1.0:
+        share = float(mask.sum()) / max(normaliser.num_tokens, 1.0)
+        return (entropy * acting).sum() / acting.sum().clamp(min=1) * share
+    return (entropy * mask).sum() / max(normaliser.num_tokens, 1.0)
+
 
 # ----------------------------------------------------------------------------------------------------
 # Log-probabilities
@@ -78,30 +269,6 @@ def token_logprobs_from_logits(
     if entropy is None:
         return out.view(batch, length)
     return out.view(batch, length), entropy.view(batch, length)
-
-
-def compute_token_log_probs(
-    logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Per-token log-probs of the response tokens of prompt+response sequences, 0 elsewhere.
-
-    logits: (B, L, V) from the model on input_ids (B, L); response_mask: (B, L), 1 on response tokens.
-    Returns (B, L - 1): entry t is log p(input_ids[t + 1]) masked by response_mask[t + 1].
-    """
-    token_logprobs = token_logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)  # (B, L-1)
-    return token_logprobs * response_mask[:, 1:].to(token_logprobs.dtype)
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    mask = mask.to(values.dtype)
-    if dim is None:
-        return (values * mask).sum() / mask.sum().clamp(min=1)
-    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
-
-
-def sequence_mean_log_probs(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-response mean log-prob over the response tokens, (B, T) -> (B,)."""
-    return masked_mean(token_logprobs, mask, dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -169,7 +336,7 @@ class PolicyTerm(NamedTuple):
 
 def _clipped_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
     # PPO / GRPO (DeepSeekMath eq. 3): max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
-    low, high = settings.clip_eps_low, settings.epsilon_high
+    low, high = settings.clip_epsilon, settings.epsilon_high
     pg_loss1 = -adv * ratio  # (B, T)
     pg_loss2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)  # (B, T)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
@@ -329,7 +496,7 @@ def logprob_gap(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: to
 
 
 # ----------------------------------------------------------------------------------------------------
-# Entropy
+# DeepSeek-V3.2's off-policy sequence mask
 
 
 def off_policy_sequence_mask(adv: torch.Tensor, logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
@@ -341,6 +508,10 @@ def off_policy_sequence_mask(adv: torch.Tensor, logprobs: torch.Tensor, sampled_
     gap = (sampled_logprobs.float() - logprobs.detach().float()) * mask  # (B, T)
     mean_gap = gap.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     return ((adv >= 0) | (mean_gap <= threshold)).to(logprobs.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entropy
 
 
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
@@ -393,152 +564,6 @@ class EntropyControl:
         return replace(self, coef=adapted_entropy_coef(self.coef, entropy, self.target, self.delta, self.low,
                                                        self.high), last_entropy=entropy)
 
-# ----------------------------------------------------------------------------------------------------
-# The loss
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """The loss variant: everything grpo_loss needs besides tensors (GRPOConfig.loss_settings derives it)."""
-
-    clip_eps_low: float = 0.2
-    clip_eps_high: float | None = None  # None = clip_eps_low
-    kl_beta: float = 0.0
-    loss_type: str = "grpo"  # key of LOSS_TYPES
-    importance_level: str = "token"  # key of IMPORTANCE_LEVELS
-    kl_estimator: str = "k3"  # key of KL_ESTIMATORS
-    negative_ratio_cap: float | None = None  # delta / clip_ratio_c (the smaller when both are set)
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    top_entropy_quantile: float = 1.0
-    entropy_coef: float = 0.0
-    rollout_is: str = "none"  # key of ROLLOUT_IS_MODES
-    rollout_is_threshold: float = 3.0
-    kl_bias_correction: bool = False  # the KL term weighted by the importance ratio (DeepSeek-V3.2)
-    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask; None = off
-
-    @property
-    def epsilon_high(self) -> float:
-        return self.clip_eps_low if self.clip_eps_high is None else self.clip_eps_high
-
-    @property
-    def needs_entropy(self) -> bool:
-        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
-
-
-
-class LossStats(NamedTuple):
-    """Statistics of one loss evaluation, all detached scalars (token means over the completion mask)."""
-
-    policy_loss: torch.Tensor
-    kl: torch.Tensor
-    ratio_mean: torch.Tensor
-    clip_frac_low: torch.Tensor
-    clip_frac_high: torch.Tensor
-    clip_frac: torch.Tensor
-    clip_frac_capped: torch.Tensor | None = None  # A < 0 tokens held by delta / clip_ratio_c
-    entropy: torch.Tensor | None = None  # mean token entropy; 0 when grpo_loss was given no entropy
-    rollout_is_weight_mean: torch.Tensor | None = None  # mean pi_old / pi_sampler weight; 1 when rollout_is is off
-    rollout_is_dropped_frac: torch.Tensor | None = None  # tokens a mask mode set to weight 0
-
-
-def grpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor | None,
-    ref_logprobs: torch.Tensor | None,
-    advantages: torch.Tensor,
-    completion_mask: torch.Tensor,
-    *,
-    settings: LossSettings = LossSettings(),
-    normaliser: LossNormaliser | None = None,
-    entropy: torch.Tensor | None = None,
-    sampler_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, LossStats]:
-    """The GRPO objective (or a variant of it) for a batch of completions.
-
-    logprobs:         (B, T) log pi_theta of each completion token (with grad)
-    old_logprobs:     (B, T) log pi_old, the policy that sampled; None = logprobs.detach() (one update per
-                      rollout: the ratio is 1, the loss value ~0, and its gradient is the policy gradient)
-    ref_logprobs:     (B, T) log pi_ref, or None when kl_beta == 0
-    advantages:       (B,)   group-relative advantage of each completion
-    completion_mask:  (B, T) 1 on completion tokens up to and including EOS, 0 on padding
-    settings:         the variant (LossSettings; the default is GRPO with clip 0.2 and no KL term)
-    entropy:          (B, T) token entropies, needed for top_entropy_quantile < 1 and entropy_coef != 0 (with grad
-                      for the bonus), logged otherwise
-    sampler_logprobs: (B, T) log-probs recorded while sampling, needed for rollout_is != 'none'
-    """
-    mask = completion_mask.to(logprobs.dtype)  # (B, T)
-    if old_logprobs is None:
-        old_logprobs = logprobs.detach()
-    if normaliser is None:
-        normaliser = LossNormaliser(float(mask.shape[0]), float(mask.sum()), int(mask.shape[1]))
-    if settings.needs_entropy and entropy is None:
-        raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the token entropies (entropy=...)")
-    objective, aggregation = LOSS_TYPES[settings.loss_type]
-
-    log_ratio = IMPORTANCE_LEVELS[settings.importance_level](logprobs, old_logprobs, mask)  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages[:, None].to(logprobs.dtype)  # (B, 1)
-    term = POLICY_OBJECTIVES[objective](ratio, logprobs, adv, settings)
-    pg_loss = term.pg_loss  # (B, T)
-    if settings.off_policy_mask_threshold is not None:
-        sampled = old_logprobs if sampler_logprobs is None else sampler_logprobs
-        pg_loss = pg_loss * off_policy_sequence_mask(adv, logprobs, sampled, mask, settings.off_policy_mask_threshold)
-    acting = mask  # (B, T) the tokens the policy gradient (and the entropy bonus) act on
-    if settings.top_entropy_quantile < 1.0:
-        acting = mask * high_entropy_mask(entropy, mask, settings.top_entropy_quantile).to(mask.dtype)
-        pg_loss = pg_loss * (acting > 0).to(pg_loss.dtype)
-    is_weight = None
-    if settings.rollout_is != "none":
-        if sampler_logprobs is None:
-            raise ValueError(f"rollout_is={settings.rollout_is!r} needs the sampler's log-probs (sampler_logprobs=...)")
-        is_weight = rollout_importance_weights(old_logprobs, sampler_logprobs, mask, settings.rollout_is,
-                                               settings.rollout_is_threshold)  # (B, T)
-        pg_loss = pg_loss * is_weight
-
-    per_token = pg_loss
-    estimate_kl = KL_ESTIMATORS[settings.kl_estimator]
-    if settings.kl_beta > 0:
-        if ref_logprobs is None:
-            raise ValueError("kl_beta > 0 needs ref_logprobs")
-        kl = estimate_kl(logprobs, ref_logprobs)  # (B, T)
-        if settings.kl_bias_correction:  # DeepSeek-V3.2: the unbiased reverse-KL gradient off-policy
-            kl = kl * ratio
-        per_token = pg_loss + settings.kl_beta * kl
-    else:
-        kl = torch.zeros_like(logprobs) if ref_logprobs is None else estimate_kl(logprobs, ref_logprobs)
-
-    aggregate = LOSS_AGGREGATIONS[aggregation]
-    loss = aggregate(per_token, mask, normaliser)
-    if settings.entropy_coef != 0.0:
-        # The bonus is the mean entropy of the tokens the policy gradient acts on (all completion tokens; with
-        # top_entropy_quantile < 1 the high-entropy ones, as TRL does), whatever the aggregation, so entropy_coef
-        # means the same for every loss_type. Each micro-batch's mean is weighted by its share of the optimizer
-        # batch's tokens, so the shares sum to the batch's (exactly the token mean when every token acts).
-        if settings.top_entropy_quantile < 1.0:
-            share = float(mask.sum()) / max(normaliser.num_tokens, 1.0)
-            bonus = (entropy * acting).sum() / acting.sum().clamp(min=1) * share
-        else:
-            bonus = (entropy * mask).sum() / max(normaliser.num_tokens, 1.0)
-        loss = loss - settings.entropy_coef * bonus
-
-    with torch.no_grad():
-        low, high = term.clipped_low.to(mask.dtype), term.clipped_high.to(mask.dtype)
-        nothing = torch.zeros((), device=mask.device)
-        stats = LossStats(
-            policy_loss=aggregate(pg_loss.detach(), mask, normaliser),
-            kl=masked_mean(kl.detach(), mask),
-            ratio_mean=masked_mean(ratio.detach(), mask),
-            clip_frac_low=masked_mean(low, mask),
-            clip_frac_high=masked_mean(high, mask),
-            clip_frac=masked_mean(torch.clamp(low + high, max=1), mask),
-            clip_frac_capped=masked_mean(term.capped.to(mask.dtype), mask),
-            entropy=masked_mean(entropy.detach().float(), mask) if entropy is not None else nothing,
-            rollout_is_weight_mean=masked_mean(is_weight, mask) if is_weight is not None else nothing.add(1.0),
-            rollout_is_dropped_frac=masked_mean((is_weight == 0).to(mask.dtype), mask) if is_weight is not None
-            else nothing,
-        )
-    return loss, stats
 
 
 __all__ = [
@@ -559,7 +584,6 @@ __all__ = [
     "adapted_entropy_coef",
     "applied_entropy_coef",
     "compute_group_advantages",
-    "compute_token_log_probs",
     "group_reward_std",
     "grpo_loss",
     "high_entropy_mask",
@@ -571,7 +595,6 @@ __all__ = [
     "multi_reward_advantages",
     "off_policy_sequence_mask",
     "rollout_importance_weights",
-    "sequence_mean_log_probs",
     "token_logprobs_from_logits",
     "weighted_reward_sum",
 ]

@@ -15,11 +15,9 @@ from forge.core.grpo import (
     LOSS_AGGREGATIONS,
     LossNormaliser,
     compute_group_advantages,
-    compute_token_log_probs,
     group_reward_std,
     k3_kl,
     masked_mean,
-    sequence_mean_log_probs,
     token_logprobs_from_logits,
 )
 
@@ -124,24 +122,24 @@ def test_token_logprobs_hand_values_and_gradient():
     torch.testing.assert_close(got, torch.tensor([[math.log(0.9), math.log(0.1)]]))
 
 
-def test_compute_token_log_probs_masks_prompt_and_padding():
+def test_shifted_token_logprobs_mask_prompt_and_padding():
     # one sequence of 5 tokens over a vocabulary of 2: [prompt, prompt, resp, resp, pad]
     # every logit row is [0, ln 3] -> log p(0) = ln 0.25, log p(1) = ln 0.75
     logits = torch.tensor([0.0, math.log(3.0)]).repeat(1, 5, 1)  # (1, 5, 2)
     input_ids = torch.tensor([[1, 0, 1, 0, 0]])
     response_mask = torch.tensor([[0, 0, 1, 1, 0]])
-    got = compute_token_log_probs(logits, input_ids, response_mask)
+    got = token_logprobs_from_logits(logits[:, :-1], input_ids[:, 1:]) * response_mask[:, 1:]  # (1, 4)
     # entry t scores input_ids[t + 1] under response_mask[t + 1]: [prompt 0 -> 0, ln .75, ln .25, pad -> 0]
     expected = torch.tensor([[0.0, math.log(0.75), math.log(0.25), 0.0]])
     torch.testing.assert_close(got, expected)
     assert got.shape == (1, 4)
 
 
-def test_sequence_mean_log_probs():
+def test_masked_mean_per_sequence_and_whole():
     token_logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -100.0, -100.0], [-5.0, -5.0, -5.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
     # (-1 - 2 - 3) / 3 = -2; -4 / 1 = -4 (the -100s are masked); an empty row gives 0, not NaN
-    torch.testing.assert_close(sequence_mean_log_probs(token_logprobs, mask), torch.tensor([-2.0, -4.0, 0.0]))
+    torch.testing.assert_close(masked_mean(token_logprobs, mask, dim=1), torch.tensor([-2.0, -4.0, 0.0]))
     # the whole-tensor masked mean: (-6 - 4) / 4 = -2.5
     torch.testing.assert_close(masked_mean(token_logprobs, mask), torch.tensor(-2.5))
 
@@ -194,8 +192,8 @@ def test_k3_kl_is_never_negative_on_random_tensors():
 # ----------------------------------------------------------------------------------------------------
 # The loss on one hand-built batch
 #
-# B = 2 completions, T = 3 positions; completion 1 has one padded position. clip_eps_low = 0.2 and
-# clip_eps_high = 0.28 (DAPO clip-higher): the ratio is clipped to [0.8, 1.28]. kl_beta = 0.1.
+# B = 2 completions, T = 3 positions; completion 1 has one padded position. clip_epsilon = 0.2 and
+# clip_epsilon_high = 0.28 (DAPO clip-higher): the ratio is clipped to [0.8, 1.28]. kl_beta = 0.1.
 #
 #   row 0: A = +0.5, ratios [1.5, 0.5, 1.1],  d = ref - logp = [ln .5, 0, ln 2]
 #   row 1: A = -2.0, ratios [0.5, 1.5, (0.1)], d = [ln 2, ln .5, (5)]        (last position padded)
@@ -225,7 +223,7 @@ def hand_batch(dtype=torch.float32):
     return logprobs.requires_grad_(), old_logprobs, ref_logprobs, advantages, mask
 
 
-HAND_KW = {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "kl_beta": 0.1}
+HAND_KW = {"clip_epsilon": 0.2, "clip_epsilon_high": 0.28, "kl_beta": 0.1}
 
 HAND_LOSS = {
     "grpo": (-1.39 / 3 + 4.65 / 2) / 2,  # per-sequence mean, then mean over B = 2: 0.930833
@@ -283,7 +281,7 @@ def test_hand_batch_stats():
 
 def test_symmetric_clip_when_high_is_none():
     logprobs, old, ref, advantages, mask = hand_batch()
-    _, stats = variant_loss(logprobs, old, ref, advantages, mask, clip_eps_low=0.2)
+    _, stats = variant_loss(logprobs, old, ref, advantages, mask, clip_epsilon=0.2)
     # clip range [0.8, 1.2]: row 0 t0 (1.5, A > 0) clips high, row 1 t0 (0.5, A < 0) clips low
     # pg: row 0 [max(-.75, -.6) = -.6, -.25, -.55] sum -1.4; row 1 [1.6, max(3, 2.4) = 3] sum 4.6
     assert stats.policy_loss.item() == pytest.approx((-1.4 / 3 + 4.6 / 2) / 2, abs=1e-6)  # 0.916667
@@ -310,7 +308,7 @@ GSPO_R0, GSPO_R1 = 0.825 ** (1 / 3), 0.75 ** 0.5
 def test_gspo_sequence_level_hand_batch(loss_type):
     logprobs, old, ref, advantages, mask = hand_batch()
     loss, stats = variant_loss(logprobs, old, ref, advantages, mask, loss_type=loss_type,
-                            importance_level="sequence", **HAND_KW)
+                            importance_sampling_level="sequence", **HAND_KW)
     row0 = 3 * (-0.5 * GSPO_R0) + 0.1 * 0.5  # three tokens + 0.1 * (kl sum 0.5) = -1.356833
     row1 = 2 * (2.0 * GSPO_R1) + 0.1 * 0.5  # = 3.514102
     expected = {
@@ -330,8 +328,8 @@ def test_gspo_clips_whole_sequences():
     logprobs = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]], requires_grad=True)
     old = logprobs.detach() - torch.tensor([[LN2, LN2, LN2], [math.log(0.25), 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    loss, stats = variant_loss(logprobs, old, None, torch.tensor([1.0, -1.0]), mask, clip_eps_high=0.28,
-                            loss_type="bnpo", importance_level="sequence")
+    loss, stats = variant_loss(logprobs, old, None, torch.tensor([1.0, -1.0]), mask, clip_epsilon_high=0.28,
+                            loss_type="bnpo", importance_sampling_level="sequence")
     assert loss.item() == pytest.approx((3 * -1.28 + 2 * 0.8) / 5, abs=1e-6)  # -0.448
     loss.backward()
     assert torch.equal(logprobs.grad, torch.zeros(2, 3))
@@ -367,7 +365,7 @@ def test_no_old_logprobs_is_the_policy_gradient(loss_type, level):
     # multiplies by |o_i| again for the token means, so the gradient is the same as at token level.
     logprobs = torch.randn(4, 3, generator=torch.Generator().manual_seed(3)).requires_grad_()
     loss, stats = variant_loss(logprobs, None, None, ONE_STEP_ADVANTAGES, ONE_STEP_MASK,
-                            loss_type=loss_type, importance_level=level)
+                            loss_type=loss_type, importance_sampling_level=level)
     expected_loss, row_grads = ONE_STEP[loss_type]
     assert loss.item() == pytest.approx(expected_loss, abs=1e-7)
     loss.backward()
@@ -391,7 +389,7 @@ def test_equal_rewards_give_zero_policy_gradient():
             logprobs = torch.randn(4, 3, generator=torch.Generator().manual_seed(5)).requires_grad_()
             old = logprobs.detach() + 0.3  # ratios != 1 do not matter when A = 0
             loss, _ = variant_loss(logprobs, old, None, advantages, ONE_STEP_MASK, kl_beta=0.0,
-                                loss_type=loss_type, importance_level=level)
+                                loss_type=loss_type, importance_sampling_level=level)
             loss.backward()
             assert loss.item() == 0.0
             assert torch.equal(logprobs.grad, torch.zeros(4, 3))
@@ -419,8 +417,8 @@ def test_gradcheck(loss_type, level):
     logprobs.requires_grad_()
 
     def loss_of(lp):
-        return variant_loss(lp, old, ref, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05,
-                         loss_type=loss_type, importance_level=level)[0]
+        return variant_loss(lp, old, ref, advantages, mask, clip_epsilon=0.2, clip_epsilon_high=0.28, kl_beta=0.05,
+                         loss_type=loss_type, importance_sampling_level=level)[0]
 
     assert torch.autograd.gradcheck(loss_of, (logprobs,))
 
@@ -429,7 +427,7 @@ def test_gradcheck(loss_type, level):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_masked_positions_change_nothing(loss_type, level):
     logprobs, old, ref, advantages, mask = random_batch(7, dtype=torch.float32)
-    kwargs = {"clip_eps_high": 0.28, "kl_beta": 0.1, "loss_type": loss_type, "importance_level": level}
+    kwargs = {"clip_epsilon_high": 0.28, "kl_beta": 0.1, "loss_type": loss_type, "importance_sampling_level": level}
 
     def loss_and_grad(lp, old_lp, ref_lp):
         lp = lp.clone().requires_grad_()
@@ -454,7 +452,7 @@ def test_masked_positions_change_nothing(loss_type, level):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batches_sum_to_the_full_batch(loss_type, level):
     logprobs, old, ref, advantages, mask = random_batch(9, batch=4, length=5)
-    kwargs = {"clip_eps_high": 0.28, "kl_beta": 0.05, "loss_type": loss_type, "importance_level": level}
+    kwargs = {"clip_epsilon_high": 0.28, "kl_beta": 0.05, "loss_type": loss_type, "importance_sampling_level": level}
     # global counts over the whole optimizer batch: 4 sequences, 5 + 2 + 1 + 4 = 12 tokens, T = 5
     norm = LossNormaliser(num_sequences=4, num_tokens=12, max_completion_length=5)
     assert int(mask.sum()) == 12

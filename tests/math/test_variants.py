@@ -54,7 +54,7 @@ def test_cispo_value_and_gradient_keep_every_token():
     # row 1: A = -1, ratios 0.1 and 1.0: weights 0.1 (no lower bound: the token keeps its gradient), 1.0
     lp = [[LN(0.5), LN(0.25)], [LN(0.5), LN(0.5)]]
     old = [[LN(0.5) - LN(1.5), LN(0.25) - LN(6.0)], [LN(0.5) - LN(0.1), LN(0.5)]]
-    settings = LossSettings(clip_eps_high=4.0, loss_type="cispo")
+    settings = LossSettings(clip_epsilon_high=4.0, loss_type="cispo")
     loss, grad, stats = loss_and_grad(lp, old, [2.0, -1.0], settings=settings)
     per_token = [-1.5 * 2 * LN(0.5), -5.0 * 2 * LN(0.25), -0.1 * -1 * LN(0.5), -1.0 * -1 * LN(0.5)]
     assert loss == pytest.approx(sum(per_token) / 4)  # 3.794981: the token mean over 4 tokens
@@ -64,7 +64,7 @@ def test_cispo_value_and_gradient_keep_every_token():
     torch.testing.assert_close(grad, expected)
     assert stats.clip_frac_high.item() == pytest.approx(1 / 4)  # only the ratio 6.0 was over the cap
     # the hard clip would have dropped row 1 token 0 (ratio 0.1 < 0.8 with A < 0): gradient exactly 0 there
-    _, clip_grad, _ = loss_and_grad(lp, old, [2.0, -1.0], loss_type="bnpo", clip_eps_high=4.0)
+    _, clip_grad, _ = loss_and_grad(lp, old, [2.0, -1.0], loss_type="bnpo", clip_epsilon_high=4.0)
     assert clip_grad[1, 0].item() == 0.0
 
 
@@ -149,7 +149,7 @@ def test_delta_and_clip_ratio_c_are_the_same_bound():
 ])
 def test_kl_estimators(estimator, value, slope):
     # logp = ln .5, ref = ln .25; A = 0 so the loss is beta * kl alone (beta = 1, one token)
-    settings = LossSettings(kl_beta=1.0, kl_estimator=estimator)
+    settings = LossSettings(kl_beta=1.0, kl_loss_type=estimator)
     loss, grad, stats = loss_and_grad([[LN(0.5)]], None, [0.0], ref=[[LN(0.25)]], settings=settings)
     assert loss == pytest.approx(value)
     assert stats.kl.item() == pytest.approx(value)
@@ -364,7 +364,7 @@ def test_default_settings_reproduce_the_legacy_keywords_exactly():
     ref = logprobs - 0.2 * torch.randn(4, 5, generator=generator)
     advantages, mask = torch.randn(4, generator=generator), torch.ones(4, 5)
     config = GRPOConfig()
-    legacy, _ = variant_loss(logprobs, old, ref, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2, kl_beta=0.01)
+    legacy, _ = variant_loss(logprobs, old, ref, advantages, mask, clip_epsilon=0.2, clip_epsilon_high=0.2, kl_beta=0.01)
     settings, _ = variant_loss(logprobs, old, ref, advantages, mask, settings=config.loss_settings)
     assert torch.equal(legacy, settings)
 
