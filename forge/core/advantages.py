@@ -114,8 +114,8 @@ def compute_group_advantages(
 
 
 def weighted_reward_sum(components: torch.Tensor, applies: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
-    """sum_k w_k r_k over the rewards that apply, (N, K) -> (N,) float32, summed reward by reward in float32 (the
-    order and precision of the scores Forge logs as `reward`, so both agree to the bit)."""
+    """sum_k w_k r_k over the rewards that apply, (N, K) -> (N,) float32, summed reward by reward in float32: the
+    one weighted sum, of the advantages and of the `reward` Forge logs (core/scoring.py Scores.total)."""
     total = torch.zeros(components.shape[0], dtype=torch.float32)
     for k, weight in enumerate(weights):
         total = total + float(weight) * torch.where(applies[:, k], components[:, k].float(), 0.0)

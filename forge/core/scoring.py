@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from forge.core.advantages import weighted_reward_sum
 from forge.core.engine_rollout import generate_on_engine
 from forge.core.reward import BaseReward, RewardInputs, call_problem, is_async_reward
 from forge.core.reward_sources import SequenceClassificationReward, as_reward, is_model_and_tokenizer
@@ -65,7 +66,7 @@ REWARD_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
 class Scores:
     """Rewards of one rollout batch."""
 
-    total: torch.Tensor  # (N,) weighted sum of the components
+    total: torch.Tensor  # (N,) weighted sum of the components that apply (advantages.weighted_reward_sum)
     components: dict[str, torch.Tensor]  # name -> (N,) raw component scores
     valid: torch.Tensor  # (N,) bool, False where a reward returned NaN/inf (masked from the loss)
     errors: int = 0  # samples scored reward_error_value because a reward raised
@@ -241,6 +242,17 @@ def _applies(values: list[float]) -> torch.Tensor:
     return torch.tensor([value is not _NOT_APPLIED for value in values], dtype=torch.bool)
 
 
+@dataclass(frozen=True)
+class FailureRules:
+    """What a failing reward call turns into (the table in this module's docstring), and how errors name it."""
+
+    on_error: str = "raise"  # 'raise' or 'score'
+    error_value: float = 0.0  # the score of a failing sample under on_error='score'
+    timeout: float | None = None  # reward_timeout, seconds
+    where: str = ""  # " at step k", for messages
+    row_index: list[int] | None = None  # (N,) each completion's dataset row, for messages
+
+
 def score_completions(
     rewards: list[tuple[str, BaseReward, float]],
     prompts: list,
@@ -265,77 +277,103 @@ def score_completions(
     that names it; TRL's gives every argument by keyword). row_index (N,) names each completion's dataset row in
     error messages."""
     n = len(completions)
-    total = torch.zeros(n)
+    inputs = RewardInputs(list(prompts), list(completions), columns, completion_ids, trainer_state, tool_calls,
+                          environments, episodes)
+    rules = FailureRules(on_error, error_value, timeout, f" at step {step}" if step is not None else "", row_index)
+    settled = _settle_async_rewards(rewards, inputs, timeout)  # started first, together, awaited concurrently
     valid = torch.ones(n, dtype=torch.bool)
     components, metadata, applies = {}, {}, {}
     errors = timeouts = 0
-    where = f" at step {step}" if step is not None else ""
-    inputs = RewardInputs(list(prompts), list(completions), columns, completion_ids, trainer_state, tool_calls,
-                          environments, episodes)
+    for name, reward, _ in rewards:
+        values, meta, failed, timed_out = _reward_values(name, _caller(reward, inputs), settled.get(name), n,
+                                                         rules, inputs)
+        errors, timeouts = errors + failed, timeouts + timed_out
+        applied = _applies(values)  # (N,)
+        components[name], finite = _component(name, values, applied, rules, completions)  # (N,) each
+        valid &= finite
+        if not applied.all():
+            applies[name] = applied
+        if meta:
+            metadata[name] = meta
+    scores = Scores(torch.zeros(n), components, valid, errors, timeouts, int((~valid).sum()), metadata, applies)
+    scores.total = weighted_reward_sum(*scores.stacked(), [weight for _, _, weight in rewards])  # (N,)
+    return scores
 
-    def caller(reward):
-        return lambda indices=None: reward.score_inputs(inputs if indices is None else inputs.select(indices))
 
-    # The async rewards start first, together; their results wait here for the loop below.
+def _caller(reward: BaseReward, inputs: RewardInputs) -> Callable:
+    """call(indices=None): the reward on every completion, or on the completions `indices` only."""
+    return lambda indices=None: reward.score_inputs(inputs if indices is None else inputs.select(indices))
+
+
+def _settle_async_rewards(rewards: list, inputs: RewardInputs, timeout: float | None) -> dict[str, tuple]:
+    """name -> (ok, value or exception) of every async reward: all started together, then awaited concurrently."""
     started: dict[str, tuple[bool, Any]] = {}
     for name, reward, _ in rewards:
         if is_async_reward(reward):
             try:
-                started[name] = (True, caller(reward)())
+                started[name] = (True, _caller(reward, inputs)())
             except REWARD_FAILURES as error:  # raised before its first await
                 started[name] = (False, error)
     pending = [name for name, (ok, _) in started.items() if ok]
     settled = dict(zip(pending, _settle([started[name][1] for name in pending], timeout))) if pending else {}
     settled.update({name: outcome for name, outcome in started.items() if not outcome[0]})
+    return settled
 
-    for name, reward, weight in rewards:
-        call = caller(reward)
+
+def _reward_values(name: str, call: Callable, settled: tuple | None, n: int, rules: FailureRules,
+                   inputs: RewardInputs) -> tuple[list[float], dict, int, int]:
+    """(values (N,), metadata, errors, timeouts) of one reward: its checked scores, or what the failure rules make
+    of a failure (a RewardError that names the sample, or error_value for the failing samples, counted)."""
+    try:
+        output = _outcome(settled) if settled is not None else _call_reward(call, rules.timeout)
+        values, meta = _as_scores(output, name, n, rules.where)
+        return values, meta, 0, 0
+    except RewardTimeout:
+        if rules.on_error != "score":
+            raise RewardError(f"reward '{name}' took longer than reward_timeout={rules.timeout}s{rules.where}; "
+                              f"raise the timeout, make the reward faster, or set on_reward_error='score' (such "
+                              f"calls then score reward_error_value, counted in rewards/timeouts)") from None
+        return [rules.error_value] * n, {}, 0, 1
+    except RewardError:
+        raise
+    except REWARD_FAILURES as batch_error:  # user code: re-raised with the sample named, or isolated below
+        reraise_user_interrupt(batch_error)
+        if rules.on_error != "score":
+            culprit = _first_failing_sample(call, n, rules.timeout)
+            raise RewardError(_describe_failure(name, batch_error, inputs.prompts, inputs.completions, culprit,
+                                                rules.where, rules.row_index)) from batch_error
+        values, errors = _sample_by_sample(name, call, n, rules)
+        return values, {}, errors, 0
+
+
+def _sample_by_sample(name: str, call: Callable, n: int, rules: FailureRules) -> tuple[list[float], int]:
+    """(values (N,), errors): the reward on each completion alone, the failing ones scoring error_value."""
+    values, errors = [], 0
+    for i in range(n):
         try:
-            output = _outcome(settled[name]) if name in settled else _call_reward(call, timeout)
-            values, meta = _as_scores(output, name, n, where)
-        except RewardTimeout:
-            if on_error != "score":
-                raise RewardError(f"reward '{name}' took longer than reward_timeout={timeout}s{where}; raise "
-                                  f"the timeout, make the reward faster, or set on_reward_error='score' (such "
-                                  f"calls then score reward_error_value, counted in rewards/timeouts)") from None
-            timeouts += 1
-            values, meta = [error_value] * n, {}
-        except RewardError:
-            raise
-        except REWARD_FAILURES as batch_error:  # user code: re-raised with the sample named, or isolated below
-            reraise_user_interrupt(batch_error)
-            if on_error != "score":
-                culprit = _first_failing_sample(call, n, timeout)
-                raise RewardError(_describe_failure(name, batch_error, prompts, completions, culprit, where,
-                                                     row_index)) from batch_error
-            values, meta = [], {}
-            for i in range(n):  # find the failing samples, keep the rest
-                try:
-                    values.append(_as_scores(_call_reward(lambda i=i, call=call: call([i]), timeout), name, 1)[0][0])
-                except REWARD_FAILURES as error:  # counted in rewards/errors, never silent
-                    reraise_user_interrupt(error)
-                    values.append(error_value)
-                    errors += 1
-        applied = _applies(values)  # (N,)
-        component = torch.where(applied, torch.tensor(values, dtype=torch.float32), 0.0)
-        finite = torch.isfinite(component)
-        if not finite.all():
-            bad = int((~finite).nonzero()[0])
-            if on_error != "score":
-                row = f" (dataset row {row_index[bad]})" if row_index else ""
-                raise RewardError(f"reward '{name}' returned {values[bad]} for completion {bad}{row}{where} "
-                                  f"({completions[bad][:200]!r}); return finite numbers, or set "
-                                  f"on_reward_error='score' to mask such samples from the loss")
-            valid &= finite
-            component = torch.where(finite, component, torch.zeros_like(component))  # masked anyway
-        components[name] = component
-        if not applied.all():
-            applies[name] = applied
-        total += weight * component
-        if meta:
-            metadata[name] = meta
-    nonfinite = int((~valid).sum())
-    return Scores(total, components, valid, errors, timeouts, nonfinite, metadata, applies)
+            values.append(_as_scores(_call_reward(lambda i=i: call([i]), rules.timeout), name, 1)[0][0])
+        except REWARD_FAILURES as error:  # counted in rewards/errors, never silent
+            reraise_user_interrupt(error)
+            values.append(rules.error_value)
+            errors += 1
+    return values, errors
+
+
+def _component(name: str, values: list[float], applied: torch.Tensor, rules: FailureRules,
+               completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(component (N,) float32, 0 where the reward does not apply or returned NaN/inf; finite (N,) bool). A
+    non-finite score is a RewardError, or under on_error='score' masks its sample from the loss."""
+    component = torch.where(applied, torch.tensor(values, dtype=torch.float32), 0.0)  # (N,)
+    finite = torch.isfinite(component)  # (N,)
+    if finite.all():
+        return component, finite
+    bad = int((~finite).nonzero()[0])
+    if rules.on_error != "score":
+        row = f" (dataset row {rules.row_index[bad]})" if rules.row_index else ""
+        raise RewardError(f"reward '{name}' returned {values[bad]} for completion {bad}{row}{rules.where} "
+                          f"({completions[bad][:200]!r}); return finite numbers, or set "
+                          f"on_reward_error='score' to mask such samples from the loss")
+    return torch.where(finite, component, torch.zeros_like(component)), finite  # masked anyway
 
 
 def _first_failing_sample(call: Callable, n: int, timeout: float | None = None) -> int:
