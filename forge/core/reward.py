@@ -53,7 +53,7 @@ __all__ = [
     "as_output",
     "call_with_accepted_kwargs",
     "is_async_reward",
-    "wants_trainer_state",
+    "names_parameter",
 ]
 
 
@@ -112,7 +112,7 @@ class BaseReward(ABC):
     def score_inputs(self, inputs: RewardInputs) -> Any:
         """Score a batch as the trainer does, Forge's way: ``self(prompts, completions, **keywords it names)``."""
         return call_with_accepted_kwargs(self, inputs.prompts, inputs.completions,
-                                         inputs.forge_keywords(wants_trainer_state(self)))
+                                         inputs.forge_keywords(names_parameter(self, "trainer_state")))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -146,7 +146,7 @@ class RewardInputs:
     def forge_keywords(self, with_trainer_state: bool = False) -> dict[str, Any]:
         """Forge's keywords: the columns (``reference`` as ``references``), ``tool_calls``, and ``trainer_state``
         for a reward that names it."""
-        keywords = {("references" if k == "reference" else k): v for k, v in self.columns.items()}
+        keywords = {COLUMN_ALIASES.get(k, k): v for k, v in self.columns.items()}
         keywords |= self.rollout_keywords()
         if with_trainer_state and self.trainer_state is not None:
             keywords["trainer_state"] = self.trainer_state
@@ -169,6 +169,10 @@ class RewardInputs:
         return {k: v for k, v in given.items() if v is not None}
 
 
+COLUMN_ALIASES = {"reference": "references"}
+"""Dataset columns Forge's convention passes under another name (the built-in rewards take `references`)."""
+
+
 class Convention(NamedTuple):
     """One way of calling a reward (`BaseReward.score_inputs`, `FunctionReward.score_inputs`): the names it supplies besides the
     dataset's columns, and the call as an error message shows it."""
@@ -179,7 +183,7 @@ class Convention(NamedTuple):
 
 CONVENTIONS = {
     "forge": Convention(
-        frozenset({"references", "trainer_state", "tool_calls", "environments", "episodes"}),
+        frozenset({*COLUMN_ALIASES.values(), "trainer_state", "tool_calls", "environments", "episodes"}),
         "reward(prompts, completions, **columns) with text completions, `reference` as `references`, and "
         "trainer_state= if it names it (Forge's convention: reward_fn=)"),
     "trl": Convention(
@@ -192,24 +196,14 @@ CONVENTIONS = {
 as ``reward_fn=`` (or by `forge train --reward`), Forge's way; a function passed as ``reward_funcs=``, TRL's way."""
 
 
-def named_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``kwargs`` that ``fn`` can take by name (all of them when it takes ``**kwargs``)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return dict(kwargs)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return dict(kwargs)
-    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {k: v for k, v in kwargs.items() if k in {p.name for p in parameters if p.kind in by_name}}
-
-
 def names_parameter(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn``'s signature has a parameter called `name` (not merely ``**kwargs``)."""
+    """Whether ``fn``'s signature names a parameter `name` (``**kwargs`` does not name one): only a reward that names
+    ``trainer_state`` receives it (a ``**kwargs`` reward gets the dataset columns and nothing else)."""
     try:
-        return name in inspect.signature(fn).parameters
+        parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+    return name in parameters and parameters[name].kind is not inspect.Parameter.VAR_KEYWORD
 
 
 def call_problem(reward: BaseReward, columns: Sequence[str] | None = None) -> str | None:
@@ -237,8 +231,6 @@ def call_problem(reward: BaseReward, columns: Sequence[str] | None = None) -> st
         required = [p.name for p in parameters if p.default is kinds.empty
                     and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
     supplied = set(convention.supplies) | set(columns or ())
-    if reward.convention == "forge" and columns is not None and "reference" in columns:
-        supplied.add("references")
     missing = [name for name in required if name not in supplied]
     if columns is None:
         missing = [name for name in missing if name in convention.supplies]  # the rest may be columns
@@ -252,12 +244,12 @@ def call_problem(reward: BaseReward, columns: Sequence[str] | None = None) -> st
 # Calling rewards with the keyword arguments they accept
 
 
-def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The subset of ``kwargs`` that ``fn`` can receive after its two positional arguments.
+def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], positional: int = 2) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn`` can receive by name after its first `positional` arguments.
 
     Everything passes when ``fn`` takes ``**kwargs`` or has no inspectable signature (some
-    builtins); otherwise only names of its parameters beyond the first two (which receive
-    ``prompts`` and ``responses``).
+    builtins); otherwise only names of its parameters beyond the first `positional` (Forge's call gives
+    ``prompts`` and ``responses`` by position; TRL's, positional=0, gives everything by keyword).
     """
     try:
         signature = inspect.signature(fn)
@@ -267,8 +259,7 @@ def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[s
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return dict(kwargs)
     positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    positional = [p for p in parameters if p.kind in positional_kinds]
-    taken_by_position = {p.name for p in positional[:2]}
+    taken_by_position = {p.name for p in [p for p in parameters if p.kind in positional_kinds][:positional]}
     named = {
         p.name
         for p in parameters
@@ -317,12 +308,13 @@ class FunctionReward(BaseReward):
     def score_inputs(self, inputs: RewardInputs) -> Any:
         if self.convention == "trl":
             keywords = inputs.trl_keywords()
-            if "reference" in keywords and names_parameter(self.fn, "references"):
-                keywords["references"] = keywords["reference"]  # Forge's name, to a reward that names it
-            result = self.fn(**named_kwargs(self.fn, keywords))
+            for column, alias in COLUMN_ALIASES.items():  # Forge's name too, to a reward that names it
+                if column in keywords and names_parameter(self.fn, alias):
+                    keywords[alias] = keywords[column]
+            result = self.fn(**accepted_kwargs(self.fn, keywords, positional=0))
         else:
             result = call_with_accepted_kwargs(self.fn, inputs.prompts, inputs.completions,
-                                               inputs.forge_keywords(wants_trainer_state(self)))
+                                               inputs.forge_keywords(names_parameter(self.fn, "trainer_state")))
         if inspect.isawaitable(result):  # an async def reward: awaited (with the other async rewards) by the caller
             return _awaited_output(result)
         return as_output(result)
@@ -338,17 +330,6 @@ def is_async_reward(reward: Any) -> bool:
     if inspect.iscoroutinefunction(target):
         return True
     return callable(target) and inspect.iscoroutinefunction(type(target).__call__)
-
-
-def wants_trainer_state(reward: Any) -> bool:
-    """True when the reward's signature names a ``trainer_state`` parameter; only such rewards receive it (a
-    ``**kwargs`` reward gets the dataset columns, each a list with one entry per completion, and nothing else)."""
-    target = reward.fn if isinstance(reward, FunctionReward) else reward
-    try:
-        parameters = inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        return False
-    return "trainer_state" in parameters and parameters["trainer_state"].kind is not inspect.Parameter.VAR_KEYWORD
 
 
 # ----------------------------------------------------------------------------------------------

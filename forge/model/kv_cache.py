@@ -81,9 +81,6 @@ if DynamicLayer is not None:
             self.value_buffer = self.value_buffer.index_select(0, indices)
             self._expose()
 
-        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-            self.batch_select_indices(beam_idx.to(self.key_buffer.device))
-
 
 def preallocated(cache, capacity: int, repeats: int = 1):
     """Move a filled DynamicCache into buffers of `capacity` positions (see _PreallocatedLayer), each row repeated
