@@ -138,7 +138,7 @@ def load(name: str = "default"):
         plain.generation_config, model = model.generation_config, plain
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     tokenizer.padding_side = "left"  # every prompt ends in the last column, so decoding starts together
-    return model.eval(), tokenizer  # eval(): no dropout, so sampling and the loss see one network
+    return model.eval(), tokenizer  # eval mode: no dropout, so sampling and the loss see one network
 
 
 def prepare(model, config: Config):
