@@ -29,7 +29,6 @@ from forge.core.grpo import (
     LossType,
 )
 from forge.core.trl_names import forge_names
-from forge.model.lora import lora_fields
 from forge.run.health import HEALTH_RULES, parse_thresholds
 
 VLLM_INSTALL = ("generation_backend='vllm' needs vLLM: on a GPU `pip install 'forge-rl[vllm]'`; on a CPU, in a venv "
@@ -582,6 +581,8 @@ def trainer_arguments(tokenizer: Any, reward_fn: Any, config: Any, *, reward_fun
             raise TypeError(f"GRPOTrainer got both {forge}= and TRL's {trl}=; give one")
     config = config if config is not None else args if args is not None else GRPOConfig()
     if peft_config is not None:
+        from forge.model.lora import lora_fields  # loads torch; `forge --help` does not
+
         config = dataclasses.replace(config, **lora_fields(peft_config))
     rewards = reward_fn if reward_fn is not None else reward_funcs
     if rewards is None:
