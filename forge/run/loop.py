@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from forge.data.dataset import checked_rows, iterate_steps, rows_per_step, training_rows
 from forge.logging.logger import ForgeLogger, install_warning_format
+from forge.run import memory
 from forge.run.health import HEALTH_RULES, HealthMonitor, parse_thresholds
 from forge.run.lifecycle import (
     CheckpointParts,
@@ -103,6 +104,7 @@ class TrainingRun:
     def train(self) -> dict:
         config, trainer = self.config, self.trainer
         trainer.total_steps = self.total_steps  # rewards see it through TrainerState
+        memory.return_freed_memory()  # a loss pass's freed logit chunks go back to the system
         trainer.scheduler = make_scheduler(trainer.optimizer, config.lr_scheduler, config.warmup_ratio,
                                            self.total_steps)
         self.lifecycle = RunLifecycle(config.output_dir, CheckpointParts(
