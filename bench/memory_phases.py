@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,7 +95,7 @@ def build(workload: str, overrides: dict):
         from forge.demo import DemoSettings, demo_config, demo_rewards
 
         settings = DemoSettings(seed=0)
-        config = demo_config(settings, "/tmp/forge_memory_phases", eval_steps=0, preflight="off", **overrides)
+        config = demo_config(settings, "/tmp/forge_memory_phases", **({"eval_steps": 0, "preflight": "off"} | overrides))
         model, tokenizer = load_model("default")
         return GRPOTrainer(model, tokenizer, demo_rewards(), config), rows
     if workload == "qwen":
@@ -105,9 +108,9 @@ def build(workload: str, overrides: dict):
         def varied(prompts, completions, **kwargs):  # any reward that differs within a group
             return [float(len(str(c)) % 7) for c in completions]
 
-        config = GRPOConfig(group_size=8, prompts_per_step=4, max_new_tokens=256, kl_beta=0.04, use_lora=True,
-                            logging_steps=1, save_steps=0, output_dir="/tmp/forge_memory_phases",
-                            overwrite_output_dir=True, preflight="off", **overrides)
+        config = GRPOConfig(**{"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 256, "kl_beta": 0.04,
+                               "use_lora": True, "logging_steps": 1, "save_steps": 0, "preflight": "off",
+                               "output_dir": "/tmp/forge_memory_phases", "overwrite_output_dir": True} | overrides)
         return GRPOTrainer(model, tokenizer, varied, config), rows
     raise ValueError(f"unknown workload {workload!r}: demo or qwen")
 
@@ -136,7 +139,7 @@ def torch_size(dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def child(workload: str, overrides: dict, steps: int, threads: int) -> dict:
+def child(workload: str, overrides: dict, steps: int, threads: int, train: bool = False) -> dict:
     import torch
 
     from forge.run.optim import make_scheduler
@@ -160,14 +163,20 @@ def child(workload: str, overrides: dict, steps: int, threads: int) -> dict:
 
     trainer.collect = collect
     peak_start = reset_peak()
-    for i in range(steps):
+    if train:  # the whole run: train() with its preflight (which may fit micro_batch_size='auto')
+        trainer.config = dataclasses.replace(trainer.config, max_steps=steps)
+        t0 = time.process_time()
+        trainer.train(rows[:per * steps])
+        step_cpu.append(time.process_time() - t0)
+    for i in range(0 if train else steps):
         t0 = time.process_time()
         trainer.step(rows[per * i: per * (i + 1)])
         step_cpu.append(time.process_time() - t0)
     return {"workload": workload, "overrides": overrides, "threads": threads, "steps": steps,
             "load_mb": load_mb, "resident_after_load_mb": peak_start,
             "phase_peak_mb": meter.peaks, "phase_cpu_seconds": meter.seconds, "phase_calls_mb": meter.calls,
-            "step_cpu_seconds": step_cpu,
+            "step_cpu_seconds": step_cpu, "micro_batch_size": trainer.micro_batch_size, "train": train,
+
             "arithmetic": arithmetic(trainer, batch)}
 
 
@@ -181,14 +190,20 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 def run_child(source: Path, args) -> dict:
     cmd = [sys.executable, str(HERE / "memory_phases.py"), args.workload, "--child", "--steps", str(args.steps),
-           "--threads", str(args.threads)] + [x for s in args.set for x in ("--set", s)]
-    env = dict(os.environ, PYTHONPATH=str(source))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=source)
-    if out.returncode:
-        raise SystemExit(f"{source}: run failed:\n{out.stderr[-3000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+           "--threads", str(args.threads), *(["--train"] if args.train else []),
+           *(x for s in args.set for x in ("--set", s))]
+    timer = shutil.which("time") or ("/usr/bin/time" if Path("/usr/bin/time").exists() else None)
+    with tempfile.NamedTemporaryFile(suffix=".txt") as peak_file:
+        if timer:  # the whole child's peak resident set, as /usr/bin/time -v reports it (KiB)
+            cmd = [timer, "-f", "%M", "-o", peak_file.name, *cmd]
+        out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(source)), capture_output=True, text=True,
+                             cwd=source, check=False)
+        if out.returncode:
+            raise SystemExit(f"{source}: run failed:\n{out.stderr[-3000:]}")
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        text = Path(peak_file.name).read_text().strip()
+        result["process_peak_mb"] = int(text.splitlines()[-1]) / 1024 if timer and text else None
     result["source"] = str(source)
-    # A whole process's peak, as /usr/bin/time reports it: the child's own VmHWM after its last step.
     return result
 
 
@@ -199,13 +214,14 @@ def peak(result: dict) -> float:
 
 def table(results: list[dict]) -> str:
     phases = ("generate", "reference_logprobs", "old_logprobs", "update")
-    head = ["source", "load", *phases, "peak", "step CPU s"]
+    head = ["source", "load", *phases, "peak", "process peak", "micro-batch", "step CPU s"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in results:
         steps = r["step_cpu_seconds"][1:] or r["step_cpu_seconds"]  # the first step warms up
         lines.append(" | ".join([Path(r.get("source", "")).name or ".", f"{r['load_mb']:.0f}",
                                  *(f"{r['phase_peak_mb'].get(p, 0):.0f}" for p in phases),
-                                 f"{peak(r):.0f}", f"{sum(steps) / len(steps):.2f}"]))
+                                 f"{peak(r):.0f}", f"{r.get('process_peak_mb') or 0:.0f}",
+                                 str(r.get("micro_batch_size", "")), f"{sum(steps) / len(steps):.2f}"]))
     a = results[0]["arithmetic"]
     lines.append(f"(MB; by arithmetic: weights {a['weights_mb']:.0f}, KV cache of the rollout {a['kv_cache_mb']:.0f}, "
                  f"logits of one micro-batch of {a['micro_batch_size']} x {a['new_tokens']} tokens "
@@ -221,11 +237,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--against", type=Path, help="a second Forge checkout, run alternating with this one")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--train", action="store_true",
+                        help="run train() for --steps steps (its preflight included) instead of bare steps")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.workload, parse_overrides(args.set), args.steps, args.threads)))
+        print(json.dumps(child(args.workload, parse_overrides(args.set), args.steps, args.threads, args.train)))
         return
     sys.path.insert(0, str(HERE))
     from workloads import machine_info

@@ -103,8 +103,9 @@ LORA_INPUTS_UNCAST_MEASURED: dict[tuple[str, torch.dtype, str], tuple[bool, str]
     ("cpu", torch.bfloat16, "AMX tiles"): (
         True, "0.87x the time of PEFT's cast on an AMX Xeon (SmolLM2-135M LoRA forward+backward, bench/precision.py)"),
     ("cpu", torch.bfloat16, "AVX512-BF16"): (
-        False, ("1.05x the time of PEFT's cast on an AVX512-BF16 AMD EPYC (SmolLM2-135M LoRA forward+backward, "
-               "bench/precision.py)")),
+        True, ("0.98x the time of PEFT's cast on an AVX512-BF16 AMD EPYC (SmolLM2-135M LoRA forward+backward, "
+               "bench/precision.py), and 0.80-0.87x the loss pass's peak memory (no fp32 copy of each adapted "
+               "layer's input is kept for backward)")),
 }
 
 
@@ -127,10 +128,11 @@ def lora_inputs_uncast(model: nn.Module | None) -> Iterator[None]:
 
     PEFT casts x to lora_A's dtype before B(A(x)); under autocast the matmul casts it straight back to the
     compute dtype, so that round trip (bf16 -> fp32 -> bf16 is exact) changes no bit of the output or the
-    gradients, but costs two copies of every adapted layer's input per forward and two more in backward:
-    without it a bf16 LoRA forward + backward takes 0.87x the time on an AMX Xeon, but 1.05x on an AVX512-BF16
-    AMD EPYC (SmolLM2-135M, 8 x 160 tokens; `python bench/precision.py`), so `Precision.autocast` applies it only
-    where it measured faster (LORA_INPUTS_UNCAST_MEASURED).
+    gradients, but costs two copies of every adapted layer's input per forward and two more in backward, and
+    keeps the fp32 copy for backward: without it a bf16 LoRA forward + backward takes 0.87x the time on an AMX
+    Xeon and 0.98x on an AVX512-BF16 AMD EPYC (SmolLM2-135M, 8 x 160 tokens; `python bench/precision.py`), and
+    the demo's loss pass 0.80-0.87x the peak memory; `Precision.autocast` applies it where it measured faster
+    (LORA_INPUTS_UNCAST_MEASURED).
     Only plain LoRA on linear layers (no DoRA or other variant, which compute more from x); restored on exit."""
     if model is None:
         yield
