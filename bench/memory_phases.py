@@ -175,7 +175,7 @@ def child(workload: str, overrides: dict, steps: int, threads: int, train: bool 
     return {"workload": workload, "overrides": overrides, "threads": threads, "steps": steps,
             "load_mb": load_mb, "resident_after_load_mb": peak_start,
             "phase_peak_mb": meter.peaks, "phase_cpu_seconds": meter.seconds, "phase_calls_mb": meter.calls,
-            "step_cpu_seconds": step_cpu, "micro_batch_size": trainer.micro_batch_size, "train": train,
+            "step_cpu_seconds": step_cpu, "micro_batch_size": getattr(trainer, "micro_batch_size", trainer.config.micro_batch_size), "train": train,
 
             "arithmetic": arithmetic(trainer, batch)}
 
