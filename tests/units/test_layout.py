@@ -26,8 +26,9 @@ FLOORS = {
 }
 # Forge's own modules imported inside a function, where that is the point: the command line imports a command's
 # modules when it runs (`forge --help` does not load transformers), the package face imports a public name on
-# first use (`import forge` stays light).
-LAZY_BY_DESIGN = {"cli.py", "__init__.py"}
+# first use (`import forge` stays light), and GRPOConfig, which the command line reads for its flags, checks a
+# peft LoraConfig only when GRPOTrainer is given one (forge.model loads transformers).
+LAZY_BY_DESIGN = {"cli.py", "__init__.py", "config.py"}
 
 
 def module_name(path: Path) -> str:
