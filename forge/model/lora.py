@@ -69,6 +69,9 @@ def quiet_checkpointing_deprecation() -> Iterator[None]:
         yield
 
 
+_REFERENCE_KEEPING_INITS = (True, False, "gaussian")  # inits that leave the base weights as they are
+
+
 def lora_fields(peft_config) -> dict:
     """GRPOConfig's LoRA fields as a peft `LoraConfig` sets them: the run's record of its adapters (apply_lora hands
     the LoraConfig itself to peft). Refuses, naming the field, what would make the adapter-disabled model, Forge's
