@@ -197,17 +197,16 @@ class GRPOTrainer(TrainerSurface):
             raise failure or RewardError(f"step {self.global_step + 1}: a reward failed in another process; see its error")
         return scores
 
-    def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, share_prompt: bool | None = None,
-                 **entropy):
+    def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, **entropy):
         """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion (and their
         entropies with with_entropy=True, see completion_logprobs)."""
         length = int(rollout.completion_mask[indices].sum(dim=1).max().clamp(min=1))
-        share_prompt = self.config.share_prompt_prefix if share_prompt is None else share_prompt
         with self.precision.autocast(model):  # the same numerics as generation: pi_old = stopgrad(pi) holds
             return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask,
                                        rollout.completion_ids[indices, :length], rollout.prompt_index[indices],
-                                       self.config.temperature, self.config.logprob_chunk_size, share_prompt,
-                                       share_template=not self.dist.fsdp, **entropy)
+                                       self.config.temperature, self.config.logprob_chunk_size,
+                                       self.config.share_prompt_prefix, share_template=not self.dist.fsdp,
+                                       **entropy)
 
     @torch.no_grad()
     def old_logprobs(self, rollout: Rollout) -> torch.Tensor | None:

@@ -213,7 +213,7 @@ TRL_IGNORED = {
     "bf16_full_eval": "evaluation runs in the run's precision (dtype)",
     "fp16_full_eval": "evaluation runs in the run's precision (dtype)",
     "tf32": "torch's own setting (torch.backends.cuda.matmul.allow_tf32); Forge leaves it as torch has it",
-    "use_cache": "generation always uses a KV cache and the loss pass none",
+    "use_cache": "generation and the loss pass keep the prompt's KV cache themselves",
     "torch_empty_cache_steps": "Forge does not empty the CUDA cache on a schedule",
     "logging_first_step": "Forge logs every logging_steps and the last step",
     "log_on_each_node": "only the main process logs",
