@@ -20,6 +20,16 @@ def tiny_tokenizer():
     return build_tiny_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """The tiny model and its tokenizer saved like a hub checkpoint, so `model=` can be a name as in TRL."""
+    folder = tmp_path_factory.mktemp("tiny")
+    model, tokenizer = build_tiny_model(seed=0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture
 def tiny_model(tiny_tokenizer):
     model, _ = build_tiny_model(tiny_tokenizer, seed=0)

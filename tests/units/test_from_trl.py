@@ -14,29 +14,9 @@ import re
 
 import pytest
 from datasets import Dataset
+from trl_scripts import PROMPTS, trl_args
 
 from forge import GRPOConfig, GRPOTrainer  # the one line a TRL script changes
-from forge.model.tiny import build_tiny_model
-
-PROMPTS = ["What is 2 + 3?", "Name a color.", "Count to three.", "Say yes."]
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
-    """The tiny model and its tokenizer saved like a hub checkpoint, so `model=` can be a name as in TRL."""
-    folder = tmp_path_factory.mktemp("tiny")
-    model, tokenizer = build_tiny_model(seed=0)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
-def trl_args(tmp_path, **overrides) -> GRPOConfig:
-    values = {"output_dir": str(tmp_path / "out"), "logging_steps": 1, "num_generations": 4,
-              "max_completion_length": 8, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
-              "max_steps": 2, "learning_rate": 1e-2, "beta": 0.0, "report_to": "none",
-              "preflight": "off"}  # the rewards' calls are counted from step 1
-    return GRPOConfig(**(values | overrides))
 
 
 def test_the_trl_quickstart_runs_with_the_import_changed(model_folder, tmp_path):

@@ -16,31 +16,14 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import TrainerCallback, TrainerControl, TrainerState
+from trl_scripts import PROMPTS, trl_args
 
 from forge import GRPOConfig, GRPOTrainer  # the one line a TRL script changes
 from forge.model.tiny import build_tiny_model
 
-PROMPTS = ["What is 2 + 3?", "Name a color.", "Count to three.", "Say yes."]
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    model, tokenizer = build_tiny_model(seed=0)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
 
 def reward_len(completions, **kwargs):
     return [-abs(20 - len(completion)) for completion in completions]
-
-
-def training_args(tmp_path, **overrides) -> GRPOConfig:
-    values = {"output_dir": str(tmp_path / "out"), "logging_steps": 1, "num_generations": 4,
-              "max_completion_length": 8, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
-              "max_steps": 2, "learning_rate": 1e-2, "beta": 0.0, "report_to": "none", "preflight": "off"}
-    return GRPOConfig(**(values | overrides))
 
 
 def adapted(model) -> tuple[list[str], list[str], dict]:
@@ -64,7 +47,7 @@ def adapted(model) -> tuple[list[str], list[str], dict]:
 def test_forge_adapts_exactly_the_modules_peft_adapts(peft_config, tmp_path):
     model, tokenizer = build_tiny_model(seed=0)
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward_len,
-                          args=training_args(tmp_path), peft_config=peft_config)
+                          args=trl_args(tmp_path), peft_config=peft_config)
     reference, _ = build_tiny_model(seed=0)
     expected = adapted(get_peft_model(reference, peft_config))
     assert adapted(trainer.model) == expected
@@ -77,14 +60,14 @@ def test_a_peft_config_forge_cannot_train_is_refused_naming_the_field(tmp_path):
                             (LoraConfig(target_modules="all-linear", init_lora_weights="pissa"),
                              "peft_config.init_lora_weights='pissa' rewrites the base weights")):
         with pytest.raises(TypeError, match=message):
-            GRPOTrainer(model="no/such-model", reward_funcs=reward_len, args=training_args(tmp_path),
+            GRPOTrainer(model="no/such-model", reward_funcs=reward_len, args=trl_args(tmp_path),
                         peft_config=config)
 
 
 def test_the_trl_lora_script_trains_and_saves_the_adapter(model_folder, tmp_path):
     dataset = Dataset.from_dict({"prompt": PROMPTS})
     peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model_folder, reward_funcs=reward_len, args=training_args(tmp_path),
+    trainer = GRPOTrainer(model=model_folder, reward_funcs=reward_len, args=trl_args(tmp_path),
                           train_dataset=dataset, peft_config=peft_config)
     trainer.train()
     trainer.save_model(tmp_path / "adapter")
@@ -146,7 +129,7 @@ def test_a_script_with_eval_dataset_eval_strategy_and_a_logging_callback(model_f
     dataset = Dataset.from_dict({"prompt": PROMPTS})
     eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:2]})
     recorder = Recorder()
-    args = training_args(tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2,
+    args = trl_args(tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2,
                          save_strategy="steps", save_steps=1, save_total_limit=1, logging_strategy="steps",
                          num_train_epochs=1, seed=3, bf16=False, gradient_checkpointing=False, push_to_hub=False,
                          dataloader_num_workers=2)
@@ -185,7 +168,7 @@ class StopAfter(TrainerCallback):
 def test_a_callback_that_stops_training_ends_the_run_as_max_steps_would(model_folder, tmp_path):
     recorder = Recorder()
     trainer = GRPOTrainer(model=model_folder, reward_funcs=reward_len,
-                          args=training_args(tmp_path, max_steps=6, save_strategy="no"),
+                          args=trl_args(tmp_path, max_steps=6, save_strategy="no"),
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS * 3}),
                           callbacks=[StopAfter(2), recorder])
     trainer.train()
@@ -204,20 +187,20 @@ class SaveAt(TrainerCallback):
 def test_a_callback_asks_for_a_checkpoint_and_train_resumes_from_it(model_folder, tmp_path):
     dataset = Dataset.from_dict({"prompt": PROMPTS})
     first = GRPOTrainer(model=model_folder, reward_funcs=reward_len,
-                        args=training_args(tmp_path, max_steps=1, save_strategy="no"), train_dataset=dataset,
+                        args=trl_args(tmp_path, max_steps=1, save_strategy="no"), train_dataset=dataset,
                         callbacks=[SaveAt])  # a class, as transformers takes it
     first.train()
     assert (tmp_path / "out" / "1").is_dir()
 
     second = GRPOTrainer(model=model_folder, reward_funcs=reward_len,
-                         args=training_args(tmp_path, max_steps=2, save_strategy="no"), train_dataset=dataset)
+                         args=trl_args(tmp_path, max_steps=2, save_strategy="no"), train_dataset=dataset)
     second.train(resume_from_checkpoint=True)
     assert second.global_step == 2 and second.config.resume_from == "latest"
     assert [row["step"] for row in second.state.log_history] == [2]
 
 
 def test_save_model_writes_the_model_where_it_is_asked(model_folder, tmp_path):
-    trainer = GRPOTrainer(model=model_folder, reward_funcs=reward_len, args=training_args(tmp_path))
+    trainer = GRPOTrainer(model=model_folder, reward_funcs=reward_len, args=trl_args(tmp_path))
     path = trainer.save_model(tmp_path / "model")
     assert (path / "model.safetensors").is_file() and (path / "tokenizer_config.json").is_file()
     with pytest.raises(ValueError, match="evaluate\\(\\) without rows evaluates eval_dataset"):
@@ -234,7 +217,7 @@ def test_modules_to_save_and_dora_train_and_the_reference_stays_the_initial_mode
     peft_config = LoraConfig(r=4, target_modules="all-linear", modules_to_save=["lm_head"], use_dora=True,
                              task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward_len,
-                          args=training_args(tmp_path, beta=0.04), train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                          args=trl_args(tmp_path, beta=0.04), train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                           peft_config=peft_config)
     trainer.train()
     ids = torch.tensor([[1, 7, 9, 11]])
