@@ -24,8 +24,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from memory_phases import QWEN_SHAPE, reset_peak, status_mb  # noqa: E402
-from workloads import machine_info  # noqa: E402
+from memory_phases import QWEN_SHAPE, reset_peak, status_mb
+from workloads import machine_info
 
 
 def model_for(workload: str):
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, help="tokens per completion (demo 64, qwen 256)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    import forge.core.logprobs as logprobs
+    from forge.core import logprobs
 
     torch.set_num_threads(args.threads)
     model, tokenizer = model_for(args.workload)
@@ -76,7 +76,7 @@ def main() -> None:
             start = reset_peak()
             t0 = time.process_time()
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                values, entropy = logprobs.completion_logprobs(model, prompt, torch.ones_like(prompt), completions,
+                values, _ = logprobs.completion_logprobs(model, prompt, torch.ones_like(prompt), completions,
                                                                index, 1.0, chunk, with_entropy=True)
             values.sum().backward()
             results[size]["cpu"].append(time.process_time() - t0)

@@ -20,7 +20,6 @@ changes, so a run trains the same weights bit for bit with it on or off (tests/u
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import threading
 import time
@@ -203,14 +202,18 @@ def loss_pass(trainer, rollout) -> tuple[float, float]:
 def projected_memory(trainer, rollout, held: float, generation_rise: float, loss_rise: float
                      ) -> memory.MemoryProjection:
     """The run's peak, scaled from what the preflight's generation and loss pass added to what was `held`."""
-    config, rows = trainer.config, rollout.completion_ids.shape[0]
-    run_rows = config.prompts_per_step // trainer.dist.world_size * config.group_size
+    config, rows, run_rows = trainer.config, rollout.completion_ids.shape[0], rollout_rows(trainer)
     prompt = rollout.prompt_ids.shape[1]
     return memory.project(
         generation_rise, loss_rise, held=held + memory.optimizer_state_mb(trainer.trainable, trainer.optimizer),
         sampled_rows=rows, run_rows=run_rows, measured_micro_batch=min(trainer.micro_batch_size or rows, rows),
         measured_tokens=prompt + int(rollout.completion_lengths.max()),
         run_micro_batch=min(trainer.micro_batch_size or run_rows, run_rows), run_tokens=prompt + config.max_new_tokens)
+
+
+def rollout_rows(trainer) -> int:
+    """Completions in one of this process's rollout batches."""
+    return trainer.config.prompts_per_step // trainer.dist.world_size * trainer.config.group_size
 
 
 def fit_memory(trainer, report: PreflightReport) -> str | None:
@@ -228,13 +231,10 @@ def fit_memory(trainer, report: PreflightReport) -> str | None:
     if budget is None:
         return None
     if config.micro_batch_size == "auto":
-        run_rows = config.prompts_per_step // trainer.dist.world_size * config.group_size
-        fitted = memory.fitting_micro_batch(projection, budget, run_rows)
+        fitted = memory.fitting_micro_batch(projection, budget, rollout_rows(trainer))
         if fitted:
-            per_row = projection.loss_pass / max(projection.micro_batch_size, 1)
             trainer.micro_batch_size = fitted
-            report.memory = projection = dataclasses.replace(projection, loss_pass=per_row * fitted,
-                                                             micro_batch_size=fitted)
+            report.memory = projection = projection.with_micro_batch(fitted)
     if not trainer.dist.any(projection.peak > budget):
         return None
     return (f"this run's memory is projected to peak at {projection.peak:.0f} MB (held {projection.held:.0f}, "

@@ -25,13 +25,14 @@ from typing import Any
 import torch
 
 from forge.core.advantages import group_reward_std, multi_reward_advantages
+from forge.core.batch import Batch
 from forge.core.config import GRPOConfig, trainer_arguments
 from forge.core.engine_rollout import generate_on_engine, open_engine
 from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
 from forge.core.logprobs import checkpointed_layers, completion_logprobs, micro_batches, padded_rows
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
-from forge.core.rollout import (Batch, Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
+from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
                                 sampling_seed)
 from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
 from forge.envs import env_rewards, rollout_tools

@@ -16,6 +16,7 @@ measurable; bench/memory_phases.py on the AVX512-BF16 EPYC).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import resource
 from dataclasses import dataclass
@@ -104,6 +105,14 @@ class MemoryProjection:
     def peak(self) -> float:
         return self.held + max(self.generation, self.loss_pass)
 
+    @property
+    def per_row(self) -> float:
+        """What one completion adds to the loss pass."""
+        return self.loss_pass / max(self.micro_batch_size, 1)
+
+    def with_micro_batch(self, size: int) -> MemoryProjection:
+        return dataclasses.replace(self, loss_pass=self.per_row * size, micro_batch_size=size)
+
 
 def project(measured_generation: float, measured_loss_pass: float, *, held: float, sampled_rows: int, run_rows: int,
             measured_micro_batch: int, measured_tokens: int, run_micro_batch: int, run_tokens: int
@@ -118,10 +127,10 @@ def project(measured_generation: float, measured_loss_pass: float, *, held: floa
 
 def fitting_micro_batch(projection: MemoryProjection, budget: float, rows: int) -> int:
     """The largest micro-batch (<= rows) whose loss pass fits the budget next to what is held; 0 if none does."""
-    per_row, room = projection.loss_pass / max(projection.micro_batch_size, 1), budget - projection.held
+    room = budget - projection.held
     if room <= 0:
         return 0
-    return rows if per_row <= 0 else max(0, min(rows, int(room // per_row)))
+    return rows if projection.per_row <= 0 else max(0, min(rows, int(room // projection.per_row)))
 
 
 def optimizer_state_mb(parameters, optimizer) -> float:

@@ -1,15 +1,13 @@
 """The loss pass makes its logits from the hidden states a chunk at a time: the same log-probs, entropies and
 gradients as the model's whole logits, and memory that does not grow with the vocabulary."""
 
-import ctypes
 import sys
 
 import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import forge.core.logprobs as logprobs
-from forge.core.grpo import token_logprobs_from_logits
+from forge.core import logprobs
 from forge.core.logprobs import completion_logprobs, logit_head, logprobs_from_hidden
 from forge.model.lora import apply_lora
 from forge.run import memory
@@ -37,8 +35,8 @@ def test_logprobs_from_hidden_equal_the_log_softmax_of_whole_logits_with_gradien
 
     expected = run(whole)
     for chunk in (1, 3, 100):
-        got = run(lambda: logprobs_from_hidden(hidden, head, targets, 0.7, chunk, with_entropy=True,
-                                               entropy_grad=True))
+        got = run(lambda chunk=chunk: logprobs_from_hidden(hidden, head, targets, 0.7, chunk, with_entropy=True,
+                                                           entropy_grad=True))
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
@@ -108,14 +106,10 @@ def test_a_model_that_caps_its_logits_keeps_its_own_logits():
 
 
 def resident_peak_mb(fn) -> float:
-    """What fn adds to the process's peak resident memory (Linux: VmHWM reset through /proc/self/clear_refs)."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    status = lambda key: next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))  # noqa: E731
-    start = status("VmRSS:")
+    """What fn adds to the process's peak resident memory (Linux: VmHWM, restarted by memory.reset_peak)."""
+    start = memory.reset_peak()
     fn()
-    return (status("VmHWM:") - start) / 1024
+    return memory.peak_mb() - start
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak resident memory from /proc")
@@ -131,7 +125,7 @@ def test_the_loss_pass_memory_does_not_grow_with_the_vocabulary():
         index = torch.tensor([0] * 4 + [1] * 4)
 
         def run():
-            values, entropy = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, index,
+            values, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, index,
                                                   with_entropy=True)
             values.sum().backward()
 
