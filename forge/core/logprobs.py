@@ -70,8 +70,7 @@ def completion_logprobs(
     hidden = last_hidden(model, input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
                          use_cache=True, **{CACHE_ARG: cache})  # (n, T, H)
     # The first completion token is predicted by the prompt's last position, the others by the one before them.
-    first_token = token_logprobs_from_logits(last_logits[expand][:, None], completion_ids[:, :1], temperature,
-                                             with_entropy=with_entropy, entropy_grad=entropy_grad)  # (n, 1)
+    first_token = token_logprobs_from_logits(last_logits[expand][:, None], completion_ids[:, :1], **scoring)  # (n, 1)
     rest = scored(model, hidden[:, :-1], completion_ids[:, 1:], **scoring)  # (n, T - 1)
     if not with_entropy:
         return torch.cat([first_token, rest], dim=1)  # (n, T)
