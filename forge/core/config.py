@@ -170,6 +170,25 @@ class GRPOConfig:
     """DeepSeek-V3.2's off-policy sequence mask (TRL's name): a completion with negative advantage whose mean
     log-prob gap, sampler minus current policy, is over this loses its policy term; None = off."""
 
+    # --- on-policy distillation (a teacher scores the student's samples) and dynamic sampling (DAPO) ---
+    teacher_model: str | None = None
+    """On-policy distillation: a model id or folder whose log-probs of the student's sampled tokens give each token
+    the advantage distill_coef x -(log p_student - log p_teacher) (the reverse KL; docs/algorithm.md). A LoRA
+    adapter folder trained on the student's base becomes the student's second adapter (no second copy of the
+    base). The tokenizers must match. A loaded model: GRPOTrainer(..., teacher_model=model). None = no teacher."""
+    distill_coef: float = 1.0
+    """With a teacher: the weight of its per-token advantage -(log p_student - log p_teacher)."""
+    reward_coef: float = 1.0
+    """With a teacher: the weight of the group reward advantage added on every token (0 = pure distillation; the
+    rewards are still computed and logged)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: more rounds of prompts_per_step prompts (drawn from the training rows with the
+    step's seed) until the step holds as many groups whose rewards differ as it has prompts, or
+    max_sampling_rounds; flat groups stay out of the loss (verl: algorithm.filter_groups)."""
+    max_sampling_rounds: int = 4
+    """With dynamic_sampling: the most rounds of generation in one step, its own rows counted as the first (verl's
+    max_num_gen_batches); at the cap the step trains on the groups with a signal it found."""
+
     # --- sampling ---
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 = off)."""
@@ -448,6 +467,11 @@ class GRPOConfig:
              f"rollout_is={self.rollout_is!r}; choose one of {sorted(ROLLOUT_IS_MODES)}")
         need(self.rollout_is_threshold >= 1,
              f"rollout_is_threshold={self.rollout_is_threshold} must be >= 1 (a cap below 1 cuts on-policy tokens)")
+        need(self.distill_coef >= 0 and self.reward_coef >= 0,
+             f"distill_coef={self.distill_coef} and reward_coef={self.reward_coef} must be >= 0")
+        need(self.teacher_model is None or not self.fsdp,
+             "teacher_model scores with whole weights; with fsdp=True there is no teacher pass (leave one of them)")
+        need(self.max_sampling_rounds >= 1, f"max_sampling_rounds={self.max_sampling_rounds} must be >= 1")
         need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
         need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)")
         need(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length must be >= 1")

@@ -119,7 +119,7 @@ def grpo_loss(
     old_logprobs:     (B, T) log pi_old, the policy that sampled; None = logprobs.detach() (one update per
                       rollout: the ratio is 1, the loss value ~0, and its gradient is the policy gradient)
     ref_logprobs:     (B, T) log pi_ref, or None when kl_beta == 0
-    advantages:       (B,)   group-relative advantage of each completion
+    advantages:       (B,)   group-relative advantage of each completion, or (B, >=T) one per token
     completion_mask:  (B, T) 1 on completion tokens up to and including EOS, 0 on padding
     settings:         the variant (LossSettings; the default is GRPO with clip 0.2 and no KL term)
     entropy:          (B, T) token entropies, needed for top_entropy_quantile < 1 and entropy_coef != 0 (with
@@ -137,7 +137,8 @@ def grpo_loss(
     # 1. the ratio against the policy that sampled, and the clipped policy term (DeepSeekMath eq. 3)
     log_ratio = IMPORTANCE_LEVELS[settings.importance_sampling_level](logprobs, old_logprobs, mask)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages[:, None].to(logprobs.dtype)  # (B, 1)
+    # (B, 1) one advantage per completion, or (B, T) one per token (on-policy distillation, core/distill.py)
+    adv = (advantages[:, :logprobs.shape[1]] if advantages.dim() == 2 else advantages[:, None]).to(logprobs.dtype)
     term = POLICY_OBJECTIVES[objective](ratio, logprobs, adv, settings)
     pg_loss, acting, is_weight = term.pg_loss, mask, None  # (B, T), (B, T): the tokens the gradient acts on
     if settings.reshapes_policy_term:

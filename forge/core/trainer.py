@@ -1,8 +1,8 @@
 """GRPOTrainer: one GRPO optimizer step as a recipe, with each phase a public method.
 
     step(rows)
-      collect(rows)    generate G completions per prompt -> score -> group advantages -> loss mask
-                       -> pi_old log-probs (only for several updates per rollout) and reference log-probs
+      collect(rows)    generate G completions per prompt (dynamic_sampling: in rounds) -> score -> advantages
+                       -> loss mask -> pi_old and reference log-probs -> a teacher's per-token advantages
       update(batch)    clipped-ratio loss + KL over micro-batches, backward -> clip, AdamW, schedule
       metrics          forge/run/metrics.py, from statistics combined over the processes
     train(dataset)     the loop around the steps (forge/run/loop.py): schedule, logs, evaluation, checkpoints
@@ -27,14 +27,22 @@ import torch
 from forge.core.advantages import group_reward_std, multi_reward_advantages
 from forge.core.batch import Batch
 from forge.core.config import GRPOConfig, trainer_arguments
+from forge.core.dynamic_sampling import SamplingRounds
 from forge.core.engine_rollout import generate_on_engine, open_engine
 from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
 from forge.core.logprobs import checkpointed_layers, completion_logprobs, micro_batches, padded_rows
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
-from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
-                                sampling_seed)
+from forge.core.rollout import (
+    Rollout,
+    SamplingSettings,
+    generate,
+    prompt_budget,
+    sampling_noise,
+    sampling_seed,
+)
 from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
+from forge.core.teacher import open_teacher
 from forge.envs import env_rewards, rollout_tools
 from forge.model import merged_adapters, prepare_policy
 from forge.parallel import sharding
@@ -65,7 +73,7 @@ class GRPOTrainer(TrainerSurface):
     def __init__(self, model, tokenizer=None, reward_fn=None, config: GRPOConfig | None = None,
                  evaluator: Callable[..., dict] | None = None, tools: list[Callable] | None = None, *,
                  reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 peft_config=None, environment_factory=None, callbacks=None):
+                 peft_config=None, environment_factory=None, callbacks=None, teacher_model=None):
         tokenizer, reward_fn, config, convention = trainer_arguments(
             tokenizer, reward_fn, config, reward_funcs=reward_funcs, args=args, processing_class=processing_class,
             peft_config=peft_config)
@@ -79,6 +87,7 @@ class GRPOTrainer(TrainerSurface):
         self.model = model = ready.model
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.device = ready.precision, next(model.parameters()).device
+        self.teacher = open_teacher(config, model, self.tokenizer, teacher_model)  # or NoTeacher
         self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)  # or an environment
         self.engine = open_engine(config, model, self.tokenizer, self.precision.compute, self.dist)  # or None
         self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings, self.engine)
@@ -96,7 +105,7 @@ class GRPOTrainer(TrainerSurface):
         context = getattr(model.config, "max_position_embeddings", None)
         self.max_prompt_length = prompt_budget(context, config.max_new_tokens, config.max_prompt_length)
         self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # set again by train()
-        self.scheduler = None  # built by train(), once the number of steps is known
+        self.scheduler = self.prompt_pool = None  # set by train(): the schedule, the rows (dynamic sampling)
         auto = config.micro_batch_size == "auto"  # one group per pass until the preflight fits it to max_memory_mb
         self.micro_batch_size = config.group_size if auto else config.micro_batch_size
         self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer, is_main=self.dist.is_main)
@@ -105,9 +114,11 @@ class GRPOTrainer(TrainerSurface):
         """Run GRPO over `dataset` (rows {"prompt", ...}, a HF Dataset or a JSONL path; default: train_dataset);
         resume_from_checkpoint (TRL's): True = the newest checkpoint in output_dir, or a checkpoint's path."""
         self.config = with_resume(self.config, resume_from_checkpoint)
-        return TrainingRun(self, self.train_dataset if dataset is None else dataset,
-                           self.eval_dataset if eval_dataset is None else eval_dataset,
-                           partial(check_before_training, self), partial(run_preflight, self)).run()
+        run = TrainingRun(self, self.train_dataset if dataset is None else dataset,
+                          self.eval_dataset if eval_dataset is None else eval_dataset,
+                          partial(check_before_training, self), partial(run_preflight, self))
+        self.prompt_pool = run.rows  # where dynamic sampling draws more prompts from
+        return run.run()
 
     def evaluate(self, rows: list[dict] | None = None) -> dict:
         """The evaluator's metrics on `rows` (default: eval_dataset) in the run's precision, whole merged weights."""
@@ -141,26 +152,24 @@ class GRPOTrainer(TrainerSurface):
         share = config.prompts_per_step // dist.world_size  # each rank: whole groups, prompts r*share..
         mine_rows = slice(dist.rank * share * group, (dist.rank + 1) * share * group)
         self.sampling_rng.manual_seed(sampling_seed(config.seed, self.global_step))
-        for start in range(0, len(rows), config.prompts_per_step):
-            mine = rows[start:start + config.prompts_per_step][dist.rank * share:(dist.rank + 1) * share]
+        rounds = SamplingRounds.of_step(config, rows, self.prompt_pool, self.sampling_rng, stats.sampling)
+        for round_rows in rounds:  # the step's rows (dynamic_sampling: more, until enough groups differ)
+            mine = round_rows[dist.rank * share:(dist.rank + 1) * share]
             started = time.perf_counter()
             rollout = self.generate([row["prompt"] for row in mine], mine)
             stats.gen_seconds += time.perf_counter() - started
             scores = self.score(mine, rollout)
             # Advantages of the whole rollout batch (scale_rewards='batch' needs every rank's rewards); keep ours.
-            # Samples whose reward was NaN/inf are masked from the loss and left out of the group statistics; a
-            # sample no reward applies to (all returned None) gets advantage 0 and leaves the statistics too.
+            # NaN/inf rewards, and samples no reward applies to, are masked and left out of the group statistics.
             components, applies = scores.stacked()  # (N, K) each
             advantages = multi_reward_advantages(
                 dist.gather(components), dist.gather(applies), [w for _, _, w in self.rewards], group,
                 config.scale_rewards, config.advantage_epsilon, config.multi_objective_aggregation,
                 valid=dist.gather(scores.valid))[mine_rows]  # (N,)
-            keep = scores.valid.clone()  # (N,)
-            if config.mask_truncated_completions:
-                keep &= ~rollout.truncated
-            if config.drop_zero_std_groups:
+            keep = scores.valid & ~(rollout.truncated & config.mask_truncated_completions)  # (N,)
+            if config.drop_zero_std_groups or config.dynamic_sampling:  # flat groups leave the loss
                 informative = group_reward_std(scores.total, group, scores.valid & scores.scored) > 0  # (P,)
-                keep &= informative.repeat_interleave(group)
+                keep &= rounds.take(dist.gather(informative)).repeat_interleave(group)[mine_rows]
             batch.rollouts.append(rollout)
             batch.rows.append(mine)
             batch.advantages.append(advantages)
@@ -168,6 +177,7 @@ class GRPOTrainer(TrainerSurface):
             stats.add(rollout, scores, mine)
         batch.old_logprobs = [self.old_logprobs(r) for r in batch.rollouts]
         batch.ref_logprobs = [self.reference_logprobs(r) for r in batch.rollouts]
+        batch.advantages = self.teacher.advantages(batch, self.model, self.rollout_logprobs, stats)
         return batch, stats
 
     def generate(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
@@ -210,10 +220,8 @@ class GRPOTrainer(TrainerSurface):
                                        **entropy)
 
     @torch.no_grad()
-    def old_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
-        if self.config.num_iterations == 1:
-            return None  # pi_old = stopgrad(pi_theta): no extra forward
-        return self.rollout_logprobs(self.model, rollout)
+    def old_logprobs(self, rollout: Rollout) -> torch.Tensor | None:  # None: pi_old = stopgrad(pi_theta)
+        return None if self.config.num_iterations == 1 else self.rollout_logprobs(self.model, rollout)
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor | None:

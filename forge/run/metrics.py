@@ -45,6 +45,13 @@ class RolloutStats:
     env_failed: int = field(default=0, metadata=SUM)  # ... that failed (Episode.failure)
     env_timed_out: int = field(default=0, metadata=SUM)  # ... because building or resetting timed out
     gen_seconds: float = field(default=0.0, metadata=MAX)  # the ranks generate side by side
+    # on-policy distillation (core/teacher.py): one (N,) tensor per rollout batch, the reverse KL summed over each
+    # completion's loss tokens and their count; the seconds of the teacher's pass
+    distill_kl: list[torch.Tensor] = field(default_factory=list, metadata=CAT)
+    distill_tokens: list[torch.Tensor] = field(default_factory=list, metadata=CAT)
+    teacher_seconds: float = field(default=0.0, metadata=MAX)
+    sampling: dict[str, float] = field(default_factory=dict, metadata=MAX)  # sampling/*: the step's rounds (the
+    # same on every rank; core/dynamic_sampling.py)
     samples: list[dict] = field(default_factory=list)  # one logged sample per prompt (this rank's)
 
     def add(self, rollout, scores, rows: list[dict]) -> None:
@@ -141,6 +148,8 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         **({} if engine is None else {"vllm/push_seconds": engine.take_push_seconds()}),
     }
     metrics.update(tool_metrics(stats))
+    metrics.update(distill_metrics(stats))
+    metrics.update(stats.sampling)
     if stats.env_episodes:
         metrics.update({"env/failed_episodes": int(stats.env_failed),
                         "env/timed_out_episodes": int(stats.env_timed_out),
@@ -152,6 +161,19 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         metrics[f"rewards/{name}"] = float(values.mean()) if values.numel() else 0.0
         metrics[f"rewards/{name}/std"] = float(values.std()) if values.numel() > 1 else 0.0
     return metrics
+
+
+def distill_metrics(stats: RolloutStats) -> dict:
+    """distill/*: the reverse KL log p_student - log p_teacher of the sampled tokens, per token (over every loss
+    token of the step) and per sequence (summed over a completion's tokens, averaged over the completions with
+    loss tokens), and the teacher pass's seconds; {} without a teacher."""
+    if not stats.distill_tokens:
+        return {}
+    per_sequence, tokens = torch.cat(stats.distill_kl), torch.cat(stats.distill_tokens)  # (N_total,) each
+    counted = tokens > 0
+    return {"distill/reverse_kl": float(per_sequence.sum() / tokens.sum().clamp(min=1)),
+            "distill/reverse_kl_sequence": float(per_sequence[counted].mean()) if counted.any() else 0.0,
+            "distill/teacher_seconds": stats.teacher_seconds}
 
 
 def tool_metrics(stats: RolloutStats) -> dict:
@@ -237,6 +259,7 @@ def squared_param_delta(parameters: list[torch.Tensor], initial: list[torch.Tens
 __all__ = [
     "RolloutStats",
     "UpdateTotals",
+    "distill_metrics",
     "ordered_samples",
     "rollout_samples",
     "squared_param_delta",

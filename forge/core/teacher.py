@@ -1,0 +1,154 @@
+"""The teacher of on-policy distillation: loading it, checking its tokenizer, and its pass over the rollouts.
+
+The teacher scores the student's own sampled tokens in the same pass as the reference (core/logprobs.py through
+GRPOTrainer.rollout_logprobs: the shared prompt once per group, logits chunk by chunk), and core/distill.py turns
+its log-probs and the student's into per-token advantages. A teacher is one of
+
+    a model id or folder          loaded like the policy (forge/model/loading.py), moved to the student's device
+    a loaded model                used as it is (GRPOTrainer(..., teacher_model=model))
+    a LoRA adapter folder         with a LoRA student on the same base: loaded as the student's second adapter
+                                  "teacher" and switched on for its pass, so the base weights exist once; with a
+                                  full fine-tuning student, its base is loaded and the adapter put on it
+
+Their tokenizers must map the same strings to the same ids, or the teacher's log-probs would be of other tokens:
+checked before the first step, with an error that names the first difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from forge.core.batch import Batch
+from forge.core.distill import distillation_advantages, reverse_kl_sums
+from forge.model import is_peft_model, load_model
+
+TEACHER_ADAPTER = "teacher"  # the name of a teacher adapter inside the student's PeftModel
+
+
+class Teacher:
+    """A teacher model (or the student's own "teacher" adapter) and the coefficients of its advantage."""
+
+    def __init__(self, model, adapter: str | None, distill_coef: float, reward_coef: float):
+        self.model, self.adapter = model, adapter  # adapter: the student's adapter to switch on, else None
+        self.distill_coef, self.reward_coef = distill_coef, reward_coef
+
+    @torch.no_grad()
+    def logprobs(self, rollout, rollout_logprobs: Callable) -> torch.Tensor:
+        """(N, T) log p_teacher of every sampled token of a rollout (rollout_logprobs: GRPOTrainer's)."""
+        with active_adapter(self.model, self.adapter) if self.adapter else nullcontext():
+            return rollout_logprobs(self.model, rollout)
+
+    def advantages(self, batch: Batch, student, rollout_logprobs: Callable, stats) -> list[torch.Tensor]:
+        """(N, T) per-token advantages of each rollout of the batch (core/distill.py): its reward advantages (N,)
+        combined with the teacher's signal. The student's log-probs are those that sampled: pi_old when the
+        batch has them, else the sampler's, else a pass of `student`. The reverse KL and the teacher pass's
+        seconds go into `stats` (forge/run/metrics.py RolloutStats); rollout_logprobs is GRPOTrainer's."""
+        advantages = []
+        for r, rollout in enumerate(batch.rollouts):
+            started = time.perf_counter()
+            teacher_logprobs = self.logprobs(rollout, rollout_logprobs)  # (N, T)
+            stats.teacher_seconds += time.perf_counter() - started
+            student_logprobs = batch.old_logprobs[r] if batch.old_logprobs[r] is not None else rollout.sampler_logprobs
+            if student_logprobs is None:
+                with torch.no_grad():
+                    student_logprobs = rollout_logprobs(student, rollout)  # (N, T)
+            mask = batch.loss_mask[r]  # (N, T)
+            advantages.append(distillation_advantages(batch.advantages[r], student_logprobs, teacher_logprobs, mask,
+                                                      distill_coef=self.distill_coef, reward_coef=self.reward_coef))
+            kl = reverse_kl_sums(student_logprobs, teacher_logprobs, mask)
+            stats.distill_kl.append(kl.per_sequence)
+            stats.distill_tokens.append(kl.tokens)
+        return advantages
+
+
+class NoTeacher:
+    """A run without a teacher: the reward advantages stay as they are, one per completion."""
+
+    def advantages(self, batch: Batch, *unused) -> list[torch.Tensor]:
+        return batch.advantages
+
+
+@contextmanager
+def active_adapter(model, name: str) -> Iterator[None]:
+    """The PeftModel `model` with only adapter `name` switched on; the previous adapter (and every parameter's
+    requires_grad, which peft's set_adapter changes) restored after."""
+    previous = model.active_adapter
+    trainable = [(p, p.requires_grad) for p in model.parameters()]
+    model.set_adapter(name)
+    try:
+        yield
+    finally:
+        model.set_adapter(previous)
+        for parameter, flag in trainable:
+            parameter.requires_grad_(flag)
+
+
+def open_teacher(config, student, tokenizer, teacher_model=None) -> Teacher | NoTeacher:
+    """The run's teacher (teacher_model, else config.teacher_model), its tokenizer checked against the student's;
+    NoTeacher without one."""
+    source = config.teacher_model if teacher_model is None else teacher_model
+    if source is None:
+        return NoTeacher()
+    device = next(student.parameters()).device
+    if not isinstance(source, str | os.PathLike):  # a loaded model
+        model, adapter = source.to(device), None
+        check_vocabulary(tokenizer, _saved_tokenizer(getattr(model.config, "_name_or_path", "")), model)
+    elif (Path(source) / "adapter_config.json").is_file():
+        model, adapter = _adapter_teacher(Path(source), student, tokenizer, device)
+    else:
+        model, teacher_tokenizer = load_model(source, device=device)
+        adapter = None
+        check_vocabulary(tokenizer, teacher_tokenizer, model)
+    if adapter is None:
+        model.eval().requires_grad_(False)
+    return Teacher(model, adapter, config.distill_coef, config.reward_coef)
+
+
+def _adapter_teacher(path: Path, student, tokenizer, device):
+    """(model, adapter name or None) of a LoRA adapter folder: the student's second adapter when the student is a
+    LoRA model of the adapter's base, else the base loaded with the adapter on it."""
+    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    check_vocabulary(tokenizer, _saved_tokenizer(path) or _saved_tokenizer(base), None)
+    if is_peft_model(student):
+        student_base = getattr(student.get_base_model().config, "_name_or_path", "")
+        if base and student_base and os.path.realpath(base) != os.path.realpath(student_base):
+            raise ValueError(f"teacher_model={str(path)!r} is a LoRA adapter of {base!r}, but the student's base is "
+                             f"{student_base!r}: a teacher adapter must be trained on the student's own base (or "
+                             f"merge it into its base and pass that folder)")
+        student.load_adapter(str(path), adapter_name=TEACHER_ADAPTER, is_trainable=False)
+        return student, TEACHER_ADAPTER
+    from peft import PeftModel  # optional dependency
+
+    model, _ = load_model(base, device=device)
+    return PeftModel.from_pretrained(model, str(path), is_trainable=False).to(device), None
+
+
+def _saved_tokenizer(folder) -> object | None:
+    """The tokenizer saved in a local folder, or None when there is none."""
+    if not folder or not (Path(folder) / "tokenizer_config.json").is_file():
+        return None
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def check_vocabulary(student_tokenizer, teacher_tokenizer, teacher_model) -> None:
+    """Raise ValueError unless the teacher scores the student's token ids: the same vocabulary (string -> id)
+    when the teacher's tokenizer is known, and in any case an output layer with a row for every student id."""
+    if teacher_tokenizer is not None:
+        student_vocab, teacher_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+        if student_vocab != teacher_vocab:
+            differing = sorted(set(student_vocab.items()) ^ set(teacher_vocab.items()), key=lambda kv: kv[1])[:3]
+            raise ValueError(f"the teacher's tokenizer differs from the student's ({len(teacher_vocab)} vs "
+                             f"{len(student_vocab)} tokens; e.g. {differing}): on-policy distillation scores the "
+                             f"student's token ids with the teacher, so both must use the same tokenizer")
+    rows = None if teacher_model is None else teacher_model.get_output_embeddings().weight.shape[0]
+    if rows is not None and rows < len(student_tokenizer):
+        raise ValueError(f"the teacher's output layer has {rows} rows but the student's tokenizer has "
+                         f"{len(student_tokenizer)} tokens: the teacher cannot score every student token id")
