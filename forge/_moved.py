@@ -33,12 +33,17 @@ MOVED_MODULES = {
 
 
 MOVED_NAMES = {
-    "forge.core.grpo": {"GRPOConfig": "forge.core.config"},
+    "forge.core.grpo": {"GRPOConfig": "forge.core.config", "compute_token_log_probs": "forge.core.original_api",
+                        "sequence_mean_log_probs": "forge.core.original_api"},
     "forge.core.reward": dict.fromkeys(("REWARD_REGISTRY", "CompositeReward", "SequenceClassificationReward",
                                         "as_reward", "build_reward", "is_model_and_tokenizer",
-                                        "load_reward_from_path"), "forge.core.reward_sources"),
+                                        "load_reward_from_path"), "forge.core.reward_sources")
+    | {"wants_trainer_state": "forge.core.original_api"},
     "forge.core.rollout": {"Batch": "forge.core.batch"},
+    "forge.model": {"enable_checkpointing": "forge.model.lora"},
 }
+"""Names that left a module that stayed: old module -> {name: the module it lives in now}. Helpers of the earlier
+API that the engine no longer calls live in forge/core/original_api.py."""
 
 
 class _Loader(importlib.abc.Loader):

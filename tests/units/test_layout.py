@@ -146,3 +146,22 @@ def test_old_paths_of_moved_names_and_the_original_api_keep_working():
             assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)
     with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
         _ = importlib.import_module("forge.core.grpo").nothing_here
+
+
+def test_helpers_of_the_earlier_api_still_import_and_compute():
+    """Public names the earlier API exported (its __all__, docs/algorithm.md's helpers) that the engine dropped:
+    forge/_moved.py finds them in forge/core/original_api.py and forge/model/lora.py."""
+    import torch
+
+    from forge.core.grpo import compute_token_log_probs, sequence_mean_log_probs
+    from forge.core.reward import FunctionReward, wants_trainer_state
+    from forge.model import enable_checkpointing
+
+    assert callable(enable_checkpointing)
+    token_logprobs = torch.tensor([[-1.0, -2.0, -3.0]])  # (B, T)
+    assert sequence_mean_log_probs(token_logprobs, torch.tensor([[1, 1, 0]])).tolist() == [-1.5]
+    logits = torch.zeros(1, 3, 4)  # (B, L, V): uniform, so every token's log-prob is -log 4
+    masked = compute_token_log_probs(logits, torch.tensor([[0, 1, 2]]), torch.tensor([[0, 1, 0]]))  # (B, L-1)
+    assert torch.allclose(masked, torch.tensor([[-torch.log(torch.tensor(4.0)).item(), 0.0]]))
+    assert wants_trainer_state(FunctionReward(lambda prompts, completions, trainer_state: []))
+    assert not wants_trainer_state(FunctionReward(lambda prompts, completions, **kwargs: []))
