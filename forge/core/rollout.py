@@ -19,6 +19,7 @@ import torch
 from forge.core.tool_turns import ToolTurns
 from forge.envs.protocol import EnvironmentSettings, Episode
 from forge.model.kv_cache import CACHE_ARG, LAST_POSITION, preallocated, returned_cache
+from forge.model import shared_prefix
 from forge.model.packed_linear import packed_linears
 from forge.model.static_decode import decoder, resolve_backend
 from forge.tools.calls import CallFormat, ToolResult, ToolSettings
@@ -262,20 +263,24 @@ def prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool =
 
 
 def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-                   share_prompt_prefix: bool, max_new_tokens: int):
+                   share_prompt_prefix: bool, max_new_tokens: int, attend_shared: bool = False):
     """Prefill P prompts (P, Lp) for P * group_size completions, ready to decode: the prompt runs once and its
-    cache is expanded to the group (share_prompt_prefix), or runs once per completion.
+    cache is expanded to the group (share_prompt_prefix), or runs once per completion. attend_shared: keep the
+    prompt's cache once per group, for decode steps that attend over it (forge/model/shared_prefix.py), where the
+    model's attention allows it.
     Returns (a cache with room for max_new_tokens more, next-token logits (N, V), the attention mask (N, Lp))."""
     device = next(model.parameters()).device
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
     if not share_prompt_prefix:
         ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
     cache, next_logits = prefill(model, ids, mask, last_position=LAST_POSITION)  # (P or N, V)
-    repeats = group_size if share_prompt_prefix else 1
-    if share_prompt_prefix:
-        next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
-        mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    return preallocated(cache, mask.shape[1] + max_new_tokens, repeats), next_logits, mask  # the cache: N rows
+    if not share_prompt_prefix:
+        return preallocated(cache, mask.shape[1] + max_new_tokens), next_logits, mask  # the cache: N rows
+    next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
+    rows_mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
+    if attend_shared and shared_prefix.supports(model, cache):
+        return shared_prefix.shared(cache, mask, group_size, max_new_tokens), next_logits, rows_mask  # P + N rows
+    return preallocated(cache, mask.shape[1] + max_new_tokens, group_size), next_logits, rows_mask  # N rows
 
 
 class Decoding:
@@ -370,9 +375,10 @@ def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     device = next(model.parameters()).device
     stop_ids, max_new_tokens = eos_ids(tokenizer, model), settings.max_new_tokens
     stops_at_eos = turns is None or turns.fmt.stops_at_eos
+    backend = "eager" if turns is not None else resolve_backend(settings.backend, device.type)
     cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
-                                              max_new_tokens)  # (N, V), (N, Lp)
-    cache, decode_step = decoder(model, cache, settings.backend if turns is None else "eager")
+                                              max_new_tokens, attend_shared=backend == "eager" and turns is None)
+    cache, decode_step = decoder(model, cache, backend)  # (N, V) next-token logits, (N, Lp) mask
     noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
     budget = 10**9 if turns is None else turns.budget

@@ -20,6 +20,7 @@ masked attention), so greedy tokens agree but for near-ties (tests/units/test_st
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -27,6 +28,7 @@ import torch
 
 from forge.logging.logger import note
 from forge.model.kv_cache import CACHE_ARG, grow
+from forge.model.shared_prefix import attending, is_shared
 
 BACKENDS = ("eager", "compiled", "auto")
 LENGTH_BUCKET = 64
@@ -68,10 +70,13 @@ def decoder(model, cache, backend: str = "eager"):
 
 
 def _eager_step(model, cache) -> Callable:
+    attention = (lambda: attending(model, cache)) if is_shared(cache) else contextlib.nullcontext
+
     def step(tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         grow(cache, mask.shape[1])
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None], use_cache=True,
-                    **{CACHE_ARG: cache})
+        with attention():  # a cache that holds each group's prompt once is read by its own attention
+            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
+                        use_cache=True, **{CACHE_ARG: cache})
         return out.logits[:, -1]  # (n, V)
     return step
 

@@ -1,0 +1,119 @@
+"""The decode's attention over each group's prompt stored once (forge/model/shared_prefix.py) against the prompt
+repeated per row (the cache layout Forge used before), on the demo's generation, alternating in one process.
+
+The demo's workload: the packaged SmolLM2-135M-Instruct, the demo's chat prompts (4 arithmetic problems x 8
+completions, up to 64 new tokens, temperature 1.0), without adapters (`--lora` adds the demo's LoRA adapters, with
+small random B so that they compute), in the compute dtype asked for, with the same sampling noise for both
+layouts in a round. Reported per layout: completion tokens per second of wall clock and of process CPU time
+(median and range over the rounds), the ratio shared / repeated, and whether the two layouts sampled the same
+tokens (and the largest sampler log-prob difference): they should, up to floating-point summation order.
+
+    python bench/decode_attention.py [--dtype bfloat16] [--threads 1] [--rounds 5] [--lora]
+
+Writes bench/results/decode_attention_<dtype>_<threads>t[_lora].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--lora", action="store_true", help="the demo's LoRA adapters on the model")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(HERE))
+    from workloads import machine_info
+
+    from forge.core import rollout as rollout_module
+    from forge.core.rollout import SamplingSettings, generate, sampling_noise
+    from forge.data.arithmetic import ARITHMETIC_TASK
+    from forge.model import choose_precision, load_model, shared_prefix
+
+    model, tokenizer = load_model("default", dtype="float32")
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 1e-3, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    precision = choose_precision(args.dtype)
+    prompts = [row["prompt"] for row in ARITHMETIC_TASK.rows(n=args.prompts, seed=0, chat=True)]
+    settings = SamplingSettings(args.max_new_tokens, temperature=1.0)
+    supports = shared_prefix.supports
+
+    def run(layout: str, noise):
+        rollout_module.shared_prefix.supports = supports if layout == "shared" else (lambda model, cache: False)
+        try:
+            with torch.no_grad(), precision.autocast(model):
+                return generate(model, tokenizer, prompts, args.group_size, settings, noise=noise)
+        finally:
+            rollout_module.shared_prefix.supports = supports
+
+    layouts = ("shared", "repeated")
+    for layout in layouts:  # warm-up
+        run(layout, None)
+    measured = {layout: [] for layout in layouts}
+    same_tokens, largest_gap = True, 0.0
+    generator = torch.Generator().manual_seed(0)
+    for r in range(args.rounds):
+        noise = sampling_noise(generator, len(prompts) * args.group_size, args.max_new_tokens)
+        rollouts = {}
+        for layout in layouts if r % 2 == 0 else layouts[::-1]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            rollouts[layout] = run(layout, noise)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            tokens = int(rollouts[layout].completion_mask.sum())
+            measured[layout].append({"tokens": tokens, "seconds": wall, "cpu_seconds": cpu,
+                                     "tokens_per_second": tokens / wall, "tokens_per_cpu_second": tokens / cpu})
+            print(f"round {r + 1} {layout:8s}: {tokens} tokens, {tokens / wall:.0f} tokens/s "
+                  f"({tokens / cpu:.0f} per CPU-second)", flush=True)
+        a, b = rollouts["shared"], rollouts["repeated"]
+        same = torch.equal(a.completion_ids, b.completion_ids)
+        same_tokens &= same
+        if same:
+            largest_gap = max(largest_gap, float((a.sampler_logprobs - b.sampler_logprobs).abs().max()))
+
+    def summary(layout: str) -> dict:
+        rows = measured[layout]
+        return {key: {"median": statistics.median(row[key] for row in rows), "min": min(row[key] for row in rows),
+                      "max": max(row[key] for row in rows)} for key in ("tokens_per_second", "tokens_per_cpu_second")}
+
+    result = {"workload": {"model": "SmolLM2-135M-Instruct (packaged)", "prompts": len(prompts), "lora": args.lora,
+                           "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "temperature": 1.0},
+              "dtype": args.dtype, "shared": summary("shared"), "repeated": summary("repeated"),
+              "same_tokens": same_tokens, "largest_sampler_logprob_gap": largest_gap, "rounds": measured,
+              "machine": machine_info(args.threads),
+              "command": "python bench/decode_attention.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    for key in ("tokens_per_second", "tokens_per_cpu_second"):
+        result[f"ratio_{key}"] = result["shared"][key]["median"] / result["repeated"][key]["median"]
+    tag = f"{args.dtype}_{args.threads}t{'_lora' if args.lora else ''}"
+    (HERE / "results" / f"decode_attention_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{result['machine']['cpu_model']}, {args.dtype}, {args.threads} thread(s): shared prompt "
+          f"{result['ratio_tokens_per_second']:.2f}x the tokens/s of the repeated prompt "
+          f"({result['ratio_tokens_per_cpu_second']:.2f}x per CPU-second); same tokens: {same_tokens}, "
+          f"largest sampler log-prob gap {largest_gap:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
