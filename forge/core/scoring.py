@@ -123,13 +123,11 @@ class RewardTimeout(Exception):
     """A reward call ran past reward_timeout."""
 
 
-def _call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
+def _call_with_timeout(fn: Callable[[], Any], timeout: float) -> Any:
     """Run fn, waiting at most `timeout` seconds; works from any thread (no signals).
 
     The call runs in a daemon thread, so a reward that never returns cannot keep the process alive at
     exit; it does keep running (and using a CPU) in the background until it returns."""
-    if timeout is None:
-        return fn()
     outcome: dict[str, Any] = {}
 
     def target() -> None:
@@ -195,8 +193,8 @@ def _outcome(settled: tuple[bool, Any]) -> Any:
 
 
 def _call_reward(fn: Callable[[], Any], timeout: float | None) -> Any:
-    """_call_with_timeout, then await the result if the reward is async."""
-    result = _call_with_timeout(fn, timeout)
+    """fn(), under reward_timeout in a helper thread when there is one; then awaited if the reward is async."""
+    result = fn() if timeout is None else _call_with_timeout(fn, timeout)
     if inspect.isawaitable(result):
         return _outcome(_settle([result], timeout)[0])
     return result
@@ -323,27 +321,34 @@ def _settle_async_rewards(rewards: list, inputs: RewardInputs, timeout: float | 
 def _reward_values(name: str, call: Callable, settled: tuple | None, n: int, rules: FailureRules,
                    inputs: RewardInputs) -> tuple[list[float], dict, int, int]:
     """(values (N,), metadata, errors, timeouts) of one reward: its checked scores, or what the failure rules make
-    of a failure (a RewardError that names the sample, or error_value for the failing samples, counted)."""
+    of a failure (`_under_failure_rules`)."""
     try:
         output = _outcome(settled) if settled is not None else _call_reward(call, rules.timeout)
         values, meta = _as_scores(output, name, n, rules.where)
         return values, meta, 0, 0
-    except RewardTimeout:
-        if rules.on_error != "score":
-            raise RewardError(f"reward '{name}' took longer than reward_timeout={rules.timeout}s{rules.where}; "
-                              f"raise the timeout, make the reward faster, or set on_reward_error='score' (such "
-                              f"calls then score reward_error_value, counted in rewards/timeouts)") from None
-        return [rules.error_value] * n, {}, 0, 1
     except RewardError:
         raise
-    except REWARD_FAILURES as batch_error:  # user code: re-raised with the sample named, or isolated below
-        reraise_user_interrupt(batch_error)
+    except REWARD_FAILURES as error:  # user code
+        return _under_failure_rules(name, error, call, n, rules, inputs)
+
+
+def _under_failure_rules(name: str, error: BaseException, call: Callable, n: int, rules: FailureRules,
+                         inputs: RewardInputs) -> tuple[list[float], dict, int, int]:
+    """A failed reward call: a RewardError that names the sample (on_error='raise'), or error_value for the
+    failing samples, counted (on_error='score'); a user's Ctrl-C goes through untouched."""
+    if isinstance(error, RewardTimeout):
         if rules.on_error != "score":
-            culprit = _first_failing_sample(call, n, rules.timeout)
-            raise RewardError(_describe_failure(name, batch_error, inputs.prompts, inputs.completions, culprit,
-                                                rules.where, rules.row_index)) from batch_error
-        values, errors = _sample_by_sample(name, call, n, rules)
-        return values, {}, errors, 0
+            raise RewardError(f"reward '{name}' took longer than reward_timeout={rules.timeout}s{rules.where}; "
+                              f"raise the timeout, make the reward faster, or set on_reward_error='score' "
+                              f"(such calls then score reward_error_value, counted in rewards/timeouts)") from None
+        return [rules.error_value] * n, {}, 0, 1
+    reraise_user_interrupt(error)
+    if rules.on_error != "score":
+        culprit = _first_failing_sample(call, n, rules.timeout)
+        raise RewardError(_describe_failure(name, error, inputs.prompts, inputs.completions, culprit,
+                                            rules.where, rules.row_index)) from error
+    values, errors = _sample_by_sample(name, call, n, rules)
+    return values, {}, errors, 0
 
 
 def _sample_by_sample(name: str, call: Callable, n: int, rules: FailureRules) -> tuple[list[float], int]:
@@ -361,19 +366,24 @@ def _sample_by_sample(name: str, call: Callable, n: int, rules: FailureRules) ->
 
 def _component(name: str, values: list[float], applied: torch.Tensor, rules: FailureRules,
                completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(component (N,) float32, 0 where the reward does not apply or returned NaN/inf; finite (N,) bool). A
-    non-finite score is a RewardError, or under on_error='score' masks its sample from the loss."""
+    """(component (N,) float32, 0 where the reward does not apply; finite (N,) bool)."""
     component = torch.where(applied, torch.tensor(values, dtype=torch.float32), 0.0)  # (N,)
     finite = torch.isfinite(component)  # (N,)
     if finite.all():
         return component, finite
+    return _masked_nonfinite(name, values, component, finite, rules, completions)
+
+
+def _masked_nonfinite(name: str, values: list[float], component: torch.Tensor, finite: torch.Tensor,
+                      rules: FailureRules, completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN/inf score: a RewardError, or under on_error='score' its sample scored 0 and masked from the loss."""
     bad = int((~finite).nonzero()[0])
     if rules.on_error != "score":
         row = f" (dataset row {rules.row_index[bad]})" if rules.row_index else ""
         raise RewardError(f"reward '{name}' returned {values[bad]} for completion {bad}{row}{rules.where} "
                           f"({completions[bad][:200]!r}); return finite numbers, or set "
                           f"on_reward_error='score' to mask such samples from the loss")
-    return torch.where(finite, component, torch.zeros_like(component)), finite  # masked anyway
+    return torch.where(finite, component, torch.zeros_like(component)), finite
 
 
 def _first_failing_sample(call: Callable, n: int, timeout: float | None = None) -> int:

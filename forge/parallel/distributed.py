@@ -106,35 +106,10 @@ class DataParallel:
                 torch.distributed.broadcast(tensor.data, src=0)
 
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum every parameter's gradient over the ranks (each rank's loss is its share of the global loss).
-
-        A parameter that has a gradient on some rank gets zeros where it has none, so every rank reduces the
-        same tensors; one without a gradient anywhere keeps grad None, as in a single process. Under FSDP2 the backward
-        pass has already reduced them (summed, into each rank's shard)."""
-        if self.world_size == 1 or self.fsdp:
-            return
-        has_grad = self.sum([float(p.grad is not None) for p in params])  # (params,) ranks with a gradient
-        grads = []
-        for p, ranks in zip(params, has_grad):
-            if ranks and p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if ranks:
-                grads.append(p.grad)
-        buckets, size = [[]], 0
-        for g in grads:
-            if buckets[-1] and size + g.numel() > _GRAD_BUCKET_ELEMENTS:
-                buckets, size = [*buckets, []], 0
-            buckets[-1].append(g)
-            size += g.numel()
-        for bucket in buckets:
-            if not bucket:
-                continue
-            flat = torch.cat([g.flatten() for g in bucket])  # (bucket elements,)
-            torch.distributed.all_reduce(flat)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        """Sum every parameter's gradient over the ranks (each rank's loss is its share of the global loss); under
+        FSDP2 the backward pass has already reduced them (summed, into each rank's shard)."""
+        if self.world_size > 1 and not self.fsdp:
+            _sum_grads_over_ranks(params, self.sum)
 
     def sum(self, values: list[float]) -> list[float]:
         if self.world_size == 1:
@@ -155,11 +130,7 @@ class DataParallel:
 
     def gather(self, values: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's tensor in rank order (rank r holds the prompts after ranks 0..r-1)."""
-        if self.world_size == 1:
-            return values
-        out = [None] * self.world_size
-        torch.distributed.all_gather_object(out, values.cpu())
-        return torch.cat(out)
+        return values if self.world_size == 1 else torch.cat(self.gather_objects(values.cpu()))
 
     def gather_objects(self, value: Any) -> list:
         """Every rank's picklable value, in rank order."""
@@ -173,8 +144,9 @@ class DataParallel:
         """A per-rank statistics dataclass combined over the ranks, each field as its metadata says (`over_ranks`):
         "cat" a list of tensors into one tensor in rank order, "sum" a number over the ranks, "max" the largest;
         a dict field combines each of its values so (forge/run/metrics.py). With one process: `stats` itself."""
-        if self.world_size == 1:
-            return stats
+        return stats if self.world_size == 1 else self._combined_over_ranks(stats)
+
+    def _combined_over_ranks(self, stats: Any) -> Any:
         values = {}
         for f in dataclasses.fields(stats):
             how, value = f.metadata.get("over_ranks"), getattr(stats, f.name)
@@ -193,3 +165,32 @@ class DataParallel:
     def barrier(self) -> None:
         if self.world_size > 1:
             torch.distributed.barrier()
+
+
+def _sum_grads_over_ranks(params: list[torch.nn.Parameter], sum_over_ranks) -> None:
+    """The all-reduce of `DataParallel.all_reduce_grads`, in flat buckets of at most _GRAD_BUCKET_ELEMENTS.
+
+    A parameter that has a gradient on some rank gets zeros where it has none, so every rank reduces the same
+    tensors; one without a gradient anywhere keeps grad None, as in a single process."""
+    has_grad = sum_over_ranks([float(p.grad is not None) for p in params])  # (params,) ranks with a gradient
+    grads = []
+    for p, ranks in zip(params, has_grad):
+        if ranks and p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if ranks:
+            grads.append(p.grad)
+    buckets, size = [[]], 0
+    for g in grads:
+        if buckets[-1] and size + g.numel() > _GRAD_BUCKET_ELEMENTS:
+            buckets, size = [*buckets, []], 0
+        buckets[-1].append(g)
+        size += g.numel()
+    for bucket in buckets:
+        if not bucket:
+            continue
+        flat = torch.cat([g.flatten() for g in bucket])  # (bucket elements,)
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
