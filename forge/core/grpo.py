@@ -137,8 +137,7 @@ def grpo_loss(
     # 1. the ratio against the policy that sampled, and the clipped policy term (DeepSeekMath eq. 3)
     log_ratio = IMPORTANCE_LEVELS[settings.importance_sampling_level](logprobs, old_logprobs, mask)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
-    # (B, 1) one advantage per completion, or (B, T) one per token (on-policy distillation, core/distill.py)
-    adv = (advantages[:, :logprobs.shape[1]] if advantages.dim() == 2 else advantages[:, None]).to(logprobs.dtype)
+    adv = (advantages if advantages.dim() == 2 else advantages[:, None])[:, :logprobs.shape[1]].to(logprobs.dtype)
     term = POLICY_OBJECTIVES[objective](ratio, logprobs, adv, settings)
     pg_loss, acting, is_weight = term.pg_loss, mask, None  # (B, T), (B, T): the tokens the gradient acts on
     if settings.reshapes_policy_term:

@@ -33,14 +33,8 @@ from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
 from forge.core.logprobs import checkpointed_layers, completion_logprobs, micro_batches, padded_rows
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
-from forge.core.rollout import (
-    Rollout,
-    SamplingSettings,
-    generate,
-    prompt_budget,
-    sampling_noise,
-    sampling_seed,
-)
+from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
+                                sampling_seed)
 from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
 from forge.core.teacher import open_teacher
 from forge.envs import env_rewards, rollout_tools

@@ -194,7 +194,7 @@ def save_checkpoint(
         path.parent.mkdir(parents=True, exist_ok=True)
         _fresh_temporary(path, os.getpid())
         with _quiet_transformers_progress():
-            model.save_pretrained(tmp_path, safe_serialization=True)
+            model.save_pretrained(tmp_path, safe_serialization=True, **_own_adapter(model))
         if optimizer is not None and training_state:
             state_files.save_state(tmp_path / OPTIMIZER_NAME, optimizer.state_dict())
         _write_run_files(tmp_path, tokenizer, scheduler, trainer_state, config, rng_state, training_state)
@@ -457,6 +457,12 @@ def _raise_on_key_mismatch(path: Path, name: str, missing: list[str], unexpected
         details.append(f"{len(unexpected)} unexpected keys (e.g. {unexpected[:3]})")
     raise CheckpointError(f"checkpoint {path}: {name} does not fit the model: {'; '.join(details)}. Was the "
                           f"checkpoint saved from a different model or LoRA setup? {offer_previous(path)}")
+
+
+def _own_adapter(model: Any) -> dict:
+    """save_pretrained's arguments that keep a PeftModel's checkpoint to the adapter it trains: a teacher adapter
+    loaded next to it (on-policy distillation, core/teacher.py) is not saved."""
+    return {"selected_adapters": [model.active_adapter]} if _is_peft_model(model) else {}
 
 
 def _load_adapter_weights(model: Any, path: Path) -> None:

@@ -30,7 +30,7 @@ def scripted_rounds(informative_per_round: list[list[bool]], wanted: int, max_ro
 
 
 def test_a_step_whose_groups_all_carry_signal_takes_one_round():
-    rounds, seen, chosen, report = scripted_rounds([[True] * 4], wanted=4, max_rounds=3)
+    _rounds, seen, chosen, report = scripted_rounds([[True] * 4], wanted=4, max_rounds=3)
     assert len(seen) == 1 and seen[0] == POOL[:4]
     assert chosen == [[True] * 4]
     assert report == {"sampling/rounds": 1.0, "sampling/prompts": 4.0, "sampling/groups_with_signal": 4.0}
@@ -48,7 +48,7 @@ def test_rounds_go_on_until_the_step_has_its_groups_and_take_the_first_in_order(
 
 def test_the_cap_stops_the_rounds_with_fewer_groups():
     script = [[False] * 4, [False, False, True, False], [True] * 4]
-    rounds, seen, chosen, report = scripted_rounds(script, wanted=4, max_rounds=2)
+    _rounds, seen, chosen, report = scripted_rounds(script, wanted=4, max_rounds=2)
     assert len(seen) == 2  # the step's rows and one more round: the cap
     assert chosen[1] == [False, False, True, False]
     assert report["sampling/rounds"] == 2.0 and report["sampling/groups_with_signal"] == 1.0
@@ -56,14 +56,14 @@ def test_the_cap_stops_the_rounds_with_fewer_groups():
 
 def test_a_step_of_two_rollout_batches_counts_both_before_another_round():
     script = [[True, False], [False, False], [True, True]]
-    rounds, seen, chosen, report = scripted_rounds(script, wanted=4, max_rounds=2, per_round=2)
+    _rounds, seen, _chosen, report = scripted_rounds(script, wanted=4, max_rounds=2, per_round=2)
     # the step's 4 rows come as two rollout batches (round 1), then one more round of 2 prompts
     assert [len(s) for s in seen] == [2, 2, 2] and report["sampling/rounds"] == 2.0
     assert report["sampling/prompts"] == 6.0 and report["sampling/groups_with_signal"] == 3.0
 
 
 def test_without_dynamic_sampling_one_round_keeps_every_group_with_signal():
-    rounds, seen, chosen, report = scripted_rounds([[False, True, True, False]], wanted=4, max_rounds=4,
+    _rounds, seen, chosen, report = scripted_rounds([[False, True, True, False]], wanted=4, max_rounds=4,
                                                    dynamic=False)
     assert len(seen) == 1 and chosen == [[False, True, True, False]] and report == {}
 

@@ -1,0 +1,188 @@
+"""On-policy distillation: the per-token advantages and reverse KL from given teacher and student log-probs
+(forge/core/distill.py), the loss taking them, the metrics, and the teacher in the trainer (core/teacher.py): a
+separate model, a LoRA adapter on the student's own base, and tokenizers that do not match."""
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from forge import GRPOConfig, GRPOTrainer
+from forge.core.distill import distillation_advantages, reverse_kl, reverse_kl_sums
+from forge.core.grpo import LossSettings, grpo_loss
+from forge.core.teacher import TEACHER_ADAPTER
+from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
+from forge.run.metrics import RolloutStats, distill_metrics
+
+STUDENT = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])  # (B=2, T=2) log p_student of the sampled tokens
+TEACHER = torch.tensor([[-0.5, -2.5], [-1.0, -3.0]])  # (B, T) log p_teacher of the same tokens
+MASK = torch.tensor([[1, 1], [1, 0]])  # the second completion has one token
+REWARD_ADVANTAGES = torch.tensor([1.0, -1.0])  # (B,)
+
+
+def test_reverse_kl_is_student_minus_teacher():
+    assert torch.equal(reverse_kl(STUDENT, TEACHER), torch.tensor([[-0.5, 0.5], [0.5, 0.0]]))
+
+
+def test_advantages_by_hand():
+    # A_t = 0.5 * A_group + 2 * (log p_teacher - log p_student), 0 off the mask
+    # row 0: 0.5 + 2 * 0.5 = 1.5, 0.5 + 2 * -0.5 = -0.5;  row 1: -0.5 + 2 * -0.5 = -1.5, masked: 0
+    advantages = distillation_advantages(REWARD_ADVANTAGES, STUDENT, TEACHER, MASK, distill_coef=2.0, reward_coef=0.5)
+    assert torch.allclose(advantages, torch.tensor([[1.5, -0.5], [-1.5, 0.0]]))
+
+
+def test_pure_distillation_and_pure_reward_are_the_two_ends():
+    pure = distillation_advantages(REWARD_ADVANTAGES, STUDENT, TEACHER, MASK, distill_coef=1.0, reward_coef=0.0)
+    assert torch.allclose(pure, torch.tensor([[0.5, -0.5], [-0.5, 0.0]]))
+    reward_only = distillation_advantages(REWARD_ADVANTAGES, STUDENT, TEACHER, MASK, distill_coef=0.0)
+    assert torch.allclose(reward_only, torch.tensor([[1.0, 1.0], [-1.0, 0.0]]))
+
+
+def test_reverse_kl_sums_per_sequence_and_tokens():
+    sums = reverse_kl_sums(STUDENT, TEACHER, MASK)
+    assert torch.allclose(sums.per_sequence, torch.tensor([0.0, 0.5]))  # -0.5 + 0.5; 0.5 (one token)
+    assert torch.equal(sums.tokens, torch.tensor([2.0, 1.0]))
+
+
+def test_the_metrics_per_token_and_per_sequence():
+    stats = RolloutStats()
+    stats.distill_kl, stats.distill_tokens = [torch.tensor([0.0, 0.5]), torch.tensor([1.5, 0.0])], \
+        [torch.tensor([2.0, 1.0]), torch.tensor([3.0, 0.0])]
+    metrics = distill_metrics(stats)
+    assert metrics["distill/reverse_kl"] == pytest.approx(2.0 / 6.0)  # (0 + 0.5 + 1.5) / (2 + 1 + 3) tokens
+    assert metrics["distill/reverse_kl_sequence"] == pytest.approx(2.0 / 3.0)  # the three with tokens
+    assert distill_metrics(RolloutStats()) == {}
+
+
+def test_grpo_loss_takes_per_token_advantages():
+    """With one update per rollout the ratio is 1: the per-completion-mean loss is mean_b mean_t(-A_bt), and a
+    (B,) advantage broadcast over the tokens gives the same loss and gradient as that advantage per sequence."""
+    logprobs = STUDENT.clone().requires_grad_(True)
+    advantages = torch.tensor([[1.5, -0.5], [-1.5, 0.0]])
+    loss, _ = grpo_loss(logprobs, None, None, advantages, MASK, settings=LossSettings())
+    assert float(loss.detach()) == pytest.approx(((-1.5 + 0.5) / 2 + 1.5 / 1) / 2)  # per completion, then the mean
+    loss.backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[-0.375, 0.125], [0.75, 0.0]]))  # -A / (2 * tokens)
+
+    per_sequence, per_token = (STUDENT.clone().requires_grad_(True) for _ in range(2))
+    a, _ = grpo_loss(per_sequence, None, None, REWARD_ADVANTAGES, MASK)
+    b, _ = grpo_loss(per_token, None, None, REWARD_ADVANTAGES[:, None].expand(2, 5), MASK)  # wider than T
+    a.backward()
+    b.backward()
+    assert float(a.detach()) == float(b.detach()) and torch.equal(per_sequence.grad, per_token.grad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the teacher in the trainer (tiny models)
+
+ROWS = [{"prompt": f"What is {a} + {b}?"} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
+
+
+def alternating(prompts, completions, **kwargs):
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def config(tmp_path, **overrides):
+    values = {"group_size": 4, "max_new_tokens": 6, "gradient_accumulation_steps": 1, "prompts_per_step": 2,
+              "learning_rate": 1e-2, "lr_scheduler": "constant", "warmup_ratio": 0.0, "logging_steps": 1,
+              "save_steps": 0, "max_steps": 2, "kl_beta": 0.0, "seed": 1, "preflight": "off",
+              "output_dir": str(tmp_path / "run")}
+    return GRPOConfig(**(values | overrides))
+
+
+def logged(tmp_path) -> list[dict]:
+    rows = [json.loads(line) for line in (tmp_path / "run" / "training_log.jsonl").read_text().splitlines()]
+    return [row for row in rows if "loss" in row]
+
+
+def test_a_teacher_that_is_the_student_has_zero_reverse_kl_and_another_one_does_not(tmp_path):
+    student, tokenizer = build_tiny_model(seed=0)
+    twin, _ = build_tiny_model(tokenizer, seed=0)
+    trainer = GRPOTrainer(student, tokenizer, alternating, config(tmp_path, max_steps=1), teacher_model=twin)
+    trainer.train(ROWS)
+    assert abs(logged(tmp_path)[0]["distill/reverse_kl"]) < 1e-4  # sampler vs scoring pass: fp32 rounding
+
+    other, _ = build_tiny_model(tokenizer, seed=7)
+    student, _ = build_tiny_model(tokenizer, seed=0)
+    GRPOTrainer(student, tokenizer, alternating, config(tmp_path, overwrite_output_dir=True, reward_coef=0.0),
+                teacher_model=other).train(ROWS)
+    rows = logged(tmp_path)
+    # a one-sample estimate per token: of either sign on near-uniform random models, but not 0
+    assert len(rows) == 2 and all(abs(row["distill/reverse_kl"]) > 1e-3 for row in rows)
+    for row in rows:  # every completion has max_new_tokens tokens here: per sequence = per token x length
+        assert row["completion_length/min"] == row["completion_length/max"]
+        assert row["distill/reverse_kl_sequence"] == pytest.approx(row["distill/reverse_kl"]
+                                                                   * row["completion_length/mean"], rel=1e-4)
+    assert all(row["distill/teacher_seconds"] > 0 for row in rows)
+
+
+def test_the_per_token_advantages_reach_the_loss(tmp_path):
+    """Pure distillation from a teacher that equals the student is no signal: the gradient is 0."""
+    student, tokenizer = build_tiny_model(seed=0)
+    twin, _ = build_tiny_model(tokenizer, seed=0)
+    trainer = GRPOTrainer(student, tokenizer, alternating, config(tmp_path, reward_coef=0.0), teacher_model=twin)
+    batch, _ = trainer.collect(ROWS[:2])
+    assert all(a.shape == r.completion_ids.shape for a, r in zip(batch.advantages, batch.rollouts))
+    assert all(float(a.abs().max()) < 1e-4 for a in batch.advantages)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: 1.0)  # train() builds it
+    update = trainer.update(batch)
+    assert update["grad_norm"] < 1e-3
+
+
+def save_tiny(folder, seed=0, tokenizer=None):
+    model, tokenizer = build_tiny_model(tokenizer, seed=seed)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_lora_adapter_on_the_students_base_is_its_second_adapter(tmp_path):
+    base = save_tiny(tmp_path / "base")
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "adapter")
+    trainer = GRPOTrainer(base, None, alternating, config(tmp_path, use_lora=True, lora_r=4, max_steps=1,
+                                                          reward_coef=0.0, teacher_model=str(tmp_path / "adapter")))
+    assert trainer.teacher.model is trainer.model and trainer.teacher.adapter == TEACHER_ADAPTER  # one base
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and not any(TEACHER_ADAPTER in n for n in trainable)
+    batch, _ = trainer.collect(ROWS[:2])
+    # the teacher's log-probs are those of the base with the saved adapter, loaded on its own
+    rollout = batch.rollouts[0]
+    expected = trainer.rollout_logprobs(adapted.eval(), rollout)
+    assert torch.allclose(trainer.teacher.logprobs(rollout, trainer.rollout_logprobs), expected, atol=1e-5)
+    assert {n for n, p in trainer.model.named_parameters() if p.requires_grad} == trainable  # restored
+    assert trainer.model.active_adapter == "default"
+    trainer.train(ROWS)
+    saved = sorted(p.name for p in (tmp_path / "run" / "final").iterdir())
+    assert "adapter_model.safetensors" in saved and TEACHER_ADAPTER not in saved  # only the student's adapter
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_training(tmp_path):
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens(["<other>"])
+    teacher = save_tiny(tmp_path / "teacher", tokenizer=tokenizer)
+    student, student_tokenizer = build_tiny_model(seed=0)
+    with pytest.raises(ValueError, match="same tokenizer"):
+        GRPOTrainer(student, student_tokenizer, alternating, config(tmp_path, teacher_model=teacher))
+
+
+def test_the_config_checks_the_coefficients():
+    with pytest.raises(ValueError, match="distill_coef"):
+        GRPOConfig(teacher_model="x", distill_coef=-1.0).validate()
+    with pytest.raises(ValueError, match="teacher_model"):
+        GRPOConfig(teacher_model="x", fsdp=True).validate()
+
+
+def test_the_distillation_math_imports_only_torch():
+    import ast
+    from pathlib import Path
+
+    from forge.core import distill
+
+    tree = ast.parse(Path(distill.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    assert imported <= {"__future__", "typing", "torch"}
