@@ -36,6 +36,7 @@ from forge.data.answers import (
     extract_tagged_answer,
     parse_number,
 )
+from forge.data.dataset import COLUMN_ALIASES
 from forge.data.task import grade_math
 
 __all__ = [
@@ -152,25 +153,24 @@ class RewardInputs:
             keywords["trainer_state"] = self.trainer_state
         return keywords
 
-    def trl_keywords(self) -> dict[str, Any]:
+    def trl_keywords(self, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
         """TRL's keywords: ``prompts``, ``completions`` (for chat prompts each one a list holding the assistant
         message, as TRL gives them), ``completion_ids``, every column by its own name, ``trainer_state`` (and
-        ``tool_calls`` with tools)."""
+        ``tool_calls`` with tools); a column also under Forge's name (``references``) when `fn` names that."""
         chat = bool(self.prompts) and not isinstance(self.prompts[0], str)
         completions = [[{"role": "assistant", "content": text}] for text in self.completions] if chat \
             else self.completions
         keywords = {"prompts": self.prompts, "completions": completions, "completion_ids": self.completion_ids,
                     **self.columns, "trainer_state": self.trainer_state}
+        for column, alias in COLUMN_ALIASES.items():
+            if column in keywords and fn is not None and names_parameter(fn, alias):
+                keywords[alias] = keywords[column]
         return keywords | self.rollout_keywords()
 
     def rollout_keywords(self) -> dict[str, Any]:
         """``tool_calls`` with tools; ``environments`` and ``episodes`` with an environment."""
         given = {"tool_calls": self.tool_calls, "environments": self.environments, "episodes": self.episodes}
         return {k: v for k, v in given.items() if v is not None}
-
-
-COLUMN_ALIASES = {"reference": "references"}
-"""Dataset columns Forge's convention passes under another name (the built-in rewards take `references`)."""
 
 
 class Convention(NamedTuple):
@@ -245,39 +245,27 @@ def call_problem(reward: BaseReward, columns: Sequence[str] | None = None) -> st
 
 
 def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], positional: int = 2) -> dict[str, Any]:
-    """The subset of ``kwargs`` that ``fn`` can receive by name after its first `positional` arguments.
-
-    Everything passes when ``fn`` takes ``**kwargs`` or has no inspectable signature (some
-    builtins); otherwise only names of its parameters beyond the first `positional` (Forge's call gives
-    ``prompts`` and ``responses`` by position; TRL's, positional=0, gives everything by keyword).
-    """
+    """The subset of ``kwargs`` that ``fn`` can receive by name after its first `positional` arguments (Forge's
+    call gives ``prompts`` and ``responses`` by position; TRL's, positional=0, gives everything by keyword); all
+    of them when ``fn`` takes ``**kwargs`` or has no inspectable signature (some builtins)."""
     try:
-        signature = inspect.signature(fn)
+        parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return dict(kwargs)
-    parameters = list(signature.parameters.values())
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    kinds = inspect.Parameter
+    if any(p.kind is kinds.VAR_KEYWORD for p in parameters):
         return dict(kwargs)
-    positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    taken_by_position = {p.name for p in [p for p in parameters if p.kind in positional_kinds][:positional]}
-    named = {
-        p.name
-        for p in parameters
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        and p.name not in taken_by_position
-    }
+    by_position = [p.name for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    by_name = {p.name for p in parameters if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+    named = by_name - set(by_position[:positional])
     return {key: value for key, value in kwargs.items() if key in named}
 
 
 def call_with_accepted_kwargs(
     fn: Callable[..., Any], prompts: list[str], responses: list[str], kwargs: Mapping[str, Any]
 ) -> Any:
-    """Call ``fn(prompts, responses, **accepted)`` where ``accepted`` are the entries of
-    ``kwargs`` that ``fn``'s signature names (all of them if it takes ``**kwargs``).
-
-    Prompts and responses are passed positionally, so the second parameter may be called
-    ``responses`` or ``completions`` (TRL style).
-    """
+    """``fn(prompts, responses, **accepted_kwargs(fn, kwargs))``: the two by position, so the second parameter
+    may be called ``responses`` or ``completions`` (TRL's name), and the keywords its signature names."""
     return fn(prompts, responses, **accepted_kwargs(fn, kwargs))
 
 
@@ -306,12 +294,8 @@ class FunctionReward(BaseReward):
         return self.score_inputs(RewardInputs(list(prompts), list(responses), kwargs))
 
     def score_inputs(self, inputs: RewardInputs) -> Any:
-        if self.convention == "trl":
-            keywords = inputs.trl_keywords()
-            for column, alias in COLUMN_ALIASES.items():  # Forge's name too, to a reward that names it
-                if column in keywords and names_parameter(self.fn, alias):
-                    keywords[alias] = keywords[column]
-            result = self.fn(**accepted_kwargs(self.fn, keywords, positional=0))
+        if self.convention == "trl":  # every argument by keyword
+            result = self.fn(**accepted_kwargs(self.fn, inputs.trl_keywords(self.fn), positional=0))
         else:
             result = call_with_accepted_kwargs(self.fn, inputs.prompts, inputs.completions,
                                                inputs.forge_keywords(names_parameter(self.fn, "trainer_state")))

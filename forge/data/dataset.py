@@ -358,10 +358,14 @@ def dataset_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
             if column != "prompt" and not column.startswith("_")}
 
 
+COLUMN_ALIASES = {"reference": "references"}
+"""Dataset columns that Forge's reward convention passes under another name (the built-in rewards take
+`references`); the one table of the rename, read here and by forge.core.reward."""
+
+
 def reward_kwargs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
-    """`dataset_columns` keyed by Forge's reward keyword names: ``reference`` -> ``references``."""
-    return {("references" if column == "reference" else column): values
-            for column, values in dataset_columns(rows).items()}
+    """`dataset_columns` keyed by Forge's reward keyword names (`COLUMN_ALIASES`: ``reference`` -> ``references``)."""
+    return {COLUMN_ALIASES.get(column, column): values for column, values in dataset_columns(rows).items()}
 
 
 # --------------------------------------------------------------------------------------------------
