@@ -209,8 +209,7 @@ def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)):
         raise RewardError(f"reward '{name}' returned {scores!r:.80} (a {type(scores).__name__}){where}; it must "
-                          f"return a RewardOutput "
-                          f"or a list of {expected} floats")
+                          f"return a RewardOutput or a list of {expected} floats")
     if len(scores) != expected:
         raise RewardError(f"reward '{name}' returned {len(scores)} scores for {expected} completions{where}; "
                           f"return exactly one score per completion")
@@ -252,21 +251,10 @@ class FailureRules:
 
 
 def score_completions(
-    rewards: list[tuple[str, BaseReward, float]],
-    prompts: list,
-    completions: list[str],
-    columns: dict[str, list],
-    *,
-    on_error: str = "raise",
-    error_value: float = 0.0,
-    timeout: float | None = None,
-    step: int | None = None,
-    row_index: list[int] | None = None,
-    trainer_state: Any = None,
-    completion_ids: list[list[int]] | None = None,
-    tool_calls: list[list[dict]] | None = None,
-    environments: list | None = None,
-    episodes: list | None = None,
+    rewards: list[tuple[str, BaseReward, float]], prompts: list, completions: list[str], columns: dict[str, list],
+    *, on_error: str = "raise", error_value: float = 0.0, timeout: float | None = None, step: int | None = None,
+    row_index: list[int] | None = None, trainer_state: Any = None, completion_ids: list[list[int]] | None = None,
+    tool_calls: list[list[dict]] | None = None, environments: list | None = None, episodes: list | None = None,
 ) -> Scores:
     """Score N completions with every reward; prompts, completion_ids, tool_calls and each column have N entries.
 

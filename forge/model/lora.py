@@ -179,23 +179,14 @@ def merged_adapters(model: nn.Module, enabled: bool = True, rounded: bool = Fals
     """Run a LoRA model with its adapters folded into a temporary copy of each adapted weight (no-grad use only:
     generation, evaluation). Yields whether it merged.
 
-    A LoRA layer computes W x + s B A x: three matmuls and an add where one would do, which makes generation
-    ~1.2x slower than with W + s B A in fp32 on a CPU, and evaluation ~2x slower in bf16 (bench/merged_generation.py,
-    bench/merged_bf16.py). Inside, each adapted weight is replaced by W + s B A (a new tensor) and the adapters are
-    switched off; on exit the original weight tensors are put back, so the trained weights are bit-for-bit what
-    they were (merging in place and subtracting again would not be). It costs one copy of the adapted weights
-    while inside, and is skipped (yields False) when that does not fit on the GPU, for models that are not plain
-    LoRA on linear layers (DoRA, quantised or FSDP2-sharded weights, a weight shared by two modules), and when the
-    adapters are off (inside `model.disable_adapter()`, or already inside this merge): the base model then
-    stays the base model.
-
-    The sum W + s B A is formed in fp32 (from W's own bits) and stored once in the dtype the layer's matmul runs
-    in. In fp32 that is all. Under bf16/fp16 autocast the merged weight is rounded once to that dtype (what autocast
-    does to any fp32 weight at every forward), which drops the part of an adapter update below half of the merged
-    weight's last bit (85-90% of the elements early in training): only with `rounded=True`, for evaluation, where
-    no log-probs are compared. Training's sampling keeps the adapter path there: measured on the packaged SmolLM2
-    after 6 bf16 LoRA steps (bench/merged_bf16.py), the merge adds a sampler/trainer log-prob gap as large as the
-    decode-vs-forward gap itself (`sampling/logp_diff_mean` 0.0086 against 0.0052, max 0.55 against 0.26).
+    A LoRA layer computes W x + s B A x, three matmuls where one would do. Inside, each adapted weight is
+    replaced by W + s B A (a new tensor, the sum formed in fp32) and the adapters are switched off; on exit the
+    original tensors are put back, so the trained weights are bit for bit what they were. Skipped (yields False)
+    when the copy does not fit on the GPU, for models that are not plain LoRA on linear layers (DoRA, quantised
+    or FSDP2-sharded weights, a weight shared by two modules), and when the adapters are off. Under bf16/fp16
+    autocast the merged weight would be rounded once to that dtype, which widens the sampler/trainer log-prob
+    gap: only evaluation asks for that (`rounded=True`); training's sampling keeps the adapter path there.
+    Measurements: docs/performance.md, "LoRA generation with merged weights".
     """
     layers = _mergeable_lora_layers(model) if enabled else None
     if layers and not rounded and _merged_dtype(layers[0].get_base_layer().weight) != torch.float32:
