@@ -47,6 +47,7 @@ from forge.core.rollout import SamplingSettings, generate
 from forge.core.trainer import GRPOTrainer, seed_everything
 from forge.data.arithmetic import ARITHMETIC_TASK
 from forge.eval.evaluate import aggregate_metrics, evaluate
+from forge.eval.gain import gain_table, time_to_gain
 from forge.eval.plot import plot_training_curves
 from forge.eval.report import build_comparison, write_comparison
 from forge.eval.screen import screen_prompts
@@ -110,6 +111,18 @@ class DemoSettings:
     tools: bool = False
     """Instead: the calculator-tool demo: arithmetic with a <calc> tool, base model without and with the tool,
     trained model with the tool, on the same held-out set."""
+    distill: bool = False
+    """Instead: on-policy distillation: the packaged base model (the student) learns from the demo's GRPO-trained
+    adapter (the teacher: --teacher, or trained first by this command in output_dir/teacher), the reverse KL to the
+    teacher per token its advantage; prints the steps and CPU seconds each needed for 90% of the teacher's gain."""
+    teacher: str = ""
+    """With --distill: the final/ adapter folder of an earlier `forge demo` run (its demo_result.json beside it
+    gives GRPO's curve and times); empty = train the teacher first."""
+    reward_coef: float = 0.0
+    """With --distill: weight of the reward advantage next to the teacher's (0 = pure distillation)."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling (DAPO): up to 4 rounds of prompts per step until it holds prompts_per_step groups whose
+    rewards differ."""
     env: bool = False
     """Instead: the environment demo (forge/demo_env.py): guess-the-number with higher/lower answers, base and
     trained model with the real answers and with a decoy's answers in their place, on the same held-out
@@ -214,7 +227,7 @@ def demo_config(settings: DemoSettings, output_dir, **overrides) -> GRPOConfig:
         reward_weights=[1.0, settings.format_weight], output_dir=str(output_dir), seed=settings.seed,
         loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
         drop_zero_std_groups=True, micro_batch_size=settings.group_size, dtype=settings.dtype,
-        generation_backend=settings.generation_backend,
+        generation_backend=settings.generation_backend, dynamic_sampling=settings.dynamic_sampling,
         overwrite_output_dir=True,  # each demo run replaces the previous one in its output dir
     )
     return replace(config, **overrides) if overrides else config
@@ -242,10 +255,13 @@ def _machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def run_demo(settings: DemoSettings) -> dict:
-    """`forge demo` (with settings.tools: `run_tool_demo`)."""
+def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
+    """`forge demo` (with settings.tools: `run_tool_demo`; settings.distill: `run_distill_demo`); with `teacher`
+    (an adapter folder) the run distills from it."""
     if settings.tools:
         return run_tool_demo(settings)
+    if settings.distill:
+        return run_distill_demo(settings)
     run = DemoRun(settings, "forge demo")
     run.say(f"loading {settings.model} (the packaged model is converted from GGUF once, ~20 s)")
     model, tokenizer, precision = load_policy(settings)
@@ -269,15 +285,19 @@ def run_demo(settings: DemoSettings) -> dict:
         train_rows = _screened_rows(settings, run, model, tokenizer, candidates, heldout)
 
     subset = heldout[: settings.eval_subset] if settings.eval_every else None
-    config = demo_config(settings, run.out, eval_steps=settings.eval_every, eval_before_training=subset is not None)
+    distill = {"teacher_model": teacher, "reward_coef": settings.reward_coef, "drop_zero_std_groups": False}
+    config = demo_config(settings, run.out, eval_steps=settings.eval_every, eval_before_training=subset is not None,
+                         **(distill if teacher else {}))
     run.say(_training_line(settings) + (f"; held-out curve: the first {len(subset)} problems every "
                                         f"{settings.eval_every} steps" if subset else ""))
     curve = HeldoutCurve(heldout, len(subset or ()), settings.steps, eval_kw, before)
     trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config, evaluator=curve)
     curve.trainer = trainer
     with run.timed("training"):
+        cpu_started = time.process_time()
         trainer.train(train_rows, eval_dataset=subset)
     run.timings["training"] -= curve.seconds
+    train_cpu_seconds = time.process_time() - cpu_started - curve.cpu_seconds
     run.timings["curve_evals"] = curve.seconds - curve.final_seconds
 
     run.say(f"evaluating the trained policy on the same {len(heldout)} held-out problems (greedy)")
@@ -302,7 +322,7 @@ def run_demo(settings: DemoSettings) -> dict:
     result = {"settings": asdict(settings), "heldout_size": len(heldout), "before": before.metrics,
               "after": after.metrics, "gain": after.metrics["strict_accuracy"] - before.metrics["strict_accuracy"],
               "eval_curve": curve.points, "eval_curve_size": len(subset or ()),
-              "train_seconds": train_seconds, "total_seconds": total,
+              "train_seconds": train_seconds, "train_cpu_seconds": train_cpu_seconds, "total_seconds": total,
               "seconds_per_step": train_seconds / max(1, settings.steps), "timings": run.timings,
               "load_average": {"start": load_before, "end": _load_average()},
               "machine": _machine() | {"precision": str(precision.compute).removeprefix("torch."),
@@ -313,6 +333,29 @@ def run_demo(settings: DemoSettings) -> dict:
           + ", ".join(f"{k} {v:.0f}s" for k, v in run.timings.items() if k != "total") + ")")
     print(f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     {out / 'training_log.jsonl'}, "
           f"{out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   {out / 'demo_result.json'}")
+    return result
+
+
+def run_distill_demo(settings: DemoSettings) -> dict:
+    """--distill: the GRPO teacher (settings.teacher, or trained here first), then the packaged base distilled from
+    it; the steps and training CPU seconds each needed for 90% of the teacher's held-out gain (forge/eval/gain.py)."""
+    out, plain = Path(settings.output_dir), replace(settings, distill=False, teacher="")
+    teacher_dir = Path(settings.teacher) if settings.teacher else out / "teacher" / "final"
+    if settings.teacher and not (teacher_dir.parent / "demo_result.json").is_file():
+        raise FileNotFoundError(f"--teacher {teacher_dir}: no demo_result.json beside it; give the final/ folder of "
+                                f"a `forge demo` run, or leave --teacher out to train the teacher first")
+    grpo = (json.loads((teacher_dir.parent / "demo_result.json").read_text()) if settings.teacher
+            else run_demo(replace(plain, output_dir=str(out / "teacher"))))
+    student = run_demo(replace(plain, output_dir=str(out / "student")), teacher=str(teacher_dir))
+    rows = [(label, result, time_to_gain(result, grpo, 0.9, log_dir / "training_log.jsonl"))
+            for label, result, log_dir in (("GRPO (the teacher)", grpo, teacher_dir.parent),
+                                           ("distillation", student, out / "student"))]
+    print(f"\n90% of the teacher's held-out gain (greedy strict accuracy; each curve on its own held-out "
+          f"problems: {rows[0][2]['n']} and {rows[1][2]['n']}):\n" + gain_table(rows))
+    result = {"teacher": str(teacher_dir), "grpo": grpo, "distillation": student,
+              "to_90_percent": {label: reached for label, _, reached in rows}}
+    (out / "distill_result.json").write_text(json.dumps(result, indent=2))
+    print(f"result:   {out / 'distill_result.json'}")
     return result
 
 
@@ -354,14 +397,17 @@ class HeldoutCurve:
         self.trainer = None
         self.cache = {0: self._subset_metrics(before)}
         self.points: list[dict] = []
-        self.seconds = self.final_seconds = 0.0
+        self.seconds = self.final_seconds = self.cpu_seconds = 0.0  # evaluating: wall, its final part, CPU
+        self.cpu_started: float | None = None  # process CPU time at the first call (training's start)
         self.final = None
 
     def _subset_metrics(self, result) -> dict:
         return {**aggregate_metrics(result.records[: self.subset], 1), "seconds": 0.0}
 
     def __call__(self, model, tokenizer, rows, *, max_new_tokens, max_prompt_length) -> dict:
-        step = self.trainer.global_step
+        step, cpu = self.trainer.global_step, time.process_time()
+        self.cpu_started = cpu if self.cpu_started is None else self.cpu_started
+        train_cpu_seconds = cpu - self.cpu_started - self.cpu_seconds  # training's CPU time up to this step
         if step not in self.cache:
             t0 = time.perf_counter()
             if step >= self.total_steps:  # the whole held-out set once; the subset's share of it
@@ -371,11 +417,13 @@ class HeldoutCurve:
             else:
                 metrics = evaluate(model, tokenizer, rows, **self.eval_kw).metrics
             self.seconds += time.perf_counter() - t0
+            self.cpu_seconds += time.process_time() - cpu
             self.cache[step] = metrics
         if not any(point["step"] == step for point in self.points):
             m = self.cache[step]
             self.points.append({"step": step, "strict_accuracy": m["strict_accuracy"], "soft_accuracy":
-                                m["soft_accuracy"], "format_rate": m["format_rate"], "n": m["n"]})
+                                m["soft_accuracy"], "format_rate": m["format_rate"], "n": m["n"],
+                                "train_cpu_seconds": train_cpu_seconds})
         return {k: v for k, v in self.cache[step].items() if k in HELDOUT_KEYS}
 
 
