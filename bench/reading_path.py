@@ -9,7 +9,7 @@ the mixed-precision helpers), 2 prompts x 4 completions, 8 new tokens, a plain r
 `forge` package called while `step` runs, in first-call order. Each counts once with its whole span, decorators
 and docstring included; a function nested in a counted one (a closure, a comprehension) is not counted again
 and is left out of the order (one whose enclosing function does not run, like the schedule's `factor`, counts
-on its own). Files are the distinct files met; switches the changes of file from one function
+on its own); an import hook that Python's import system calls is not the step's code and is left out. Files are the distinct files met; switches the changes of file from one function
 to the next in that order. Prints lines per file, the totals and the functions over --max-lines.
 """
 
@@ -70,6 +70,13 @@ def spans(path: Path) -> dict[int, tuple[int, int, str]]:
     return found
 
 
+def is_import_hook(frame) -> bool:
+    """Called by Python's import system (forge/_moved.py's finder, on a module the step imports first), not
+    by the step's code: not on the reading path."""
+    caller = frame.f_back
+    return caller is not None and caller.f_code.co_filename.startswith("<frozen importlib")
+
+
 def record_step(trainer: GRPOTrainer, rows: list[dict]) -> list:
     """The code objects of the package that run during trainer.step(rows), in first-call order."""
     seen: dict = {}
@@ -78,7 +85,7 @@ def record_step(trainer: GRPOTrainer, rows: list[dict]) -> list:
     def hook(frame, event, arg):
         if event == "call":
             code = frame.f_code
-            if code not in seen and code.co_filename.startswith(package):
+            if code not in seen and code.co_filename.startswith(package) and not is_import_hook(frame):
                 seen[code] = None
 
     threading.setprofile(hook)

@@ -1,5 +1,5 @@
-"""Old import paths of modules and names that moved, kept working: `import forge.core.policy` gives forge.model,
-`from forge.core.grpo import GRPOConfig` gives forge.core.config's.
+"""Old import paths of modules and names that moved, kept working: `import forge.core.policy` gives
+forge.model, `from forge.core.grpo import GRPOConfig` gives forge.core.config's.
 
 Two tables, read by a meta-path finder that `forge/__init__.py` installs. Importing an old module path imports
 the new module and registers it under the old name too, so both names are the same module object (a
@@ -42,8 +42,8 @@ MOVED_NAMES = {
     "forge.core.rollout": {"Batch": "forge.core.batch"},
     "forge.model": {"enable_checkpointing": "forge.model.lora"},
 }
-"""Names that left a module that stayed: old module -> {name: the module it lives in now}. Helpers of the earlier
-API that the engine no longer calls live in forge/core/original_api.py."""
+"""Names that left a module that stayed: old module -> {name: the module it lives in now}. Helpers of the
+earlier API that the engine no longer calls live in forge/core/original_api.py."""
 
 
 class _Loader(importlib.abc.Loader):
@@ -60,7 +60,8 @@ class _Loader(importlib.abc.Loader):
 
 
 class _WithMovedNames(importlib.abc.Loader):
-    """Runs a module as its own loader does, then gives it a module `__getattr__` for the names that left it."""
+    """Runs a module as its own loader does, then gives it a module `__getattr__` for the names that left
+    it."""
 
     def __init__(self, loader, moved: dict[str, str]):
         self.loader, self.moved = loader, moved

@@ -1,9 +1,10 @@
 """Group-relative advantages: how a group's rewards become each completion's advantage A (pure tensor math).
 
 GRPO (DeepSeekMath, Shao et al. 2024, https://arxiv.org/abs/2402.03300, sec. 4.1.2) scores each completion
-against the other completions of its prompt: A_i = (r_i - mean(r_group)) / std(r_group). The published variants
-change the divisor or the baseline; each is one small function plus one entry in ADVANTAGE_SCALES. Several
-rewards combine by MULTI_REWARD_AGGREGATIONS (a weighted sum first, or GDPO's per-reward normalisation).
+against the other completions of its prompt: A_i = (r_i - mean(r_group)) / std(r_group). The published
+variants change the divisor or the baseline; each is one small function plus one entry in ADVANTAGE_SCALES.
+Several rewards combine by MULTI_REWARD_AGGREGATIONS (a weighted sum first, or GDPO's per-reward
+normalisation).
 
 This module imports only torch: rewards come in as tensors, advantages go out as tensors.
 """
@@ -15,7 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 # Each returns the divisor of the centred rewards r - group mean, (N,), from the float64 rewards, the centred
-# rewards and the (N,) mask of the samples that enter the statistics; `eps` keeps a std of 0 from dividing by 0.
+# rewards and the (N,) mask of the samples that enter the statistics; `eps` keeps a std of 0 from dividing by
+# 0.
 
 
 def _masked_std(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -52,16 +54,16 @@ def _no_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Ten
 
 
 def _leave_one_out_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
-    # RLOO (Ahmadian et al. 2024, arXiv 2402.14740, sec. 3): r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean),
-    # n = valid samples of the group; so the divisor is (n - 1) / n (no eps: nothing can be 0 here).
+    # RLOO (Ahmadian et al. 2024, arXiv 2402.14740, sec. 3): r_i - mean_{j != i} r_j = n / (n - 1) * (r_i -
+    # mean), n = valid samples of the group; so the divisor is (n - 1) / n (no eps: nothing can be 0 here).
     count = valid.view(-1, group_size).sum(dim=1).to(rewards.dtype)  # (groups,)
     return ((count - 1).clamp(min=1) / count.clamp(min=1)).repeat_interleave(group_size)
 
 
 def _centred_batch_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
-    # REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262, sec. 3): the group mean is the baseline, then the
-    # differences are normalised by their std over the batch (their batch mean is already 0). One value per
-    # completion; verl whitens per token instead, which weighs long completions more.
+    # REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262, sec. 3): the group mean is the baseline, then
+    # the differences are normalised by their std over the batch (their batch mean is already 0). One value
+    # per completion; verl whitens per token instead, which weighs long completions more.
     return _masked_std(centred[None], valid[None]).expand_as(rewards) + eps
 
 
@@ -107,15 +109,15 @@ def compute_group_advantages(
     return (centred / ADVANTAGE_SCALES[scale](values, centred, valid, group_size, eps)).to(torch.float32)  # (N,)
 
 
-# Several rewards: each fn(components (N, K), applies (N, K) bool, weights (K,), group_size, scale, eps, valid (N,))
-# -> (N,) advantages. `applies` is False where a reward returned None ("does not apply" to that sample): the sample
-# is scored by the rewards that apply, and when none applies it gets advantage 0 and leaves the statistics.
-# `valid` is False for samples left out for another reason (a NaN reward).
+# Several rewards: each fn(components (N, K), applies (N, K) bool, weights (K,), group_size, scale, eps, valid
+# (N,)) -> (N,) advantages. `applies` is False where a reward returned None ("does not apply" to that sample):
+# the sample is scored by the rewards that apply, and when none applies it gets advantage 0 and leaves the
+# statistics. `valid` is False for samples left out for another reason (a NaN reward).
 
 
 def weighted_reward_sum(components: torch.Tensor, applies: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
-    """sum_k w_k r_k over the rewards that apply, (N, K) -> (N,) float32, summed reward by reward in float32: the
-    one weighted sum, of the advantages and of the `reward` Forge logs (core/scoring.py Scores.total)."""
+    """sum_k w_k r_k over the rewards that apply, (N, K) -> (N,) float32, summed reward by reward in float32:
+    the one weighted sum, of the advantages and of the `reward` Forge logs (core/scoring.py Scores.total)."""
     total = torch.zeros(components.shape[0], dtype=torch.float32)
     for k, weight in enumerate(weights):
         total = total + float(weight) * torch.where(applies[:, k], components[:, k].float(), 0.0)
@@ -148,8 +150,8 @@ def multi_reward_advantages(
     scale: str = "group", eps: float = 1e-4, aggregation: str = "sum_then_normalize",
     valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Advantages from K rewards per completion. components: (N, K) laid out group by group; applies: (N, K) bool
-    (None = every reward applies everywhere); valid: (N,) bool (None = all). Returns (N,) float32."""
+    """Advantages from K rewards per completion. components: (N, K) laid out group by group; applies: (N, K)
+    bool (None = every reward applies everywhere); valid: (N,) bool (None = all). Returns (N,) float32."""
     if components.dim() != 2 or components.shape[1] != len(weights):
         raise ValueError(f"components must be (N, K={len(weights)}), got shape {tuple(components.shape)}")
     applies = torch.ones(components.shape, dtype=torch.bool) if applies is None else applies.bool()

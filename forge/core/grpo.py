@@ -20,8 +20,8 @@ piece of this, each one small function plus one entry in a dict below; adding a 
     ROLLOUT_IS_MODES           none / token or sequence, truncated or masked sampler importance weights
 
 plus the token entropy (from the same chunked log-softmax as the log-probs), its top-quantile mask and bonus.
-grpo_loss comes first and reads as plain GRPO; it takes the variant as one LossSettings (GRPOConfig.loss_settings
-derives it from a run's config) and looks each piece up in the tables after it.
+grpo_loss comes first and reads as plain GRPO; it takes the variant as one LossSettings
+(GRPOConfig.loss_settings derives it from a run's config) and looks each piece up in the tables after it.
 
 This module imports only torch, the standard library and core/advantages.py (pure tensor math too): everything
 comes in as tensors and numbers, so every formula is tested with hand-built tensors.
@@ -36,14 +36,9 @@ from typing import NamedTuple
 
 import torch
 
-from forge.core.advantages import (  # re-exported: the original API had them here
-    ADVANTAGE_SCALES,
-    MULTI_REWARD_AGGREGATIONS,
-    compute_group_advantages,
-    group_reward_std,
-    multi_reward_advantages,
-    weighted_reward_sum,
-)
+# re-exported: the original API had them here
+from forge.core.advantages import (ADVANTAGE_SCALES, MULTI_REWARD_AGGREGATIONS, compute_group_advantages,
+                                   group_reward_std, multi_reward_advantages, weighted_reward_sum)
 
 # ----------------------------------------------------------------------------------------------------
 # The loss: plain GRPO first; each variant is one entry in a table further down
@@ -51,8 +46,7 @@ from forge.core.advantages import (  # re-exported: the original API had them he
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The loss variant: everything grpo_loss needs besides tensors (GRPOConfig.loss_settings derives it; the
-    fields carry GRPOConfig's names)."""
+    """The loss variant in GRPOConfig's names: all grpo_loss needs besides tensors (config.loss_settings)."""
 
     clip_epsilon: float = 0.2
     clip_epsilon_high: float | None = None  # None = clip_epsilon
@@ -97,7 +91,7 @@ class LossStats(NamedTuple):
     clip_frac: torch.Tensor
     clip_frac_capped: torch.Tensor | None = None  # A < 0 tokens held by delta / clip_ratio_c
     entropy: torch.Tensor | None = None  # mean token entropy; 0 when grpo_loss was given no entropy
-    rollout_is_weight_mean: torch.Tensor | None = None  # mean pi_old / pi_sampler weight; 1 when rollout_is is off
+    rollout_is_weight_mean: torch.Tensor | None = None  # mean pi_old / pi_sampler weight; 1 when off
     rollout_is_dropped_frac: torch.Tensor | None = None  # tokens a mask mode set to weight 0
 
 
@@ -131,18 +125,19 @@ def grpo_loss(
     if normaliser is None:  # this batch is the whole optimizer batch
         normaliser = LossNormaliser(float(mask.shape[0]), float(mask.sum()), int(mask.shape[1]))
     if settings.needs_entropy and entropy is None:
-        raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the token entropies (entropy=...)")
+        raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need the token entropies (entropy=)")
     objective, aggregation = LOSS_TYPES[settings.loss_type]  # plain GRPO: "clip", "grpo"
 
     # 1. the ratio against the policy that sampled, and the clipped policy term (DeepSeekMath eq. 3)
     log_ratio = IMPORTANCE_LEVELS[settings.importance_sampling_level](logprobs, old_logprobs, mask)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
-    adv = (advantages if advantages.dim() == 2 else advantages[:, None])[:, :logprobs.shape[1]].to(logprobs.dtype)
+    per_row = advantages if advantages.dim() == 2 else advantages[:, None]  # (B, T') per token, or (B, 1)
+    adv = per_row[:, :logprobs.shape[1]].to(logprobs.dtype)
     term = POLICY_OBJECTIVES[objective](ratio, logprobs, adv, settings)
     pg_loss, acting, is_weight = term.pg_loss, mask, None  # (B, T), (B, T): the tokens the gradient acts on
     if settings.reshapes_policy_term:
-        pg_loss, acting, is_weight = reshaped_policy_term(pg_loss, adv, logprobs, old_logprobs, mask, settings,
-                                                          entropy, sampler_logprobs)
+        pg_loss, acting, is_weight = reshaped_policy_term(pg_loss, adv, logprobs, old_logprobs, mask,
+                                                          settings, entropy, sampler_logprobs)
     # 2. the KL penalty against the reference (k3 by default), per token
     kl = kl_term(logprobs, ref_logprobs, ratio, settings)  # (B, T)
     per_token = pg_loss + settings.kl_beta * kl if settings.kl_beta > 0 else pg_loss  # (B, T)
@@ -156,7 +151,7 @@ def grpo_loss(
 
 def kl_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, ratio: torch.Tensor,
             settings: LossSettings) -> torch.Tensor:
-    """(B, T) per-token KL estimate against the reference (zeros without one; with kl_beta > 0 one is needed)."""
+    """(B, T) per-token KL estimate against the reference (zeros without one; kl_beta > 0 needs one)."""
     estimate_kl = KL_ESTIMATORS[settings.kl_loss_type]
     if settings.kl_beta <= 0:  # logged only
         return torch.zeros_like(logprobs) if ref_logprobs is None else estimate_kl(logprobs, ref_logprobs)
@@ -184,9 +179,9 @@ def loss_stats(term: PolicyTerm, ratio: torch.Tensor, kl: torch.Tensor, pg_loss:
             clip_frac=masked_mean(torch.clamp(low + high, max=1), mask),
             clip_frac_capped=masked_mean(term.capped.to(mask.dtype), mask),
             entropy=masked_mean(entropy.detach().float(), mask) if entropy is not None else nothing,
-            rollout_is_weight_mean=masked_mean(is_weight, mask) if is_weight is not None else nothing.add(1.0),
-            rollout_is_dropped_frac=(masked_mean((is_weight == 0).to(mask.dtype), mask) if is_weight is not None
-                                     else nothing),
+            rollout_is_weight_mean=nothing.add(1.0) if is_weight is None else masked_mean(is_weight, mask),
+            rollout_is_dropped_frac=(nothing if is_weight is None
+                                     else masked_mean((is_weight == 0).to(mask.dtype), mask)),
         )
 
 
@@ -256,7 +251,7 @@ def token_logprobs_from_logits(
     flat_logits = logits.reshape(-1, vocab)  # (B*T, V)
     flat_targets = targets.reshape(-1)  # (B*T,)
     out = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device)
-    entropy = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device) if with_entropy else None
+    entropy = torch.empty_like(out) if with_entropy else None
     for start in range(0, flat_targets.numel(), chunk_size):
         chunk = flat_logits[start:start + chunk_size].float() / temperature  # (c, V)
         picked = chunk.gather(1, flat_targets[start:start + chunk_size, None]).squeeze(1)  # (c,)
@@ -265,7 +260,7 @@ def token_logprobs_from_logits(
         if entropy is not None:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 probs = (chunk - normaliser[:, None]).exp_()  # (c, V), in place: one (c, V) buffer
-                entropy[start:start + chunk_size] = normaliser - torch.linalg.vecdot(probs, chunk)  # no product kept
+                entropy[start:start + chunk_size] = normaliser - torch.linalg.vecdot(probs, chunk)
     if entropy is None:
         return out.view(batch, length)
     return out.view(batch, length), entropy.view(batch, length)
@@ -276,8 +271,8 @@ def token_logprobs_from_logits(
 
 
 # Each estimates KL(pi_theta || pi_ref) per sampled token (tokens drawn from the policy, d = logp - ref), from
-# http://joschu.net/blog/kl-approx.html: k1 = d is unbiased but goes negative and has high variance; k2 = d^2 / 2
-# is biased, >= 0, and its gradient is that of the reverse KL in expectation; k3 is unbiased and >= 0.
+# http://joschu.net/blog/kl-approx.html: k1 = d is unbiased but goes negative and has high variance;
+# k2 = d^2 / 2 is biased, >= 0, its gradient that of the reverse KL in expectation; k3 is unbiased, >= 0.
 
 
 def k1_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -312,7 +307,8 @@ def token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: to
     return logprobs - old_logprobs
 
 
-def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
     """GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071, eq. 7): one length-normalised ratio per
     completion, exp(mean_t(logp - logp_old)), shared by all of its tokens."""
     per_sequence = masked_mean(logprobs - old_logprobs, mask, dim=1)  # (B,)
@@ -323,8 +319,8 @@ IMPORTANCE_LEVELS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
 
 
 # ----------------------------------------------------------------------------------------------------
-# Policy objectives: each fn(ratio (B, T), logprobs (B, T), adv (B, 1), settings) -> PolicyTerm, whose pg_loss is
-# the per-token loss to minimise and whose flags say which tokens a bound held back (for the clip statistics).
+# Policy objectives: each fn(ratio (B, T), logprobs (B, T), adv (B, 1), settings) -> PolicyTerm, whose pg_loss
+# is the per-token loss to minimise and whose flags say which tokens a bound held back (clip statistics).
 
 
 class PolicyTerm(NamedTuple):
@@ -352,8 +348,9 @@ def _clipped_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTe
 
 
 def _cispo_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
-    # CISPO (MiniMax-M1, arXiv 2506.13585, the J_CISPO objective of sec. 3.1): -sg(min(r, 1 + eps_high)) * A * log pi_theta. The weight is
-    # clipped, never the token: every token keeps its gradient -w A grad log pi. No lower bound, as in the paper.
+    # CISPO (MiniMax-M1, arXiv 2506.13585, the J_CISPO objective of sec. 3.1): -sg(min(r, 1 + eps_high)) * A *
+    # log pi_theta. The weight is clipped, never the token: every token keeps its gradient -w A grad log pi.
+    # No lower bound, as in the paper.
     cap = 1 + settings.epsilon_high
     weight = torch.clamp(ratio, max=cap).detach()  # (B, T)
     over = ratio > cap
@@ -361,9 +358,9 @@ def _cispo_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm
 
 
 def _sapo_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
-    # SAPO (Gao et al. 2025, arXiv 2511.20347, the soft gate of sec. 3): -f(r) A with the gate f(r) = sigmoid(tau (r - 1)) * 4 / tau,
-    # tau = tau_pos for A > 0, tau_neg otherwise. f'(1) = 1, so on-policy it is the policy gradient; far off-policy
-    # the gradient fades smoothly instead of stopping at a hard bound.
+    # SAPO (Gao et al. 2025, arXiv 2511.20347, the soft gate of sec. 3): -f(r) A with the gate f(r) =
+    # sigmoid(tau (r - 1)) * 4 / tau, tau = tau_pos for A > 0, tau_neg otherwise. f'(1) = 1, so on-policy it
+    # is the policy gradient; far off-policy the gradient fades smoothly instead of stopping at a hard bound.
     tau = torch.where(adv > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)  # (B, 1)
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # (B, T)
     none = torch.zeros_like(ratio, dtype=torch.bool)
@@ -451,7 +448,7 @@ LOSS_TYPES = {
 # Sampler/trainer mismatch: each fn(old_logprobs, sampler_logprobs, mask, threshold) -> (B, T) detached weight
 # w = pi_old / pi_sampler, multiplying the policy term (Yao et al. 2025, "Your efficient RL framework secretly
 # brings you off-policy RL training", https://fengyao.notion.site/off-policy-rl: truncated IS; masked IS drops
-# the token or sequence instead). Sequence level: w = exp(sum_t (old_t - sampler_t)), one weight per completion.
+# the token or sequence instead). Sequence level: one weight a completion, w = exp(sum_t (old_t - sampler_t)).
 
 
 def _token_log_weight(old, sampler, mask):
@@ -475,7 +472,8 @@ ROLLOUT_IS_MODES: dict[str, Callable[..., torch.Tensor] | None] = {
     "none": None,
     "token_truncate": lambda old, sampler, mask, c: _truncated(_token_log_weight(old, sampler, mask), c),
     "token_mask": lambda old, sampler, mask, c: _masked(_token_log_weight(old, sampler, mask), c),
-    "sequence_truncate": lambda old, sampler, mask, c: _truncated(_sequence_log_weight(old, sampler, mask), c),
+    "sequence_truncate":
+        lambda old, sampler, mask, c: _truncated(_sequence_log_weight(old, sampler, mask), c),
     "sequence_mask": lambda old, sampler, mask, c: _masked(_sequence_log_weight(old, sampler, mask), c),
 }
 
@@ -489,8 +487,9 @@ def rollout_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: tor
     return weigh(old_logprobs.detach().float(), sampler_logprobs.float(), mask.float(), threshold).detach()
 
 
-def logprob_gap(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """(mean, max) of |trainer - sampler| log-prob over the masked tokens: ~0 when both are one computation."""
+def logprob_gap(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                mask: torch.Tensor) -> tuple[float, float]:
+    """(mean, max) of |trainer - sampler| log-prob over the masked tokens: ~0 when one computation."""
     gap = (logprobs.detach().float() - sampler_logprobs.float()).abs()[mask.bool()]
     return (float(gap.mean()), float(gap.max())) if gap.numel() else (0.0, 0.0)
 
@@ -503,8 +502,8 @@ def off_policy_sequence_mask(adv: torch.Tensor, logprobs: torch.Tensor, sampled_
                              mask: torch.Tensor, threshold: float) -> torch.Tensor:
     """(B, 1) 1.0 = keep, 0.0 = drop the sequence's policy term: DeepSeek-V3.2's off-policy sequence mask
     (https://arxiv.org/abs/2512.02556; TRL's off_policy_mask_threshold). A completion with negative advantage
-    (adv, (B, 1)) is dropped when its mean per-token gap log pi_sampled - log pi_theta over the completion mask
-    exceeds `threshold`: a bad sample the current policy has already moved away from teaches little."""
+    (adv, (B, 1)) is dropped when its mean per-token gap log pi_sampled - log pi_theta over the completion
+    mask exceeds `threshold`: a bad sample the current policy has already moved away from teaches little."""
     gap = (sampled_logprobs.float() - logprobs.detach().float()) * mask  # (B, T)
     mean_gap = gap.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     return ((adv >= 0) | (mean_gap <= threshold)).to(logprobs.dtype)
@@ -515,8 +514,8 @@ def off_policy_sequence_mask(adv: torch.Tensor, logprobs: torch.Tensor, sampled_
 
 
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """(B, T) bool: the completion tokens whose entropy is in the top `quantile` fraction of this batch's tokens
-    (Wang et al. 2025, "Beyond the 80/20 rule", arXiv 2506.01939: entropy >= the batch's (1 - q) quantile)."""
+    """(B, T) bool: the completion tokens whose entropy is in the top `quantile` fraction of this batch's
+    tokens (Wang et al. 2025, "Beyond the 80/20 rule", arXiv 2506.01939: entropy >= the (1 - q) quantile)."""
     keep = mask.bool()
     values = entropy.detach().float()[keep]
     if values.numel() == 0:
@@ -525,7 +524,8 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
     return keep & (entropy.detach() >= threshold)
 
 
-def adapted_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
+def adapted_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float,
+                         high: float) -> float:
     """Adaptive entropy control (Skywork-OR1, He et al. 2025, arXiv 2505.22312), the coefficient for the next
     optimizer step: up by delta while the step's mean token entropy is at or below the target, down by delta
     above it, held within [low, high]."""
@@ -533,15 +533,15 @@ def adapted_entropy_coef(coef: float, entropy: float, target: float, delta: floa
 
 
 def applied_entropy_coef(coef: float, last_entropy: float | None, target: float) -> float:
-    """The entropy coefficient a step's loss uses under adaptive control: the bonus acts only while the previous
-    step's entropy was at or below the target (0 before the first step, whose entropy is not known yet)."""
+    """The entropy coefficient a step's loss uses under adaptive control: the bonus acts only while the
+    previous step's entropy was at or below the target (0 before the first step: no entropy known yet)."""
     return coef if last_entropy is not None and last_entropy <= target else 0.0
 
 
 @dataclass(frozen=True)
 class EntropyControl:
     """A run's entropy coefficient: fixed (adaptive=False: coef throughout), or adapted after every optimizer
-    step to hold `target` (GRPOConfig.entropy_control derives it; a checkpoint keeps coef and last_entropy)."""
+    step to hold `target` (GRPOConfig.entropy_control derives it; checkpoints keep coef and last_entropy)."""
 
     coef: float = 0.0  # the controller's coefficient (entropy_coef to start with)
     adaptive: bool = False
@@ -557,8 +557,8 @@ class EntropyControl:
         return applied_entropy_coef(self.coef, self.last_entropy, self.target) if self.adaptive else self.coef
 
     def observed(self, entropy: float | None) -> EntropyControl:
-        """The control after an optimizer step whose mean token entropy (over every process) was `entropy`; a step
-        without a finite entropy (skipped, or no completion token) leaves it as it was."""
+        """The control after an optimizer step whose mean token entropy (over every process) was `entropy`; a
+        step without a finite entropy (skipped, or no completion token) leaves it as it was."""
         if not self.adaptive or entropy is None or not math.isfinite(entropy):
             return self
         return replace(self, coef=adapted_entropy_coef(self.coef, entropy, self.target, self.delta, self.low,

@@ -7,8 +7,9 @@ receives only the keyword arguments its signature names (`call_with_accepted_kwa
 can write ``def __call__(self, prompts, responses, references)`` without ``**kwargs``.
 
 Plain TRL-style functions ``f(prompts, completions, **kwargs) -> list[float]`` are accepted too
-(`FunctionReward`; core/reward_sources.py turns names, paths, reward models and weighted lists into rewards). Answer extraction and equivalence live in `forge.data.answers`, shared with the
-evaluation code so that the training reward and the reported accuracy agree.
+(`FunctionReward`; core/reward_sources.py turns names, paths, reward models and weighted lists into rewards).
+Answer extraction and equivalence live in `forge.data.answers`, shared with the evaluation code so that the
+training reward and the reported accuracy agree.
 
 A score may be ``None``: the reward does not apply to that sample (e.g. a code reward on a math
 prompt). The sample is then scored by the rewards that apply, and left out of the advantage
@@ -63,7 +64,8 @@ class RewardOutput:
     """What a reward returns for a batch of B responses."""
 
     scores: list[float | None]
-    """One score per response, in the order the responses were given; None = this reward does not apply. (B,)"""
+    """One score per response, in the order the responses were given; None = this reward does not apply.
+    (B,)"""
     metadata: dict[str, Any] | None = None
     """Anything worth logging next to the scores, e.g. per-component scores of a CompositeReward."""
 
@@ -104,14 +106,16 @@ class BaseReward(ABC):
         self._name = value
 
     convention = "forge"
-    """How the trainer calls it (`CONVENTIONS`): a BaseReward Forge's way, ``reward(prompts, responses, ...)``."""
+    """How the trainer calls it (`CONVENTIONS`): a BaseReward Forge's way, ``reward(prompts, responses,
+    ...)``."""
 
     @abstractmethod
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
         """Score each response to its prompt; return one float per response."""
 
     def score_inputs(self, inputs: RewardInputs) -> Any:
-        """Score a batch as the trainer does, Forge's way: ``self(prompts, completions, **keywords it names)``."""
+        """Score a batch as the trainer does, Forge's way: ``self(prompts, completions, **keywords it
+        names)``."""
         return call_with_accepted_kwargs(self, inputs.prompts, inputs.completions,
                                          inputs.forge_keywords(names_parameter(self, "trainer_state")))
 
@@ -145,8 +149,8 @@ class RewardInputs:
                             pick(self.episodes))
 
     def forge_keywords(self, with_trainer_state: bool = False) -> dict[str, Any]:
-        """Forge's keywords: the columns (``reference`` as ``references``), ``tool_calls``, and ``trainer_state``
-        for a reward that names it."""
+        """Forge's keywords: the columns (``reference`` as ``references``), ``tool_calls``, and
+        ``trainer_state`` for a reward that names it."""
         keywords = {COLUMN_ALIASES.get(k, k): v for k, v in self.columns.items()}
         keywords |= self.rollout_keywords()
         if with_trainer_state and self.trainer_state is not None:
@@ -154,9 +158,10 @@ class RewardInputs:
         return keywords
 
     def trl_keywords(self, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
-        """TRL's keywords: ``prompts``, ``completions`` (for chat prompts each one a list holding the assistant
-        message, as TRL gives them), ``completion_ids``, every column by its own name, ``trainer_state`` (and
-        ``tool_calls`` with tools); a column also under Forge's name (``references``) when `fn` names that."""
+        """TRL's keywords: ``prompts``, ``completions`` (for chat prompts each one a list holding the
+        assistant message, as TRL gives them), ``completion_ids``, every column by its own name,
+        ``trainer_state`` (and ``tool_calls`` with tools); a column also under Forge's name (``references``)
+        when `fn` names that."""
         chat = bool(self.prompts) and not isinstance(self.prompts[0], str)
         completions = [[{"role": "assistant", "content": text}] for text in self.completions] if chat \
             else self.completions
@@ -174,8 +179,8 @@ class RewardInputs:
 
 
 class Convention(NamedTuple):
-    """One way of calling a reward (`BaseReward.score_inputs`, `FunctionReward.score_inputs`): the names it supplies besides the
-    dataset's columns, and the call as an error message shows it."""
+    """One way of calling a reward (`BaseReward.score_inputs`, `FunctionReward.score_inputs`): the names it
+    supplies besides the dataset's columns, and the call as an error message shows it."""
 
     supplies: frozenset[str]
     says: str
@@ -192,13 +197,15 @@ CONVENTIONS = {
         "reward(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns), every argument by "
         "keyword, chat completions as [{'role': 'assistant', 'content': ...}] (TRL's convention: reward_funcs=)"),
 }
-"""The two ways Forge calls a reward, chosen once per reward, never per call: a BaseReward, and a function passed
-as ``reward_fn=`` (or by `forge train --reward`), Forge's way; a function passed as ``reward_funcs=``, TRL's way."""
+"""The two ways Forge calls a reward, chosen once per reward, never per call: a BaseReward, and a function
+passed as ``reward_fn=`` (or by `forge train --reward`), Forge's way; a function passed as ``reward_funcs=``,
+TRL's way."""
 
 
 def names_parameter(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn``'s signature names a parameter `name` (``**kwargs`` does not name one): only a reward that names
-    ``trainer_state`` receives it (a ``**kwargs`` reward gets the dataset columns and nothing else)."""
+    """Whether ``fn``'s signature names a parameter `name` (``**kwargs`` does not name one): only a reward
+    that names ``trainer_state`` receives it (a ``**kwargs`` reward gets the dataset columns and nothing
+    else)."""
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -245,9 +252,9 @@ def call_problem(reward: BaseReward, columns: Sequence[str] | None = None) -> st
 
 
 def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], positional: int = 2) -> dict[str, Any]:
-    """The subset of ``kwargs`` that ``fn`` can receive by name after its first `positional` arguments (Forge's
-    call gives ``prompts`` and ``responses`` by position; TRL's, positional=0, gives everything by keyword); all
-    of them when ``fn`` takes ``**kwargs`` or has no inspectable signature (some builtins)."""
+    """The subset of ``kwargs`` that ``fn`` can receive by name after its first `positional` arguments
+    (Forge's call gives ``prompts`` and ``responses`` by position; TRL's, positional=0, gives everything by
+    keyword); all of them when ``fn`` takes ``**kwargs`` or has no inspectable signature (some builtins)."""
     try:
         parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):

@@ -20,8 +20,8 @@ with the same error rules as the others.
 A timed-out call keeps running in a daemon thread (Python cannot kill a thread); for code that may
 never return, run it in a subprocess with `forge.tools.sandbox.run_python`, which is killed on its timeout.
 
-A score is a Python int or float, or a numpy / torch number (np.float32, np.int64, a 0-d array or tensor);
-a list of scores may also be a 1-d array or tensor. A bool is refused: a yes/no score is returned as 1.0 / 0.0.
+A score is a Python int or float, or a numpy / torch number (np.float32, np.int64, a 0-d array or tensor); a
+list of scores may also be a 1-d array or tensor. A bool is refused: a yes/no score is returned as 1.0 / 0.0.
 
 `sys.exit()` (SystemExit) or a KeyboardInterrupt raised inside a reward, plain or `async def`, is a reward
 failure like any other exception, so it can never end a run silently (`os._exit()` can: `forge train` runs the
@@ -92,9 +92,9 @@ class Scores:
 def build_reward_list(
     reward_fn: Any, weights: Sequence[float] | None = None, convention: str = "forge"
 ) -> list[tuple[str, BaseReward, float]]:
-    """One reward, or a list of rewards (weighted by `weights`), as (unique name, reward, weight); plain functions
-    are called by `convention` (forge.core.reward.CONVENTIONS). A reward whose signature cannot take that call is
-    an error here, before any model work."""
+    """One reward, or a list of rewards (weighted by `weights`), as (unique name, reward, weight); plain
+    functions are called by `convention` (forge.core.reward.CONVENTIONS). A reward whose signature cannot take
+    that call is an error here, before any model work."""
     is_list = isinstance(reward_fn, (list, tuple)) and not is_model_and_tokenizer(reward_fn)
     rewards = list(reward_fn) if is_list else [reward_fn]
     if not rewards:
@@ -193,7 +193,8 @@ def _outcome(settled: tuple[bool, Any]) -> Any:
 
 
 def _call_reward(fn: Callable[[], Any], timeout: float | None) -> Any:
-    """fn(), under reward_timeout in a helper thread when there is one; then awaited if the reward is async."""
+    """fn(), under reward_timeout in a helper thread when there is one; then awaited if the reward is
+    async."""
     result = fn() if timeout is None else _call_with_timeout(fn, timeout)
     if inspect.isawaitable(result):
         return _outcome(_settle([result], timeout)[0])
@@ -241,7 +242,8 @@ def _applies(values: list[float]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FailureRules:
-    """What a failing reward call turns into (the table in this module's docstring), and how errors name it."""
+    """What a failing reward call turns into (the table in this module's docstring), and how errors name
+    it."""
 
     on_error: str = "raise"  # 'raise' or 'score'
     error_value: float = 0.0  # the score of a failing sample under on_error='score'
@@ -256,12 +258,13 @@ def score_completions(
     row_index: list[int] | None = None, trainer_state: Any = None, completion_ids: list[list[int]] | None = None,
     tool_calls: list[list[dict]] | None = None, environments: list | None = None, episodes: list | None = None,
 ) -> Scores:
-    """Score N completions with every reward; prompts, completion_ids, tool_calls and each column have N entries.
+    """Score N completions with every reward; prompts, completion_ids, tool_calls and each column have N
+    entries.
 
     columns: the dataset's other columns by their own names. Each reward is called the way its convention says
-    (forge.core.reward.CONVENTIONS: Forge's gives `reference` as `references` and trainer_state only to a reward
-    that names it; TRL's gives every argument by keyword). row_index (N,) names each completion's dataset row in
-    error messages."""
+    (forge.core.reward.CONVENTIONS: Forge's gives `reference` as `references` and trainer_state only to a
+    reward that names it; TRL's gives every argument by keyword). row_index (N,) names each completion's
+    dataset row in error messages."""
     n = len(completions)
     inputs = RewardInputs(list(prompts), list(completions), columns, completion_ids, trainer_state, tool_calls,
                           environments, episodes)
@@ -292,7 +295,8 @@ def _caller(reward: BaseReward, inputs: RewardInputs) -> Callable:
 
 
 def _settle_async_rewards(rewards: list, inputs: RewardInputs, timeout: float | None) -> dict[str, tuple]:
-    """name -> (ok, value or exception) of every async reward: all started together, then awaited concurrently."""
+    """name -> (ok, value or exception) of every async reward: all started together, then awaited
+    concurrently."""
     started: dict[str, tuple[bool, Any]] = {}
     for name, reward, _ in rewards:
         if is_async_reward(reward):
@@ -308,8 +312,8 @@ def _settle_async_rewards(rewards: list, inputs: RewardInputs, timeout: float | 
 
 def _reward_values(name: str, call: Callable, settled: tuple | None, n: int, rules: FailureRules,
                    inputs: RewardInputs) -> tuple[list[float], dict, int, int]:
-    """(values (N,), metadata, errors, timeouts) of one reward: its checked scores, or what the failure rules make
-    of a failure (`_under_failure_rules`)."""
+    """(values (N,), metadata, errors, timeouts) of one reward: its checked scores, or what the failure rules
+    make of a failure (`_under_failure_rules`)."""
     try:
         output = _outcome(settled) if settled is not None else _call_reward(call, rules.timeout)
         values, meta = _as_scores(output, name, n, rules.where)
@@ -364,7 +368,8 @@ def _component(name: str, values: list[float], applied: torch.Tensor, rules: Fai
 
 def _masked_nonfinite(name: str, values: list[float], component: torch.Tensor, finite: torch.Tensor,
                       rules: FailureRules, completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A NaN/inf score: a RewardError, or under on_error='score' its sample scored 0 and masked from the loss."""
+    """A NaN/inf score: a RewardError, or under on_error='score' its sample scored 0 and masked from the
+    loss."""
     bad = int((~finite).nonzero()[0])
     if rules.on_error != "score":
         row = f" (dataset row {rules.row_index[bad]})" if rules.row_index else ""
@@ -400,8 +405,8 @@ Evaluator = Callable[..., dict]
 
 
 def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: list[dict]) -> None:
-    """A reward argument that neither its calling convention nor a dataset column supplies is an error before the
-    first step, naming the columns there are."""
+    """A reward argument that neither its calling convention nor a dataset column supplies is an error before
+    the first step, naming the columns there are."""
     columns = list(dataset_columns(rows[:1]))
     for name, reward, _ in rewards:
         problem = call_problem(reward, columns)
@@ -410,9 +415,10 @@ def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: lis
 
 
 def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int, trainer_state) -> Scores:
-    """Score a rollout of these dataset rows (G completions each) under the run's failure settings: every row's
-    other columns, each completion's token ids, with tools each completion's calls, and with an environment its
-    instances and episodes reach the rewards. A completion whose environment could not run is masked (not valid)."""
+    """Score a rollout of these dataset rows (G completions each) under the run's failure settings: every
+    row's other columns, each completion's token ids, with tools each completion's calls, and with an
+    environment its instances and episodes reach the rewards. A completion whose environment could not run is
+    masked (not valid)."""
     prompts, columns, row_ids = per_completion(rows, config.group_size)
     scores = score_completions(rewards, prompts, rollout.completions, columns, on_error=config.on_reward_error,
                                error_value=config.reward_error_value, timeout=config.reward_timeout, step=step,
@@ -429,7 +435,8 @@ def rollout_inputs(rollout) -> dict:
 
 
 def per_completion(rows: list[dict], group_size: int) -> tuple[list, dict[str, list], list[int]]:
-    """The rows' prompts, other columns and row ids, each repeated for the group_size completions of its row."""
+    """The rows' prompts, other columns and row ids, each repeated for the group_size completions of its
+    row."""
     prompts = [row["prompt"] for row in rows for _ in range(group_size)]
     columns = {k: [v for v in values for _ in range(group_size)] for k, values in dataset_columns(rows).items()}
     row_ids = [row.get("_row", i) for i, row in enumerate(rows) for _ in range(group_size)]
@@ -447,10 +454,10 @@ def rollout_tool_calls(rollout) -> list[list[dict]] | None:
 
 
 def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = None, engine=None):
-    """The trainer's default evaluator: one greedy completion per held-out row, scored by the run's own rewards
-    (eval/reward, eval/rewards/<name>, eval/n), with the run's tools when it has them, on the run's vLLM `engine`
-    when it has one (forge/core/engine_rollout.py).
-    The global RNG state is restored afterwards, so evaluating mid-run does not change later samples."""
+    """The trainer's default evaluator: one greedy completion per held-out row, scored by the run's own
+    rewards (eval/reward, eval/rewards/<name>, eval/n), with the run's tools when it has them, on the run's
+    vLLM `engine` when it has one (forge/core/engine_rollout.py). The global RNG state is restored afterwards,
+    so evaluating mid-run does not change later samples."""
 
     @torch.no_grad()
     def evaluate(model, tokenizer, rows: list[dict], *, max_new_tokens: int, max_prompt_length: int) -> dict:

@@ -58,8 +58,8 @@ _RESERVED_COLUMNS = ("prompts", "responses", "completions")
 
 TASKS: dict[str, Task] = {task.name: task for task in (GSM8K_TASK, GSM8K_MOCK_TASK, GSM_HARD_TASK, ARITHMETIC_TASK,
                                                          REASONING_GYM_TASK)}
-"""The built-in tasks by dataset name: their rows, held-out rows and grader (`forge.data.task`). reasoning-gym is a
-family named ``reasoning-gym:NAME[:KEY=VALUE,...]``; `task_for` finds a task by any dataset name."""
+"""The built-in tasks by dataset name: their rows, held-out rows and grader (`forge.data.task`). reasoning-gym
+is a family named ``reasoning-gym:NAME[:KEY=VALUE,...]``; `task_for` finds a task by any dataset name."""
 
 BUILTIN_DATASETS: dict[str, Callable[..., list[dict]]] = {
     **{name: task.rows for name, task in TASKS.items() if name != REASONING_GYM_TASK.name},
@@ -71,8 +71,8 @@ _PREFIXED_SOURCES = ("reasoning-gym:", "hf:")
 
 
 def task_for(source: Any) -> Task | None:
-    """The built-in task of a dataset name (for ``reasoning-gym:NAME...``: the family's, with that name bound into
-    its loaders), or None for anything else (a JSONL file, ``hf:``, a list of rows)."""
+    """The built-in task of a dataset name (for ``reasoning-gym:NAME...``: the family's, with that name bound
+    into its loaders), or None for anything else (a JSONL file, ``hf:``, a list of rows)."""
     if not isinstance(source, str):
         return None
     if source.startswith(RG_PREFIX):
@@ -95,7 +95,8 @@ CHAT_PROMPT_SOURCES = ("gsm8k", "gsm8k-mock", "gsm-hard", "arithmetic", "arithme
 
 
 def builds_prompts(source: Any) -> bool:
-    """Whether Forge writes the prompts of ``source`` (and so can write them as chat messages or plain text)."""
+    """Whether Forge writes the prompts of ``source`` (and so can write them as chat messages or plain
+    text)."""
     return isinstance(source, str) and (source in CHAT_PROMPT_SOURCES or source.startswith(_PREFIXED_SOURCES))
 
 
@@ -122,8 +123,8 @@ def as_chat_rows(rows: Sequence[dict]) -> list[dict]:
 
 
 def warn_if_raw_prompts(rows: Iterable[dict], tokenizer: Any) -> bool:
-    """Warn (True) when string prompts reach a tokenizer with a chat template: the model then sees the prompt as
-    raw text, without its chat format."""
+    """Warn (True) when string prompts reach a tokenizer with a chat template: the model then sees the prompt
+    as raw text, without its chat format."""
     if not getattr(tokenizer, "chat_template", None):
         return False
     count = sum(isinstance(row.get("prompt"), str) for row in rows)
@@ -216,7 +217,8 @@ def load_jsonl(path: str | Path) -> list[dict]:
 
 
 MAX_ROW_DEPTH = 100
-"""How deeply a JSONL row's values may nest (lists in dicts in lists...); deeper rows are refused when loaded."""
+"""How deeply a JSONL row's values may nest (lists in dicts in lists...); deeper rows are refused when
+loaded."""
 
 
 def _text_problem(row: dict) -> str | None:
@@ -364,7 +366,8 @@ COLUMN_ALIASES = {"reference": "references"}
 
 
 def reward_kwargs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
-    """`dataset_columns` keyed by Forge's reward keyword names (`COLUMN_ALIASES`: ``reference`` -> ``references``)."""
+    """`dataset_columns` keyed by Forge's reward keyword names (`COLUMN_ALIASES`: ``reference`` ->
+    ``references``)."""
     return {COLUMN_ALIASES.get(column, column): values for column, values in dataset_columns(rows).items()}
 
 
@@ -388,8 +391,9 @@ def rows_per_step(num_rows: int, prompts_per_step: int, wanted: int) -> int:
 
 def iterate_steps(rows: Sequence[dict], per_step: int, *, seed: int, shuffle: bool, epoch: int = 0,
                   position: int = 0, num_epochs: int | None = None) -> Iterator[tuple[list[dict], int, int]]:
-    """Yield (rows of one optimizer step, epoch, position after it) from (epoch, position) on: a seeded shuffle
-    per epoch (seed + epoch), so a resumed run sees the same order; stops after num_epochs (None = never)."""
+    """Yield (rows of one optimizer step, epoch, position after it) from (epoch, position) on: a seeded
+    shuffle per epoch (seed + epoch), so a resumed run sees the same order; stops after num_epochs (None =
+    never)."""
     while True:
         order = list(range(len(rows)))
         if shuffle:
@@ -404,7 +408,8 @@ def iterate_steps(rows: Sequence[dict], per_step: int, *, seed: int, shuffle: bo
 
 
 def checked_rows(source: Any) -> list[dict]:
-    """`load_rows` then `validate_rows`: the rows of `source`, or a ValueError that names the first bad one."""
+    """`load_rows` then `validate_rows`: the rows of `source`, or a ValueError that names the first bad
+    one."""
     rows = load_rows(source)
     validate_rows(rows)
     return rows

@@ -99,8 +99,8 @@ EVAL_HEADLINE = ("strict_accuracy", "soft_accuracy", "task_score", "accuracy", "
 
 
 def format_console_line(metrics: dict[str, Any], step: int, epoch: float) -> str:
-    """`step N | epoch E | loss L | reward R | kl K`, with "n/a" for a missing value; a row of evaluation metrics
-    only (eval/*) reads `step N | eval | strict_accuracy 0.2500 | ... | n 60` instead."""
+    """`step N | epoch E | loss L | reward R | kl K`, with "n/a" for a missing value; a row of evaluation
+    metrics only (eval/*) reads `step N | eval | strict_accuracy 0.2500 | ... | n 60` instead."""
     evaluation = {key.removeprefix("eval/"): value for key, value in _numeric_metrics(metrics).items()
                   if key.startswith("eval/")}
     if evaluation and all(key.startswith("eval/") for key in metrics):

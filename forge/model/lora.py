@@ -1,5 +1,5 @@
-"""LoRA adapters (peft): default targets per architecture, applying them, and folding them into the weights for
-no-grad passes (`merged_adapters`)."""
+"""LoRA adapters (peft): default targets per architecture, applying them, and folding them into the weights
+for no-grad passes (`merged_adapters`)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def default_lora_targets(model: nn.Module) -> list[str]:
 
 @contextlib.contextmanager
 def quiet_checkpointing_deprecation() -> Iterator[None]:
-    """Hide the FutureWarning of transformers' deprecated `is_gradient_checkpointing` property, which peft reads
-    when it wraps a model (every LoRA run would print it); other warnings pass."""
+    """Hide the FutureWarning of transformers' deprecated `is_gradient_checkpointing` property, which peft
+    reads when it wraps a model (every LoRA run would print it); other warnings pass."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         yield
@@ -73,10 +73,10 @@ _REFERENCE_KEEPING_INITS = (True, False, "gaussian")  # inits that leave the bas
 
 
 def lora_fields(peft_config) -> dict:
-    """GRPOConfig's LoRA fields as a peft `LoraConfig` sets them: the run's record of its adapters (apply_lora hands
-    the LoraConfig itself to peft). Refuses, naming the field, what would make the adapter-disabled model, Forge's
-    reference policy, differ from the model training started from: trained biases and inits that rewrite the base
-    weights (PiSSA, OLoRA, LoftQ, ...); and other PEFT methods than LoRA."""
+    """GRPOConfig's LoRA fields as a peft `LoraConfig` sets them: the run's record of its adapters (apply_lora
+    hands the LoraConfig itself to peft). Refuses, naming the field, what would make the adapter-disabled
+    model, Forge's reference policy, differ from the model training started from: trained biases and inits
+    that rewrite the base weights (PiSSA, OLoRA, LoftQ, ...); and other PEFT methods than LoRA."""
     try:
         from peft import LoraConfig
     except ImportError as error:
@@ -106,10 +106,11 @@ def apply_lora(
     peft_config=None,
 ) -> nn.Module:
     """Wrap ``model`` in LoRA adapters; only the adapter weights (and a LoraConfig's modules_to_save) stay
-    trainable. A peft ``LoraConfig`` given as ``peft_config`` goes to peft as it is (a copy; task_type CAUSAL_LM
-    when unset), so its target_modules ("all-linear", a regex, a list), layers_to_transform, modules_to_save,
-    use_rslora and use_dora mean what they mean in peft; without one, the LoRA of r, alpha, dropout and
-    target_modules (None: the attention projections, `default_lora_targets`). A PeftModel is returned as is."""
+    trainable. A peft ``LoraConfig`` given as ``peft_config`` goes to peft as it is (a copy; task_type
+    CAUSAL_LM when unset), so its target_modules ("all-linear", a regex, a list), layers_to_transform,
+    modules_to_save, use_rslora and use_dora mean what they mean in peft; without one, the LoRA of r, alpha,
+    dropout and target_modules (None: the attention projections, `default_lora_targets`). A PeftModel is
+    returned as is."""
     try:
         from peft import LoraConfig, TaskType, get_peft_model
     except ImportError as error:
@@ -130,9 +131,10 @@ def apply_lora(
 
 
 def _mergeable_lora_layers(model: nn.Module) -> list | None:
-    """The LoRA linear layers of a PeftModel when every one can be merged by adding B @ A * scale to a weight of its
-    own (plain LoRA on nn.Linear, no DoRA, no modules_to_save, weight used by no other module) and its adapters are on; None otherwise
-    (adapters switched off, by the caller's `disable_adapter()` or an enclosing merge, leave nothing to merge)."""
+    """The LoRA linear layers of a PeftModel when every one can be merged by adding B @ A * scale to a weight
+    of its own (plain LoRA on nn.Linear, no DoRA, no modules_to_save, weight used by no other module) and its
+    adapters are on; None otherwise (adapters switched off, by the caller's `disable_adapter()` or an
+    enclosing merge, leave nothing to merge)."""
     if not is_peft_model(model):
         return None
     from peft.tuners.lora import LoraLayer
@@ -167,7 +169,8 @@ def _room_for(layers: list) -> bool:
 
 
 def _merged_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype a merged weight is stored in: the one its matmul runs in (autocast's when on, else the weight's)."""
+    """The dtype a merged weight is stored in: the one its matmul runs in (autocast's when on, else the
+    weight's)."""
     device_type = weight.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
@@ -176,17 +179,17 @@ def _merged_dtype(weight: torch.Tensor) -> torch.dtype:
 
 @contextlib.contextmanager
 def merged_adapters(model: nn.Module, enabled: bool = True, rounded: bool = False) -> Iterator[bool]:
-    """Run a LoRA model with its adapters folded into a temporary copy of each adapted weight (no-grad use only:
-    generation, evaluation). Yields whether it merged.
+    """Run a LoRA model with its adapters folded into a temporary copy of each adapted weight (no-grad use
+    only: generation, evaluation). Yields whether it merged.
 
     A LoRA layer computes W x + s B A x, three matmuls where one would do. Inside, each adapted weight is
-    replaced by W + s B A (a new tensor, the sum formed in fp32) and the adapters are switched off; on exit the
-    original tensors are put back, so the trained weights are bit for bit what they were. Skipped (yields False)
-    when the copy does not fit on the GPU, for models that are not plain LoRA on linear layers (DoRA, quantised
-    or FSDP2-sharded weights, a weight shared by two modules), and when the adapters are off. Under bf16/fp16
-    autocast the merged weight would be rounded once to that dtype, which widens the sampler/trainer log-prob
-    gap: only evaluation asks for that (`rounded=True`); training's sampling keeps the adapter path there.
-    Measurements: docs/performance.md, "LoRA generation with merged weights".
+    replaced by W + s B A (a new tensor, the sum formed in fp32) and the adapters are switched off; on exit
+    the original tensors are put back, so the trained weights are bit for bit what they were. Skipped (yields
+    False) when the copy does not fit on the GPU, for models that are not plain LoRA on linear layers (DoRA,
+    quantised or FSDP2-sharded weights, a weight shared by two modules), and when the adapters are off. Under
+    bf16/fp16 autocast the merged weight would be rounded once to that dtype, which widens the sampler/trainer
+    log-prob gap: only evaluation asks for that (`rounded=True`); training's sampling keeps the adapter path
+    there. Measurements: docs/performance.md, "LoRA generation with merged weights".
     """
     layers = _mergeable_lora_layers(model) if enabled else None
     if layers and not rounded and _merged_dtype(layers[0].get_base_layer().weight) != torch.float32:
@@ -213,8 +216,8 @@ def merged_adapters(model: nn.Module, enabled: bool = True, rounded: bool = Fals
 
 
 def enable_checkpointing(model: nn.Module) -> None:
-    """Turn on transformers' per-layer activation checkpointing (non-reentrant, so frozen inputs need no grad).
-    The earlier API's switch (`forge.model.enable_checkpointing`); the trainer checkpoints its own way,
+    """Turn on transformers' per-layer activation checkpointing (non-reentrant, so frozen inputs need no
+    grad). The earlier API's switch (`forge.model.enable_checkpointing`); the trainer checkpoints its own way,
     `forge.core.logprobs.checkpointed_layers`, which keeps the prompt's KV cache."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns

@@ -46,9 +46,9 @@ def cpu_has_bf16_units() -> tuple[bool, str]:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX-BF16 tiles or AVX512-BF16), and its name.
 
     Without them (e.g. AVX2-only CPUs) bf16 matmuls are emulated and run 10-25x slower than fp32; with them
-    they run several times faster (docs/performance.md: what was measured where).
-    The environment variable FORGE_CPU_BF16=0 (or 1) overrides the detection, e.g. to keep `dtype="auto"` at fp32
-    on every machine of a cluster, or of a test suite whose tolerances are fp32's."""
+    they run several times faster (docs/performance.md: what was measured where). The environment variable
+    FORGE_CPU_BF16=0 (or 1) overrides the detection, e.g. to keep `dtype="auto"` at fp32 on every machine of a
+    cluster, or of a test suite whose tolerances are fp32's."""
     forced = os.environ.get("FORGE_CPU_BF16", "").strip()
     if forced in ("0", "1"):
         return forced == "1", f"FORGE_CPU_BF16={forced} is set"
@@ -67,9 +67,10 @@ def cpu_has_bf16_units() -> tuple[bool, str]:
 
 @dataclass(frozen=True)
 class Precision:
-    """How a run computes. Trainable weights (and AdamW's moments) are always float32 "master" weights; `compute`
-    is the dtype of the forward and backward passes and of generation, under torch.autocast when it is not
-    float32. Frozen weights (the LoRA base, the full-fine-tuning reference) may be stored in `compute`."""
+    """How a run computes. Trainable weights (and AdamW's moments) are always float32 "master" weights;
+    `compute` is the dtype of the forward and backward passes and of generation, under torch.autocast when it
+    is not float32. Frozen weights (the LoRA base, the full-fine-tuning reference) may be stored in
+    `compute`."""
 
     compute: torch.dtype
     device_type: str  # "cpu" or "cuda"
@@ -82,8 +83,9 @@ class Precision:
         return self.compute != torch.float32
 
     def autocast(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """torch.autocast to `compute` (nothing in float32). With `model`, and where it measured faster on this
-        device kind (`uncast_lora_inputs`), its LoRA layers also keep their input in the compute dtype."""
+        """torch.autocast to `compute` (nothing in float32). With `model`, and where it measured faster on
+        this device kind (`uncast_lora_inputs`), its LoRA layers also keep their input in the compute
+        dtype."""
         if not self.mixed:
             return contextlib.nullcontext()
         return _autocast(self.device_type, self.compute, model if self.uncast_lora_inputs else None)
@@ -95,10 +97,10 @@ def _autocast(device_type: str, dtype: torch.dtype, model: nn.Module | None) -> 
         yield
 
 
-# `lora_inputs_uncast` changes no bit, only the time: on where it measured faster than PEFT's own cast, off elsewhere
-# (unmeasured kinds keep PEFT's behaviour). Keyed by (device type, compute dtype, what gives bf16 its speed);
-# each entry: (on?, the measurement). `python bench/precision.py` measures a new kind (its lora_inputs_uncast
-# time ratio; on when below 1).
+# `lora_inputs_uncast` changes no bit, only the time: on where it measured faster than PEFT's own cast, off
+# elsewhere (unmeasured kinds keep PEFT's behaviour). Keyed by (device type, compute dtype, what gives bf16
+# its speed); each entry: (on?, the measurement). `python bench/precision.py` measures a new kind (its
+# lora_inputs_uncast time ratio; on when below 1).
 LORA_INPUTS_UNCAST_MEASURED: dict[tuple[str, torch.dtype, str], tuple[bool, str]] = {
     ("cpu", torch.bfloat16, "AMX tiles"): (
         True, "0.87x the time of PEFT's cast on an AMX Xeon (SmolLM2-135M LoRA forward+backward, bench/precision.py)"),
@@ -132,8 +134,8 @@ def lora_inputs_uncast(model: nn.Module | None) -> Iterator[None]:
     keeps the fp32 copy for backward: without it a bf16 LoRA forward + backward takes 0.87x the time on an AMX
     Xeon and 0.98x on an AVX512-BF16 AMD EPYC (SmolLM2-135M, 8 x 160 tokens; `python bench/precision.py`), and
     the demo's loss pass 0.80-0.87x the peak memory; `Precision.autocast` applies it where it measured faster
-    (LORA_INPUTS_UNCAST_MEASURED).
-    Only plain LoRA on linear layers (no DoRA or other variant, which compute more from x); restored on exit."""
+    (LORA_INPUTS_UNCAST_MEASURED). Only plain LoRA on linear layers (no DoRA or other variant, which compute
+    more from x); restored on exit."""
     if model is None:
         yield
         return
@@ -170,7 +172,8 @@ def choose_precision(dtype: str = "auto", device: str | torch.device | None = No
 
 
 def _bf16_units() -> str:
-    """What runs bf16 matmuls on this CPU, as cpu_has_bf16_units names it (its detection, not the override)."""
+    """What runs bf16 matmuls on this CPU, as cpu_has_bf16_units names it (its detection, not the
+    override)."""
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return "AMX tiles"
     if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():

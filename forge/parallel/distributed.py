@@ -1,4 +1,5 @@
-"""The processes of a run: who this rank is, and the few collectives GRPOTrainer needs (FSDP2: forge/parallel/sharding.py).
+"""The processes of a run: who this rank is, and the few collectives GRPOTrainer needs (FSDP2:
+forge/parallel/sharding.py).
 
 Only the trainer uses this module. With one process every call is a no-op (no torch.distributed at all);
 with several (torchrun, `accelerate launch`, `forge train --nproc N`) it sets up the process group from the
@@ -16,7 +17,8 @@ import torch
 
 from forge.parallel import sharding
 
-# Launch settings of accelerate for engines that shard the model in their own way; FSDP2 is Forge's (fsdp=True).
+# Launch settings of accelerate for engines that shard the model in their own way; FSDP2 is Forge's
+# (fsdp=True).
 _OTHER_ENGINES = {"ACCELERATE_USE_DEEPSPEED": "DeepSpeed", "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
 _GRAD_BUCKET_ELEMENTS = 2**24  # gradients are all-reduced in flat buckets of at most this many elements
 
@@ -26,7 +28,8 @@ def _set(variable: str) -> bool:
 
 
 def fsdp_requested(fsdp: bool) -> bool:
-    """fsdp=True, or accelerate launched Forge with an FSDP2 config; refuses the engines Forge does not run."""
+    """fsdp=True, or accelerate launched Forge with an FSDP2 config; refuses the engines Forge does not
+    run."""
     for variable, engine in _OTHER_ENGINES.items():
         if _set(variable):
             raise ValueError(
@@ -55,7 +58,8 @@ class DataParallel:
     --nproc`): gloo on CPU, NCCL for CUDA tensors plus gloo for CPU ones on GPUs.
 
     With `fsdp` (and several processes) the ranks still split the prompts the same way, but the model is
-    sharded with FSDP2 (forge/parallel/sharding.py): `shard` wraps it, and FSDP2 reduces the gradients in backward.
+    sharded with FSDP2 (forge/parallel/sharding.py): `shard` wraps it, and FSDP2 reduces the gradients in
+    backward.
     """
 
     def __init__(self, fsdp: bool = False) -> None:
@@ -87,14 +91,15 @@ class DataParallel:
 
     @property
     def main_pid(self) -> int:
-        """Rank 0's process id: the name of the temporary directory every rank writes a sharded checkpoint to."""
+        """Rank 0's process id: the name of the temporary directory every rank writes a sharded checkpoint
+        to."""
         if not hasattr(self, "_main_pid"):
             self._main_pid = self.gather_objects(os.getpid())[0]
         return self._main_pid
 
     def sum_shards(self, values: list[float]) -> list[float]:
-        """Totals of per-parameter values (e.g. squared norms): summed over the ranks' shards under FSDP2; with
-        a whole model on every rank, the values themselves."""
+        """Totals of per-parameter values (e.g. squared norms): summed over the ranks' shards under FSDP2;
+        with a whole model on every rank, the values themselves."""
         return self.sum(values) if self.fsdp else values
 
     def broadcast_from_main(self, tensors: list[torch.Tensor]) -> None:
@@ -106,8 +111,8 @@ class DataParallel:
                 torch.distributed.broadcast(tensor.data, src=0)
 
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum every parameter's gradient over the ranks (each rank's loss is its share of the global loss); under
-        FSDP2 the backward pass has already reduced them (summed, into each rank's shard)."""
+        """Sum every parameter's gradient over the ranks (each rank's loss is its share of the global loss);
+        under FSDP2 the backward pass has already reduced them (summed, into each rank's shard)."""
         if self.world_size > 1 and not self.fsdp:
             _sum_grads_over_ranks(params, self.sum)
 
@@ -141,9 +146,10 @@ class DataParallel:
         return out
 
     def combined(self, stats: Any) -> Any:
-        """A per-rank statistics dataclass combined over the ranks, each field as its metadata says (`over_ranks`):
-        "cat" a list of tensors into one tensor in rank order, "sum" a number over the ranks, "max" the largest;
-        a dict field combines each of its values so (forge/run/metrics.py). With one process: `stats` itself."""
+        """A per-rank statistics dataclass combined over the ranks, each field as its metadata says
+        (`over_ranks`): "cat" a list of tensors into one tensor in rank order, "sum" a number over the ranks,
+        "max" the largest; a dict field combines each of its values so (forge/run/metrics.py). With one
+        process: `stats` itself."""
         return stats if self.world_size == 1 else self._combined_over_ranks(stats)
 
     def _combined_over_ranks(self, stats: Any) -> Any:

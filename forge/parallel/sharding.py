@@ -14,10 +14,10 @@ whole weights only while it needs them:
                             Forge's gradient all-reduce; clipping and AdamW run on the shards
     save / load             torch.distributed.checkpoint (DCP) through its Hugging Face storage: every rank
                             writes its shards of the weights and the AdamW state into {checkpoint}/sharded/ as
-                            one safetensors file (each shard's offsets in its JSON header); the reader rebuilds
-                            the index from those headers, so no file is unpickled (DCP's own format pickles
-                            its .metadata). DCP reshards on load, so a run can resume on another number of
-                            ranks (then not bit for bit: sums run in another order)
+                            one safetensors file (each shard's offsets in its JSON header); the reader
+                            rebuilds the index from those headers, so no file is unpickled (DCP's own format
+                            pickles its .metadata). DCP reshards on load, so a run can resume on another
+                            number of ranks (then not bit for bit: sums run in another order)
     full_state_dict(model)  the whole weights on rank 0's CPU, for final/ (a plain from_pretrained folder)
 
 Only the trainer (and, through CheckpointParts, the checkpoint code) uses this module.
@@ -109,7 +109,8 @@ def kept_until_backward(model: torch.nn.Module, enabled: bool = True):
 
 
 def state_dicts(model, optimizer) -> dict:
-    """{"model": ..., "optimizer": ...}: this rank's shards as DTensors, and the optimizer's settings (collective)."""
+    """{"model": ..., "optimizer": ...}: this rank's shards as DTensors, and the optimizer's settings
+    (collective)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -117,8 +118,8 @@ def state_dicts(model, optimizer) -> dict:
 
 
 def save_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Every rank writes its shards of `tensors` ({key: DTensor or tensor}) to `directory`, one safetensors file
-    per rank; a tensor every rank holds whole is written once (collective)."""
+    """Every rank writes its shards of `tensors` ({key: DTensor or tensor}) to `directory`, one safetensors
+    file per rank; a tensor every rank holds whole is written once (collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -138,8 +139,9 @@ def load_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 @contextmanager
 def _first_failure():
-    """DCP reports a failure of any rank on every rank as a CheckpointException, a BaseException whose message is
-    every rank's traceback: raise the first rank's own exception instead (an OSError of a full disk stays one)."""
+    """DCP reports a failure of any rank on every rank as a CheckpointException, a BaseException whose message
+    is every rank's traceback: raise the first rank's own exception instead (an OSError of a full disk stays
+    one)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
