@@ -10,9 +10,9 @@ than `wanted` (the step's prompt count) groups carry a signal and fewer than `ma
 round of prompts_per_step prompts is drawn from the prompt pool (the run's training rows) with the step's
 sampling generator (reseeded from (seed, step) at the start of every step, and drawn from only once the step's own
 rows are generated, so their sampling noise is that of a run without dynamic sampling): a resumed run draws the
-same prompts again, and the data cursor moves as without dynamic sampling. Groups are taken in the order they were generated (round by round, rank by rank) until the
-step has `wanted`; groups past that, and every flat group, stay out of the loss. At the cap the step trains on
-the groups with a signal it found (the metrics say how many).
+same prompts again, and the data cursor moves as without dynamic sampling. Groups are taken in the order they
+were generated (round by round, rank by rank) until the step has `wanted`; groups past that, and every flat group,
+stay out of the loss. At the cap the step trains on the groups with a signal it found (the metrics say how many).
 """
 
 from __future__ import annotations

@@ -56,10 +56,7 @@ class Teacher:
             started = time.perf_counter()
             teacher_logprobs = self.logprobs(rollout, rollout_logprobs)  # (N, T)
             stats.teacher_seconds += time.perf_counter() - started
-            student_logprobs = batch.old_logprobs[r] if batch.old_logprobs[r] is not None else rollout.sampler_logprobs
-            if student_logprobs is None:
-                with torch.no_grad():
-                    student_logprobs = rollout_logprobs(student, rollout)  # (N, T)
+            student_logprobs = sampled_logprobs(batch.old_logprobs[r], rollout, student, rollout_logprobs)  # (N, T)
             mask = batch.loss_mask[r]  # (N, T)
             advantages.append(distillation_advantages(batch.advantages[r], student_logprobs, teacher_logprobs, mask,
                                                       distill_coef=self.distill_coef, reward_coef=self.reward_coef))
@@ -67,6 +64,16 @@ class Teacher:
             stats.distill_kl.append(kl.per_sequence)
             stats.distill_tokens.append(kl.tokens)
         return advantages
+
+
+def sampled_logprobs(old_logprobs, rollout, student, rollout_logprobs: Callable) -> torch.Tensor:
+    """(N, T) the student's log-probs of its sampled tokens as they were sampled: pi_old when the step computed it,
+    else the sampler's record (at the sampling temperature), else a no-grad pass of `student`."""
+    for recorded in (old_logprobs, rollout.sampler_logprobs):
+        if recorded is not None:
+            return recorded
+    with torch.no_grad():
+        return rollout_logprobs(student, rollout)
 
 
 class NoTeacher:

@@ -140,8 +140,8 @@ def save_tiny(folder, seed=0, tokenizer=None):
 
 def test_a_lora_adapter_on_the_students_base_is_its_second_adapter(tmp_path):
     base = save_tiny(tmp_path / "base")
-    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora)
     adapted.save_pretrained(tmp_path / "adapter")
     trainer = GRPOTrainer(base, None, alternating, config(tmp_path, use_lora=True, lora_r=4, max_steps=1,
                                                           reward_coef=0.0, teacher_model=str(tmp_path / "adapter")))
