@@ -83,7 +83,8 @@ def _check_rewards(rewards: torch.Tensor, group_size: int, valid: torch.Tensor |
     if valid is None:
         return torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device)
     if valid.shape != rewards.shape:
-        raise ValueError(f"valid must have the rewards' shape {tuple(rewards.shape)}, got {tuple(valid.shape)}")
+        raise ValueError(f"valid must have the rewards' shape {tuple(rewards.shape)}, "
+                         f"got {tuple(valid.shape)}")
     return valid.bool()
 
 
@@ -106,7 +107,8 @@ def compute_group_advantages(
     mean = grouped.sum(dim=1, keepdim=True) / count  # (groups, 1)
     flat = _all_equal(grouped, grouped_valid)[:, None]  # (groups, 1)
     centred = torch.where(flat | ~grouped_valid, 0.0, grouped - mean).reshape(-1)  # (N,)
-    return (centred / ADVANTAGE_SCALES[scale](values, centred, valid, group_size, eps)).to(torch.float32)  # (N,)
+    scale_by = ADVANTAGE_SCALES[scale](values, centred, valid, group_size, eps)  # (N,)
+    return (centred / scale_by).to(torch.float32)  # (N,)
 
 
 # Several rewards: each fn(components (N, K), applies (N, K) bool, weights (K,), group_size, scale, eps, valid
@@ -115,7 +117,8 @@ def compute_group_advantages(
 # statistics. `valid` is False for samples left out for another reason (a NaN reward).
 
 
-def weighted_reward_sum(components: torch.Tensor, applies: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
+def weighted_reward_sum(components: torch.Tensor, applies: torch.Tensor,
+                        weights: Sequence[float]) -> torch.Tensor:
     """sum_k w_k r_k over the rewards that apply, (N, K) -> (N,) float32, summed reward by reward in float32:
     the one weighted sum, of the advantages and of the `reward` Forge logs (core/scoring.py Scores.total)."""
     total = torch.zeros(components.shape[0], dtype=torch.float32)
@@ -132,16 +135,17 @@ def _sum_then_normalize(components, applies, weights, group_size, scale, eps, va
 def _normalize_then_sum(components, applies, weights, group_size, scale, eps, valid) -> torch.Tensor:
     # GDPO (Liu et al. 2026, arXiv 2601.05242, sec. 3): A = normalise_batch(sum_k w_k (r_k - mean_g) / std_g)
     per_reward = torch.stack([
-        compute_group_advantages(components[:, k].float(), group_size, "group", eps, valid=valid & applies[:, k])
+        compute_group_advantages(components[:, k].float(), group_size, "group", eps,
+                                 valid=valid & applies[:, k])
         for k in range(components.shape[1])], dim=1)  # (N, K), 0 where reward k does not apply
     summed = (per_reward.double() * torch.tensor(list(weights), dtype=torch.float64)).sum(dim=1)  # (N,)
     scored = valid & applies.any(dim=1)
-    return compute_group_advantages(summed, summed.numel(), "group", eps, valid=scored)  # one group: the batch
+    return compute_group_advantages(summed, summed.numel(), "group", eps, valid=scored)  # one group: all
 
 
 MULTI_REWARD_AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "sum_then_normalize": _sum_then_normalize,  # GRPO: one scalar reward per completion, then scale_rewards
-    "normalize_then_sum": _normalize_then_sum,  # GDPO: rewards decoupled, so a large-scale reward cannot drown others
+    "normalize_then_sum": _normalize_then_sum,  # GDPO: decoupled, a large-scale reward cannot drown others
 }
 
 
@@ -159,7 +163,8 @@ def multi_reward_advantages(
     return MULTI_REWARD_AGGREGATIONS[aggregation](components, applies, weights, group_size, scale, eps, valid)
 
 
-def group_reward_std(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+def group_reward_std(rewards: torch.Tensor, group_size: int,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
     """Per-group std of the (valid) rewards, (num_groups,) float32; exactly 0 for a group of equal rewards."""
     valid = _check_rewards(rewards, group_size, valid)
     values = torch.where(valid, rewards.double(), 0.0).view(-1, group_size)  # (groups, G)

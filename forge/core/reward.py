@@ -133,12 +133,12 @@ class RewardInputs:
 
     prompts: list  # (N,) each a string or chat messages, as the dataset gave it
     completions: list[str]  # (N,) the completions' text
-    columns: dict[str, list] = field(default_factory=dict)  # the dataset's other columns by their own names, (N,)
+    columns: dict[str, list] = field(default_factory=dict)  # (N,) each: the dataset's other columns by name
     completion_ids: list[list[int]] | None = None  # (N,) each completion's token ids
     trainer_state: TrainerState | None = None  # where the run is
-    tool_calls: list[list[dict]] | None = None  # (N,) each completion's tool calls and results (runs with tools)
+    tool_calls: list[list[dict]] | None = None  # (N,) each completion's tool calls and results (with tools)
     environments: list | None = None  # (N,) each completion's finished environment instance (forge/envs)
-    episodes: list | None = None  # (N,) Forge's record of each episode (forge/envs Episode: turns, rewards, ...)
+    episodes: list | None = None  # (N,) Forge's record of each episode (forge/envs Episode: turns, rewards)
 
     def select(self, indices: Sequence[int]) -> RewardInputs:
         """The same inputs for the completions `indices` only."""
@@ -165,8 +165,9 @@ class RewardInputs:
         chat = bool(self.prompts) and not isinstance(self.prompts[0], str)
         completions = [[{"role": "assistant", "content": text}] for text in self.completions] if chat \
             else self.completions
-        keywords = {"prompts": self.prompts, "completions": completions, "completion_ids": self.completion_ids,
-                    **self.columns, "trainer_state": self.trainer_state}
+        keywords = {"prompts": self.prompts, "completions": completions,
+                    "completion_ids": self.completion_ids, **self.columns,
+                    "trainer_state": self.trainer_state}
         for column, alias in COLUMN_ALIASES.items():
             if column in keywords and fn is not None and names_parameter(fn, alias):
                 keywords[alias] = keywords[column]
@@ -194,8 +195,9 @@ CONVENTIONS = {
     "trl": Convention(
         frozenset({"prompts", "completions", "completion_ids", "trainer_state", "tool_calls", "environments",
                    "episodes"}),
-        "reward(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns), every argument by "
-        "keyword, chat completions as [{'role': 'assistant', 'content': ...}] (TRL's convention: reward_funcs=)"),
+        "reward(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns), every "
+        "argument by keyword, chat completions as [{'role': 'assistant', 'content': ...}] (TRL's "
+        "convention: reward_funcs=)"),
 }
 """The two ways Forge calls a reward, chosen once per reward, never per call: a BaseReward, and a function
 passed as ``reward_fn=`` (or by `forge train --reward`), Forge's way; a function passed as ``reward_funcs=``,
@@ -227,14 +229,15 @@ def call_problem(reward: BaseReward, columns: Sequence[str] | None = None) -> st
     takes_more = any(p.kind is kinds.VAR_POSITIONAL for p in parameters)
     if reward.convention == "forge":
         if len(positional) < 2 and not takes_more:
-            return (f"it takes {len(positional)} positional argument(s), but Forge calls {convention.says}; pass "
-                    f"it as reward_funcs= to have it called as TRL calls rewards, every argument by keyword")
+            return (f"it takes {len(positional)} positional argument(s), but Forge calls {convention.says}; "
+                    f"pass it as reward_funcs= to have it called as TRL calls rewards, every argument by "
+                    f"keyword")
         required = [p.name for p in positional[2:] + [p for p in parameters if p.kind is kinds.KEYWORD_ONLY]
                     if p.default is kinds.empty]
     else:
         if any(p.kind is kinds.POSITIONAL_ONLY and p.default is kinds.empty for p in parameters):
-            return (f"it has positional-only arguments, but Forge calls {convention.says}; pass it as reward_fn= to "
-                    f"have it called Forge's way, prompts and completions by position")
+            return (f"it has positional-only arguments, but Forge calls {convention.says}; pass it as "
+                    f"reward_fn= to have it called Forge's way, prompts and completions by position")
         required = [p.name for p in parameters if p.default is kinds.empty
                     and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
     supplied = set(convention.supplies) | set(columns or ())
@@ -262,7 +265,8 @@ def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], positiona
     kinds = inspect.Parameter
     if any(p.kind is kinds.VAR_KEYWORD for p in parameters):
         return dict(kwargs)
-    by_position = [p.name for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    positional_kinds = (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    by_position = [p.name for p in parameters if p.kind in positional_kinds]
     by_name = {p.name for p in parameters if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
     named = by_name - set(by_position[:positional])
     return {key: value for key, value in kwargs.items() if key in named}
@@ -304,9 +308,9 @@ class FunctionReward(BaseReward):
         if self.convention == "trl":  # every argument by keyword
             result = self.fn(**accepted_kwargs(self.fn, inputs.trl_keywords(self.fn), positional=0))
         else:
-            result = call_with_accepted_kwargs(self.fn, inputs.prompts, inputs.completions,
-                                               inputs.forge_keywords(names_parameter(self.fn, "trainer_state")))
-        if inspect.isawaitable(result):  # an async def reward: awaited (with the other async rewards) by the caller
+            keywords = inputs.forge_keywords(names_parameter(self.fn, "trainer_state"))
+            result = call_with_accepted_kwargs(self.fn, inputs.prompts, inputs.completions, keywords)
+        if inspect.isawaitable(result):  # an async def reward: the caller awaits it with the other async ones
             return _awaited_output(result)
         return as_output(result)
 
@@ -447,7 +451,7 @@ class MathCorrectnessReward(BaseReward):
     ) -> RewardOutput:
         expected = _resolve_references(self.name, None, references, len(responses))
         extracted = [self.extract(response) for response in responses]
-        scores = [grade_math(answer, ref) for answer, ref in zip(extracted, expected)]  # the math tasks' grader
+        scores = [grade_math(answer, ref) for answer, ref in zip(extracted, expected)]  # the math tasks' own
         return RewardOutput(scores=scores, metadata={"extracted_answers": extracted})
 
 

@@ -73,7 +73,7 @@ class Scores:
     timeouts: int = 0  # reward calls that ran past the timeout
     nonfinite: int = 0  # samples masked from the loss because a reward returned NaN/inf
     metadata: dict[str, Any] = field(default_factory=dict)
-    applies: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (N,) bool, False where it returned None
+    applies: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (N,) bool, False: returned None
 
     @property
     def scored(self) -> torch.Tensor:
@@ -107,8 +107,8 @@ def build_reward_list(
         if is_model_and_tokenizer(reward):
             reward = SequenceClassificationReward(*reward)
         if not callable(reward) and not isinstance(reward, str):
-            raise TypeError(f"reward {reward!r} is not callable; pass a BaseReward, f(prompts, completions), or a "
-                            f"reward model (its hub id, folder, or (model, tokenizer))")
+            raise TypeError(f"reward {reward!r} is not callable; pass a BaseReward, f(prompts, completions), "
+                            f"or a reward model (its hub id, folder, or (model, tokenizer))")
         wrapped = as_reward(reward, convention)
         name = getattr(wrapped, "name", None) or type(wrapped).__name__
         problem = call_problem(wrapped)
@@ -155,7 +155,7 @@ def _settle(awaitables: list, timeout: float | None) -> list[tuple[bool, Any]]:
             return True, await awaitable
         except asyncio.CancelledError:
             raise
-        except BaseException as error:  # noqa: BLE001 - SystemExit/KeyboardInterrupt too, which would end the loop
+        except BaseException as error:  # noqa: BLE001 - SystemExit/KeyboardInterrupt too, which end the loop
             return False, error  # handed back to the caller, who applies the error rules
 
     async def one(awaitable) -> tuple[bool, Any]:
@@ -206,11 +206,11 @@ def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[
     completion. A None comes back as NaN here, told apart from a returned NaN by `_applies`."""
     scores = getattr(output, "scores", output)
     metadata = getattr(output, "metadata", None) or {}
-    if hasattr(scores, "tolist") and not isinstance(scores, (list, tuple)):  # a tensor or numpy array of scores
+    if hasattr(scores, "tolist") and not isinstance(scores, (list, tuple)):  # a tensor or numpy array
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)):
-        raise RewardError(f"reward '{name}' returned {scores!r:.80} (a {type(scores).__name__}){where}; it must "
-                          f"return a RewardOutput or a list of {expected} floats")
+        raise RewardError(f"reward '{name}' returned {scores!r:.80} (a {type(scores).__name__}){where}; it "
+                          f"must return a RewardOutput or a list of {expected} floats")
     if len(scores) != expected:
         raise RewardError(f"reward '{name}' returned {len(scores)} scores for {expected} completions{where}; "
                           f"return exactly one score per completion")
@@ -223,8 +223,8 @@ def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             hint = ": return float(...) (1.0 / 0.0) for a yes/no score" if isinstance(value, bool) else ""
-            raise RewardError(f"reward '{name}' returned {value!r} (a {type(value).__name__}) for completion {i}"
-                              f"{where}; scores must be int or float{hint}")
+            raise RewardError(f"reward '{name}' returned {value!r} (a {type(value).__name__}) for completion "
+                              f"{i}{where}; scores must be int or float{hint}")
         values.append(float(value))
     return values, metadata
 
@@ -253,10 +253,12 @@ class FailureRules:
 
 
 def score_completions(
-    rewards: list[tuple[str, BaseReward, float]], prompts: list, completions: list[str], columns: dict[str, list],
-    *, on_error: str = "raise", error_value: float = 0.0, timeout: float | None = None, step: int | None = None,
-    row_index: list[int] | None = None, trainer_state: Any = None, completion_ids: list[list[int]] | None = None,
-    tool_calls: list[list[dict]] | None = None, environments: list | None = None, episodes: list | None = None,
+    rewards: list[tuple[str, BaseReward, float]], prompts: list, completions: list[str],
+    columns: dict[str, list], *, on_error: str = "raise", error_value: float = 0.0,
+    timeout: float | None = None, step: int | None = None, row_index: list[int] | None = None,
+    trainer_state: Any = None, completion_ids: list[list[int]] | None = None,
+    tool_calls: list[list[dict]] | None = None, environments: list | None = None,
+    episodes: list | None = None,
 ) -> Scores:
     """Score N completions with every reward; prompts, completion_ids, tool_calls and each column have N
     entries.
@@ -266,9 +268,10 @@ def score_completions(
     reward that names it; TRL's gives every argument by keyword). row_index (N,) names each completion's
     dataset row in error messages."""
     n = len(completions)
-    inputs = RewardInputs(list(prompts), list(completions), columns, completion_ids, trainer_state, tool_calls,
-                          environments, episodes)
-    rules = FailureRules(on_error, error_value, timeout, f" at step {step}" if step is not None else "", row_index)
+    inputs = RewardInputs(list(prompts), list(completions), columns, completion_ids, trainer_state,
+                          tool_calls, environments, episodes)
+    where = f" at step {step}" if step is not None else ""
+    rules = FailureRules(on_error, error_value, timeout, where, row_index)
     settled = _settle_async_rewards(rewards, inputs, timeout)  # started first, together, awaited concurrently
     valid = torch.ones(n, dtype=torch.bool)
     components, metadata, applies = {}, {}, {}
@@ -284,7 +287,8 @@ def score_completions(
             applies[name] = applied
         if meta:
             metadata[name] = meta
-    scores = Scores(torch.zeros(n), components, valid, errors, timeouts, int((~valid).sum()), metadata, applies)
+    nonfinite = int((~valid).sum())
+    scores = Scores(torch.zeros(n), components, valid, errors, timeouts, nonfinite, metadata, applies)
     scores.total = weighted_reward_sum(*scores.stacked(), [weight for _, _, weight in rewards])  # (N,)
     return scores
 
@@ -330,9 +334,10 @@ def _under_failure_rules(name: str, error: BaseException, call: Callable, n: int
     failing samples, counted (on_error='score'); a user's Ctrl-C goes through untouched."""
     if isinstance(error, RewardTimeout):
         if rules.on_error != "score":
-            raise RewardError(f"reward '{name}' took longer than reward_timeout={rules.timeout}s{rules.where}; "
-                              f"raise the timeout, make the reward faster, or set on_reward_error='score' "
-                              f"(such calls then score reward_error_value, counted in rewards/timeouts)") from None
+            raise RewardError(f"reward '{name}' took longer than reward_timeout={rules.timeout}s"
+                              f"{rules.where}; raise the timeout, make the reward faster, or set "
+                              f"on_reward_error='score' (such calls then score reward_error_value, counted "
+                              f"in rewards/timeouts)") from None
         return [rules.error_value] * n, {}, 0, 1
     reraise_user_interrupt(error)
     if rules.on_error != "score":
@@ -420,9 +425,10 @@ def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int
     environment its instances and episodes reach the rewards. A completion whose environment could not run is
     masked (not valid)."""
     prompts, columns, row_ids = per_completion(rows, config.group_size)
-    scores = score_completions(rewards, prompts, rollout.completions, columns, on_error=config.on_reward_error,
-                               error_value=config.reward_error_value, timeout=config.reward_timeout, step=step,
-                               row_index=row_ids, trainer_state=trainer_state, **rollout_inputs(rollout))
+    scores = score_completions(rewards, prompts, rollout.completions, columns,
+                               on_error=config.on_reward_error, error_value=config.reward_error_value,
+                               timeout=config.reward_timeout, step=step, row_index=row_ids,
+                               trainer_state=trainer_state, **rollout_inputs(rollout))
     scores.valid &= ~rollout.failed
     return scores
 
@@ -438,7 +444,8 @@ def per_completion(rows: list[dict], group_size: int) -> tuple[list, dict[str, l
     """The rows' prompts, other columns and row ids, each repeated for the group_size completions of its
     row."""
     prompts = [row["prompt"] for row in rows for _ in range(group_size)]
-    columns = {k: [v for v in values for _ in range(group_size)] for k, values in dataset_columns(rows).items()}
+    columns = {k: [v for v in values for _ in range(group_size)]
+               for k, values in dataset_columns(rows).items()}
     row_ids = [row.get("_row", i) for i, row in enumerate(rows) for _ in range(group_size)]
     return prompts, columns, row_ids
 
@@ -450,7 +457,9 @@ def completion_token_ids(rollout) -> list[list[int]]:
 
 def rollout_tool_calls(rollout) -> list[list[dict]] | None:
     """(N,) each completion's tool calls and results, in order; None for a rollout without tools."""
-    return None if rollout.tool_calls is None else [[r.as_dict() for r in calls] for calls in rollout.tool_calls]
+    if rollout.tool_calls is None:
+        return None
+    return [[result.as_dict() for result in calls] for calls in rollout.tool_calls]
 
 
 def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = None, engine=None):
@@ -466,11 +475,12 @@ def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = 
         settings, prompts = SamplingSettings(max_new_tokens, do_sample=False), [row["prompt"] for row in rows]
         completions, ids, calls, episodes = [], [], [], []
         for start in range(0, len(rows), 32):
-            rollout = generate(model, tokenizer, prompts[start:start + 32], 1, settings, max_prompt_length,
+            chunk, chunk_rows = prompts[start:start + 32], rows[start:start + 32]
+            rollout = generate(model, tokenizer, chunk, 1, settings, max_prompt_length,
                                config.truncate_prompts, config.share_prompt_prefix, tools=tools,
-                               rows=rows[start:start + 32]) if engine is None else generate_on_engine(
-                engine, tokenizer, prompts[start:start + 32], 1, settings, max_prompt_length, config.truncate_prompts,
-                tools=tools, rows=rows[start:start + 32])
+                               rows=chunk_rows) if engine is None \
+                else generate_on_engine(engine, tokenizer, chunk, 1, settings, max_prompt_length,
+                                        config.truncate_prompts, tools=tools, rows=chunk_rows)
             completions += rollout.completions
             ids += completion_token_ids(rollout)
             calls += rollout_tool_calls(rollout) or []
