@@ -33,7 +33,8 @@ MOVED_MODULES = {
 
 
 MOVED_NAMES = {
-    "forge.core.grpo": {"GRPOConfig": "forge.core.config", "compute_token_log_probs": "forge.core.original_api",
+    "forge.core.grpo": {"GRPOConfig": "forge.core.config",
+                        "compute_token_log_probs": "forge.core.original_api",
                         "sequence_mean_log_probs": "forge.core.original_api"},
     "forge.core.reward": dict.fromkeys(("REWARD_REGISTRY", "CompositeReward", "SequenceClassificationReward",
                                         "as_reward", "build_reward", "is_model_and_tokenizer",
@@ -56,7 +57,8 @@ class _Loader(importlib.abc.Loader):
         return module
 
     def exec_module(self, module) -> None:
-        module.__spec__ = self.own_spec  # it ran when imported; the import system stamped the old name's spec on it
+        # it ran when imported; the import system stamped the old name's spec on it
+        module.__spec__ = self.own_spec
 
 
 class _WithMovedNames(importlib.abc.Loader):

@@ -56,8 +56,8 @@ ROW_FORMAT = "{'prompt': str | list[{'role': str, 'content': str}], 'reference':
 _RESERVED_COLUMNS = ("prompts", "responses", "completions")
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (GSM8K_TASK, GSM8K_MOCK_TASK, GSM_HARD_TASK, ARITHMETIC_TASK,
-                                                         REASONING_GYM_TASK)}
+TASKS: dict[str, Task] = {task.name: task for task in (GSM8K_TASK, GSM8K_MOCK_TASK, GSM_HARD_TASK,
+                                                         ARITHMETIC_TASK, REASONING_GYM_TASK)}
 """The built-in tasks by dataset name: their rows, held-out rows and grader (`forge.data.task`). reasoning-gym
 is a family named ``reasoning-gym:NAME[:KEY=VALUE,...]``; `task_for` finds a task by any dataset name."""
 
@@ -109,8 +109,9 @@ def pick_chat(chat: bool | None, tokenizer: Any, source: Any = None, announce: b
     if announce and builds_prompts(source):
         import sys
 
-        reason = ("the tokenizer has a chat template, so its prompts are chat messages (--chat false for plain text)"
-                  if chosen else "the tokenizer has no chat template, so its prompts are plain text")
+        reason = ("the tokenizer has a chat template, so its prompts are chat messages (--chat false for "
+                  "plain text)" if chosen
+                  else "the tokenizer has no chat template, so its prompts are plain text")
         print(f"forge: {source}: {reason}", file=sys.stderr)
     return chosen
 
@@ -118,8 +119,8 @@ def pick_chat(chat: bool | None, tokenizer: Any, source: Any = None, announce: b
 def as_chat_rows(rows: Sequence[dict]) -> list[dict]:
     """The rows with each string prompt as one user message, ``[{"role": "user", "content": prompt}]`` (what
     ``--chat true`` does to the prompts of any source); chat prompts stay as they are."""
-    return [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} if isinstance(row.get("prompt"), str)
-            else row for row in rows]
+    return [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]}
+            if isinstance(row.get("prompt"), str) else row for row in rows]
 
 
 def warn_if_raw_prompts(rows: Iterable[dict], tokenizer: Any) -> bool:
@@ -130,9 +131,9 @@ def warn_if_raw_prompts(rows: Iterable[dict], tokenizer: Any) -> bool:
     count = sum(isinstance(row.get("prompt"), str) for row in rows)
     if not count:
         return False
-    warnings.warn(f"{count} prompts are plain strings and the tokenizer has a chat template: they reach the model "
-                  f"as raw text, without its chat format. Wrap each as one user message with --chat true (in "
-                  f"Python: forge.data.dataset.as_chat_rows), or give the prompts as chat messages "
+    warnings.warn(f"{count} prompts are plain strings and the tokenizer has a chat template: they reach the "
+                  f"model as raw text, without its chat format. Wrap each as one user message with --chat "
+                  f"true (in Python: forge.data.dataset.as_chat_rows), or give the prompts as chat messages "
                   f"[{{'role': 'user', 'content': ...}}]",
                   stacklevel=2)
     return True
@@ -187,8 +188,8 @@ def load_jsonl(path: str | Path) -> list[dict]:
         head = file.read(8)
         for kind, magic in _COMPRESSED_MAGIC.items():
             if head.startswith(magic):
-                raise ValueError(f"{path} is a {kind}-compressed file, not JSON Lines text; decompress it first "
-                                 f"(e.g. `gunzip -k {path}` for gzip) and pass the .jsonl")
+                raise ValueError(f"{path} is a {kind}-compressed file, not JSON Lines text; decompress it "
+                                 f"first (e.g. `gunzip -k {path}` for gzip) and pass the .jsonl")
         file.seek(0)
         for line_number, raw in enumerate(file, start=1):
             line = _decode_line(path, line_number, raw)
@@ -202,8 +203,9 @@ def load_jsonl(path: str | Path) -> list[dict]:
                     f"each line must be one JSON object like {ROW_FORMAT}"
                 ) from error
             except RecursionError:
-                raise ValueError(f"{path}, line {line_number}: JSON nested too deeply to read; a row is one JSON "
-                                 f"object like {ROW_FORMAT}, its values a few levels deep at most") from None
+                raise ValueError(f"{path}, line {line_number}: JSON nested too deeply to read; a row is one "
+                                 f"JSON object like {ROW_FORMAT}, its values a few levels deep at "
+                                 f"most") from None
             if not isinstance(row, dict):
                 raise ValueError(  # noqa: TRY004 - a data error in the file, reported like the others
                     f"{path}, line {line_number}: expected a JSON object like {ROW_FORMAT}, "
@@ -382,10 +384,11 @@ def rows_per_step(num_rows: int, prompts_per_step: int, wanted: int) -> int:
         return wanted
     usable = num_rows - num_rows % prompts_per_step
     if usable == 0:
-        raise ValueError(f"the dataset has {num_rows} rows, fewer than prompts_per_step={prompts_per_step}; add "
-                         f"rows or lower prompts_per_step")
+        raise ValueError(f"the dataset has {num_rows} rows, fewer than prompts_per_step={prompts_per_step}; "
+                         f"add rows or lower prompts_per_step")
     warnings.warn(f"the dataset has {num_rows} rows but one optimizer step asks for prompts_per_step x "
-                  f"gradient_accumulation_steps = {wanted}; each step uses {usable} rows instead", stacklevel=3)
+                  f"gradient_accumulation_steps = {wanted}; each step uses {usable} rows instead",
+                  stacklevel=3)
     return usable
 
 

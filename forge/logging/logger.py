@@ -105,7 +105,8 @@ def format_console_line(metrics: dict[str, Any], step: int, epoch: float) -> str
                   if key.startswith("eval/")}
     if evaluation and all(key.startswith("eval/") for key in metrics):
         shown = [key for key in EVAL_HEADLINE if key in evaluation] or list(evaluation)[:6]
-        return " | ".join([f"step {step}", "eval", *(f"{key} {_format_value(evaluation[key])}" for key in shown)])
+        values = (f"{key} {_format_value(evaluation[key])}" for key in shown)
+        return " | ".join([f"step {step}", "eval", *values])
     return (
         f"step {step} | epoch {epoch} | loss {_format_metric(metrics, 'loss')} | "
         f"reward {_format_metric(metrics, 'reward')} | kl {_format_metric(metrics, 'kl')}"
@@ -230,7 +231,8 @@ def make_trackio_sink(project: str, run_name: str, config: dict | None) -> Track
     try:
         import trackio
     except ImportError:
-        warnings.warn("use_trackio=True but trackio is not installed (pip install trackio); not logging to trackio")
+        warnings.warn("use_trackio=True but trackio is not installed (pip install trackio); not logging to "
+                      "trackio")
         return NullSink()
     try:
         return TrackioSink(trackio, project, run_name, config)

@@ -65,7 +65,8 @@ def quiet_checkpointing_deprecation() -> Iterator[None]:
     """Hide the FutureWarning of transformers' deprecated `is_gradient_checkpointing` property, which peft
     reads when it wraps a model (every LoRA run would print it); other warnings pass."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
         yield
 
 
@@ -85,12 +86,12 @@ def lora_fields(peft_config) -> dict:
         raise TypeError(f"peft_config is a {type(peft_config).__name__}: Forge trains LoRA adapters; give a "
                         f"peft.LoraConfig (use_dora=True for DoRA)")
     if peft_config.bias != "none":
-        raise TypeError(f"peft_config.bias={peft_config.bias!r}: Forge's reference policy is the model with its "
-                        f"adapters off, which would keep the trained biases; use bias='none'")
+        raise TypeError(f"peft_config.bias={peft_config.bias!r}: Forge's reference policy is the model with "
+                        f"its adapters off, which would keep the trained biases; use bias='none'")
     if peft_config.init_lora_weights not in _REFERENCE_KEEPING_INITS:
-        raise TypeError(f"peft_config.init_lora_weights={peft_config.init_lora_weights!r} rewrites the base weights, "
-                        f"so the adapter-disabled model (Forge's reference policy) would not be the initial model; "
-                        f"use True (the default) or 'gaussian'")
+        raise TypeError(f"peft_config.init_lora_weights={peft_config.init_lora_weights!r} rewrites the base "
+                        f"weights, so the adapter-disabled model (Forge's reference policy) would not be the "
+                        f"initial model; use True (the default) or 'gaussian'")
     targets = peft_config.target_modules
     return {"use_lora": True, "lora_r": peft_config.r, "lora_alpha": peft_config.lora_alpha,
             "lora_dropout": peft_config.lora_dropout,
@@ -117,7 +118,8 @@ def apply_lora(
         raise ImportError(LORA_INSTALL_HINT) from error
     if is_peft_model(model):
         if peft_config is not None:
-            raise TypeError("the model already has adapters (a PeftModel); pass peft_config with the base model")
+            raise TypeError("the model already has adapters (a PeftModel); pass peft_config with the base "
+                            "model")
         return model
     if peft_config is not None:
         lora_fields(peft_config)  # refuses what Forge cannot train
@@ -141,7 +143,8 @@ def _mergeable_lora_layers(model: nn.Module) -> list | None:
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     adapted = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    if any(p.requires_grad and ".lora_A." not in n and ".lora_B." not in n for n, p in model.named_parameters()):
+    if any(p.requires_grad and ".lora_A." not in n and ".lora_B." not in n
+           for n, p in model.named_parameters()):
         return None  # modules_to_save and the like: switching the adapters off would switch them off too
     users: dict[int, int] = {}
     for module in model.modules():
@@ -149,10 +152,11 @@ def _mergeable_lora_layers(model: nn.Module) -> list | None:
             users[id(p)] = users.get(id(p), 0) + 1
     for m in adapted:
         weight = getattr(m.get_base_layer(), "weight", None)
-        if (type(m) is not LoraLinear or type(m.get_base_layer()) is not nn.Linear or m.merged or m.fan_in_fan_out
-                or m.disable_adapters
+        if (type(m) is not LoraLinear or type(m.get_base_layer()) is not nn.Linear or m.merged
+                or m.fan_in_fan_out or m.disable_adapters
                 or any(m.use_dora.get(a, False) for a in m.active_adapters) or users.get(id(weight), 0) != 1
-                or type(weight.data) is not torch.Tensor or weight.is_meta  # DTensor (FSDP2), quantised, offloaded
+                or type(weight.data) is not torch.Tensor  # DTensor (FSDP2), quantised
+                or weight.is_meta  # offloaded
                 or weight.dtype not in _MERGEABLE_DTYPES):
             return None
     return adapted or None

@@ -53,8 +53,8 @@ def cpu_has_bf16_units() -> tuple[bool, str]:
     if forced in ("0", "1"):
         return forced == "1", f"FORGE_CPU_BF16={forced} is set"
     if forced:
-        raise ValueError(f"FORGE_CPU_BF16={forced!r}: set it to 0 (treat the CPU as having no bf16 units) or 1, "
-                         f"or unset it to detect them")
+        raise ValueError(f"FORGE_CPU_BF16={forced!r}: set it to 0 (treat the CPU as having no bf16 units) or "
+                         f"1, or unset it to detect them")
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     if amx:
@@ -103,11 +103,12 @@ def _autocast(device_type: str, dtype: torch.dtype, model: nn.Module | None) -> 
 # lora_inputs_uncast time ratio; on when below 1).
 LORA_INPUTS_UNCAST_MEASURED: dict[tuple[str, torch.dtype, str], tuple[bool, str]] = {
     ("cpu", torch.bfloat16, "AMX tiles"): (
-        True, "0.87x the time of PEFT's cast on an AMX Xeon (SmolLM2-135M LoRA forward+backward, bench/precision.py)"),
+        True, ("0.87x the time of PEFT's cast on an AMX Xeon (SmolLM2-135M LoRA forward+backward, "
+               "bench/precision.py)")),
     ("cpu", torch.bfloat16, "AVX512-BF16"): (
-        True, ("0.98x the time of PEFT's cast on an AVX512-BF16 AMD EPYC (SmolLM2-135M LoRA forward+backward, "
-               "bench/precision.py), and 0.80-0.87x the loss pass's peak memory (no fp32 copy of each adapted "
-               "layer's input is kept for backward)")),
+        True, ("0.98x the time of PEFT's cast on an AVX512-BF16 AMD EPYC (SmolLM2-135M LoRA "
+               "forward+backward, bench/precision.py), and 0.80-0.87x the loss pass's peak memory (no fp32 "
+               "copy of each adapted layer's input is kept for backward)")),
 }
 
 
@@ -162,8 +163,8 @@ def choose_precision(dtype: str = "auto", device: str | torch.device | None = No
         compute, reason = resolve_dtype(dtype, device), f"dtype={dtype!r} was asked for"
     elif device.type == "cuda":
         compute, reason = ((torch.bfloat16, "the GPU supports bf16") if torch.cuda.is_bf16_supported() else (
-            torch.float32, ("the GPU has no bf16; dtype='float16' (with loss scaling) is faster there but must be "
-                           "asked for")))
+            torch.float32, ("the GPU has no bf16; dtype='float16' (with loss scaling) is faster there but "
+                           "must be asked for")))
     else:
         fast, what = cpu_has_bf16_units()
         compute, reason = ((torch.bfloat16, f"the CPU has bf16 matrix units ({what})") if fast else (
@@ -190,8 +191,8 @@ def as_master_weights(model: nn.Module, precision: Precision, lora: bool) -> nn.
     if not lora:
         if low:
             note(f"the model's weights are {', '.join(low)}: training float32 master weights (computing in "
-                  f"{str(precision.compute).removeprefix('torch.')}); bf16 weights would lose updates below 1/256 "
-                  f"of a weight")
+                  f"{str(precision.compute).removeprefix('torch.')}); bf16 weights would lose updates below "
+                  f"1/256 of a weight")
         return model.float() if low else model
     if precision.mixed:  # the frozen base in the compute dtype: half the memory, no re-cast per forward
         for p in model.parameters():

@@ -33,18 +33,18 @@ def fsdp_requested(fsdp: bool) -> bool:
     for variable, engine in _OTHER_ENGINES.items():
         if _set(variable):
             raise ValueError(
-                f"accelerate launched Forge with {engine} ({variable}={os.environ[variable]}), which Forge does "
-                f"not support: Forge runs its own sampling, loss and AdamW, so {engine}'s engine would not be "
-                f"used. To shard the weights, gradients and optimizer state over the processes, use Forge's "
-                f"FSDP2: `forge train --nproc N --fsdp` (or GRPOConfig(fsdp=True), or accelerate launch with "
-                f"examples/accelerate/fsdp.yaml). Without sharding: a DDP config (examples/accelerate/ddp_gpu.yaml "
-                f"or ddp_cpu.yaml) or `forge train --nproc N`.")
+                f"accelerate launched Forge with {engine} ({variable}={os.environ[variable]}), which Forge "
+                f"does not support: Forge runs its own sampling, loss and AdamW, so {engine}'s engine would "
+                f"not be used. To shard the weights, gradients and optimizer state over the processes, use "
+                f"Forge's FSDP2: `forge train --nproc N --fsdp` (or GRPOConfig(fsdp=True), or accelerate "
+                f"launch with examples/accelerate/fsdp.yaml). Without sharding: a DDP config "
+                f"(examples/accelerate/ddp_gpu.yaml or ddp_cpu.yaml) or `forge train --nproc N`.")
     if _set("ACCELERATE_USE_FSDP"):
         if os.environ.get("FSDP_VERSION", "1") != "2":
             raise ValueError(
-                f"accelerate launched Forge with FSDP version {os.environ.get('FSDP_VERSION', '1')}; Forge shards "
-                f"with FSDP2 (torch's fully_shard) only. Set `fsdp_version: 2` in the accelerate config "
-                f"(examples/accelerate/fsdp.yaml), or run `forge train --nproc N --fsdp`.")
+                f"accelerate launched Forge with FSDP version {os.environ.get('FSDP_VERSION', '1')}; Forge "
+                f"shards with FSDP2 (torch's fully_shard) only. Set `fsdp_version: 2` in the accelerate "
+                f"config (examples/accelerate/fsdp.yaml), or run `forge train --nproc N --fsdp`.")
         return True
     return fsdp
 
@@ -71,19 +71,21 @@ class DataParallel:
         self.fsdp = fsdp and self.world_size > 1
         if fsdp and self.world_size == 1:
             warnings.warn("fsdp=True with one process: there is nothing to shard over, so the model trains "
-                          "whole; start several processes (forge train --nproc N --fsdp) to shard it", stacklevel=3)
+                          "whole; start several processes (forge train --nproc N --fsdp) to shard it",
+                          stacklevel=3)
         if self.world_size == 1:
             return
         if torch.cuda.is_available():
             local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
             if local_rank >= gpus:
-                raise ValueError(f"process {local_rank} of this machine has no GPU of its own ({gpus} visible): start "
-                                 f"at most {gpus} processes per machine, or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
-                                 f"to train on CPU")
+                raise ValueError(f"process {local_rank} of this machine has no GPU of its own ({gpus} "
+                                 f"visible): start at most {gpus} processes per machine, or hide the GPUs "
+                                 f"(CUDA_VISIBLE_DEVICES=) to train on CPU")
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)  # "cuda" now means this rank's GPU, also in policy.load_model
         if not torch.distributed.is_initialized():
-            torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            torch.distributed.init_process_group(backend)
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """FSDP2: shard the model over the ranks, its shards on this rank's GPU when there is one."""

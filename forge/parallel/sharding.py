@@ -47,8 +47,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     layers = [m for m in base.modules() if type(m).__name__ in names]
     if not layers:
         raise ValueError(f"fsdp=True: cannot find the decoder layers of {type(base).__name__} (it names no "
-                         f"_no_split_modules classes that it contains), so there is nothing to shard per layer; "
-                         f"train it data-parallel (fsdp=False) or with LoRA")
+                         f"_no_split_modules classes that it contains), so there is nothing to shard per "
+                         f"layer; train it data-parallel (fsdp=False) or with LoRA")
     return layers
 
 
@@ -59,7 +59,8 @@ def shard(model: torch.nn.Module, device: torch.device | None) -> torch.nn.Modul
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type if device is not None else "cpu", (torch.distributed.get_world_size(),))
+    device_type = device.type if device is not None else "cpu"
+    mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -186,4 +187,5 @@ def fix_architectures(folder: Path, model) -> None:
 
 
 __all__ = ["SHARDED_DIR", "decoder_layers", "fix_architectures", "full_state_dict", "gathered",
-           "kept_until_backward", "load_tensors", "local", "save_tensors", "set_state", "shard", "state_dicts"]
+           "kept_until_backward", "load_tensors", "local", "save_tensors", "set_state", "shard",
+           "state_dicts"]
