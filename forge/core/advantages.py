@@ -16,24 +16,23 @@ from collections.abc import Callable, Sequence
 import torch
 
 # Each returns the divisor of the centred rewards r - group mean, (N,), from the float64 rewards, the centred
-# rewards and the (N,) mask of the samples that enter the statistics; `eps` keeps a std of 0 from dividing by
-# 0.
+# rewards and the (N,) mask of the samples that enter the statistics; `eps` keeps a std of 0 from dividing.
 
 
 def _masked_std(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Bessel-corrected std of each row's valid entries, (rows, n) -> (rows,); exactly 0 where fewer than
-    two are valid or all valid entries are equal."""
-    weight = valid.to(values.dtype)  # (rows, n)
-    count = weight.sum(dim=1)  # (rows,)
-    mean = (values * weight).sum(dim=1, keepdim=True) / count.clamp(min=1)[:, None]  # (rows, 1)
-    var = ((values - mean) ** 2 * weight).sum(dim=1) / (count - 1).clamp(min=1)  # (rows,)
-    spread = (count >= 2) & ~_all_equal(values, valid)  # (rows,)
+    """Bessel-corrected std of each group's valid entries, (groups, n) -> (groups,) (the whole batch is one
+    group of N); exactly 0 where fewer than two are valid or all valid entries are equal."""
+    weight = valid.to(values.dtype)  # (groups, n)
+    count = weight.sum(dim=1)  # (groups,)
+    mean = (values * weight).sum(dim=1, keepdim=True) / count.clamp(min=1)[:, None]  # (groups, 1)
+    var = ((values - mean) ** 2 * weight).sum(dim=1) / (count - 1).clamp(min=1)  # (groups,)
+    spread = (count >= 2) & ~_all_equal(values, valid)  # (groups,)
     return torch.where(spread, var.sqrt(), 0.0)
 
 
 def _all_equal(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(rows, n) -> (rows,): True where every valid entry holds the same value (or none is valid). Exact, so a
-    group of 0.7s or 1.1s, which no float type holds exactly, is recognised without rounding."""
+    """(groups, n) -> (groups,): True where every valid entry holds the same value (or none is valid). Exact,
+    so a group of 0.7s or 1.1s, which no float type holds exactly, is recognised without rounding."""
     big = torch.finfo(values.dtype).max
     highest = torch.where(valid, values, -big).max(dim=1).values
     lowest = torch.where(valid, values, big).min(dim=1).values
