@@ -272,7 +272,8 @@ def score_completions(
                           tool_calls, environments, episodes)
     where = f" at step {step}" if step is not None else ""
     rules = FailureRules(on_error, error_value, timeout, where, row_index)
-    settled = _settle_async_rewards(rewards, inputs, timeout)  # started first, together, awaited concurrently
+    asynchronous = [(name, reward) for name, reward, _ in rewards if is_async_reward(reward)]
+    settled = _settle_async_rewards(asynchronous, inputs, timeout) if asynchronous else {}  # started first
     valid = torch.ones(n, dtype=torch.bool)
     components, metadata, applies = {}, {}, {}
     errors = timeouts = 0
@@ -299,15 +300,14 @@ def _caller(reward: BaseReward, inputs: RewardInputs) -> Callable:
 
 
 def _settle_async_rewards(rewards: list, inputs: RewardInputs, timeout: float | None) -> dict[str, tuple]:
-    """name -> (ok, value or exception) of every async reward: all started together, then awaited
-    concurrently."""
+    """name -> (ok, value or exception) of each async reward (name, reward): all started together, then
+    awaited concurrently."""
     started: dict[str, tuple[bool, Any]] = {}
-    for name, reward, _ in rewards:
-        if is_async_reward(reward):
-            try:
-                started[name] = (True, _caller(reward, inputs)())
-            except REWARD_FAILURES as error:  # raised before its first await
-                started[name] = (False, error)
+    for name, reward in rewards:
+        try:
+            started[name] = (True, _caller(reward, inputs)())
+        except REWARD_FAILURES as error:  # raised before its first await
+            started[name] = (False, error)
     pending = [name for name, (ok, _) in started.items() if ok]
     settled = dict(zip(pending, _settle([started[name][1] for name in pending], timeout))) if pending else {}
     settled.update({name: outcome for name, outcome in started.items() if not outcome[0]})
