@@ -1,16 +1,18 @@
-"""The reading path of one plain LoRA step: which Forge functions `GRPOTrainer.step` runs, in the order a reader
-meets them, and how many lines that is (docs/architecture.md, "One step, in reading order").
+"""The reading path of one plain LoRA step: which Forge functions `GRPOTrainer.step` runs, in the order a
+reader meets them, and how many lines that is (docs/architecture.md, "One step, in reading order").
 
     python bench/reading_path.py [--functions] [--max-lines 60]
 
-One step of GRPOConfig's defaults with use_lora=True (one update per rollout, the k3 KL, no tools), one process,
-on the tiny offline model (forge/model/tiny.py) in fp32 (dtype='auto' picks bf16 on some machines, which adds
-the mixed-precision helpers), 2 prompts x 4 completions, 8 new tokens, a plain reward function. A profile hook (sys.setprofile, threading.setprofile) records every function of the
-`forge` package called while `step` runs, in first-call order. Each counts once with its whole span, decorators
-and docstring included; a function nested in a counted one (a closure, a comprehension) is not counted again
-and is left out of the order (one whose enclosing function does not run, like the schedule's `factor`, counts
-on its own); an import hook that Python's import system calls is not the step's code and is left out. Files are the distinct files met; switches the changes of file from one function
-to the next in that order. Prints lines per file, the totals and the functions over --max-lines.
+One step of GRPOConfig's defaults with use_lora=True (one update per rollout, the k3 KL, no tools), one
+process, on the tiny offline model (forge/model/tiny.py) in fp32 (dtype='auto' picks bf16 on some machines,
+which adds the mixed-precision helpers), 2 prompts x 4 completions, 8 new tokens, a plain reward function. A
+profile hook (sys.setprofile, threading.setprofile) records every function of the `forge` package called while
+`step` runs, in first-call order. Each counts once with its whole span, decorators and docstring included; a
+function nested in a counted one (a closure, a comprehension) is not counted again and is left out of the
+order (one whose enclosing function does not run, like the schedule's `factor`, counts on its own); an import
+hook that Python's import system calls is not the step's code and is left out. Files are the distinct files
+met; switches the changes of file from one function to the next in that order. Prints lines per file, the
+totals and the functions over --max-lines.
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def plain_lora_trainer(output_dir: str) -> GRPOTrainer:
     config = GRPOConfig(use_lora=True, group_size=4, prompts_per_step=2, gradient_accumulation_steps=1,
                         max_new_tokens=8, dtype="float32", output_dir=output_dir)
     trainer = GRPOTrainer(model, tokenizer, exact_answer, config)
-    trainer.scheduler = make_scheduler(trainer.optimizer, config.lr_scheduler, config.warmup_ratio, 1)  # as train()
+    # the schedule train() would build, for one step
+    trainer.scheduler = make_scheduler(trainer.optimizer, config.lr_scheduler, config.warmup_ratio, 1)
     return trainer
 
 

@@ -12,7 +12,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "forge"
 
-# A room may import from rooms on a lower floor (and from its own); docs/architecture.md draws the same floors.
+# A room may import from rooms on a lower floor (and from its own); docs/architecture.md draws the same
+# floors.
 FLOORS = {
     "logging": 0, "data": 0, "tools": 0, "parallel": 0, "_moved": 0,
     "model": 1, "envs": 1,
@@ -24,10 +25,10 @@ FLOORS = {
     "cli": 7,
     "__main__": 8, "__init__": 8,
 }
-# Forge's own modules imported inside a function, where that is the point: the command line imports a command's
-# modules when it runs (`forge --help` does not load transformers), the package face imports a public name on
-# first use (`import forge` stays light), and GRPOConfig, which the command line reads for its flags, checks a
-# peft LoraConfig only when GRPOTrainer is given one (forge.model loads transformers).
+# Forge's own modules imported inside a function, where that is the point: the command line imports a
+# command's modules when it runs (`forge --help` does not load transformers), the package face imports a
+# public name on first use (`import forge` stays light), and GRPOConfig, which the command line reads for its
+# flags, checks a peft LoraConfig only when GRPOTrainer is given one (forge.model loads transformers).
 LAZY_BY_DESIGN = {"cli.py", "__init__.py", "config.py"}
 
 
@@ -149,8 +150,8 @@ def test_old_paths_of_moved_names_and_the_original_api_keep_working():
 
 
 def test_helpers_of_the_earlier_api_still_import_and_compute():
-    """Public names the earlier API exported (its __all__, docs/algorithm.md's helpers) that the engine dropped:
-    forge/_moved.py finds them in forge/core/original_api.py and forge/model/lora.py."""
+    """Public names the earlier API exported (its __all__, docs/algorithm.md's helpers) that the engine
+    dropped: forge/_moved.py finds them in forge/core/original_api.py and forge/model/lora.py."""
     import torch
 
     from forge.core.grpo import compute_token_log_probs, sequence_mean_log_probs
