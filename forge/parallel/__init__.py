@@ -1,1 +1,1 @@
-"""Several processes: data-parallel gradients and collectives (distributed.py), FSDP2 sharding (sharding.py)."""
+"""Several processes: data-parallel gradients and collectives (distributed.py), FSDP2 (sharding.py)."""

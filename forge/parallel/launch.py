@@ -1,10 +1,11 @@
-"""The entry point `forge train --nproc N` runs: torch.distributed's launcher, with a failed process said in one line.
+"""The entry point of `forge train --nproc N`: torch.distributed's launcher, a failed process in one line.
 
-`python -m forge.parallel.launch ARGS` takes torch.distributed.run's arguments and runs it. When a process of the
-run fails, torch's launcher stops the others and raises ChildFailedError, which its own entry point prints as a
-Python traceback. Here it becomes one line naming the processes that failed and how each ended, and those the
-launcher stopped; the exit code is 1. (`forge train` then says which step is saved for --resume.) A stop signal
-passed on by `forge train` ends the launcher with 130, once the processes have finished their step and saved it.
+`python -m forge.parallel.launch ARGS` takes torch.distributed.run's arguments and runs it. When a process of
+the run fails, torch's launcher stops the others and raises ChildFailedError, which its own entry point prints
+as a Python traceback. Here it becomes one line naming the processes that failed and how each ended, and those
+the launcher stopped; the exit code is 1. (`forge train` then says which step is saved for --resume.) A stop
+signal passed on by `forge train` ends the launcher with 130, once the processes have finished their step and
+saved it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ SIGNAL_CAUSES = {"SIGKILL": " (the kernel's out-of-memory killer sends it when m
 
 def how_it_ended(exitcode: int) -> str:
     """'exited with code 1' or 'was killed by SIGSEGV (a crash in native code)' for a process's exit code
-    (negative: -signal number), with SIGNAL_CAUSES. forge/run/supervisor.py says one process's end with it too."""
+    (negative: -signal number), with SIGNAL_CAUSES; forge/run/supervisor.py says one process's end with it."""
     if exitcode >= 0:
         return f"exited with code {exitcode}"
     number = -exitcode
@@ -31,8 +32,8 @@ def how_it_ended(exitcode: int) -> str:
 
 def failures_line(failures: dict) -> str:
     """The processes that failed, and how, from the launcher's {rank: ProcessFailure}. A process the launcher
-    stopped (SIGTERM, after another failed) is named as stopped; the timestamps are whole seconds, so which one
-    failed first is not known and every failure is named."""
+    stopped (SIGTERM, after another failed) is named as stopped; the timestamps are whole seconds, so which
+    one failed first is not known and every failure is named."""
     stopped = [rank for rank, f in sorted(failures.items()) if f.exitcode == -signal.SIGTERM]
     ended = [(rank, f) for rank, f in sorted(failures.items()) if rank not in stopped] or [
         (rank, failures[rank]) for rank in stopped]
@@ -44,8 +45,8 @@ def failures_line(failures: dict) -> str:
 
 
 def stop_with_parent() -> None:
-    """Have Linux send this launcher SIGTERM when `forge train` (FORGE_PARENT_PID) dies (prctl PR_SET_PDEATHSIG): it
-    runs in a session of its own, so nothing else would stop its processes then."""
+    """Have Linux send this launcher SIGTERM when `forge train` (FORGE_PARENT_PID) dies (prctl
+    PR_SET_PDEATHSIG): it runs in a session of its own, so nothing else would stop its processes then."""
     parent = os.environ.get("FORGE_PARENT_PID")
     if parent is None:
         return
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as failed:
         print(f"forge: error: {failures_line(failed.failures)}", file=sys.stderr)
         return 1
-    except SignalException:  # a stop signal, passed on to the processes: they finished the step, rank 0 saved it
+    except SignalException:  # a stop signal passed on: the processes finished their step, rank 0 saved it
         return 130
     return 0
 
