@@ -414,10 +414,11 @@ def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
 def sample_with_logprobs(logits: torch.Tensor, settings: SamplingSettings,
                          draws: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, V) next-token logits -> (n,) sampled tokens and (n,) their log-probs under the sampling softmax."""
-    scaled = logits.float() / settings.temperature  # (n, V) the sampling softmax's logits, once
+    scaled = logits.float()  # (n, V) the sampling softmax's logits, once
+    scaled = scaled if settings.temperature == 1.0 else scaled / settings.temperature
     unit_temperature = replace(settings, temperature=1.0)  # the logits are scaled already
     tokens = sample_next_token(scaled if settings.do_sample else logits, unit_temperature, draws)  # (n,)
-    return tokens, torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # (n,) each
+    return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)  # (n,) each
 
 
 def still_running(decodings: list[Decoding], cache, active: torch.Tensor, *per_row: torch.Tensor):
