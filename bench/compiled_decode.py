@@ -15,7 +15,7 @@ Reports the first compiled call's time (the compile), the median step time of ea
 warm-up), the ratio compiled / eager, and after how many steps the compile has paid for itself.
 Writes bench/results/compiled_decode.json.
 
-    /work/bin/cpu-run .venv/bin/python bench/compiled_decode.py [--rows 32] [--prompt 160] [--steps 64]
+    python bench/compiled_decode.py [--rows 32] [--prompt 160] [--steps 64]
 """
 
 from __future__ import annotations

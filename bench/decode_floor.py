@@ -23,7 +23,7 @@ its sampled tokens and sampler log-probs are bit-for-bit those of the current co
 loss pass; `--no-eos` makes EOS unreachable (bench/workloads.py), so that every row runs to max_new_tokens.
 Writes bench/results/decode_floor[_TAG].json.
 
-    /work/bin/cpu-run .venv/bin/python bench/decode_floor.py [--rounds 2] [--max-new-tokens 64] [--dtype auto]
+    python bench/decode_floor.py [--rounds 2] [--max-new-tokens 64] [--dtype auto]
         [--against REV] [--skip-loss] [--no-eos]
 """
 

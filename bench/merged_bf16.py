@@ -17,7 +17,7 @@ the adapter path (three matmuls per adapted layer), on the packaged SmolLM2-135M
 
 Writes bench/results/merged_bf16_{STEPS}steps.json.
 
-    /work/bin/cpu-run .venv/bin/python bench/merged_bf16.py [STEPS] [HELDOUT] [ROUNDS]   # defaults: 6 60 2
+    python bench/merged_bf16.py [STEPS] [HELDOUT] [ROUNDS]   # defaults: 6 60 2
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ decode steps. The profiler adds its own cost to every operator, so small operato
 unprofiled time of the generation is printed next to it. With --against REV also forge/core/rollout.py as it is at
 git revision REV (bench/decode_floor.py). Writes bench/results/profile_decode[_TAG].json.
 
-    /work/bin/cpu-run .venv/bin/python bench/profile_decode.py [--max-new-tokens 12] [--against REV]
+    python bench/profile_decode.py [--max-new-tokens 12] [--against REV]
 """
 
 from __future__ import annotations
