@@ -196,12 +196,15 @@ def eos_ids(tokenizer, model=None) -> list[int]:
 
 
 def sample_next_token(
-    logits: torch.Tensor, settings: SamplingSettings, uniforms: torch.Tensor | None = None
+    logits: torch.Tensor, settings: SamplingSettings, uniforms: torch.Tensor | None = None,
+    cdf_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits: (n, V) -> (n,) next token ids, greedy or with temperature / top-k / top-p.
 
     uniforms: (n,) draws in [0, 1), one per row, to sample by inverse CDF instead of torch's global
     generator: a row's token then depends only on its own logits and its own draw, not on the other rows.
+    cdf_out: an (n, V) float64 buffer for the CDF, reused across decode steps (a fresh one of the demo's 12 MB was
+    paged in at every step).
     """
     if not settings.do_sample:
         return logits.argmax(dim=-1)
@@ -219,7 +222,8 @@ def sample_next_token(
     probs = torch.softmax(logits, dim=-1)
     if uniforms is None:
         return torch.multinomial(probs, 1).squeeze(1)
-    cdf = probs.double().cumsum(dim=-1)  # (n, V)
+    cdf = probs.double() if cdf_out is None else cdf_out.copy_(probs)
+    cdf.cumsum_(dim=-1)  # (n, V)
     target = uniforms.to(cdf)[:, None] * cdf[:, -1:]  # (n, 1)
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (n,) first token whose cdf exceeds it
     if bool((tokens < cdf.shape[-1]).all()):  # then at or before the last token of nonzero probability
@@ -387,11 +391,12 @@ def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     active = torch.arange(len(decodings), device=device)  # (n,) the completions still decoding
     next_position = mask.sum(dim=1)  # (N,)
     running = still_running(decodings, cache, active, next_logits, mask, next_position)  # failed episodes leave
+    cdf = next_logits.new_empty(next_logits.shape, dtype=torch.float64)  # (N, V) the sampler's, every step
     while running is not None:
         active, next_logits, mask, next_position = running
         draws = None if noise is None else noise[active, torch.tensor(
             [decodings[i].model_tokens for i in active.tolist()], device=device)]  # (n,)
-        tokens, logprobs = sample_with_logprobs(next_logits, settings, draws)  # (n,) each
+        tokens, logprobs = sample_with_logprobs(next_logits, settings, draws, cdf[:len(active)])  # (n,) each
         for i, token, logprob in zip(active.tolist(), tokens.tolist(), logprobs.tolist()):
             decodings[i].take([token], [logprob], stop_ids, max_new_tokens, stops_at_eos)
         if turns is not None:  # the calls that just ended run; their results are fed in the next forward
@@ -411,13 +416,13 @@ def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     return decodings
 
 
-def sample_with_logprobs(logits: torch.Tensor, settings: SamplingSettings,
-                         draws: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_with_logprobs(logits: torch.Tensor, settings: SamplingSettings, draws: torch.Tensor | None,
+                         cdf_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, V) next-token logits -> (n,) sampled tokens and (n,) their log-probs under the sampling softmax."""
     scaled = logits.float()  # (n, V) the sampling softmax's logits, once
     scaled = scaled if settings.temperature == 1.0 else scaled / settings.temperature
     unit_temperature = replace(settings, temperature=1.0)  # the logits are scaled already
-    tokens = sample_next_token(scaled if settings.do_sample else logits, unit_temperature, draws)  # (n,)
+    tokens = sample_next_token(scaled if settings.do_sample else logits, unit_temperature, draws, cdf_out)  # (n,)
     return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)  # (n,) each
 
 
