@@ -8,9 +8,11 @@ layouts in a round. Reported per layout: completion tokens per second of wall cl
 (median and range over the rounds), the ratio shared / repeated, and whether the two layouts sampled the same
 tokens (and the largest sampler log-prob difference): they should, up to floating-point summation order.
 
-    python bench/decode_attention.py [--dtype bfloat16] [--threads 1] [--rounds 5] [--lora]
+    python bench/decode_attention.py [--dtype bfloat16] [--threads 1] [--rounds 5] [--lora] [--fixed-length]
 
-Writes bench/results/decode_attention_<dtype>_<threads>t[_lora].json.
+In bf16 the two layouts sample different tokens after a near-tie, so their completions (and the work) differ;
+--fixed-length takes the stop token away, so that every row of both generates max_new_tokens.
+Writes bench/results/decode_attention_<dtype>_<threads>t[_lora][_fixed].json.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ def main(argv=None) -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--lora", action="store_true", help="the demo's LoRA adapters on the model")
+    parser.add_argument(
+        "--fixed-length",
+        action="store_true",
+        help="no stop token: every row generates max_new_tokens, so both layouts do the same work",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(HERE))
@@ -60,9 +67,13 @@ def main(argv=None) -> int:
     prompts = [row["prompt"] for row in ARITHMETIC_TASK.rows(n=args.prompts, seed=0, chat=True)]
     settings = SamplingSettings(args.max_new_tokens, temperature=1.0)
     supports = shared_prefix.supports
+    if args.fixed_length:
+        rollout_module.eos_ids = lambda tokenizer, model=None: []
 
     def run(layout: str, noise):
-        rollout_module.shared_prefix.supports = supports if layout == "shared" else (lambda model, cache: False)
+        rollout_module.shared_prefix.supports = (
+            supports if layout == "shared" else (lambda model, cache: False)
+        )
         try:
             with torch.no_grad(), precision.autocast(model):
                 return generate(model, tokenizer, prompts, args.group_size, settings, noise=noise)
@@ -83,10 +94,20 @@ def main(argv=None) -> int:
             rollouts[layout] = run(layout, noise)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             tokens = int(rollouts[layout].completion_mask.sum())
-            measured[layout].append({"tokens": tokens, "seconds": wall, "cpu_seconds": cpu,
-                                     "tokens_per_second": tokens / wall, "tokens_per_cpu_second": tokens / cpu})
-            print(f"round {r + 1} {layout:8s}: {tokens} tokens, {tokens / wall:.0f} tokens/s "
-                  f"({tokens / cpu:.0f} per CPU-second)", flush=True)
+            measured[layout].append(
+                {
+                    "tokens": tokens,
+                    "seconds": wall,
+                    "cpu_seconds": cpu,
+                    "tokens_per_second": tokens / wall,
+                    "tokens_per_cpu_second": tokens / cpu,
+                }
+            )
+            print(
+                f"round {r + 1} {layout:8s}: {tokens} tokens, {tokens / wall:.0f} tokens/s "
+                f"({tokens / cpu:.0f} per CPU-second)",
+                flush=True,
+            )
         a, b = rollouts["shared"], rollouts["repeated"]
         same = torch.equal(a.completion_ids, b.completion_ids)
         same_tokens &= same
@@ -95,23 +116,44 @@ def main(argv=None) -> int:
 
     def summary(layout: str) -> dict:
         rows = measured[layout]
-        return {key: {"median": statistics.median(row[key] for row in rows), "min": min(row[key] for row in rows),
-                      "max": max(row[key] for row in rows)} for key in ("tokens_per_second", "tokens_per_cpu_second")}
+        return {
+            key: {
+                "median": statistics.median(row[key] for row in rows),
+                "min": min(row[key] for row in rows),
+                "max": max(row[key] for row in rows),
+            }
+            for key in ("tokens_per_second", "tokens_per_cpu_second")
+        }
 
-    result = {"workload": {"model": "SmolLM2-135M-Instruct (packaged)", "prompts": len(prompts), "lora": args.lora,
-                           "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "temperature": 1.0},
-              "dtype": args.dtype, "shared": summary("shared"), "repeated": summary("repeated"),
-              "same_tokens": same_tokens, "largest_sampler_logprob_gap": largest_gap, "rounds": measured,
-              "machine": machine_info(args.threads),
-              "command": "python bench/decode_attention.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    result = {
+        "workload": {
+            "model": "SmolLM2-135M-Instruct (packaged)",
+            "prompts": len(prompts),
+            "lora": args.lora,
+            "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": 1.0,
+            "fixed_length": args.fixed_length,
+        },
+        "dtype": args.dtype,
+        "shared": summary("shared"),
+        "repeated": summary("repeated"),
+        "same_tokens": same_tokens,
+        "largest_sampler_logprob_gap": largest_gap,
+        "rounds": measured,
+        "machine": machine_info(args.threads),
+        "command": "python bench/decode_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     for key in ("tokens_per_second", "tokens_per_cpu_second"):
         result[f"ratio_{key}"] = result["shared"][key]["median"] / result["repeated"][key]["median"]
-    tag = f"{args.dtype}_{args.threads}t{'_lora' if args.lora else ''}"
+    tag = f"{args.dtype}_{args.threads}t{'_lora' if args.lora else ''}{'_fixed' if args.fixed_length else ''}"
     (HERE / "results" / f"decode_attention_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{result['machine']['cpu_model']}, {args.dtype}, {args.threads} thread(s): shared prompt "
-          f"{result['ratio_tokens_per_second']:.2f}x the tokens/s of the repeated prompt "
-          f"({result['ratio_tokens_per_cpu_second']:.2f}x per CPU-second); same tokens: {same_tokens}, "
-          f"largest sampler log-prob gap {largest_gap:.1e}")
+    print(
+        f"\n{result['machine']['cpu_model']}, {args.dtype}, {args.threads} thread(s): shared prompt "
+        f"{result['ratio_tokens_per_second']:.2f}x the tokens/s of the repeated prompt "
+        f"({result['ratio_tokens_per_cpu_second']:.2f}x per CPU-second); same tokens: {same_tokens}, "
+        f"largest sampler log-prob gap {largest_gap:.1e}"
+    )
     return 0
 
 

@@ -23,8 +23,13 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576), "gate/up_proj": (1536, 576),
-          "down_proj": (576, 1536), "lm_head": (49152, 576)}
+SHAPES = {
+    "q_proj/o_proj": (576, 576),
+    "k_proj/v_proj": (192, 576),
+    "gate/up_proj": (1536, 576),
+    "down_proj": (576, 1536),
+    "lm_head": (49152, 576),
+}
 
 
 def cpu_seconds(fn, calls: int) -> float:
@@ -65,19 +70,33 @@ def main(argv=None) -> int:
                     for label, fn in (("plain", plain), ("packed", pointwise)):
                         seconds = cpu_seconds(fn, args.calls)
                         times[label] += seconds if r else 0.0
-                row = {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "layer": name, "shape": [out, inp],
-                       "ratio_packed_to_plain": times["packed"] / times["plain"],
-                       "plain_ms": times["plain"] / (5 * args.calls) * 1e3,
-                       "same_bits": bool(torch.equal(plain(), pointwise()))}
+                row = {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "rows": rows,
+                    "layer": name,
+                    "shape": [out, inp],
+                    "ratio_packed_to_plain": times["packed"] / times["plain"],
+                    "plain_ms": times["plain"] / (5 * args.calls) * 1e3,
+                    "same_bits": bool(torch.equal(plain(), pointwise())),
+                }
                 results.append(row)
-                print(f"{row['dtype']:8s} {rows:2d} rows {name:14s} packed {row['ratio_packed_to_plain']:.2f}x "
-                      f"F.linear ({row['plain_ms']:.3f} ms), same bits: {row['same_bits']}", flush=True)
+                print(
+                    f"{row['dtype']:8s} {rows:2d} rows {name:14s} packed {row['ratio_packed_to_plain']:.2f}x "
+                    f"F.linear ({row['plain_ms']:.3f} ms), same bits: {row['same_bits']}",
+                    flush=True,
+                )
     units = _bf16_units()
-    out = {"what": "CPU time of packed oneDNN linear / F.linear per decode-step layer shape; same bits or not",
-           "bf16_units": units, "results": results, "machine": machine_info(args.threads),
-           "command": "python bench/packed_linear.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    out = {
+        "what": "CPU time of packed oneDNN linear / F.linear per decode-step layer shape; same bits or not",
+        "bf16_units": units,
+        "results": results,
+        "machine": machine_info(args.threads),
+        "command": "python bench/packed_linear.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     tag = units.replace(" ", "_").replace("-", "_").lower()
-    (HERE / "results" / f"packed_linear_{tag}_{args.threads}t.json").write_text(json.dumps(out, indent=1) + "\n")
+    (HERE / "results" / f"packed_linear_{tag}_{args.threads}t.json").write_text(
+        json.dumps(out, indent=1) + "\n"
+    )
     return 0
 
 

@@ -1,11 +1,13 @@
 """Rollouts: `group_size` completions for each of many prompts, in one batched decode loop (`generate`).
 
 The completions of a prompt all start from the same prompt, so the prompt is run through the model once per
-group and its key/value cache is expanded to the group. Finished completions leave the decode batch, so the
-tail of generation costs only what the still-running completions need; the cache is allocated once for prompt +
-max_new_tokens and written in place (forge/model/kv_cache.py). Tools and environments are the loop's hook
-(ToolTurns, after the loop): a completion that ends a call is fed the result's tokens while the others go on
-sampling. The log-probs of the sampled tokens under the policy are computed by core/logprobs.py.
+group; its key/value cache is kept once per group, and each decode step's attention reads it once for all the
+group's rows (forge/model/shared_prefix.py), or, where the model's attention does not allow that and with
+tools, it is expanded to the group. Finished completions leave the decode batch, so the tail of generation
+costs only what the still-running completions need; the cache is allocated once for max_new_tokens more and
+written in place (forge/model/kv_cache.py). Tools and environments are the loop's hook (ToolTurns, after the
+loop): a completion that ends a call is fed the result's tokens while the others go on sampling. The log-probs
+of the sampled tokens under the policy are computed by core/logprobs.py.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch
 
 from forge.core.tool_turns import ToolTurns
 from forge.envs.protocol import EnvironmentSettings, Episode
-from forge.model.kv_cache import CACHE_ARG, LAST_POSITION, preallocated, returned_cache
 from forge.model import shared_prefix
+from forge.model.kv_cache import CACHE_ARG, LAST_POSITION, preallocated, returned_cache
 from forge.model.packed_linear import packed_linears
 from forge.model.static_decode import decoder, resolve_backend
 from forge.tools.calls import CallFormat, ToolResult, ToolSettings
@@ -55,11 +57,11 @@ class Rollout:
     group_size: int
     completions: list[str] = field(default_factory=list)  # (N,) decoded text, special tokens removed
     sampler_logprobs: torch.Tensor | None = None  # (N, T) log-prob of each sampled token under the sampling
-    # softmax (logits / temperature, before top-k / top-p), 0 on padding: what the trainer's log-probs should equal
-    action_mask: torch.Tensor | None = None  # (N, T) 1 on tokens the model sampled, 0 on tool results fed to it
-    # (tools); None = every completion token was sampled
+    # softmax (logits / temperature, before top-k / top-p), 0 on padding: what the trainer's log-probs equal
+    action_mask: torch.Tensor | None = None  # (N, T) 1 on tokens the model sampled, 0 on tool results fed
+    # to it (tools); None = every completion token was sampled
     tool_calls: list[list] | None = None  # (N,) each completion's calls, in order (forge/tools ToolResult)
-    episodes: list | None = None  # (N,) each completion's environment episode (forge/envs Episode); None: none
+    episodes: list | None = None  # (N,) each completion's environment episode (forge/envs Episode) or None
 
     @property
     def environments(self) -> list | None:
@@ -117,7 +119,8 @@ def tokenize_prompts(
     tools: JSON schemas given to chat templates (render_prompt)."""
     texts = [render_prompt(tokenizer, p, tools) for p in prompts]
     # chat templates already hold the BOS token when the model wants one
-    encoded = [tokenizer(t, add_special_tokens=isinstance(p, str))["input_ids"] for t, p in zip(texts, prompts)]
+    encoded = [tokenizer(text, add_special_tokens=isinstance(prompt, str))["input_ids"]
+               for text, prompt in zip(texts, prompts)]
     for i, ids in enumerate(encoded):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty after tokenization")
@@ -149,16 +152,17 @@ def prompt_budget(context_length: int | None, max_new_tokens: int, max_prompt_le
     room = limit - max_new_tokens
     if max_prompt_length is not None:
         if max_prompt_length > room:
-            raise ValueError(f"max_prompt_length={max_prompt_length} + max_new_tokens={max_new_tokens} exceeds "
-                             f"the model's context of {limit} tokens; lower one of them")
+            raise ValueError(f"max_prompt_length={max_prompt_length} + max_new_tokens={max_new_tokens} "
+                             f"exceeds the model's context of {limit} tokens; lower one of them")
         return max_prompt_length
     if room < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context "
-                         f"of {limit} tokens")
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+                         f"context of {limit} tokens")
     return room
 
 
-def check_prompt_lengths(tokenizer, rows: Sequence[dict], max_prompt_length: int, truncate: str = "error") -> None:
+def check_prompt_lengths(tokenizer, rows: Sequence[dict], max_prompt_length: int,
+                         truncate: str = "error") -> None:
     """Tokenize every row's prompt once up front, so an over-long one fails before any training."""
     for start in range(0, len(rows), 64):
         chunk = rows[start:start + 64]
@@ -203,8 +207,8 @@ def sample_next_token(
 
     uniforms: (n,) draws in [0, 1), one per row, to sample by inverse CDF instead of torch's global
     generator: a row's token then depends only on its own logits and its own draw, not on the other rows.
-    cdf_out: an (n, V) float64 buffer for the CDF, reused across decode steps (a fresh one of the demo's 12 MB was
-    paged in at every step).
+    cdf_out: an (n, V) float64 buffer for the CDF, reused across decode steps (a fresh one, 12 MB in the demo,
+    was paged in at every step).
     """
     if not settings.do_sample:
         return logits.argmax(dim=-1)
@@ -216,7 +220,8 @@ def sample_next_token(
     if settings.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= settings.top_p  # keep the first over p
+        # keep the first token over p
+        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= settings.top_p
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -261,18 +266,20 @@ def prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool =
                    logits_to_keep=last_position)
     cache = returned_cache(prefix)
     cache.batch_repeat_interleave(ids.shape[0])
-    out = model(input_ids=ids[:, shared:], attention_mask=mask, position_ids=padded_positions(mask)[:, shared:],
-                use_cache=True, logits_to_keep=last_position, **{CACHE_ARG: cache})
+    out = model(input_ids=ids[:, shared:], attention_mask=mask,
+                position_ids=padded_positions(mask)[:, shared:], use_cache=True, logits_to_keep=last_position,
+                **{CACHE_ARG: cache})
     return returned_cache(out), out.logits[:, -1]
 
 
 def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
                    share_prompt_prefix: bool, max_new_tokens: int, attend_shared: bool = False):
     """Prefill P prompts (P, Lp) for P * group_size completions, ready to decode: the prompt runs once and its
-    cache is expanded to the group (share_prompt_prefix), or runs once per completion. attend_shared: keep the
-    prompt's cache once per group, for decode steps that attend over it (forge/model/shared_prefix.py), where the
-    model's attention allows it.
-    Returns (a cache with room for max_new_tokens more, next-token logits (N, V), the attention mask (N, Lp))."""
+    cache is expanded to the group (share_prompt_prefix), or runs once per completion. attend_shared: keep
+    the prompt's cache once per group, for decode steps that attend over it (forge/model/shared_prefix.py),
+    where the model's attention allows it.
+    Returns (a cache with room for max_new_tokens more, next-token logits (N, V), the attention mask
+    (N, Lp))."""
     device = next(model.parameters()).device
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
     if not share_prompt_prefix:
@@ -283,7 +290,8 @@ def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g
     next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
     rows_mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
     if attend_shared and shared_prefix.supports(model, cache):
-        return shared_prefix.shared(cache, mask, group_size, max_new_tokens), next_logits, rows_mask  # P + N rows
+        cache = shared_prefix.shared(cache, mask, group_size, max_new_tokens)  # the prompt P rows, the rest N
+        return cache, next_logits, rows_mask
     return preallocated(cache, mask.shape[1] + max_new_tokens, group_size), next_logits, rows_mask  # N rows
 
 
@@ -354,8 +362,8 @@ def generate(
     tools: the tools the policy may call (forge/tools), or an environment (forge/envs: one instance per
     completion, reset with its dataset row from `rows`, whose methods are the tools), run by the decode loop's
     hook, ToolTurns (below the loop: what a call, its result and the token budgets do).
-    The eager decode step runs the linear layers on weights packed once for this generation where that measured
-    faster with the same bits (forge/model/packed_linear.py).
+    The eager decode step runs the linear layers on weights packed once for this generation where that
+    measured faster with the same bits (forge/model/packed_linear.py).
     """
     turns = None if tools is None else ToolTurns(tools, prompts, rows, group_size, tokenizer, call_format_)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts if turns is None else turns.prompts,
@@ -364,8 +372,8 @@ def generate(
     device = next(model.parameters()).device
     eager = turns is not None or resolve_backend(settings.backend, device.type) == "eager"
     with packed_linears(model, enabled=eager):
-        decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings, share_prompt_prefix,
-                           noise, turns)
+        decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings,
+                           share_prompt_prefix, noise, turns)
     return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
                       with_tools=turns is not None)
 
@@ -373,15 +381,16 @@ def generate(
 def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
            settings: SamplingSettings, share_prompt_prefix: bool = True, noise: torch.Tensor | None = None,
            turns: ToolTurns | None = None) -> list[Decoding]:
-    """The batched decode loop over P prompts (P, Lp): each step samples one token for every running completion
-    and runs one forward; finished completions leave the batch. `turns` (tools) answers the calls that ended and
-    feeds their results in the next forward."""
+    """The batched decode loop over P prompts (P, Lp): each step samples one token for every running
+    completion and runs one forward; finished completions leave the batch. `turns` (tools) answers the calls
+    that ended and feeds their results in the next forward."""
     device = next(model.parameters()).device
     stop_ids, max_new_tokens = eos_ids(tokenizer, model), settings.max_new_tokens
     stops_at_eos = turns is None or turns.fmt.stops_at_eos
     backend = "eager" if turns is not None else resolve_backend(settings.backend, device.type)
+    attend_shared = backend == "eager" and turns is None
     cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
-                                              max_new_tokens, attend_shared=backend == "eager" and turns is None)
+                                              max_new_tokens, attend_shared)
     cache, decode_step = decoder(model, cache, backend)  # (N, V) next-token logits, (N, Lp) mask
     noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
@@ -390,7 +399,8 @@ def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
                  for n, length in enumerate(mask.sum(dim=1).tolist())]
     active = torch.arange(len(decodings), device=device)  # (n,) the completions still decoding
     next_position = mask.sum(dim=1)  # (N,)
-    running = still_running(decodings, cache, active, next_logits, mask, next_position)  # failed episodes leave
+    # failed episodes leave before the first step
+    running = still_running(decodings, cache, active, next_logits, mask, next_position)
     cdf = next_logits.new_empty(next_logits.shape, dtype=torch.float64)  # (N, V) the sampler's, every step
     while running is not None:
         active, next_logits, mask, next_position = running
@@ -422,7 +432,8 @@ def sample_with_logprobs(logits: torch.Tensor, settings: SamplingSettings, draws
     scaled = logits.float()  # (n, V) the sampling softmax's logits, once
     scaled = scaled if settings.temperature == 1.0 else scaled / settings.temperature
     unit_temperature = replace(settings, temperature=1.0)  # the logits are scaled already
-    tokens = sample_next_token(scaled if settings.do_sample else logits, unit_temperature, draws, cdf_out)  # (n,)
+    tokens = sample_next_token(scaled if settings.do_sample else logits, unit_temperature, draws,
+                               cdf_out)  # (n,)
     return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)  # (n,) each
 
 
@@ -441,7 +452,8 @@ def still_running(decodings: list[Decoding], cache, active: torch.Tensor, *per_r
 
 def as_rollout(decodings: list[Decoding], prompt_ids, prompt_mask, group_size: int, max_new_tokens: int,
                tokenizer, with_tools: bool) -> Rollout:
-    """The decoded completions as padded tensors: (N, T), T = max_new_tokens or the longest with tool results."""
+    """The decoded completions as padded tensors: (N, T), T = max_new_tokens or the longest with tool
+    results."""
     num_completions = len(decodings)
     length = max([len(d.tokens) for d in decodings] + [1 if with_tools else max_new_tokens])
     completion_ids = torch.full((num_completions, length), tokenizer.pad_token_id, dtype=torch.long)  # (N, T)
@@ -467,8 +479,8 @@ def as_rollout(decodings: list[Decoding], prompt_ids, prompt_mask, group_size: i
 
 def sampled_rollout(samples: Sequence[tuple[list[int], list[float], bool]], prompt_ids, prompt_mask,
                     group_size: int, max_new_tokens: int, tokenizer) -> Rollout:
-    """A Rollout of completions sampled elsewhere (a serving engine, forge/core/engine_rollout.py): samples (N,)
-    of (token ids, their sampler log-probs, ended on a stop token), group by group."""
+    """A Rollout of completions sampled elsewhere (a serving engine, forge/core/engine_rollout.py): samples
+    (N,) of (token ids, their sampler log-probs, ended on a stop token), group by group."""
     decodings = []
     for tokens, logprobs, stopped in samples:
         decoding = Decoding(len(tokens))
@@ -496,5 +508,6 @@ def sampling_noise(generator: torch.Generator, num_completions: int, max_new_tok
     N processes, so a run's completions do not depend on the number of processes, and resuming at a step needs
     no saved sampler state."""
     n = num_completions
-    noise = torch.rand(n * world_size, max_new_tokens, dtype=torch.float64, generator=generator)  # (N_total, T)
+    # (N_total, T)
+    noise = torch.rand(n * world_size, max_new_tokens, dtype=torch.float64, generator=generator)
     return noise[rank * n:(rank + 1) * n]  # (N, T)

@@ -14,8 +14,9 @@ scaled_dot_product_attention over the repeated cache up to summation order (test
 
 Used by the decode loop (forge/core/rollout.py) when a group's prompt is shared, no tool results are fed, and the
 model's attention is plain full attention (`supports`); the prefill and everything else run as the model does.
-While `attending(model, cache)` is active the model's attention implementation is "forge_shared_prefix", whose
-function finds its layer's prompt through the active cache; it is registered with transformers' AttentionInterface.
+While `attending(attention_configs(model), cache)` is active the model's attention implementation is
+"forge_shared_prefix", whose function finds its layer's prompt through the active cache; it is registered with
+transformers' AttentionInterface.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch
 try:
     from transformers import AttentionInterface
     from transformers.cache_utils import DynamicLayer
-except ImportError:  # transformers < 4.56: no cache layer objects or attention registry; the decode repeats prompts
+except (
+    ImportError
+):  # transformers < 4.56: no cache layer objects or attention registry; the decode repeats prompts
     AttentionInterface = DynamicLayer = None
 
 NAME = "forge_shared_prefix"
@@ -44,8 +47,14 @@ class SharedPrefixLayer(DynamicLayer or object):
     step; rows (n,) is the original row of each row still decoding (its group: rows // group_size).
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-                 capacity: int):
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        group_size: int,
+        capacity: int,
+    ):
         super().__init__()
         prompts, heads, length, dim = keys.shape
         self.prompt_keys = keys.float()  # (P, H_kv, Lp, D)
@@ -62,15 +71,15 @@ class SharedPrefixLayer(DynamicLayer or object):
         self._expose()
 
     def _expose(self) -> None:
-        self.keys = self.own_keys[:, :, :self.filled]  # (n, H_kv, t, D) views
-        self.values = self.own_values[:, :, :self.filled]
+        self.keys = self.own_keys[:, :, : self.filled]  # (n, H_kv, t, D) views
+        self.values = self.own_values[:, :, : self.filled]
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Write the step's column (n, H_kv, 1, D) after the filled ones; return the own keys/values so far."""
         if self.filled + key_states.shape[-2] > self.own_keys.shape[-2]:
             raise RuntimeError(f"shared-prefix cache of {self.own_keys.shape[-2]} new positions is full")
-        self.own_keys[:, :, self.filled:self.filled + key_states.shape[-2]] = key_states
-        self.own_values[:, :, self.filled:self.filled + value_states.shape[-2]] = value_states
+        self.own_keys[:, :, self.filled : self.filled + key_states.shape[-2]] = key_states
+        self.own_values[:, :, self.filled : self.filled + value_states.shape[-2]] = value_states
         self.filled += key_states.shape[-2]
         self._expose()
         return self.keys, self.values
@@ -97,10 +106,16 @@ class SharedPrefixLayer(DynamicLayer or object):
         per_kv, group = heads // kv_heads, self.group_size
         q = query.float().reshape(n, kv_heads, per_kv, dim)  # (n, H_kv, R, D): a key head's R query heads
         own = torch.matmul(q, self.keys.transpose(-1, -2)) * scaling  # (n, H_kv, R, t)
-        slots = q if n == prompts * group else q.new_zeros(prompts * group, kv_heads, per_kv, dim).index_copy_(
-            0, self.rows, q)  # (N, H_kv, R, D): the rows in their group's slots
-        stacked = slots.view(prompts, group, kv_heads, per_kv, dim).transpose(1, 2).reshape(
-            prompts, kv_heads, group * per_kv, dim)  # (P, H_kv, G R, D)
+        slots = (
+            q
+            if n == prompts * group
+            else q.new_zeros(prompts * group, kv_heads, per_kv, dim).index_copy_(0, self.rows, q)
+        )  # (N, H_kv, R, D): the rows in their group's slots
+        stacked = (
+            slots.view(prompts, group, kv_heads, per_kv, dim)
+            .transpose(1, 2)
+            .reshape(prompts, kv_heads, group * per_kv, dim)
+        )  # (P, H_kv, G R, D)
         prompt = torch.matmul(stacked, self.prompt_keys.transpose(-1, -2)) * scaling  # (P, H_kv, G R, Lp)
         prompt = (prompt + self.prompt_bias).view(prompts, kv_heads, group, per_kv, length).transpose(1, 2)
         prompt = prompt.reshape(prompts * group, kv_heads, per_kv, length)  # (N, H_kv, R, Lp)
@@ -111,27 +126,37 @@ class SharedPrefixLayer(DynamicLayer or object):
         prompt_weights = weights[..., :length]  # (n, H_kv, R, Lp)
         if n != prompts * group:
             prompt_weights = prompt_weights.new_zeros(prompts * group, kv_heads, per_kv, length).index_copy_(
-                0, self.rows, prompt_weights)
-        prompt_weights = prompt_weights.reshape(prompts, group, kv_heads, per_kv, length).transpose(1, 2).reshape(
-            prompts, kv_heads, group * per_kv, length)  # (P, H_kv, G R, Lp)
+                0, self.rows, prompt_weights
+            )
+        prompt_weights = (
+            prompt_weights.reshape(prompts, group, kv_heads, per_kv, length)
+            .transpose(1, 2)
+            .reshape(prompts, kv_heads, group * per_kv, length)
+        )  # (P, H_kv, G R, Lp)
         from_prompt = torch.matmul(prompt_weights, self.prompt_values)  # (P, H_kv, G R, Dv)
-        from_prompt = from_prompt.view(prompts, kv_heads, group, per_kv, -1).transpose(1, 2).reshape(
-            prompts * group, kv_heads, per_kv, -1)  # (N, H_kv, R, Dv)
+        from_prompt = (
+            from_prompt.view(prompts, kv_heads, group, per_kv, -1)
+            .transpose(1, 2)
+            .reshape(prompts * group, kv_heads, per_kv, -1)
+        )  # (N, H_kv, R, Dv)
         if n != prompts * group:
             from_prompt = from_prompt.index_select(0, self.rows)
         out = (out + from_prompt).reshape(n, heads, -1)  # (n, H, Dv)
         return out.to(query.dtype)[:, None]  # (n, 1, H, Dv)
 
 
-def _attention(module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0,
-               **kwargs):
+def _attention(
+    module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs
+):
     """transformers' attention-function signature: the active cache's layer attends for a one-token query."""
     cache = _active.get()
     if cache is None or query.shape[2] != 1:
         raise RuntimeError(f"attention implementation {NAME!r} is for Forge's decode steps only")
     if any(kwargs.get(name) is not None for name in ("softcap", "sliding_window", "s_aux", "sinks")):
-        raise RuntimeError(f"{type(module).__name__} attends with {sorted(k for k in kwargs if kwargs[k] is not None)}, "
-                           "which the shared-prompt decode does not implement; generate with share_prompt_prefix=False")
+        raise RuntimeError(
+            f"{type(module).__name__} attends with {sorted(k for k in kwargs if kwargs[k] is not None)}, "
+            "which the shared-prompt decode does not implement; generate with share_prompt_prefix=False"
+        )
     scaling = module.scaling if scaling is None else scaling
     with torch.autocast(query.device.type, enabled=False):
         return cache.layers[module.layer_idx].attend(query, scaling), None
@@ -141,10 +166,13 @@ if AttentionInterface is not None:
     AttentionInterface.register(NAME, _attention)
 
 
-def _attention_configs(model) -> list:
+def attention_configs(model) -> list:
     """The configs the model's attention modules read their implementation from (one object for most models)."""
-    configs = {id(m.config): m.config for m in model.modules()
-               if hasattr(m, "layer_idx") and hasattr(m, "scaling") and hasattr(m, "config")}
+    configs = {
+        id(m.config): m.config
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and hasattr(m, "scaling") and hasattr(m, "config")
+    }
     return list(configs.values())
 
 
@@ -154,9 +182,12 @@ def supports(model, cache) -> bool:
     layers = getattr(cache, "layers", None)
     if AttentionInterface is None or not layers:
         return False
-    configs = _attention_configs(model)
-    if not configs or any(getattr(c, "_attn_implementation", None) not in ("sdpa", "eager")
-                          or getattr(c, "attn_logit_softcapping", None) for c in configs):
+    configs = attention_configs(model)
+    if not configs or any(
+        getattr(c, "_attn_implementation", None) not in ("sdpa", "eager")
+        or getattr(c, "attn_logit_softcapping", None)
+        for c in configs
+    ):
         return False
     return all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
 
@@ -168,15 +199,17 @@ def is_shared(cache) -> bool:
 
 def shared(cache, prompt_mask: torch.Tensor, group_size: int, capacity: int):
     """The prefilled cache of P prompts as SharedPrefixLayers for P * group_size rows with `capacity` new tokens."""
-    cache.layers = [SharedPrefixLayer(layer.keys, layer.values, prompt_mask, group_size, capacity)
-                    for layer in cache.layers]
+    cache.layers = [
+        SharedPrefixLayer(layer.keys, layer.values, prompt_mask, group_size, capacity)
+        for layer in cache.layers
+    ]
     return cache
 
 
 @contextlib.contextmanager
-def attending(model, cache) -> Iterator[None]:
-    """While inside, the model's attention reads `cache`'s shared prompts (the model's config names NAME)."""
-    configs = _attention_configs(model)
+def attending(configs: list, cache) -> Iterator[None]:
+    """While inside, the attention of the model whose `attention_configs` these are reads `cache`'s shared prompts
+    (the configs name NAME)."""
     before = [c._attn_implementation for c in configs]
     token = _active.set(cache)
     for config in configs:

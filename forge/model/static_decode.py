@@ -28,7 +28,7 @@ import torch
 
 from forge.logging.logger import note
 from forge.model.kv_cache import CACHE_ARG, grow
-from forge.model.shared_prefix import attending, is_shared
+from forge.model.shared_prefix import attending, attention_configs, is_shared
 
 BACKENDS = ("eager", "compiled", "auto")
 LENGTH_BUCKET = 64
@@ -70,7 +70,8 @@ def decoder(model, cache, backend: str = "eager"):
 
 
 def _eager_step(model, cache) -> Callable:
-    attention = (lambda: attending(model, cache)) if is_shared(cache) else contextlib.nullcontext
+    configs = attention_configs(model) if is_shared(cache) else None
+    attention = (lambda: attending(configs, cache)) if configs else contextlib.nullcontext
 
     def step(tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         grow(cache, mask.shape[1])

@@ -13,15 +13,21 @@ from forge.model import shared_prefix
 from forge.model.shared_prefix import SharedPrefixLayer
 
 
-def reference_attention(query, prompt_keys, prompt_values, prompt_mask, own_keys, own_values, rows, group_size):
+def reference_attention(
+    query, prompt_keys, prompt_values, prompt_mask, own_keys, own_values, rows, group_size
+):
     """torch's scaled_dot_product_attention over [the row's prompt, repeated | its own tokens], GQA heads repeated."""
     groups = rows // group_size  # (n,)
     keys = torch.cat([prompt_keys[groups], own_keys], dim=2)  # (n, H_kv, Lp + t, D)
     values = torch.cat([prompt_values[groups], own_values], dim=2)
     repeat = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)  # (n, H, L, D)
-    allowed = torch.cat([prompt_mask[groups].bool(), torch.ones(len(rows), own_keys.shape[2], dtype=torch.bool)], 1)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[:, None, None, :])  # (n, H, 1, D)
+    allowed = torch.cat(
+        [prompt_mask[groups].bool(), torch.ones(len(rows), own_keys.shape[2], dtype=torch.bool)], 1
+    )
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=allowed[:, None, None, :]
+    )  # (n, H, 1, D)
     return out.transpose(1, 2)  # (n, 1, H, D)
 
 
@@ -34,9 +40,12 @@ def test_attend_equals_attention_over_the_repeated_prompt(leaving):
     prompt_mask[1, :3] = 0  # left padding
     prompt_mask[2, :1] = 0
     layer = SharedPrefixLayer(keys, values, prompt_mask, group, capacity=own + 1)
-    own_keys, own_values = torch.randn(prompts * group, kv_heads, own, dim), torch.randn(prompts * group, kv_heads, own, dim)
+    own_keys, own_values = (
+        torch.randn(prompts * group, kv_heads, own, dim),
+        torch.randn(prompts * group, kv_heads, own, dim),
+    )
     for t in range(own):
-        layer.update(own_keys[:, :, t:t + 1], own_values[:, :, t:t + 1])
+        layer.update(own_keys[:, :, t : t + 1], own_values[:, :, t : t + 1])
     rows = torch.arange(prompts * group)
     if leaving:  # rows 1, 4..7 (all of group 1) and 10 finished
         keep = torch.tensor([0, 2, 3, 8, 9, 11])
@@ -44,7 +53,7 @@ def test_attend_equals_attention_over_the_repeated_prompt(leaving):
         rows, own_keys, own_values = rows[keep], own_keys[keep], own_values[keep]
     query = torch.randn(len(rows), heads, 1, dim)
     expected = reference_attention(query, keys, values, prompt_mask, own_keys, own_values, rows, group)
-    got = layer.attend(query, dim ** -0.5)
+    got = layer.attend(query, dim**-0.5)
     assert got.shape == expected.shape == (len(rows), 1, heads, dim)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
@@ -56,11 +65,19 @@ def test_attend_in_bf16_rounds_fp32_attention_once():
     own_k, own_v = torch.randn(4, 1, 1, 8).bfloat16(), torch.randn(4, 1, 1, 8).bfloat16()
     layer.update(own_k, own_v)
     query = torch.randn(4, 2, 1, 8).bfloat16()
-    expected = reference_attention(query.float(), keys.float(), values.float(), torch.ones(2, 9), own_k.float(),
-                                   own_v.float(), torch.arange(4), 2).bfloat16()
-    got = layer.attend(query, 8 ** -0.5)
+    expected = reference_attention(
+        query.float(),
+        keys.float(),
+        values.float(),
+        torch.ones(2, 9),
+        own_k.float(),
+        own_v.float(),
+        torch.arange(4),
+        2,
+    ).bfloat16()
+    got = layer.attend(query, 8**-0.5)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), expected.float(), atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(got.float(), expected.float(), atol=0, rtol=2**-7)
 
 
 def counting_attend(monkeypatch) -> list:
@@ -70,6 +87,7 @@ def counting_attend(monkeypatch) -> list:
     def counted(self, query, scaling):
         calls.append(query.shape[0])
         return attend(self, query, scaling)
+
     monkeypatch.setattr(SharedPrefixLayer, "attend", counted)
     return calls
 
@@ -78,7 +96,9 @@ PROMPTS = ["12 + 7 =", "a much longer prompt about 3 * 4 and 5", "hi", "3 - 1 ="
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_decode_with_the_shared_prompt_equals_the_repeated_prompt(tiny_model, tiny_tokenizer, monkeypatch, do_sample):
+def test_decode_with_the_shared_prompt_equals_the_repeated_prompt(
+    tiny_model, tiny_tokenizer, monkeypatch, do_sample
+):
     settings = SamplingSettings(max_new_tokens=12, temperature=1.0, do_sample=do_sample)
     noise = torch.rand(len(PROMPTS) * 3, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     calls = counting_attend(monkeypatch)
