@@ -243,11 +243,11 @@ def install_script(patch):
     state = {"ids": [], "step": 0}
     real_sampler, real_generate = rollout_module.sample_next_token, rollout_module.generate
 
-    def sampler(logits, settings, draws):
+    def sampler(logits, settings, draws, cdf_out=None):
         step, state["step"] = state["step"], state["step"] + 1
         if step < len(state["ids"]):
             return torch.full((logits.shape[0],), state["ids"][step], dtype=torch.long)
-        return real_sampler(logits, settings, draws)
+        return real_sampler(logits, settings, draws, cdf_out)
 
     def counting_generate(*args, **kwargs):
         state["step"] = 0
