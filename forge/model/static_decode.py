@@ -72,14 +72,26 @@ def decoder(model, cache, backend: str = "eager"):
 def _eager_step(model, cache) -> Callable:
     configs = attention_configs(model) if is_shared(cache) else None
     attention = (lambda: attending(configs, cache)) if configs else contextlib.nullcontext
+    as_4d = not configs and _sdpa_with_grouped_heads(model)
 
     def step(tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         grow(cache, mask.shape[1])
         with attention():  # a cache that holds each group's prompt once is read by its own attention
-            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
-                        use_cache=True, **{CACHE_ARG: cache})
+            out = model(input_ids=tokens[:, None], attention_mask=mask[:, None, None].bool() if as_4d else mask,
+                        position_ids=positions[:, None], use_cache=True, **{CACHE_ARG: cache})
         return out.logits[:, -1]  # (n, V)
     return step
+
+
+def _sdpa_with_grouped_heads(model) -> bool:
+    """Whether the model's decode attention is SDPA with fewer key/value heads than query heads. Its mask then goes
+    in as (n, 1, 1, L): from a 2D mask without padding transformers drops the mask, and SDPA without a mask runs
+    grouped heads with enable_gqa, which on a CPU took 6.4x the time of the same attention with the query heads
+    packed per key head (5.4 ms against 0.84 ms per layer of SmolLM2-135M, 32 rows, 200 positions)."""
+    config = getattr(model, "config", None)
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    return (getattr(config, "_attn_implementation", None) == "sdpa" and bool(heads) and bool(kv_heads)
+            and kv_heads < heads)
 
 
 def _bucket(rows: int) -> int:
