@@ -3,8 +3,9 @@
 The packaged SmolLM2-135M in the run's precision (bf16 on a CPU with bf16 units), a batch of ROWS rows whose
 prompt of PROMPT tokens is already in the cache, then decode steps:
 
-- `eager`: Forge's decode step (forge/model/kv_cache.py: a preallocated cache whose filled part grows by one
-  column per step), its linear layers as torch runs them;
+- `eager`: Forge's decode step (forge/model/static_decode.py's eager step over forge/model/kv_cache.py's
+  preallocated cache, whose filled part grows by one column per step; each row's own prompt, as the decode runs
+  with tools), its linear layers as torch runs them;
 - `eager_packed`: the same, its linear layers on weights packed once (forge/model/packed_linear.py), as
   generation runs it where PACKED_LINEAR_MEASURED lists the device (elsewhere it equals `eager`);
 - `static_eager`: transformers' StaticCache (fixed shape: every step attends over the whole capacity, masked);
@@ -13,9 +14,9 @@ prompt of PROMPT tokens is already in the cache, then decode steps:
 
 Reports the first compiled call's time (the compile), the median step time of each (alternating, after a
 warm-up), the ratio compiled / eager, and after how many steps the compile has paid for itself.
-Writes bench/results/compiled_decode.json.
+Writes bench/results/compiled_decode_<model>_<device>_<dtype>[_TAG].json.
 
-    python bench/compiled_decode.py [--rows 32] [--prompt 160] [--steps 64]
+    python bench/compiled_decode.py [--rows 32] [--prompt 160] [--steps 64] [--tag avx512_bf16]
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="default",
                         help="'default' (packaged SmolLM2), 'tiny', or 'qwen-shape' (random-init Qwen2.5-0.5B shape)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tag", default="", help="added to the result file's name (e.g. the CPU kind)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_step import qwen_shaped
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
     from forge.model.kv_cache import CACHE_ARG, preallocated, returned_cache
     from forge.model.packed_linear import packed_linears
     from forge.model.precision import choose_precision
+    from forge.model.static_decode import decoder
     from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
     device = torch.device(args.device)
@@ -88,11 +91,12 @@ def main(argv=None) -> int:
 
     def eager_steps(n: int, packed: bool = False) -> list[float]:
         cache, times = prefilled(False), []
+        cache, step = decoder(model, cache, "eager")  # the step generation runs (its mask and positions)
         with torch.no_grad(), packed_linears(model, enabled=packed):
             for k in range(n):
                 start = now()
                 mask = torch.ones(rows, prompt + k + 1, dtype=torch.long, device=device)
-                model(input_ids=step_ids[:, k:k + 1], attention_mask=mask, use_cache=True, **{CACHE_ARG: cache})
+                step(step_ids[:, k], mask, torch.full((rows,), prompt + k, dtype=torch.long, device=device))
                 times.append(now() - start)
         return times
 
@@ -149,7 +153,8 @@ def main(argv=None) -> int:
         "command": "python bench/compiled_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"compiled_decode_{args.model}_{device.type}_{str(precision.compute).removeprefix('torch.')}.json"
+    dtype = str(precision.compute).removeprefix("torch.")
+    path = RESULTS / f"compiled_decode_{args.model}_{device.type}_{dtype}{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("compile_seconds", "compiled_over_eager", "static_eager_over_eager",
                                              "eager_packed_over_eager", "compiled_over_eager_packed",

@@ -28,32 +28,39 @@ import torch
 
 from forge.logging.logger import note
 from forge.model.kv_cache import CACHE_ARG, grow
+from forge.model.precision import _bf16_units
 from forge.model.shared_prefix import attending, attention_configs, is_shared
 
 BACKENDS = ("eager", "compiled", "auto")
 LENGTH_BUCKET = 64
 
-# What measured faster, per (device type, compute dtype): (backend, the measurement). bench/compiled_decode.py
-# measures a new kind; unmeasured kinds decode eagerly.
-GENERATION_BACKEND_MEASURED: dict[tuple[str, torch.dtype], tuple[str, str]] = {
-    ("cpu", torch.bfloat16): ("eager", ("compiled static-cache step 1.42x the time of the eager step on packed "
-                                       "weights (SmolLM2-135M, 32 rows, AMX Xeon; bench/compiled_decode.py)")),
+# What measured faster, per (device type, compute dtype, what runs bf16 on a CPU or "GPU"): (backend, the
+# measurement). bench/compiled_decode.py measures a new kind; unmeasured kinds decode eagerly.
+GENERATION_BACKEND_MEASURED: dict[tuple[str, torch.dtype, str], tuple[str, str]] = {
+    ("cpu", torch.bfloat16, "AMX tiles"): ("eager", (
+        "compiled static-cache step 1.42x the time of the eager step on packed weights (SmolLM2-135M, 32 rows, "
+        "AMX Xeon; bench/compiled_decode.py)")),
+    ("cpu", torch.bfloat16, "AVX512-BF16"): ("eager", (
+        "compiled static-cache step 3.4x the time of the eager step on packed weights (SmolLM2-135M, 32 rows, "
+        "AVX512-BF16 AMD EPYC; bench/compiled_decode.py)")),
 }
-_announced: set[tuple[str, torch.dtype]] = set()
+_announced: set[tuple[str, torch.dtype, str]] = set()
 
 
 def resolve_backend(backend: str, device_type: str) -> str:
-    """'eager' or 'compiled'; 'auto' from GENERATION_BACKEND_MEASURED for this device and the autocast dtype."""
+    """'eager' or 'compiled'; 'auto' from GENERATION_BACKEND_MEASURED for this device, its kind and the autocast
+    dtype."""
     if backend not in BACKENDS:
         raise ValueError(f"generation_backend={backend!r}; use one of {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
-    chosen, why = GENERATION_BACKEND_MEASURED.get(
-        (device_type, dtype), ("eager", (f"a compiled decode is not measured on {device_type} "
-                                        f"{str(dtype).removeprefix('torch.')}; bench/compiled_decode.py measures it")))
-    if (device_type, dtype) not in _announced:
-        _announced.add((device_type, dtype))
+    kind = (device_type, dtype, _bf16_units() if device_type == "cpu" else "GPU")
+    chosen, why = GENERATION_BACKEND_MEASURED.get(kind, ("eager", (
+        f"a compiled decode is not measured on {device_type} {str(dtype).removeprefix('torch.')}"
+        f"{' with ' + kind[2] if device_type == 'cpu' else ''}; bench/compiled_decode.py measures it")))
+    if kind not in _announced:
+        _announced.add(kind)
         note(f"generation_backend auto: {chosen} ({why})")
     return chosen
 

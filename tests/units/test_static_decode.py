@@ -67,15 +67,23 @@ def test_static_decoder_compacts_to_the_live_rows_and_steps_like_eager(tiny_mode
                                    atol=1e-5, rtol=0)
 
 
-def test_auto_decodes_eagerly_unless_measured_faster(monkeypatch):
+@pytest.mark.parametrize("units, measured", [("AMX tiles", "AMX Xeon"), ("AVX512-BF16", "AVX512-BF16 AMD EPYC"),
+                                             ("no bf16 units", None)])
+def test_auto_decodes_eagerly_unless_measured_faster(monkeypatch, units, measured):
+    """Whatever CPU runs the test, each kind gets the decision measured on that kind, and its note names it."""
     notes = []
     monkeypatch.setattr(static_decode, "note", notes.append)
     monkeypatch.setattr(static_decode, "_announced", set())
+    monkeypatch.setattr(static_decode, "_bf16_units", lambda: units)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert resolve_backend("auto", "cpu") == "eager"  # measured: compiled 1.42x slower on an AMX Xeon
-    assert resolve_backend("auto", "cpu") == "eager"  # fp32: not measured
-    assert "1.42x" in notes[0] and "not measured" in notes[1]
-    monkeypatch.setitem(static_decode.GENERATION_BACKEND_MEASURED, ("cpu", torch.float32), ("compiled", "test"))
+        assert resolve_backend("auto", "cpu") == "eager"
+    assert resolve_backend("auto", "cpu") == "eager"  # fp32: not measured anywhere
+    if measured:
+        assert measured in notes[0] and "bench/compiled_decode.py" in notes[0]
+    else:
+        assert "not measured on cpu bfloat16 with no bf16 units" in notes[0]
+    assert "not measured on cpu float32" in notes[1]
+    monkeypatch.setitem(static_decode.GENERATION_BACKEND_MEASURED, ("cpu", torch.float32, units), ("compiled", "test"))
     monkeypatch.setattr(static_decode, "_announced", set())
     assert resolve_backend("auto", "cpu") == "compiled"
     assert resolve_backend("eager", "cpu") == "eager"
