@@ -1,5 +1,5 @@
 """Linear layers on weights packed once per generation (forge/model/packed_linear.py): the same bits as F.linear
-where packing is on (an AMX CPU in bf16), and the layers as they were after the generation."""
+where packing is on (bf16 on a CPU with AMX or AVX512-BF16), and the layers as they were after the generation."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from forge.core.rollout import SamplingSettings, generate
 from forge.model import packed_linear
 from forge.model.packed_linear import packed_linears, packing_applies
 
-AMX_BF16 = packing_applies(torch.device("cpu"), torch.bfloat16)
+PACKED_HERE = packing_applies(torch.device("cpu"), torch.bfloat16)
 
 
 def test_layers_are_packed_only_without_grad_in_a_measured_dtype_and_restored_after(monkeypatch):
@@ -28,13 +28,13 @@ def test_layers_are_packed_only_without_grad_in_a_measured_dtype_and_restored_af
             got = layer(rows)
     assert "forward" not in layer.__dict__  # the class's forward again
     assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == (3, 2, 4)
-    if AMX_BF16:
+    if PACKED_HERE:
         assert torch.equal(got, expected)
     else:  # packing is not measured here: the kernels may round differently
         torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.skipif(not AMX_BF16, reason="packing applies where it measured bit-equal: bf16 on an AMX CPU")
+@pytest.mark.skipif(not PACKED_HERE, reason="packing applies where it measured bit-equal: bf16 on AMX or AVX512-BF16 CPUs")
 def test_generation_on_packed_weights_samples_the_same_tokens_and_logprobs(tiny_model, tiny_tokenizer, monkeypatch):
     tiny_model.eval()
     prompts = ["What is 2 + 3?", "Name a color:", "Count to five:"]
