@@ -6,7 +6,8 @@ completions, up to 64 new tokens, temperature 1.0), without adapters (`--lora` a
 small random B so that they compute), in the compute dtype asked for, with the same sampling noise for both
 layouts in a round. Reported per layout: completion tokens per second of wall clock and of process CPU time
 (median and range over the rounds), the ratio shared / repeated, and whether the two layouts sampled the same
-tokens (and the largest sampler log-prob difference): they should, up to floating-point summation order.
+tokens (and the largest sampler log-prob difference): they should, up to floating-point summation order. First,
+one layer's attention alone at the demo's shape, both ways (`one_layer_attention`).
 
     python bench/decode_attention.py [--dtype bfloat16] [--threads 1] [--rounds 5] [--lora] [--fixed-length]
 
@@ -27,6 +28,52 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+
+
+def one_layer_attention(dtype: torch.dtype, calls: int = 200) -> list[dict]:
+    """CPU microseconds of one layer's decode attention at the demo's shape (4 prompts of 157 positions x 8 rows,
+    SmolLM2's 9 query and 3 key/value heads of 64), after t own tokens: scaled_dot_product_attention over each row's
+    repeated prompt (as transformers runs it: GQA heads packed, a boolean mask) against SharedPrefixLayer.attend."""
+    import torch.nn.functional as F
+
+    from forge.model.shared_prefix import SharedPrefixLayer
+
+    prompts, group, kv_heads, per_kv, dim, length = 4, 8, 3, 3, 64, 157
+    rows = prompts * group
+
+    def microseconds(fn) -> float:
+        for _ in range(5):
+            fn()
+        start = time.process_time()
+        for _ in range(calls):
+            fn()
+        return (time.process_time() - start) / calls * 1e6
+
+    out = []
+    generator = torch.Generator().manual_seed(0)
+    for own in (1, 32, 64):
+        keys, values = (torch.randn(prompts, kv_heads, length, dim, generator=generator).to(dtype) for _ in "kv")
+        mask = torch.ones(prompts, length, dtype=torch.long)
+        mask[1, :20] = 0  # left padding
+        layer = SharedPrefixLayer(keys, values, mask, group, capacity=64)
+        for _ in range(own):
+            layer.update(*(torch.randn(rows, kv_heads, 1, dim, generator=generator).to(dtype) for _ in "kv"))
+        query = torch.randn(rows, kv_heads * per_kv, 1, dim, generator=generator).to(dtype)
+        all_keys = torch.cat([keys.repeat_interleave(group, 0), layer.keys.to(dtype)], 2)  # (N, H_kv, Lp + t, D)
+        all_values = torch.cat([values.repeat_interleave(group, 0), layer.values.to(dtype)], 2)
+        allowed = torch.cat([mask.repeat_interleave(group, 0).bool(), torch.ones(rows, own, dtype=torch.bool)], 1)
+        packed = query.reshape(rows, kv_heads, per_kv, dim)
+
+        def repeated(packed=packed, all_keys=all_keys, all_values=all_values, allowed=allowed):
+            return F.scaled_dot_product_attention(packed, all_keys, all_values, attn_mask=allowed[:, None, None])
+
+        def shared(layer=layer, query=query):
+            return layer.attend(query, dim**-0.5)
+
+        out.append({"own_tokens": own, "repeated_us": microseconds(repeated), "shared_us": microseconds(shared)})
+        print(f"one layer's attention after {own} own tokens: repeated prompt {out[-1]['repeated_us']:.0f} us, "
+              f"shared prompt {out[-1]['shared_us']:.0f} us", flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -53,6 +100,7 @@ def main(argv=None) -> int:
     from forge.data.arithmetic import ARITHMETIC_TASK
     from forge.model import choose_precision, load_model, shared_prefix
 
+    attention = one_layer_attention(getattr(torch, args.dtype))
     model, tokenizer = load_model("default", dtype="float32")
     if args.lora:
         from peft import LoraConfig, get_peft_model
@@ -138,6 +186,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "shared": summary("shared"),
         "repeated": summary("repeated"),
+        "one_layer_attention": attention,
         "same_tokens": same_tokens,
         "largest_sampler_logprob_gap": largest_gap,
         "rounds": measured,
