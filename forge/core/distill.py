@@ -15,8 +15,9 @@ its negative the advantage of each token and trains with the ordinary policy-gra
 where A_group is the completion's group-relative reward advantage (core/advantages.py), the same on each of its
 tokens. With reward_coef = 0 this is pure distillation; then a token the teacher finds likelier than the student
 did is pushed up, one it finds less likely pushed down, and the policy gradient of sum_t A_t log p_student(y_t)
-is (in expectation over the student's samples) the negative gradient of the per-token reverse KL. The student's
-log-probs here are those that sampled (no gradient flows through the advantage).
+is (in expectation over the student's samples) the negative gradient of the reverse KL at each position, its
+prefix held fixed (a token's effect on later positions' KL is left out: a discount of 0, as in tinker). The
+student's log-probs here are those that sampled (no gradient flows through the advantage).
 """
 
 from __future__ import annotations
