@@ -370,8 +370,9 @@ def generate(
                                                max_prompt_length, truncate_prompts,
                                                tools=None if turns is None else turns.schemas)  # (P, Lp)
     device = next(model.parameters()).device
-    eager = turns is not None or resolve_backend(settings.backend, device.type) == "eager"
-    with packed_linears(model, enabled=eager):
+    # the decode step, decided once: tool results are fed by the eager step
+    settings = replace(settings, backend="eager" if turns else resolve_backend(settings.backend, device.type))
+    with packed_linears(model, enabled=settings.backend == "eager"):
         decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings,
                            share_prompt_prefix, noise, turns)
     return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
@@ -383,15 +384,15 @@ def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
            turns: ToolTurns | None = None) -> list[Decoding]:
     """The batched decode loop over P prompts (P, Lp): each step samples one token for every running
     completion and runs one forward; finished completions leave the batch. `turns` (tools) answers the calls
-    that ended and feeds their results in the next forward."""
+    that ended and feeds their results in the next forward. settings.backend: 'eager' or 'compiled' (generate
+    resolves 'auto')."""
     device = next(model.parameters()).device
     stop_ids, max_new_tokens = eos_ids(tokenizer, model), settings.max_new_tokens
     stops_at_eos = turns is None or turns.fmt.stops_at_eos
-    backend = "eager" if turns is not None else resolve_backend(settings.backend, device.type)
-    attend_shared = backend == "eager" and turns is None
+    attend_shared = settings.backend == "eager" and turns is None
     cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
                                               max_new_tokens, attend_shared)
-    cache, decode_step = decoder(model, cache, backend)  # (N, V) next-token logits, (N, Lp) mask
+    cache, decode_step = decoder(model, cache, settings.backend)  # (N, V) next-token logits, (N, Lp) mask
     noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
     budget = 10**9 if turns is None else turns.budget
