@@ -419,16 +419,24 @@ def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: lis
             raise ValueError(f"reward '{name}': {problem}")
 
 
-def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int, trainer_state) -> Scores:
+def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int, trainer_state,
+                  any_rank: Callable[[bool], bool] = bool) -> Scores:
     """Score a rollout of these dataset rows (G completions each) under the run's failure settings: every
     row's other columns, each completion's token ids, with tools each completion's calls, and with an
     environment its instances and episodes reach the rewards. A completion whose environment could not run is
-    masked (not valid)."""
+    masked (not valid). When a reward fails (RewardError) here or, by `any_rank` (True if the flag is True in
+    any process), in another process, every process raises, so all of them stop at the same point."""
     prompts, columns, row_ids = per_completion(rows, config.group_size)
-    scores = score_completions(rewards, prompts, rollout.completions, columns,
-                               on_error=config.on_reward_error, error_value=config.reward_error_value,
-                               timeout=config.reward_timeout, step=step, row_index=row_ids,
-                               trainer_state=trainer_state, **rollout_inputs(rollout))
+    scores = failure = None
+    try:
+        scores = score_completions(rewards, prompts, rollout.completions, columns,
+                                   on_error=config.on_reward_error, error_value=config.reward_error_value,
+                                   timeout=config.reward_timeout, step=step, row_index=row_ids,
+                                   trainer_state=trainer_state, **rollout_inputs(rollout))
+    except RewardError as error:
+        failure = error
+    if any_rank(failure is not None):
+        raise failure or RewardError(f"step {step}: a reward failed in another process; see its error")
     scores.valid &= ~rollout.failed
     return scores
 

@@ -128,13 +128,13 @@ class GRPOTrainer(TrainerSurface):
         for _ in range(self.config.num_iterations):
             update = self.update(batch)
         stats = self.dist.combined(stats)  # every rank's share: the metrics are of the whole batch
-        squared_delta = self.dist.sum_shards([step_metrics.squared_param_delta(
-            [local(p) for p in self.trainable], self.initial_params)])[0]
+        delta_norm = step_metrics.param_delta_norm([local(p) for p in self.trainable], self.initial_params,
+                                                   self.dist.sum_shards)
         metrics = step_metrics.step_metrics(
             stats, update, group_std=group_reward_std(torch.cat(stats.scores), self.config.group_size,
                                                       torch.cat(stats.valid)),
             seconds=time.perf_counter() - started, skipped_steps=self.guard.skipped_steps,
-            param_delta_norm=math.sqrt(squared_delta), engine=self.engine)
+            param_delta_norm=delta_norm, engine=self.engine)
         metrics["_samples"] = step_metrics.ordered_samples(self.dist.gather_objects(stats.samples),
                                                            len(batch.rollouts), self.config.log_completions)
         return metrics
@@ -143,12 +143,10 @@ class GRPOTrainer(TrainerSurface):
         """Generate, score and compute advantages for every rollout of this optimizer step (this rank's share)."""
         config, group, dist = self.config, self.config.group_size, self.dist
         batch, stats = Batch(), step_metrics.RolloutStats()
-        share = config.prompts_per_step // dist.world_size  # each rank: whole groups, prompts r*share..
-        mine_rows = slice(dist.rank * share * group, (dist.rank + 1) * share * group)
         self.sampling_rng.manual_seed(sampling_seed(config.seed, self.global_step))
         rounds = SamplingRounds.of_step(config, rows, self.prompt_pool, self.sampling_rng, stats.sampling)
         for round_rows in rounds:  # the step's rows (dynamic_sampling: more, until enough groups differ)
-            mine = round_rows[dist.rank * share:(dist.rank + 1) * share]
+            mine = dist.my_share(round_rows, config.prompts_per_step)  # each rank: whole groups
             started = time.perf_counter()
             rollout = self.generate([row["prompt"] for row in mine], mine)
             stats.gen_seconds += time.perf_counter() - started
@@ -159,11 +157,13 @@ class GRPOTrainer(TrainerSurface):
             advantages = multi_reward_advantages(
                 dist.gather(components), dist.gather(applies), [w for _, _, w in self.rewards], group,
                 config.scale_rewards, config.advantage_epsilon, config.multi_objective_aggregation,
-                valid=dist.gather(scores.valid))[mine_rows]  # (N,)
+                valid=dist.gather(scores.valid))  # (all ranks' N,)
+            advantages = dist.my_share(advantages, config.prompts_per_step, group)  # (N,)
             keep = scores.valid & ~(rollout.truncated & config.mask_truncated_completions)  # (N,)
             if config.drop_zero_std_groups or config.dynamic_sampling:  # flat groups leave the loss
                 informative = group_reward_std(scores.total, group, scores.valid & scores.scored) > 0  # (P,)
-                keep &= rounds.take(dist.gather(informative)).repeat_interleave(group)[mine_rows]
+                taken = rounds.take(dist.gather(informative)).repeat_interleave(group)  # (all ranks' N,)
+                keep &= dist.my_share(taken, config.prompts_per_step, group)
             batch.rollouts.append(rollout)
             batch.rows.append(mine)
             batch.advantages.append(advantages)
@@ -192,15 +192,9 @@ class GRPOTrainer(TrainerSurface):
     def score(self, rows: list[dict], rollout: Rollout) -> Scores:
         """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so
         all of them stop at the same point and rank 0 can save the last finished step (forge/run/loop.py)."""
-        try:
-            scores, failure = score_rollout(self.rewards, rows, rollout, self.config, step=self.global_step + 1,
-                                            trainer_state=TrainerState(self.global_step, self.total_steps,
-                                                                       self.device)), None
-        except RewardError as error:
-            scores, failure = None, error
-        if self.dist.any(failure is not None):
-            raise failure or RewardError(f"step {self.global_step + 1}: a reward failed in another process; see its error")
-        return scores
+        state = TrainerState(self.global_step, self.total_steps, self.device)
+        return score_rollout(self.rewards, rows, rollout, self.config, step=self.global_step + 1,
+                             trainer_state=state, any_rank=self.dist.any)
 
     def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, **entropy):
         """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion (and their
@@ -228,7 +222,7 @@ class GRPOTrainer(TrainerSurface):
 
     def rollout_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         """(N, T) log-probs of every completion of a rollout under `model`, micro-batch by micro-batch, on CPU."""
-        with self.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
+        with self.dist.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
             parts = [self.logprobs(model, rollout, i) for i in micro_batches(rollout, self.micro_batch_size)]
         return padded_rows(parts, rollout.completion_ids)
 
@@ -249,7 +243,12 @@ class GRPOTrainer(TrainerSurface):
         self.dist.all_reduce_grads(self.trainable)
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")
         update["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
-        update["grad_norm"] = self.optimizer_step(loss_is_finite=math.isfinite(update["loss"]))
+        # Clip and step (GuardedStep skips a step whose loss, gradient or new weights are NaN/inf).
+        update["grad_norm"] = self.guard.step(math.isfinite(update["loss"]), self.global_step + 1,
+                                              before_commit=self.signals.commit,
+                                              after_skip=self.signals.uncommit, announce=self.dist.is_main)
+        advance_schedule(self.scheduler)
+        self.global_step += 1
         update["entropy_coef"] = self.entropy_control.applied  # the coefficient this step's loss used
         self.entropy_control = self.entropy_control.observed(update.get("entropy"))
         return update
@@ -274,25 +273,12 @@ class GRPOTrainer(TrainerSurface):
         gap = None if sampler is None else logprob_gap(logprobs if old is None else old, sampler, part_mask)
         totals.add(loss, stats, float(mask.sum()), gap)
 
-    def optimizer_step(self, loss_is_finite: bool = True) -> float:
-        """Clip and step (GuardedStep skips a step whose loss, gradient or new weights are NaN/inf), advance the
-        schedule, count the step; returns the gradient norm."""
-        grad_norm = self.guard.step(loss_is_finite, self.global_step + 1, before_commit=self.signals.commit,
-                                    after_skip=self.signals.uncommit, announce=self.dist.is_main)
-        advance_schedule(self.scheduler)
-        self.global_step += 1
-        return grad_norm
-
-    def whole_weights(self, model=None):
-        """FSDP2: the whole weights of `model` (the policy) on every rank (forge/parallel/sharding.py)."""
-        return sharding.gathered(model or self.model) if self.dist.fsdp else contextlib.nullcontext()
-
     @contextlib.contextmanager
     def sampling(self):
         """The policy as sampling runs it: the run's autocast, whole weights, LoRA merged, vLLM synced."""
         if self.engine is not None:
             self.engine.sync(self.model, self.global_step)
-        with self.precision.autocast(self.model), self.whole_weights(), merged_adapters(
+        with self.precision.autocast(self.model), self.dist.whole_weights(self.model), merged_adapters(
                 self.model, self.config.merge_lora_for_generation and not self.dist.fsdp):
             yield
 

@@ -8,9 +8,11 @@ launcher's environment and sums, gathers and broadcasts what the trainer hands i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -104,6 +106,10 @@ class DataParallel:
         with a whole model on every rank, the values themselves."""
         return self.sum(values) if self.fsdp else values
 
+    def whole_weights(self, model: torch.nn.Module):
+        """FSDP2: the whole weights of `model` on every rank inside the block (sharding.gathered)."""
+        return sharding.gathered(model) if self.fsdp else contextlib.nullcontext()
+
     def broadcast_from_main(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite these tensors on every rank with rank 0's values."""
         if self.world_size == 1:
@@ -134,6 +140,12 @@ class DataParallel:
 
     def any(self, flag: bool) -> bool:
         return self.sum([float(flag)])[0] > 0
+
+    def my_share(self, values: Sequence, per_round: int, group: int = 1) -> Sequence:
+        """This rank's whole groups of a round of `per_round` prompts: prompts r*share .. (r+1)*share, share =
+        per_round // world_size, with `group` entries of `values` per prompt (rows: 1; completions: G)."""
+        per_rank = per_round // self.world_size * group  # entries of `values`
+        return values[self.rank * per_rank:(self.rank + 1) * per_rank]
 
     def gather(self, values: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's tensor in rank order (rank r holds the prompts after ranks 0..r-1)."""

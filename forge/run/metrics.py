@@ -11,7 +11,9 @@ Every key is explained in docs/metrics.md.
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -251,9 +253,12 @@ def ordered_samples(every_rank: list[list[dict]], num_rollouts: int, limit: int)
 
 
 @torch.no_grad()
-def squared_param_delta(parameters: list[torch.Tensor], initial: list[torch.Tensor]) -> float:
-    """||theta - theta_0||^2 over these tensors (this rank's shards under FSDP2: the caller sums the ranks')."""
-    return sum(float((p.detach().cpu().float() - p0.float()).pow(2).sum()) for p, p0 in zip(parameters, initial))
+def param_delta_norm(parameters: list[torch.Tensor], initial: list[torch.Tensor],
+                     sum_shards: Callable[[list[float]], list[float]]) -> float:
+    """||theta - theta_0|| over these tensors (FSDP2: this rank's shards; sum_shards sums over the ranks)."""
+    squared = sum(float((p.detach().cpu().float() - p0.float()).pow(2).sum())
+                  for p, p0 in zip(parameters, initial))
+    return math.sqrt(sum_shards([squared])[0])
 
 
 __all__ = [
@@ -261,8 +266,8 @@ __all__ = [
     "UpdateTotals",
     "distill_metrics",
     "ordered_samples",
+    "param_delta_norm",
     "rollout_samples",
-    "squared_param_delta",
     "step_metrics",
     "tool_metrics",
     "warn_if_mostly_flat",
