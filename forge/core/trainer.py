@@ -57,10 +57,10 @@ class GRPOTrainer(TrainerSurface):
     tokenizer: its tokenizer (None when model is a name)
     reward_fn: a BaseReward, a plain f(prompts, completions, **kwargs) -> list[float], or a list of them
     config:    GRPOConfig
-    evaluator: what train(eval_dataset=...) measures; None = the mean reward of greedy completions (eval/reward)
+    evaluator: what train(eval_dataset=...) measures; None: greedy completions' mean reward (eval/reward)
     tools:     typed, docstringed functions the policy may call during rollouts (forge/tools); their result
                tokens are context, not actions; environment_factory: an environment class (forge/envs)
-    TRL's keywords work too (docs/from-trl.md): reward_funcs= (called as TRL calls them), args=, train_dataset=,
+    TRL's keywords work too (docs/from-trl.md): reward_funcs= (called the TRL way), args=, train_dataset=,
     eval_dataset=, processing_class=, peft_config= (a LoraConfig), callbacks= (forge/run/trainer_surface.py).
     """
 
@@ -69,10 +69,11 @@ class GRPOTrainer(TrainerSurface):
                  reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
                  peft_config=None, environment_factory=None, callbacks=None, teacher_model=None):
         tokenizer, reward_fn, config, convention = trainer_arguments(
-            tokenizer, reward_fn, config, reward_funcs=reward_funcs, args=args, processing_class=processing_class,
-            peft_config=peft_config)
+            tokenizer, reward_fn, config, reward_funcs=reward_funcs, args=args,
+            processing_class=processing_class, peft_config=peft_config)
         self.config = config = config.validate()
-        self.rewards = build_reward_list(*env_rewards(reward_fn, environment_factory, config.reward_weights), convention)
+        rewards, weights = env_rewards(reward_fn, environment_factory, config.reward_weights)  # + env's own
+        self.rewards = build_reward_list(rewards, weights, convention)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.dist = DataParallel(fsdp=config.fsdp)
         ready = prepare_policy(model, tokenizer, config, device=self.dist.device, seed=seed_everything,
@@ -82,31 +83,38 @@ class GRPOTrainer(TrainerSurface):
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.device = ready.precision, next(model.parameters()).device
         self.teacher = open_teacher(config, model, self.tokenizer, teacher_model)  # or NoTeacher
-        self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)  # or an environment
+        # The run's tools, or its environment (with those tools too); None: neither.
+        self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)
         self.engine = open_engine(config, model, self.tokenizer, self.precision.compute, self.dist)  # or None
-        self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings, self.engine)
+        self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings,
+                                                              self.engine)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the model has no trainable parameters (all requires_grad=False)")
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.learning_rate,
+                                           weight_decay=config.weight_decay)
         self.guard = GuardedStep(self.trainable, self.optimizer, config.max_grad_norm,
                                  config.max_consecutive_nonfinite, any_rank=self.dist.any,
                                  scale_loss=self.precision.compute == torch.float16)
-        self.initial_params = [local(p).detach().to("cpu", copy=True) for p in self.trainable]  # (FSDP2: shards)
+        # theta_0, for the distance the weights moved from it (FSDP2: this rank's shards)
+        self.initial_params = [local(p).detach().to("cpu", copy=True) for p in self.trainable]
         self.sampling_rng = torch.Generator().manual_seed(sampling_seed(config.seed, 0))  # reseeded each step
         self.signals = StopSignals(next_step=lambda: self.global_step + 1)
-        self.entropy_control = config.entropy_control  # the entropy coefficient, adapted each step if adaptive
+        self.entropy_control = config.entropy_control  # the entropy coefficient (adaptive: adapted each step)
         context = getattr(model.config, "max_position_embeddings", None)
         self.max_prompt_length = prompt_budget(context, config.max_new_tokens, config.max_prompt_length)
-        self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # set again by train()
+        self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # reset by train()
         self.scheduler = self.prompt_pool = None  # set by train(): the schedule, the rows (dynamic sampling)
-        auto = config.micro_batch_size == "auto"  # one group per pass until the preflight fits it to max_memory_mb
+        auto = config.micro_batch_size == "auto"  # one group per pass until the preflight fits max_memory_mb
         self.micro_batch_size = config.group_size if auto else config.micro_batch_size
-        self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer, is_main=self.dist.is_main)
+        self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer,
+                                is_main=self.dist.is_main)
 
-    def train(self, dataset: Any = None, eval_dataset: Any = None, resume_from_checkpoint: bool | str | None = None):
-        """Run GRPO over `dataset` (rows {"prompt", ...}, a HF Dataset or a JSONL path; default: train_dataset);
-        resume_from_checkpoint (TRL's): True = the newest checkpoint in output_dir, or a checkpoint's path."""
+    def train(self, dataset: Any = None, eval_dataset: Any = None,
+              resume_from_checkpoint: bool | str | None = None):
+        """Run GRPO over `dataset` (rows {"prompt", ...}, a HF Dataset or a JSONL path; default:
+        train_dataset); resume_from_checkpoint (TRL's): True = the newest checkpoint in output_dir, or a
+        checkpoint's path."""
         self.config = with_resume(self.config, resume_from_checkpoint)
         run = TrainingRun(self, self.train_dataset if dataset is None else dataset,
                           self.eval_dataset if eval_dataset is None else eval_dataset,
@@ -115,10 +123,12 @@ class GRPOTrainer(TrainerSurface):
         return run.run()
 
     def evaluate(self, rows: list[dict] | None = None) -> dict:
-        """The evaluator's metrics on `rows` (default: eval_dataset) in the run's precision, whole merged weights."""
+        """The evaluator's metrics on `rows` (default: eval_dataset) in the run's precision, whole merged
+        weights."""
+        rows = self.eval_rows() if rows is None else rows
         with self.sampling():
-            return self.evaluator(self.model, self.tokenizer, self.eval_rows() if rows is None else rows,
-                                  max_new_tokens=self.config.max_new_tokens, max_prompt_length=self.max_prompt_length)
+            return self.evaluator(self.model, self.tokenizer, rows, max_new_tokens=self.config.max_new_tokens,
+                                  max_prompt_length=self.max_prompt_length)
 
     def step(self, rows: list[dict]) -> dict:
         """One optimizer step (num_iterations of them when num_iterations > 1) on these dataset rows."""
@@ -140,7 +150,7 @@ class GRPOTrainer(TrainerSurface):
         return metrics
 
     def collect(self, rows: list[dict]) -> tuple[Batch, step_metrics.RolloutStats]:
-        """Generate, score and compute advantages for every rollout of this optimizer step (this rank's share)."""
+        """Generate, score and compute advantages for every rollout of this step (this rank's share)."""
         config, group, dist = self.config, self.config.group_size, self.dist
         batch, stats = Batch(), step_metrics.RolloutStats()
         self.sampling_rng.manual_seed(sampling_seed(config.seed, self.global_step))
@@ -151,8 +161,8 @@ class GRPOTrainer(TrainerSurface):
             rollout = self.generate([row["prompt"] for row in mine], mine)
             stats.gen_seconds += time.perf_counter() - started
             scores = self.score(mine, rollout)
-            # Advantages of the whole rollout batch (scale_rewards='batch' needs every rank's rewards); keep ours.
-            # NaN/inf rewards, and samples no reward applies to, are masked and left out of the group statistics.
+            # Advantages of the whole rollout batch (scale_rewards='batch' needs every rank's rewards), then
+            # ours. NaN/inf rewards and samples no reward applies to are masked, out of the group statistics.
             components, applies = scores.stacked()  # (N, K) each
             advantages = multi_reward_advantages(
                 dist.gather(components), dist.gather(applies), [w for _, _, w in self.rewards], group,
@@ -167,7 +177,7 @@ class GRPOTrainer(TrainerSurface):
             batch.rollouts.append(rollout)
             batch.rows.append(mine)
             batch.advantages.append(advantages)
-            batch.loss_mask.append(rollout.sampled_mask * keep[:, None].long())  # (N, T), tool results excluded
+            batch.loss_mask.append(rollout.sampled_mask * keep[:, None].long())  # (N, T), no tool results
             stats.add(rollout, scores, mine)
         batch.old_logprobs = [self.old_logprobs(r) for r in batch.rollouts]
         batch.ref_logprobs = [self.reference_logprobs(r) for r in batch.rollouts]
@@ -184,10 +194,12 @@ class GRPOTrainer(TrainerSurface):
         if self.engine is not None:  # vLLM samples its own copy of the weights (forge/core/engine_rollout.py)
             self.engine.sync(self.model, self.global_step)
             return generate_on_engine(self.engine, self.tokenizer, prompts, config.group_size, settings,
-                                      self.max_prompt_length, config.truncate_prompts, noise, self.tool_settings, rows)
+                                      self.max_prompt_length, config.truncate_prompts, noise,
+                                      self.tool_settings, rows)
         with self.sampling():
-            return generate(self.model, self.tokenizer, prompts, config.group_size, settings, self.max_prompt_length,
-                            config.truncate_prompts, config.share_prompt_prefix, noise, self.tool_settings, rows=rows)
+            return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
+                            self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix,
+                            noise, self.tool_settings, rows=rows)
 
     def score(self, rows: list[dict], rollout: Rollout) -> Scores:
         """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so
@@ -197,13 +209,13 @@ class GRPOTrainer(TrainerSurface):
                              trainer_state=state, any_rank=self.dist.any)
 
     def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, **entropy):
-        """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion (and their
-        entropies with with_entropy=True, see completion_logprobs)."""
+        """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion (and
+        their entropies with with_entropy=True, see completion_logprobs)."""
         length = int(rollout.completion_mask[indices].sum(dim=1).max().clamp(min=1))
+        completions, prompt_index = rollout.completion_ids[indices, :length], rollout.prompt_index[indices]
         with self.precision.autocast(model):  # the same numerics as generation: pi_old = stopgrad(pi) holds
-            return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask,
-                                       rollout.completion_ids[indices, :length], rollout.prompt_index[indices],
-                                       self.config.temperature, self.config.logprob_chunk_size,
+            return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, completions,
+                                       prompt_index, self.config.temperature, self.config.logprob_chunk_size,
                                        self.config.share_prompt_prefix, share_template=not self.dist.fsdp,
                                        **entropy)
 
@@ -221,7 +233,7 @@ class GRPOTrainer(TrainerSurface):
         return self.rollout_logprobs(self.reference_model, rollout)
 
     def rollout_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
-        """(N, T) log-probs of every completion of a rollout under `model`, micro-batch by micro-batch, on CPU."""
+        """(N, T) log-probs of a rollout's completions under `model`, micro-batch by micro-batch, on CPU."""
         with self.dist.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
             parts = [self.logprobs(model, rollout, i) for i in micro_batches(rollout, self.micro_batch_size)]
         return padded_rows(parts, rollout.completion_ids)
@@ -235,8 +247,8 @@ class GRPOTrainer(TrainerSurface):
         self.optimizer.zero_grad(set_to_none=True)
         with sharding.kept_until_backward(self.model, enabled=self.dist.fsdp):  # FSDP2: one gather per unit
             for r, rollout in enumerate(batch.rollouts):
-                # Rows without a loss token (dropped groups, masked samples) cost no forward; FSDP2 keeps them,
-                # as its forward and backward are collectives that need as many micro-batches on every rank.
+                # Rows without a loss token (dropped groups, masked samples) cost no forward; FSDP2 keeps
+                # them: its forward and backward are collectives, so every rank runs as many micro-batches.
                 carrying = None if self.dist.fsdp else batch.loss_mask[r].any(dim=1).nonzero().squeeze(1)
                 for indices in micro_batches(rollout, self.micro_batch_size, carrying):
                     self.loss_and_backward(batch, r, indices, normaliser, totals)
@@ -255,7 +267,7 @@ class GRPOTrainer(TrainerSurface):
 
     def loss_and_backward(self, batch: Batch, r: int, indices: torch.Tensor, normaliser: LossNormaliser,
                           totals: step_metrics.UpdateTotals) -> None:
-        """The loss of one micro-batch (rows `indices` of rollout r) and its backward; gradients accumulate."""
+        """The loss of one micro-batch (rollout r's rows `indices`) and its backward; gradients accumulate."""
         config, rollout, mask = self.config, batch.rollouts[r], batch.loss_mask[r][indices]
         settings = dataclasses.replace(config.loss_settings, entropy_coef=self.entropy_control.applied)
         with checkpointed_layers(self.model, config.gradient_checkpointing):  # layers recomputed in backward
@@ -263,12 +275,13 @@ class GRPOTrainer(TrainerSurface):
                                               entropy_grad=settings.entropy_coef != 0)  # (n, T') each
         length = logprobs.shape[1]
         old, ref, sampler = (None if t is None else t[indices, :length].to(self.device)  # (n, T') each
-                             for t in (batch.old_logprobs[r], batch.ref_logprobs[r], rollout.sampler_logprobs))
+                             for t in (batch.old_logprobs[r], batch.ref_logprobs[r],
+                                       rollout.sampler_logprobs))
         part_mask = mask[:, :length].to(self.device)
         loss, stats = grpo_loss(logprobs, old, ref, batch.advantages[r][indices].to(self.device), part_mask,
                                 settings=settings, normaliser=normaliser, entropy=entropy,
                                 sampler_logprobs=sampler)
-        # Each rank's loss carries its share; the sum of the ranks' gradients is the gradient of the whole loss.
+        # Each rank's loss carries its share: the sum of the ranks' gradients is the whole loss's gradient.
         (loss * self.guard.loss_scale).backward()  # the scale is 1 but under fp16 (forge/run/optim.py)
         gap = None if sampler is None else logprob_gap(logprobs if old is None else old, sampler, part_mask)
         totals.add(loss, stats, float(mask.sum()), gap)
