@@ -36,14 +36,14 @@ def completion_logprobs(
     share_template: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(completion token) for each completion token, (n, T); differentiable when grad is enabled.
-    with_entropy: also each position's entropy (n, T), from the same log-softmax pass (token_logprobs_from_logits).
-    share_template=False: no separate pass over the prompts' common leading tokens (see prefill), so every
-    call runs the model the same number of times whatever the prompts (FSDP2).
+    with_entropy: also each position's entropy (n, T), from the same log-softmax pass
+    (token_logprobs_from_logits). share_template=False: no separate pass over the prompts' common leading
+    tokens (see prefill), so every call runs the model the same number of times whatever the prompts (FSDP2).
 
     prompt_ids/mask: (P, Lp) the prompts; completion_ids: (n, T); prompt_index: (n,) the prompt of each
     completion. With share_prompt_prefix, each distinct prompt is run once and its cache expanded. The logits
-    are made chunk_size positions at a time from the last hidden states (logprobs_from_hidden; 0 = CHUNK_LOGITS
-    logits at a time).
+    are made chunk_size positions at a time from the last hidden states (logprobs_from_hidden; 0 =
+    CHUNK_LOGITS logits at a time).
     """
     device = next(model.parameters()).device
     chunk_size = chunk_size or max(1, CHUNK_LOGITS // model.get_output_embeddings().weight.shape[0])
@@ -69,8 +69,9 @@ def completion_logprobs(
     positions = mask[expand].sum(dim=1, keepdim=True) + torch.arange(completion_ids.shape[1], device=device)
     hidden = last_hidden(model, input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
                          use_cache=True, **{CACHE_ARG: cache})  # (n, T, H)
-    # The first completion token is predicted by the prompt's last position, the others by the one before them.
-    first_token = token_logprobs_from_logits(last_logits[expand][:, None], completion_ids[:, :1], **scoring)  # (n, 1)
+    # The first completion token is predicted by the prompt's last position, the others by the one before.
+    first_token = token_logprobs_from_logits(last_logits[expand][:, None], completion_ids[:, :1],
+                                             **scoring)  # (n, 1)
     rest = scored(model, hidden[:, :-1], completion_ids[:, 1:], **scoring)  # (n, T - 1)
     if not with_entropy:
         return torch.cat([first_token, rest], dim=1)  # (n, T)
@@ -78,8 +79,8 @@ def completion_logprobs(
 
 
 def last_hidden(model, **inputs) -> torch.Tensor:
-    """The model's last hidden states (B, L, H) where its logits are a plain head of them (logit_head), else its
-    logits (B, L, V): scored() takes either."""
+    """The model's last hidden states (B, L, H) where its logits are a plain head of them (logit_head), else
+    its logits (B, L, V): scored() takes either."""
     head = logit_head(model)
     if head is None:
         return model(**inputs).logits
@@ -102,8 +103,8 @@ _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def logit_head(model) -> torch.nn.Module | None:
     """The output layer when the model's logits are exactly `head(decoder(x).last_hidden_state)`, so the loss
     pass can make the logits chunk by chunk from the hidden states; None for a model that scales or caps its
-    logits after the head (then its full logits are used), and under FSDP2, whose root module gathers the head.
-    Checked once per model, by one forward over three tokens compared bit for bit."""
+    logits after the head (then its full logits are used), and under FSDP2, whose root module gathers the
+    head. Checked once per model, by one forward over three tokens compared bit for bit."""
     if model not in _HEADS:
         _HEADS[model] = _plain_head(model)
     return _HEADS[model]
@@ -127,16 +128,18 @@ def logprobs_from_hidden(
     hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
     chunk_size: int = 1024, with_entropy: bool = False, entropy_grad: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """log p(target_t) (B, T) from the last hidden states (B, T, H) and the output layer `head`, whose logits are
-    made chunk_size positions at a time: the (B, T, V) logits never exist. Under autograd each chunk is
-    checkpointed, so its backward makes that chunk's logits again instead of keeping them; the values are those
-    of token_logprobs_from_logits on the chunk's logits (and its entropies with with_entropy)."""
+    """log p(target_t) (B, T) from the last hidden states (B, T, H) and the output layer `head`, whose logits
+    are made chunk_size positions at a time: the (B, T, V) logits never exist. Under autograd each chunk is
+    checkpointed, so its backward makes that chunk's logits again instead of keeping them; the values are
+    those of token_logprobs_from_logits on the chunk's logits (and its entropies with with_entropy)."""
     batch, length, width = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(-1, width), targets.reshape(-1)  # (B*T, H), (B*T,)
     chunk = partial(_chunk_logprobs, head, temperature=temperature, with_entropy=with_entropy,
                     entropy_grad=entropy_grad)
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-    pieces = [checkpoint(chunk, flat_hidden[i:i + chunk_size], flat_targets[i:i + chunk_size], use_reentrant=False)
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad
+                                             or any(p.requires_grad for p in head.parameters()))
+    pieces = [checkpoint(chunk, flat_hidden[i:i + chunk_size], flat_targets[i:i + chunk_size],
+                         use_reentrant=False)
               if recompute else chunk(flat_hidden[i:i + chunk_size], flat_targets[i:i + chunk_size])
               for i in range(0, flat_targets.numel(), chunk_size)]
     if not pieces:  # no positions
@@ -144,7 +147,8 @@ def logprobs_from_hidden(
         return (empty, empty.clone()) if with_entropy else empty
     if not with_entropy:
         return torch.cat(pieces).view(batch, length)
-    return torch.cat([p[0] for p in pieces]).view(batch, length), torch.cat([p[1] for p in pieces]).view(batch, length)
+    return (torch.cat([p[0] for p in pieces]).view(batch, length),
+            torch.cat([p[1] for p in pieces]).view(batch, length))
 
 
 def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, **scoring):
@@ -155,20 +159,21 @@ def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, **scoring
 
 @contextmanager
 def checkpointed_layers(model, enabled: bool = True) -> Iterator[None]:
-    """Recompute each decoder layer in backward instead of keeping its activations (torch.utils.checkpoint, per
-    layer), with the KV cache kept: the loss pass still computes each group's prompt once.
+    """Recompute each decoder layer in backward instead of keeping its activations (torch.utils.checkpoint,
+    per layer), with the KV cache kept: the loss pass still computes each group's prompt once.
 
-    transformers' own gradient checkpointing drops the cache. Here each layer's forward remembers what its cache
-    layer held when it ran, and its recomputation in backward starts from that again, so it appends the same keys
-    and values to the same prompt and gives the same activations. Dropout stays as the model has it (off).
+    transformers' own gradient checkpointing drops the cache. Here each layer's forward remembers what its
+    cache layer held when it ran, and its recomputation in backward starts from that again, so it appends the
+    same keys and values to the same prompt and gives the same activations. Dropout stays as the model has it
+    (off).
     """
     if not enabled:
         yield
         return
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
-        raise RuntimeError(f"gradient checkpointing was requested but {type(model).__name__} has no decoder layers "
-                           "transformers can checkpoint (GradientCheckpointingLayer)")
+        raise RuntimeError(f"gradient checkpointing was requested but {type(model).__name__} has no decoder "
+                           "layers transformers can checkpoint (GradientCheckpointingLayer)")
     for index, layer in enumerate(layers):
         attention = getattr(layer, "self_attn", None)
         layer.forward = partial(_recomputable, layer.forward, getattr(attention, "layer_idx", index))
@@ -201,7 +206,8 @@ def micro_batches(rollout, size: int, rows: torch.Tensor | None = None) -> list[
 
 
 def padded_rows(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """Stack per-micro-batch (n_i, T_i) results into a float32 zero tensor shaped like `like` (N, T), on CPU."""
+    """Stack per-micro-batch (n_i, T_i) results into a float32 zero tensor shaped like `like` (N, T), on
+    CPU."""
     full = torch.zeros(like.shape, dtype=torch.float32)  # (N, T)
     row = 0
     for part in parts:
