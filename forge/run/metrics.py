@@ -1,9 +1,9 @@
 """What one optimizer step logs: reward, loss and rollout statistics, and the sample completions.
 
-Two statistics containers fill up during a step, one per phase: `RolloutStats` (collect: rewards, lengths, tool
-use of every rollout) and `UpdateTotals` (update: the loss and its statistics, micro-batch by micro-batch).
-Each field says in its metadata how it combines over the processes (`over_ranks`: "cat" tensors in rank order,
-"sum" counts, "max" durations), and the trainer combines them (forge/parallel/distributed.py
+Two statistics containers fill up during a step, one per phase: `RolloutStats` (collect: rewards, lengths,
+tool use of every rollout) and `UpdateTotals` (update: the loss and its statistics, micro-batch by
+micro-batch). Each field says in its metadata how it combines over the processes (`over_ranks`: "cat" tensors
+in rank order, "sum" counts, "max" durations), and the trainer combines them (forge/parallel/distributed.py
 `DataParallel.combined`). The functions here then only compute: they see the statistics of the whole batch,
 never a process group, so every rank logs the same numbers and none of this code knows how many there are.
 Every key is explained in docs/metrics.md.
@@ -27,8 +27,8 @@ class RolloutStats:
 
     # one (N,) tensor per rollout batch:
     scores: list[torch.Tensor] = field(default_factory=list, metadata=CAT)  # total reward
-    valid: list[torch.Tensor] = field(default_factory=list, metadata=CAT)  # bool: a finite reward that applied
-    lengths: list[torch.Tensor] = field(default_factory=list, metadata=CAT)  # tokens (model's and tool results)
+    valid: list[torch.Tensor] = field(default_factory=list, metadata=CAT)  # bool: a finite reward applied
+    lengths: list[torch.Tensor] = field(default_factory=list, metadata=CAT)  # tokens (model's, tool results)
     truncated: list[torch.Tensor] = field(default_factory=list, metadata=CAT)  # 1.0: no EOS in max_new_tokens
     # reward name -> one (N,) tensor per rollout batch: its scores, and where it returned a number (bool)
     components: dict[str, list[torch.Tensor]] = field(default_factory=dict, metadata=CAT)
@@ -47,17 +47,18 @@ class RolloutStats:
     env_failed: int = field(default=0, metadata=SUM)  # ... that failed (Episode.failure)
     env_timed_out: int = field(default=0, metadata=SUM)  # ... because building or resetting timed out
     gen_seconds: float = field(default=0.0, metadata=MAX)  # the ranks generate side by side
-    # on-policy distillation (core/teacher.py): one (N,) tensor per rollout batch, the reverse KL summed over each
-    # completion's loss tokens and their count; the seconds of the teacher's pass
+    # on-policy distillation (core/teacher.py): one (N,) tensor per rollout batch, the reverse KL summed over
+    # each completion's loss tokens and their count; the seconds of the teacher's pass
     distill_kl: list[torch.Tensor] = field(default_factory=list, metadata=CAT)
     distill_tokens: list[torch.Tensor] = field(default_factory=list, metadata=CAT)
     teacher_seconds: float = field(default=0.0, metadata=MAX)
-    sampling: dict[str, float] = field(default_factory=dict, metadata=MAX)  # sampling/*: the step's rounds (the
-    # same on every rank; core/dynamic_sampling.py)
+    # sampling/*: the step's rounds (the same on every rank; core/dynamic_sampling.py)
+    sampling: dict[str, float] = field(default_factory=dict, metadata=MAX)
     samples: list[dict] = field(default_factory=list)  # one logged sample per prompt (this rank's)
 
     def add(self, rollout, scores, rows: list[dict]) -> None:
-        """One rollout batch (core/rollout.py Rollout) of these dataset rows and its scores (core/scoring.py)."""
+        """One rollout batch (core/rollout.py Rollout) of these dataset rows and its scores
+        (core/scoring.py)."""
         self.samples += rollout_samples(rows, rollout, scores.total, rollout.group_size)
         self.scores.append(scores.total)
         self.valid.append(scores.valid & scores.scored)
@@ -76,8 +77,10 @@ class RolloutStats:
         if rollout.tool_calls is not None:
             results = [result for calls in rollout.tool_calls for result in calls]
             failures = [result.failure for result in results]
-            self.tool_calls.append(torch.tensor([len(calls) for calls in rollout.tool_calls], dtype=torch.float32))
-            self.tool_result_tokens.append((rollout.completion_mask * (1 - rollout.action_mask)).sum(dim=1).float())
+            self.tool_calls.append(torch.tensor([len(calls) for calls in rollout.tool_calls],
+                                                dtype=torch.float32))
+            result_tokens = rollout.completion_mask * (1 - rollout.action_mask)  # (N, T)
+            self.tool_result_tokens.append(result_tokens.sum(dim=1).float())
             self.tool_errors += failures.count("error")
             self.tool_timeouts += failures.count("timeout")
             self.tool_malformed += failures.count("malformed") + failures.count("unknown_tool")
@@ -95,7 +98,8 @@ class UpdateTotals:
     loss: float = field(default=0.0, metadata=SUM)
     tokens: float = field(default=0.0, metadata=SUM)
     weighted: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys((*UpdateTotals.KEYS, "sampling/logp_diff_mean"), 0.0), metadata=SUM)
+        default_factory=lambda: dict.fromkeys((*UpdateTotals.KEYS, "sampling/logp_diff_mean"), 0.0),
+        metadata=SUM)
     gap_max: float = field(default=0.0, metadata=MAX)
 
     def add(self, loss: torch.Tensor, stats, tokens: float, gap: tuple[float, float] | None = None) -> None:
@@ -129,8 +133,9 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         **{key: update[key] for key in ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
                                         "grad_norm", "learning_rate")},
-        **{key: update[key] for key in ("entropy", "entropy_coef", "clip_frac_capped", "rollout_is_weight_mean",
-                                        "sampling/logp_diff_mean", "sampling/logp_diff_max") if key in update},
+        **{key: update[key] for key in ("entropy", "entropy_coef", "clip_frac_capped",
+                                        "rollout_is_weight_mean", "sampling/logp_diff_mean",
+                                        "sampling/logp_diff_max") if key in update},
         "group_reward_std_mean": float(group_std.mean()),
         "frac_zero_std_groups": float((group_std == 0).float().mean()),
         "frac_reward_zero_std": float((group_std == 0).float().mean()),  # TRL's name for frac_zero_std_groups
@@ -166,9 +171,9 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
 
 
 def distill_metrics(stats: RolloutStats) -> dict:
-    """distill/*: the reverse KL log p_student - log p_teacher of the sampled tokens, per token (over every loss
-    token of the step) and per sequence (summed over a completion's tokens, averaged over the completions with
-    loss tokens), and the teacher pass's seconds; {} without a teacher."""
+    """distill/*: the reverse KL log p_student - log p_teacher of the sampled tokens, per token (over every
+    loss token of the step) and per sequence (summed over a completion's tokens, averaged over the completions
+    with loss tokens), and the teacher pass's seconds; {} without a teacher."""
     if not stats.distill_tokens:
         return {}
     per_sequence, tokens = torch.cat(stats.distill_kl), torch.cat(stats.distill_tokens)  # (N_total,) each
@@ -200,7 +205,8 @@ def tool_metrics(stats: RolloutStats) -> dict:
 
 
 def warn_if_mostly_flat(metrics: dict) -> bool:
-    """Warn (once per run: the caller keeps the flag) when most groups carry no GRPO signal; True if it warned."""
+    """Warn (once per run: the caller keeps the flag) when most groups carry no GRPO signal; True if it
+    warned."""
     if metrics["frac_zero_std_groups"] <= 0.75:
         return False
     warnings.warn(
@@ -215,21 +221,24 @@ TOOL_STEPS_BEFORE_WARNING = 3
 
 
 def warn_if_tools_unused(steps_without_calls: int, announce: bool = True) -> bool:
-    """Warn when the run has tools but no completion of its first TOOL_STEPS_BEFORE_WARNING steps called one; True
-    once that many steps went by (the caller then stops counting), whether this process announced it or not."""
+    """Warn when the run has tools but no completion of its first TOOL_STEPS_BEFORE_WARNING steps called one;
+    True once that many steps went by (the caller then stops counting), whether this process announced it or
+    not."""
     if steps_without_calls < TOOL_STEPS_BEFORE_WARNING:
         return False
     if announce:
         warnings.warn(
-            f"no completion called a tool in the first {steps_without_calls} steps (tools/call_frequency 0): the "
-            "prompts likely do not teach the call format. Show it in the prompt, e.g. a worked example with one "
-            "call in the format the run uses (tool_format), and check samples.jsonl; see docs/tools.md.",
+            f"no completion called a tool in the first {steps_without_calls} steps (tools/call_frequency 0): "
+            "the prompts likely do not teach the call format. Show it in the prompt, e.g. a worked example "
+            "with one call in the format the run uses (tool_format), and check samples.jsonl; see "
+            "docs/tools.md.",
             stacklevel=3)
     return True
 
 
 def rollout_samples(rows: list[dict], rollout, rewards: torch.Tensor, group_size: int) -> list[dict]:
-    """One logged sample per prompt of a rollout: its prompt (last chat message), reference, completion, reward."""
+    """One logged sample per prompt of a rollout: its prompt (last chat message), reference, completion,
+    reward."""
     out = []
     for i in range(0, len(rollout.completions), group_size):
         row = rows[i // group_size]
