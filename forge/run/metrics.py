@@ -71,20 +71,28 @@ class RolloutStats:
         self.timeouts += scores.timeouts
         self.nonfinite += scores.nonfinite
         if rollout.episodes is not None:
-            self.env_episodes += len(rollout.episodes)
-            self.env_failed += sum(episode.failure is not None for episode in rollout.episodes)
-            self.env_timed_out += sum(episode.timed_out for episode in rollout.episodes)
+            self.add_episodes(rollout)
         if rollout.tool_calls is not None:
-            results = [result for calls in rollout.tool_calls for result in calls]
-            failures = [result.failure for result in results]
-            self.tool_calls.append(torch.tensor([len(calls) for calls in rollout.tool_calls],
-                                                dtype=torch.float32))
-            result_tokens = rollout.completion_mask * (1 - rollout.action_mask)  # (N, T)
-            self.tool_result_tokens.append(result_tokens.sum(dim=1).float())
-            self.tool_errors += failures.count("error")
-            self.tool_timeouts += failures.count("timeout")
-            self.tool_malformed += failures.count("malformed") + failures.count("unknown_tool")
-            self.tool_truncated += sum(result.truncated for result in results)
+            self.add_tool_calls(rollout)
+
+    def add_episodes(self, rollout) -> None:
+        """A rollout with an environment: its episodes, those that failed and those that timed out."""
+        self.env_episodes += len(rollout.episodes)
+        self.env_failed += sum(episode.failure is not None for episode in rollout.episodes)
+        self.env_timed_out += sum(episode.timed_out for episode in rollout.episodes)
+
+    def add_tool_calls(self, rollout) -> None:
+        """A rollout with tools: calls and fed result tokens per completion, failures by kind."""
+        results = [result for calls in rollout.tool_calls for result in calls]
+        failures = [result.failure for result in results]
+        calls_made = torch.tensor([len(calls) for calls in rollout.tool_calls], dtype=torch.float32)  # (N,)
+        self.tool_calls.append(calls_made)
+        result_tokens = rollout.completion_mask * (1 - rollout.action_mask)  # (N, T)
+        self.tool_result_tokens.append(result_tokens.sum(dim=1).float())
+        self.tool_errors += failures.count("error")
+        self.tool_timeouts += failures.count("timeout")
+        self.tool_malformed += failures.count("malformed") + failures.count("unknown_tool")
+        self.tool_truncated += sum(result.truncated for result in results)
 
 
 @dataclass
@@ -154,8 +162,10 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         "param_delta_norm": param_delta_norm,
         **({} if engine is None else {"vllm/push_seconds": engine.take_push_seconds()}),
     }
-    metrics.update(tool_metrics(stats))
-    metrics.update(distill_metrics(stats))
+    if stats.tool_calls:  # a run with tools
+        metrics.update(tool_metrics(stats))
+    if stats.distill_tokens:  # a run with a teacher
+        metrics.update(distill_metrics(stats))
     metrics.update(stats.sampling)
     if stats.env_episodes:
         metrics.update({"env/failed_episodes": int(stats.env_failed),
@@ -173,9 +183,7 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
 def distill_metrics(stats: RolloutStats) -> dict:
     """distill/*: the reverse KL log p_student - log p_teacher of the sampled tokens, per token (over every
     loss token of the step) and per sequence (summed over a completion's tokens, averaged over the completions
-    with loss tokens), and the teacher pass's seconds; {} without a teacher."""
-    if not stats.distill_tokens:
-        return {}
+    with loss tokens), and the teacher pass's seconds."""
     per_sequence, tokens = torch.cat(stats.distill_kl), torch.cat(stats.distill_tokens)  # (N_total,) each
     counted = tokens > 0
     return {"distill/reverse_kl": float(per_sequence.sum() / tokens.sum().clamp(min=1)),
@@ -185,9 +193,7 @@ def distill_metrics(stats: RolloutStats) -> dict:
 
 def tool_metrics(stats: RolloutStats) -> dict:
     """tools/*: calls per completion (TRL's call_frequency), the share of completions with a call, failures by
-    kind, turns (model segments) and fed result tokens per completion; {} for runs without tools."""
-    if not stats.tool_calls:
-        return {}
+    kind, turns (model segments) and fed result tokens per completion."""
     counts, fed = torch.cat(stats.tool_calls), torch.cat(stats.tool_result_tokens)  # (N_total,) each
     total_calls = float(counts.sum())
     failed = stats.tool_errors + stats.tool_timeouts + stats.tool_malformed

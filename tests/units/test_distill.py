@@ -14,7 +14,7 @@ from forge.core.distill import distillation_advantages, reverse_kl, reverse_kl_s
 from forge.core.grpo import LossSettings, grpo_loss
 from forge.core.teacher import TEACHER_ADAPTER
 from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
-from forge.run.metrics import RolloutStats, distill_metrics
+from forge.run.metrics import RolloutStats, distill_metrics, step_metrics
 
 STUDENT = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])  # (B=2, T=2) log p_student of the sampled tokens
 TEACHER = torch.tensor([[-0.5, -2.5], [-1.0, -3.0]])  # (B, T) log p_teacher of the same tokens
@@ -53,7 +53,17 @@ def test_the_metrics_per_token_and_per_sequence():
     metrics = distill_metrics(stats)
     assert metrics["distill/reverse_kl"] == pytest.approx(2.0 / 6.0)  # (0 + 0.5 + 1.5) / (2 + 1 + 3) tokens
     assert metrics["distill/reverse_kl_sequence"] == pytest.approx(2.0 / 3.0)  # the three with tokens
-    assert distill_metrics(RolloutStats()) == {}
+    assert not any(key.startswith("distill/") for key in plain_step_metrics(RolloutStats()))
+
+
+def plain_step_metrics(stats: RolloutStats) -> dict:
+    """step_metrics of one rollout batch of two completions without a teacher (or tools)."""
+    stats.scores, stats.valid = [torch.tensor([1.0, 0.0])], [torch.tensor([True, True])]
+    stats.lengths, stats.truncated = [torch.tensor([2.0, 3.0])], [torch.tensor([0.0, 0.0])]
+    update = dict.fromkeys(("loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
+                            "grad_norm", "learning_rate"), 0.0)
+    return step_metrics(stats, update, group_std=torch.tensor([0.5]), seconds=1.0, skipped_steps=0,
+                        param_delta_norm=0.0)
 
 
 def test_grpo_loss_takes_per_token_advantages():
