@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 
 import torch
@@ -157,8 +157,7 @@ def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, **scoring
     return tuple(t[0] for t in out) if isinstance(out, tuple) else out[0]
 
 
-@contextmanager
-def checkpointed_layers(model, enabled: bool = True) -> Iterator[None]:
+def checkpointed_layers(model, enabled: bool = True) -> AbstractContextManager[None]:
     """Recompute each decoder layer in backward instead of keeping its activations (torch.utils.checkpoint,
     per layer), with the KV cache kept: the loss pass still computes each group's prompt once.
 
@@ -167,9 +166,11 @@ def checkpointed_layers(model, enabled: bool = True) -> Iterator[None]:
     same keys and values to the same prompt and gives the same activations. Dropout stays as the model has it
     (off).
     """
-    if not enabled:
-        yield
-        return
+    return _checkpointing(model) if enabled else nullcontext()
+
+
+@contextmanager
+def _checkpointing(model) -> Iterator[None]:
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise RuntimeError(f"gradient checkpointing was requested but {type(model).__name__} has no decoder "
