@@ -37,9 +37,18 @@ PACKED_LINEAR_MEASURED: dict[tuple[str, torch.dtype, str], str] = {
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linear layers computing in `dtype` on `device` are packed (PACKED_LINEAR_MEASURED)."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    measured_here = any(kind[:2] == (device.type, dtype) for kind in PACKED_LINEAR_MEASURED)
+    if not measured_here or not torch.backends.mkldnn.is_available():
         return False
     return (device.type, dtype, _bf16_units()) in PACKED_LINEAR_MEASURED
+
+
+def _may_pack(model: nn.Module) -> bool:
+    """Whether any of the model's layers can be packed, decided before looking at each: some compute dtype of
+    its layers on a CPU (autocast's when it is on, else its weights') is one PACKED_LINEAR_MEASURED holds."""
+    if torch.is_autocast_enabled("cpu"):
+        return packing_applies(torch.device("cpu"), torch.get_autocast_dtype("cpu"))
+    return any(packing_applies(torch.device("cpu"), dtype) for dtype in {p.dtype for p in model.parameters()})
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -68,7 +77,7 @@ def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[bool]:
     """Run `model`'s nn.Linear layers on weights packed once for oneDNN (no-grad use: generation). Yields whether
     it packed: only the layers whose device and compute dtype PACKED_LINEAR_MEASURED holds, with gradients off."""
     layers = []
-    if enabled and not torch.is_grad_enabled():
+    if enabled and not torch.is_grad_enabled() and _may_pack(model):
         layers = [m for m in model.modules() if _packable(m) and packing_applies(m.weight.device,
                                                                                  _compute_dtype(m.weight))]
     try:
