@@ -376,7 +376,8 @@ class GRPOConfig:
 
     @property
     def epsilon_high(self) -> float:
-        return self.clip_epsilon if self.clip_epsilon_high is None else self.clip_epsilon_high
+        """The upper clip range, as the loss takes it (LossSettings.epsilon_high)."""
+        return self.loss_settings.epsilon_high
 
     @property
     def completions_per_step(self) -> int:
