@@ -81,6 +81,46 @@ class StepOutcome:
     problem: str = ""  # "loss", "gradient" or "weight" when not stepped
 
 
+class LossScale:
+    """fp16's dynamic loss scale: the loss is multiplied by `scale` before backward and the gradients divided
+    by it after; an overflow (a non-finite gradient norm) halves it, 200 good steps in a row double it."""
+
+    def __init__(self, scale: float = 2.0**16) -> None:
+        self.scale = scale
+        self.good_steps = 0
+
+    def unscale(self, grads: list[torch.Tensor]) -> None:
+        for p in grads:
+            p.grad.div_(self.scale)
+
+    def overflowed(self, grad_norm: float) -> bool:
+        """Whether the gradient overflowed; if so the scale is halved (at least 1) and the count restarts."""
+        if math.isfinite(grad_norm):
+            return False
+        self.scale, self.good_steps = max(self.scale / 2, 1.0), 0
+        return True
+
+    def good_step(self) -> None:
+        self.good_steps += 1
+        if self.good_steps % 200 == 0:
+            self.scale = min(self.scale * 2, 2.0**24)
+
+
+class NoLossScale:
+    """bf16 and fp32: a scale of 1, nothing to divide, never an overflow."""
+
+    scale = 1.0
+
+    def unscale(self, grads: list[torch.Tensor]) -> None:
+        pass
+
+    def overflowed(self, grad_norm: float) -> bool:
+        return False
+
+    def good_step(self) -> None:
+        pass
+
+
 class GuardedStep:
     """One optimizer step that never leaves a NaN/inf weight; counts the steps it had to skip."""
 
@@ -94,24 +134,25 @@ class GuardedStep:
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self._backup: list[torch.Tensor] | None = None
-        self.scale_loss = scale_loss
-        self.loss_scale = 2.0**16 if scale_loss else 1.0  # what the trainer multiplies the loss by before backward
-        self._good_steps = 0
+        self.scaler = LossScale() if scale_loss else NoLossScale()
+
+    @property
+    def loss_scale(self) -> float:
+        """What the trainer multiplies the loss by before backward (1 but under fp16)."""
+        return self.scaler.scale
 
     def restore(self, nonfinite_in_a_row: int, skipped_steps: int, loss_scale: float) -> None:
         """The counters of a resumed run, as its checkpoint saved them."""
-        self.nonfinite_in_a_row, self.skipped_steps, self.loss_scale = nonfinite_in_a_row, skipped_steps, loss_scale
+        self.nonfinite_in_a_row, self.skipped_steps = nonfinite_in_a_row, skipped_steps
+        self.scaler.scale = loss_scale
 
     def __call__(self, loss_is_finite: bool, before_commit: Callable[[], None] = lambda: None) -> StepOutcome:
         grads = [p for p in self.params if p.grad is not None]
-        if self.scale_loss:
-            for p in grads:
-                p.grad.div_(self.loss_scale)
+        self.scaler.unscale(grads)
         grad_norm = _as_float(torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)) if grads else 0.0
         if self.any_rank(not loss_is_finite):
             return self._skip(grad_norm, "loss")
-        if self.scale_loss and not math.isfinite(grad_norm):  # fp16 overflow: a smaller scale, try again
-            self.loss_scale, self._good_steps = max(self.loss_scale / 2, 1.0), 0
+        if self.scaler.overflowed(grad_norm):  # fp16 overflow: a smaller scale, try again
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
             return StepOutcome(grad_norm, False, "overflow")
@@ -124,9 +165,7 @@ class GuardedStep:
             self._restore_weights()
             return self._skip(grad_norm, "weight")
         self.nonfinite_in_a_row = 0
-        self._good_steps += 1
-        if self.scale_loss and self._good_steps % 200 == 0:
-            self.loss_scale = min(self.loss_scale * 2, 2.0**24)
+        self.scaler.good_step()
         return StepOutcome(grad_norm, True)
 
     def step(self, loss_is_finite: bool, step: int, *, before_commit: Callable[[], None] = lambda: None,
