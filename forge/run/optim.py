@@ -5,7 +5,8 @@
         clip the gradient to max_grad_norm
         a NaN/inf loss or gradient    -> skip the AdamW step (weights and moments untouched), count it
         AdamW step
-        a NaN/inf weight afterwards   -> put the weights back as they were, restart the AdamW moments, count it
+        a NaN/inf weight afterwards   -> put the weights back as they were, restart the AdamW moments,
+                                         count it
         advance the schedule
     after max_consecutive_nonfinite skipped steps in a row -> FloatingPointError (the weights are finite)
 
@@ -38,7 +39,8 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler: str, warmup_ratio: float, total_steps: int):
+def make_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler: str, warmup_ratio: float,
+                   total_steps: int):
     """Linear warmup over warmup_ratio x total_steps, then 'cosine' to 0, 'linear' to 0, or 'constant'."""
     warmup = int(warmup_ratio * total_steps)
 
@@ -125,7 +127,8 @@ class GuardedStep:
     """One optimizer step that never leaves a NaN/inf weight; counts the steps it had to skip."""
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_grad_norm: float,
-                 max_consecutive_nonfinite: int, any_rank: Callable[[bool], bool] = bool, scale_loss: bool = False):
+                 max_consecutive_nonfinite: int, any_rank: Callable[[bool], bool] = bool,
+                 scale_loss: bool = False):
         self.params = params
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
@@ -170,8 +173,9 @@ class GuardedStep:
 
     def step(self, loss_is_finite: bool, step: int, *, before_commit: Callable[[], None] = lambda: None,
              after_skip: Callable[[], None] = lambda: None, announce: bool = True) -> float:
-        """Clip and step (`__call__`); a skipped step calls `after_skip` and says so on the console (`announce`),
-        and the last of max_consecutive_nonfinite in a row raises FloatingPointError. Returns the grad norm."""
+        """Clip and step (`__call__`); a skipped step calls `after_skip` and says so on the console
+        (`announce`), and the last of max_consecutive_nonfinite in a row raises FloatingPointError. Returns
+        the grad norm."""
         outcome = self(loss_is_finite, before_commit)
         if not outcome.stepped:
             after_skip()
@@ -192,13 +196,14 @@ class GuardedStep:
         return self.nonfinite_in_a_row >= self.max_consecutive_nonfinite
 
     def abort_message(self, outcome: StepOutcome, step: int) -> str:
-        return (f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite {_named(outcome)} (last at "
-                f"step {step}); the weights were not updated by any of them and are finite. "
+        return (f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite {_named(outcome)} "
+                f"(last at step {step}); the weights were not updated by any of them and are finite. "
                 f"{WHAT_TO_DO[outcome.problem]}")
 
     def skip_message(self, outcome: StepOutcome, step: int) -> str:
-        return (f"forge: step {step}: non-finite {_named(outcome)}; optimizer step skipped ({self.nonfinite_in_a_row} "
-                f"in a row, abort at {self.max_consecutive_nonfinite}). {WHAT_TO_DO[outcome.problem]}")
+        return (f"forge: step {step}: non-finite {_named(outcome)}; optimizer step skipped "
+                f"({self.nonfinite_in_a_row} in a row, abort at {self.max_consecutive_nonfinite}). "
+                f"{WHAT_TO_DO[outcome.problem]}")
 
     @torch.no_grad()
     def _remember_weights(self) -> None:
