@@ -11,21 +11,11 @@ import pytest
 
 from forge.cli import main
 from forge.demo import DemoSettings
-from forge.model.tiny import build_tiny_model
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("demo") / "tiny"
-    model, tokenizer = build_tiny_model(seed=0)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def test_demo_writes_the_report_curves_logs_and_adapter(tiny_folder, tmp_path, capsys):
+def test_demo_writes_the_report_curves_logs_and_adapter(model_folder, tmp_path, capsys):
     out = tmp_path / "demo_out"
-    main(["demo", "--model", str(tiny_folder), "--steps", "2", "--prompts_per_step", "2", "--group_size", "2",
+    main(["demo", "--model", str(model_folder), "--steps", "2", "--prompts_per_step", "2", "--group_size", "2",
           "--heldout", "6", "--max_new_tokens", "6", "--threads", "1", "--seed", "3", "--output_dir", str(out),
           "--eval_every", "1", "--eval_subset", "3", "--eval_batch_size", "3"])
     printed = capsys.readouterr().out
@@ -73,9 +63,9 @@ def test_the_tool_demo_has_its_own_help_with_its_own_defaults(capsys):
     assert "Tokens per completion, in training and evaluation. (default: 64)" in tools
 
 
-def test_demo_ceiling_measures_pass_at_k_and_does_not_train(tiny_folder, tmp_path, capsys):
+def test_demo_ceiling_measures_pass_at_k_and_does_not_train(model_folder, tmp_path, capsys):
     out = tmp_path / "ceiling"
-    main(["demo", "--model", str(tiny_folder), "--ceiling", "--heldout", "4", "--group_size", "2",
+    main(["demo", "--model", str(model_folder), "--ceiling", "--heldout", "4", "--group_size", "2",
           "--max_new_tokens", "6", "--threads", "1", "--output_dir", str(out)])
     ceiling = json.loads((out / "ceiling.json").read_text())
     assert ceiling["heldout_size"] == 4 and ceiling["metrics"]["num_samples"] == 2
@@ -99,7 +89,7 @@ def test_tool_demo_uses_its_measured_recipe_unless_told_otherwise():
     assert settings("--tools", "--quick").steps == 3
 
 
-def test_demo_evaluates_before_and_after_in_the_training_precision(tiny_folder, tmp_path, monkeypatch):
+def test_demo_evaluates_before_and_after_in_the_training_precision(model_folder, tmp_path, monkeypatch):
     import torch
 
     import forge.demo
@@ -113,7 +103,7 @@ def test_demo_evaluates_before_and_after_in_the_training_precision(tiny_folder, 
     monkeypatch.setattr(forge.demo, "evaluate", recording)
     asked = _count_precision_choices(monkeypatch)
     out = tmp_path / "bf16"
-    main(["demo", "--model", str(tiny_folder), "--steps", "1", "--prompts_per_step", "2", "--group_size", "2",
+    main(["demo", "--model", str(model_folder), "--steps", "1", "--prompts_per_step", "2", "--group_size", "2",
           "--heldout", "4", "--max_new_tokens", "4", "--threads", "1", "--output_dir", str(out), "--eval_every", "0",
           "--eval_batch_size", "4", "--dtype", "bfloat16"])
     # the base model's evaluation too, not only the trained one's: before and after differ by training alone
@@ -136,7 +126,7 @@ def _count_precision_choices(monkeypatch) -> list:
     return asked
 
 
-def test_tool_demo_evaluates_without_and_with_the_tool_in_the_training_precision(tiny_folder, tmp_path, monkeypatch,
+def test_tool_demo_evaluates_without_and_with_the_tool_in_the_training_precision(model_folder, tmp_path, monkeypatch,
                                                                                  capsys):
     import torch
 
@@ -152,7 +142,7 @@ def test_tool_demo_evaluates_without_and_with_the_tool_in_the_training_precision
     monkeypatch.setattr(forge.demo, "evaluate_with_tools", recording)
     asked = _count_precision_choices(monkeypatch)
     out = tmp_path / "tools"
-    main(["demo", "--tools", "--model", str(tiny_folder), "--steps", "1", "--prompts_per_step", "2", "--group_size",
+    main(["demo", "--tools", "--model", str(model_folder), "--steps", "1", "--prompts_per_step", "2", "--group_size",
           "2", "--heldout", "3", "--max_new_tokens", "4", "--threads", "1", "--output_dir", str(out),
           "--eval_batch_size", "3", "--dtype", "bfloat16"])
     # the base model without and with the calculator, then the trained one with it: all in the training precision

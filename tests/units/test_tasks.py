@@ -402,21 +402,10 @@ def test_grpo_trains_on_a_reasoning_gym_task_with_its_own_reward(tiny_model, tin
 # the command line with reasoning-gym
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from forge.model.tiny import build_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny")
-    model, tokenizer = build_tiny_model(seed=0)
-    model.save_pretrained(root)
-    tokenizer.save_pretrained(root)
-    return root
-
-
-def test_forge_eval_on_a_reasoning_gym_task(tiny_folder, tmp_path, capsys):
+def test_forge_eval_on_a_reasoning_gym_task(model_folder, tmp_path, capsys):
     from forge.cli import main
 
-    assert main(["eval", "--model", str(tiny_folder), "--data", "reasoning-gym:leg_counting", "--n", "2",
+    assert main(["eval", "--model", str(model_folder), "--data", "reasoning-gym:leg_counting", "--n", "2",
                  "--max_new_tokens", "3", "--out", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     metrics = json.loads((tmp_path / "eval.json").read_text())["metrics"]
@@ -424,11 +413,11 @@ def test_forge_eval_on_a_reasoning_gym_task(tiny_folder, tmp_path, capsys):
     assert "chat template" in captured.err
 
 
-def test_forge_train_on_a_reasoning_gym_task_uses_its_scorer(tiny_folder, tmp_path, capsys):
+def test_forge_train_on_a_reasoning_gym_task_uses_its_scorer(model_folder, tmp_path, capsys):
     from forge.cli import main
 
     out = tmp_path / "run"
-    assert main(["train", "--model", str(tiny_folder), "--dataset", "reasoning-gym:chain_sum", "--max_samples", "4",
+    assert main(["train", "--model", str(model_folder), "--dataset", "reasoning-gym:chain_sum", "--max_samples", "4",
                  "--eval_dataset", "reasoning-gym:chain_sum", "--group_size", "2", "--max_new_tokens", "4",
                  "--max_steps", "1", "--logging_steps", "1", "--save_steps", "0", "--eval_steps", "1",
                  "--output_dir", str(out)]) == 0
@@ -509,16 +498,16 @@ def test_hf_chat_message_prompts_pass_through():
     assert rows[0]["prompt"] == [{"role": "user", "content": "Hi?"}] and rows[0]["question"] == "Hi?"
 
 
-def test_forge_train_and_eval_on_an_hf_dataset(tiny_folder, tmp_path):
+def test_forge_train_and_eval_on_an_hf_dataset(model_folder, tmp_path):
     from forge.cli import main
 
     datasets.Dataset.from_dict({"problem": RECORDS["question"], "solution": RECORDS["answer"]}).save_to_disk(
         str(tmp_path / "set"))
     common = ["--prompt_column", "problem", "--reference_column", "solution", "--chat", "false"]
-    assert main(["train", "--model", str(tiny_folder), "--dataset", f"hf:{tmp_path / 'set'}", *common,
+    assert main(["train", "--model", str(model_folder), "--dataset", f"hf:{tmp_path / 'set'}", *common,
                  "--reward", "math_correctness", "--group_size", "2", "--max_new_tokens", "4", "--max_steps", "1",
                  "--logging_steps", "1", "--save_steps", "0", "--output_dir", str(tmp_path / "run")]) == 0
-    assert main(["eval", "--model", str(tiny_folder), "--data", f"hf:{tmp_path / 'set'}", *common,
+    assert main(["eval", "--model", str(model_folder), "--data", f"hf:{tmp_path / 'set'}", *common,
                  "--max_new_tokens", "3", "--out", str(tmp_path / "eval")]) == 0
     records = json.loads((tmp_path / "eval" / "eval.json").read_text())["records"]
     assert [r["reference"] for r in records] == ["5", "6", "7"] and isinstance(records[0]["prompt"], str)
