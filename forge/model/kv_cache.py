@@ -35,7 +35,7 @@ except ImportError:  # transformers < 4.56 keeps per-layer lists instead of laye
 
 if DynamicLayer is not None:
 
-    class _PreallocatedLayer(DynamicLayer):
+    class PreallocatedLayer(DynamicLayer):
         """A DynamicLayer whose keys/values live in a buffer sized for the whole generation.
 
         DynamicLayer.update concatenates, which copies the layer's entire cache at every decode step: for a
@@ -82,8 +82,12 @@ if DynamicLayer is not None:
             self._expose()
 
 
+else:
+    PreallocatedLayer = None
+
+
 def preallocated(cache, capacity: int, repeats: int = 1):
-    """Move a filled DynamicCache into buffers of `capacity` positions (see _PreallocatedLayer), each row repeated
+    """Move a filled DynamicCache into buffers of `capacity` positions (see PreallocatedLayer), each row repeated
     `repeats` times in place (batch_repeat_interleave). Caches of other kinds (sliding windows, older transformers)
     are only repeated."""
     layers = getattr(cache, "layers", None)
@@ -92,7 +96,7 @@ def preallocated(cache, capacity: int, repeats: int = 1):
         if repeats > 1:
             cache.batch_repeat_interleave(repeats)
         return cache
-    cache.layers = [_PreallocatedLayer(layer.keys, layer.values, capacity, repeats) for layer in layers]
+    cache.layers = [PreallocatedLayer(layer.keys, layer.values, capacity, repeats) for layer in layers]
     return cache
 
 

@@ -27,13 +27,12 @@ from collections.abc import Iterator
 
 import torch
 
+from forge.model.kv_cache import DynamicLayer, PreallocatedLayer
+
 try:
     from transformers import AttentionInterface
-    from transformers.cache_utils import DynamicLayer
-except (
-    ImportError
-):  # transformers < 4.56: no cache layer objects or attention registry; the decode repeats prompts
-    AttentionInterface = DynamicLayer = None
+except ImportError:  # older transformers: no attention registry; the decode repeats prompts
+    AttentionInterface = None
 
 NAME = "forge_shared_prefix"
 _active: contextvars.ContextVar = contextvars.ContextVar("forge_shared_prefix_cache", default=None)
@@ -43,8 +42,9 @@ class SharedPrefixLayer(DynamicLayer or object):
     """One layer's cache: the prompt once per group, each row's own keys/values after it.
 
     prompt_keys (P, H_kv, Lp, D) and prompt_bias (P, 1, 1, Lp) (0 on real prompt tokens, -inf on left padding)
-    stay as they are for the whole generation; own_keys/own_values (N, H_kv, capacity, D) are written one column per
-    step; rows (n,) is the original row of each row still decoding (its group: rows // group_size).
+    stay as they are for the whole generation; `own` (forge/model/kv_cache.py's PreallocatedLayer, fp32) holds
+    each row's own keys/values, (N, H_kv, capacity, D), written one column per step; rows (n,) is the original row
+    of each row still decoding (its group: rows // group_size).
     """
 
     def __init__(
@@ -62,39 +62,30 @@ class SharedPrefixLayer(DynamicLayer or object):
         self.prompt_bias = torch.zeros(prompts, 1, 1, length, device=keys.device)  # (P, 1, 1, Lp)
         self.prompt_bias.masked_fill_(~prompt_mask.bool().to(keys.device)[:, None, None, :], float("-inf"))
         rows = prompts * group_size
-        self.own_keys = self.prompt_keys.new_empty(rows, heads, capacity, dim)  # (N, H_kv, capacity, D)
-        self.own_values = self.prompt_values.new_empty(rows, heads, capacity, values.shape[-1])
+        self.own = PreallocatedLayer(self.prompt_keys.new_empty(rows, heads, 0, dim),
+                                     self.prompt_values.new_empty(rows, heads, 0, values.shape[-1]),
+                                     capacity)  # (N, H_kv, capacity, D): each row's own tokens, written in place
         self.rows = torch.arange(rows, device=keys.device)  # (n,)
-        self.group_size, self.prompt_length, self.filled = group_size, length, 0
+        self.group_size, self.prompt_length = group_size, length
         self.dtype = keys.dtype
         self.device, self.is_initialized = keys.device, True
-        self._expose()
-
-    def _expose(self) -> None:
-        self.keys = self.own_keys[:, :, : self.filled]  # (n, H_kv, t, D) views
-        self.values = self.own_values[:, :, : self.filled]
+        self.keys, self.values = self.own.keys, self.own.values  # (n, H_kv, t, D) views
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Write the step's column (n, H_kv, 1, D) after the filled ones; return the own keys/values so far."""
-        if self.filled + key_states.shape[-2] > self.own_keys.shape[-2]:
-            raise RuntimeError(f"shared-prefix cache of {self.own_keys.shape[-2]} new positions is full")
-        self.own_keys[:, :, self.filled : self.filled + key_states.shape[-2]] = key_states
-        self.own_values[:, :, self.filled : self.filled + value_states.shape[-2]] = value_states
-        self.filled += key_states.shape[-2]
-        self._expose()
+        """Write the step's column (n, H_kv, 1, D) after the own tokens; return the own keys/values so far."""
+        self.keys, self.values = self.own.update(key_states, value_states)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.prompt_length + self.filled
+        return self.prompt_length + self.own.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.prompt_length + self.filled + query_length, 0
+        return self.prompt_length + self.own.length + query_length, 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.own_keys = self.own_keys.index_select(0, indices)
-        self.own_values = self.own_values.index_select(0, indices)
+        self.own.batch_select_indices(indices)
+        self.keys, self.values = self.own.keys, self.own.values
         self.rows = self.rows[indices]
-        self._expose()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("a shared-prefix cache holds its groups already")
