@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from forge.model.kv_cache import CACHE_ARG, preallocated, returned_cache
     from forge.model.packed_linear import packed_linears
     from forge.model.precision import choose_precision
-    from forge.model.static_decode import decoder
+    from forge.model.static_decode import DecodePlan, decoder
     from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
     device = torch.device(args.device)
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
     def eager_steps(n: int, packed: bool = False) -> list[float]:
         cache, times = prefilled(False), []
-        cache, step = decoder(model, cache, "eager")  # the step generation runs (its mask and positions)
+        cache, step = decoder(model, cache, DecodePlan.of(model, "eager"))  # the step generation runs (its mask)
         with torch.no_grad(), packed_linears(model, enabled=packed):
             for k in range(n):
                 start = now()

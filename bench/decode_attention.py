@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
     from forge.core import rollout as rollout_module
     from forge.core.rollout import SamplingSettings, generate, sampling_noise
     from forge.data.arithmetic import ARITHMETIC_TASK
-    from forge.model import choose_precision, load_model, shared_prefix
+    from forge.model import choose_precision, load_model
+    from forge.model.static_decode import DecodePlan
 
     attention = one_layer_attention(getattr(torch, args.dtype))
     model, tokenizer = load_model("default", dtype="float32")
@@ -114,19 +116,15 @@ def main(argv=None) -> int:
     precision = choose_precision(args.dtype)
     prompts = [row["prompt"] for row in ARITHMETIC_TASK.rows(n=args.prompts, seed=0, chat=True)]
     settings = SamplingSettings(args.max_new_tokens, temperature=1.0)
-    supports = shared_prefix.supports
     if args.fixed_length:
         rollout_module.eos_ids = lambda tokenizer, model=None: []
+    with precision.autocast(model):
+        plans = {"shared": DecodePlan.of(model, "eager")}
+    plans["repeated"] = replace(plans["shared"], shared_prompt=())  # each row its own copy of its prompt
 
     def run(layout: str, noise):
-        rollout_module.shared_prefix.supports = (
-            supports if layout == "shared" else (lambda model, cache: False)
-        )
-        try:
-            with torch.no_grad(), precision.autocast(model):
-                return generate(model, tokenizer, prompts, args.group_size, settings, noise=noise)
-        finally:
-            rollout_module.shared_prefix.supports = supports
+        with torch.no_grad(), precision.autocast(model):
+            return generate(model, tokenizer, prompts, args.group_size, settings, noise=noise, plan=plans[layout])
 
     layouts = ("shared", "repeated")
     for layout in layouts:  # warm-up

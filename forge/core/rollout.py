@@ -12,6 +12,7 @@ of the sampled tokens under the policy are computed by core/logprobs.py.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ from forge.envs.protocol import EnvironmentSettings, Episode
 from forge.model import shared_prefix
 from forge.model.kv_cache import CACHE_ARG, LAST_POSITION, preallocated, returned_cache
 from forge.model.packed_linear import packed_linears
-from forge.model.static_decode import decoder, resolve_backend
+from forge.model.static_decode import DecodePlan, decoder
 from forge.tools.calls import CallFormat, ToolResult, ToolSettings
 
 Prompt = str | list[dict]  # plain text, or chat messages rendered with the tokenizer's chat template
@@ -275,9 +276,9 @@ def prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool =
 def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
                    share_prompt_prefix: bool, max_new_tokens: int, attend_shared: bool = False):
     """Prefill P prompts (P, Lp) for P * group_size completions, ready to decode: the prompt runs once and its
-    cache is expanded to the group (share_prompt_prefix), or runs once per completion. attend_shared: keep
-    the prompt's cache once per group, for decode steps that attend over it (forge/model/shared_prefix.py),
-    where the model's attention allows it.
+    cache is expanded to the group (share_prompt_prefix), or runs once per completion. attend_shared (the
+    model's attention allows it, DecodePlan.shared_prompt): keep the prompt's cache once per group, for decode
+    steps that attend over it (forge/model/shared_prefix.py).
     Returns (a cache with room for max_new_tokens more, next-token logits (N, V), the attention mask
     (N, Lp))."""
     device = next(model.parameters()).device
@@ -289,7 +290,7 @@ def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g
         return preallocated(cache, mask.shape[1] + max_new_tokens), next_logits, mask  # the cache: N rows
     next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
     rows_mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    if attend_shared and shared_prefix.supports(model, cache):
+    if attend_shared and shared_prefix.holds_full_attention(cache):
         cache = shared_prefix.shared(cache, mask, group_size, max_new_tokens)  # the prompt P rows, the rest N
         return cache, next_logits, rows_mask
     return preallocated(cache, mask.shape[1] + max_new_tokens, group_size), next_logits, rows_mask  # N rows
@@ -354,6 +355,7 @@ def generate(
     tools: ToolSettings | EnvironmentSettings | None = None,
     call_format_: CallFormat | None = None,
     rows: Sequence[dict] | None = None,
+    plan: DecodePlan | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for every prompt in one batched decode.
 
@@ -362,37 +364,33 @@ def generate(
     tools: the tools the policy may call (forge/tools), or an environment (forge/envs: one instance per
     completion, reset with its dataset row from `rows`, whose methods are the tools), run by the decode loop's
     hook, ToolTurns (below the loop: what a call, its result and the token budgets do).
-    The eager decode step runs the linear layers on weights packed once for this generation where that
-    measured faster with the same bits (forge/model/packed_linear.py).
+    plan: how the decode runs on this model (forge/model/static_decode.py), decided once by a trainer; None
+    decides it here, from settings.backend, under the autocast the call runs in.
     """
     turns = None if tools is None else ToolTurns(tools, prompts, rows, group_size, tokenizer, call_format_)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts if turns is None else turns.prompts,
                                                max_prompt_length, truncate_prompts,
                                                tools=None if turns is None else turns.schemas)  # (P, Lp)
-    device = next(model.parameters()).device
-    # the decode step, decided once: tool results are fed by the eager step
-    settings = replace(settings, backend="eager" if turns else resolve_backend(settings.backend, device.type))
-    with packed_linears(model, enabled=settings.backend == "eager"):
-        decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings,
+    plan = plan or DecodePlan.of(model, settings.backend, with_tools=turns is not None)
+    with packed_linears(model) if plan.pack else contextlib.nullcontext():
+        decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings, plan,
                            share_prompt_prefix, noise, turns)
     return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
                       with_tools=turns is not None)
 
 
 def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-           settings: SamplingSettings, share_prompt_prefix: bool = True, noise: torch.Tensor | None = None,
-           turns: ToolTurns | None = None) -> list[Decoding]:
+           settings: SamplingSettings, plan: DecodePlan, share_prompt_prefix: bool = True,
+           noise: torch.Tensor | None = None, turns: ToolTurns | None = None) -> list[Decoding]:
     """The batched decode loop over P prompts (P, Lp): each step samples one token for every running
     completion and runs one forward; finished completions leave the batch. `turns` (tools) answers the calls
-    that ended and feeds their results in the next forward. settings.backend: 'eager' or 'compiled' (generate
-    resolves 'auto')."""
+    that ended and feeds their results in the next forward; `plan` says how the step runs."""
     device = next(model.parameters()).device
     stop_ids, max_new_tokens = eos_ids(tokenizer, model), settings.max_new_tokens
     stops_at_eos = turns is None or turns.fmt.stops_at_eos
-    attend_shared = settings.backend == "eager" and turns is None
     cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
-                                              max_new_tokens, attend_shared)
-    cache, decode_step = decoder(model, cache, settings.backend)  # (N, V) next-token logits, (N, Lp) mask
+                                              max_new_tokens, bool(plan.shared_prompt))
+    cache, decode_step = decoder(model, cache, plan)  # (N, V) next-token logits, (N, Lp) mask
     noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
     budget = 10**9 if turns is None else turns.budget

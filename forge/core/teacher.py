@@ -76,13 +76,6 @@ def sampled_logprobs(old_logprobs, rollout, student, rollout_logprobs: Callable)
         return rollout_logprobs(student, rollout)
 
 
-class NoTeacher:
-    """A run without a teacher: the reward advantages stay as they are, one per completion."""
-
-    def advantages(self, batch: Batch, *unused) -> list[torch.Tensor]:
-        return batch.advantages
-
-
 @contextmanager
 def active_adapter(model, name: str) -> Iterator[None]:
     """The PeftModel `model` with only adapter `name` switched on; the previous adapter (and every parameter's
@@ -98,12 +91,12 @@ def active_adapter(model, name: str) -> Iterator[None]:
             parameter.requires_grad_(flag)
 
 
-def open_teacher(config, student, tokenizer, teacher_model=None) -> Teacher | NoTeacher:
+def open_teacher(config, student, tokenizer, teacher_model=None) -> Teacher | None:
     """The run's teacher (teacher_model, else config.teacher_model), its tokenizer checked against the student's;
-    NoTeacher without one."""
+    None without one."""
     source = config.teacher_model if teacher_model is None else teacher_model
     if source is None:
-        return NoTeacher()
+        return None
     device = next(student.parameters()).device
     if not isinstance(source, str | os.PathLike):  # a loaded model
         model, adapter = source.to(device), None

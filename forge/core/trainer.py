@@ -39,6 +39,7 @@ from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_re
 from forge.core.teacher import open_teacher
 from forge.envs import env_rewards, rollout_tools
 from forge.model import merged_adapters, prepare_policy
+from forge.model.static_decode import DecodePlan
 from forge.parallel import sharding
 from forge.parallel.distributed import DataParallel
 from forge.parallel.sharding import local
@@ -82,10 +83,13 @@ class GRPOTrainer(TrainerSurface):
         self.model = model = ready.model
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.device = ready.precision, next(model.parameters()).device
-        self.teacher = open_teacher(config, model, self.tokenizer, teacher_model)  # or NoTeacher
+        self.teacher = open_teacher(config, model, self.tokenizer, teacher_model)  # or None
         # The run's tools, or its environment (with those tools too); None: neither.
         self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)
         self.engine = open_engine(config, model, self.tokenizer, self.precision.compute, self.dist)  # or None
+        with self.precision.autocast(model):  # how Forge's own decode runs, decided once
+            self.decode_plan = None if self.engine else DecodePlan.of(model, config.generation_backend,
+                                                                       self.tool_settings is not None)
         self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings,
                                                               self.engine)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
@@ -122,14 +126,6 @@ class GRPOTrainer(TrainerSurface):
         self.prompt_pool = run.rows  # where dynamic sampling draws more prompts from
         return run.run()
 
-    def evaluate(self, rows: list[dict] | None = None) -> dict:
-        """The evaluator's metrics on `rows` (default: eval_dataset) in the run's precision, whole merged
-        weights."""
-        rows = self.eval_rows() if rows is None else rows
-        with self.sampling():
-            return self.evaluator(self.model, self.tokenizer, rows, max_new_tokens=self.config.max_new_tokens,
-                                  max_prompt_length=self.max_prompt_length)
-
     def step(self, rows: list[dict]) -> dict:
         """One optimizer step (num_iterations of them when num_iterations > 1) on these dataset rows."""
         self.model.eval()  # dropout off: sampling, pi_old, pi_theta and the reference see the same network
@@ -151,12 +147,15 @@ class GRPOTrainer(TrainerSurface):
 
     def collect(self, rows: list[dict]) -> tuple[Batch, step_metrics.RolloutStats]:
         """Generate, score and compute advantages for every rollout of this step (this rank's share)."""
-        config, group, dist = self.config, self.config.group_size, self.dist
+        config, dist = self.config, self.dist
+        group, per = config.group_size, config.prompts_per_step
         batch, stats = Batch(), step_metrics.RolloutStats()
         self.sampling_rng.manual_seed(sampling_seed(config.seed, self.global_step))
-        rounds = SamplingRounds.of_step(config, rows, self.prompt_pool, self.sampling_rng, stats.sampling)
+        filtered = config.drop_zero_std_groups or config.dynamic_sampling  # flat groups leave the loss
+        rounds = (SamplingRounds.of_step(config, rows, self.prompt_pool, self.sampling_rng, stats.sampling)
+                  if filtered else [rows[i:i + per] for i in range(0, len(rows), per)])
         for round_rows in rounds:  # the step's rows (dynamic_sampling: more, until enough groups differ)
-            mine = dist.my_share(round_rows, config.prompts_per_step)  # each rank: whole groups
+            mine = dist.my_share(round_rows, per)  # each rank: whole groups
             started = time.perf_counter()
             rollout = self.generate([row["prompt"] for row in mine], mine)
             stats.gen_seconds += time.perf_counter() - started
@@ -168,12 +167,12 @@ class GRPOTrainer(TrainerSurface):
                 dist.gather(components), dist.gather(applies), [w for _, _, w in self.rewards], group,
                 config.scale_rewards, config.advantage_epsilon, config.multi_objective_aggregation,
                 valid=dist.gather(scores.valid))  # (all ranks' N,)
-            advantages = dist.my_share(advantages, config.prompts_per_step, group)  # (N,)
+            advantages = dist.my_share(advantages, per, group)  # (N,)
             keep = scores.valid & ~(rollout.truncated & config.mask_truncated_completions)  # (N,)
-            if config.drop_zero_std_groups or config.dynamic_sampling:  # flat groups leave the loss
+            if filtered:
                 informative = group_reward_std(scores.total, group, scores.valid & scores.scored) > 0  # (P,)
                 taken = rounds.take(dist.gather(informative)).repeat_interleave(group)  # (all ranks' N,)
-                keep &= dist.my_share(taken, config.prompts_per_step, group)
+                keep &= dist.my_share(taken, per, group)
             batch.rollouts.append(rollout)
             batch.rows.append(mine)
             batch.advantages.append(advantages)
@@ -181,7 +180,8 @@ class GRPOTrainer(TrainerSurface):
             stats.add(rollout, scores, mine)
         batch.old_logprobs = [self.old_logprobs(r) for r in batch.rollouts]
         batch.ref_logprobs = [self.reference_logprobs(r) for r in batch.rollouts]
-        batch.advantages = self.teacher.advantages(batch, self.model, self.rollout_logprobs, stats)
+        if self.teacher is not None:  # on-policy distillation: per-token advantages (N, T)
+            batch.advantages = self.teacher.advantages(batch, self.model, self.rollout_logprobs, stats)
         return batch, stats
 
     def generate(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
@@ -199,7 +199,7 @@ class GRPOTrainer(TrainerSurface):
         with self.sampling():
             return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
                             self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix,
-                            noise, self.tool_settings, rows=rows)
+                            noise, self.tool_settings, rows=rows, plan=self.decode_plan)
 
     def score(self, rows: list[dict], rollout: Rollout) -> Scores:
         """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so

@@ -47,7 +47,7 @@ def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type, dtype, _bf16_units()) in PACKED_LINEAR_MEASURED
 
 
-def _may_pack(model: nn.Module) -> bool:
+def may_pack(model: nn.Module) -> bool:
     """Whether any of the model's layers can be packed, decided before looking at each: some compute dtype of
     its layers on a CPU (autocast's when it is on, else its weights') is one PACKED_LINEAR_MEASURED holds."""
     if torch.is_autocast_enabled("cpu"):
@@ -83,7 +83,7 @@ def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[bool]:
     whether it packed: only the layers whose device and compute dtype PACKED_LINEAR_MEASURED holds, with
     gradients off."""
     layers = []
-    if enabled and not torch.is_grad_enabled() and _may_pack(model):
+    if enabled and not torch.is_grad_enabled() and may_pack(model):
         layers = [m for m in model.modules() if _packable(m) and packing_applies(m.weight.device,
                                                                                  _compute_dtype(m.weight))]
     try:

@@ -13,8 +13,9 @@ CPU's fused attention kernel does internally, and the output is returned in the 
 scaled_dot_product_attention over the repeated cache up to summation order (tests/units/test_shared_prefix.py).
 
 Used by the decode loop (forge/core/rollout.py) when a group's prompt is shared, no tool results are fed, and the
-model's attention is plain full attention (`supports`); the prefill and everything else run as the model does.
-While `attending(attention_configs(model), cache)` is active the model's attention implementation is
+model's attention is plain full attention (`shared_attention_configs`, decided once: forge/model/static_decode.py
+DecodePlan); the prefill and everything else run as the model does. While `attending(configs, cache)` is active the
+model's attention implementation is
 "forge_shared_prefix", whose function finds its layer's prompt through the active cache; it is registered with
 transformers' AttentionInterface.
 """
@@ -157,30 +158,29 @@ if AttentionInterface is not None:
     AttentionInterface.register(NAME, _attention)
 
 
-def attention_configs(model) -> list:
-    """The configs the model's attention modules read their implementation from (one object for most models)."""
+def shared_attention_configs(model) -> tuple:
+    """The configs the model's attention modules read their implementation from (one object for most
+    models), where its decode can attend over a shared prompt: sdpa or eager full attention, no logit
+    soft-capping, every attention module knowing its layer; () where it cannot."""
     configs = {
         id(m.config): m.config
         for m in model.modules()
         if hasattr(m, "layer_idx") and hasattr(m, "scaling") and hasattr(m, "config")
     }
-    return list(configs.values())
-
-
-def supports(model, cache) -> bool:
-    """Whether this model's decode can attend over a shared prompt: sdpa or eager full attention over DynamicLayers
-    (a sliding window has its own layer type), no logit soft-capping, every attention module knowing its layer."""
-    layers = getattr(cache, "layers", None)
-    if AttentionInterface is None or not layers:
-        return False
-    configs = attention_configs(model)
-    if not configs or any(
+    if AttentionInterface is None or not configs or any(
         getattr(c, "_attn_implementation", None) not in ("sdpa", "eager")
         or getattr(c, "attn_logit_softcapping", None)
-        for c in configs
+        for c in configs.values()
     ):
-        return False
-    return all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+        return ()
+    return tuple(configs.values())
+
+
+def holds_full_attention(cache) -> bool:
+    """Whether a prefilled cache is DynamicLayers of full attention (a sliding window has its own layer
+    type)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
 
 
 def is_shared(cache) -> bool:
@@ -198,9 +198,9 @@ def shared(cache, prompt_mask: torch.Tensor, group_size: int, capacity: int):
 
 
 @contextlib.contextmanager
-def attending(configs: list, cache) -> Iterator[None]:
-    """While inside, the attention of the model whose `attention_configs` these are reads `cache`'s shared prompts
-    (the configs name NAME)."""
+def attending(configs: tuple, cache) -> Iterator[None]:
+    """While inside, the attention of the model whose `shared_attention_configs` these are reads `cache`'s
+    shared prompts (the configs name NAME)."""
     before = [c._attn_implementation for c in configs]
     token = _active.set(cache)
     for config in configs:

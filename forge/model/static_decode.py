@@ -1,6 +1,6 @@
 """The decode step of generation: eager (the reference), or compiled over a static KV cache (`generation_backend`).
 
-`decoder(model, cache, backend)` gives the step the decode loop (forge/core/rollout.py `generate`) calls once per
+`decoder(model, cache, plan)` gives the step the decode loop (forge/core/rollout.py `generate`) calls once per
 token: `step(tokens (n,), mask (n, L), positions (n,)) -> next-token logits (n, V)`, plus the cache the loop
 drops finished rows from.
 
@@ -23,13 +23,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from forge.logging.logger import note
 from forge.model.kv_cache import CACHE_ARG, grow
+from forge.model.packed_linear import may_pack
 from forge.model.precision import _bf16_units
-from forge.model.shared_prefix import attending, attention_configs, is_shared
+from forge.model.shared_prefix import attending, is_shared, shared_attention_configs
 
 BACKENDS = ("eager", "compiled", "auto")
 LENGTH_BUCKET = 64
@@ -65,21 +67,40 @@ def resolve_backend(backend: str, device_type: str) -> str:
     return chosen
 
 
-def decoder(model, cache, backend: str = "eager"):
+@dataclass(frozen=True)
+class DecodePlan:
+    """How generation runs on one model, decided once (by the trainer when it is built, or by each `generate`
+    call not given a plan) under the autocast generation runs in: what the decode loop then only reads."""
+
+    backend: str = "eager"  # the decode step: "eager" or "compiled" ("auto" resolved, resolve_backend)
+    pack: bool = False  # linear layers on weights packed once per generation (forge/model/packed_linear.py)
+    shared_prompt: tuple = ()  # the attention configs a decode over each group's prompt once switches (the
+    # model's attention allows it, forge/model/shared_prefix.py); () = each row's own copy of its prompt
+    grouped_mask: bool = False  # the repeated-prompt step passes a 4D mask (_sdpa_with_grouped_heads)
+
+    @classmethod
+    def of(cls, model, backend: str = "auto", with_tools: bool = False) -> DecodePlan:
+        """The plan for `model`; with tools (results are fed between tokens) the eager repeated-prompt step."""
+        backend = "eager" if with_tools else resolve_backend(backend, next(model.parameters()).device.type)
+        eager = backend == "eager"
+        shared = shared_attention_configs(model) if eager and not with_tools else ()
+        return cls(backend, eager and may_pack(model), shared, _sdpa_with_grouped_heads(model))
+
+
+def decoder(model, cache, plan: DecodePlan):
     """(cache, step): the cache the loop selects rows of (`cache.batch_select_indices(keep)`) and the decode step."""
-    device = next(model.parameters()).device
     layers = getattr(cache, "layers", None)
-    if resolve_backend(backend, device.type) == "eager" or not layers or not all(
+    if plan.backend == "eager" or not layers or not all(
             hasattr(layer, "key_buffer") for layer in layers):  # only Forge's preallocated cache says its capacity
-        return cache, _eager_step(model, cache)
+        return cache, _eager_step(model, cache, plan)
     static = StaticDecoder(model, cache)
     return static, static
 
 
-def _eager_step(model, cache) -> Callable:
-    configs = attention_configs(model) if is_shared(cache) else None
+def _eager_step(model, cache, plan: DecodePlan) -> Callable:
+    configs = plan.shared_prompt if is_shared(cache) else ()
     attention = (lambda: attending(configs, cache)) if configs else contextlib.nullcontext
-    as_4d = not configs and _sdpa_with_grouped_heads(model)
+    as_4d = not configs and plan.grouped_mask
 
     def step(tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         grow(cache, mask.shape[1])

@@ -148,6 +148,14 @@ class TrainerSurface:
     def remove_callback(self, callback) -> None:
         self.events.handler.remove_callback(callback)
 
+    def evaluate(self, rows: list[dict] | None = None) -> dict:
+        """The evaluator's metrics on `rows` (default: eval_dataset) in the run's precision, whole merged
+        weights."""
+        rows = self.eval_rows() if rows is None else rows
+        with self.sampling():
+            return self.evaluator(self.model, self.tokenizer, rows, max_new_tokens=self.config.max_new_tokens,
+                                  max_prompt_length=self.max_prompt_length)
+
     def eval_rows(self) -> list[dict]:
         """The rows of eval_dataset, checked, for evaluate() without rows."""
         if self.eval_dataset is None:

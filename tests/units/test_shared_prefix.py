@@ -11,6 +11,7 @@ from forge.core import rollout as rollout_module
 from forge.core.rollout import SamplingSettings, generate
 from forge.model import shared_prefix
 from forge.model.shared_prefix import SharedPrefixLayer
+from forge.model.static_decode import DecodePlan
 
 
 def reference_attention(
@@ -93,6 +94,7 @@ def counting_attend(monkeypatch) -> list:
 
 
 PROMPTS = ["12 + 7 =", "a much longer prompt about 3 * 4 and 5", "hi", "3 - 1 ="]
+REPEATED = DecodePlan("eager")  # each row its own copy of its prompt
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -105,8 +107,7 @@ def test_decode_with_the_shared_prompt_equals_the_repeated_prompt(
     shared = generate(tiny_model, tiny_tokenizer, PROMPTS, 3, settings, noise=noise)
     assert calls and calls[0] == len(PROMPTS) * 3  # every decode step attended over the shared prompts
     assert tiny_model.config._attn_implementation != shared_prefix.NAME  # the model's attention is given back
-    monkeypatch.setattr(rollout_module.shared_prefix, "supports", lambda model, cache: False)
-    repeated = generate(tiny_model, tiny_tokenizer, PROMPTS, 3, settings, noise=noise)
+    repeated = generate(tiny_model, tiny_tokenizer, PROMPTS, 3, settings, noise=noise, plan=REPEATED)
     assert torch.equal(shared.completion_ids, repeated.completion_ids)
     assert torch.equal(shared.completion_mask, repeated.completion_mask)
     torch.testing.assert_close(shared.sampler_logprobs, repeated.sampler_logprobs, atol=1e-5, rtol=0)
@@ -121,8 +122,7 @@ def test_rows_leaving_the_batch_keep_their_groups(tiny_model, tiny_tokenizer, mo
     calls = counting_attend(monkeypatch)
     shared = generate(tiny_model, tiny_tokenizer, PROMPTS, 4, settings, noise=noise)
     assert len(set(calls)) > 1  # rows left the batch while decoding
-    monkeypatch.setattr(rollout_module.shared_prefix, "supports", lambda model, cache: False)
-    repeated = generate(tiny_model, tiny_tokenizer, PROMPTS, 4, settings, noise=noise)
+    repeated = generate(tiny_model, tiny_tokenizer, PROMPTS, 4, settings, noise=noise, plan=REPEATED)
     assert torch.equal(shared.completion_ids, repeated.completion_ids)
     torch.testing.assert_close(shared.sampler_logprobs, repeated.sampler_logprobs, atol=1e-5, rtol=0)
 

@@ -13,7 +13,7 @@ from forge import GRPOConfig
 from forge.core.rollout import SamplingSettings, generate
 from forge.model import static_decode
 from forge.model.kv_cache import preallocated, returned_cache
-from forge.model.static_decode import resolve_backend
+from forge.model.static_decode import DecodePlan, resolve_backend
 
 PROMPTS = ["What is 2 + 3?", "Name a color:", "Count to five:"]
 
@@ -55,8 +55,8 @@ def test_static_decoder_compacts_to_the_live_rows_and_steps_like_eager(tiny_mode
     tokens, positions = torch.tensor([7, 8, 9]), torch.full((3,), 5)
     with torch.no_grad():
         caches = [preallocated(returned_cache(tiny_model(input_ids=ids, use_cache=True)), 5 + 8) for _ in range(2)]
-        eager_cache, eager_step = static_decode.decoder(tiny_model, caches[0], "eager")
-        static, step = static_decode.decoder(tiny_model, caches[1], "compiled")
+        eager_cache, eager_step = static_decode.decoder(tiny_model, caches[0], DecodePlan("eager"))
+        static, step = static_decode.decoder(tiny_model, caches[1], DecodePlan("compiled"))
         assert static is step and step.batch == 8 and step.capacity == 64
         keys_of_row_4 = step.static.layers[0].keys[4, :, :5].clone()
         static.batch_select_indices(keep)
