@@ -52,6 +52,7 @@ __all__ = [
     "TagFormatReward",
     "TrainerState",
     "accepted_kwargs",
+    "accepted_names",
     "as_output",
     "call_with_accepted_kwargs",
     "is_async_reward",
@@ -258,18 +259,27 @@ def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], positiona
     """The subset of ``kwargs`` that ``fn`` can receive by name after its first `positional` arguments
     (Forge's call gives ``prompts`` and ``responses`` by position; TRL's, positional=0, gives everything by
     keyword); all of them when ``fn`` takes ``**kwargs`` or has no inspectable signature (some builtins)."""
+    return _named(kwargs, accepted_names(fn, positional))
+
+
+def accepted_names(fn: Callable[..., Any], positional: int = 2) -> frozenset[str] | None:
+    """The names ``fn`` can receive by keyword after its first `positional` arguments (`accepted_kwargs`);
+    None: any name."""
     try:
         parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return dict(kwargs)
+        return None
     kinds = inspect.Parameter
     if any(p.kind is kinds.VAR_KEYWORD for p in parameters):
-        return dict(kwargs)
+        return None
     positional_kinds = (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
     by_position = [p.name for p in parameters if p.kind in positional_kinds]
     by_name = {p.name for p in parameters if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
-    named = by_name - set(by_position[:positional])
-    return {key: value for key, value in kwargs.items() if key in named}
+    return frozenset(by_name - set(by_position[:positional]))
+
+
+def _named(kwargs: Mapping[str, Any], names: frozenset[str] | None) -> dict[str, Any]:
+    return dict(kwargs) if names is None else {key: value for key, value in kwargs.items() if key in names}
 
 
 def call_with_accepted_kwargs(
@@ -300,16 +310,19 @@ class FunctionReward(BaseReward):
             raise ValueError(f"convention={convention!r}; choose one of {sorted(CONVENTIONS)}")
         self.fn, self.convention = fn, convention
         self.name = name or _callable_name(fn)
+        # the call's shape, read from the signature once: the keywords it takes, whether it gets trainer_state
+        self.accepts = accepted_names(fn, positional=0 if convention == "trl" else 2)
+        self.wants_state = names_parameter(fn, "trainer_state")
 
     def __call__(self, prompts: list, responses: list[str], **kwargs: Any) -> RewardOutput:
         return self.score_inputs(RewardInputs(list(prompts), list(responses), kwargs))
 
     def score_inputs(self, inputs: RewardInputs) -> Any:
         if self.convention == "trl":  # every argument by keyword
-            result = self.fn(**accepted_kwargs(self.fn, inputs.trl_keywords(self.fn), positional=0))
+            result = self.fn(**_named(inputs.trl_keywords(self.fn), self.accepts))
         else:
-            keywords = inputs.forge_keywords(names_parameter(self.fn, "trainer_state"))
-            result = call_with_accepted_kwargs(self.fn, inputs.prompts, inputs.completions, keywords)
+            keywords = _named(inputs.forge_keywords(self.wants_state), self.accepts)
+            result = self.fn(inputs.prompts, inputs.completions, **keywords)
         if inspect.isawaitable(result):  # an async def reward: the caller awaits it with the other async ones
             return _awaited_output(result)
         return as_output(result)
