@@ -37,8 +37,8 @@ def install_labels(rollout_module) -> None:
     rollout_module.prefill_groups = labelled(rollout_module.prefill_groups, "prefill")
     if not hasattr(static_decode, "_unlabelled_eager_step"):
         static_decode._unlabelled_eager_step = static_decode._eager_step
-        static_decode._eager_step = lambda model, cache: labelled(static_decode._unlabelled_eager_step(model, cache),
-                                                                  "decode forward")
+        static_decode._eager_step = lambda model, cache, plan: labelled(
+            static_decode._unlabelled_eager_step(model, cache, plan), "decode forward")
 
 
 def phase_table(profiler, steps: int, top: int) -> dict:
