@@ -5,14 +5,15 @@ Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale
 nothing to the policy gradient; DAPO over-samples and keeps filling the batch with groups whose rewards differ
 until it holds the batch size (verl: `algorithm.filter_groups`, `max_num_gen_batches`).
 
-Here a step first generates its own rows (prompts_per_step at a time, as without dynamic sampling). While fewer
-than `wanted` (the step's prompt count) groups carry a signal and fewer than `max_rounds` rounds have run, another
-round of prompts_per_step prompts is drawn from the prompt pool (the run's training rows) with the step's
-sampling generator (reseeded from (seed, step) at the start of every step, and drawn from only once the step's own
-rows are generated, so their sampling noise is that of a run without dynamic sampling): a resumed run draws the
-same prompts again, and the data cursor moves as without dynamic sampling. Groups are taken in the order they
-were generated (round by round, rank by rank) until the step has `wanted`; groups past that, and every flat group,
-stay out of the loss. At the cap the step trains on the groups with a signal it found (the metrics say how many).
+Here a step first generates its own rows (prompts_per_step at a time, as without dynamic sampling). While
+fewer than `wanted` (the step's prompt count) groups carry a signal and fewer than `max_rounds` rounds have
+run, another round of prompts_per_step prompts is drawn from the prompt pool (the run's training rows) with
+the step's sampling generator (reseeded from (seed, step) at the start of every step, and drawn from only once
+the step's own rows are generated, so their sampling noise is that of a run without dynamic sampling): a
+resumed run draws the same prompts again, and the data cursor moves as without dynamic sampling. Groups are
+taken in the order they were generated (round by round, rank by rank) until the step has `wanted`; groups past
+that, and every flat group, stay out of the loss. At the cap the step trains on the groups with a signal it
+found (the metrics say how many).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 
 @dataclass
 class SamplingRounds:
-    """The rounds of one step: iterate for each rollout batch's rows, `take` each batch's groups with a signal.
+    """The rounds of one step: iterate for each rollout batch's rows, `take` each batch's groups with a
+    signal.
 
     Without dynamic sampling (dynamic=False) it yields the step's own rows once and `take` keeps every group
     with a signal (drop_zero_std_groups)."""

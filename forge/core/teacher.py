@@ -1,17 +1,18 @@
 """The teacher of on-policy distillation: loading it, checking its tokenizer, and its pass over the rollouts.
 
-The teacher scores the student's own sampled tokens in the same pass as the reference (core/logprobs.py through
-GRPOTrainer.rollout_logprobs: the shared prompt once per group, logits chunk by chunk), and core/distill.py turns
-its log-probs and the student's into per-token advantages. A teacher is one of
+The teacher scores the student's own sampled tokens in the same pass as the reference (core/logprobs.py
+through GRPOTrainer.rollout_logprobs: the shared prompt once per group, logits chunk by chunk), and
+core/distill.py turns its log-probs and the student's into per-token advantages. A teacher is one of
 
-    a model id or folder          loaded like the policy (forge/model/loading.py), moved to the student's device
+    a model id or folder          loaded like the policy (forge/model/loading.py), moved to the student's
+                                  device
     a loaded model                used as it is (GRPOTrainer(..., teacher_model=model))
     a LoRA adapter folder         with a LoRA student on the same base: loaded as the student's second adapter
-                                  "teacher" and switched on for its pass, so the base weights exist once; with a
-                                  full fine-tuning student, its base is loaded and the adapter put on it
+                                  "teacher" and switched on for its pass, so the base weights exist once; with
+                                  a full fine-tuning student, its base is loaded and the adapter put on it
 
-Their tokenizers must map the same strings to the same ids, or the teacher's log-probs would be of other tokens:
-checked before the first step, with an error that names the first difference.
+Their tokenizers must map the same strings to the same ids, or the teacher's log-probs would be of other
+tokens: checked before the first step, with an error that names the first difference.
 """
 
 from __future__ import annotations
@@ -47,19 +48,22 @@ class Teacher:
             return rollout_logprobs(self.model, rollout)
 
     def advantages(self, batch: Batch, student, rollout_logprobs: Callable, stats) -> list[torch.Tensor]:
-        """(N, T) per-token advantages of each rollout of the batch (core/distill.py): its reward advantages (N,)
-        combined with the teacher's signal. The student's log-probs are those that sampled: pi_old when the
-        batch has them, else the sampler's, else a pass of `student`. The reverse KL and the teacher pass's
-        seconds go into `stats` (forge/run/metrics.py RolloutStats); rollout_logprobs is GRPOTrainer's."""
+        """(N, T) per-token advantages of each rollout of the batch (core/distill.py): its reward advantages
+        (N,) combined with the teacher's signal. The student's log-probs are those that sampled: pi_old when
+        the batch has them, else the sampler's, else a pass of `student`. The reverse KL and the teacher
+        pass's seconds go into `stats` (forge/run/metrics.py RolloutStats); rollout_logprobs is
+        GRPOTrainer's."""
         advantages = []
         for r, rollout in enumerate(batch.rollouts):
             started = time.perf_counter()
             teacher_logprobs = self.logprobs(rollout, rollout_logprobs)  # (N, T)
             stats.teacher_seconds += time.perf_counter() - started
-            student_logprobs = sampled_logprobs(batch.old_logprobs[r], rollout, student, rollout_logprobs)  # (N, T)
+            student_logprobs = sampled_logprobs(batch.old_logprobs[r], rollout, student,
+                                                rollout_logprobs)  # (N, T)
             mask = batch.loss_mask[r]  # (N, T)
-            advantages.append(distillation_advantages(batch.advantages[r], student_logprobs, teacher_logprobs, mask,
-                                                      distill_coef=self.distill_coef, reward_coef=self.reward_coef))
+            advantages.append(distillation_advantages(batch.advantages[r], student_logprobs, teacher_logprobs,
+                                                      mask, distill_coef=self.distill_coef,
+                                                      reward_coef=self.reward_coef))
             kl = reverse_kl_sums(student_logprobs, teacher_logprobs, mask)
             stats.distill_kl.append(kl.per_sequence)
             stats.distill_tokens.append(kl.tokens)
@@ -67,8 +71,8 @@ class Teacher:
 
 
 def sampled_logprobs(old_logprobs, rollout, student, rollout_logprobs: Callable) -> torch.Tensor:
-    """(N, T) the student's log-probs of its sampled tokens as they were sampled: pi_old when the step computed it,
-    else the sampler's record (at the sampling temperature), else a no-grad pass of `student`."""
+    """(N, T) the student's log-probs of its sampled tokens as they were sampled: pi_old when the step
+    computed it, else the sampler's record (at the sampling temperature), else a no-grad pass of `student`."""
     for recorded in (old_logprobs, rollout.sampler_logprobs):
         if recorded is not None:
             return recorded
@@ -92,8 +96,8 @@ def active_adapter(model, name: str) -> Iterator[None]:
 
 
 def open_teacher(config, student, tokenizer, teacher_model=None) -> Teacher | None:
-    """The run's teacher (teacher_model, else config.teacher_model), its tokenizer checked against the student's;
-    None without one."""
+    """The run's teacher (teacher_model, else config.teacher_model), its tokenizer checked against the
+    student's; None without one."""
     source = config.teacher_model if teacher_model is None else teacher_model
     if source is None:
         return None
@@ -113,16 +117,16 @@ def open_teacher(config, student, tokenizer, teacher_model=None) -> Teacher | No
 
 
 def _adapter_teacher(path: Path, student, tokenizer, device):
-    """(model, adapter name or None) of a LoRA adapter folder: the student's second adapter when the student is a
-    LoRA model of the adapter's base, else the base loaded with the adapter on it."""
+    """(model, adapter name or None) of a LoRA adapter folder: the student's second adapter when the student
+    is a LoRA model of the adapter's base, else the base loaded with the adapter on it."""
     base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
     check_vocabulary(tokenizer, _saved_tokenizer(path) or _saved_tokenizer(base), None)
     if is_peft_model(student):
         student_base = getattr(student.get_base_model().config, "_name_or_path", "")
         if base and student_base and os.path.realpath(base) != os.path.realpath(student_base):
-            raise ValueError(f"teacher_model={str(path)!r} is a LoRA adapter of {base!r}, but the student's base is "
-                             f"{student_base!r}: a teacher adapter must be trained on the student's own base (or "
-                             f"merge it into its base and pass that folder)")
+            raise ValueError(f"teacher_model={str(path)!r} is a LoRA adapter of {base!r}, but the student's "
+                             f"base is {student_base!r}: a teacher adapter must be trained on the student's "
+                             f"own base (or merge it into its base and pass that folder)")
         student.load_adapter(str(path), adapter_name=TEACHER_ADAPTER, is_trainable=False)
         return student, TEACHER_ADAPTER
     from peft import PeftModel  # optional dependency
@@ -144,10 +148,11 @@ def check_vocabulary(student_tokenizer, teacher_tokenizer, teacher_model) -> Non
     if teacher_tokenizer is not None:
         student_vocab, teacher_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
         if student_vocab != teacher_vocab:
-            differing = sorted(set(student_vocab.items()) ^ set(teacher_vocab.items()), key=lambda kv: kv[1])[:3]
+            differing = sorted(set(student_vocab.items()) ^ set(teacher_vocab.items()),
+                               key=lambda kv: kv[1])[:3]
             raise ValueError(f"the teacher's tokenizer differs from the student's ({len(teacher_vocab)} vs "
-                             f"{len(student_vocab)} tokens; e.g. {differing}): on-policy distillation scores the "
-                             f"student's token ids with the teacher, so both must use the same tokenizer")
+                             f"{len(student_vocab)} tokens; e.g. {differing}): on-policy distillation scores "
+                             f"the student's token ids with the teacher, so both must use the same tokenizer")
     rows = None if teacher_model is None else teacher_model.get_output_embeddings().weight.shape[0]
     if rows is not None and rows < len(student_tokenizer):
         raise ValueError(f"the teacher's output layer has {rows} rows but the student's tokenizer has "

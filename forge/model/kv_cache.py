@@ -13,13 +13,15 @@ import torch
 from transformers import LlamaForCausalLM
 
 # transformers 5 renamed the `past_key_values` argument to `cache`; speak whichever this version knows.
-CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+CACHE_ARG = ("cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
+             else "past_key_values")
 
 
-# The last position as an index (logits_to_keep) for generation: the model gathers it into a contiguous (n, 1, C) input of the
-# output layer. logits_to_keep=1 slices a strided view, which torch.matmul cannot fold into one matrix product:
-# it copies the transposed output weight once per row instead (0.55 s for the demo's 4 prompts on a CPU, 60x the
-# product itself). The same logits in bf16; in fp32 the one product and the per-row ones can differ in the last bit.
+# The last position as an index (logits_to_keep) for generation: the model gathers it into a contiguous
+# (n, 1, C) input of the output layer. logits_to_keep=1 slices a strided view, which torch.matmul cannot fold
+# into one matrix product: it copies the transposed output weight once per row instead (0.55 s for the demo's
+# 4 prompts on a CPU, 60x the product itself). The same logits in bf16; in fp32 the one product and the
+# per-row ones can differ in the last bit.
 LAST_POSITION = torch.tensor([-1])
 
 
@@ -47,9 +49,11 @@ if DynamicLayer is not None:
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, repeats: int = 1):
             super().__init__()
             batch, heads, length, dim = keys.shape
-            self.key_buffer = keys.new_empty(batch * repeats, heads, capacity, dim)  # (n * repeats, H, capacity, D)
+            # (n * repeats, H, capacity, D)
+            self.key_buffer = keys.new_empty(batch * repeats, heads, capacity, dim)
             self.value_buffer = values.new_empty(batch * repeats, heads, capacity, values.shape[-1])
-            for buffer, filled in ((self.key_buffer, keys), (self.value_buffer, values)):  # each row `repeats` times
+            # each row `repeats` times
+            for buffer, filled in ((self.key_buffer, keys), (self.value_buffer, values)):
                 buffer.view(batch, repeats, *buffer.shape[1:])[:, :, :, :length] = filled[:, None]
             self.length = length
             self.device, self.is_initialized = keys.device, True
@@ -75,8 +79,8 @@ if DynamicLayer is not None:
             self._expose()
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
-            # index_select copies whole rows; indexing (buffer[indices]) copies element by element, ~3x slower on a
-            # CPU, and rows leave the decode batch at many steps of a generation
+            # index_select copies whole rows; indexing (buffer[indices]) copies element by element, ~3x slower
+            # on a CPU, and rows leave the decode batch at many steps of a generation
             self.key_buffer = self.key_buffer.index_select(0, indices)
             self.value_buffer = self.value_buffer.index_select(0, indices)
             self._expose()
@@ -87,9 +91,9 @@ else:
 
 
 def preallocated(cache, capacity: int, repeats: int = 1):
-    """Move a filled DynamicCache into buffers of `capacity` positions (see PreallocatedLayer), each row repeated
-    `repeats` times in place (batch_repeat_interleave). Caches of other kinds (sliding windows, older transformers)
-    are only repeated."""
+    """Move a filled DynamicCache into buffers of `capacity` positions (see PreallocatedLayer), each row
+    repeated `repeats` times in place (batch_repeat_interleave). Caches of other kinds (sliding windows, older
+    transformers) are only repeated."""
     layers = getattr(cache, "layers", None)
     if DynamicLayer is None or not layers or any(type(layer) is not DynamicLayer or not layer.is_initialized
                                                  for layer in layers):

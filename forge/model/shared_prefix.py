@@ -1,23 +1,25 @@
-"""Decode attention that reads each group's prompt once: the prompt's keys/values stored per prompt, not per row.
+"""Decode attention that reads each group's prompt once: the prompt's keys/values stored per prompt,
+not per row.
 
-The completions of a group share their prompt, so after the prefill the cache holds the prompt's keys/values once
-per prompt, (P, H_kv, Lp, D), and each completion's own keys/values in a buffer sized for max_new_tokens,
+The completions of a group share their prompt, so after the prefill the cache holds the prompt's keys/values
+once per prompt, (P, H_kv, Lp, D), and each completion's own keys/values in a buffer sized for max_new_tokens,
 (N, H_kv, T, D). A decode step's query of row n (group g = n // group_size) attends to the concatenation
 [prompt of g | own tokens of n]: the scores of both segments go through one softmax, as over the concatenated
-keys, and the output is the sum of the two segments' weighted values. The prompt segment is one matrix product per
-prompt for all its rows (the rows' queries stacked as the product's rows), so its keys are read once per step
-instead of once per row; the own segment is one batched product per row, as before.
+keys, and the output is the sum of the two segments' weighted values. The prompt segment is one matrix product
+per prompt for all its rows (the rows' queries stacked as the product's rows), so its keys are read once per
+step instead of once per row; the own segment is one batched product per row, as before.
 
 Scores and softmax are computed in fp32 over fp32 copies of the keys/values (bf16 values held exactly), as the
-CPU's fused attention kernel does internally, and the output is returned in the query's dtype: the same values as
-scaled_dot_product_attention over the repeated cache up to summation order (tests/units/test_shared_prefix.py).
+CPU's fused attention kernel does internally, and the output is returned in the query's dtype: the same values
+as scaled_dot_product_attention over the repeated cache up to summation order
+(tests/units/test_shared_prefix.py).
 
-Used by the decode loop (forge/core/rollout.py) when a group's prompt is shared, no tool results are fed, and the
-model's attention is plain full attention (`shared_attention_configs`, decided once: forge/model/static_decode.py
-DecodePlan); the prefill and everything else run as the model does. While `attending(configs, cache)` is active the
-model's attention implementation is
-"forge_shared_prefix", whose function finds its layer's prompt through the active cache; it is registered with
-transformers' AttentionInterface.
+Used by the decode loop (forge/core/rollout.py) when a group's prompt is shared, no tool results are fed, and
+the model's attention is plain full attention (`shared_attention_configs`, decided once:
+forge/model/static_decode.py DecodePlan); the prefill and everything else run as the model does. While
+`attending(configs, cache)` is active the model's attention implementation is "forge_shared_prefix", whose
+function finds its layer's prompt through the active cache; it is registered with transformers'
+AttentionInterface.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ class SharedPrefixLayer(DynamicLayer or object):
 
     prompt_keys (P, H_kv, Lp, D) and prompt_bias (P, 1, 1, Lp) (0 on real prompt tokens, -inf on left padding)
     stay as they are for the whole generation; `own` (forge/model/kv_cache.py's PreallocatedLayer, fp32) holds
-    each row's own keys/values, (N, H_kv, capacity, D), written one column per step; rows (n,) is the original row
-    of each row still decoding (its group: rows // group_size).
+    each row's own keys/values, (N, H_kv, capacity, D), written one column per step; rows (n,) is the original
+    row of each row still decoding (its group: rows // group_size).
     """
 
     def __init__(
@@ -63,9 +65,10 @@ class SharedPrefixLayer(DynamicLayer or object):
         self.prompt_bias = torch.zeros(prompts, 1, 1, length, device=keys.device)  # (P, 1, 1, Lp)
         self.prompt_bias.masked_fill_(~prompt_mask.bool().to(keys.device)[:, None, None, :], float("-inf"))
         rows = prompts * group_size
+        # (N, H_kv, capacity, D): each row's own tokens, written in place
         self.own = PreallocatedLayer(self.prompt_keys.new_empty(rows, heads, 0, dim),
                                      self.prompt_values.new_empty(rows, heads, 0, values.shape[-1]),
-                                     capacity)  # (N, H_kv, capacity, D): each row's own tokens, written in place
+                                     capacity)
         self.rows = torch.arange(rows, device=keys.device)  # (n,)
         self.group_size, self.prompt_length = group_size, length
         self.dtype = keys.dtype
@@ -92,7 +95,8 @@ class SharedPrefixLayer(DynamicLayer or object):
         raise NotImplementedError("a shared-prefix cache holds its groups already")
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query (n, H, 1, D) of the rows decoding -> (n, 1, H, Dv): attention over [own prompt | own tokens]."""
+        """query (n, H, 1, D) of the rows decoding -> (n, 1, H, Dv): attention
+        over [own prompt | own tokens]."""
         n, heads, _, dim = query.shape
         prompts, kv_heads, length, _ = self.prompt_keys.shape
         per_kv, group = heads // kv_heads, self.group_size
@@ -189,7 +193,8 @@ def is_shared(cache) -> bool:
 
 
 def shared(cache, prompt_mask: torch.Tensor, group_size: int, capacity: int):
-    """The prefilled cache of P prompts as SharedPrefixLayers for P * group_size rows with `capacity` new tokens."""
+    """The prefilled cache of P prompts as SharedPrefixLayers for P * group_size rows with `capacity` new
+    tokens."""
     cache.layers = [
         SharedPrefixLayer(layer.keys, layer.values, prompt_mask, group_size, capacity)
         for layer in cache.layers

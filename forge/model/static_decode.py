@@ -1,4 +1,5 @@
-"""The decode step of generation: eager (the reference), or compiled over a static KV cache (`generation_backend`).
+"""The decode step of generation: eager (the reference), or compiled over a static KV cache
+(`generation_backend`).
 
 `decoder(model, cache, plan)` gives the step the decode loop (forge/core/rollout.py `generate`) calls once per
 token: `step(tokens (n,), mask (n, L), positions (n,)) -> next-token logits (n, V)`, plus the cache the loop
@@ -6,16 +7,17 @@ drops finished rows from.
 
 - `eager`: the model's forward over Forge's preallocated cache (forge/model/kv_cache.py), the reference path.
 - `compiled`: transformers' StaticCache, whose shapes never change, and one `torch.compile`d forward per
-  (batch, capacity) bucket: the batch rounded up to a power of two (rows that finished stay in their slot until
-  the live rows fit half the bucket, then the cache is compacted), the capacity (prompt + max_new_tokens) up to a
-  multiple of 64, so a run compiles at most log2(rows) + 1 times per capacity. On a CPU inductor emits C++
-  kernels; on CUDA the same code is captured in CUDA graphs (mode="reduce-overhead"). Every step attends over
-  the whole capacity (masked), which costs more than the eager step's filled length.
-- `auto`: whichever measured faster on this kind of device and dtype (GENERATION_BACKEND_MEASURED); eager where
-  nothing was measured. The choice and its reason are logged once.
+  (batch, capacity) bucket: the batch rounded up to a power of two (rows that finished stay in their slot
+  until the live rows fit half the bucket, then the cache is compacted), the capacity
+  (prompt + max_new_tokens) up to a multiple of 64, so a run compiles at most log2(rows) + 1 times per
+  capacity. On a CPU inductor emits C++ kernels; on CUDA the same code is captured in CUDA graphs
+  (mode="reduce-overhead"). Every step attends over the whole capacity (masked), which costs more than the
+  eager step's filled length.
+- `auto`: whichever measured faster on this kind of device and dtype (GENERATION_BACKEND_MEASURED); eager
+  where nothing was measured. The choice and its reason are logged once.
 
-The compiled step differs from the eager one by floating-point summation order only (the same weights, the same
-masked attention), so greedy tokens agree but for near-ties (tests/units/test_static_decode.py).
+The compiled step differs from the eager one by floating-point summation order only (the same weights, the
+same masked attention), so greedy tokens agree but for near-ties (tests/units/test_static_decode.py).
 """
 
 from __future__ import annotations
@@ -40,18 +42,18 @@ LENGTH_BUCKET = 64
 # measurement). bench/compiled_decode.py measures a new kind; unmeasured kinds decode eagerly.
 GENERATION_BACKEND_MEASURED: dict[tuple[str, torch.dtype, str], tuple[str, str]] = {
     ("cpu", torch.bfloat16, "AMX tiles"): ("eager", (
-        "compiled static-cache step 1.42x the time of the eager step on packed weights (SmolLM2-135M, 32 rows, "
-        "AMX Xeon; bench/compiled_decode.py)")),
+        "compiled static-cache step 1.42x the time of the eager step on packed weights (SmolLM2-135M, "
+        "32 rows, AMX Xeon; bench/compiled_decode.py)")),
     ("cpu", torch.bfloat16, "AVX512-BF16"): ("eager", (
-        "compiled static-cache step 3.4x the time of the eager step on packed weights (SmolLM2-135M, 32 rows, "
-        "AVX512-BF16 AMD EPYC; bench/compiled_decode.py)")),
+        "compiled static-cache step 3.4x the time of the eager step on packed weights (SmolLM2-135M, "
+        "32 rows, AVX512-BF16 AMD EPYC; bench/compiled_decode.py)")),
 }
 _announced: set[tuple[str, torch.dtype, str]] = set()
 
 
 def resolve_backend(backend: str, device_type: str) -> str:
-    """'eager' or 'compiled'; 'auto' from GENERATION_BACKEND_MEASURED for this device, its kind and the autocast
-    dtype."""
+    """'eager' or 'compiled'; 'auto' from GENERATION_BACKEND_MEASURED for this device, its kind and the
+    autocast dtype."""
     if backend not in BACKENDS:
         raise ValueError(f"generation_backend={backend!r}; use one of {', '.join(BACKENDS)}")
     if backend != "auto":
@@ -80,7 +82,8 @@ class DecodePlan:
 
     @classmethod
     def of(cls, model, backend: str = "auto", with_tools: bool = False) -> DecodePlan:
-        """The plan for `model`; with tools (results are fed between tokens) the eager repeated-prompt step."""
+        """The plan for `model`; with tools (results are fed between tokens) the eager repeated-prompt
+        step."""
         backend = "eager" if with_tools else resolve_backend(backend, next(model.parameters()).device.type)
         eager = backend == "eager"
         shared = shared_attention_configs(model) if eager and not with_tools else ()
@@ -88,10 +91,11 @@ class DecodePlan:
 
 
 def decoder(model, cache, plan: DecodePlan):
-    """(cache, step): the cache the loop selects rows of (`cache.batch_select_indices(keep)`) and the decode step."""
+    """(cache, step): the cache the loop selects rows of (`cache.batch_select_indices(keep)`) and the decode
+    step."""
     layers = getattr(cache, "layers", None)
-    if plan.backend == "eager" or not layers or not all(
-            hasattr(layer, "key_buffer") for layer in layers):  # only Forge's preallocated cache says its capacity
+    # only Forge's preallocated cache says its capacity
+    if plan.backend == "eager" or not layers or not all(hasattr(layer, "key_buffer") for layer in layers):
         return cache, _eager_step(model, cache, plan)
     static = StaticDecoder(model, cache)
     return static, static
@@ -105,19 +109,22 @@ def _eager_step(model, cache, plan: DecodePlan) -> Callable:
     def step(tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         grow(cache, mask.shape[1])
         with attention():  # a cache that holds each group's prompt once is read by its own attention
-            out = model(input_ids=tokens[:, None], attention_mask=mask[:, None, None].bool() if as_4d else mask,
+            out = model(input_ids=tokens[:, None],
+                        attention_mask=mask[:, None, None].bool() if as_4d else mask,
                         position_ids=positions[:, None], use_cache=True, **{CACHE_ARG: cache})
         return out.logits[:, -1]  # (n, V)
     return step
 
 
 def _sdpa_with_grouped_heads(model) -> bool:
-    """Whether the model's decode attention is SDPA with fewer key/value heads than query heads. Its mask then goes
-    in as (n, 1, 1, L): from a 2D mask without padding transformers drops the mask, and SDPA without a mask runs
-    grouped heads with enable_gqa, which on a CPU took 6.4x the time of the same attention with the query heads
-    packed per key head (5.4 ms against 0.84 ms per layer of SmolLM2-135M, 32 rows, 200 positions)."""
+    """Whether the model's decode attention is SDPA with fewer key/value heads than query heads. Its mask then
+    goes in as (n, 1, 1, L): from a 2D mask without padding transformers drops the mask, and SDPA without a
+    mask runs grouped heads with enable_gqa, which on a CPU took 6.4x the time of the same attention with the
+    query heads packed per key head (5.4 ms against 0.84 ms per layer of SmolLM2-135M, 32 rows, 200
+    positions)."""
     config = getattr(model, "config", None)
-    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    heads, kv_heads = (getattr(config, "num_attention_heads", None),
+                       getattr(config, "num_key_value_heads", None))
     return (getattr(config, "_attn_implementation", None) == "sdpa" and bool(heads) and bool(kv_heads)
             and kv_heads < heads)
 
@@ -126,13 +133,15 @@ def _bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()  # the next power of two
 
 
-def _forward(model, cache, ids, mask, positions, cache_position):  # tensors only: an int would recompile each step
+# tensors only: an int would recompile each step
+def _forward(model, cache, ids, mask, positions, cache_position):
     return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache_position=cache_position,
                  use_cache=True, **{CACHE_ARG: cache}).logits[:, -1]
 
 
 _compiled: dict[str, Callable] = {}
-_pool: dict[tuple, object] = {}  # static caches by (model, rows, capacity, dtype): a new object would recompile
+# static caches by (model, rows, capacity, dtype): a new object would recompile
+_pool: dict[tuple, object] = {}
 
 
 def _static_cache(model, batch: int, capacity: int, keys: torch.Tensor, values: torch.Tensor):
@@ -159,7 +168,8 @@ def _compiled_forward(device_type: str) -> Callable:
 
 
 class StaticDecoder:
-    """A static KV cache of (bucket rows, capacity) filled from a prefilled Forge cache, and the compiled step."""
+    """A static KV cache of (bucket rows, capacity) filled from a prefilled Forge cache, and the compiled
+    step."""
 
     def __init__(self, model, cache):
         layers = cache.layers
@@ -186,7 +196,8 @@ class StaticDecoder:
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # (B, 1)
 
     def batch_select_indices(self, keep: torch.Tensor) -> None:
-        """Keep the live rows `keep` (indices into the current live rows); compact when they fit half the bucket."""
+        """Keep the live rows `keep` (indices into the current live rows); compact when they fit half the
+        bucket."""
         self.slots = self.slots[keep.to(self.device)]
         if self.batch > 1 and len(self.slots) <= self.batch // 2:
             contents = [(layer.keys[self.slots], layer.values[self.slots]) for layer in self.static.layers]

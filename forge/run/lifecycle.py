@@ -1,4 +1,5 @@
-"""A run's lifecycle around the GRPO steps: the output directory, checkpoints of finished steps, resume, signals.
+"""A run's lifecycle around the GRPO steps: the output directory, checkpoints of finished steps,
+resume, signals.
 
 A run is never lost. After every optimizer step the trainer hands a `FinishedStep` to `RunLifecycle`: the
 step number, where the data order stands, the counters a resumed run must continue, and every RNG state as
@@ -8,9 +9,11 @@ that step can still be saved, and a resumed run repeats the uninterrupted one bi
     RunLifecycle(output_dir, parts)       what is saved: model, tokenizer, optimizer, schedule, config
       .finished(FinishedStep)             the trainer reports each finished step
       .save(finished[, name])             {output_dir}/{step}/ (or final/: weights only), atomic, pruned
-      .where_to_resume()                  saves the last finished step if needed; says where it is, how to resume
+      .where_to_resume()                  saves the last finished step if needed; says where it is, how to
+                                          resume
       .resume(where) -> FinishedStep      loads weights, optimizer, schedule and RNG; checks config and data
-    StopSignals                           SIGINT/SIGTERM/SIGHUP: finish the step, save, raise TrainingInterrupted
+    StopSignals                           SIGINT/SIGTERM/SIGHUP: finish the step, save, raise
+                                          TrainingInterrupted
     check_output_dir_is_free / claim_output_dir    refuse another run's directory; hold it for this run
 
 This module never reads the trainer: everything comes in through `CheckpointParts` and `FinishedStep`.
@@ -52,8 +55,10 @@ class FinishedStep:
     nonfinite_in_a_row: int = 0  # optimizer steps skipped for a NaN/inf in a row, up to this one
     skipped_steps: int = 0  # optimizer steps skipped for a NaN/inf in the whole run
     loss_scale: float = 1.0  # fp16's dynamic loss scale (1 in fp32 / bf16)
-    entropy_control: dict | None = None  # adaptive entropy control's coefficient and last entropy (None: fixed)
-    micro_batch_size: int | None = None  # the loss-pass micro-batch micro_batch_size='auto' chose (None: fixed)
+    entropy_control: dict | None = None  # adaptive entropy control's coefficient and last entropy
+    # (None: fixed)
+    micro_batch_size: int | None = None  # the loss-pass micro-batch micro_batch_size='auto' chose
+    # (None: fixed)
 
 
 @dataclass
@@ -67,8 +72,8 @@ class CheckpointParts:
     run_config: dict  # GRPOConfig as a dict plus the model's name: compared on resume
     is_lora: bool
     dataset_identity: dict = field(default_factory=dict)  # size and fingerprint of the training rows
-    sharded_by: Any = None  # FSDP2: the run's processes (is_main, main_pid, barrier, any), which all save; None:
-    # the whole model is on rank 0, which saves alone
+    sharded_by: Any = None  # FSDP2: the run's processes (is_main, main_pid, barrier, any), which all save;
+    # None: the whole model is on rank 0, which saves alone
 
 
 def resume_hint(path: Path) -> str:
@@ -87,7 +92,8 @@ def check_output_dir(output_dir: Path, is_main: bool) -> None:
             probe.write_text("ok")
             probe.unlink()
         except OSError as error:
-            raise ValueError(f"output_dir={str(output_dir)!r} is not writable ({error}); choose another") from None
+            raise ValueError(f"output_dir={str(output_dir)!r} is not writable "
+                             f"({error}); choose another") from None
 
 
 LOG_ARTIFACTS = ("training_log.jsonl", "samples.jsonl", "tensorboard")
@@ -105,8 +111,8 @@ class OutputDirInUse(ValueError):
 class RunLeft:
     """What is in an output_dir, sorted by who wrote it (names relative to it)."""
 
-    checkpoints: list[str]  # numbered folders and final/ that hold Forge's COMPLETE, and `.old-<pid>` leftovers
-    # that would be put back (`integrity.restorable`)
+    checkpoints: list[str]  # numbered folders and final/ that hold Forge's COMPLETE, and `.old-<pid>`
+    # leftovers that would be put back (`integrity.restorable`)
     logs: list[str]  # training_log.jsonl, samples.jsonl, tensorboard/
     foreign: list[str]  # folders with a step's name (or final/) that hold no Forge COMPLETE: not Forge's
 
@@ -128,35 +134,35 @@ def what_is_left(output_dir: Path) -> RunLeft:
 
 
 def previous_run(output_dir: Path) -> list[str]:
-    """What an earlier run left in output_dir: Forge's checkpoints (numbered, final/, a restorable leftover of a
-    killed save) and its logs. Nothing else in the directory is Forge's."""
+    """What an earlier run left in output_dir: Forge's checkpoints (numbered, final/, a restorable leftover of
+    a killed save) and its logs. Nothing else in the directory is Forge's."""
     left = what_is_left(output_dir)
     return sorted(left.checkpoints + left.logs)
 
 
 def check_output_dir_is_free(output_dir: Path, *, resuming: bool, overwrite: bool, is_main: bool) -> None:
     """What `claim_output_dir` refuses, checked without changing anything in output_dir (it may create it): a
-    file, a directory that cannot be written, a live run's lock, a folder with a step's name that is not Forge's
-    (a save would replace it), and another run's checkpoints unless `resuming` or `overwrite`. Logs alone (a run
-    stopped before its first checkpoint) do not stop a new run: `claim_output_dir` replaces them. `forge train`
-    calls it before it loads the model."""
+    file, a directory that cannot be written, a live run's lock, a folder with a step's name that is not
+    Forge's (a save would replace it), and another run's checkpoints unless `resuming` or `overwrite`. Logs
+    alone (a run stopped before its first checkpoint) do not stop a new run: `claim_output_dir` replaces them.
+    `forge train` calls it before it loads the model."""
     check_output_dir(output_dir, is_main)
     if is_main:
         RunLock(output_dir / LOCK_NAME).release()  # raises OutputDirInUse while another run holds it
     left = what_is_left(output_dir)
     if left.foreign:
         raise OutputDirInUse(
-            f"output_dir={str(output_dir)!r} holds {', '.join(f'{name}/' for name in left.foreign[:6])}, named like "
-            f"a checkpoint Forge would save there but not Forge's (no Forge COMPLETE in it: another program's folder, "
-            f"or a damaged checkpoint); Forge neither deletes nor saves over it. Move it out of {str(output_dir)!r}, "
-            f"or choose another --output_dir.")
+            f"output_dir={str(output_dir)!r} holds {', '.join(f'{name}/' for name in left.foreign[:6])}, "
+            f"named like a checkpoint Forge would save there but not Forge's (no Forge COMPLETE in it: "
+            f"another program's folder, or a damaged checkpoint); Forge neither deletes nor saves over it. "
+            f"Move it out of {str(output_dir)!r}, or choose another --output_dir.")
     if left.checkpoints and not resuming and not overwrite:
         names = sorted(left.checkpoints + left.logs)
         raise OutputDirInUse(
-            f"output_dir={str(output_dir)!r} already holds a run ({', '.join(names[:6])}"
-            f"{', ...' if len(names) > 6 else ''}). Continue it with --resume (resume_from='latest'), write this "
-            f"run to another --output_dir, or pass --overwrite_output_dir (overwrite_output_dir=True) to "
-            f"delete that run's checkpoints and logs first.")
+            f"output_dir={str(output_dir)!r} already holds a run "
+            f"({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}). Continue it with --resume "
+            f"(resume_from='latest'), write this run to another --output_dir, or pass --overwrite_output_dir "
+            f"(overwrite_output_dir=True) to delete that run's checkpoints and logs first.")
 
 
 def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_main: bool) -> RunLock | None:
@@ -167,7 +173,8 @@ def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_ma
       nothing else. A directory with only the logs of a run that stopped before its first checkpoint is taken
       over: there is nothing to resume, so those logs are replaced (and said so). A new run never mixes its
       steps with an old one's.
-    - A folder with a step's name that is not Forge's is refused, whatever the flags (a save would replace it).
+    - A folder with a step's name that is not Forge's is refused, whatever the flags
+      (a save would replace it).
     - The main process holds an exclusive lock on {output_dir}/.forge.lock for the run's lifetime, so a second
       run into the same directory stops with a message instead of interleaving logs and checkpoints.
     - Leftovers of killed saves: N.tmp-PID of a dead process is deleted; N.old-PID is put back as N only when
@@ -185,21 +192,23 @@ def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_ma
     for leftover, action in integrity.remove_stale_temporaries(output_dir):
         target = integrity.stale_old_checkpoint(leftover)
         if action == "restored":
-            tqdm.write(f"forge: restored checkpoint {target} from {leftover.name}, left by a save that was killed while "
-                       f"replacing it (every file verifies against its COMPLETE)")
+            tqdm.write(f"forge: restored checkpoint {target} from {leftover.name}, left by a save that was "
+                       f"killed while replacing it (every file verifies against its COMPLETE)")
         elif action == "kept":
-            tqdm.write(f"forge: left {leftover} as it is: a leftover of a killed save that is not a whole Forge "
-                       f"checkpoint, so it was not put back; delete it or move it out of {output_dir}")
+            tqdm.write(f"forge: left {leftover} as it is: a leftover of a killed save that is not a whole "
+                       f"Forge checkpoint, so it was not put back; delete it or move it out of {output_dir}")
     left = what_is_left(output_dir)
     doomed = (left.checkpoints + left.logs) if overwrite and not resuming else [] if resuming else left.logs
     for name in doomed:
         target = output_dir / name
         shutil.rmtree(target) if target.is_dir() else target.unlink()
     if doomed and not left.checkpoints:
-        tqdm.write(f"forge: {output_dir} held only the logs of a run that stopped before its first checkpoint "
-                   f"({', '.join(doomed)}): there is nothing to resume, so this run starts afresh and replaces them")
+        tqdm.write(f"forge: {output_dir} held only the logs of a run that stopped before its first "
+                   f"checkpoint ({', '.join(doomed)}): there is nothing to resume, so this run starts afresh "
+                   f"and replaces them")
     elif doomed:
-        tqdm.write(f"forge: --overwrite_output_dir: deleted the earlier run's {', '.join(doomed)} in {output_dir}")
+        tqdm.write(f"forge: --overwrite_output_dir: deleted the earlier run's {', '.join(doomed)} in "
+                   f"{output_dir}")
     return lock
 
 
@@ -223,8 +232,8 @@ class RunLock:
                 handle.seek(0)
                 owner = handle.read().strip() or "unknown"
                 handle.close()
-                raise OutputDirInUse(f"another Forge run (pid {owner}) is writing to {str(path.parent)!r}; wait "
-                                     f"for it to finish or choose another output_dir") from None
+                raise OutputDirInUse(f"another Forge run (pid {owner}) is writing to {str(path.parent)!r}; "
+                                     f"wait for it to finish or choose another output_dir") from None
             if path.exists() and os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
                 break
             handle.close()  # the holder removed the file between our open and our lock: take the new one
@@ -258,17 +267,17 @@ class RunLifecycle:
 
     def save(self, finished: FinishedStep, name: str | None = None) -> Path:
         """Write the checkpoint of `finished` to {output_dir}/{name or step}/. Every process calls it: rank 0
-        writes, and under FSDP2 every rank writes its shards. name="final" writes the trained model only (weights or
-        adapter, tokenizer, configs; under FSDP2 the whole gathered weights): no optimizer, scheduler or RNG state,
-        which only the numbered checkpoints keep."""
+        writes, and under FSDP2 every rank writes its shards. name="final" writes the trained model only
+        (weights or adapter, tokenizer, configs; under FSDP2 the whole gathered weights): no optimizer,
+        scheduler or RNG state, which only the numbered checkpoints keep."""
         parts = self.parts
         path = self.output_dir / (name or str(finished.step))
         final = name == "final"
         state = {"global_step": finished.step, "epoch": finished.epoch, "position": finished.position,
                  "nonfinite_in_a_row": finished.nonfinite_in_a_row, "skipped_steps": finished.skipped_steps,
                  "loss_scale": finished.loss_scale, "entropy_control": finished.entropy_control,
-                 "micro_batch_size": finished.micro_batch_size,
-                 "model_name": parts.run_config["model_name"], "is_lora": parts.is_lora, **parts.dataset_identity}
+                 "micro_batch_size": finished.micro_batch_size, "model_name": parts.run_config["model_name"],
+                 "is_lora": parts.is_lora, **parts.dataset_identity}
         files = {"model": parts.model, "tokenizer": parts.tokenizer, "optimizer": parts.optimizer,
                  "scheduler": parts.scheduler, "trainer_state": state, "config": parts.run_config,
                  "rng_state": finished.rng_state}
@@ -299,34 +308,42 @@ class RunLifecycle:
         """Save the last finished step if needed; say where it is and how to resume."""
         path = self.checkpoint_of_last_step(weights_are_of_last_step)
         if path is not None:
-            return f"The last finished step ({self.last_finished.step}) is saved in {path}. {resume_hint(path)}"
+            return (f"The last finished step ({self.last_finished.step}) is saved in {path}. "
+                    f"{resume_hint(path)}")
         if self.saved is not None:
             return f"The newest checkpoint is {self.saved[1]}. {resume_hint(self.saved[1])}"
         if self.last_finished is not None and self.last_finished.step > 0:
-            return (f"No checkpoint of this run was saved (step {self.last_finished.step} could not be saved at this "
-                    f"point): start the run again, with save_steps to keep checkpoints along the way.")
+            return (f"No checkpoint of this run was saved (step {self.last_finished.step} could not be saved "
+                    f"at this point): start the run again, with save_steps to keep checkpoints along the "
+                    f"way.")
         return "No optimizer step had finished, so there is no checkpoint: start the run again."
 
     def resume(self, where: str) -> FinishedStep:
-        """Load the checkpoint `where` ('latest' = the newest complete one) into the parts; its FinishedStep."""
+        """Load the checkpoint `where` ('latest' = the newest complete one) into the parts; its
+        FinishedStep."""
         parts = self.parts
         path = integrity.latest_checkpoint(self.output_dir) if where == "latest" else Path(where)
         if path is None:
             raise FileNotFoundError(nothing_to_resume(self.output_dir))
-        if path.name == "final" and not any((path / name).exists() for name in integrity.TRAINING_STATE_NAMES):
+        if path.name == "final" and not any((path / name).exists()
+                                            for name in integrity.TRAINING_STATE_NAMES):
             newest = integrity.latest_checkpoint(path.parent)
-            raise ValueError(f"cannot resume from {path}: final/ holds the trained model only (no optimizer, schedule "
-                             f"or RNG state). Resume from a numbered checkpoint" + (
+            raise ValueError(f"cannot resume from {path}: final/ holds the trained model only (no optimizer, "
+                             f"schedule or RNG state). Resume from a numbered checkpoint" + (
                                  f", the newest is {newest} (--resume, resume_from='latest')" if newest else
-                                 f"; {path.parent} has none, so start a new run from these weights (--model {path})"))
+                                 f"; {path.parent} has none, so start a new run from these weights "
+                                 f"(--model {path})"))
         state = ckpt.load_checkpoint(path)
-        saved = fields.check_trainer_state(path, state.trainer_state, parts.dataset_identity.get("dataset_size"))
+        saved = fields.check_trainer_state(path, state.trainer_state,
+                                           parts.dataset_identity.get("dataset_size"))
         if not isinstance(state.config, dict):
-            raise fields.refused(path, integrity.CONFIG_NAME, f"is a JSON {type(state.config).__name__}, not an object")
+            raise fields.refused(path, integrity.CONFIG_NAME,
+                                 f"is a JSON {type(state.config).__name__}, not an object")
         ckpt.check_compatible(state.config, parts.run_config, checkpoint_path=path)
         check_same_dataset(saved, parts.dataset_identity, path)
         check_same_sharding(path, sharded=parts.sharded_by is not None)
-        load_weights_and_optimizer(path, state, parts.model, parts.optimizer, sharded=parts.sharded_by is not None)
+        load_weights_and_optimizer(path, state, parts.model, parts.optimizer,
+                                   sharded=parts.sharded_by is not None)
         fields.check_scheduler_state(path, state.scheduler_state)
         with fields.loading(path, integrity.SCHEDULER_NAME):
             parts.scheduler.load_state_dict(state.scheduler_state)
@@ -335,25 +352,28 @@ class RunLifecycle:
         step = int(saved["global_step"])
         self.saved = (step, path)
         # This run's learning_rate / weight_decay apply from here on (the saved optimizer state would win).
-        changed = apply_new_hyperparameters(parts.optimizer, parts.scheduler, parts.run_config["learning_rate"],
+        changed = apply_new_hyperparameters(parts.optimizer, parts.scheduler,
+                                            parts.run_config["learning_rate"],
                                             parts.run_config["weight_decay"])
         if self.is_main:
             tqdm.write(f"forge: resumed from step {step} ({path})"
-                       + (f"; applying this run's {', '.join(changed)} from step {step + 1}" if changed else ""))
+                       + (f"; applying this run's {', '.join(changed)} from step {step + 1}" if changed
+                          else ""))
         newer = [str(p) for s, p in integrity.numbered_checkpoints(self.output_dir) if s > step]
         if newer:
-            warnings.warn(f"resuming from step {step} while {self.output_dir} holds later checkpoints {newer} of "
-                          f"the earlier run; this run replaces each as it reaches its step, until then "
-                          f"resume_from='latest' would pick them", stacklevel=3)
+            warnings.warn(f"resuming from step {step} while {self.output_dir} holds later checkpoints "
+                          f"{newer} of the earlier run; this run replaces each as it reaches its step, until "
+                          f"then resume_from='latest' would pick them", stacklevel=3)
         return FinishedStep(step, int(saved["epoch"]), int(saved["position"]), state.rng_state,
                             int(saved.get("nonfinite_in_a_row", 0)), int(saved.get("skipped_steps", 0)),
                             float(saved.get("loss_scale", 1.0)), saved.get("entropy_control"),
                             saved.get("micro_batch_size"))
 
 
-def load_weights_and_optimizer(path: Path, state: ckpt.CheckpointState, model, optimizer, sharded: bool) -> None:
-    """The checkpoint's weights and optimizer state into the run's (sharded: on every rank), each field checked
-    against the run's first (forge/run/checkpoint_fields.py)."""
+def load_weights_and_optimizer(path: Path, state: ckpt.CheckpointState, model, optimizer,
+                               sharded: bool) -> None:
+    """The checkpoint's weights and optimizer state into the run's (sharded: on every rank), each field
+    checked against the run's first (forge/run/checkpoint_fields.py)."""
     own = fields.hyperparameters(optimizer)
     if sharded:
         ckpt.load_sharded_state(path, model, optimizer)
@@ -371,38 +391,42 @@ def nothing_to_resume(output_dir: Path) -> str:
     left = what_is_left(output_dir)
     head = f"resume_from='latest' (--resume) but {output_dir} holds no complete checkpoint"
     if "final" in left.checkpoints:
-        return (f"{head}, only final/ (a trained model, without the optimizer state a resume needs). Start a new "
-                f"run from its weights: --model {output_dir / 'final'} with another --output_dir.")
+        return (f"{head}, only final/ (a trained model, without the optimizer state a resume needs). Start a "
+                f"new run from its weights: --model {output_dir / 'final'} with another --output_dir.")
     if left.logs:
-        return (f"{head}: the run that wrote {', '.join(left.logs)} there stopped before its first checkpoint was "
-                f"complete, so there is nothing to resume. To start afresh, run the same command without --resume "
-                f"(resume_from=None): it replaces those logs and touches nothing else.")
+        return (f"{head}: the run that wrote {', '.join(left.logs)} there stopped before its first "
+                f"checkpoint was complete, so there is nothing to resume. To start afresh, run the same "
+                f"command without --resume (resume_from=None): it replaces those logs and touches nothing "
+                f"else.")
     return f"{head}. To start a run there, run the same command without --resume (resume_from=None)."
 
 
 def check_same_sharding(path: Path, sharded: bool) -> None:
-    """A checkpoint of an FSDP2 run holds shards, one of a data-parallel run the whole model: refuse the other."""
+    """A checkpoint of an FSDP2 run holds shards, one of a data-parallel run the whole model: refuse the
+    other."""
     if integrity.is_sharded(path) and not sharded:
-        raise ValueError(f"cannot resume from checkpoint {path}: it was saved by an FSDP run (its weights and "
-                         f"optimizer are shards in {path / 'sharded'}). Resume with --fsdp and several processes "
-                         f"(`forge train --nproc N --fsdp ... --resume`; any N: the shards are redistributed).")
+        raise ValueError(f"cannot resume from checkpoint {path}: it was saved by an FSDP run (its weights "
+                         f"and optimizer are shards in {path / 'sharded'}). Resume with --fsdp and several "
+                         f"processes (`forge train --nproc N --fsdp ... --resume`; any N: the shards are "
+                         f"redistributed).")
     if sharded and not integrity.is_sharded(path):
-        raise ValueError(f"cannot resume from checkpoint {path} with --fsdp: it was saved by a run without FSDP "
-                         f"(whole weights and {integrity.OPTIMIZER_NAME}). Resume it without --fsdp, or start a new FSDP run "
-                         f"from its weights (--model {path}).")
+        raise ValueError(f"cannot resume from checkpoint {path} with --fsdp: it was saved by a run without "
+                         f"FSDP (whole weights and {integrity.OPTIMIZER_NAME}). Resume it without --fsdp, or "
+                         f"start a new FSDP run from its weights (--model {path}).")
 
 
 def check_same_dataset(saved_state: dict, identity: dict, path: Path) -> None:
-    """The saved (epoch, position) only means something on the same rows: refuse another size, warn on edits."""
+    """The saved (epoch, position) only means something on the same rows: refuse another size, warn on
+    edits."""
     saved_size, size = saved_state.get("dataset_size"), identity.get("dataset_size")
     if saved_size is not None and saved_size != size:
         raise ValueError(
-            f"cannot resume from checkpoint {path}: it was trained on a dataset of {saved_size} rows, this run "
-            f"has {size}. Resuming would skip or repeat rows; pass the same dataset (and --max_samples), or "
-            f"start a fresh run in a new output_dir.")
+            f"cannot resume from checkpoint {path}: it was trained on a dataset of {saved_size} rows, this "
+            f"run has {size}. Resuming would skip or repeat rows; pass the same dataset (and --max_samples), "
+            f"or start a fresh run in a new output_dir.")
     if saved_state.get("dataset_fingerprint") not in (None, identity.get("dataset_fingerprint")):
-        warnings.warn(f"the dataset's contents changed since checkpoint {path} was saved (same number of rows); "
-                      f"resuming at its position anyway", stacklevel=3)
+        warnings.warn(f"the dataset's contents changed since checkpoint {path} was saved (same number of "
+                      f"rows); resuming at its position anyway", stacklevel=3)
 
 
 _user_interrupt = threading.Event()
@@ -415,38 +439,41 @@ def note_user_interrupt() -> None:
 
 
 def reraise_user_interrupt(error: BaseException) -> None:
-    """Re-raise `error` if it is the user's Ctrl-C (see the module docstring); else it is the reward's failure."""
+    """Re-raise `error` if it is the user's Ctrl-C (see the module docstring); else it is the reward's
+    failure."""
     if isinstance(error, KeyboardInterrupt) and (
             _user_interrupt.is_set() or signal.getsignal(signal.SIGINT) is signal.default_int_handler):
         _user_interrupt.clear()
         raise error
 
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                     if hasattr(signal, name))
 
 
 def relayed_as(signum: int) -> int:
     """The signal `forge train`'s watching process (forge/run/supervisor.py) passes a stop signal on as: a
     real-time signal of its own, so the training process tells one signal that reached both processes (Ctrl-C
-    in a terminal, `timeout`, systemd, Slurm: a whole process group) from two; the signal itself without them."""
+    in a terminal, `timeout`, systemd, Slurm: a whole process group) from two; the signal itself without
+    them."""
     if not hasattr(signal, "SIGRTMAX"):
         return signum
     return signal.SIGRTMAX - 1 - STOP_SIGNALS.index(signum)
 
 
 class StopSignals:
-    """SIGINT/SIGTERM/SIGHUP during training: the first lets the step under way finish, saves it and stops; a second
-    abandons the step under way (KeyboardInterrupt, weights untouched) and the last finished step is saved,
-    unless the step's weights are being committed (then it finishes and is saved as after the first). SIGHUP is
-    left alone where it is ignored (`nohup`). A signal that reached this process both directly and relayed by
-    `forge train`'s watching process (`relayed_as`) counts once.
+    """SIGINT/SIGTERM/SIGHUP during training: the first lets the step under way finish, saves it and stops; a
+    second abandons the step under way (KeyboardInterrupt, weights untouched) and the last finished step is
+    saved, unless the step's weights are being committed (then it finishes and is saved as after the first).
+    SIGHUP is left alone where it is ignored (`nohup`). A signal that reached this process both directly and
+    relayed by `forge train`'s watching process (`relayed_as`) counts once.
 
     Each signal prints what will happen, with the same step numbers as the message the run stops with.
     `next_step()` is the number of the next optimizer step (the last finished one + 1); the run loop sets
-    `under_way` (the step being run, as its checkpoint will be numbered; None between steps) and `saves_on_abandon`
-    (False where a stop that reaches one process alone cannot save: FSDP2). Use as a context manager around the
-    loop; `requested` is the signal number once one arrived; the trainer sets `committing` from the optimizer step
-    to the end of the step's bookkeeping."""
+    `under_way` (the step being run, as its checkpoint will be numbered; None between steps) and
+    `saves_on_abandon` (False where a stop that reaches one process alone cannot save: FSDP2). Use as a
+    context manager around the loop; `requested` is the signal number once one arrived; the trainer sets
+    `committing` from the optimizer step to the end of the step's bookkeeping."""
 
     def __init__(self, next_step: Callable[[], int] = lambda: 0):
         self.next_step = next_step
@@ -491,17 +518,18 @@ class StopSignals:
         name, last = signal.Signals(signum).name, self.next_step() - 1
         if self.requested is not None and not self.committing:
             _say(f"forge: a second {name}: step {last + 1} is abandoned; {self.kept(last)}")
-            note_user_interrupt()  # if it lands inside a reward: the user's interrupt, not the reward's failure
+            # if it lands inside a reward: the user's interrupt, not the reward's failure
+            note_user_interrupt()
             raise KeyboardInterrupt  # second signal: abandon the step under way (weights untouched)
         self.requested = signum
         if self.under_way is None:
             _say(f"forge: {name} received; step {last} is finished: saving it, then stopping")
         elif self.committing:
-            _say(f"forge: {name} received; step {self.under_way} is being committed: it finishes, is saved, then "
-                 f"the run stops")
+            _say(f"forge: {name} received; step {self.under_way} is being committed: it finishes, is saved, "
+                 f"then the run stops")
         else:
-            _say(f"forge: {name} received; step {self.under_way} finishes, is saved, then the run stops (send "
-                 f"{name} again to abandon step {last + 1}: {self.kept(last)})")
+            _say(f"forge: {name} received; step {self.under_way} finishes, is saved, then the run stops "
+                 f"(send {name} again to abandon step {last + 1}: {self.kept(last)})")
 
     def kept(self, last: int) -> str:
         """What a stop that abandons the step under way keeps, when the last finished step is `last`."""
