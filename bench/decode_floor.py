@@ -17,24 +17,20 @@ precision) on the machine it runs on:
 
 Variants: `adapters` (LoRA's three matmuls per adapted layer), `merged` (the adapters folded into the weights, as
 evaluation generates; forge.model.merged_adapters(rounded=True)), and with `--backends` each generation_backend GRPOConfig knows.
-`--against REV` also runs each variant with forge/core/rollout.py (and the decode cache, forge/model/kv_cache.py) as
-they are at git revision REV (`adapters@REV`, `merged@REV`), in the same process, alternating, and records whether
-its sampled tokens and sampler log-probs are bit-for-bit those of the current code. `--skip-loss` leaves out the
-loss pass; `--no-eos` makes EOS unreachable (bench/workloads.py), so that every row runs to max_new_tokens.
+The variants alternate in one process, each with the same sampling noise. `--skip-loss` leaves out the loss
+pass; `--no-eos` makes EOS unreachable (bench/workloads.py), so that every row runs to max_new_tokens.
 Writes bench/results/decode_floor[_TAG].json.
 
     python bench/decode_floor.py [--rounds 2] [--max-new-tokens 64] [--dtype auto]
-        [--against REV] [--skip-loss] [--no-eos]
+        [--skip-loss] [--no-eos]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -120,32 +116,6 @@ def generation_floor(shape: Shape, rollout, prefill_tokens: int, bandwidth: floa
             "generated_tokens": int(lengths.sum())}
 
 
-def module_at(revision: str, path: str):
-    """The file `path` of this repository as it is at git `revision`, imported as a module of its own."""
-    root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=root, check=True, capture_output=True,
-                            text=True).stdout
-    file = Path("/tmp") / f"forge_{revision.replace('/', '_')}_{path.replace('/', '_')}"
-    file.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"forge_at_{revision}_{Path(path).stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def rollout_module_at(revision: str):
-    """forge/core/rollout.py as it is at git `revision`, with the decode cache (forge/model/kv_cache.py) of that
-    revision; its other imports are today's."""
-    import forge.model.kv_cache as current_cache
-
-    sys.modules["forge.model.kv_cache"] = module_at(revision, "forge/model/kv_cache.py")
-    try:
-        return module_at(revision, "forge/core/rollout.py")
-    finally:
-        sys.modules["forge.model.kv_cache"] = current_cache
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -154,7 +124,6 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default="adapters,merged")
     parser.add_argument("--backends", default="", help="generation_backend values to add (merged weights)")
     parser.add_argument("--tag", default="")
-    parser.add_argument("--against", default="", help="a git revision of forge/core/rollout.py to time alongside")
     parser.add_argument("--skip-loss", action="store_true", help="time generation only")
     parser.add_argument("--no-eos", action="store_true", help="every row generates max_new_tokens tokens")
     args = parser.parse_args(argv)
@@ -167,6 +136,7 @@ def main(argv=None) -> int:
     from forge.data.arithmetic import arithmetic_dataset
     from forge.demo import DemoSettings, demo_config, demo_rewards
     from forge.model import load_model, merged_adapters
+    from forge.model.static_decode import DecodePlan
 
     settings = DemoSettings(seed=0, dtype=args.dtype, max_new_tokens=args.max_new_tokens)
     base, tokenizer = load_model("default")
@@ -189,32 +159,25 @@ def main(argv=None) -> int:
     variants = {name: {"merge_lora_for_generation": name != "adapters"} for name in args.variants.split(",") if name}
     for backend in (b for b in args.backends.split(",") if b):
         variants[backend] = {"generation_backend": backend}  # the adapter path, as training samples
-    import forge.core.trainer as trainer_module
-
-    generators = {name: trainer_module.generate for name in variants}
-    if args.against:
-        earlier = rollout_module_at(args.against)
-        for name in list(variants):
-            variants[f"{name}@{args.against}"] = variants[name]
-            generators[f"{name}@{args.against}"] = earlier.generate
     configs = {name: replace(config, **fields) for name, fields in variants.items()}
+    plan = trainer.decode_plan
+    with precision.autocast(model):  # the trainer decides how it decodes once; each variant its own plan
+        plans = {name: DecodePlan.of(model, configs[name].generation_backend) for name in variants}
     timings = {name: [] for name in variants}
     rollouts = {}
     names = list(variants)
     for r in range(args.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            trainer.config = configs[name]
+            trainer.config, trainer.decode_plan = configs[name], plans[name]
             trainer.sampling_rng = torch.Generator().manual_seed(0)  # the same noise for every variant
             # merged: the weights evaluation generates from (in bf16 training's sampling keeps the adapters)
             merge = merged_adapters(model, rounded=True) if name.startswith("merged") else contextlib.nullcontext()
-            trainer_module.generate = generators[name]
             start = time.perf_counter()
             with merge:
                 rollouts[name] = trainer.generate(prompts)
             timings[name].append(time.perf_counter() - start)
-            trainer_module.generate = generators[names[0]]
             print(r, name, round(timings[name][-1], 3), "s", flush=True)
-    trainer.config = config
+    trainer.config, trainer.decode_plan = config, plan
 
     prompt_ids, _ = tokenize_prompts(tokenizer, prompts, 10**9)
     generation = {}
@@ -224,11 +187,6 @@ def main(argv=None) -> int:
         generation[name] = {"seconds": timings[name], "best_s": best, "floor": floor,
                             "times_floor": best / floor["total_s"],
                             "tokens_per_s": floor["generated_tokens"] / best}
-        if "@" in name:  # the same tokens and sampler log-probs as the current code?
-            current = rollouts[name.split("@")[0]]
-            generation[name]["same_tokens"] = torch.equal(current.completion_ids, rollout.completion_ids)
-            generation[name]["same_sampler_logprobs"] = torch.equal(current.sampler_logprobs, rollout.sampler_logprobs)
-            generation[name]["speedup_of_current"] = best / min(timings[name.split("@")[0]])
 
     # the loss pass: forward + backward of the log-probs, micro-batches of micro_batch_size completions
     rollout = rollouts[names[0]]

@@ -5,10 +5,9 @@ run's precision), a few new tokens (--max-new-tokens), after a warm-up generatio
 sampling) and on merged weights (evaluation). Each operator's self time is attributed to the phase it ran under
 (the prefill, the model's forward in a decode step, the sampler, the rest of the loop) and divided by the number of
 decode steps. The profiler adds its own cost to every operator, so small operators and Python read high; the
-unprofiled time of the generation is printed next to it. With --against REV also forge/core/rollout.py as it is at
-git revision REV (bench/decode_floor.py). Writes bench/results/profile_decode[_TAG].json.
+unprofiled time of the generation is printed next to it. Writes bench/results/profile_decode[_TAG].json.
 
-    python bench/profile_decode.py [--max-new-tokens 12] [--against REV]
+    python bench/profile_decode.py [--max-new-tokens 12] [--variants adapters,merged]
 """
 
 from __future__ import annotations
@@ -67,16 +66,13 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--variants", default="adapters,merged")
-    parser.add_argument("--against", default="", help="a git revision of forge/core/rollout.py to profile as well")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE))
-    from decode_floor import rollout_module_at
     from workloads import cpu_model
 
     import forge.core.rollout as rollout_module
-    import forge.core.trainer as trainer_module
     from forge.core.trainer import GRPOTrainer
     from forge.data.arithmetic import arithmetic_dataset
     from forge.demo import DemoSettings, demo_config, demo_rewards
@@ -91,39 +87,32 @@ def main(argv=None) -> int:
             if "lora_B" in name:
                 parameter.normal_(0, 1e-3, generator=torch.Generator().manual_seed(0))
     prompts = [row["prompt"] for row in arithmetic_dataset(n=settings.prompts_per_step, seed=0, chat=True)]
-    codes = {"current": rollout_module}
-    if args.against:
-        codes[args.against] = rollout_module_at(args.against)
-    for module in codes.values():
-        install_labels(module)
+    install_labels(rollout_module)
 
     results = {}
-    for code, module in codes.items():
-        for variant in (v for v in args.variants.split(",") if v):
-            trainer.config = replace(config, merge_lora_for_generation=variant != "adapters")
-            trainer_module.generate = module.generate
-            merge = merged_adapters(trainer.model, rounded=True) if variant == "merged" else contextlib.nullcontext()
-            with merge:
-                timings = []
-                for _ in range(2):  # a warm-up, then the unprofiled time
-                    trainer.sampling_rng = torch.Generator().manual_seed(0)
-                    start = time.perf_counter()
-                    trainer.generate(prompts)
-                    timings.append(time.perf_counter() - start)
+    for variant in (v for v in args.variants.split(",") if v):
+        trainer.config = replace(config, merge_lora_for_generation=variant != "adapters")
+        merge = merged_adapters(trainer.model, rounded=True) if variant == "merged" else contextlib.nullcontext()
+        with merge:
+            timings = []
+            for _ in range(2):  # a warm-up, then the unprofiled time
                 trainer.sampling_rng = torch.Generator().manual_seed(0)
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-                    rollout = trainer.generate(prompts)
-            steps = int(rollout.completion_lengths.max()) - 1
-            key = f"{variant}@{code}"
-            results[key] = {"unprofiled_s": round(timings[-1], 3), "decode_steps": steps,
-                            "rows": int(rollout.completion_ids.shape[0])} | phase_table(profiler, steps, args.top)
-            print(f"\n{key}: {timings[-1]:.2f} s unprofiled, {steps} decode steps")
-            for phase, ms in results[key]["phases_ms_per_step"].items():
-                print(f"  {phase:18s} {ms:8.2f} ms per decode step (profiled)")
-            for row in results[key]["top_ops_ms_per_step"]:
-                print(f"    {row['phase']:16s} {row['op'][:44]:44s} {row['ms_per_step']:7.2f} ms/step "
-                      f"{row['calls_per_step']:7.1f} calls/step")
-    trainer_module.generate = rollout_module.generate
+                start = time.perf_counter()
+                trainer.generate(prompts)
+                timings.append(time.perf_counter() - start)
+            trainer.sampling_rng = torch.Generator().manual_seed(0)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+                rollout = trainer.generate(prompts)
+        steps = int(rollout.completion_lengths.max()) - 1
+        key = variant
+        results[key] = {"unprofiled_s": round(timings[-1], 3), "decode_steps": steps,
+                        "rows": int(rollout.completion_ids.shape[0])} | phase_table(profiler, steps, args.top)
+        print(f"\n{key}: {timings[-1]:.2f} s unprofiled, {steps} decode steps")
+        for phase, ms in results[key]["phases_ms_per_step"].items():
+            print(f"  {phase:18s} {ms:8.2f} ms per decode step (profiled)")
+        for row in results[key]["top_ops_ms_per_step"]:
+            print(f"    {row['phase']:16s} {row['op'][:44]:44s} {row['ms_per_step']:7.2f} ms/step "
+                  f"{row['calls_per_step']:7.1f} calls/step")
     out = {"what": "torch.profiler over one generation of the demo's workload, ms per decode step by phase and op",
            "cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
            "precision": str(trainer.precision.compute), "max_new_tokens": args.max_new_tokens, "results": results,
