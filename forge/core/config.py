@@ -43,13 +43,14 @@ def require_vllm() -> None:
 
 @dataclass(init=False)
 class GRPOConfig:
-    """Every knob of a Forge run. The first block keeps the original Forge fields and defaults.
+    """Every knob of a Forge run, in blocks: the run's core, batching, the algorithm, sampling, the
+    optimizer, LoRA, the engine, logging, tools and failure handling.
 
     Keyword arguments are the fields below. TRL's GRPOConfig names are accepted where they mean the same thing
     (`TRL_NAMES`, `TRL_CONVERTED`; docs/from-trl.md) and refused, naming Forge's equivalent, where they do not
     (`TRL_REFUSED`); any other unknown name is an error with the closest field names."""
 
-    # --- original Forge fields (names and defaults unchanged) ---
+    # --- the run's core: group, clip, KL, lengths, learning rate, steps, saves, logs, seed ---
     group_size: int = 8
     """Completions sampled per prompt (G). Directly multiplies generation cost."""
     clip_epsilon: float = 0.2
