@@ -40,9 +40,7 @@ from forge.core.teacher import open_teacher
 from forge.envs import env_rewards, rollout_tools
 from forge.model import merged_adapters, prepare_policy
 from forge.model.static_decode import DecodePlan
-from forge.parallel import sharding
 from forge.parallel.distributed import DataParallel
-from forge.parallel.sharding import local
 from forge.run import metrics as step_metrics
 from forge.run.lifecycle import StopSignals, TrainingInterrupted
 from forge.run.loop import TrainingRun
@@ -101,7 +99,7 @@ class GRPOTrainer(TrainerSurface):
                                  config.max_consecutive_nonfinite, any_rank=self.dist.any,
                                  scale_loss=self.precision.compute == torch.float16)
         # theta_0, for the distance the weights moved from it (FSDP2: this rank's shards)
-        self.initial_params = [local(p).detach().to("cpu", copy=True) for p in self.trainable]
+        self.initial_params = [p.detach().cpu().clone() for p in self.dist.local_shards(self.trainable)]
         self.sampling_rng = torch.Generator().manual_seed(sampling_seed(config.seed, 0))  # reseeded each step
         self.signals = StopSignals(next_step=lambda: self.global_step + 1)
         self.entropy_control = config.entropy_control  # the entropy coefficient (adaptive: adapted each step)
@@ -134,8 +132,8 @@ class GRPOTrainer(TrainerSurface):
         for _ in range(self.config.num_iterations):
             update = self.update(batch)
         stats = self.dist.combined(stats)  # every rank's share: the metrics are of the whole batch
-        delta_norm = step_metrics.param_delta_norm([local(p) for p in self.trainable], self.initial_params,
-                                                   self.dist.sum_shards)
+        delta_norm = step_metrics.param_delta_norm(self.dist.local_shards(self.trainable),
+                                                   self.initial_params, self.dist.sum_shards)
         metrics = step_metrics.step_metrics(
             stats, update, group_std=group_reward_std(torch.cat(stats.scores), self.config.group_size,
                                                       torch.cat(stats.valid)),
@@ -245,7 +243,7 @@ class GRPOTrainer(TrainerSurface):
         normaliser = LossNormaliser.count(batch.loss_mask, config.max_new_tokens, total=self.dist.sum)
         totals = step_metrics.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
-        with sharding.kept_until_backward(self.model, enabled=self.dist.fsdp):  # FSDP2: one gather per unit
+        with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
             for r, rollout in enumerate(batch.rollouts):
                 # Rows without a loss token (dropped groups, masked samples) cost no forward; FSDP2 keeps
                 # them: its forward and backward are collectives, so every rank runs as many micro-batches.

@@ -110,6 +110,15 @@ class DataParallel:
         """FSDP2: the whole weights of `model` on every rank inside the block (sharding.gathered)."""
         return sharding.gathered(model) if self.fsdp else contextlib.nullcontext()
 
+    def kept_until_backward(self, model: torch.nn.Module):
+        """FSDP2: in the loss pass, each unit gathered once per micro-batch, for its forward and its backward
+        (sharding.kept_until_backward)."""
+        return sharding.kept_until_backward(model) if self.fsdp else contextlib.nullcontext()
+
+    def local_shards(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """FSDP2: this rank's shard of each sharded tensor; the tensors themselves with whole weights."""
+        return [sharding.local(t) for t in tensors] if self.fsdp else list(tensors)
+
     def broadcast_from_main(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite these tensors on every rank with rank 0's values."""
         if self.world_size == 1:
