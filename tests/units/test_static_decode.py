@@ -91,3 +91,33 @@ def test_auto_decodes_eagerly_unless_measured_faster(monkeypatch, units, measure
         resolve_backend("fast", "cpu")
     with pytest.raises(ValueError, match="generation_backend='fast'"):
         GRPOConfig(generation_backend="fast").validate()
+
+
+def test_a_trainer_decides_how_it_decodes_once_and_its_steps_use_that_plan(tiny_model, tiny_tokenizer, tmp_path,
+                                                                          monkeypatch):
+    """The backend is resolved (and `auto`'s note printed) when the trainer is built, not at every generation; each
+    step's generate gets the trainer's plan, so the decode loop only reads it."""
+    from forge import GRPOTrainer
+    from forge.core import trainer as trainer_module
+
+    resolved, plans = [], []
+    real_resolve, real_generate = static_decode.resolve_backend, trainer_module.generate
+    monkeypatch.setattr(static_decode, "resolve_backend", lambda *a: resolved.append(a) or real_resolve(*a))
+    monkeypatch.setattr(trainer_module, "generate", lambda *a, plan=None, **k: plans.append(plan) or real_generate(
+        *a, plan=plan, **k))
+    config = GRPOConfig(group_size=2, prompts_per_step=2, gradient_accumulation_steps=1, max_new_tokens=4,
+                        max_steps=2, save_steps=0, logging_steps=1, preflight="off", dtype="float32",
+                        output_dir=str(tmp_path / "run"))
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, lambda prompts, completions, **kw: [0.0] * len(completions),
+                          config)
+    assert len(resolved) == 1 and trainer.decode_plan.backend == "eager"
+    trainer.train([{"prompt": f"What is {a} + 1?"} for a in range(4)])
+    assert len(resolved) == 1  # not again in either step
+    assert len(plans) == 2 and all(plan is trainer.decode_plan for plan in plans)
+    assert trainer.decode_plan.shared_prompt  # the tiny model's sdpa attention reads each group's prompt once
+
+
+def test_with_tools_the_plan_is_the_eager_step_over_the_repeated_prompt(tiny_model):
+    plan = DecodePlan.of(tiny_model, "compiled", with_tools=True)  # tool results are fed between tokens
+    assert plan.backend == "eager" and plan.shared_prompt == ()
+    assert DecodePlan.of(tiny_model, "compiled").backend == "compiled"
