@@ -118,7 +118,7 @@ class GRPOConfig:
     """Exclude completions that hit max_new_tokens without EOS from the loss (DAPO)."""
     drop_zero_std_groups: bool = False
     """Leave groups whose rewards are all equal out of the loss (DAPO's filter; dynamic_sampling samples more
-    too)."""
+    too): they cost no loss, reference, pi_old or teacher forward."""
     advantage_epsilon: float = 1e-4
     """Added to the std when scaling advantages."""
 

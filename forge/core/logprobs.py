@@ -206,12 +206,10 @@ def micro_batches(rollout, size: int, rows: torch.Tensor | None = None) -> list[
     return list(rows.split(size or len(rows))) if len(rows) else []
 
 
-def padded_rows(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """Stack per-micro-batch (n_i, T_i) results into a float32 zero tensor shaped like `like` (N, T), on
-    CPU."""
+def padded_rows(parts: list[torch.Tensor], like: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-micro-batch (n_i, T_i) results, of the rows `rows[i]` (n_i,), in a float32 zero tensor shaped like
+    `like` (N, T), on CPU."""
     full = torch.zeros(like.shape, dtype=torch.float32)  # (N, T)
-    row = 0
-    for part in parts:
-        full[row:row + part.shape[0], :part.shape[1]] = part.cpu()
-        row += part.shape[0]
+    for part, indices in zip(parts, rows):
+        full[indices, :part.shape[1]] = part.cpu()
     return full

@@ -176,8 +176,10 @@ class GRPOTrainer(TrainerSurface):
             batch.advantages.append(advantages)
             batch.loss_mask.append(rollout.sampled_mask * keep[:, None].long())  # (N, T), no tool results
             stats.add(rollout, scores, mine)
-        batch.old_logprobs = [self.old_logprobs(r) for r in batch.rollouts]
-        batch.ref_logprobs = [self.reference_logprobs(r) for r in batch.rollouts]
+        batch.loss_rows = [self.dist.loss_rows(mask) for mask in batch.loss_mask]
+        passes = list(zip(batch.rollouts, batch.loss_rows))  # rows without a loss token need no pass
+        batch.old_logprobs = [self.old_logprobs(rollout, rows) for rollout, rows in passes]
+        batch.ref_logprobs = [self.reference_logprobs(rollout, rows) for rollout, rows in passes]
         if self.teacher is not None:  # on-policy distillation: per-token advantages (N, T)
             batch.advantages = self.teacher.advantages(batch, self.model, self.rollout_logprobs, stats)
         return batch, stats
@@ -218,23 +220,25 @@ class GRPOTrainer(TrainerSurface):
                                        **entropy)
 
     @torch.no_grad()
-    def old_logprobs(self, rollout: Rollout) -> torch.Tensor | None:  # None: pi_old = stopgrad(pi_theta)
-        return None if self.config.num_iterations == 1 else self.rollout_logprobs(self.model, rollout)
+    def old_logprobs(self, rollout: Rollout, rows=None) -> torch.Tensor | None:  # None: pi_old = sg(pi_theta)
+        return None if self.config.num_iterations == 1 else self.rollout_logprobs(self.model, rollout, rows)
 
     @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor | None:
+    def reference_logprobs(self, rollout: Rollout, rows=None) -> torch.Tensor | None:
         if self.config.kl_beta == 0:
             return None
         if self.is_lora:  # the reference is the adapter-disabled model
             with self.model.disable_adapter():
-                return self.rollout_logprobs(self.model, rollout)
-        return self.rollout_logprobs(self.reference_model, rollout)
+                return self.rollout_logprobs(self.model, rollout, rows)
+        return self.rollout_logprobs(self.reference_model, rollout, rows)
 
-    def rollout_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
-        """(N, T) log-probs of a rollout's completions under `model`, micro-batch by micro-batch, on CPU."""
+    def rollout_logprobs(self, model, rollout: Rollout, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, T) log-probs of a rollout's completions under `model`, micro-batch by micro-batch, on CPU: of
+        `rows` only (0 elsewhere) when given."""
         with self.dist.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
-            parts = [self.logprobs(model, rollout, i) for i in micro_batches(rollout, self.micro_batch_size)]
-        return padded_rows(parts, rollout.completion_ids)
+            batches = micro_batches(rollout, self.micro_batch_size, rows)
+            parts = [self.logprobs(model, rollout, indices) for indices in batches]
+        return padded_rows(parts, rollout.completion_ids, batches)
 
     def update(self, batch: Batch) -> dict:
         """Loss and backward over all micro-batches of all rollouts, then one optimizer step."""
@@ -245,10 +249,7 @@ class GRPOTrainer(TrainerSurface):
         self.optimizer.zero_grad(set_to_none=True)
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
             for r, rollout in enumerate(batch.rollouts):
-                # Rows without a loss token (dropped groups, masked samples) cost no forward; FSDP2 keeps
-                # them: its forward and backward are collectives, so every rank runs as many micro-batches.
-                carrying = None if self.dist.fsdp else batch.loss_mask[r].any(dim=1).nonzero().squeeze(1)
-                for indices in micro_batches(rollout, self.micro_batch_size, carrying):
+                for indices in micro_batches(rollout, self.micro_batch_size, batch.loss_rows[r]):
                     self.loss_and_backward(batch, r, indices, normaliser, totals)
         self.dist.all_reduce_grads(self.trainable)
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")

@@ -255,8 +255,8 @@ def test_several_updates_per_rollout_compute_pi_old_once(tmp_path, monkeypatch, 
     old_results, logprob_calls = [], [0]
     real_old, real_logprobs = trainer.old_logprobs, trainer_module.completion_logprobs
 
-    def spy_old(rollout):
-        old_results.append((real_old(rollout), rollout.completion_ids.shape))
+    def spy_old(rollout, rows=None):
+        old_results.append((real_old(rollout, rows), rollout.completion_ids.shape))
         return old_results[-1][0]
 
     def spy_logprobs(*args, **kwargs):
@@ -630,3 +630,19 @@ def test_missing_reward_or_tokenizer(tmp_path, tiny_model, tiny_tokenizer):
         GRPOTrainer(tiny_model, tiny_tokenizer, None, fast_config(tmp_path))
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         GRPOTrainer(tiny_model, None, alternating, fast_config(tmp_path))
+
+
+def test_rows_without_a_loss_token_get_no_reference_pass(tiny_model, tiny_tokenizer, tmp_path):
+    """With flat groups dropped, their completions cost no reference forward (0 in its place); the rows in the
+    loss get the log-probs that a pass over every row gives them."""
+    def by_kind(prompts, completions, kind, **kwargs):
+        return [float(i % 2) if k == "mixed" else 0.0 for i, k in enumerate(kind)]
+
+    config = fast_config(tmp_path, kl_beta=0.1, drop_zero_std_groups=True, prompts_per_step=2, max_steps=1)
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, by_kind, config)
+    rows = [{"prompt": "What is 2 + 3?", "kind": "flat"}, {"prompt": "What is 4 + 1?", "kind": "mixed"}]
+    batch, _ = trainer.collect(rows)
+    assert batch.loss_rows[0].tolist() == [4, 5, 6, 7]  # the mixed group's completions
+    every_row = trainer.reference_logprobs(batch.rollouts[0])
+    assert (batch.ref_logprobs[0][:4] == 0).all() and (every_row[:4] != 0).any()
+    torch.testing.assert_close(batch.ref_logprobs[0][4:], every_row[4:], atol=1e-6, rtol=0)
