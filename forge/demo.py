@@ -319,7 +319,8 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
                        ("format rate", "format_rate"), ("mean length", "mean_completion_length")):
         fmt = "{:6.1%}" if key != "mean_completion_length" else "{:6.1f}"
         print(f"{label:>18} | {fmt.format(before.metrics[key])} | {fmt.format(after.metrics[key])}")
-    result = {"settings": asdict(settings), "heldout_size": len(heldout), "before": before.metrics,
+    recorded = asdict(settings) | ({"distill": True, "teacher": teacher} if teacher else {})  # a student says so
+    result = {"settings": recorded, "heldout_size": len(heldout), "before": before.metrics,
               "after": after.metrics, "gain": after.metrics["strict_accuracy"] - before.metrics["strict_accuracy"],
               "eval_curve": curve.points, "eval_curve_size": len(subset or ()),
               "train_seconds": train_seconds, "train_cpu_seconds": train_cpu_seconds, "total_seconds": total,

@@ -53,6 +53,9 @@ def test_demo_distill_trains_a_teacher_then_distills_from_it(tmp_path, capsys):
     log = [json.loads(line) for line in (out / "student" / "training_log.jsonl").read_text().splitlines()]
     assert all("distill/reverse_kl" in row for row in log if "loss" in row)
     assert all("train_cpu_seconds" in point for point in result["distillation"]["eval_curve"])
+    student = json.loads((out / "student" / "demo_result.json").read_text())["settings"]
+    assert student["distill"] and student["teacher"] == str(out / "teacher" / "final")  # it says it was distilled
+    assert not result["grpo"]["settings"]["distill"]
     # again from the saved teacher: no second teacher run
     main(["demo", "--distill", "--teacher", str(out / "teacher" / "final"), "--model", str(folder), "--steps", "1",
           "--prompts_per_step", "2", "--group_size", "2", "--heldout", "6", "--max_new_tokens", "6",
