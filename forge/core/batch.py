@@ -18,7 +18,7 @@ class Batch:
     rows: list[list[dict]] = field(default_factory=list)  # the dataset rows of each rollout
     advantages: list[torch.Tensor] = field(default_factory=list)  # (N,)
     loss_mask: list[torch.Tensor] = field(default_factory=list)  # (N, T): completion mask x kept samples
-    loss_rows: list[torch.Tensor | None] = field(default_factory=list)  # (n,) the rows with a loss token,
-    # the only ones the log-prob passes run (None: every row, FSDP2)
+    loss_indices: list[torch.Tensor | None] = field(default_factory=list)  # (n,) the completions with a loss
+    # token, the only ones the log-prob passes run (None: every completion, FSDP2)
     old_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None: pi_old = sg(pi)
     ref_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None when kl_beta == 0

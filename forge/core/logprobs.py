@@ -200,16 +200,17 @@ def _recomputable(forward, cache_index: int, *args, **kwargs):
     return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
-def micro_batches(rollout, size: int, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """`rows` (default: all of the rollout's, in order) in chunks of `size` (0 = one chunk)."""
-    rows = torch.arange(rollout.completion_ids.shape[0]) if rows is None else rows
-    return list(rows.split(size or len(rows))) if len(rows) else []
+def micro_batches(rollout, size: int, indices: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The completions `indices` (default: all of the rollout's, in order) in chunks of `size` (0 = one
+    chunk)."""
+    indices = torch.arange(rollout.completion_ids.shape[0]) if indices is None else indices
+    return list(indices.split(size or len(indices))) if len(indices) else []
 
 
-def padded_rows(parts: list[torch.Tensor], like: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
-    """Per-micro-batch (n_i, T_i) results, of the rows `rows[i]` (n_i,), in a float32 zero tensor shaped like
-    `like` (N, T), on CPU."""
+def padded_rows(parts: list[torch.Tensor], like: torch.Tensor, batches: list[torch.Tensor]) -> torch.Tensor:
+    """Per-micro-batch (n_i, T_i) results, of the completions `batches[i]` (n_i,), in a float32 zero tensor
+    shaped like `like` (N, T), on CPU."""
     full = torch.zeros(like.shape, dtype=torch.float32)  # (N, T)
-    for part, indices in zip(parts, rows):
+    for part, indices in zip(parts, batches):
         full[indices, :part.shape[1]] = part.cpu()
     return full

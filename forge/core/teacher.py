@@ -42,11 +42,12 @@ class Teacher:
         self.distill_coef, self.reward_coef = distill_coef, reward_coef
 
     @torch.no_grad()
-    def logprobs(self, rollout, rollout_logprobs: Callable, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, T) log p_teacher of every sampled token of a rollout, or of its `rows` only (0 elsewhere)
-        (rollout_logprobs: GRPOTrainer's)."""
+    def logprobs(self, rollout, rollout_logprobs: Callable,
+                 indices: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, T) log p_teacher of every sampled token of a rollout, or of its completions `indices` only (0
+        elsewhere) (rollout_logprobs: GRPOTrainer's)."""
         with active_adapter(self.model, self.adapter) if self.adapter else nullcontext():
-            return rollout_logprobs(self.model, rollout, rows)
+            return rollout_logprobs(self.model, rollout, indices)
 
     def advantages(self, batch: Batch, student, rollout_logprobs: Callable, stats) -> list[torch.Tensor]:
         """(N, T) per-token advantages of each rollout of the batch (core/distill.py): its reward advantages
@@ -57,10 +58,10 @@ class Teacher:
         advantages = []
         for r, rollout in enumerate(batch.rollouts):
             started = time.perf_counter()
-            teacher_logprobs = self.logprobs(rollout, rollout_logprobs, batch.loss_rows[r])  # (N, T)
+            teacher_logprobs = self.logprobs(rollout, rollout_logprobs, batch.loss_indices[r])  # (N, T)
             stats.teacher_seconds += time.perf_counter() - started
             student_logprobs = sampled_logprobs(batch.old_logprobs[r], rollout, student, rollout_logprobs,
-                                                batch.loss_rows[r])  # (N, T)
+                                                batch.loss_indices[r])  # (N, T)
             mask = batch.loss_mask[r]  # (N, T)
             advantages.append(distillation_advantages(batch.advantages[r], student_logprobs, teacher_logprobs,
                                                       mask, distill_coef=self.distill_coef,
@@ -72,15 +73,15 @@ class Teacher:
 
 
 def sampled_logprobs(old_logprobs, rollout, student, rollout_logprobs: Callable,
-                     rows: torch.Tensor | None = None) -> torch.Tensor:
+                     indices: torch.Tensor | None = None) -> torch.Tensor:
     """(N, T) the student's log-probs of its sampled tokens as they were sampled: pi_old when the step
     computed it, else the sampler's record (at the sampling temperature), else a no-grad pass of `student`
-    (over `rows` only when given)."""
+    (over the completions `indices` only when given)."""
     for recorded in (old_logprobs, rollout.sampler_logprobs):
         if recorded is not None:
             return recorded
     with torch.no_grad():
-        return rollout_logprobs(student, rollout, rows)
+        return rollout_logprobs(student, rollout, indices)
 
 
 @contextmanager

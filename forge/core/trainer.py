@@ -176,10 +176,10 @@ class GRPOTrainer(TrainerSurface):
             batch.advantages.append(advantages)
             batch.loss_mask.append(rollout.sampled_mask * keep[:, None].long())  # (N, T), no tool results
             stats.add(rollout, scores, mine)
-        batch.loss_rows = [self.dist.loss_rows(mask) for mask in batch.loss_mask]
-        passes = list(zip(batch.rollouts, batch.loss_rows))  # rows without a loss token need no pass
-        batch.old_logprobs = [self.old_logprobs(rollout, rows) for rollout, rows in passes]
-        batch.ref_logprobs = [self.reference_logprobs(rollout, rows) for rollout, rows in passes]
+        batch.loss_indices = [self.dist.loss_indices(mask) for mask in batch.loss_mask]
+        passes = list(zip(batch.rollouts, batch.loss_indices))  # those without a loss token need no pass
+        batch.old_logprobs = [self.old_logprobs(rollout, indices) for rollout, indices in passes]
+        batch.ref_logprobs = [self.reference_logprobs(rollout, indices) for rollout, indices in passes]
         if self.teacher is not None:  # on-policy distillation: per-token advantages (N, T)
             batch.advantages = self.teacher.advantages(batch, self.model, self.rollout_logprobs, stats)
         return batch, stats
@@ -220,24 +220,25 @@ class GRPOTrainer(TrainerSurface):
                                        **entropy)
 
     @torch.no_grad()
-    def old_logprobs(self, rollout: Rollout, rows=None) -> torch.Tensor | None:  # None: pi_old = sg(pi_theta)
-        return None if self.config.num_iterations == 1 else self.rollout_logprobs(self.model, rollout, rows)
+    def old_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
+        several = self.config.num_iterations > 1  # one update per rollout: None, pi_old = stopgrad(pi_theta)
+        return self.rollout_logprobs(self.model, rollout, indices) if several else None
 
     @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout, rows=None) -> torch.Tensor | None:
+    def reference_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
         if self.config.kl_beta == 0:
             return None
         if self.is_lora:  # the reference is the adapter-disabled model
             with self.model.disable_adapter():
-                return self.rollout_logprobs(self.model, rollout, rows)
-        return self.rollout_logprobs(self.reference_model, rollout, rows)
+                return self.rollout_logprobs(self.model, rollout, indices)
+        return self.rollout_logprobs(self.reference_model, rollout, indices)
 
-    def rollout_logprobs(self, model, rollout: Rollout, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def rollout_logprobs(self, model, rollout: Rollout, indices: torch.Tensor | None = None) -> torch.Tensor:
         """(N, T) log-probs of a rollout's completions under `model`, micro-batch by micro-batch, on CPU: of
-        `rows` only (0 elsewhere) when given."""
+        the completions `indices` only (0 elsewhere) when given."""
         with self.dist.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
-            batches = micro_batches(rollout, self.micro_batch_size, rows)
-            parts = [self.logprobs(model, rollout, indices) for indices in batches]
+            batches = micro_batches(rollout, self.micro_batch_size, indices)
+            parts = [self.logprobs(model, rollout, batch) for batch in batches]
         return padded_rows(parts, rollout.completion_ids, batches)
 
     def update(self, batch: Batch) -> dict:
@@ -249,7 +250,7 @@ class GRPOTrainer(TrainerSurface):
         self.optimizer.zero_grad(set_to_none=True)
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
             for r, rollout in enumerate(batch.rollouts):
-                for indices in micro_batches(rollout, self.micro_batch_size, batch.loss_rows[r]):
+                for indices in micro_batches(rollout, self.micro_batch_size, batch.loss_indices[r]):
                     self.loss_and_backward(batch, r, indices, normaliser, totals)
         self.dist.all_reduce_grads(self.trainable)
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")

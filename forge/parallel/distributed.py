@@ -115,10 +115,10 @@ class DataParallel:
         (sharding.kept_until_backward)."""
         return sharding.kept_until_backward(model) if self.fsdp else contextlib.nullcontext()
 
-    def loss_rows(self, loss_mask: torch.Tensor) -> torch.Tensor | None:
-        """(n,) the rows of a rollout's loss mask (N, T) with a loss token: the others (dropped groups, masked
-        samples) need no forward. None (every row) under FSDP2, whose forward and backward are collectives:
-        every rank runs as many micro-batches."""
+    def loss_indices(self, loss_mask: torch.Tensor) -> torch.Tensor | None:
+        """(n,) the completions of a rollout's loss mask (N, T) with a loss token: the others (dropped groups,
+        masked samples) need no forward. None (every completion) under FSDP2, whose forward and backward are
+        collectives: every rank runs as many micro-batches."""
         return None if self.fsdp else loss_mask.any(dim=1).nonzero().squeeze(1)
 
     def local_shards(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

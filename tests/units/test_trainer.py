@@ -255,8 +255,8 @@ def test_several_updates_per_rollout_compute_pi_old_once(tmp_path, monkeypatch, 
     old_results, logprob_calls = [], [0]
     real_old, real_logprobs = trainer.old_logprobs, trainer_module.completion_logprobs
 
-    def spy_old(rollout, rows=None):
-        old_results.append((real_old(rollout, rows), rollout.completion_ids.shape))
+    def spy_old(rollout, indices=None):
+        old_results.append((real_old(rollout, indices), rollout.completion_ids.shape))
         return old_results[-1][0]
 
     def spy_logprobs(*args, **kwargs):
@@ -642,7 +642,7 @@ def test_rows_without_a_loss_token_get_no_reference_pass(tiny_model, tiny_tokeni
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, by_kind, config)
     rows = [{"prompt": "What is 2 + 3?", "kind": "flat"}, {"prompt": "What is 4 + 1?", "kind": "mixed"}]
     batch, _ = trainer.collect(rows)
-    assert batch.loss_rows[0].tolist() == [4, 5, 6, 7]  # the mixed group's completions
+    assert batch.loss_indices[0].tolist() == [4, 5, 6, 7]  # the mixed group's completions
     every_row = trainer.reference_logprobs(batch.rollouts[0])
     assert (batch.ref_logprobs[0][:4] == 0).all() and (every_row[:4] != 0).any()
     torch.testing.assert_close(batch.ref_logprobs[0][4:], every_row[4:], atol=1e-6, rtol=0)
