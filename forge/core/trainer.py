@@ -149,9 +149,7 @@ class GRPOTrainer(TrainerSurface):
         group, per = config.group_size, config.prompts_per_step
         batch, stats = Batch(), step_metrics.RolloutStats()
         self.sampling_rng.manual_seed(sampling_seed(config.seed, self.global_step))
-        filtered = config.drop_zero_std_groups or config.dynamic_sampling  # flat groups leave the loss
-        rounds = (SamplingRounds.of_step(config, rows, self.prompt_pool, self.sampling_rng, stats.sampling)
-                  if filtered else [rows[i:i + per] for i in range(0, len(rows), per)])
+        rounds = SamplingRounds.of_step(config, rows, self.prompt_pool, self.sampling_rng, stats.sampling)
         for round_rows in rounds:  # the step's rows (dynamic_sampling: more, until enough groups differ)
             mine = dist.my_share(round_rows, per)  # each rank: whole groups
             started = time.perf_counter()
@@ -167,7 +165,7 @@ class GRPOTrainer(TrainerSurface):
                 valid=dist.gather(scores.valid))  # (all ranks' N,)
             advantages = dist.my_share(advantages, per, group)  # (N,)
             keep = scores.valid & ~(rollout.truncated & config.mask_truncated_completions)  # (N,)
-            if filtered:
+            if config.drop_zero_std_groups or config.dynamic_sampling:  # flat groups leave the loss
                 informative = group_reward_std(scores.total, group, scores.valid & scores.scored) > 0  # (P,)
                 taken = rounds.take(dist.gather(informative)).repeat_interleave(group)  # (all ranks' N,)
                 keep &= dist.my_share(taken, per, group)
