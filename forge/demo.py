@@ -120,6 +120,8 @@ class DemoSettings:
     gives GRPO's curve and times); empty = train the teacher first."""
     reward_coef: float = 0.0
     """With --distill: weight of the reward advantage next to the teacher's (0 = pure distillation)."""
+    distill_loss: str = "sampled"
+    """With --distill: 'sampled' or 'full' (the reverse KL per sampled token, or over the vocabulary)."""
     dynamic_sampling: bool = False
     """Dynamic sampling (DAPO): up to 4 rounds of prompts per step until it holds prompts_per_step groups whose
     rewards differ."""
@@ -280,12 +282,12 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
         before = evaluate(model, tokenizer, heldout, **eval_kw)
     run.say(_summary_line("base", before.metrics))
     load_before = _load_average()
-    train_rows = candidates
-    if settings.screen_candidates:
-        train_rows = _screened_rows(settings, run, model, tokenizer, candidates, heldout)
+    train_rows = (_screened_rows(settings, run, model, tokenizer, candidates, heldout)
+                  if settings.screen_candidates else candidates)
 
     subset = heldout[: settings.eval_subset] if settings.eval_every else None
-    distill = {"teacher_model": teacher, "reward_coef": settings.reward_coef, "drop_zero_std_groups": False}
+    distill = {"teacher_model": teacher, "reward_coef": settings.reward_coef, "drop_zero_std_groups": False,
+               "distill_loss": settings.distill_loss}
     config = demo_config(settings, run.out, eval_steps=settings.eval_every, eval_before_training=subset is not None,
                          **(distill if teacher else {}))
     run.say(_training_line(settings) + (f"; held-out curve: the first {len(subset)} problems every "

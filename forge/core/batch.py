@@ -22,3 +22,5 @@ class Batch:
     # token, the only ones the log-prob passes run (None: every completion, FSDP2)
     old_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None: pi_old = sg(pi)
     ref_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None when kl_beta == 0
+    teacher_hidden: list[torch.Tensor | None] = field(default_factory=list)  # (N, T, H) the teacher's states
+    # before each completion token, distill_loss='full' only (core/teacher.py)

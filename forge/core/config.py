@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from forge.core.config_types import field_type_problems
+from forge.core.distill import DISTILL_LOSSES
 from forge.core.grpo import (
     ADVANTAGE_SCALES,
     IMPORTANCE_LEVELS,
@@ -188,6 +189,12 @@ class GRPOConfig:
     reward_coef: float = 1.0
     """With a teacher: the weight of the group reward advantage added on every token (0 = pure distillation;
     the rewards are still computed and logged)."""
+    distill_loss: str = "sampled"
+    """With a teacher: 'sampled' = the reverse KL at each sampled token as its advantage; 'full' = GKD's
+    divergence (distill_beta) of the whole next-token distributions at each loss position, a loss term of
+    weight distill_coef (docs/algorithm.md; both models' logits a plain output layer of their states)."""
+    distill_beta: float = 1.0
+    """distill_loss='full': GKD's (TRL GKDConfig's) beta: 1 = KL(student || teacher), 0 = the forward KL."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: more rounds of prompts_per_step prompts (drawn from the training rows with the
     step's seed) until the step holds as many groups whose rewards differ as it has prompts, or
@@ -493,6 +500,9 @@ class GRPOConfig:
              f"tokens)")
         need(self.distill_coef >= 0 and self.reward_coef >= 0,
              f"distill_coef={self.distill_coef} and reward_coef={self.reward_coef} must be >= 0")
+        need(self.distill_loss in DISTILL_LOSSES,
+             f"distill_loss={self.distill_loss!r}; choose one of {list(DISTILL_LOSSES)}")
+        need(0 <= self.distill_beta <= 1, f"distill_beta={self.distill_beta} must be in [0, 1]")
         need(self.teacher_model is None or not self.fsdp,
              "teacher_model scores with whole weights; with fsdp=True there is no teacher pass (leave one of "
              "them)")

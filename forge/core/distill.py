@@ -18,13 +18,34 @@ student did is pushed up, one it finds less likely pushed down, and the policy g
 p_student(y_t) is (in expectation over the student's samples) the negative gradient of the reverse KL at each
 position, its prefix held fixed (a token's effect on later positions' KL is left out: a discount of 0, as in
 tinker). The student's log-probs here are those that sampled (no gradient flows through the advantage).
+
+That is distill_loss='sampled'. With distill_loss='full' the divergence is taken over the whole vocabulary at
+each position of the student's samples instead of at the sampled token, and is itself a loss term (GKD's
+on-policy objective, lambda = 1):
+
+    loss += distill_coef x mean over loss tokens of JSD_beta(p_student(. | y_<t), p_teacher(. | y_<t))
+
+with GKD's generalized Jensen-Shannon divergence, M = beta p_teacher + (1 - beta) p_student,
+
+    JSD_beta = beta KL(p_teacher || M) + (1 - beta) KL(p_student || M),
+
+taken at its limits as TRL's GKDTrainer does: beta = 1 is the reverse KL(p_student || p_teacher) itself,
+beta = 0 the forward KL(p_teacher || p_student). Its gradient at a position is exact where the sampled form
+estimates it from one token, at the cost of the teacher's next-token distribution at every loss position
+(made chunk by chunk from the teacher's last hidden states, never the whole (B, T, V) at once).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
+
+DISTILL_LOSSES = {  # GRPOConfig.distill_loss: how the teacher's signal enters the loss
+    "sampled": "the reverse KL at each sampled token as its advantage (distillation_advantages)",
+    "full": "GKD's generalized JSD over the whole vocabulary at every loss position (token_divergence)",
+}
 
 
 def reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
@@ -41,6 +62,33 @@ def distillation_advantages(reward_advantages: torch.Tensor, student_logprobs: t
     per_token_reward = reward_coef * reward_advantages.float()[:, None]  # (B, 1)
     teacher_signal = -distill_coef * reverse_kl(student_logprobs, teacher_logprobs)  # (B, T)
     return (per_token_reward + teacher_signal) * mask.float()  # (B, T)
+
+
+def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 1.0,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """(c,) GKD's generalized JSD_beta between the student's and the teacher's next-token distributions at c
+    positions, from their logits (c, V), both divided by the sampling temperature; differentiable in the
+    student's logits. beta = 1: KL(student || teacher); beta = 0: KL(teacher || student)."""
+    student = torch.log_softmax(student_logits.float() / temperature, dim=-1)  # (c, V)
+    teacher = torch.log_softmax(teacher_logits.float() / temperature, dim=-1).detach()  # (c, V)
+    if beta == 1:
+        return _kl(student, teacher)
+    if beta == 0:
+        return _kl(teacher, student)
+    mixture = torch.logaddexp(teacher + math.log(beta), student + math.log(1 - beta))  # (c, V) log M
+    return beta * _kl(teacher, mixture) + (1 - beta) * _kl(student, mixture)
+
+
+def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """(c,) KL(p || q) = sum_v p_v (log p_v - log q_v) from log-probabilities (c, V)."""
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def divergence_loss(divergence: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    """The distillation loss term of a micro-batch: its divergence (n, T) summed over its loss tokens (mask
+    (n, T)) over num_tokens, the optimizer batch's loss tokens, so the micro-batches' terms sum to the mean
+    over every loss token of the step."""
+    return (divergence * mask.float()).sum() / num_tokens
 
 
 class ReverseKL(NamedTuple):

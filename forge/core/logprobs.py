@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from forge.core.distill import token_divergence
 from forge.core.grpo import token_logprobs_from_logits
 from forge.core.rollout import padded_positions, prefill
 from forge.model.kv_cache import CACHE_ARG
@@ -34,11 +36,14 @@ def completion_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     share_template: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    teacher: TeacherStates | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """log pi(completion token) for each completion token, (n, T); differentiable when grad is enabled.
     with_entropy: also each position's entropy (n, T), from the same log-softmax pass
-    (token_logprobs_from_logits). share_template=False: no separate pass over the prompts' common leading
-    tokens (see prefill), so every call runs the model the same number of times whatever the prompts (FSDP2).
+    (token_logprobs_from_logits); teacher: also each position's divergence from the teacher (n, T)
+    (core/distill.py token_divergence). The extras asked for come after the log-probs, in that order.
+    share_template=False: no separate pass over the prompts' common leading tokens (see prefill), so every
+    call runs the model the same number of times whatever the prompts (FSDP2).
 
     prompt_ids/mask: (P, Lp) the prompts; completion_ids: (n, T); prompt_index: (n,) the prompt of each
     completion. With share_prompt_prefix, each distinct prompt is run once and its cache expanded. The logits
@@ -56,7 +61,7 @@ def completion_logprobs(
         mask = torch.cat([prompt_mask[prompt_index], torch.ones_like(completion_ids)], dim=1)
         hidden = last_hidden(model, input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask),
                              use_cache=False)  # (n, Lp + T, H)
-        return scored(model, hidden[:, prompt_ids.shape[1] - 1:-1], completion_ids, **scoring)
+        return scored(model, hidden[:, prompt_ids.shape[1] - 1:-1], completion_ids, teacher, **scoring)
 
     used, expand = torch.unique(prompt_index, return_inverse=True)  # (u,), (n,)
     ids, mask = prompt_ids[used], prompt_mask[used]  # (u, Lp)
@@ -70,12 +75,67 @@ def completion_logprobs(
     hidden = last_hidden(model, input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
                          use_cache=True, **{CACHE_ARG: cache})  # (n, T, H)
     # The first completion token is predicted by the prompt's last position, the others by the one before.
-    first_token = token_logprobs_from_logits(last_logits[expand][:, None], completion_ids[:, :1],
-                                             **scoring)  # (n, 1)
-    rest = scored(model, hidden[:, :-1], completion_ids[:, 1:], **scoring)  # (n, T - 1)
-    if not with_entropy:
-        return torch.cat([first_token, rest], dim=1)  # (n, T)
-    return torch.cat([first_token[0], rest[0]], dim=1), torch.cat([first_token[1], rest[1]], dim=1)
+    first_logits = last_logits[expand]  # (n, V)
+    first_token = _outputs(token_logprobs_from_logits(first_logits[:, None], completion_ids[:, :1],
+                                                      **scoring))
+    if teacher is not None:  # (n, 1)
+        first_token.append(teacher.divergence(first_logits, teacher.hidden[:, 0], temperature)[:, None])
+    later = None if teacher is None else teacher.from_position(1)
+    rest = _outputs(scored(model, hidden[:, :-1], completion_ids[:, 1:], later, **scoring))  # (n, T - 1) each
+    joined = [torch.cat(pair, dim=1) for pair in zip(first_token, rest)]  # (n, T) each
+    return joined[0] if len(joined) == 1 else tuple(joined)
+
+
+def _outputs(scores) -> list[torch.Tensor]:
+    """The log-probs and the extras of a scoring call as a list (one tensor when no extra was asked for)."""
+    return list(scores) if isinstance(scores, tuple) else [scores]
+
+
+@dataclass(frozen=True)
+class TeacherStates:
+    """A teacher's view of completions for the full-vocabulary distillation term (core/distill.py): its last
+    hidden states before each completion token and its output layer, so each chunk of the loss pass makes the
+    teacher's logits there without the (n, T, V) logits ever existing."""
+
+    hidden: torch.Tensor  # (n, T, H): position t's predicts completion token t
+    head: torch.nn.Module  # the teacher's output layer: logits = head(hidden)
+    beta: float  # GKD's JSD interpolation: 1 = KL(student || teacher), 0 = KL(teacher || student)
+
+    def from_position(self, start: int) -> TeacherStates:
+        return replace(self, hidden=self.hidden[:, start:])
+
+    def divergence(self, student_logits: torch.Tensor, hidden: torch.Tensor,
+                   temperature: float) -> torch.Tensor:
+        """(c,) the divergence at c positions from the student's logits (c, V) and the teacher's hidden
+        states (c, H) there."""
+        with torch.no_grad():
+            teacher_logits = self.head(hidden)  # (c, V)
+        return token_divergence(student_logits, teacher_logits, self.beta, temperature)
+
+
+def completion_states(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                      completion_ids: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
+    """The last hidden states (n, T, H) before each completion token: position t's predicts token t (the
+    prompt's last position predicts the first). Each distinct prompt but its last token runs once, its cache
+    expanded to its completions; then each completion runs from that last prompt token on. For a model whose
+    logits are a plain head of its hidden states (logit_head)."""
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    completion_ids, prompt_index = completion_ids.to(device), prompt_index.to(device)
+    used, expand = torch.unique(prompt_index, return_inverse=True)  # (u,), (n,)
+    ids, mask = prompt_ids[used], prompt_mask[used]  # (u, Lp), left-padded: the last column is real
+    first = int((mask.sum(dim=0) > 0).nonzero()[0])
+    ids, mask = ids[:, first:], mask[:, first:]
+    inputs = torch.cat([ids[expand, -1:], completion_ids[:, :-1]], dim=1)  # (n, T)
+    full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids[:, :-1])], dim=1)  # (n, Lp + T - 1)
+    positions = mask[expand, :-1].sum(dim=1, keepdim=True) + torch.arange(inputs.shape[1], device=device)
+    if ids.shape[1] == 1:  # nothing before the last prompt token
+        return model.get_decoder()(input_ids=inputs, attention_mask=full_mask, position_ids=positions,
+                                   use_cache=False).last_hidden_state
+    cache, _ = prefill(model, ids[:, :-1], mask[:, :-1])
+    cache.batch_select_indices(expand)  # (n, ...)
+    return model.get_decoder()(input_ids=inputs, attention_mask=full_mask, position_ids=positions,
+                               use_cache=True, **{CACHE_ARG: cache}).last_hidden_state  # (n, T, H)
 
 
 def last_hidden(model, **inputs) -> torch.Tensor:
@@ -87,12 +147,18 @@ def last_hidden(model, **inputs) -> torch.Tensor:
     return model.get_decoder()(**inputs).last_hidden_state
 
 
-def scored(model, states: torch.Tensor, targets: torch.Tensor, **scoring):
-    """log p(targets) (and entropies) from what last_hidden returned for these positions."""
+def scored(model, states: torch.Tensor, targets: torch.Tensor, teacher: TeacherStates | None = None,
+           **scoring):
+    """log p(targets) (and entropies, and divergences from the teacher) from what last_hidden returned for
+    these positions."""
     head = logit_head(model)
     if head is None:
+        if teacher is not None:
+            raise ValueError(f"distill_loss='full' makes the student's logits chunk by chunk from its hidden "
+                             f"states, but {type(model).__name__} scales or caps its logits after its output "
+                             f"layer; use distill_loss='sampled'")
         return token_logprobs_from_logits(states, targets, **scoring)
-    return logprobs_from_hidden(states, head, targets, **scoring)
+    return logprobs_from_hidden(states, head, targets, teacher=teacher, **scoring)
 
 
 CHUNK_LOGITS = 2**22  # logits per chunk (16 MB in fp32): 0.7-0.9x the time of whole logits on an EPYC CPU
@@ -127,34 +193,43 @@ def _plain_head(model) -> torch.nn.Module | None:
 def logprobs_from_hidden(
     hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
     chunk_size: int = 1024, with_entropy: bool = False, entropy_grad: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    teacher: TeacherStates | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """log p(target_t) (B, T) from the last hidden states (B, T, H) and the output layer `head`, whose logits
     are made chunk_size positions at a time: the (B, T, V) logits never exist. Under autograd each chunk is
     checkpointed, so its backward makes that chunk's logits again instead of keeping them; the values are
-    those of token_logprobs_from_logits on the chunk's logits (and its entropies with with_entropy)."""
+    those of token_logprobs_from_logits on the chunk's logits (and its entropies with with_entropy, and its
+    divergences from the teacher's logits at the same positions with teacher)."""
     batch, length, width = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(-1, width), targets.reshape(-1)  # (B*T, H), (B*T,)
-    chunk = partial(_chunk_logprobs, head, temperature=temperature, with_entropy=with_entropy,
+    flat_teacher = None if teacher is None else teacher.hidden.reshape(batch * length, -1)  # (B*T, H')
+    chunk = partial(_chunk_logprobs, head, teacher, temperature=temperature, with_entropy=with_entropy,
                     entropy_grad=entropy_grad)
     recompute = torch.is_grad_enabled() and (hidden.requires_grad
                                              or any(p.requires_grad for p in head.parameters()))
-    pieces = [checkpoint(chunk, flat_hidden[i:i + chunk_size], flat_targets[i:i + chunk_size],
-                         use_reentrant=False)
-              if recompute else chunk(flat_hidden[i:i + chunk_size], flat_targets[i:i + chunk_size])
-              for i in range(0, flat_targets.numel(), chunk_size)]
+    pieces = []
+    for i in range(0, flat_targets.numel(), chunk_size):
+        part = (flat_hidden[i:i + chunk_size], flat_targets[i:i + chunk_size],
+                None if flat_teacher is None else flat_teacher[i:i + chunk_size])
+        pieces.append(checkpoint(chunk, *part, use_reentrant=False) if recompute else chunk(*part))
+    outputs = 1 + with_entropy + (teacher is not None)
     if not pieces:  # no positions
-        empty = hidden.new_zeros((batch, length), dtype=torch.float32)
-        return (empty, empty.clone()) if with_entropy else empty
-    if not with_entropy:
-        return torch.cat(pieces).view(batch, length)
-    return (torch.cat([p[0] for p in pieces]).view(batch, length),
-            torch.cat([p[1] for p in pieces]).view(batch, length))
+        empty = [hidden.new_zeros((batch, length), dtype=torch.float32) for _ in range(outputs)]
+        return empty[0] if outputs == 1 else tuple(empty)
+    joined = [torch.cat([p[k] for p in pieces]).view(batch, length) for k in range(outputs)]
+    return joined[0] if outputs == 1 else tuple(joined)
 
 
-def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, **scoring):
-    """One chunk: (c, H) hidden states -> (c,) log-probs (and (c,) entropies)."""
-    out = token_logprobs_from_logits(head(hidden)[None], targets[None], chunk_size=hidden.shape[0], **scoring)
-    return tuple(t[0] for t in out) if isinstance(out, tuple) else out[0]
+def _chunk_logprobs(head, teacher: TeacherStates | None, hidden: torch.Tensor, targets: torch.Tensor,
+                    teacher_hidden: torch.Tensor | None, **scoring) -> tuple[torch.Tensor, ...]:
+    """One chunk: (c, H) hidden states -> (c,) log-probs (and (c,) entropies, and (c,) divergences from the
+    teacher, whose hidden states there are teacher_hidden (c, H'))."""
+    logits = head(hidden)  # (c, V)
+    out = _outputs(token_logprobs_from_logits(logits[None], targets[None], chunk_size=hidden.shape[0],
+                                              **scoring))
+    if teacher is not None:
+        out.append(teacher.divergence(logits, teacher_hidden, scoring["temperature"])[None])
+    return tuple(t[0] for t in out)
 
 
 def checkpointed_layers(model, enabled: bool = True) -> AbstractContextManager[None]:
@@ -208,9 +283,10 @@ def micro_batches(rollout, size: int, indices: torch.Tensor | None = None) -> li
 
 
 def padded_rows(parts: list[torch.Tensor], like: torch.Tensor, batches: list[torch.Tensor]) -> torch.Tensor:
-    """Per-micro-batch (n_i, T_i) results, of the completions `batches[i]` (n_i,), in a float32 zero tensor
-    shaped like `like` (N, T), on CPU."""
-    full = torch.zeros(like.shape, dtype=torch.float32)  # (N, T)
+    """Per-micro-batch (n_i, T_i, ...) results, of the completions `batches[i]` (n_i,), in a float32 zero
+    tensor shaped like `like` (N, T) (and the results' trailing dimensions), on CPU."""
+    trailing = parts[0].shape[2:] if parts else ()
+    full = torch.zeros((*like.shape, *trailing), dtype=torch.float32)  # (N, T, ...)
     for part, indices in zip(parts, batches):
-        full[indices, :part.shape[1]] = part.cpu()
+        full[indices, :part.shape[1]] = part.cpu().float()
     return full

@@ -147,9 +147,10 @@ def tokenize_prompts(
     return prompt_ids, prompt_mask
 
 
-def prompt_budget(context_length: int | None, max_new_tokens: int, max_prompt_length: int | None) -> int:
-    """The longest prompt a run may pass: max_prompt_length, or the model's context minus max_new_tokens."""
-    limit = context_length or 10**9
+def prompt_budget(model_config, max_new_tokens: int, max_prompt_length: int | None) -> int:
+    """The longest prompt a run may pass: max_prompt_length, or the model's context (its config's
+    max_position_embeddings) minus max_new_tokens."""
+    limit = getattr(model_config, "max_position_embeddings", None) or 10**9
     room = limit - max_new_tokens
     if max_prompt_length is not None:
         if max_prompt_length > room:

@@ -22,24 +22,35 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
 from forge.core.batch import Batch
-from forge.core.distill import distillation_advantages, reverse_kl_sums
+from forge.core.distill import distillation_advantages, divergence_loss, reverse_kl_sums
+from forge.core.logprobs import TeacherStates, logit_head
 from forge.model import is_peft_model, load_model
 
 TEACHER_ADAPTER = "teacher"  # the name of a teacher adapter inside the student's PeftModel
 
 
 class Teacher:
-    """A teacher model (or the student's own "teacher" adapter) and the coefficients of its advantage."""
+    """A teacher model (or the student's own "teacher" adapter), the coefficients of its signal and how it is
+    taken (distill_loss: 'sampled', a per-token advantage; 'full', a divergence term of the loss with GKD's
+    beta)."""
 
-    def __init__(self, model, adapter: str | None, distill_coef: float, reward_coef: float):
+    def __init__(self, model, adapter: str | None, distill_coef: float, reward_coef: float,
+                 loss: str = "sampled", beta: float = 1.0):
         self.model, self.adapter = model, adapter  # adapter: the student's adapter to switch on, else None
         self.distill_coef, self.reward_coef = distill_coef, reward_coef
+        self.full, self.beta = loss == "full", beta
+        self.head = logit_head(model) if self.full else None  # the teacher's output layer
+        if self.full and (self.head is None or hasattr(self.head, "base_layer")):
+            raise ValueError("distill_loss='full' makes the teacher's logits chunk by chunk from its hidden "
+                             "states, so its logits must be a plain output layer of them (not scaled or "
+                             "capped, not a LoRA-wrapped lm_head); use distill_loss='sampled'")
 
     @torch.no_grad()
     def logprobs(self, rollout, rollout_logprobs: Callable,
@@ -49,12 +60,16 @@ class Teacher:
         with active_adapter(self.model, self.adapter) if self.adapter else nullcontext():
             return rollout_logprobs(self.model, rollout, indices)
 
-    def advantages(self, batch: Batch, student, rollout_logprobs: Callable, stats) -> list[torch.Tensor]:
+    def advantages(self, batch: Batch, trainer, stats) -> list[torch.Tensor]:
         """(N, T) per-token advantages of each rollout of the batch (core/distill.py): its reward advantages
-        (N,) combined with the teacher's signal. The student's log-probs are those that sampled: pi_old when
-        the batch has them, else the sampler's, else a pass of `student`. The reverse KL and the teacher
-        pass's seconds go into `stats` (forge/run/metrics.py RolloutStats); rollout_logprobs is
-        GRPOTrainer's."""
+        (N,) combined with the teacher's sampled signal. The student's log-probs are those that sampled:
+        pi_old when the batch has them, else the sampler's, else a pass of the student. The reverse KL and
+        the teacher pass's seconds go into `stats` (forge/run/metrics.py RolloutStats); the passes are the
+        GRPOTrainer `trainer`'s. With distill_loss='full' the advantages are the reward's alone and the
+        teacher's pass keeps its hidden states for the loss pass instead (batch.teacher_hidden)."""
+        student, rollout_logprobs = trainer.model, trainer.rollout_logprobs
+        if self.full:
+            return self.keep_states(batch, partial(rollout_logprobs, states=True), stats)
         advantages = []
         for r, rollout in enumerate(batch.rollouts):
             started = time.perf_counter()
@@ -70,6 +85,31 @@ class Teacher:
             stats.distill_kl.append(kl.per_sequence)
             stats.distill_tokens.append(kl.tokens)
         return advantages
+
+
+    def keep_states(self, batch: Batch, rollout_states: Callable, stats) -> list[torch.Tensor]:
+        """distill_loss='full': the teacher's hidden states of each rollout's loss completions into
+        batch.teacher_hidden; returns the reward advantages (N,) x reward_coef."""
+        started = time.perf_counter()
+        with active_adapter(self.model, self.adapter) if self.adapter else nullcontext():
+            batch.teacher_hidden = [rollout_states(self.model, rollout, indices)
+                                    for rollout, indices in zip(batch.rollouts, batch.loss_indices)]
+        stats.teacher_seconds += time.perf_counter() - started
+        return [self.reward_coef * advantages for advantages in batch.advantages]
+
+    def view(self, batch: Batch, r: int, indices: torch.Tensor) -> TeacherStates | None:
+        """distill_loss='full': the teacher's states of rollout r's completions `indices` for the loss pass,
+        on the teacher's device (the student's); None with distill_loss='sampled'."""
+        if not self.full:
+            return None
+        device = self.head.weight.device
+        return TeacherStates(batch.teacher_hidden[r][indices].to(device), self.head, self.beta)
+
+    def loss(self, divergence: torch.Tensor, mask: torch.Tensor, num_tokens: float, totals) -> torch.Tensor:
+        """distill_coef x the micro-batch's share of the mean divergence (n, T) over the step's loss tokens
+        (mask (n, T)); the divergence is logged through `totals` (forge/run/metrics.py UpdateTotals)."""
+        totals.add_divergence(divergence, mask)
+        return self.distill_coef * divergence_loss(divergence, mask, num_tokens)
 
 
 def sampled_logprobs(old_logprobs, rollout, student, rollout_logprobs: Callable,
@@ -117,7 +157,8 @@ def open_teacher(config, student, tokenizer, teacher_model=None) -> Teacher | No
         check_vocabulary(tokenizer, teacher_tokenizer, model)
     if adapter is None:
         model.eval().requires_grad_(False)
-    return Teacher(model, adapter, config.distill_coef, config.reward_coef)
+    return Teacher(model, adapter, config.distill_coef, config.reward_coef, config.distill_loss,
+                   config.distill_beta)
 
 
 def _adapter_teacher(path: Path, student, tokenizer, device):

@@ -30,7 +30,8 @@ from forge.core.config import GRPOConfig, trainer_arguments
 from forge.core.dynamic_sampling import SamplingRounds
 from forge.core.engine_rollout import generate_on_engine, open_engine
 from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
-from forge.core.logprobs import checkpointed_layers, completion_logprobs, micro_batches, padded_rows
+from forge.core.logprobs import (checkpointed_layers, completion_logprobs, completion_states, micro_batches,
+                                 padded_rows)
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
 from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
@@ -80,7 +81,7 @@ class GRPOTrainer(TrainerSurface):
                                shard=self.dist.shard if self.dist.fsdp else None, peft_config=peft_config)
         self.model = model = ready.model
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
-        self.precision, self.device = ready.precision, next(model.parameters()).device
+        self.precision, self.trainable, self.device = ready.precision, ready.trainable, ready.device
         self.teacher = open_teacher(config, model, self.tokenizer, teacher_model)  # or None
         # The run's tools, or its environment (with those tools too); None: neither.
         self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)
@@ -90,9 +91,6 @@ class GRPOTrainer(TrainerSurface):
                                                                        self.tool_settings is not None)
         self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings,
                                                               self.engine)
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
-        if not self.trainable:
-            raise ValueError("the model has no trainable parameters (all requires_grad=False)")
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.learning_rate,
                                            weight_decay=config.weight_decay)
         self.guard = GuardedStep(self.trainable, self.optimizer, config.max_grad_norm,
@@ -103,8 +101,7 @@ class GRPOTrainer(TrainerSurface):
         self.sampling_rng = torch.Generator().manual_seed(sampling_seed(config.seed, 0))  # reseeded each step
         self.signals = StopSignals(next_step=lambda: self.global_step + 1)
         self.entropy_control = config.entropy_control  # the entropy coefficient (adaptive: adapted each step)
-        context = getattr(model.config, "max_position_embeddings", None)
-        self.max_prompt_length = prompt_budget(context, config.max_new_tokens, config.max_prompt_length)
+        self.max_prompt_length = prompt_budget(model.config, config.max_new_tokens, config.max_prompt_length)
         self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # reset by train()
         self.scheduler = self.prompt_pool = None  # set by train(): the schedule, the rows (dynamic sampling)
         auto = config.micro_batch_size == "auto"  # one group per pass until the preflight fits max_memory_mb
@@ -179,7 +176,7 @@ class GRPOTrainer(TrainerSurface):
         batch.old_logprobs = [self.old_logprobs(rollout, indices) for rollout, indices in passes]
         batch.ref_logprobs = [self.reference_logprobs(rollout, indices) for rollout, indices in passes]
         if self.teacher is not None:  # on-policy distillation: per-token advantages (N, T)
-            batch.advantages = self.teacher.advantages(batch, self.model, self.rollout_logprobs, stats)
+            batch.advantages = self.teacher.advantages(batch, self, stats)
         return batch, stats
 
     def generate(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
@@ -206,16 +203,18 @@ class GRPOTrainer(TrainerSurface):
         return score_rollout(self.rewards, rows, rollout, self.config, step=self.global_step + 1,
                              trainer_state=state, any_rank=self.dist.any)
 
-    def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, **entropy):
-        """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion (and
-        their entropies with with_entropy=True, see completion_logprobs)."""
+    def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, states: bool = False, **extras):
+        """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion, and the
+        extras asked for (completion_logprobs); states=True: hidden states (n, T', H) (completion_states)."""
         length = int(rollout.completion_mask[indices].sum(dim=1).max().clamp(min=1))
-        completions, prompt_index = rollout.completion_ids[indices, :length], rollout.prompt_index[indices]
+        completions, index = rollout.completion_ids[indices, :length], rollout.prompt_index[indices]
         with self.precision.autocast(model):  # the same numerics as generation: pi_old = stopgrad(pi) holds
+            if states:
+                return completion_states(model, rollout.prompt_ids, rollout.prompt_mask, completions, index)
             return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, completions,
-                                       prompt_index, self.config.temperature, self.config.logprob_chunk_size,
+                                       index, self.config.temperature, self.config.logprob_chunk_size,
                                        self.config.share_prompt_prefix, share_template=not self.dist.fsdp,
-                                       **entropy)
+                                       **extras)
 
     @torch.no_grad()
     def old_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
@@ -231,12 +230,13 @@ class GRPOTrainer(TrainerSurface):
                 return self.rollout_logprobs(self.model, rollout, indices)
         return self.rollout_logprobs(self.reference_model, rollout, indices)
 
-    def rollout_logprobs(self, model, rollout: Rollout, indices: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, T) log-probs of a rollout's completions under `model`, micro-batch by micro-batch, on CPU: of
-        the completions `indices` only (0 elsewhere) when given."""
+    def rollout_logprobs(self, model, rollout: Rollout, indices: torch.Tensor | None = None,
+                         states: bool = False) -> torch.Tensor:
+        """(N, T) log-probs of a rollout's completions under `model` (states=True: hidden states (N, T, H)),
+        micro-batch by micro-batch, on CPU: of the completions `indices` only (0 elsewhere) when given."""
         with self.dist.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
             batches = micro_batches(rollout, self.micro_batch_size, indices)
-            parts = [self.logprobs(model, rollout, batch) for batch in batches]
+            parts = [self.logprobs(model, rollout, batch, states) for batch in batches]
         return padded_rows(parts, rollout.completion_ids, batches)
 
     def update(self, batch: Batch) -> dict:
@@ -269,8 +269,9 @@ class GRPOTrainer(TrainerSurface):
         config, rollout, mask = self.config, batch.rollouts[r], batch.loss_mask[r][indices]
         settings = dataclasses.replace(config.loss_settings, entropy_coef=self.entropy_control.applied)
         with checkpointed_layers(self.model, config.gradient_checkpointing):  # layers recomputed in backward
-            logprobs, entropy = self.logprobs(self.model, rollout, indices, with_entropy=True,
-                                              entropy_grad=settings.entropy_coef != 0)  # (n, T') each
+            logprobs, entropy, *divergence = self.logprobs(  # (n, T') each; divergence: distill_loss='full'
+                self.model, rollout, indices, with_entropy=True, entropy_grad=settings.entropy_coef != 0,
+                teacher=self.teacher and self.teacher.view(batch, r, indices))
         length = logprobs.shape[1]
         old, ref, sampler = (None if t is None else t[indices, :length].to(self.device)  # (n, T') each
                              for t in (batch.old_logprobs[r], batch.ref_logprobs[r],
@@ -279,6 +280,8 @@ class GRPOTrainer(TrainerSurface):
         loss, stats = grpo_loss(logprobs, old, ref, batch.advantages[r][indices].to(self.device), part_mask,
                                 settings=settings, normaliser=normaliser, entropy=entropy,
                                 sampler_logprobs=sampler)
+        if divergence:  # full-vocabulary distillation: the teacher's term (core/distill.py)
+            loss = loss + self.teacher.loss(divergence[0], part_mask, normaliser.num_tokens, totals)
         # Each rank's loss carries its share: the sum of the ranks' gradients is the whole loss's gradient.
         (loss * self.guard.loss_scale).backward()  # the scale is 1 but under fp16 (forge/run/optim.py)
         gap = None if sampler is None else logprob_gap(logprobs if old is None else old, sampler, part_mask)

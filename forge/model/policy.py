@@ -73,6 +73,11 @@ class Policy:
     reference: nn.Module | None
     is_lora: bool
     precision: Precision
+    trainable: list[nn.Parameter]  # the parameters the optimizer steps (after sharding: the sharded ones)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
 
 def prepare_policy(model, tokenizer, config, *, device: torch.device | None = None,
@@ -112,6 +117,9 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
              else f"precision: float32 ({precision.reason})")
         if lora and precision.mixed:
             note(f"LoRA inputs: {precision.lora_inputs_reason}")
-    return Policy(model, tokenizer, reference, lora, precision)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameters (all requires_grad=False)")
+    return Policy(model, tokenizer, reference, lora, precision, trainable)
 
 

@@ -120,6 +120,12 @@ class UpdateTotals:
         self.weighted["sampling/logp_diff_mean"] += gap_mean * tokens
         self.gap_max = max(self.gap_max, gap_max)
 
+    def add_divergence(self, divergence: torch.Tensor, mask: torch.Tensor) -> None:
+        """One micro-batch's full-vocabulary distillation divergence (n, T) over its loss tokens (mask
+        (n, T)), logged as distill/divergence: the mean over the step's loss tokens."""
+        key = "distill/divergence"
+        self.weighted[key] = self.weighted.get(key, 0.0) + float((divergence.detach() * mask).sum())
+
     def as_metrics(self, with_rollout_is: bool = True) -> dict:
         totals = {"loss": self.loss, **{k: v / max(self.tokens, 1.0) for k, v in self.weighted.items()},
                   "sampling/logp_diff_max": self.gap_max}
@@ -143,7 +149,7 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
                                         "grad_norm", "learning_rate")},
         **{key: update[key] for key in ("entropy", "entropy_coef", "clip_frac_capped",
                                         "rollout_is_weight_mean", "sampling/logp_diff_mean",
-                                        "sampling/logp_diff_max") if key in update},
+                                        "sampling/logp_diff_max", "distill/divergence") if key in update},
         "group_reward_std_mean": float(group_std.mean()),
         "frac_zero_std_groups": float((group_std == 0).float().mean()),
         "frac_reward_zero_std": float((group_std == 0).float().mean()),  # TRL's name for frac_zero_std_groups
@@ -164,7 +170,7 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
     }
     if stats.tool_calls:  # a run with tools
         metrics.update(tool_metrics(stats))
-    if stats.distill_tokens:  # a run with a teacher
+    if stats.distill_tokens or stats.teacher_seconds:  # a run with a teacher
         metrics.update(distill_metrics(stats))
     metrics.update(stats.sampling)
     if stats.env_episodes:
@@ -184,6 +190,8 @@ def distill_metrics(stats: RolloutStats) -> dict:
     """distill/*: the reverse KL log p_student - log p_teacher of the sampled tokens, per token (over every
     loss token of the step) and per sequence (summed over a completion's tokens, averaged over the completions
     with loss tokens), and the teacher pass's seconds."""
+    if not stats.distill_tokens:  # distill_loss='full': its divergence is the loss pass's (UpdateTotals)
+        return {"distill/teacher_seconds": stats.teacher_seconds}
     per_sequence, tokens = torch.cat(stats.distill_kl), torch.cat(stats.distill_tokens)  # (N_total,) each
     counted = tokens > 0
     return {"distill/reverse_kl": float(per_sequence.sum() / tokens.sum().clamp(min=1)),

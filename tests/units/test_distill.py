@@ -1,8 +1,10 @@
 """On-policy distillation: the per-token advantages and reverse KL from given teacher and student log-probs
-(forge/core/distill.py), the loss taking them, the metrics, and the teacher in the trainer (core/teacher.py): a
-separate model, a LoRA adapter on the student's own base, and tokenizers that do not match."""
+(forge/core/distill.py), the full-vocabulary divergences by hand, the loss taking them, the metrics, and the
+teacher in the trainer (core/teacher.py): a separate model, a LoRA adapter on the student's own base, tokenizers
+that do not match, and distill_loss='full' against the models' whole logits."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -10,8 +12,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from forge import GRPOConfig, GRPOTrainer
-from forge.core.distill import distillation_advantages, reverse_kl, reverse_kl_sums
+from forge.core.distill import distillation_advantages, reverse_kl, reverse_kl_sums, token_divergence
 from forge.core.grpo import LossSettings, grpo_loss
+from forge.core.logprobs import TeacherStates, completion_logprobs, completion_states
 from forge.core.teacher import TEACHER_ADAPTER
 from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 from forge.run.metrics import RolloutStats, distill_metrics, step_metrics
@@ -82,6 +85,39 @@ def test_grpo_loss_takes_per_token_advantages():
     a.backward()
     b.backward()
     assert float(a.detach()) == float(b.detach()) and torch.equal(per_sequence.grad, per_token.grad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# distill_loss='full': GKD's divergences over the whole vocabulary, by hand
+
+UNIFORM = torch.tensor([[0.0, 0.0]])  # student logits: p = (1/2, 1/2)
+SKEWED = torch.tensor([[math.log(3.0), 0.0]])  # teacher logits: q = (3/4, 1/4)
+REVERSE = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25)  # KL(p || q) = 0.143841
+FORWARD = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)  # KL(q || p) = 0.130812
+# beta = 1/2: M = (5/8, 3/8); 1/2 KL(q || M) + 1/2 KL(p || M)
+JSD_HALF = 0.5 * (0.75 * math.log(0.75 / 0.625) + 0.25 * math.log(0.25 / 0.375)) \
+    + 0.5 * (0.5 * math.log(0.5 / 0.625) + 0.5 * math.log(0.5 / 0.375))  # 0.033822
+
+
+@pytest.mark.parametrize(("beta", "expected"), [(1.0, REVERSE), (0.0, FORWARD), (0.5, JSD_HALF)])
+def test_the_divergences_by_hand(beta, expected):
+    assert float(token_divergence(UNIFORM, SKEWED, beta)[0]) == pytest.approx(expected, abs=1e-6)
+    assert float(token_divergence(SKEWED, SKEWED, beta)[0]) == pytest.approx(0.0, abs=1e-7)  # same model
+    # the temperature divides both logits: at 2, q = (sqrt 3, 1) / (sqrt 3 + 1)
+    q = (math.sqrt(3) / (math.sqrt(3) + 1), 1 / (math.sqrt(3) + 1))
+    if beta == 1.0:
+        hot = 0.5 * math.log(0.5 / q[0]) + 0.5 * math.log(0.5 / q[1])
+        assert float(token_divergence(UNIFORM, SKEWED, beta, temperature=2.0)[0]) == pytest.approx(hot, abs=1e-6)
+
+
+def test_the_reverse_kl_gradient_by_hand_and_none_into_the_teacher():
+    """d KL(p || q) / d z_i = p_i (log(p_i / q_i) - KL(p || q)) for the student's logits z; the teacher's logits
+    get no gradient."""
+    student, teacher = UNIFORM.clone().requires_grad_(), SKEWED.clone().requires_grad_()
+    token_divergence(student, teacher, 1.0).sum().backward()
+    expected = [0.5 * (math.log(0.5 / 0.75) - REVERSE), 0.5 * (math.log(0.5 / 0.25) - REVERSE)]  # -/+ 0.274653
+    assert student.grad[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert teacher.grad is None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -195,4 +231,102 @@ def test_the_distillation_math_imports_only_torch():
     tree = ast.parse(Path(distill.__file__).read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
-    assert imported <= {"__future__", "typing", "torch"}
+    assert imported <= {"__future__", "math", "typing", "torch"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# distill_loss='full' in the loss pass and the trainer
+
+
+def prompts_and_completions(vocab: int):
+    generator = torch.Generator().manual_seed(3)
+    prompt_ids = torch.randint(3, vocab, (2, 5), generator=generator)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[1, :2] = 0  # a left-padded prompt
+    return prompt_ids, prompt_mask, torch.randint(3, vocab, (4, 6), generator=generator), torch.tensor([0, 0, 1, 1])
+
+
+def whole_log_softmax(model, prompt_ids, prompt_mask, completion_ids, index) -> torch.Tensor:
+    """(n, T, V) by the plain route: each completion after its prompt in one forward, whole logits."""
+    ids = torch.cat([prompt_ids[index], completion_ids], dim=1)
+    mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], dim=1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    return torch.log_softmax(logits[:, prompt_ids.shape[1] - 1:-1].float(), dim=-1)
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_the_loss_pass_divergence_is_that_of_the_whole_distributions(beta):
+    """completion_states + completion_logprobs(teacher=) against the two models' whole logits: the teacher's
+    states make its logits, and the divergence and its gradient equal token_divergence on whole log-softmaxes."""
+    student, tokenizer = build_tiny_model(seed=0)
+    teacher, _ = build_tiny_model(tokenizer, seed=7)
+    inputs = prompts_and_completions(student.config.vocab_size)
+    with torch.no_grad():
+        states = completion_states(teacher, *inputs)  # (4, 6, H)
+        torch.testing.assert_close(torch.log_softmax(teacher.get_output_embeddings()(states), -1),
+                                   whole_log_softmax(teacher, *inputs), rtol=1e-5, atol=1e-5)
+    view = TeacherStates(states, teacher.get_output_embeddings(), beta)
+    values, divergence = completion_logprobs(student, *inputs, chunk_size=5, teacher=view)
+    divergence.sum().backward()
+    got = {n: p.grad.clone() for n, p in student.named_parameters()}
+    student.zero_grad()
+    with torch.no_grad():
+        teacher_log_p = whole_log_softmax(teacher, *inputs)
+    student_log_p = whole_log_softmax(student, *inputs)
+    expected = token_divergence(student_log_p.flatten(0, 1), teacher_log_p.flatten(0, 1), beta).view(4, 6)
+    expected.sum().backward()
+    torch.testing.assert_close(divergence.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(values.detach(), student_log_p.gather(2, inputs[2][..., None])[..., 0].detach(),
+                               rtol=1e-5, atol=1e-6)
+    for name, parameter in student.named_parameters():
+        torch.testing.assert_close(got[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_full_distillation_trains_on_the_divergence_and_logs_it(tmp_path):
+    """reward_coef 0: the loss of a step is distill_coef x the mean divergence over its loss tokens (the policy
+    term has zero advantages); a teacher equal to the student gives 0 and no gradient."""
+    student, tokenizer = build_tiny_model(seed=0)
+    other, _ = build_tiny_model(tokenizer, seed=7)
+    GRPOTrainer(student, tokenizer, alternating, config(tmp_path, reward_coef=0.0, distill_loss="full",
+                                                        distill_coef=2.0), teacher_model=other).train(ROWS)
+    rows = logged(tmp_path)
+    assert len(rows) == 2 and all(row["distill/divergence"] > 1e-3 for row in rows)
+    for row in rows:
+        assert row["loss"] == pytest.approx(2.0 * row["distill/divergence"], rel=1e-4)
+        assert "distill/reverse_kl" not in row and row["distill/teacher_seconds"] > 0
+
+    student, _ = build_tiny_model(tokenizer, seed=0)
+    twin, _ = build_tiny_model(tokenizer, seed=0)
+    trainer = GRPOTrainer(student, tokenizer, alternating, config(tmp_path / "twin", reward_coef=0.0,
+                                                                  distill_loss="full"), teacher_model=twin)
+    batch, _ = trainer.collect(ROWS[:2])
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: 1.0)
+    update = trainer.update(batch)
+    assert abs(update["distill/divergence"]) < 1e-5 and update["grad_norm"] < 1e-3
+
+
+def test_full_distillation_from_a_lora_adapter_uses_the_adapter(tmp_path):
+    """The teacher adapter is switched on for its states pass: the states equal those of the base with the
+    saved adapter loaded on its own."""
+    base = save_tiny(tmp_path / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora)
+    adapted.save_pretrained(tmp_path / "adapter")
+    trainer = GRPOTrainer(base, None, alternating, config(tmp_path, use_lora=True, lora_r=4, reward_coef=0.0,
+                                                          distill_loss="full",
+                                                          teacher_model=str(tmp_path / "adapter")))
+    batch, _ = trainer.collect(ROWS[:2])
+    rollout = batch.rollouts[0]
+    expected = trainer.rollout_logprobs(adapted.eval(), rollout, states=True)
+    torch.testing.assert_close(batch.teacher_hidden[0], expected, rtol=1e-5, atol=1e-5)
+    assert trainer.model.active_adapter == "default"
+    trainer.train(ROWS)
+    assert all(row["distill/divergence"] > 0 for row in logged(tmp_path))
+
+
+def test_the_config_checks_the_distillation_loss():
+    with pytest.raises(ValueError, match="distill_loss"):
+        GRPOConfig(distill_loss="topk").validate()
+    with pytest.raises(ValueError, match="distill_beta"):
+        GRPOConfig(distill_beta=1.5).validate()
