@@ -61,7 +61,8 @@ def completion_logprobs(
         mask = torch.cat([prompt_mask[prompt_index], torch.ones_like(completion_ids)], dim=1)
         hidden = last_hidden(model, input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask),
                              use_cache=False)  # (n, Lp + T, H)
-        return scored(model, hidden[:, prompt_ids.shape[1] - 1:-1], completion_ids, teacher, **scoring)
+        view = None if teacher is None else teacher.positions(0, completion_ids.shape[1])
+        return scored(model, hidden[:, prompt_ids.shape[1] - 1:-1], completion_ids, view, **scoring)
 
     used, expand = torch.unique(prompt_index, return_inverse=True)  # (u,), (n,)
     ids, mask = prompt_ids[used], prompt_mask[used]  # (u, Lp)
@@ -80,7 +81,7 @@ def completion_logprobs(
                                                       **scoring))
     if teacher is not None:  # (n, 1)
         first_token.append(teacher.divergence(first_logits, teacher.hidden[:, 0], temperature)[:, None])
-    later = None if teacher is None else teacher.from_position(1)
+    later = None if teacher is None else teacher.positions(1, completion_ids.shape[1])
     rest = _outputs(scored(model, hidden[:, :-1], completion_ids[:, 1:], later, **scoring))  # (n, T - 1) each
     joined = [torch.cat(pair, dim=1) for pair in zip(first_token, rest)]  # (n, T) each
     return joined[0] if len(joined) == 1 else tuple(joined)
@@ -101,8 +102,9 @@ class TeacherStates:
     head: torch.nn.Module  # the teacher's output layer: logits = head(hidden)
     beta: float  # GKD's JSD interpolation: 1 = KL(student || teacher), 0 = KL(teacher || student)
 
-    def from_position(self, start: int) -> TeacherStates:
-        return replace(self, hidden=self.hidden[:, start:])
+    def positions(self, start: int, stop: int) -> TeacherStates:
+        """The states of positions start..stop-1 (the teacher's pass pads them to the rollout's length)."""
+        return replace(self, hidden=self.hidden[:, start:stop])
 
     def divergence(self, student_logits: torch.Tensor, hidden: torch.Tensor,
                    temperature: float) -> torch.Tensor:

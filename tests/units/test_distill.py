@@ -255,8 +255,8 @@ def whole_log_softmax(model, prompt_ids, prompt_mask, completion_ids, index) -> 
     return torch.log_softmax(logits[:, prompt_ids.shape[1] - 1:-1].float(), dim=-1)
 
 
-@pytest.mark.parametrize("beta", [1.0, 0.5])
-def test_the_loss_pass_divergence_is_that_of_the_whole_distributions(beta):
+@pytest.mark.parametrize(("beta", "share"), [(1.0, True), (0.5, True), (1.0, False)])
+def test_the_loss_pass_divergence_is_that_of_the_whole_distributions(beta, share):
     """completion_states + completion_logprobs(teacher=) against the two models' whole logits: the teacher's
     states make its logits, and the divergence and its gradient equal token_divergence on whole log-softmaxes."""
     student, tokenizer = build_tiny_model(seed=0)
@@ -266,8 +266,9 @@ def test_the_loss_pass_divergence_is_that_of_the_whole_distributions(beta):
         states = completion_states(teacher, *inputs)  # (4, 6, H)
         torch.testing.assert_close(torch.log_softmax(teacher.get_output_embeddings()(states), -1),
                                    whole_log_softmax(teacher, *inputs), rtol=1e-5, atol=1e-5)
-    view = TeacherStates(states, teacher.get_output_embeddings(), beta)
-    values, divergence = completion_logprobs(student, *inputs, chunk_size=5, teacher=view)
+    padded = torch.cat([states, torch.zeros(4, 3, states.shape[2])], dim=1)  # the teacher pass pads to the rollout
+    view = TeacherStates(padded, teacher.get_output_embeddings(), beta)
+    values, divergence = completion_logprobs(student, *inputs, chunk_size=5, share_prompt_prefix=share, teacher=view)
     divergence.sum().backward()
     got = {n: p.grad.clone() for n, p in student.named_parameters()}
     student.zero_grad()
