@@ -38,10 +38,9 @@ def completion_logprobs(
     share_template: bool = True,
     teacher: TeacherStates | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """log pi(completion token) for each completion token, (n, T); differentiable when grad is enabled.
-    with_entropy: also each position's entropy (n, T), from the same log-softmax pass
-    (token_logprobs_from_logits); teacher: also each position's divergence from the teacher (n, T)
-    (core/distill.py token_divergence). The extras asked for come after the log-probs, in that order.
+    """log pi(completion token) for each completion token, (n, T); differentiable when grad is enabled. Then,
+    when asked for and in this order, each position's entropy (n, T) from the same log-softmax pass
+    (with_entropy) and its divergence from the teacher (n, T) (core/distill.py token_divergence).
     share_template=False: no separate pass over the prompts' common leading tokens (see prefill), so every
     call runs the model the same number of times whatever the prompts (FSDP2).
 
