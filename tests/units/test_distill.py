@@ -284,6 +284,18 @@ def test_the_loss_pass_divergence_is_that_of_the_whole_distributions(beta, share
         torch.testing.assert_close(got[name], parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_the_teacher_states_of_a_one_token_prompt():
+    """A prompt of one token has nothing to run before its last token: its states are still the whole forward's."""
+    teacher, _ = build_tiny_model(seed=7)
+    prompt_ids, prompt_mask, completion_ids, index = prompts_and_completions(teacher.config.vocab_size)
+    prompt_mask[1, :4] = 0  # the second prompt is its last token only
+    with torch.no_grad():
+        states = completion_states(teacher, prompt_ids, prompt_mask, completion_ids, index)
+        torch.testing.assert_close(torch.log_softmax(teacher.get_output_embeddings()(states), -1),
+                                   whole_log_softmax(teacher, prompt_ids, prompt_mask, completion_ids, index),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_full_distillation_trains_on_the_divergence_and_logs_it(tmp_path):
     """reward_coef 0: the loss of a step is distill_coef x the mean divergence over its loss tokens (the policy
     term has zero advantages); a teacher equal to the student gives 0 and no gradient."""
