@@ -309,6 +309,14 @@ def test_full_distillation_trains_on_the_divergence_and_logs_it(tmp_path):
         assert row["loss"] == pytest.approx(2.0 * row["distill/divergence"], rel=1e-4)
         assert "distill/reverse_kl" not in row and row["distill/teacher_seconds"] > 0
 
+    # two updates per rollout reuse the teacher's states: the loss is still the divergence
+    student, _ = build_tiny_model(tokenizer, seed=0)
+    GRPOTrainer(student, tokenizer, alternating, config(tmp_path / "twice", reward_coef=0.0, distill_loss="full",
+                                                        num_iterations=2), teacher_model=other).train(ROWS)
+    rows = [json.loads(line) for line in (tmp_path / "twice" / "run" / "training_log.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "loss" in row]
+    assert rows and all(row["loss"] == pytest.approx(row["distill/divergence"], rel=1e-4) for row in rows)
+
     student, _ = build_tiny_model(tokenizer, seed=0)
     twin, _ = build_tiny_model(tokenizer, seed=0)
     trainer = GRPOTrainer(student, tokenizer, alternating, config(tmp_path / "twin", reward_coef=0.0,
