@@ -63,11 +63,7 @@ def completion_logprobs(
         view = None if teacher is None else teacher.positions(0, completion_ids.shape[1])
         return scored(model, hidden[:, prompt_ids.shape[1] - 1:-1], completion_ids, view, **scoring)
 
-    used, expand = torch.unique(prompt_index, return_inverse=True)  # (u,), (n,)
-    ids, mask = prompt_ids[used], prompt_mask[used]  # (u, Lp)
-    # Drop columns that are padding in every used prompt.
-    first = int((mask.sum(dim=0) > 0).nonzero()[0])
-    ids, mask = ids[:, first:], mask[:, first:]
+    ids, mask, expand = used_prompts(prompt_ids, prompt_mask, prompt_index)  # (u, Lp) each, (n,)
     cache, last_logits = prefill(model, ids, mask, share_template)  # (u, V)
     cache.batch_select_indices(expand)  # (n, ...) each completion sees its prompt's keys and values
     full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids)], dim=1)  # (n, Lp + T)
@@ -84,6 +80,16 @@ def completion_logprobs(
     rest = _outputs(scored(model, hidden[:, :-1], completion_ids[:, 1:], later, **scoring))  # (n, T - 1) each
     joined = [torch.cat(pair, dim=1) for pair in zip(first_token, rest)]  # (n, T) each
     return joined[0] if len(joined) == 1 else tuple(joined)
+
+
+def used_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 prompt_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct prompts the completions use, (u, Lp) ids and mask without the columns that are padding in
+    every one of them, and each completion's place among them (n,)."""
+    used, expand = torch.unique(prompt_index, return_inverse=True)  # (u,), (n,)
+    ids, mask = prompt_ids[used], prompt_mask[used]  # (u, Lp)
+    first = int((mask.sum(dim=0) > 0).nonzero()[0])
+    return ids[:, first:], mask[:, first:], expand
 
 
 def _outputs(scores) -> list[torch.Tensor]:
@@ -123,10 +129,7 @@ def completion_states(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     completion_ids, prompt_index = completion_ids.to(device), prompt_index.to(device)
-    used, expand = torch.unique(prompt_index, return_inverse=True)  # (u,), (n,)
-    ids, mask = prompt_ids[used], prompt_mask[used]  # (u, Lp), left-padded: the last column is real
-    first = int((mask.sum(dim=0) > 0).nonzero()[0])
-    ids, mask = ids[:, first:], mask[:, first:]
+    ids, mask, expand = used_prompts(prompt_ids, prompt_mask, prompt_index)  # left-padded: last column real
     inputs = torch.cat([ids[expand, -1:], completion_ids[:, :-1]], dim=1)  # (n, T)
     full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids[:, :-1])], dim=1)  # (n, Lp + T - 1)
     positions = mask[expand, :-1].sum(dim=1, keepdim=True) + torch.arange(inputs.shape[1], device=device)

@@ -52,12 +52,16 @@ class Teacher:
                              "states, so its logits must be a plain output layer of them (not scaled or "
                              "capped, not a LoRA-wrapped lm_head); use distill_loss='sampled'")
 
+    def switched_on(self):
+        """The teacher's adapter switched on in the student (a context), or nothing for a model of its own."""
+        return active_adapter(self.model, self.adapter) if self.adapter else nullcontext()
+
     @torch.no_grad()
     def logprobs(self, rollout, rollout_logprobs: Callable,
                  indices: torch.Tensor | None = None) -> torch.Tensor:
         """(N, T) log p_teacher of every sampled token of a rollout, or of its completions `indices` only (0
         elsewhere) (rollout_logprobs: GRPOTrainer's)."""
-        with active_adapter(self.model, self.adapter) if self.adapter else nullcontext():
+        with self.switched_on():
             return rollout_logprobs(self.model, rollout, indices)
 
     def advantages(self, batch: Batch, trainer, stats) -> list[torch.Tensor]:
@@ -86,12 +90,11 @@ class Teacher:
             stats.distill_tokens.append(kl.tokens)
         return advantages
 
-
     def keep_states(self, batch: Batch, rollout_states: Callable, stats) -> list[torch.Tensor]:
         """distill_loss='full': the teacher's hidden states of each rollout's loss completions into
         batch.teacher_hidden; returns the reward advantages (N,) x reward_coef."""
         started = time.perf_counter()
-        with active_adapter(self.model, self.adapter) if self.adapter else nullcontext():
+        with self.switched_on():
             batch.teacher_hidden = [rollout_states(self.model, rollout, indices)
                                     for rollout, indices in zip(batch.rollouts, batch.loss_indices)]
         stats.teacher_seconds += time.perf_counter() - started
