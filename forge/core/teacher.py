@@ -148,6 +148,10 @@ def open_teacher(config, student, tokenizer, teacher_model=None) -> Teacher | No
     source = config.teacher_model if teacher_model is None else teacher_model
     if source is None:
         return None
+    if config.distill_loss == "full" and logit_head(student) is None:
+        raise ValueError(f"distill_loss='full' makes the student's logits chunk by chunk from its hidden "
+                         f"states, but {type(student).__name__} scales or caps its logits after its output "
+                         f"layer; use distill_loss='sampled'")
     device = next(student.parameters()).device
     if not isinstance(source, str | os.PathLike):  # a loaded model
         model, adapter = source.to(device), None

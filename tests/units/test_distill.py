@@ -346,6 +346,20 @@ def test_full_distillation_from_a_lora_adapter_uses_the_adapter(tmp_path):
     assert all(row["distill/divergence"] > 0 for row in logged(tmp_path))
 
 
+def test_full_distillation_refuses_a_student_with_capped_logits_before_training(tmp_path):
+    """Gemma 2 soft-caps its logits after the head, so 'full' cannot make them chunk by chunk: refused when the
+    trainer is built, before any step's generation."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    teacher, tokenizer = build_tiny_model(seed=0)
+    capped = Gemma2ForCausalLM(Gemma2Config(vocab_size=teacher.config.vocab_size, hidden_size=16,
+                                            intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=1, head_dim=8, final_logit_softcapping=1.0))
+    with pytest.raises(ValueError, match="the student's logits .* Gemma2ForCausalLM scales or caps"):
+        GRPOTrainer(capped, tokenizer, alternating, config(tmp_path, distill_loss="full"), teacher_model=teacher)
+    GRPOTrainer(capped, tokenizer, alternating, config(tmp_path, distill_loss="sampled"), teacher_model=teacher)
+
+
 def test_the_config_checks_the_distillation_loss():
     with pytest.raises(ValueError, match="distill_loss"):
         GRPOConfig(distill_loss="topk").validate()
