@@ -28,7 +28,7 @@ MOVED_MODULES = {
     "forge.core.tool_rollout": "forge.core.rollout",
     "forge.core.tools": "forge.tools.calls",
     "forge.sandbox": "forge.tools.sandbox",
-    "forge.tool_demo": "forge.demo",
+    "forge.tool_demo": "forge.demo_tools",
 }
 
 

@@ -323,6 +323,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         run_env_demo(DemoSettings.from_args(demo_args))
         return 0
+    if demo_args.tools:  # the calculator-tool demo (forge/demo_tools.py)
+        from forge.demo_tools import run_tool_demo
+
+        run_tool_demo(DemoSettings.from_args(demo_args))
+        return 0
     run_demo(DemoSettings.from_args(demo_args))
     return 0
 

@@ -32,8 +32,6 @@ import itertools
 import json
 import os
 import platform
-import random
-import re
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -43,7 +41,6 @@ import torch
 
 from forge.core.config import GRPOConfig
 from forge.core.reward import TagFormatReward
-from forge.core.rollout import SamplingSettings, generate
 from forge.core.trainer import GRPOTrainer, seed_everything
 from forge.data.arithmetic import ARITHMETIC_TASK
 from forge.eval.evaluate import aggregate_metrics, evaluate
@@ -52,7 +49,6 @@ from forge.eval.plot import plot_training_curves
 from forge.eval.report import build_comparison, write_comparison
 from forge.eval.screen import screen_prompts
 from forge.model import Precision, choose_precision, load_model
-from forge.tools.calls import ToolSettings, as_tools, calculator
 
 
 @dataclass
@@ -60,9 +56,9 @@ class DemoSettings:
     model: str = "default"
     """Model to fine-tune: 'default' = the packaged SmolLM2-135M-Instruct (no network needed)."""
     steps: int = 60
-    """Optimizer steps of GRPO (--tools: 20)."""
+    """Optimizer steps (--tools: 20; --distill: the student's 32)."""
     prompts_per_step: int = 4
-    """Prompts per optimizer step (4 x 8 completions; --tools: 2)."""
+    """Prompts per optimizer step (4 x 8 completions; --tools: 2; --distill: the student's 2 x 2)."""
     group_size: int = 8
     """Completions per prompt."""
     learning_rate: float = 2e-4
@@ -113,15 +109,18 @@ class DemoSettings:
     trained model with the tool, on the same held-out set."""
     distill: bool = False
     """Instead: on-policy distillation: the packaged base model (the student) learns from the demo's GRPO-trained
-    adapter (the teacher: --teacher, or trained first by this command in output_dir/teacher), the reverse KL to the
-    teacher per token its advantage; prints the steps and CPU seconds each needed for 90% of the teacher's gain."""
+    adapter (the teacher: --teacher, or trained first by this command in output_dir/teacher, with the plain
+    demo's recipe) to match the teacher's next-token distributions; prints the steps and CPU seconds each needed
+    for 90% of the teacher's gain. The student's recipe: 32 steps x 2 prompts x 2 completions, lr 3e-4,
+    distill_loss 'full', the curve on 240 held-out problems every 4 steps; other flags apply to both."""
     teacher: str = ""
     """With --distill: the final/ adapter folder of an earlier `forge demo` run (its demo_result.json beside it
     gives GRPO's curve and times); empty = train the teacher first."""
     reward_coef: float = 0.0
     """With --distill: weight of the reward advantage next to the teacher's (0 = pure distillation)."""
     distill_loss: str = "sampled"
-    """With --distill: 'sampled' or 'full' (the reverse KL per sampled token, or over the vocabulary)."""
+    """With --distill: 'sampled' or 'full' (the reverse KL per sampled token, or over the vocabulary; --distill:
+    'full')."""
     dynamic_sampling: bool = False
     """Dynamic sampling (DAPO): up to 4 rounds of prompts per step until it holds prompts_per_step groups whose
     rewards differ."""
@@ -133,9 +132,9 @@ class DemoSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoSettings:
         """The settings of parsed flags (`add_demo_arguments`: None = not given): the flags the user gave, then the
-        recipe of --quick or --tools (--quick wins), then the defaults."""
+        recipe of --tools, --env, --distill or --quick (--quick wins), then the defaults."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name) is not None}
-        return cls(**(recipe(bool(given.get("tools")), bool(given.get("quick")), bool(given.get("env"))) | given))
+        return cls(**(recipe(given) | given))
 
 
 QUICK = {"steps": 3, "heldout": 20, "prompts_per_step": 2, "max_new_tokens": 48, "eval_every": 2,
@@ -148,21 +147,28 @@ thread of the 2-core machine; the plain demo's 60 x 4 would take about 40)."""
 ENV = {"steps": 30, "prompts_per_step": 2, "max_new_tokens": 48, "learning_rate": 3e-4, "heldout": 48,
        "temperature": 1.0}
 """The environment demo's recipe (forge/demo_env.py)."""
+DISTILL = {"steps": 32, "prompts_per_step": 2, "group_size": 2, "learning_rate": 3e-4, "distill_loss": "full",
+           "eval_every": 4, "eval_subset": 240}
+"""The distillation student's recipe (--distill; a teacher trained here first keeps the plain demo's values):
+2 prompts x 2 completions (no group baseline is needed), the divergence over the whole vocabulary, the curve on
+all 240 held-out problems every 4 steps (docs/performance.md, "On-policy distillation")."""
+RECIPES = {"tools": TOOLS, "env": ENV, "distill": DISTILL, "quick": QUICK}  # in this order: --quick wins
 
 
-def recipe(tools: bool, quick: bool, env: bool = False) -> dict:
-    """The settings --tools, --env and --quick change, with their values (--quick wins)."""
-    return (TOOLS if tools else {}) | (ENV if env else {}) | (QUICK if quick else {})
+def recipe(switches: dict) -> dict:
+    """The settings changed by the switches that are on in `switches` ({"tools": True, ...}), with their
+    values."""
+    return {key: value for name, values in RECIPES.items() if switches.get(name) for key, value in values.items()}
 
 
-def add_demo_arguments(parser: argparse.ArgumentParser, tools: bool = False, quick: bool = False,
-                       env: bool = False) -> None:
+def add_demo_arguments(parser: argparse.ArgumentParser, switches: dict | None = None) -> None:
     """One flag per DemoSettings field, its docstring the help, with the default of the demo the flags
-    describe (--tools, --quick: their recipe). A flag left out parses as None (False for a switch)."""
+    describe (`switches`, e.g. {"tools": True}: that recipe). A flag left out parses as None (False for a
+    switch)."""
     body = ast.parse(inspect.getsource(DemoSettings)).body[0].body
     docs = {node.target.id: nxt.value.value for node, nxt in itertools.pairwise(body)
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)}
-    defaults = {f.name: f.default for f in fields(DemoSettings)} | recipe(tools, quick, env)
+    defaults = {f.name: f.default for f in fields(DemoSettings)} | recipe(switches or {})
     for f in fields(DemoSettings):
         text = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
         if f.type in ("bool", bool):
@@ -175,13 +181,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser, tools: bool = False, qui
 def demo_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The argument parser of `forge demo` (the CLI hands it the demo's part of the command line, `argv`): with
     --tools in argv it describes the tool demo, its help and defaults included."""
-    argv = argv or []
-    tools, quick, env = "--tools" in argv, "--quick" in argv, "--env" in argv
+    switches = {name: f"--{name}" in (argv or []) for name in RECIPES}
+    tools = switches["tools"]
     described = __doc__.split("\n\n")
     description = described[2] if tools else "\n\n".join(described[:2])
     parser = argparse.ArgumentParser(prog="forge demo" + (" --tools" if tools else ""), description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    add_demo_arguments(parser, tools=tools, quick=quick, env=env)
+    add_demo_arguments(parser, switches)
     return parser
 
 
@@ -235,7 +241,7 @@ def demo_config(settings: DemoSettings, output_dir, **overrides) -> GRPOConfig:
     return replace(config, **overrides) if overrides else config
 
 
-def _training_line(settings: DemoSettings) -> str:
+def training_line(settings: DemoSettings) -> str:
     return (f"training: {settings.steps} steps x {settings.prompts_per_step} prompts x {settings.group_size} "
             f"completions, LoRA r={settings.lora_r}, lr {settings.learning_rate}")
 
@@ -258,10 +264,8 @@ def _machine() -> dict:
 
 
 def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
-    """`forge demo` (with settings.tools: `run_tool_demo`; settings.distill: `run_distill_demo`); with `teacher`
-    (an adapter folder) the run distills from it."""
-    if settings.tools:
-        return run_tool_demo(settings)
+    """`forge demo` (settings.distill: `run_distill_demo`; --tools and --env run forge/demo_tools.py and
+    forge/demo_env.py); with `teacher` (an adapter folder) the run distills from it."""
     if settings.distill:
         return run_distill_demo(settings)
     run = DemoRun(settings, "forge demo")
@@ -290,7 +294,7 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
                "distill_loss": settings.distill_loss}
     config = demo_config(settings, run.out, eval_steps=settings.eval_every, eval_before_training=subset is not None,
                          **(distill if teacher else {}))
-    run.say(_training_line(settings) + (f"; held-out curve: the first {len(subset)} problems every "
+    run.say(training_line(settings) + (f"; held-out curve: the first {len(subset)} problems every "
                                         f"{settings.eval_every} steps" if subset else ""))
     curve = HeldoutCurve(heldout, len(subset or ()), settings.steps, eval_kw, before)
     trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config, evaluator=curve)
@@ -343,12 +347,14 @@ def run_distill_demo(settings: DemoSettings) -> dict:
     """--distill: the GRPO teacher (settings.teacher, or trained here first), then the packaged base distilled from
     it; the steps and training CPU seconds each needed for 90% of the teacher's held-out gain (forge/eval/gain.py)."""
     out, plain = Path(settings.output_dir), replace(settings, distill=False, teacher="")
+    plain_values = {f.name: f.default for f in fields(DemoSettings)} | recipe({"quick": settings.quick})
+    teacher_settings = replace(plain, **{key: plain_values[key] for key in DISTILL})  # the plain demo's recipe
     teacher_dir = Path(settings.teacher) if settings.teacher else out / "teacher" / "final"
     if settings.teacher and not (teacher_dir.parent / "demo_result.json").is_file():
         raise FileNotFoundError(f"--teacher {teacher_dir}: no demo_result.json beside it; give the final/ folder of "
                                 f"a `forge demo` run, or leave --teacher out to train the teacher first")
     grpo = (json.loads((teacher_dir.parent / "demo_result.json").read_text()) if settings.teacher
-            else run_demo(replace(plain, output_dir=str(out / "teacher"))))
+            else run_demo(replace(teacher_settings, output_dir=str(out / "teacher"))))
     student = run_demo(replace(plain, output_dir=str(out / "student")), teacher=str(teacher_dir))
     rows = [(label, result, time_to_gain(result, grpo, 0.9, log_dir / "training_log.jsonl"))
             for label, result, log_dir in (("GRPO (the teacher)", grpo, teacher_dir.parent),
@@ -456,145 +462,3 @@ def _measure_ceiling(settings: DemoSettings, run: DemoRun, model, tokenizer, hel
 def _summary_line(label: str, metrics: dict) -> str:
     return (f"{label}: strict {metrics['strict_accuracy']:.1%}, soft {metrics['soft_accuracy']:.1%}, "
             f"format {metrics['format_rate']:.1%}")
-
-
-# ----------------------------------------------------------------------------------------------------
-# --tools: the calculator task (its problems, prompt and grader) and its demo
-
-SYSTEM_WITH_TOOL = ("You are a careful assistant with a calculator. To compute something, write "
-                    "<calc>expression</calc>; the calculator answers with <result>value</result>. Then give the "
-                    "final answer as <answer>number</answer>.")
-SYSTEM_NO_TOOL = "You are a careful assistant. Give the final answer as <answer>number</answer>."
-EXAMPLE_QUESTION = "What is 312 * 27?"
-EXAMPLE_WITH_TOOL = "<calc>312 * 27</calc><result>8424</result> The answer is <answer>8424</answer>"
-EXAMPLE_NO_TOOL = "312 * 27 = 8424. The answer is <answer>8424</answer>"
-KINDS = ("product", "boxes", "two_step")
-HELDOUT_SEED = 10_000
-
-
-def tool_problems(n: int, seed: int) -> list[dict]:
-    """n problems {question, answer, kind}, the kinds in turn."""
-    rng, out = random.Random(seed), []
-    for i in range(n):
-        kind = KINDS[i % len(KINDS)]
-        a, b = rng.randint(100, 999), rng.randint(11, 99)
-        if kind == "product":
-            question, answer = f"What is {a} * {b}?", a * b
-        elif kind == "boxes":
-            question, answer = f"A box holds {b} pens. How many pens are in {a} boxes?", a * b
-        else:
-            c, d = rng.randint(100, 999), rng.randint(2, 9)
-            question = (f"A shop sells {a} bags of {b} apples each and {c} single apples. It has {d} workers. "
-                        f"How many apples does it sell in total?")
-            answer = a * b + c
-        out.append({"question": question, "answer": answer, "kind": kind})
-    return out
-
-
-def tool_prompt(question: str, with_tool: bool = True) -> list[dict]:
-    system, example = (SYSTEM_WITH_TOOL, EXAMPLE_WITH_TOOL) if with_tool else (SYSTEM_NO_TOOL, EXAMPLE_NO_TOOL)
-    return [{"role": "system", "content": system}, {"role": "user", "content": EXAMPLE_QUESTION},
-            {"role": "assistant", "content": example}, {"role": "user", "content": question}]
-
-
-def tool_rows(problems: list[dict], with_tool: bool = True) -> list[dict]:
-    return [{"prompt": tool_prompt(p["question"], with_tool), "reference": str(p["answer"]), "kind": p["kind"]}
-            for p in problems]
-
-
-def final_answer(text: str) -> str | None:
-    found = re.findall(r"<answer>\s*(-?[\d,]+)\s*</answer>", text)
-    return found[-1].replace(",", "") if found else None
-
-
-def answer_correct(prompts, completions, references, **kwargs) -> list[float]:
-    """1.0 when the number in the last <answer> is the reference (a <result> alone does not count): the
-    training reward, and the verdict the evaluation counts."""
-    return [float(final_answer(text) == str(ref)) for text, ref in zip(completions, references)]
-
-
-def answer_format(prompts, completions, **kwargs) -> list[float]:
-    """1.0 when the completion gives an <answer>number</answer>."""
-    return [float(final_answer(text) is not None) for text in completions]
-
-
-def calculator_settings() -> ToolSettings:
-    """The calculator as the demo's rollouts use it, in training and evaluation: text protocol, 3 calls, 5 s."""
-    return ToolSettings(as_tools([calculator]), "text", max_calls=3, timeout=5.0)
-
-
-@torch.no_grad()
-def evaluate_with_tools(model, tokenizer, rows: list[dict], *, with_tool: bool, max_new_tokens: int,
-                        batch_size: int = 60) -> dict:
-    """Greedy accuracy on rows (tool_rows, graded by `answer_correct`), the share that used the tool, and per kind."""
-    was_training = model.training
-    model.eval()
-    sampling, tools = SamplingSettings(max_new_tokens, do_sample=False), calculator_settings() if with_tool else None
-    texts, calls = [], []
-    for start in range(0, len(rows), batch_size):
-        rollout = generate(model, tokenizer, [row["prompt"] for row in rows[start:start + batch_size]], 1, sampling,
-                           tools=tools)
-        texts += rollout.completions
-        calls += rollout.tool_calls or [[] for _ in rollout.completions]
-    model.train(was_training)
-    correct = answer_correct(None, texts, [row["reference"] for row in rows])
-    records = []
-    for row, text, right, made in zip(rows, texts, correct, calls):
-        ran = [c for c in made if c.failure is None]
-        records.append({"kind": row["kind"], "reference": row["reference"], "completion": text,
-                        "correct": right == 1.0, "used_tool": bool(ran),
-                        "right_call": any(c.output == row["reference"] for c in ran)})
-
-    def share(key, subset=records):
-        return sum(r[key] for r in subset) / max(len(subset), 1)
-
-    return {"accuracy": share("correct"), "tool_use": share("used_tool"), "right_call": share("right_call"),
-            "n": len(records), "by_kind": {k: share("correct", [r for r in records if r["kind"] == k])
-                                           for k in KINDS},
-            "format_rate": sum(answer_format(None, texts)) / max(len(records), 1),
-            "examples": [r["completion"] for r in records[:3]]}
-
-
-def run_tool_demo(settings: DemoSettings) -> dict:
-    """The --tools path of `forge demo`."""
-    run = DemoRun(settings, "forge demo --tools")
-    model, tokenizer, precision = load_policy(settings)
-    heldout = tool_problems(settings.heldout, HELDOUT_SEED)
-    held_questions = {p["question"] for p in heldout}
-    train = [p for p in tool_problems(settings.steps * settings.prompts_per_step * 2, settings.seed + 1)
-             if p["question"] not in held_questions][:settings.steps * settings.prompts_per_step]
-    eval_kw = {"max_new_tokens": settings.max_new_tokens, "batch_size": settings.eval_batch_size}
-    run.timings["load"] = run.elapsed()
-
-    def evaluated(phase: str, model, with_tool: bool) -> dict:
-        with run.timed(phase), precision.autocast(model):
-            return evaluate_with_tools(model, tokenizer, tool_rows(heldout, with_tool), with_tool=with_tool,
-                                       **eval_kw)
-
-    run.say(f"base model on {len(heldout)} held-out problems, greedy, without and with the calculator")
-    no_tool = evaluated("no_tool_eval", model, with_tool=False)
-    before = evaluated("base_eval", model, with_tool=True)
-    run.say(f"no tool {no_tool['accuracy']:.1%}; with the tool {before['accuracy']:.1%} "
-            f"(tool used {before['tool_use']:.1%}, right call {before['right_call']:.1%})")
-    tools = calculator_settings()
-    config = demo_config(settings, run.out, max_tool_calling_iterations=tools.max_calls, tool_format=tools.format,
-                         tool_timeout=tools.timeout)
-    trainer = GRPOTrainer(model, tokenizer, [answer_correct, answer_format], config, tools=[calculator])
-    run.say(_training_line(settings) + ", calculator tool")
-    with run.timed("training"):
-        trainer.train(tool_rows(train))  # under its own precision
-    after = evaluated("final_eval", trainer.model, with_tool=True)
-    run.say(f"trained with the tool {after['accuracy']:.1%} (tool used {after['tool_use']:.1%}, right call "
-            f"{after['right_call']:.1%})")
-    run.timings["total"] = run.elapsed()
-    result = {"settings": asdict(settings), "heldout_size": len(heldout), "no_tool": no_tool, "before": before,
-              "after": after, "gain_vs_base_with_tool": after["accuracy"] - before["accuracy"],
-              "gain_vs_no_tool": after["accuracy"] - no_tool["accuracy"], "timings": run.timings,
-              "precision": str(precision.compute).removeprefix("torch.")}
-    (run.out / "demo_tools_result.json").write_text(json.dumps(result, indent=2))
-    print(f"\n{'':>22} | accuracy | tool used | right call\n"
-          + "\n".join(f"{label:>22} | {m['accuracy']:8.1%} | {m['tool_use']:9.1%} | {m['right_call']:10.1%}"
-                      for label, m in (("base, no tool", no_tool), ("base, with tool", before),
-                                       ("trained, with tool", after)))
-          + f"\nresult: {run.out / 'demo_tools_result.json'}  ({run.timings['total']:.0f}s)")
-    return result

@@ -130,16 +130,16 @@ def test_tool_demo_evaluates_without_and_with_the_tool_in_the_training_precision
                                                                                  capsys):
     import torch
 
-    import forge.demo
+    import forge.demo_tools
 
-    seen, real = [], forge.demo.evaluate_with_tools
+    seen, real = [], forge.demo_tools.evaluate_with_tools
 
     def recording(*args, **kwargs):
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
         seen.append((kwargs["with_tool"], dtype))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(forge.demo, "evaluate_with_tools", recording)
+    monkeypatch.setattr(forge.demo_tools, "evaluate_with_tools", recording)
     asked = _count_precision_choices(monkeypatch)
     out = tmp_path / "tools"
     main(["demo", "--tools", "--model", str(model_folder), "--steps", "1", "--prompts_per_step", "2", "--group_size",

@@ -42,16 +42,21 @@ def test_demo_distill_trains_a_teacher_then_distills_from_it(tmp_path, capsys):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     out = tmp_path / "distill"
-    main(["demo", "--distill", "--model", str(folder), "--steps", "2", "--prompts_per_step", "2", "--group_size",
-          "2", "--heldout", "6", "--max_new_tokens", "6", "--threads", "1", "--output_dir", str(out),
-          "--eval_every", "1", "--eval_subset", "6", "--eval_batch_size", "6"])
+    main(["demo", "--distill", "--quick", "--model", str(folder), "--heldout", "6", "--max_new_tokens", "6",
+          "--threads", "1", "--output_dir", str(out), "--eval_subset", "6", "--eval_batch_size", "6"])
     printed = capsys.readouterr().out
     assert "90% of the teacher's held-out gain" in printed and "distillation" in printed
     result = json.loads((out / "distill_result.json").read_text())
     assert set(result["to_90_percent"]) == {"GRPO (the teacher)", "distillation"}
     assert (out / "teacher" / "final" / "adapter_config.json").is_file()
     log = [json.loads(line) for line in (out / "student" / "training_log.jsonl").read_text().splitlines()]
-    assert all("distill/reverse_kl" in row for row in log if "loss" in row)
+    assert all("distill/divergence" in row for row in log if "loss" in row)  # the recipe's distill_loss='full'
+    teacher_settings, student_settings = result["grpo"]["settings"], result["distillation"]["settings"]
+    # the student takes the distillation recipe (2 x 2; --quick's steps), the teacher trained here the plain
+    # demo's (4 prompts under --quick: 2, x 8); flags outside the recipe apply to both
+    assert (student_settings["group_size"], student_settings["steps"], student_settings["distill_loss"]) == (2, 3, "full")
+    assert (teacher_settings["group_size"], teacher_settings["steps"]) == (8, 3)
+    assert teacher_settings["max_new_tokens"] == student_settings["max_new_tokens"] == 6
     assert all("train_cpu_seconds" in point for point in result["distillation"]["eval_curve"])
     student = json.loads((out / "student" / "demo_result.json").read_text())["settings"]
     assert student["distill"] and student["teacher"] == str(out / "teacher" / "final")  # it says it was distilled
@@ -62,3 +67,18 @@ def test_demo_distill_trains_a_teacher_then_distills_from_it(tmp_path, capsys):
           "--threads", "1", "--output_dir", str(tmp_path / "again"), "--eval_every", "1", "--eval_subset", "6"])
     assert not (tmp_path / "again" / "teacher").exists()
     assert (tmp_path / "again" / "distill_result.json").is_file()
+
+
+def test_the_student_takes_the_distillation_recipe_unless_told_otherwise():
+    import argparse
+
+    from forge.demo import DemoSettings, add_demo_arguments
+
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    settings = lambda *argv: DemoSettings.from_args(parser.parse_args(list(argv)))
+    student = settings("--distill")
+    assert (student.steps, student.prompts_per_step, student.group_size, student.distill_loss) == (32, 2, 2, "full")
+    assert settings("--distill", "--group_size", "4").group_size == 4  # a flag the user gave wins
+    assert settings("--distill", "--quick").steps == 3  # --quick wins over the recipe
+    assert (settings().group_size, settings().distill_loss) == (8, "sampled")  # the plain demo keeps its own

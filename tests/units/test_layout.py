@@ -21,7 +21,7 @@ FLOORS = {
     "core": 3,
     "eval": 4,
     "demo": 5,
-    "cli_config": 6, "demo_env": 6,
+    "cli_config": 6, "demo_env": 6, "demo_tools": 6,
     "cli": 7,
     "__main__": 8, "__init__": 8,
 }

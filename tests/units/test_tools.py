@@ -532,7 +532,7 @@ def test_a_closer_merged_with_the_next_characters_in_one_token(scripted):
 
 
 def test_tool_demo_problems_prompt_and_rewards():
-    from forge.demo import HELDOUT_SEED, answer_correct, answer_format, tool_problems, tool_rows
+    from forge.demo_tools import HELDOUT_SEED, answer_correct, answer_format, tool_problems, tool_rows
 
     heldout = tool_problems(240, HELDOUT_SEED)
     assert heldout == tool_problems(240, HELDOUT_SEED)  # fixed
