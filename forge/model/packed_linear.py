@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -77,23 +79,129 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torc
     return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [None], "")
 
 
+def _packed(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight (out, in) cast to `dtype` as autocast casts it, once, in oneDNN's blocked layout."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), 32)
+
+
+# Layers that one module calls on the same input one after the other (Llama-style attention and MLP). Inside
+# packed_linears they run as one product over their stacked weights and their LoRA A matrices; each layer's
+# columns of it are the bits of its own product (tests/units/test_packed_linear.py), with one call instead of
+# up to six and no adapter wrapper per layer.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Parts(NamedTuple):
+    base: nn.Linear  # the layer's own weight (a LoRA layer's base layer)
+    lora: tuple[nn.Linear, nn.Linear, float] | None  # (lora_A, lora_B, scaling) of its active adapter
+
+
+def _parts(layer: nn.Module) -> _Parts | None:
+    """A plain nn.Linear, or a PEFT LoRA Linear with at most one plain adapter switched on (no DoRA or other
+    variant, no dropout at work), as its parts; None for anything else."""
+    if _packable(layer):
+        return _Parts(layer, None)
+    if type(layer).__name__ != "Linear" or not type(layer).__module__.startswith("peft.tuners.lora"):
+        return None
+    if "forward" in layer.__dict__ or not _packable(layer.base_layer):
+        return None
+    if layer.merged or layer.disable_adapters:
+        return _Parts(layer.base_layer, None)
+    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    if not active:
+        return _Parts(layer.base_layer, None)
+    name = active[0]
+    dropout = layer.lora_dropout[name]
+    plain = (len(active) == 1 and name not in layer.lora_variant and _packable(layer.lora_A[name])
+             and _packable(layer.lora_B[name]) and (isinstance(dropout, nn.Identity) or not dropout.training))
+    if not plain:
+        return None
+    return _Parts(layer.base_layer, (layer.lora_A[name], layer.lora_B[name], layer.scaling[name]))
+
+
+class _Siblings:
+    """Sibling layers (SIBLINGS) on one packed product: the first of them called with some rows computes every
+    sibling's output, and each then takes its own (a call with other rows computes them again)."""
+
+    def __init__(self, layers: list[nn.Module], parts: list[_Parts], dtype: torch.dtype):
+        self.layers, self.dtype = layers, dtype
+        adapted = [p.lora for p in parts if p.lora is not None]
+        self.widths = [p.base.out_features for p in parts] + [a.out_features for a, _, _ in adapted]
+        stacked = torch.cat([p.base.weight for p in parts] + [a.weight for a, _, _ in adapted])  # (sum, in)
+        self.weight = _packed(stacked, dtype)
+        biases = [torch.zeros(width, dtype=dtype) for width in self.widths]  # the A rows have none
+        for i, p in enumerate(parts):
+            biases[i] = biases[i] if p.base.bias is None else p.base.bias.detach().to(dtype)
+        self.bias = torch.cat(biases) if any(p.base.bias is not None for p in parts) else None
+        self.lora = [None if p.lora is None else (_packed(p.lora[1].weight, dtype), p.lora[2]) for p in parts]
+        self.rows, self.outputs = None, {}
+
+    def forward(self, index: int, rows: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs:  # e.g. PEFT's adapter_names: the layer's own forward
+            layer = self.layers[index]
+            return type(layer).forward(layer, rows, *args, **kwargs)
+        if self.rows is not rows or index not in self.outputs:
+            self.rows, self.outputs = rows, self._all(rows)
+        out = self.outputs.pop(index)
+        if not self.outputs:
+            self.rows = None  # every sibling has its output: let go of the rows
+        return out
+
+    def _all(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
+        product = _packed_forward(self.weight, self.bias, self.dtype, rows)  # (..., sum of widths)
+        columns = product.split(self.widths, dim=-1)
+        outputs, adapted = {}, iter(columns[len(self.layers):])
+        for i, lora in enumerate(self.lora):
+            out = columns[i].contiguous()
+            if lora is not None:  # PEFT's result + lora_B(lora_A(x)) * scaling, in the compute dtype
+                weight_b, scaling = lora
+                out = out + _packed_forward(weight_b, None, self.dtype, next(adapted).contiguous()) * scaling
+            outputs[i] = out
+        return outputs
+
+
+def _sibling_groups(model: nn.Module) -> list[tuple[list[nn.Module], list[_Parts], torch.dtype]]:
+    """The SIBLINGS groups of `model` that can run as one packed product: every layer plain or plain LoRA, all
+    in one compute dtype that packing applies to."""
+    groups = []
+    for module in model.modules():
+        for names in SIBLINGS:
+            layers = [getattr(module, name, None) for name in names]
+            parts = [None if layer is None else _parts(layer) for layer in layers]
+            if any(p is None for p in parts):
+                continue
+            dtypes = {_compute_dtype(p.base.weight) for p in parts}
+            dtype = dtypes.pop()
+            if not dtypes and packing_applies(parts[0].base.weight.device, dtype):
+                groups.append((layers, parts, dtype))
+    return groups
+
+
 @contextlib.contextmanager
 def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[bool]:
-    """Run `model`'s nn.Linear layers on weights packed once for oneDNN (no-grad use: generation). Yields
-    whether it packed: only the layers whose device and compute dtype PACKED_LINEAR_MEASURED holds, with
-    gradients off."""
-    layers = []
+    """Run `model`'s nn.Linear layers on weights packed once for oneDNN (no-grad use: generation), sibling
+    layers (SIBLINGS) as one product. Yields whether it packed: only the layers whose device and compute dtype
+    PACKED_LINEAR_MEASURED holds, with gradients off."""
+    layers, groups = [], []
     if enabled and not torch.is_grad_enabled() and may_pack(model):
-        layers = [m for m in model.modules() if _packable(m) and packing_applies(m.weight.device,
-                                                                                 _compute_dtype(m.weight))]
+        groups = _sibling_groups(model)
+        grouped = {id(m) for _, parts, _ in groups for p in parts
+                   for m in (p.base, *((p.lora[0], p.lora[1]) if p.lora else ()))}
+        layers = [m for m in model.modules() if _packable(m) and id(m) not in grouped
+                  and packing_applies(m.weight.device, _compute_dtype(m.weight))]
+    wrapped = []
     try:
         for m in layers:
             dtype = _compute_dtype(m.weight)
-            weight = m.weight.detach().to(dtype)  # autocast's cast of an fp32 weight, once
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)  # (out, in), oneDNN's blocked layout
+            packed = _packed(m.weight, dtype)  # (out, in), oneDNN's blocked layout
             bias = None if m.bias is None else m.bias.detach().to(dtype)
             m.forward = lambda rows, w=packed, b=bias, d=dtype: _packed_forward(w, b, d, rows)
-        yield bool(layers)
+        for siblings, parts, dtype in groups:
+            run = _Siblings(siblings, parts, dtype)
+            for i, m in enumerate(siblings):
+                m.forward = partial(run.forward, i)
+                wrapped.append(m)
+        yield bool(layers or groups)
     finally:
-        for m in layers:
+        for m in layers + wrapped:
             m.__dict__.pop("forward", None)
