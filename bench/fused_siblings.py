@@ -1,5 +1,6 @@
 """A/B in one process: the demo's generation with sibling layers as one packed product (forge/model/packed_linear.py
-SIBLINGS: q/k/v and gate/up, each with its LoRA A) against each layer packed on its own.
+SIBLINGS: q/k/v and gate/up, each with its LoRA A; every other LoRA layer with its A) against each layer packed on
+its own and the adapters through PEFT's layer (packed_linear.FUSED = False).
 
 The demo's trainer (packaged SmolLM2-135M, LoRA r=16 on the 7 projections, 4 prompts x 8 completions, 64 new
 tokens, temperature 0.7, its precision); its adapters are given random B matrices first, so the adapter path
@@ -51,14 +52,13 @@ def main() -> None:
             if "lora_B" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.01)
     prompts = [row["prompt"] for row in arithmetic_dataset(n=settings.prompts_per_step, seed=0, chat=True)]
-    siblings = packed_linear.SIBLINGS
-    sides = {"fused": siblings, "per_layer": ()}
+    sides = {"fused": True, "per_layer": False}
     rounds = {side: [] for side in sides}
     rollouts = {}
     trainer.generate(prompts)  # warm-up
     for i in range(args.rounds):
         for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-            packed_linear.SIBLINGS = sides[side]
+            packed_linear.FUSED = sides[side]
             trainer.sampling_rng.manual_seed(0)  # the same sampling in every round
             started = time.process_time()
             with merged_adapters(trainer.model, args.merged, rounded=True):  # as evaluation merges in bf16
@@ -68,7 +68,7 @@ def main() -> None:
             rounds[side].append({"tokens": tokens, "cpu_seconds": cpu, "tokens_per_cpu_second": tokens / cpu})
             rollouts.setdefault(i, {})[side] = rollout
         print(i, {side: round(rounds[side][-1]["tokens_per_cpu_second"], 1) for side in sides}, flush=True)
-    packed_linear.SIBLINGS = siblings
+    packed_linear.FUSED = True
     same = all(torch.equal(r["fused"].completion_ids, r["per_layer"].completion_ids)
                and torch.equal(r["fused"].sampler_logprobs, r["per_layer"].sampler_logprobs)
                for r in rollouts.values())

@@ -89,6 +89,7 @@ def _packed(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # columns of it are the bits of its own product (tests/units/test_packed_linear.py), with one call instead of
 # up to six and no adapter wrapper per layer.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+FUSED = True  # False: every layer packed on its own, LoRA adapters through PEFT's layer (bench/fused_siblings.py)
 
 
 class _Parts(NamedTuple):
@@ -161,19 +162,24 @@ class _Siblings:
 
 
 def _sibling_groups(model: nn.Module) -> list[tuple[list[nn.Module], list[_Parts], torch.dtype]]:
-    """The SIBLINGS groups of `model` that can run as one packed product: every layer plain or plain LoRA, all
-    in one compute dtype that packing applies to."""
-    groups = []
-    for module in model.modules():
-        for names in SIBLINGS:
-            layers = [getattr(module, name, None) for name in names]
-            parts = [None if layer is None else _parts(layer) for layer in layers]
-            if any(p is None for p in parts):
-                continue
-            dtypes = {_compute_dtype(p.base.weight) for p in parts}
-            dtype = dtypes.pop()
-            if not dtypes and packing_applies(parts[0].base.weight.device, dtype):
-                groups.append((layers, parts, dtype))
+    """The groups of `model`'s layers that run as one packed product each: its SIBLINGS, and every other plain
+    LoRA layer on its own (its weight and A in one product: no adapter wrapper); every layer plain or plain
+    LoRA, all in one compute dtype that packing applies to."""
+    if not FUSED:
+        return []
+    candidates = [[getattr(module, name, None) for name in names] for module in model.modules()
+                  for names in SIBLINGS]
+    candidates += [[m] for m in model.modules() if not _packable(m) and getattr(_parts(m), "lora", None)]
+    groups, taken = [], set()
+    for layers in candidates:
+        parts = [None if layer is None or id(layer) in taken else _parts(layer) for layer in layers]
+        if any(p is None for p in parts):
+            continue
+        dtypes = {_compute_dtype(p.base.weight) for p in parts}
+        dtype = dtypes.pop()
+        if not dtypes and packing_applies(parts[0].base.weight.device, dtype):
+            groups.append((layers, parts, dtype))
+            taken.update(id(layer) for layer in layers)
     return groups
 
 

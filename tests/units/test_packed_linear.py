@@ -58,48 +58,50 @@ def test_generation_on_packed_weights_samples_the_same_tokens_and_logprobs(tiny_
 
 
 class Block(nn.Module):
-    """Llama-style siblings: q/k/v read one input, gate/up another."""
+    """Llama-style siblings: q/k/v read one input, gate/up another; o reads its own."""
 
     def __init__(self, bias: bool = False):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(16, 16, bias=bias), nn.Linear(16, 8), nn.Linear(16, 8)
         self.gate_proj, self.up_proj = nn.Linear(16, 24, bias=False), nn.Linear(16, 24, bias=False)
+        self.o_proj = nn.Linear(16, 16, bias=False)
 
     def forward(self, x):
-        return [self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate_proj(x), self.up_proj(x)]
+        return [self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate_proj(x), self.up_proj(x), self.o_proj(x)]
 
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_sibling_layers_run_as_one_product_with_each_layers_own_bits(monkeypatch, lora):
-    """q/k/v and gate/up (with or without a LoRA adapter each) as one packed product give every layer's output
-    of the layers packed one by one; a call with other rows computes them again; the layers are restored."""
+    """q/k/v and gate/up (with or without a LoRA adapter each) as one packed product, and a lone LoRA layer with
+    its A, give every layer's output of the layers packed one by one (the adapters through PEFT's layer); a call
+    with other rows computes them again; the layers are restored."""
     from peft import LoraConfig, get_peft_model
 
     monkeypatch.setattr(packed_linear, "packing_applies", lambda device, dtype: dtype == torch.bfloat16)
     torch.manual_seed(0)
     model = nn.Sequential(Block(bias=True))
     if lora:
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj"],
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "o_proj"],
                             init_lora_weights=False)
         model = get_peft_model(model, config).eval()
     block = next(m for m in model.modules() if isinstance(m, Block))
     rows, other = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    products, siblings = [], packed_linear.SIBLINGS
+    products = []
     real = packed_linear._Siblings._all
     monkeypatch.setattr(packed_linear._Siblings, "_all", lambda self, x: products.append(1) or real(self, x))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        monkeypatch.setattr(packed_linear, "SIBLINGS", ())  # every layer packed on its own
+        monkeypatch.setattr(packed_linear, "FUSED", False)  # every layer packed on its own
         with packed_linears(model) as packed:
             assert packed
             expected, expected_other = block(rows), block(other)
         assert not products
-        monkeypatch.setattr(packed_linear, "SIBLINGS", siblings)
+        monkeypatch.setattr(packed_linear, "FUSED", True)
         with packed_linears(model) as packed:
             assert packed
             got = block(rows)
-            assert len(products) == 2  # one product for q/k/v, one for gate/up
+            assert len(products) == 2 + lora  # one product for q/k/v, one for gate/up (and one for o's LoRA)
             got_other = block(other)
-            assert len(products) == 4
+            assert len(products) == 2 * (2 + lora)
     assert all("forward" not in m.__dict__ for m in model.modules())
     for a, b in zip(got + got_other, expected + expected_other):
         assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
@@ -129,7 +131,7 @@ def test_generation_with_sibling_products_samples_the_same_tokens_and_logprobs(t
 
     fused = rollout()
     assert products
-    monkeypatch.setattr(packed_linear, "SIBLINGS", ())
+    monkeypatch.setattr(packed_linear, "FUSED", False)
     per_layer = rollout()
     assert torch.equal(fused.completion_ids, per_layer.completion_ids)
     assert torch.equal(fused.sampler_logprobs, per_layer.sampler_logprobs)
