@@ -17,6 +17,7 @@ and bit-equal (PACKED_LINEAR_MEASURED, keyed like the other per-CPU choices of f
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from functools import partial
 from typing import NamedTuple
@@ -134,7 +135,7 @@ class _Siblings:
         for i, p in enumerate(parts):
             biases[i] = biases[i] if p.base.bias is None else p.base.bias.detach().to(dtype)
         self.bias = torch.cat(biases) if any(p.base.bias is not None for p in parts) else None
-        self.lora = [None if p.lora is None else (_packed(p.lora[1].weight, dtype), p.lora[2]) for p in parts]
+        self.lora = [None if p.lora is None else _scaled_b(p.lora[1].weight, p.lora[2], dtype) for p in parts]
         self.rows, self.outputs = None, {}
 
     def forward(self, index: int, rows: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -156,9 +157,20 @@ class _Siblings:
             out = columns[i].contiguous()
             if lora is not None:  # PEFT's result + lora_B(lora_A(x)) * scaling, in the compute dtype
                 weight_b, scaling = lora
-                out = out + _packed_forward(weight_b, None, self.dtype, next(adapted).contiguous()) * scaling
+                update = _packed_forward(weight_b, None, self.dtype, next(adapted).contiguous())
+                out = out + (update if scaling == 1 else update * scaling)
             outputs[i] = out
         return outputs
+
+
+def _scaled_b(weight: torch.Tensor, scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """(packed B, the scaling still to multiply by). A scaling of 1, 2, 4, ... goes into B, cast to `dtype`
+    first: a power of two >= 1 scales every product, sum and rounding exactly, so (s B) x is (B x) s to the bit,
+    one multiplication fewer per layer."""
+    mantissa, _ = math.frexp(scaling)
+    if scaling >= 1 and mantissa == 0.5:
+        return _packed(weight.detach().to(dtype) * scaling, dtype), 1.0
+    return _packed(weight, dtype), scaling
 
 
 def _sibling_groups(model: nn.Module) -> list[tuple[list[nn.Module], list[_Parts], torch.dtype]]:

@@ -70,8 +70,8 @@ class Block(nn.Module):
         return [self.q_proj(x), self.k_proj(x), self.v_proj(x), self.gate_proj(x), self.up_proj(x), self.o_proj(x)]
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_sibling_layers_run_as_one_product_with_each_layers_own_bits(monkeypatch, lora):
+@pytest.mark.parametrize("alpha", [None, 8, 6])  # no LoRA; scaling 2 (folded into B); scaling 1.5
+def test_sibling_layers_run_as_one_product_with_each_layers_own_bits(monkeypatch, alpha):
     """q/k/v and gate/up (with or without a LoRA adapter each) as one packed product, and a lone LoRA layer with
     its A, give every layer's output of the layers packed one by one (the adapters through PEFT's layer); a call
     with other rows computes them again; the layers are restored."""
@@ -80,8 +80,9 @@ def test_sibling_layers_run_as_one_product_with_each_layers_own_bits(monkeypatch
     monkeypatch.setattr(packed_linear, "packing_applies", lambda device, dtype: dtype == torch.bfloat16)
     torch.manual_seed(0)
     model = nn.Sequential(Block(bias=True))
+    lora = alpha is not None
     if lora:
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "o_proj"],
+        config = LoraConfig(r=4, lora_alpha=alpha, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "o_proj"],
                             init_lora_weights=False)
         model = get_peft_model(model, config).eval()
     block = next(m for m in model.modules() if isinstance(m, Block))
