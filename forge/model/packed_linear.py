@@ -154,12 +154,12 @@ class _Siblings:
         columns = product.split(self.widths, dim=-1)
         outputs, adapted = {}, iter(columns[len(self.layers):])
         for i, lora in enumerate(self.lora):
-            out = columns[i].contiguous()
-            if lora is not None:  # PEFT's result + lora_B(lora_A(x)) * scaling, in the compute dtype
-                weight_b, scaling = lora
-                update = _packed_forward(weight_b, None, self.dtype, next(adapted).contiguous())
-                out = out + (update if scaling == 1 else update * scaling)
-            outputs[i] = out
+            if lora is None:
+                outputs[i] = columns[i].contiguous()  # as the layer's own product lays it out
+                continue
+            weight_b, scaling = lora  # PEFT's result + lora_B(lora_A(x)) * scaling, in the compute dtype
+            update = _packed_forward(weight_b, None, self.dtype, next(adapted).contiguous())
+            outputs[i] = columns[i] + (update if scaling == 1 else update * scaling)  # a new, dense tensor
         return outputs
 
 
