@@ -94,6 +94,11 @@ class Rollout:
         """(N, T) 1 on the completion tokens the model sampled: the tokens that are actions in the loss."""
         return self.completion_mask if self.action_mask is None else self.completion_mask * self.action_mask
 
+    def completions_of(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(completion ids (n, T'), their prompts' rows (n,)) of the completions `indices`, T' their longest."""
+        length = int(self.completion_mask[indices].sum(dim=1).max().clamp(min=1))
+        return self.completion_ids[indices, :length], self.prompt_index[indices]
+
 
 # ----------------------------------------------------------------------------------------------------
 # Prompts -> token ids

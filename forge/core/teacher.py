@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 
 from forge.core.batch import Batch
 from forge.core.distill import distillation_advantages, divergence_loss, reverse_kl_sums
-from forge.core.logprobs import TeacherStates, logit_head
+from forge.core.logprobs import TeacherStates, completion_states, logit_head, micro_batches, padded_rows
 from forge.model import is_peft_model, load_model
 
 TEACHER_ADAPTER = "teacher"  # the name of a teacher adapter inside the student's PeftModel
@@ -73,7 +73,7 @@ class Teacher:
         teacher's pass keeps its hidden states for the loss pass instead (batch.teacher_hidden)."""
         student, rollout_logprobs = trainer.model, trainer.rollout_logprobs
         if self.full:
-            return self.keep_states(batch, partial(rollout_logprobs, states=True), stats)
+            return self.keep_states(batch, partial(rollout_states, trainer), stats)
         advantages = []
         for r, rollout in enumerate(batch.rollouts):
             started = time.perf_counter()
@@ -90,12 +90,13 @@ class Teacher:
             stats.distill_tokens.append(kl.tokens)
         return advantages
 
-    def keep_states(self, batch: Batch, rollout_states: Callable, stats) -> list[torch.Tensor]:
+    def keep_states(self, batch: Batch, states_of: Callable, stats) -> list[torch.Tensor]:
         """distill_loss='full': the teacher's hidden states of each rollout's loss completions into
-        batch.teacher_hidden; returns the reward advantages (N,) x reward_coef."""
+        batch.teacher_hidden (states_of(model, rollout, indices): rollout_states); returns the reward
+        advantages (N,) x reward_coef."""
         started = time.perf_counter()
         with self.switched_on():
-            batch.teacher_hidden = [rollout_states(self.model, rollout, indices)
+            batch.teacher_hidden = [states_of(self.model, rollout, indices)
                                     for rollout, indices in zip(batch.rollouts, batch.loss_indices)]
         stats.teacher_seconds += time.perf_counter() - started
         return [self.reward_coef * advantages for advantages in batch.advantages]
@@ -113,6 +114,19 @@ class Teacher:
         (mask (n, T)); the divergence is logged through `totals` (forge/run/metrics.py UpdateTotals)."""
         totals.add_divergence(divergence, mask)
         return self.distill_coef * divergence_loss(divergence, mask, num_tokens)
+
+
+def rollout_states(trainer, model, rollout, indices: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, T, H) `model`'s last hidden states before each token of a rollout's completions (completion_states),
+    micro-batch by micro-batch in the GRPOTrainer `trainer`'s precision, on CPU: of the completions `indices`
+    only (0 elsewhere) when given. Whole weights: a run with a teacher is not sharded."""
+    batches = micro_batches(rollout, trainer.micro_batch_size, indices)
+    parts = []
+    for batch in batches:
+        completions, index = rollout.completions_of(batch)
+        with trainer.precision.autocast(model):
+            parts.append(completion_states(model, rollout.prompt_ids, rollout.prompt_mask, completions, index))
+    return padded_rows(parts, rollout.completion_ids, batches)
 
 
 def sampled_logprobs(old_logprobs, rollout, student, rollout_logprobs: Callable,

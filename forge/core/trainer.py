@@ -30,8 +30,7 @@ from forge.core.config import GRPOConfig, trainer_arguments
 from forge.core.dynamic_sampling import SamplingRounds
 from forge.core.engine_rollout import generate_on_engine, open_engine
 from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
-from forge.core.logprobs import (checkpointed_layers, completion_logprobs, completion_states, micro_batches,
-                                 padded_rows)
+from forge.core.logprobs import checkpointed_layers, completion_logprobs, micro_batches, padded_rows
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
 from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
@@ -203,14 +202,11 @@ class GRPOTrainer(TrainerSurface):
         return score_rollout(self.rewards, rows, rollout, self.config, step=self.global_step + 1,
                              trainer_state=state, any_rank=self.dist.any)
 
-    def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, states: bool = False, **extras):
+    def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, **extras):
         """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion, and the
-        extras asked for (completion_logprobs); states=True: hidden states (n, T', H) (completion_states)."""
-        length = int(rollout.completion_mask[indices].sum(dim=1).max().clamp(min=1))
-        completions, index = rollout.completion_ids[indices, :length], rollout.prompt_index[indices]
+        extras asked for (completion_logprobs)."""
+        completions, index = rollout.completions_of(indices)
         with self.precision.autocast(model):  # the same numerics as generation: pi_old = stopgrad(pi) holds
-            if states:
-                return completion_states(model, rollout.prompt_ids, rollout.prompt_mask, completions, index)
             return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, completions,
                                        index, self.config.temperature, self.config.logprob_chunk_size,
                                        self.config.share_prompt_prefix, share_template=not self.dist.fsdp,
@@ -230,13 +226,12 @@ class GRPOTrainer(TrainerSurface):
                 return self.rollout_logprobs(self.model, rollout, indices)
         return self.rollout_logprobs(self.reference_model, rollout, indices)
 
-    def rollout_logprobs(self, model, rollout: Rollout, indices: torch.Tensor | None = None,
-                         states: bool = False) -> torch.Tensor:
-        """(N, T) log-probs of a rollout's completions under `model` (states=True: hidden states (N, T, H)),
-        micro-batch by micro-batch, on CPU: of the completions `indices` only (0 elsewhere) when given."""
+    def rollout_logprobs(self, model, rollout: Rollout, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, T) log-probs of a rollout's completions under `model`, micro-batch by micro-batch, on CPU: of the
+        completions `indices` only (0 elsewhere) when given."""
         with self.dist.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
             batches = micro_batches(rollout, self.micro_batch_size, indices)
-            parts = [self.logprobs(model, rollout, batch, states) for batch in batches]
+            parts = [self.logprobs(model, rollout, batch) for batch in batches]
         return padded_rows(parts, rollout.completion_ids, batches)
 
     def update(self, batch: Batch) -> dict:

@@ -15,7 +15,7 @@ from forge import GRPOConfig, GRPOTrainer
 from forge.core.distill import distillation_advantages, reverse_kl, reverse_kl_sums, token_divergence
 from forge.core.grpo import LossSettings, grpo_loss
 from forge.core.logprobs import TeacherStates, completion_logprobs, completion_states
-from forge.core.teacher import TEACHER_ADAPTER
+from forge.core.teacher import TEACHER_ADAPTER, rollout_states
 from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 from forge.run.metrics import RolloutStats, distill_metrics, step_metrics
 
@@ -339,7 +339,7 @@ def test_full_distillation_from_a_lora_adapter_uses_the_adapter(tmp_path):
                                                           teacher_model=str(tmp_path / "adapter")))
     batch, _ = trainer.collect(ROWS[:2])
     rollout = batch.rollouts[0]
-    expected = trainer.rollout_logprobs(adapted.eval(), rollout, states=True)
+    expected = rollout_states(trainer, adapted.eval(), rollout)
     torch.testing.assert_close(batch.teacher_hidden[0], expected, rtol=1e-5, atol=1e-5)
     assert trainer.model.active_adapter == "default"
     trainer.train(ROWS)
