@@ -9,6 +9,10 @@ the layer multiplies with it (torch.ops.mkldnn._linear_pointwise): the same kern
 the same bits (tests/units/test_packed_linear.py), in ~0.65x the time of the unpacked call. On exit the layers
 are as they were.
 
+Layers one module calls on the same input (q/k/v, gate/up: SIBLINGS) run as one product over their stacked
+weights and LoRA A matrices, and every other LoRA layer as one product of its weight and A, so a decode step
+makes about half the calls and none through PEFT's wrapper; each layer's columns are its own bits.
+
 For generation only (no gradients): the packed copies are taken from the weights as they are on entry (merged
 adapters included) and cost one more copy of the linear weights while inside. Applied where it measured faster
 and bit-equal (PACKED_LINEAR_MEASURED, keyed like the other per-CPU choices of forge/model/precision.py).
@@ -90,7 +94,7 @@ def _packed(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # columns of it are the bits of its own product (tests/units/test_packed_linear.py), with one call instead of
 # up to six and no adapter wrapper per layer.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-FUSED = True  # False: every layer packed on its own, LoRA adapters through PEFT's layer (bench/fused_siblings.py)
+FUSED = True  # False: every layer packed on its own, adapters through PEFT's layer (bench/fused_siblings.py)
 
 
 class _Parts(NamedTuple):
@@ -165,8 +169,8 @@ class _Siblings:
 
 def _scaled_b(weight: torch.Tensor, scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
     """(packed B, the scaling still to multiply by). A scaling of 1, 2, 4, ... goes into B, cast to `dtype`
-    first: a power of two >= 1 scales every product, sum and rounding exactly, so (s B) x is (B x) s to the bit,
-    one multiplication fewer per layer."""
+    first: a power of two >= 1 scales every product, sum and rounding exactly, so (s B) x is (B x) s to the
+    bit, one multiplication fewer per layer."""
     mantissa, _ = math.frexp(scaling)
     if scaling >= 1 and mantissa == 0.5:
         return _packed(weight.detach().to(dtype) * scaling, dtype), 1.0
@@ -187,7 +191,9 @@ def _sibling_groups(model: nn.Module) -> list[tuple[list[nn.Module], list[_Parts
         parts = [None if layer is None or id(layer) in taken else _parts(layer) for layer in layers]
         if any(p is None for p in parts):
             continue
-        dtypes = {_compute_dtype(p.base.weight) for p in parts}
+        weights = [w for p in parts for w in (p.base.weight, *((p.lora[0].weight, p.lora[1].weight) if p.lora
+                                                                else ()))]
+        dtypes = {_compute_dtype(weight) for weight in weights}  # fp32 adapters on a bf16 base: PEFT's way
         dtype = dtypes.pop()
         if not dtypes and packing_applies(parts[0].base.weight.device, dtype):
             groups.append((layers, parts, dtype))

@@ -137,3 +137,24 @@ def test_generation_with_sibling_products_samples_the_same_tokens_and_logprobs(t
     assert torch.equal(fused.completion_ids, per_layer.completion_ids)
     assert torch.equal(fused.sampler_logprobs, per_layer.sampler_logprobs)
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_fp32_adapters_on_a_bf16_base_keep_peft_s_own_way(monkeypatch):
+    """Without autocast PEFT runs fp32 adapters of a bf16 layer in fp32: such layers are not put into one bf16
+    product, and give the bits PEFT gives."""
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setattr(packed_linear, "packing_applies", lambda device, dtype: dtype == torch.bfloat16)
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], init_lora_weights=False)
+    model = get_peft_model(nn.Sequential(Block()).to(torch.bfloat16), config).eval()  # adapters stay fp32
+    block = next(m for m in model.modules() if isinstance(m, Block))
+    assert block.q_proj.lora_A["default"].weight.dtype == torch.float32
+    rows = torch.randn(3, 2, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = block(rows)
+        with packed_linears(model):
+            got = block(rows)
+            assert "forward" not in block.q_proj.__dict__ and "forward" not in block.o_proj.__dict__
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
