@@ -53,7 +53,7 @@ class GRPOConfig:
 
     # --- the run's core: group, clip, KL, lengths, learning rate, steps, saves, logs, seed ---
     group_size: int = 8
-    """Completions sampled per prompt (G). Directly multiplies generation cost."""
+    """Completions sampled per prompt (G); 1 only in pure distillation. Multiplies the generation cost."""
     clip_epsilon: float = 0.2
     """Lower clip range: the ratio is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high]."""
     kl_beta: float = 0.01
@@ -180,15 +180,13 @@ class GRPOConfig:
     # --- on-policy distillation (a teacher scores the student's samples) and dynamic sampling (DAPO) ---
     teacher_model: str | None = None
     """On-policy distillation: a model id or folder whose log-probs of the student's sampled tokens give each
-    token the advantage distill_coef x -(log p_student - log p_teacher) (the reverse KL; docs/algorithm.md). A
-    LoRA adapter folder trained on the student's base becomes the student's second adapter (no second copy of
-    the base). The tokenizers must match. A loaded model: GRPOTrainer(..., teacher_model=model). None = no
-    teacher."""
+    token the advantage distill_coef x -(log p_student - log p_teacher) (docs/algorithm.md); a LoRA adapter
+    folder of the student's base becomes its second adapter; tokenizers must match. None = no teacher."""
     distill_coef: float = 1.0
     """With a teacher: the weight of its per-token advantage -(log p_student - log p_teacher)."""
     reward_coef: float = 1.0
-    """With a teacher: the weight of the group reward advantage added on every token (0 = pure distillation;
-    the rewards are still computed and logged)."""
+    """With a teacher: the weight of the group reward advantage on every token (0 = pure distillation, which
+    allows group_size=1; the rewards are still computed and logged)."""
     distill_loss: str = "sampled"
     """With a teacher: 'sampled' = the reverse KL at each sampled token as its advantage; 'full' = GKD's
     divergence (distill_beta) of the whole next-token distributions at each loss position, a loss term of
@@ -196,9 +194,9 @@ class GRPOConfig:
     distill_beta: float = 1.0
     """distill_loss='full': GKD's (TRL GKDConfig's) beta: 1 = KL(student || teacher), 0 = the forward KL."""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: more rounds of prompts_per_step prompts (drawn from the training rows with the
-    step's seed) until the step holds as many groups whose rewards differ as it has prompts, or
-    max_sampling_rounds; flat groups stay out of the loss (verl: algorithm.filter_groups)."""
+    """DAPO's dynamic sampling: more rounds of prompts_per_step prompts (from the training rows, the step's
+    seed) until the step holds as many groups whose rewards differ as it has prompts, or max_sampling_rounds;
+    flat groups stay out of the loss (verl: algorithm.filter_groups)."""
     max_sampling_rounds: int = 4
     """With dynamic_sampling: the most rounds of generation in one step, its own rows counted as the first
     (verl's max_num_gen_batches); at the cap the step trains on the groups with a signal it found."""
@@ -430,7 +428,9 @@ class GRPOConfig:
             if not ok:
                 problems.append(message)
 
-        need(self.group_size >= 2, f"group_size={self.group_size}: GRPO needs >= 2 completions per prompt")
+        need(self.group_size >= 2 or (self.group_size == 1 and self.reward_coef == 0),
+             f"group_size={self.group_size}: GRPO needs >= 2 completions per prompt (one per prompt is for "
+             f"pure on-policy distillation: a teacher_model with reward_coef=0)")
         need(-2**63 <= self.seed < 2**64,
              f"seed={self.seed} is out of range; torch takes -2**63 .. 2**64-1 (e.g. 42)")
         need(self.clip_epsilon > 0, f"clip_epsilon={self.clip_epsilon} must be > 0")

@@ -169,7 +169,8 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
         prompt_as_seen=render_prompt(trainer.tokenizer, mine[0]["prompt"]),
         memory=None if trainer.dist.fsdp else projected_memory(trainer, rollout, held, generation_rise, loss_rise))
     judge(report, string_prompts=isinstance(mine[0]["prompt"], str),
-          chat_model=bool(getattr(trainer.tokenizer, "chat_template", None)))
+          chat_model=bool(getattr(trainer.tokenizer, "chat_template", None)),
+          rewards_teach=getattr(trainer, "rewards_teach", True))
     return report
 
 
@@ -244,9 +245,10 @@ def fit_memory(trainer, report: PreflightReport) -> str | None:
             f"max_new_tokens or prompts_per_step; raise max_memory_mb only if that memory is there")
 
 
-def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool) -> None:
-    """Fill `problems` (what stops a strict run) and `advice` (what is worth a look), each naming the fix."""
-    flat = report.flat_low + report.flat_high
+def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool, rewards_teach: bool = True) -> None:
+    """Fill `problems` (what stops a strict run) and `advice` (what is worth a look), each naming the fix. Flat
+    groups are judged only where the rewards enter the loss (not in pure on-policy distillation)."""
+    flat = (report.flat_low + report.flat_high) if rewards_teach else 0.0
     if flat >= 1.0:
         report.problems.append(
             f"no group of {report.group_size} completions got different rewards, so no step can learn: "

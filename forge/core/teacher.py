@@ -117,15 +117,16 @@ class Teacher:
 
 
 def rollout_states(trainer, model, rollout, indices: torch.Tensor | None = None) -> torch.Tensor:
-    """(N, T, H) `model`'s last hidden states before each token of a rollout's completions (completion_states),
-    micro-batch by micro-batch in the GRPOTrainer `trainer`'s precision, on CPU: of the completions `indices`
-    only (0 elsewhere) when given. Whole weights: a run with a teacher is not sharded."""
+    """(N, T, H) `model`'s last hidden states before each token of a rollout's completions
+    (completion_states), micro-batch by micro-batch in the GRPOTrainer `trainer`'s precision, on CPU: of the
+    completions `indices` only (0 elsewhere) when given. Whole weights: a run with a teacher is unsharded."""
     batches = micro_batches(rollout, trainer.micro_batch_size, indices)
     parts = []
     for batch in batches:
         completions, index = rollout.completions_of(batch)
         with trainer.precision.autocast(model):
-            parts.append(completion_states(model, rollout.prompt_ids, rollout.prompt_mask, completions, index))
+            parts.append(completion_states(model, rollout.prompt_ids, rollout.prompt_mask, completions,
+                                           index))
     return padded_rows(parts, rollout.completion_ids, batches)
 
 
@@ -161,6 +162,9 @@ def open_teacher(config, student, tokenizer, teacher_model=None) -> Teacher | No
     student's; None without one."""
     source = config.teacher_model if teacher_model is None else teacher_model
     if source is None:
+        if config.group_size < 2:
+            raise ValueError(f"group_size={config.group_size}: GRPO needs >= 2 completions per prompt; one "
+                             f"per prompt is for pure on-policy distillation, which needs a teacher_model")
         return None
     if config.distill_loss == "full" and logit_head(student) is None:
         raise ValueError(f"distill_loss='full' makes the student's logits chunk by chunk from its hidden "

@@ -82,6 +82,7 @@ class GRPOTrainer(TrainerSurface):
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.trainable, self.device = ready.precision, ready.trainable, ready.device
         self.teacher = open_teacher(config, model, self.tokenizer, teacher_model)  # or None
+        self.rewards_teach = self.teacher is None or config.reward_coef > 0  # False: pure distillation
         # The run's tools, or its environment (with those tools too); None: neither.
         self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)
         self.engine = open_engine(config, model, self.tokenizer, self.precision.compute, self.dist)  # or None
@@ -227,8 +228,8 @@ class GRPOTrainer(TrainerSurface):
         return self.rollout_logprobs(self.reference_model, rollout, indices)
 
     def rollout_logprobs(self, model, rollout: Rollout, indices: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, T) log-probs of a rollout's completions under `model`, micro-batch by micro-batch, on CPU: of the
-        completions `indices` only (0 elsewhere) when given."""
+        """(N, T) log-probs of a rollout's completions under `model`, micro-batch by micro-batch, on CPU: of
+        the completions `indices` only (0 elsewhere) when given."""
         with self.dist.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
             batches = micro_batches(rollout, self.micro_batch_size, indices)
             parts = [self.logprobs(model, rollout, batch) for batch in batches]

@@ -117,18 +117,25 @@ HEALTH_RULES: dict[str, Rule] = {
 }
 
 
-class HealthMonitor:
-    """Holds the recent steps' metrics and which rules are firing; `check` after every step."""
+REWARD_RULES = ("reward_stuck", "groups_flat")
+"""The rules about the rewards' learning signal: off when the rewards do not enter the loss (pure on-policy
+distillation, whose signal is the teacher's)."""
 
-    def __init__(self, window: int, thresholds: dict[str, float] | None = None):
+
+class HealthMonitor:
+    """Holds the recent steps' metrics and which rules are firing; `check` after every step (the rules in
+    `off` never fire)."""
+
+    def __init__(self, window: int, thresholds: dict[str, float] | None = None, off=()):
         self.steps: deque[dict] = deque(maxlen=window)
         self.thresholds = {name: rule.threshold for name, rule in HEALTH_RULES.items()} | (thresholds or {})
         self.firing: set[str] = set()
+        self.rules = {name: rule for name, rule in HEALTH_RULES.items() if name not in off}
 
     def check(self, metrics: dict) -> tuple[dict[str, float], list[str]]:
         """({health/<rule>: 1.0 or 0.0}, the names of the rules that started firing at this step)."""
         self.steps.append(metrics)
-        now = {name for name, rule in HEALTH_RULES.items() if rule.fires(self.steps, self.thresholds[name])}
+        now = {name for name, rule in self.rules.items() if rule.fires(self.steps, self.thresholds[name])}
         started = sorted(now - self.firing)
         self.firing = now
         return {f"health/{name}": float(name in now) for name in HEALTH_RULES}, started
@@ -158,4 +165,4 @@ def parse_thresholds(entries: Sequence[str] | None) -> dict[str, float]:
     return out
 
 
-__all__ = ["HEALTH_RULES", "HealthMonitor", "Rule", "parse_thresholds"]
+__all__ = ["HEALTH_RULES", "REWARD_RULES", "HealthMonitor", "Rule", "parse_thresholds"]

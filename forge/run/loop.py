@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from forge.data.dataset import checked_rows, iterate_steps, rows_per_step, training_rows
 from forge.logging.logger import ForgeLogger, install_warning_format
 from forge.run import memory
-from forge.run.health import HEALTH_RULES, HealthMonitor, parse_thresholds
+from forge.run.health import HEALTH_RULES, REWARD_RULES, HealthMonitor, parse_thresholds
 from forge.run.lifecycle import (
     CheckpointParts,
     FinishedStep,
@@ -83,8 +83,10 @@ class TrainingRun:
         self.total_steps = config.max_steps if config.max_steps > 0 else steps_per_epoch * config.num_train_epochs
         self.lifecycle: RunLifecycle | None = None
         self.logger: ForgeLogger | None = None
-        self.warned_flat = False  # "most groups carry no signal" is said once per run
-        self.health = HealthMonitor(config.health_window, parse_thresholds(config.health_thresholds))
+        rewards_teach = getattr(trainer, "rewards_teach", True)  # False: pure distillation (no flat-group alarms)
+        self.warned_flat = not rewards_teach  # "most groups carry no signal" is said once per run
+        self.health = HealthMonitor(config.health_window, parse_thresholds(config.health_thresholds),
+                                    off=() if rewards_teach else REWARD_RULES)
         self.alarms: list[str] = []  # the alarms of the last step that stop the run (stop_on_health)
         self.rollouts_without_calls: int | None = 0  # steps with tools in which no completion called one; None:
         # a call was seen, or the warning was given

@@ -365,3 +365,39 @@ def test_the_config_checks_the_distillation_loss():
         GRPOConfig(distill_loss="topk").validate()
     with pytest.raises(ValueError, match="distill_beta"):
         GRPOConfig(distill_beta=1.5).validate()
+
+
+def test_one_completion_per_prompt_is_for_pure_distillation(tmp_path):
+    """group_size=1 has no group baseline: refused for GRPO, allowed with a teacher and reward_coef 0, where the
+    teacher's signal trains and the alarms about flat groups stay quiet (every group of one is flat)."""
+    with pytest.raises(ValueError, match="group_size=1: GRPO needs >= 2"):
+        GRPOConfig(group_size=1).validate()
+    student, tokenizer = build_tiny_model(seed=0)
+    with pytest.raises(ValueError, match="needs a teacher_model"):
+        GRPOTrainer(student, tokenizer, alternating, config(tmp_path, group_size=1, reward_coef=0.0))
+    other, _ = build_tiny_model(tokenizer, seed=7)
+    trainer = GRPOTrainer(student, tokenizer, alternating,
+                          config(tmp_path, group_size=1, prompts_per_step=4, reward_coef=0.0, distill_loss="full",
+                                 max_steps=3, health_window=2), teacher_model=other)
+    assert not trainer.rewards_teach
+    trainer.train(ROWS * 3)
+    rows = logged(tmp_path)
+    assert len(rows) == 3 and all(row["frac_zero_std_groups"] == 1.0 for row in rows)
+    assert all(row["loss"] == pytest.approx(row["distill/divergence"], rel=1e-4) and row["loss"] > 0 for row in rows)
+    assert all(row["health/groups_flat"] == 0.0 and row["health/reward_stuck"] == 0.0 for row in rows)
+
+
+def test_the_preflight_does_not_judge_flat_groups_in_pure_distillation():
+    from forge.core.preflight import PreflightReport, judge
+
+    def report():
+        return PreflightReport(prompts=2, group_size=1, max_new_tokens=6, truncated=0.0, finished_lengths={},
+                               rewards=[], flat_low=1.0, flat_high=0.0, tokens_per_second=1.0, step_seconds=1.0,
+                               run_seconds=1.0, seconds=1.0, prompt_as_seen="p", memory=None)
+
+    flat = report()
+    judge(flat, string_prompts=False, chat_model=True)
+    assert any("no group" in problem for problem in flat.problems)
+    distilling = report()
+    judge(distilling, string_prompts=False, chat_model=True, rewards_teach=False)
+    assert not any("no group" in problem for problem in distilling.problems)
