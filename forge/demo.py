@@ -291,7 +291,7 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
 
     subset = heldout[: settings.eval_subset] if settings.eval_every else None
     distill = {"teacher_model": teacher, "reward_coef": settings.reward_coef, "drop_zero_std_groups": False,
-               "distill_loss": settings.distill_loss}
+               "distill_loss": settings.distill_loss, "micro_batch_size": 0}  # every group in one loss pass
     config = demo_config(settings, run.out, eval_steps=settings.eval_every, eval_before_training=subset is not None,
                          **(distill if teacher else {}))
     run.say(training_line(settings) + (f"; held-out curve: the first {len(subset)} problems every "
