@@ -58,7 +58,7 @@ class DemoSettings:
     steps: int = 60
     """Optimizer steps (--tools: 20; --distill: the student's 24)."""
     prompts_per_step: int = 4
-    """Prompts per optimizer step (4 x 8 completions; --tools: 2; --distill: the student's 4 x 2)."""
+    """Prompts per optimizer step (4 x 8 completions; --tools: 2; --distill: the student's 8 x 1)."""
     group_size: int = 8
     """Completions per prompt."""
     learning_rate: float = 2e-4
@@ -111,7 +111,7 @@ class DemoSettings:
     """Instead: on-policy distillation: the packaged base model (the student) learns from the demo's GRPO-trained
     adapter (the teacher: --teacher, or trained first by this command in output_dir/teacher, with the plain
     demo's recipe) to match the teacher's next-token distributions; prints the steps and CPU seconds each needed
-    for 90% of the teacher's gain. The student's recipe: 24 steps x 4 prompts x 2 completions, lr 3e-4,
+    for 90% of the teacher's gain. The student's recipe: 24 steps x 8 prompts x 1 completion, lr 3e-4,
     distill_loss 'full', the curve on 240 held-out problems every 4 steps; other flags apply to both."""
     teacher: str = ""
     """With --distill: the final/ adapter folder of an earlier `forge demo` run (its demo_result.json beside it
@@ -147,11 +147,11 @@ thread of the 2-core machine; the plain demo's 60 x 4 would take about 40)."""
 ENV = {"steps": 30, "prompts_per_step": 2, "max_new_tokens": 48, "learning_rate": 3e-4, "heldout": 48,
        "temperature": 1.0}
 """The environment demo's recipe (forge/demo_env.py)."""
-DISTILL = {"steps": 24, "prompts_per_step": 4, "group_size": 2, "learning_rate": 3e-4, "distill_loss": "full",
+DISTILL = {"steps": 24, "prompts_per_step": 8, "group_size": 1, "learning_rate": 3e-4, "distill_loss": "full",
            "eval_every": 4, "eval_subset": 240}
 """The distillation student's recipe (--distill; a teacher trained here first keeps the plain demo's values):
-4 prompts x 2 completions (no group baseline is needed), the divergence over the whole vocabulary, the curve on
-all 240 held-out problems every 4 steps (docs/performance.md, "On-policy distillation")."""
+8 prompts x 1 completion (pure distillation needs no group baseline), the divergence over the whole vocabulary,
+the curve on all 240 held-out problems every 4 steps (docs/performance.md, "On-policy distillation")."""
 RECIPES = {"tools": TOOLS, "env": ENV, "distill": DISTILL, "quick": QUICK}  # in this order: --quick wins
 
 

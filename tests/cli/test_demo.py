@@ -59,12 +59,12 @@ def test_the_tool_demo_has_its_own_help_with_its_own_defaults(capsys):
     assert "with a calculator tool" not in plain and "better at arithmetic, offline, on a CPU" in plain
     assert "Optimizer steps (--tools: 20; --distill: the student's 24). (default: 20)" in tools
     assert "Optimizer steps (--tools: 20; --distill: the student's 24). (default: 60)" in plain
-    assert "(4 x 8 completions; --tools: 2; --distill: the student's 4 x 2). (default: 2)" in tools
+    assert "(4 x 8 completions; --tools: 2; --distill: the student's 8 x 1). (default: 2)" in tools
     assert "Tokens per completion, in training and evaluation. (default: 64)" in tools
     with pytest.raises(SystemExit):
         main(["demo", "--distill", "--help"])
     distill = " ".join(capsys.readouterr().out.split())
-    assert "the student's 24). (default: 24)" in distill and "the student's 4 x 2). (default: 4)" in distill
+    assert "the student's 24). (default: 24)" in distill and "the student's 8 x 1). (default: 8)" in distill
 
 
 def test_demo_ceiling_measures_pass_at_k_and_does_not_train(model_folder, tmp_path, capsys):

@@ -52,9 +52,9 @@ def test_demo_distill_trains_a_teacher_then_distills_from_it(tmp_path, capsys):
     log = [json.loads(line) for line in (out / "student" / "training_log.jsonl").read_text().splitlines()]
     assert all("distill/divergence" in row for row in log if "loss" in row)  # the recipe's distill_loss='full'
     teacher_settings, student_settings = result["grpo"]["settings"], result["distillation"]["settings"]
-    # the student takes the distillation recipe (x 2; --quick's steps and prompts), the teacher trained here
+    # the student takes the distillation recipe (x 1; --quick's steps and prompts), the teacher trained here
     # the plain demo's (x 8); flags outside the recipe apply to both
-    assert (student_settings["group_size"], student_settings["steps"], student_settings["distill_loss"]) == (2, 3, "full")
+    assert (student_settings["group_size"], student_settings["steps"], student_settings["distill_loss"]) == (1, 3, "full")
     assert (teacher_settings["group_size"], teacher_settings["steps"]) == (8, 3)
     assert teacher_settings["max_new_tokens"] == student_settings["max_new_tokens"] == 6
     assert all("train_cpu_seconds" in point for point in result["distillation"]["eval_curve"])
@@ -78,7 +78,7 @@ def test_the_student_takes_the_distillation_recipe_unless_told_otherwise():
     add_demo_arguments(parser)
     settings = lambda *argv: DemoSettings.from_args(parser.parse_args(list(argv)))
     student = settings("--distill")
-    assert (student.steps, student.prompts_per_step, student.group_size, student.distill_loss) == (24, 4, 2, "full")
+    assert (student.steps, student.prompts_per_step, student.group_size, student.distill_loss) == (24, 8, 1, "full")
     assert settings("--distill", "--group_size", "4").group_size == 4  # a flag the user gave wins
     assert settings("--distill", "--quick").steps == 3  # --quick wins over the recipe
     assert (settings().group_size, settings().distill_loss) == (8, "sampled")  # the plain demo keeps its own
