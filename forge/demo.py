@@ -161,6 +161,11 @@ def recipe(switches: dict) -> dict:
     return {key: value for name, values in RECIPES.items() if switches.get(name) for key, value in values.items()}
 
 
+def recipe_defaults(switches: dict) -> dict:
+    """Every setting's default in the demo `switches` describe: DemoSettings' own, then that recipe."""
+    return {f.name: f.default for f in fields(DemoSettings)} | recipe(switches)
+
+
 def add_demo_arguments(parser: argparse.ArgumentParser, switches: dict | None = None) -> None:
     """One flag per DemoSettings field, its docstring the help, with the default of the demo the flags
     describe (`switches`, e.g. {"tools": True}: that recipe). A flag left out parses as None (False for a
@@ -168,7 +173,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser, switches: dict | None = 
     body = ast.parse(inspect.getsource(DemoSettings)).body[0].body
     docs = {node.target.id: nxt.value.value for node, nxt in itertools.pairwise(body)
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)}
-    defaults = {f.name: f.default for f in fields(DemoSettings)} | recipe(switches or {})
+    defaults = recipe_defaults(switches or {})
     for f in fields(DemoSettings):
         text = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
         if f.type in ("bool", bool):
@@ -347,7 +352,7 @@ def run_distill_demo(settings: DemoSettings) -> dict:
     """--distill: the GRPO teacher (settings.teacher, or trained here first), then the packaged base distilled from
     it; the steps and training CPU seconds each needed for 90% of the teacher's held-out gain (forge/eval/gain.py)."""
     out, plain = Path(settings.output_dir), replace(settings, distill=False, teacher="")
-    plain_values = {f.name: f.default for f in fields(DemoSettings)} | recipe({"quick": settings.quick})
+    plain_values = recipe_defaults({"quick": settings.quick})
     teacher_settings = replace(plain, **{key: plain_values[key] for key in DISTILL})  # the plain demo's recipe
     teacher_dir = Path(settings.teacher) if settings.teacher else out / "teacher" / "final"
     if settings.teacher and not (teacher_dir.parent / "demo_result.json").is_file():
