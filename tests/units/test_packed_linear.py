@@ -10,6 +10,23 @@ from forge.model import packed_linear
 from forge.model.packed_linear import packed_linears, packing_applies
 
 PACKED_HERE = packing_applies(torch.device("cpu"), torch.bfloat16)
+PROMPTS = ["What is 2 + 3?", "Name a color:", "Count to five:"]
+
+
+def assert_same_bits_where_packed(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-equal where packing applies; elsewhere it is not measured and the kernels may round differently."""
+    if PACKED_HERE:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected)
+
+
+def sampled_bf16(model, tokenizer):
+    """4 sampled completions of each of PROMPTS under bf16 autocast, with fixed sampling noise."""
+    settings = SamplingSettings(max_new_tokens=12, temperature=1.0)
+    noise = torch.rand(len(PROMPTS) * 4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return generate(model, tokenizer, PROMPTS, 4, settings, noise=noise)
 
 
 def test_layers_are_packed_only_without_grad_in_a_measured_dtype_and_restored_after(monkeypatch):
@@ -28,30 +45,19 @@ def test_layers_are_packed_only_without_grad_in_a_measured_dtype_and_restored_af
             got = layer(rows)
     assert "forward" not in layer.__dict__  # the class's forward again
     assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == (3, 2, 4)
-    if PACKED_HERE:
-        assert torch.equal(got, expected)
-    else:  # packing is not measured here: the kernels may round differently
-        torch.testing.assert_close(got, expected)
+    assert_same_bits_where_packed(got, expected)
 
 
 @pytest.mark.skipif(not PACKED_HERE, reason="packing applies where it measured bit-equal: bf16 on AMX or AVX512-BF16 CPUs")
 def test_generation_on_packed_weights_samples_the_same_tokens_and_logprobs(tiny_model, tiny_tokenizer, monkeypatch):
     tiny_model.eval()
-    prompts = ["What is 2 + 3?", "Name a color:", "Count to five:"]
-    settings = SamplingSettings(max_new_tokens=12, temperature=1.0)
-    noise = torch.rand(len(prompts) * 4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     packed_calls = []
     real = packed_linear._packed_forward
     monkeypatch.setattr(packed_linear, "_packed_forward", lambda *a: packed_calls.append(1) or real(*a))
-
-    def rollout():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return generate(tiny_model, tiny_tokenizer, prompts, 4, settings, noise=noise)
-
-    packed = rollout()
+    packed = sampled_bf16(tiny_model, tiny_tokenizer)
     assert packed_calls  # the linear layers ran packed
     monkeypatch.setattr(packed_linear, "PACKED_LINEAR_MEASURED", {})
-    plain = rollout()
+    plain = sampled_bf16(tiny_model, tiny_tokenizer)
     assert torch.equal(packed.completion_ids, plain.completion_ids)
     assert torch.equal(packed.sampler_logprobs, plain.sampler_logprobs)
     assert all("forward" not in m.__dict__ for m in tiny_model.modules())
@@ -106,10 +112,7 @@ def test_sibling_layers_run_as_one_product_with_each_layers_own_bits(monkeypatch
     assert all("forward" not in m.__dict__ for m in model.modules())
     for a, b in zip(got + got_other, expected + expected_other):
         assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
-        if PACKED_HERE:
-            assert torch.equal(a, b)
-        else:  # packing is not measured here: the kernels may round differently
-            torch.testing.assert_close(a, b)
+        assert_same_bits_where_packed(a, b)
 
 
 @pytest.mark.skipif(not PACKED_HERE, reason="packing applies where it measured bit-equal: bf16 on AMX or AVX512-BF16 CPUs")
@@ -119,21 +122,13 @@ def test_generation_with_sibling_products_samples_the_same_tokens_and_logprobs(t
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                            "up_proj", "down_proj"], init_lora_weights=False)
     model = get_peft_model(tiny_model, config).eval()
-    prompts = ["What is 2 + 3?", "Name a color:", "Count to five:"]
-    settings = SamplingSettings(max_new_tokens=12, temperature=1.0)
-    noise = torch.rand(len(prompts) * 4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     products = []
     real = packed_linear._Siblings._all
     monkeypatch.setattr(packed_linear._Siblings, "_all", lambda self, x: products.append(1) or real(self, x))
-
-    def rollout():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return generate(model, tiny_tokenizer, prompts, 4, settings, noise=noise)
-
-    fused = rollout()
+    fused = sampled_bf16(model, tiny_tokenizer)
     assert products
     monkeypatch.setattr(packed_linear, "FUSED", False)
-    per_layer = rollout()
+    per_layer = sampled_bf16(model, tiny_tokenizer)
     assert torch.equal(fused.completion_ids, per_layer.completion_ids)
     assert torch.equal(fused.sampler_logprobs, per_layer.sampler_logprobs)
     assert all("forward" not in m.__dict__ for m in model.modules())
