@@ -26,7 +26,6 @@ import contextlib
 import copy
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,13 +36,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("base", "adapters", "merged")
 
 
-def cpu_name() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                    platform.processor())
-    return platform.processor()
-
-
 def main(steps: int, heldout_size: int, rounds: int) -> None:
     from forge.core.grpo import logprob_gap
     from forge.core.logprobs import completion_logprobs
@@ -52,7 +44,7 @@ def main(steps: int, heldout_size: int, rounds: int) -> None:
     from forge.data.arithmetic import arithmetic_dataset, arithmetic_heldout
     from forge.demo import DemoSettings, demo_config, demo_rewards
     from forge.eval.evaluate import evaluate
-    from forge.model import load_model, merged_adapters
+    from forge.model import cpu_name, load_model, merged_adapters
     from forge.run.optim import make_scheduler
 
     settings = DemoSettings(seed=0, dtype="bfloat16")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from forge.model import cpu_name
 from forge.model.tiny import build_tiny_model
 from forge.tools.calls import ToolCall, ToolSettings, as_tools, calculator, run_calls
 from forge.tools.sandbox import namespace_problem, run_python
@@ -118,10 +118,7 @@ def after_spinning_tool(isolation: str) -> dict:
 
 
 def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip() + f" x {torch.get_num_threads()} thread(s) used"
-    return platform.machine()
+    return f"{cpu_name()} x {torch.get_num_threads()} thread(s) used"
 
 
 def main() -> None:

@@ -142,17 +142,10 @@ def correctness_reward(prompts, completions, references=None, reference=None, **
 
 
 def cpu_model() -> str:
-    """The CPU's model name (lscpu's "Model name", from /proc/cpuinfo), or what platform knows of it."""
-    import platform
+    """The CPU's model name with its family and model numbers (forge.model.cpu_name)."""
+    from forge.model import cpu_name
 
-    try:
-        with open("/proc/cpuinfo") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if models:
-            return models[0]
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+    return cpu_name()
 
 
 def machine_info(threads: int) -> dict:

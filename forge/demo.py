@@ -31,7 +31,6 @@ import inspect
 import itertools
 import json
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -48,7 +47,7 @@ from forge.eval.gain import gain_table, time_to_gain
 from forge.eval.plot import plot_training_curves
 from forge.eval.report import build_comparison, write_comparison
 from forge.eval.screen import screen_prompts
-from forge.model import Precision, choose_precision, load_model
+from forge.model import Precision, choose_precision, cpu_name, load_model
 
 
 @dataclass
@@ -259,13 +258,8 @@ def _load_average() -> list[float] | None:
 
 
 def _machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__}
 
 
 def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:

@@ -24,6 +24,7 @@ from forge.model.precision import (
     as_master_weights,
     choose_precision,
     cpu_has_bf16_units,
+    cpu_name,
     lora_inputs_uncast,
     resolve_device,
     resolve_dtype,
@@ -31,7 +32,7 @@ from forge.model.precision import (
 
 __all__ = [
     "DEFAULT_MODEL", "LORA_INSTALL_HINT", "Policy", "Precision", "apply_lora", "as_master_weights",
-    "choose_precision", "count_parameters", "cpu_has_bf16_units", "default_cache_dir", "default_lora_targets",
+    "choose_precision", "count_parameters", "cpu_has_bf16_units", "cpu_name", "default_cache_dir", "default_lora_targets",
     "is_peft_model", "load_for_eval", "load_model", "lora_inputs_uncast",
     "make_reference_model", "merge_and_export", "merged_adapters", "note", "packaged_gguf_file",
     "packaged_model_path", "prepare_policy", "prepare_tokenizer", "reference_context", "resolve_device",

@@ -182,3 +182,19 @@ def test_bf16_generation_casts_each_master_weight_once_not_per_decode_step(tmp_p
         counts.append(sum(e.count for e in prof.key_averages(group_by_input_shape=True)
                           if e.key == "aten::_to_copy" and e.input_shapes and tuple(e.input_shapes[0]) in shapes))
     assert counts[0] > 0 and counts[0] == counts[1], counts
+
+
+def test_cpu_name_tells_apart_cpus_a_virtual_machine_names_alike(tmp_path):
+    """Figures name the CPU: two EPYC generations that KVM shows as "AMD EPYC" differ in family and model;
+    only the first processor's fields count; a CPU without those fields (Arm) keeps its plain name."""
+    from forge.model import cpu_name
+
+    zen5 = tmp_path / "zen5"
+    zen5.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                    "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 99\nmodel\t\t: 9\n"
+                    "model name\t: Other\n")
+    assert cpu_name(str(zen5)) == "AMD EPYC (family 26, model 2)"
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nmodel name\t: Neoverse-V2\nBogoMIPS\t: 2000.00\n")
+    assert cpu_name(str(arm)) == "Neoverse-V2"
+    assert cpu_name(str(tmp_path / "absent"))  # no /proc/cpuinfo: what platform knows, never empty
