@@ -5,8 +5,8 @@ What packing must show before PACKED_LINEAR_MEASURED lists a kind: more tokens p
 on-policy as the unpacked ones. The demo's trainer (packaged SmolLM2-135M, LoRA r=16 on the 7 projections, 4 prompts
 x 8 completions, 64 new tokens, temperature 0.7, the precision `--dtype` asks for); its adapters are given random
 B matrices first, so the adapter path computes what a trained adapter does. Each round generates the same prompts
-with the same sampling noise on both sides, alternating A B / B A, on the adapter path (training's sampling) or,
-with --merged, on merged weights (evaluation's). Packing is forced on for the measured side whether or not
+with the same sampling noise on both sides, alternating A B / B A, as training samples (bf16: the adapters apart;
+fp32: merged, GRPOConfig.merge_lora_for_generation) or, with --merged, on merged weights (evaluation's). Packing is forced on for the measured side whether or not
 PACKED_LINEAR_MEASURED lists this kind.
 
 Reports per side the tokens per CPU-second (median of the rounds) and the sampler/trainer gap: the loss pass's
@@ -102,7 +102,7 @@ def main() -> None:
               for p, u in zip(rounds["packed"], rounds["unpacked"])]
     dtype = str(compute).removeprefix("torch.")
     report = {"what": f"the demo's generation on packed linear layers vs F.linear "
-                      f"({'merged weights' if args.merged else 'adapter path'}), alternating A B / B A",
+                      f"({'merged weights' if args.merged else 'as training samples'}), alternating A B / B A",
               "machine": {"cpu": cpu_model(), "bf16_units": kind[2], "cores": os.cpu_count(),
                           "torch_threads": args.threads, "torch": torch.__version__, "precision": dtype,
                           "load_average": os.getloadavg()},

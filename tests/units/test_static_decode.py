@@ -67,9 +67,10 @@ def test_static_decoder_compacts_to_the_live_rows_and_steps_like_eager(tiny_mode
                                    atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("units, measured", [("AMX tiles", "AMX Xeon"), ("AVX512-BF16", "AVX512-BF16 AMD EPYC"),
-                                             ("no bf16 units", None)])
-def test_auto_decodes_eagerly_unless_measured_faster(monkeypatch, units, measured):
+@pytest.mark.parametrize("units, measured, measured_fp32", [
+    ("AMX tiles", "AMX Xeon", None), ("AVX512-BF16", "AVX512-BF16 AMD EPYC", None),
+    ("no bf16 units", None, "AVX2-only AMD EPYC")])
+def test_auto_decodes_eagerly_unless_measured_faster(monkeypatch, units, measured, measured_fp32):
     """Whatever CPU runs the test, each kind gets the decision measured on that kind, and its note names it."""
     notes = []
     monkeypatch.setattr(static_decode, "note", notes.append)
@@ -77,12 +78,15 @@ def test_auto_decodes_eagerly_unless_measured_faster(monkeypatch, units, measure
     monkeypatch.setattr(static_decode, "_bf16_units", lambda: units)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert resolve_backend("auto", "cpu") == "eager"
-    assert resolve_backend("auto", "cpu") == "eager"  # fp32: not measured anywhere
+    assert resolve_backend("auto", "cpu") == "eager"  # fp32
     if measured:
         assert measured in notes[0] and "bench/compiled_decode.py" in notes[0]
     else:
         assert "not measured on cpu bfloat16 with no bf16 units" in notes[0]
-    assert "not measured on cpu float32" in notes[1]
+    if measured_fp32:
+        assert measured_fp32 in notes[1] and "fp32" in notes[1]
+    else:
+        assert "not measured on cpu float32" in notes[1]
     monkeypatch.setitem(static_decode.GENERATION_BACKEND_MEASURED, ("cpu", torch.float32, units), ("compiled", "test"))
     monkeypatch.setattr(static_decode, "_announced", set())
     assert resolve_backend("auto", "cpu") == "compiled"
