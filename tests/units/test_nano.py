@@ -9,13 +9,16 @@ takes its steps from the same initial weights on the same rollouts and rewards.
 The engine computes the log-probs by another route (a cache expanded by index, a chunked log-softmax, the
 completions cut to the longest), so the two agree to fp32 rounding, not to the bit, within these tolerances:
 
-    every step's loss               relative 1e-4       (measured: equal to the bit)
+    every step's loss               relative 1e-3       (measured: equal to the bit, or 5.9e-4 at step 3)
     every step's clipped gradient   ||g_nano - g_engine|| <= 1e-5 ||g_engine||       (measured: <= 2e-6)
     the weights after the run       ||W_nano - W_engine|| <= 3e-4 ||W_engine - W_0|| (measured: <= 3e-5)
 
 The weights are compared relative to how far training moved them: AdamW divides each gradient element by the
 root of its own running square, which turns the rounding of a near-zero element into a visible part of the
-learning rate. A real difference in the math fails at least one check by far; the perturbation test changes
+learning rate. The loss follows them: with one update per rollout its policy term is the advantages' mean
+(about 0), so the loss is the KL term, which grows with the square of how far the weights moved from the
+reference, and a step's weights differing by r of that movement change it by up to 2r (on the AVX2-only EPYC,
+whose kernels round otherwise, 5.9e-4 at the third step of the LoRA run). A real difference in the math fails at least one check by far; the perturbation test changes
 one such detail in nano at a time and checks that the comparison fails. nano's sampler is held against the
 engine's too: greedy decoding of the same prompts (each prefilled once, its cache copied to its group) gives
 the same tokens.
@@ -44,7 +47,7 @@ RUNS = {
     "full": {"use_lora": False},  # the reference is a frozen copy
     "full, 2 updates per rollout": {"use_lora": False, "num_iterations": 2, "max_steps": 4},  # the clip acts
 }
-LOSS_RTOL, GRADIENT_RTOL, WEIGHTS_RTOL = 1e-4, 1e-5, 3e-4
+LOSS_RTOL, GRADIENT_RTOL, WEIGHTS_RTOL = 1e-3, 1e-5, 3e-4
 
 
 def tiny_model():
