@@ -2,7 +2,9 @@
 
 The `group_size` completions of a prompt share the prompt, so each distinct prompt is run through the model
 once and its key/value cache expanded to its completions; gradients flow back through the expansion into the
-one prompt computation. The same chunked log-softmax also gives each position's entropy.
+one prompt computation. Where that computes fewer positions (`PaddingFree`), a prompt's completions instead run
+end to end in one row after its cache, so no position of padding is computed. The same chunked log-softmax
+also gives each position's entropy.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from forge.core.distill import token_divergence
 from forge.core.grpo import token_logprobs_from_logits
 from forge.core.rollout import padded_positions, prefill
 from forge.model.kv_cache import CACHE_ARG
+from forge.model.shared_prefix import holds_full_attention, shared_attention_configs
 
 
 def completion_logprobs(
@@ -37,6 +40,7 @@ def completion_logprobs(
     entropy_grad: bool = False,
     share_template: bool = True,
     teacher: TeacherStates | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """log pi(completion token) for each completion token, (n, T); differentiable when grad is enabled. Then,
     when asked for and in this order, each position's entropy (n, T) from the same log-softmax pass
@@ -45,9 +49,10 @@ def completion_logprobs(
     call runs the model the same number of times whatever the prompts (FSDP2).
 
     prompt_ids/mask: (P, Lp) the prompts; completion_ids: (n, T); prompt_index: (n,) the prompt of each
-    completion. With share_prompt_prefix, each distinct prompt is run once and its cache expanded. The logits
-    are made chunk_size positions at a time from the last hidden states (logprobs_from_hidden; 0 =
-    CHUNK_LOGITS logits at a time).
+    completion; lengths: (n,) each completion's real tokens (None: all T), 0 after them. With
+    share_prompt_prefix, each distinct prompt is run once and its cache expanded (or its completions laid end
+    to end after it, PaddingFree). The logits are made chunk_size positions at a time from the last hidden
+    states (logprobs_from_hidden; 0 = CHUNK_LOGITS logits at a time).
     """
     device = next(model.parameters()).device
     chunk_size = chunk_size or max(1, CHUNK_LOGITS // model.get_output_embeddings().weight.shape[0])
@@ -65,11 +70,6 @@ def completion_logprobs(
 
     ids, mask, expand = used_prompts(prompt_ids, prompt_mask, prompt_index)  # (u, Lp) each, (n,)
     cache, last_logits = prefill(model, ids, mask, share_template)  # (u, V)
-    cache.batch_select_indices(expand)  # (n, ...) each completion sees its prompt's keys and values
-    full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids)], dim=1)  # (n, Lp + T)
-    positions = mask[expand].sum(dim=1, keepdim=True) + torch.arange(completion_ids.shape[1], device=device)
-    hidden = last_hidden(model, input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
-                         use_cache=True, **{CACHE_ARG: cache})  # (n, T, H)
     # The first completion token is predicted by the prompt's last position, the others by the one before.
     first_logits = last_logits[expand]  # (n, V)
     first_token = _outputs(token_logprobs_from_logits(first_logits[:, None], completion_ids[:, :1],
@@ -77,9 +77,122 @@ def completion_logprobs(
     if teacher is not None:  # (n, 1)
         first_token.append(teacher.divergence(first_logits, teacher.hidden[:, 0], temperature)[:, None])
     later = None if teacher is None else teacher.positions(1, completion_ids.shape[1])
-    rest = _outputs(scored(model, hidden[:, :-1], completion_ids[:, 1:], later, **scoring))  # (n, T - 1) each
+    rest = later_tokens(model, cache, mask, expand, completion_ids, lengths, later, scoring)  # (n, T - 1) each
     joined = [torch.cat(pair, dim=1) for pair in zip(first_token, rest)]  # (n, T) each
     return joined[0] if len(joined) == 1 else tuple(joined)
+
+
+def later_tokens(model, cache, mask: torch.Tensor, expand: torch.Tensor, completion_ids: torch.Tensor,
+                 lengths: torch.Tensor | None, teacher: TeacherStates | None, scoring: dict) -> list[torch.Tensor]:
+    """The scores (n, T - 1) of completion tokens 1.. after the prompts' cache (u rows, mask (u, Lp)): each
+    completion a row of its own with its prompt's cache expanded to it, or, where that computes fewer
+    positions, a prompt's completions end to end in its one row (PaddingFree), 0 after each one's length."""
+    layout = None if lengths is None or not PADDING_FREE else PaddingFree.of(expand, lengths.to(expand.device))
+    if layout is None or not layout.pays(completion_ids.shape, mask.shape[1]) or not takes_own_mask(model, cache):
+        cache.batch_select_indices(expand)  # (n, ...) each completion sees its prompt's keys and values
+        full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids)], dim=1)  # (n, Lp + T)
+        positions = mask[expand].sum(dim=1, keepdim=True) + torch.arange(completion_ids.shape[1],
+                                                                         device=mask.device)
+        hidden = last_hidden(model, input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
+                             use_cache=True, **{CACHE_ARG: cache})  # (n, T, H)
+        return _outputs(scored(model, hidden[:, :-1], completion_ids[:, 1:], teacher, **scoring))
+    tokens, positions, own_mask = layout.inputs(completion_ids, mask)  # (u, S) each, (u, 1, S, Lp + S)
+    hidden = last_hidden(model, input_ids=tokens, attention_mask=own_mask, position_ids=positions,
+                         use_cache=True, **{CACHE_ARG: cache})  # (u, S, H)
+    view = None if teacher is None else replace(teacher, hidden=layout.of_targets(teacher.hidden)[None])
+    scores = scored(model, layout.before_targets(hidden)[None], layout.of_targets(completion_ids[:, 1:])[None],
+                    view, **scoring)  # (1, R) each
+    return [layout.spread(values[0], completion_ids.shape[1] - 1) for values in _outputs(scores)]
+
+
+PADDING_FREE = True  # False: every completion in a padded row of its own (bench/padding_free.py)
+
+
+@dataclass(frozen=True)
+class PaddingFree:
+    """The completions of each distinct prompt end to end in one row after the prompt's cache: completion i's
+    tokens fill row `row[i]` from column `start[i]` for `length[i]` columns, at the positions after its prompt,
+    and attend to the prompt and to their own completion's earlier tokens only (a (u, 1, S, Lp + S) mask that
+    SDPA takes as given). Completions of different lengths then cost their own tokens, not the longest one's:
+    the demo's loss pass ran 0.7-0.8x the completion positions of the padded rows."""
+
+    row: torch.Tensor  # (n,) each completion's row: its prompt among the distinct ones
+    start: torch.Tensor  # (n,) its first column in that row
+    length: torch.Tensor  # (n,) its real tokens
+    width: int  # S: the longest row
+
+    @classmethod
+    def of(cls, expand: torch.Tensor, lengths: torch.Tensor) -> PaddingFree:
+        starts, filled = [], {}
+        for row, length in zip(expand.tolist(), lengths.tolist()):
+            starts.append(filled.get(row, 0))
+            filled[row] = starts[-1] + length
+        return cls(expand, torch.tensor(starts, device=expand.device), lengths, max(filled.values(), default=0))
+
+    def pays(self, padded: tuple[int, int], prompt_length: int) -> bool:
+        """Fewer positions than the padded rows (n, T), and no more attention pairs (each position attends
+        over the prompt and its whole row, masked)."""
+        rows, width = len(set(self.row.tolist())), self.width
+        n, length = padded
+        return 0 < rows * width < n * length and rows * width * (prompt_length + width) <= n * length * (
+            prompt_length + length)
+
+    def _tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K,) each, K = the real tokens: which completion each is of, and its index t in it."""
+        completion = torch.repeat_interleave(torch.arange(len(self.length), device=self.row.device), self.length)
+        first = torch.repeat_interleave(self.length.cumsum(0) - self.length, self.length)  # (K,)
+        return completion, torch.arange(len(completion), device=self.row.device) - first
+
+    def inputs(self, completion_ids: torch.Tensor,
+               prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' tokens and positions (u, S), and the mask (u, 1, S, Lp + S), from the completions (n, T)
+        and the prompts' mask (u, Lp). A column after a row's last completion attends to itself only."""
+        completion, t = self._tokens()  # (K,) each
+        rows, columns = self.row[completion], self.start[completion] + t  # (K,) each
+        shape = (prompt_mask.shape[0], self.width)
+        tokens = completion_ids.new_zeros(shape)
+        tokens[rows, columns] = completion_ids[completion, t]  # (u, S)
+        positions = prompt_mask.sum(dim=1, keepdim=True).expand(shape).clone()  # (u, S) after each prompt
+        positions[rows, columns] += t
+        owner = torch.full(shape, -1, dtype=torch.long, device=prompt_mask.device)
+        owner[rows, columns] = completion  # (u, S), -1 after the last completion
+        column = torch.arange(self.width, device=prompt_mask.device)
+        own = (owner[:, :, None] == owner[:, None, :]) & (owner[:, :, None] >= 0) & (
+            column[None, None, :] <= column[None, :, None])  # (u, S, S) causal within each completion
+        own |= torch.eye(self.width, dtype=torch.bool, device=prompt_mask.device)
+        prompt = prompt_mask.bool()[:, None, :].expand(-1, self.width, -1)  # (u, S, Lp)
+        return tokens, positions, torch.cat([prompt, own], dim=2)[:, None]
+
+    def _targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R,) each: the completion and index t - 1 of every token t >= 1 (the tokens a position predicts)."""
+        completion, t = self._tokens()
+        later = t >= 1
+        return completion[later], t[later] - 1
+
+    def of_targets(self, per_completion: torch.Tensor) -> torch.Tensor:
+        """(n, T - 1, ...) values per completion token 1.. -> (R, ...) those of the real tokens."""
+        completion, t = self._targets()
+        return per_completion[completion, t]
+
+    def before_targets(self, rows: torch.Tensor) -> torch.Tensor:
+        """(u, S, ...) per column -> (R, ...) at the column before each token t >= 1: what predicts it."""
+        completion, t = self._targets()
+        return rows[self.row[completion], self.start[completion] + t]
+
+    def spread(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        """(R,) -> (n, width), 0 where a completion has no token."""
+        completion, t = self._targets()
+        out = values.new_zeros((len(self.length), width))
+        out[completion, t] = values
+        return out
+
+
+def takes_own_mask(model, cache) -> bool:
+    """Whether the model's attention runs a 4D mask as given: SDPA full attention over a full-attention
+    cache (no sliding window, no soft-capping)."""
+    configs = shared_attention_configs(model)
+    return bool(configs) and all(getattr(c, "_attn_implementation", None) == "sdpa" for c in configs) and (
+        holds_full_attention(cache))
 
 
 def used_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

@@ -211,7 +211,7 @@ class GRPOTrainer(TrainerSurface):
             return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, completions,
                                        index, self.config.temperature, self.config.logprob_chunk_size,
                                        self.config.share_prompt_prefix, share_template=not self.dist.fsdp,
-                                       **extras)
+                                       lengths=rollout.completion_lengths[indices], **extras)
 
     @torch.no_grad()
     def old_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
