@@ -1,5 +1,10 @@
 """Linear layers on weights packed once per generation (forge/model/packed_linear.py): the same bits as F.linear
-where packing is on (bf16 on a CPU with AMX or AVX512-BF16), and the layers as they were after the generation."""
+where packing is on (bf16 on a CPU with AMX or AVX512-BF16), and the layers as they were after the generation.
+
+The packing logic (which layers, sibling products, restoring them) is tested with packing forced on, in bf16 where
+oneDNN packs bf16 and in fp32 on a CPU where it does not (AVX2 only), so it is tested on every kind."""
+
+import contextlib
 
 import pytest
 import torch
@@ -11,6 +16,24 @@ from forge.model.packed_linear import packed_linears, packing_applies
 
 PACKED_HERE = packing_applies(torch.device("cpu"), torch.bfloat16)
 PROMPTS = ["What is 2 + 3?", "Name a color:", "Count to five:"]
+
+
+def packs_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU (it needs AVX512 or AVX-NE-CONVERT)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
+FORCED = torch.bfloat16 if packs_bf16() else torch.float32  # the dtype the logic tests force packing in
+OTHER = torch.float32 if FORCED == torch.bfloat16 else torch.bfloat16
+
+
+def computing(dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Layers of fp32 weights computing in `dtype`: bf16 under autocast, fp32 as they are."""
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast("cpu", dtype=dtype)
 
 
 def assert_same_bits_where_packed(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -30,21 +53,21 @@ def sampled_bf16(model, tokenizer):
 
 
 def test_layers_are_packed_only_without_grad_in_a_measured_dtype_and_restored_after(monkeypatch):
-    monkeypatch.setattr(packed_linear, "packing_applies", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(packed_linear, "packing_applies", lambda device, dtype: dtype == FORCED)
     layer = nn.Linear(8, 4)  # fp32 weight and bias: under bf16 autocast both are cast, once
     model = nn.Sequential(layer)
     rows = torch.randn(3, 2, 8)  # (n, L, in)
-    with torch.no_grad(), packed_linears(model) as packed:
-        assert not packed  # fp32 compute, nothing measured
-    with torch.autocast("cpu", dtype=torch.bfloat16), packed_linears(model) as packed:
+    with torch.no_grad(), computing(OTHER), packed_linears(model) as packed:
+        assert not packed  # another compute dtype, nothing measured
+    with computing(FORCED), packed_linears(model) as packed:
         assert not packed  # gradients on: training's forward is never packed
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = layer(rows)  # (3, 2, 4) bf16
+    with torch.no_grad(), computing(FORCED):
+        expected = layer(rows)  # (3, 2, 4)
         with packed_linears(model) as packed:
             assert packed and "forward" in layer.__dict__
             got = layer(rows)
     assert "forward" not in layer.__dict__  # the class's forward again
-    assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == (3, 2, 4)
+    assert got.dtype == expected.dtype == FORCED and got.shape == (3, 2, 4)
     assert_same_bits_where_packed(got, expected)
 
 
@@ -83,7 +106,7 @@ def test_sibling_layers_run_as_one_product_with_each_layers_own_bits(monkeypatch
     with other rows computes them again; the layers are restored."""
     from peft import LoraConfig, get_peft_model
 
-    monkeypatch.setattr(packed_linear, "packing_applies", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(packed_linear, "packing_applies", lambda device, dtype: dtype == FORCED)
     torch.manual_seed(0)
     model = nn.Sequential(Block(bias=True))
     lora = alpha is not None
@@ -96,7 +119,7 @@ def test_sibling_layers_run_as_one_product_with_each_layers_own_bits(monkeypatch
     products = []
     real = packed_linear._Siblings._all
     monkeypatch.setattr(packed_linear._Siblings, "_all", lambda self, x: products.append(1) or real(self, x))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), computing(FORCED):
         monkeypatch.setattr(packed_linear, "FUSED", False)  # every layer packed on its own
         with packed_linears(model) as packed:
             assert packed
@@ -111,7 +134,7 @@ def test_sibling_layers_run_as_one_product_with_each_layers_own_bits(monkeypatch
             assert len(products) == 2 * (2 + lora)
     assert all("forward" not in m.__dict__ for m in model.modules())
     for a, b in zip(got + got_other, expected + expected_other):
-        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+        assert a.dtype == b.dtype == FORCED and a.shape == b.shape
         assert_same_bits_where_packed(a, b)
 
 
@@ -134,6 +157,8 @@ def test_generation_with_sibling_products_samples_the_same_tokens_and_logprobs(t
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+@pytest.mark.skipif(FORCED != torch.bfloat16, reason="oneDNN packs no bf16 weight on this CPU (AVX2 only), so "
+                    "no bf16 layer is ever packed here")
 def test_fp32_adapters_on_a_bf16_base_keep_peft_s_own_way(monkeypatch):
     """Without autocast PEFT runs fp32 adapters of a bf16 layer in fp32: such layers are not put into one bf16
     product, and give the bits PEFT gives."""
