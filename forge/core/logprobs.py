@@ -2,9 +2,9 @@
 
 The `group_size` completions of a prompt share the prompt, so each distinct prompt is run through the model
 once and its key/value cache expanded to its completions; gradients flow back through the expansion into the
-one prompt computation. Where that computes fewer positions (`PaddingFree`), a prompt's completions instead run
-end to end in one row after its cache, so no position of padding is computed. The same chunked log-softmax
-also gives each position's entropy.
+one prompt computation. Where that computes fewer positions (`PaddingFree`), a prompt's completions instead
+run end to end in one row after its cache, so no position of padding is computed. The same chunked
+log-softmax also gives each position's entropy.
 """
 
 from __future__ import annotations
@@ -77,44 +77,47 @@ def completion_logprobs(
     if teacher is not None:  # (n, 1)
         first_token.append(teacher.divergence(first_logits, teacher.hidden[:, 0], temperature)[:, None])
     later = None if teacher is None else teacher.positions(1, completion_ids.shape[1])
-    rest = later_tokens(model, cache, mask, expand, completion_ids, lengths, later, scoring)  # (n, T - 1) each
+    rest = later_tokens(model, cache, mask, expand, completion_ids, lengths, later, scoring)  # (n, T - 1)
     joined = [torch.cat(pair, dim=1) for pair in zip(first_token, rest)]  # (n, T) each
     return joined[0] if len(joined) == 1 else tuple(joined)
 
 
 def later_tokens(model, cache, mask: torch.Tensor, expand: torch.Tensor, completion_ids: torch.Tensor,
-                 lengths: torch.Tensor | None, teacher: TeacherStates | None, scoring: dict) -> list[torch.Tensor]:
+                 lengths: torch.Tensor | None, teacher: TeacherStates | None,
+                 scoring: dict) -> list[torch.Tensor]:
     """The scores (n, T - 1) of completion tokens 1.. after the prompts' cache (u rows, mask (u, Lp)): each
     completion a row of its own with its prompt's cache expanded to it, or, where that computes fewer
     positions, a prompt's completions end to end in its one row (PaddingFree), 0 after each one's length."""
-    layout = None if lengths is None or not PADDING_FREE else PaddingFree.of(expand, lengths.to(expand.device))
-    if layout is None or not layout.pays(completion_ids.shape, mask.shape[1]) or not takes_own_mask(model, cache):
+    free = lengths is not None and PADDING_FREE
+    layout = PaddingFree.of(expand, lengths.to(expand.device)) if free else None
+    padded = layout is None or not layout.pays(completion_ids.shape, mask.shape[1])
+    if padded or not takes_own_mask(model, cache):
         cache.batch_select_indices(expand)  # (n, ...) each completion sees its prompt's keys and values
         full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids)], dim=1)  # (n, Lp + T)
         positions = mask[expand].sum(dim=1, keepdim=True) + torch.arange(completion_ids.shape[1],
                                                                          device=mask.device)
-        hidden = last_hidden(model, input_ids=completion_ids, attention_mask=full_mask, position_ids=positions,
-                             use_cache=True, **{CACHE_ARG: cache})  # (n, T, H)
+        hidden = last_hidden(model, input_ids=completion_ids, attention_mask=full_mask,
+                             position_ids=positions, use_cache=True, **{CACHE_ARG: cache})  # (n, T, H)
         return _outputs(scored(model, hidden[:, :-1], completion_ids[:, 1:], teacher, **scoring))
     tokens, positions, own_mask = layout.inputs(completion_ids, mask)  # (u, S) each, (u, 1, S, Lp + S)
     hidden = last_hidden(model, input_ids=tokens, attention_mask=own_mask, position_ids=positions,
                          use_cache=True, **{CACHE_ARG: cache})  # (u, S, H)
     view = None if teacher is None else replace(teacher, hidden=layout.of_targets(teacher.hidden)[None])
-    scores = scored(model, layout.before_targets(hidden)[None], layout.of_targets(completion_ids[:, 1:])[None],
-                    view, **scoring)  # (1, R) each
-    return [layout.spread(values[0], completion_ids.shape[1] - 1) for values in _outputs(scores)]
+    targets = layout.of_targets(completion_ids[:, 1:])[None]  # (1, R): every real token t >= 1
+    scores = scored(model, layout.before_targets(hidden)[None], targets, view, **scoring)  # (1, R) each
+    return [layout.spread(row, completion_ids.shape[1] - 1) for (row,) in _outputs(scores)]  # (n, T - 1)
 
 
-PADDING_FREE = True  # False: every completion in a padded row of its own (bench/padding_free.py)
+PADDING_FREE = True  # False: every completion in a padded row of its own (for A/B runs)
 
 
 @dataclass(frozen=True)
 class PaddingFree:
-    """The completions of each distinct prompt end to end in one row after the prompt's cache: completion i's
-    tokens fill row `row[i]` from column `start[i]` for `length[i]` columns, at the positions after its prompt,
-    and attend to the prompt and to their own completion's earlier tokens only (a (u, 1, S, Lp + S) mask that
-    SDPA takes as given). Completions of different lengths then cost their own tokens, not the longest one's:
-    the demo's loss pass ran 0.7-0.8x the completion positions of the padded rows."""
+    """The completions of each distinct prompt end to end in one row after the prompt's cache: completion
+    i's tokens fill row `row[i]` from column `start[i]` for `length[i]` columns, at the positions after its
+    prompt, and attend to the prompt and to their own completion's earlier tokens only (a (u, 1, S, Lp + S)
+    mask that SDPA takes as given). Completions of different lengths then cost their own tokens, not the
+    longest one's: the demo's loss pass ran 0.7-0.8x the completion positions of the padded rows."""
 
     row: torch.Tensor  # (n,) each completion's row: its prompt among the distinct ones
     start: torch.Tensor  # (n,) its first column in that row
@@ -127,7 +130,8 @@ class PaddingFree:
         for row, length in zip(expand.tolist(), lengths.tolist()):
             starts.append(filled.get(row, 0))
             filled[row] = starts[-1] + length
-        return cls(expand, torch.tensor(starts, device=expand.device), lengths, max(filled.values(), default=0))
+        starts = torch.tensor(starts, device=expand.device)
+        return cls(expand, starts, lengths, max(filled.values(), default=0))
 
     def pays(self, padded: tuple[int, int], prompt_length: int) -> bool:
         """Fewer positions than the padded rows (n, T), and no more attention pairs (each position attends
@@ -139,7 +143,8 @@ class PaddingFree:
 
     def _tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(K,) each, K = the real tokens: which completion each is of, and its index t in it."""
-        completion = torch.repeat_interleave(torch.arange(len(self.length), device=self.row.device), self.length)
+        count = torch.arange(len(self.length), device=self.row.device)
+        completion = torch.repeat_interleave(count, self.length)
         first = torch.repeat_interleave(self.length.cumsum(0) - self.length, self.length)  # (K,)
         return completion, torch.arange(len(completion), device=self.row.device) - first
 
@@ -164,7 +169,7 @@ class PaddingFree:
         return tokens, positions, torch.cat([prompt, own], dim=2)[:, None]
 
     def _targets(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(R,) each: the completion and index t - 1 of every token t >= 1 (the tokens a position predicts)."""
+        """(R,) each: the completion and index t - 1 of every token t >= 1 (what a position predicts)."""
         completion, t = self._tokens()
         later = t >= 1
         return completion[later], t[later] - 1

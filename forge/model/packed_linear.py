@@ -42,11 +42,11 @@ PACKED_LINEAR_MEASURED: dict[tuple[str, torch.dtype, str], str] = {
         "bit-equal, 0.72-0.82x the CPU time of F.linear for the decode step's layers at 32 rows, "
         "0.59-0.76x at 8 (SmolLM2-135M shapes, AVX512-BF16 AMD EPYC; bench/packed_linear.py)"),
 }
-# fp32 is not applied: oneDNN's fp32 kernel sums in another order than F.linear's (MKL), so packing would change
-# the sampler's bits. Measured: the AVX512-BF16 EPYC 0.35-0.88x the time per layer; the AVX2-only EPYC 0.85-1.38x
-# per layer and 0.57-0.68x for the output layer, the demo's generation 1.09x the tokens per CPU-second
-# (bench/packed_generation.py; its sampler/trainer gap 2.6e-6 against 1.5e-6 unpacked, the same tokens).
-# bf16 on an AVX2-only CPU: oneDNN refuses to pack it (it needs AVX512 or AVX-NE-CONVERT).
+# fp32 is not applied: oneDNN's fp32 kernel sums in another order than F.linear's (MKL), so packing would
+# change the sampler's bits. Measured: the AVX512-BF16 EPYC 0.35-0.88x the time per layer; the AVX2-only EPYC
+# 0.85-1.38x per layer and 0.57-0.68x for the output layer, the demo's generation 1.09x the tokens per
+# CPU-second (bench/packed_generation.py; its sampler/trainer gap 2.6e-6 against 1.5e-6 unpacked, the same
+# tokens). bf16 on an AVX2-only CPU: oneDNN refuses to pack it (it needs AVX512 or AVX-NE-CONVERT).
 
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:

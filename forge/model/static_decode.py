@@ -48,8 +48,8 @@ GENERATION_BACKEND_MEASURED: dict[tuple[str, torch.dtype, str], tuple[str, str]]
         "compiled static-cache step 3.4x the time of the eager step on packed weights (SmolLM2-135M, "
         "32 rows, AVX512-BF16 AMD EPYC; bench/compiled_decode.py)")),
     ("cpu", torch.float32, "no bf16 units"): ("eager", (
-        "compiled static-cache step 1.65x the time of the eager step in fp32 (SmolLM2-135M, 32 rows, AVX2-only "
-        "AMD EPYC; bench/compiled_decode.py)")),
+        "compiled static-cache step 1.65x the time of the eager step in fp32 (SmolLM2-135M, 32 rows, "
+        "AVX2-only AMD EPYC; bench/compiled_decode.py)")),
 }
 _announced: set[tuple[str, torch.dtype, str]] = set()
 
