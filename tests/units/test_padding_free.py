@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from forge.core import logprobs
-from forge.core.logprobs import PaddingFree, TeacherStates, completion_logprobs, takes_own_mask
+from forge.core.logprobs import (PaddingFree, TeacherStates, checkpointed_layers, completion_logprobs,
+                                 takes_own_mask)
 from forge.model.tiny import build_tiny_model
 
 P, G, LP, T = 2, 4, 7, 20
@@ -69,8 +70,8 @@ def test_it_runs_only_where_it_computes_fewer_positions_and_no_more_attention():
     assert not PaddingFree.of(expand, torch.tensor([0, 0, 0, 0])).pays((4, 1), prompt_length=10)  # nothing
 
 
-@pytest.mark.parametrize("with_entropy", [False, True])
-def test_the_same_log_probs_and_gradients_as_the_padded_rows(laid_out, with_entropy):
+@pytest.mark.parametrize("with_entropy, checkpointing", [(False, False), (True, False), (False, True)])
+def test_the_same_log_probs_and_gradients_as_the_padded_rows(laid_out, with_entropy, checkpointing):
     model, _ = build_tiny_model(seed=0)
     model.eval()
     prompt_ids, prompt_mask, completions, index = batch()
@@ -78,8 +79,9 @@ def test_the_same_log_probs_and_gradients_as_the_padded_rows(laid_out, with_entr
 
     def run(**lengths):
         model.zero_grad()
-        out = completion_logprobs(model, prompt_ids, prompt_mask, completions, index, 0.7,
-                                  with_entropy=with_entropy, **lengths)
+        with checkpointed_layers(model, checkpointing):  # layers recomputed in backward, the cache kept
+            out = completion_logprobs(model, prompt_ids, prompt_mask, completions, index, 0.7,
+                                      with_entropy=with_entropy, **lengths)
         out = out if isinstance(out, tuple) else (out,)
         (sum(o * real for o in out)).sum().backward()
         return [o.detach() for o in out], [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -137,3 +139,22 @@ def test_takes_own_mask_reads_the_attention_and_the_cache():
     assert takes_own_mask(model, cache)
     model.config._attn_implementation = "eager"
     assert not takes_own_mask(model, cache)
+
+
+def test_a_training_step_runs_its_loss_pass_without_padding(laid_out, tmp_path):
+    from forge import GRPOConfig, GRPOTrainer
+    from forge.run.optim import make_scheduler
+
+    model, tokenizer = build_tiny_model(seed=0)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(100, 140)]  # lengths 1..16
+    config = GRPOConfig(use_lora=True, group_size=4, prompts_per_step=2, gradient_accumulation_steps=1,
+                        max_new_tokens=16, dtype="float32", output_dir=str(tmp_path), seed=3)
+    trainer = GRPOTrainer(model, tokenizer, lambda prompts, completions, **kw: [float(len(c)) for c in completions],
+                          config)
+    trainer.scheduler = make_scheduler(trainer.optimizer, config.lr_scheduler, config.warmup_ratio, 1)
+    rows = [{"prompt": "What is 2 + 3?"}, {"prompt": "What is 4 + 1?"}]
+    batch, _ = trainer.collect(rows)
+    lengths = batch.rollouts[0].completion_lengths
+    assert lengths.min() < lengths.max()
+    trainer.update(batch)
+    assert laid_out  # the loss pass laid the groups' completions end to end
