@@ -1,6 +1,6 @@
-"""The loss pass without padding (forge/core/logprobs.py PaddingFree): a prompt's completions end to end in one
-row after its cache give the log-probs, entropies, teacher divergences and gradients of the padded rows, and no
-position after a completion's length is computed."""
+"""The loss pass without padding (forge/core/logprobs.py PaddingFree): a prompt's completions end to end in
+one row after its cache give the log-probs, entropies, teacher divergences and gradients of the padded rows,
+and no position after a completion's length is computed."""
 
 import pytest
 import torch
@@ -101,7 +101,8 @@ def test_the_teachers_divergence_is_the_padded_rows(laid_out):
     model, _ = build_tiny_model(seed=0)
     teacher_model, _ = build_tiny_model(seed=1)
     prompt_ids, prompt_mask, completions, index = batch(seed=2)
-    hidden = torch.randn(P * G, T, teacher_model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    width = teacher_model.config.hidden_size
+    hidden = torch.randn(P * G, T, width, generator=torch.Generator().manual_seed(3))  # (n, T, H)
     teacher = TeacherStates(hidden, teacher_model.get_output_embeddings(), beta=0.5)
     real = torch.arange(T)[None] < LENGTHS[:, None]
     with torch.no_grad():
@@ -149,8 +150,10 @@ def test_a_training_step_runs_its_loss_pass_without_padding(laid_out, tmp_path):
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(100, 140)]  # lengths 1..16
     config = GRPOConfig(use_lora=True, group_size=4, prompts_per_step=2, gradient_accumulation_steps=1,
                         max_new_tokens=16, dtype="float32", output_dir=str(tmp_path), seed=3)
-    trainer = GRPOTrainer(model, tokenizer, lambda prompts, completions, **kw: [float(len(c)) for c in completions],
-                          config)
+    def length(prompts, completions, **kwargs):
+        return [float(len(text)) for text in completions]
+
+    trainer = GRPOTrainer(model, tokenizer, length, config)
     trainer.scheduler = make_scheduler(trainer.optimizer, config.lr_scheduler, config.warmup_ratio, 1)
     rows = [{"prompt": "What is 2 + 3?"}, {"prompt": "What is 4 + 1?"}]
     batch, _ = trainer.collect(rows)
