@@ -35,23 +35,11 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from workloads import cpu_model
+    from workloads import cpu_model, demo_trainer
 
-    from forge.core.trainer import GRPOTrainer
-    from forge.data.arithmetic import arithmetic_dataset
-    from forge.demo import DemoSettings, demo_config, demo_rewards
-    from forge.model import load_model, merged_adapters, packed_linear
+    from forge.model import merged_adapters, packed_linear
 
-    settings = DemoSettings(seed=0)
-    model, tokenizer = load_model("default")
-    config = demo_config(settings, "/tmp/forge_fused_siblings")
-    trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in trainer.model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.01)
-    prompts = [row["prompt"] for row in arithmetic_dataset(n=settings.prompts_per_step, seed=0, chat=True)]
+    trainer, prompts = demo_trainer("/tmp/forge_fused_siblings")
     sides = {"fused": True, "per_layer": False}
     rounds = {side: [] for side in sides}
     rollouts = {}

@@ -50,27 +50,16 @@ def main() -> None:
     parser.add_argument("--merged", action="store_true", help="generate on merged weights (evaluation's path)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from workloads import cpu_model
+    from workloads import cpu_model, demo_trainer
 
-    from forge.core.trainer import GRPOTrainer
-    from forge.data.arithmetic import arithmetic_dataset
-    from forge.demo import DemoSettings, demo_config, demo_rewards
-    from forge.model import load_model, merged_adapters, packed_linear
+    from forge.model import merged_adapters, packed_linear
     from forge.model.precision import _bf16_units
 
-    settings = DemoSettings(seed=0, dtype=args.dtype)
-    model, tokenizer = load_model("default")
-    trainer = GRPOTrainer(model, tokenizer, demo_rewards(), demo_config(settings, "/tmp/forge_packed_generation"))
+    trainer, prompts = demo_trainer("/tmp/forge_packed_generation", dtype=args.dtype)
     compute = trainer.precision.compute
     kind = ("cpu", compute, _bf16_units())
     listed = kind in packed_linear.PACKED_LINEAR_MEASURED
     packed_linear.PACKED_LINEAR_MEASURED.setdefault(kind, "forced on by bench/packed_generation.py")
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in trainer.model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.01)
-    prompts = [row["prompt"] for row in arithmetic_dataset(n=settings.prompts_per_step, seed=0, chat=True)]
     plans = {"packed": dataclasses.replace(trainer.decode_plan, pack=True),
              "unpacked": dataclasses.replace(trainer.decode_plan, pack=False)}
     rounds = {side: [] for side in plans}

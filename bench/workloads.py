@@ -141,6 +141,26 @@ def correctness_reward(prompts, completions, references=None, reference=None, **
     return MathCorrectnessReward()(list(prompts), texts, references=refs).scores
 
 
+def demo_trainer(output_dir: str, **settings):
+    """The demo's trainer (packaged SmolLM2-135M, its LoRA recipe; DemoSettings fields as keywords) with random
+    B matrices (seeded), so its adapter path computes what a trained adapter does, and the demo's first prompts."""
+    from forge.core.trainer import GRPOTrainer
+    from forge.data.arithmetic import arithmetic_dataset
+    from forge.demo import DemoSettings, demo_config, demo_rewards
+    from forge.model import load_model as load_forge_model
+
+    demo = DemoSettings(seed=0, **settings)
+    model, tokenizer = load_forge_model("default")
+    trainer = GRPOTrainer(model, tokenizer, demo_rewards(), demo_config(demo, output_dir))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in trainer.model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.01)
+    prompts = [row["prompt"] for row in arithmetic_dataset(n=demo.prompts_per_step, seed=0, chat=True)]
+    return trainer, prompts
+
+
 def cpu_model() -> str:
     """The CPU's model name with its family and model numbers (forge.model.cpu_name)."""
     from forge.model import cpu_name
