@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -141,6 +141,7 @@ class PaddingFree:
         return 0 < rows * width < n * length and rows * width * (prompt_length + width) <= n * length * (
             prompt_length + length)
 
+    @cached_property
     def _tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(K,) each, K = the real tokens: which completion each is of, and its index t in it."""
         count = torch.arange(len(self.length), device=self.row.device)
@@ -152,7 +153,7 @@ class PaddingFree:
                prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows' tokens and positions (u, S), and the mask (u, 1, S, Lp + S), from the completions (n, T)
         and the prompts' mask (u, Lp). A column after a row's last completion attends to itself only."""
-        completion, t = self._tokens()  # (K,) each
+        completion, t = self._tokens  # (K,) each
         rows, columns = self.row[completion], self.start[completion] + t  # (K,) each
         shape = (prompt_mask.shape[0], self.width)
         tokens = completion_ids.new_zeros(shape)
@@ -168,25 +169,26 @@ class PaddingFree:
         prompt = prompt_mask.bool()[:, None, :].expand(-1, self.width, -1)  # (u, S, Lp)
         return tokens, positions, torch.cat([prompt, own], dim=2)[:, None]
 
+    @cached_property
     def _targets(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(R,) each: the completion and index t - 1 of every token t >= 1 (what a position predicts)."""
-        completion, t = self._tokens()
+        completion, t = self._tokens
         later = t >= 1
         return completion[later], t[later] - 1
 
     def of_targets(self, per_completion: torch.Tensor) -> torch.Tensor:
         """(n, T - 1, ...) values per completion token 1.. -> (R, ...) those of the real tokens."""
-        completion, t = self._targets()
+        completion, t = self._targets
         return per_completion[completion, t]
 
     def before_targets(self, rows: torch.Tensor) -> torch.Tensor:
         """(u, S, ...) per column -> (R, ...) at the column before each token t >= 1: what predicts it."""
-        completion, t = self._targets()
+        completion, t = self._targets
         return rows[self.row[completion], self.start[completion] + t]
 
     def spread(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """(R,) -> (n, width), 0 where a completion has no token."""
-        completion, t = self._targets()
+        completion, t = self._targets
         out = values.new_zeros((len(self.length), width))
         out[completion, t] = values
         return out
