@@ -117,7 +117,7 @@ class PaddingFree:
     i's tokens fill row `row[i]` from column `start[i]` for `length[i]` columns, at the positions after its
     prompt, and attend to the prompt and to their own completion's earlier tokens only (a (u, 1, S, Lp + S)
     mask that SDPA takes as given). Completions of different lengths then cost their own tokens, not the
-    longest one's: the demo's loss pass ran 0.7-0.8x the completion positions of the padded rows."""
+    longest one's."""
 
     row: torch.Tensor  # (n,) each completion's row: its prompt among the distinct ones
     start: torch.Tensor  # (n,) its first column in that row
