@@ -3,7 +3,8 @@
 The demo's workload: the packaged SmolLM2-135M-Instruct, the demo's chat prompts (4 arithmetic problems x 8
 completions, up to 64 new tokens, temperature 1.0), in the compute dtype asked for. Both run in this process with
 the same thread count (vLLM's CPU engine binds the process's threads: VLLM_CPU_OMP_THREADS_BIND is set here to the
-first `--threads` cores, and Forge then runs on the same ones). Rounds alternate Forge, vLLM, Forge, vLLM, ...
+first `--threads` cores unless that variable is set, and Forge then runs on the same ones). Rounds alternate
+Forge, vLLM, Forge, vLLM, ...
 
 Reported per engine: completion tokens per second (median and range over the rounds, wall clock and process CPU
 time), and the ratio vLLM / Forge; vLLM's start-up seconds (the model folder written, the engine built, compiled
@@ -55,7 +56,9 @@ def main() -> None:
         sys.exit(2)
 
     # vLLM binds this process's OpenMP threads when its engine starts; Forge runs on the same cores afterwards.
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}" if args.threads > 1 else "0"
+    # The first `--threads` cores unless VLLM_CPU_OMP_THREADS_BIND names others (another job on core 0: "1").
+    first_cores = f"0-{args.threads - 1}" if args.threads > 1 else "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", first_cores)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import torch
