@@ -397,6 +397,30 @@ def test_greedy_rollout_logprobs_are_the_argmax_log_softmax(tiny_model, tiny_tok
             torch.testing.assert_close(got[row], log_softmax.max(dim=-1).values, atol=1e-5, rtol=0)
 
 
+def test_a_rollout_trains_though_its_loop_ran_in_inference_mode(tiny_model, tiny_tokenizer):
+    """The decode loop runs under torch.inference_mode; what it hands back is ordinary tensors, so the loss pass
+    can take gradients through them (an inference tensor saved for backward raises), and the loop's switch
+    changes no token or log-prob."""
+    from forge.core import rollout as rollout_module
+
+    settings = SamplingSettings(max_new_tokens=6, temperature=1.0)
+    noise = torch.rand(4, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rollout = generate(tiny_model, tiny_tokenizer, [PROMPT_9, PROMPT_6], 2, settings, noise=noise)
+    fields = [rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask,
+              rollout.sampler_logprobs, rollout.prompt_index]
+    assert not any(t.is_inference() for t in fields)
+    logprobs = completion_logprobs(tiny_model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                   rollout.prompt_index)
+    (logprobs * rollout.completion_mask).sum().backward()
+    assert all(p.grad is not None for p in tiny_model.parameters() if p.requires_grad)
+    tiny_model.zero_grad()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rollout_module, "INFERENCE_MODE", False)
+        plain = generate(tiny_model, tiny_tokenizer, [PROMPT_9, PROMPT_6], 2, settings, noise=noise)
+    assert torch.equal(plain.completion_ids, rollout.completion_ids)
+    assert torch.equal(plain.sampler_logprobs, rollout.sampler_logprobs)
+
+
 def test_shared_and_unshared_logprobs_and_gradients_agree(tiny_model, tiny_tokenizer):
     batch = logprob_batch(tiny_tokenizer)
     assert_same(logprobs_and_grads(tiny_model, batch, share=True), logprobs_and_grads(tiny_model, batch, share=False))
