@@ -201,9 +201,9 @@ def _call_reward(fn: Callable[[], Any], timeout: float | None) -> Any:
     return result
 
 
-def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[list[float], dict]:
+def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[list[float | None], dict]:
     """Check a reward's return value: RewardOutput or a list of numbers (or None: does not apply), one per
-    completion. A None comes back as NaN here, told apart from a returned NaN by `_applies`."""
+    completion; the scores come back as floats, a None as None."""
     scores = getattr(output, "scores", output)
     metadata = getattr(output, "metadata", None) or {}
     if hasattr(scores, "tolist") and not isinstance(scores, (list, tuple)):  # a tensor or numpy array
@@ -216,8 +216,8 @@ def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[
                           f"return exactly one score per completion")
     values = []
     for i, value in enumerate(scores):
-        if value is None:
-            values.append(_NOT_APPLIED)
+        if value is None:  # the reward does not apply to this sample
+            values.append(None)
             continue
         if getattr(value, "shape", None) == () and hasattr(value, "item"):  # numpy/torch scalar or 0-d array
             value = value.item()
@@ -227,17 +227,6 @@ def _as_scores(output: Any, name: str, expected: int, where: str = "") -> tuple[
                               f"{i}{where}; scores must be int or float{hint}")
         values.append(float(value))
     return values, metadata
-
-
-class _NotApplied(float):
-    """The float a None score becomes in `_as_scores`: NaN, recognised by identity (`_applies`)."""
-
-
-_NOT_APPLIED = _NotApplied("nan")
-
-
-def _applies(values: list[float]) -> torch.Tensor:
-    return torch.tensor([value is not _NOT_APPLIED for value in values], dtype=torch.bool)
 
 
 @dataclass(frozen=True)
@@ -267,22 +256,34 @@ def score_completions(
     (forge.core.reward.CONVENTIONS: Forge's gives `reference` as `references` and trainer_state only to a
     reward that names it; TRL's gives every argument by keyword). row_index (N,) names each completion's
     dataset row in error messages."""
-    n = len(completions)
     inputs = RewardInputs(list(prompts), list(completions), columns, completion_ids, trainer_state,
                           tool_calls, environments, episodes)
     where = f" at step {step}" if step is not None else ""
-    rules = FailureRules(on_error, error_value, timeout, where, row_index)
+    return score_batch(rewards, inputs, FailureRules(on_error, error_value, timeout, where, row_index))
+
+
+def score_batch(rewards: list[tuple[str, BaseReward, float]], inputs: RewardInputs,
+                rules: FailureRules) -> Scores:
+    """Score the N completions of `inputs` with every reward, under the failure rules (score_completions and
+    score_rollout build both): the async rewards started first and awaited together, then reward by reward,
+    its scores checked, the samples it does not apply to and the non-finite ones marked."""
+    n = len(inputs.completions)
     asynchronous = [(name, reward) for name, reward, _ in rewards if is_async_reward(reward)]
-    settled = _settle_async_rewards(asynchronous, inputs, timeout) if asynchronous else {}  # started first
+    settled = _settle_async_rewards(asynchronous, inputs, rules.timeout) if asynchronous else {}  # started first
     valid = torch.ones(n, dtype=torch.bool)
     components, metadata, applies = {}, {}, {}
     errors = timeouts = 0
     for name, reward, _ in rewards:
-        values, meta, failed, timed_out = _reward_values(name, _caller(reward, inputs), settled.get(name), n,
-                                                         rules, inputs)
+        call, failed, timed_out = _caller(reward, inputs), 0, 0
+        try:
+            output = _outcome(settled[name]) if name in settled else _call_reward(call, rules.timeout)
+            values, meta = _as_scores(output, name, n, rules.where)  # (N,): a float, or None: does not apply
+        except RewardError:  # a bad return value: always raised
+            raise
+        except REWARD_FAILURES as error:  # the reward's own code failed: what the failure rules make of it
+            values, meta, failed, timed_out = _under_failure_rules(name, error, call, n, rules, inputs)
         errors, timeouts = errors + failed, timeouts + timed_out
-        applied = _applies(values)  # (N,)
-        components[name], finite = _component(name, values, applied, rules, completions)  # (N,) each
+        components[name], applied, finite = _component(name, values, rules, inputs.completions)  # (N,) each
         valid &= finite
         if not applied.all():
             applies[name] = applied
@@ -314,22 +315,8 @@ def _settle_async_rewards(rewards: list, inputs: RewardInputs, timeout: float | 
     return settled
 
 
-def _reward_values(name: str, call: Callable, settled: tuple | None, n: int, rules: FailureRules,
-                   inputs: RewardInputs) -> tuple[list[float], dict, int, int]:
-    """(values (N,), metadata, errors, timeouts) of one reward: its checked scores, or what the failure rules
-    make of a failure (`_under_failure_rules`)."""
-    try:
-        output = _outcome(settled) if settled is not None else _call_reward(call, rules.timeout)
-        values, meta = _as_scores(output, name, n, rules.where)
-        return values, meta, 0, 0
-    except RewardError:
-        raise
-    except REWARD_FAILURES as error:  # user code
-        return _under_failure_rules(name, error, call, n, rules, inputs)
-
-
 def _under_failure_rules(name: str, error: BaseException, call: Callable, n: int, rules: FailureRules,
-                         inputs: RewardInputs) -> tuple[list[float], dict, int, int]:
+                         inputs: RewardInputs) -> tuple[list[float | None], dict, int, int]:
     """A failed reward call: a RewardError that names the sample (on_error='raise'), or error_value for the
     failing samples, counted (on_error='score'); a user's Ctrl-C goes through untouched."""
     if isinstance(error, RewardTimeout):
@@ -348,7 +335,7 @@ def _under_failure_rules(name: str, error: BaseException, call: Callable, n: int
     return values, {}, errors, 0
 
 
-def _sample_by_sample(name: str, call: Callable, n: int, rules: FailureRules) -> tuple[list[float], int]:
+def _sample_by_sample(name: str, call: Callable, n: int, rules: FailureRules) -> tuple[list[float | None], int]:
     """(values (N,), errors): the reward on each completion alone, the failing ones scoring error_value."""
     values, errors = [], 0
     for i in range(n):
@@ -361,27 +348,29 @@ def _sample_by_sample(name: str, call: Callable, n: int, rules: FailureRules) ->
     return values, errors
 
 
-def _component(name: str, values: list[float], applied: torch.Tensor, rules: FailureRules,
-               completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(component (N,) float32, 0 where the reward does not apply; finite (N,) bool)."""
-    component = torch.where(applied, torch.tensor(values, dtype=torch.float32), 0.0)  # (N,)
+def _component(name: str, values: list[float | None], rules: FailureRules,
+               completions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(component (N,) float32, 0 where the reward does not apply; applies (N,) bool: it returned a number;
+    finite (N,) bool)."""
+    applies = torch.tensor([value is not None for value in values], dtype=torch.bool)  # (N,)
+    component = torch.tensor([0.0 if value is None else value for value in values], dtype=torch.float32)
     finite = torch.isfinite(component)  # (N,)
-    if finite.all():
-        return component, finite
-    return _masked_nonfinite(name, values, component, finite, rules, completions)
+    if not finite.all():
+        component = _masked_nonfinite(name, values, component, finite, rules, completions)
+    return component, applies, finite
 
 
-def _masked_nonfinite(name: str, values: list[float], component: torch.Tensor, finite: torch.Tensor,
-                      rules: FailureRules, completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A NaN/inf score: a RewardError, or under on_error='score' its sample scored 0 and masked from the
-    loss."""
+def _masked_nonfinite(name: str, values: list[float | None], component: torch.Tensor, finite: torch.Tensor,
+                      rules: FailureRules, completions: list[str]) -> torch.Tensor:
+    """A NaN/inf score: a RewardError, or under on_error='score' its sample scored 0 (and masked from the
+    loss by `finite`)."""
     bad = int((~finite).nonzero()[0])
     if rules.on_error != "score":
         row = f" (dataset row {rules.row_index[bad]})" if rules.row_index else ""
         raise RewardError(f"reward '{name}' returned {values[bad]} for completion {bad}{row}{rules.where} "
                           f"({completions[bad][:200]!r}); return finite numbers, or set "
                           f"on_reward_error='score' to mask such samples from the loss")
-    return torch.where(finite, component, torch.zeros_like(component)), finite
+    return torch.where(finite, component, torch.zeros_like(component))
 
 
 def _first_failing_sample(call: Callable, n: int, timeout: float | None = None) -> int:
@@ -427,12 +416,13 @@ def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int
     masked (not valid). When a reward fails (RewardError) here or, by `any_rank` (True if the flag is True in
     any process), in another process, every process raises, so all of them stop at the same point."""
     prompts, columns, row_ids = per_completion(rows, config.group_size)
+    inputs = RewardInputs(prompts, list(rollout.completions), columns, trainer_state=trainer_state,
+                          **rollout_inputs(rollout))
+    rules = FailureRules(config.on_reward_error, config.reward_error_value, config.reward_timeout,
+                         f" at step {step}", row_ids)
     scores = failure = None
     try:
-        scores = score_completions(rewards, prompts, rollout.completions, columns,
-                                   on_error=config.on_reward_error, error_value=config.reward_error_value,
-                                   timeout=config.reward_timeout, step=step, row_index=row_ids,
-                                   trainer_state=trainer_state, **rollout_inputs(rollout))
+        scores = score_batch(rewards, inputs, rules)
     except RewardError as error:
         failure = error
     if any_rank(failure is not None):
@@ -443,7 +433,8 @@ def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int
 
 def rollout_inputs(rollout) -> dict:
     """What a rollout hands the rewards besides prompts and completions: each completion's token ids, and with
-    tools its calls, with an environment its instances and episodes (score_completions' keywords)."""
+    tools its calls, with an environment its instances and episodes (RewardInputs' fields, score_completions'
+    keywords)."""
     return {"completion_ids": completion_token_ids(rollout), "tool_calls": rollout_tool_calls(rollout),
             "environments": rollout.environments, "episodes": rollout.episodes}
 

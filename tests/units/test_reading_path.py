@@ -22,6 +22,6 @@ def test_no_function_on_the_step_path_is_over_60_lines():
     with tempfile.TemporaryDirectory() as output_dir:
         path = bench.reading_path(bench.record_step(bench.plain_lora_trainer(output_dir), bench.ROWS))
     names = {f.name for f in path}
-    assert {"GRPOTrainer.step", "grpo_loss", "decode", "score_completions"} <= names  # the hook saw the step
+    assert {"GRPOTrainer.step", "grpo_loss", "decode", "score_batch"} <= names  # the hook saw the step
     over = [f"{f.file} {f.name} ({f.lines} lines)" for f in path if f.lines > 60]
     assert not over, f"functions on the step's reading path over 60 lines: {over}"
