@@ -74,7 +74,7 @@ class GRPOTrainer(TrainerSurface):
         rewards, weights = env_rewards(reward_fn, environment_factory, config.reward_weights)  # + env's own
         self.rewards = build_reward_list(rewards, weights, convention)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.dist = DataParallel(fsdp=config.fsdp)
+        self.dist = DataParallel(fsdp=config.fsdp)  # one process: a OneProcess, its collectives no-ops
         ready = prepare_policy(model, tokenizer, config, device=self.dist.device, seed=seed_everything,
                                sync=self.dist.broadcast_from_main, announce=self.dist.is_main,
                                shard=self.dist.shard if self.dist.fsdp else None, peft_config=peft_config)
@@ -95,7 +95,8 @@ class GRPOTrainer(TrainerSurface):
                                            weight_decay=config.weight_decay)
         self.guard = GuardedStep(self.trainable, self.optimizer, config.max_grad_norm,
                                  config.max_consecutive_nonfinite, any_rank=self.dist.any,
-                                 scale_loss=self.precision.compute == torch.float16)
+                                 scale_loss=self.precision.compute == torch.float16,
+                                 local_shards=self.dist.local_shards)
         # theta_0, for the distance the weights moved from it (FSDP2: this rank's shards)
         self.initial_params = [p.detach().cpu().clone() for p in self.dist.local_shards(self.trainable)]
         self.sampling_rng = torch.Generator().manual_seed(sampling_seed(config.seed, 0))  # reseeded each step

@@ -1,9 +1,10 @@
 """The processes of a run: who this rank is, and the few collectives GRPOTrainer needs (FSDP2:
 forge/parallel/sharding.py).
 
-Only the trainer uses this module. With one process every call is a no-op (no torch.distributed at all);
-with several (torchrun, `accelerate launch`, `forge train --nproc N`) it sets up the process group from the
-launcher's environment and sums, gathers and broadcasts what the trainer hands it.
+Only the trainer uses this module. With several processes (torchrun, `accelerate launch`, `forge train --nproc
+N`), `DataParallel` sets up the process group from the launcher's environment and sums, gathers and broadcasts
+what the trainer hands it; with one, `DataParallel()` is a `OneProcess`, whose calls return what they are given
+(no torch.distributed at all).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from forge.parallel import sharding
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 # Launch settings of accelerate for engines that shard the model in their own way; FSDP2 is Forge's
 # (fsdp=True).
@@ -52,7 +56,8 @@ def fsdp_requested(fsdp: bool) -> bool:
 
 
 class DataParallel:
-    """Process information and collectives; a single process needs none of torch.distributed.
+    """Process information and collectives of several processes; with one, `DataParallel()` is a `OneProcess`
+    (as pathlib's `Path()` is a `PosixPath` or a `WindowsPath`), which needs none of torch.distributed.
 
     Data parallelism as DDP does it: every rank holds the whole model, works on its own share of the prompts,
     and gradients are summed across ranks before the optimizer step, so the weights stay identical. The
@@ -63,6 +68,10 @@ class DataParallel:
     sharded with FSDP2 (forge/parallel/sharding.py): `shard` wraps it, and FSDP2 reduces the gradients in
     backward.
     """
+
+    def __new__(cls, fsdp: bool = False) -> Self:
+        one_process = cls is DataParallel and int(os.environ.get("WORLD_SIZE", "1")) == 1
+        return super().__new__(OneProcess if one_process else cls)
 
     def __init__(self, fsdp: bool = False) -> None:
         fsdp = fsdp_requested(fsdp)
@@ -127,8 +136,6 @@ class DataParallel:
 
     def broadcast_from_main(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite these tensors on every rank with rank 0's values."""
-        if self.world_size == 1:
-            return
         with torch.no_grad():
             for tensor in tensors:
                 torch.distributed.broadcast(tensor.data, src=0)
@@ -136,19 +143,15 @@ class DataParallel:
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum every parameter's gradient over the ranks (each rank's loss is its share of the global loss);
         under FSDP2 the backward pass has already reduced them (summed, into each rank's shard)."""
-        if self.world_size > 1 and not self.fsdp:
+        if not self.fsdp:
             _sum_grads_over_ranks(params, self.sum)
 
     def sum(self, values: list[float]) -> list[float]:
-        if self.world_size == 1:
-            return values
         t = torch.tensor(values, dtype=torch.float64, device=self.device)  # on the GPU for an NCCL-only group
         torch.distributed.all_reduce(t)
         return t.tolist()
 
     def max(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return float(t)
@@ -164,12 +167,10 @@ class DataParallel:
 
     def gather(self, values: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's tensor in rank order (rank r holds the prompts after ranks 0..r-1)."""
-        return values if self.world_size == 1 else torch.cat(self.gather_objects(values.cpu()))
+        return torch.cat(self.gather_objects(values.cpu()))
 
     def gather_objects(self, value: Any) -> list:
         """Every rank's picklable value, in rank order."""
-        if self.world_size == 1:
-            return [value]
         out = [None] * self.world_size
         torch.distributed.all_gather_object(out, value)
         return out
@@ -177,11 +178,7 @@ class DataParallel:
     def combined(self, stats: Any) -> Any:
         """A per-rank statistics dataclass combined over the ranks, each field as its metadata says
         (`over_ranks`): "cat" a list of tensors into one tensor in rank order, "sum" a number over the ranks,
-        "max" the largest; a dict field combines each of its values so (forge/run/metrics.py). With one
-        process: `stats` itself."""
-        return stats if self.world_size == 1 else self._combined_over_ranks(stats)
-
-    def _combined_over_ranks(self, stats: Any) -> Any:
+        "max" the largest; a dict field combines each of its values so (forge/run/metrics.py)."""
         values = {}
         for f in dataclasses.fields(stats):
             how, value = f.metadata.get("over_ranks"), getattr(stats, f.name)
@@ -198,8 +195,55 @@ class DataParallel:
         return self.max(value)
 
     def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
+        torch.distributed.barrier()
+
+
+class OneProcess(DataParallel):
+    """One process: the whole model and every prompt here, nothing to sum, gather or shard. Each collective of
+    DataParallel is the value it was given (its docstring says what it does with several), so the trainer calls
+    them alike for one process and for N, and a one-process step enters no process-group code."""
+
+    def sum_shards(self, values: list[float]) -> list[float]:
+        return values
+
+    def whole_weights(self, model: torch.nn.Module):
+        return contextlib.nullcontext()
+
+    def kept_until_backward(self, model: torch.nn.Module):
+        return contextlib.nullcontext()
+
+    def local_shards(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(tensors)
+
+    def broadcast_from_main(self, tensors: list[torch.Tensor]) -> None:
+        pass
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        pass
+
+    def sum(self, values: list[float]) -> list[float]:
+        return values
+
+    def max(self, value: float) -> float:
+        return value
+
+    def any(self, flag: bool) -> bool:
+        return bool(flag)
+
+    def my_share(self, values: Sequence, per_round: int, group: int = 1) -> Sequence:
+        return values[:per_round * group]  # the whole round
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def gather_objects(self, value: Any) -> list:
+        return [value]
+
+    def combined(self, stats: Any) -> Any:
+        return stats
+
+    def barrier(self) -> None:
+        pass
 
 
 def _sum_grads_over_ranks(params: list[torch.nn.Parameter], sum_over_ranks) -> None:

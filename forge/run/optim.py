@@ -29,8 +29,6 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from forge.parallel.sharding import local
-
 
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether a tensor holds no NaN or inf. A NaN or inf anywhere makes the sum NaN or inf, so a finite sum
@@ -128,12 +126,13 @@ class GuardedStep:
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_grad_norm: float,
                  max_consecutive_nonfinite: int, any_rank: Callable[[bool], bool] = bool,
-                 scale_loss: bool = False):
+                 scale_loss: bool = False, local_shards: Callable[[list], list[torch.Tensor]] = list):
         self.params = params
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.any_rank = any_rank  # True if the flag is True on any process (every process then decides alike)
+        self.local_shards = local_shards  # this process's part of each tensor (FSDP2: its shards)
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self._backup: list[torch.Tensor] | None = None
@@ -208,18 +207,18 @@ class GuardedStep:
     @torch.no_grad()
     def _remember_weights(self) -> None:
         if self._backup is None:
-            self._backup = [torch.empty_like(local(p)) for p in self.params]
-        for backup, p in zip(self._backup, self.params):
-            backup.copy_(local(p))
+            self._backup = [torch.empty_like(p) for p in self.local_shards(self.params)]
+        for backup, p in zip(self._backup, self.local_shards(self.params)):
+            backup.copy_(p)
 
     @torch.no_grad()
     def _weights_are_finite(self) -> bool:
-        return all(all_finite(local(p)) for p in self.params)  # this rank's shards; any_rank combines them
+        return all(all_finite(p) for p in self.local_shards(self.params))  # any_rank combines the ranks
 
     @torch.no_grad()
     def _restore_weights(self) -> None:
-        for backup, p in zip(self._backup, self.params):
-            local(p).copy_(backup)
+        for backup, p in zip(self._backup, self.local_shards(self.params)):
+            p.copy_(backup)
         self.optimizer.state.clear()  # the moments saw the bad update: AdamW restarts them from zero
 
 

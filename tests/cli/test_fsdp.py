@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from test_distributed import read_jsonl, write_workspace
 
 from forge.cli import main as forge_main
-from forge.parallel.distributed import DataParallel
+from forge.parallel.distributed import DataParallel, OneProcess
 from forge.run.integrity import verify_checkpoint
 from forge.run.lifecycle import check_same_sharding
 
@@ -218,6 +218,19 @@ def test_accelerate_fsdp2_launch_turns_fsdp_on_and_fsdp1_is_refused(monkeypatch)
     with pytest.warns(UserWarning, match="one process: there is nothing to shard"):
         dist = DataParallel()
     assert not dist.fsdp and dist.world_size == 1  # one process trains whole, as without fsdp
+
+
+def test_one_process_is_a_one_process_whose_collectives_return_what_they_are_given(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dist = DataParallel()
+    assert isinstance(dist, OneProcess) and dist.world_size == 1 and dist.is_main and not dist.fsdp
+    grads = torch.arange(3.0)
+    assert dist.gather(grads) is grads and dist.local_shards([grads])[0] is grads
+    assert dist.sum([1.0, 2.0]) == [1.0, 2.0] == dist.sum_shards([1.0, 2.0]) and dist.max(0.5) == 0.5
+    assert dist.any(True) is True and dist.any(False) is False
+    assert dist.gather_objects("samples") == ["samples"] and dist.main_pid == os.getpid()
+    assert dist.my_share(list(range(8)), 2, group=4) == list(range(8))  # the whole round
+    assert dist.loss_indices(torch.tensor([[1, 0], [0, 0], [0, 1]])).tolist() == [0, 2]
 
 
 def test_sharded_and_whole_checkpoints_refuse_to_resume_across(tmp_path):
