@@ -145,11 +145,7 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         "loss": update["loss"],
         "reward": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        **{key: update[key] for key in ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
-                                        "grad_norm", "learning_rate")},
-        **{key: update[key] for key in ("entropy", "entropy_coef", "clip_frac_capped",
-                                        "rollout_is_weight_mean", "sampling/logp_diff_mean",
-                                        "sampling/logp_diff_max", "distill/divergence") if key in update},
+        **update,  # the update's (core/trainer.py): kl, clip fractions, grad_norm, learning_rate, entropy, ...
         "group_reward_std_mean": float(group_std.mean()),
         "frac_zero_std_groups": float((group_std == 0).float().mean()),
         "frac_reward_zero_std": float((group_std == 0).float().mean()),  # TRL's name for frac_zero_std_groups
@@ -173,10 +169,8 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
     if stats.distill_tokens or stats.teacher_seconds:  # a run with a teacher
         metrics.update(distill_metrics(stats))
     metrics.update(stats.sampling)
-    if stats.env_episodes:
-        metrics.update({"env/failed_episodes": int(stats.env_failed),
-                        "env/timed_out_episodes": int(stats.env_timed_out),
-                        "env/frac_failed_episodes": stats.env_failed / stats.env_episodes})
+    if stats.env_episodes:  # a run with an environment
+        metrics.update(env_metrics(stats))
     for name, parts in stats.components.items():
         values = torch.cat(parts)  # (N_total,)
         if name in stats.applies:  # over the samples the reward applies to (it returned a number)
@@ -184,6 +178,12 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         metrics[f"rewards/{name}"] = float(values.mean()) if values.numel() else 0.0
         metrics[f"rewards/{name}/std"] = float(values.std()) if values.numel() > 1 else 0.0
     return metrics
+
+
+def env_metrics(stats: RolloutStats) -> dict:
+    """env/*: the episodes that failed, those that timed out, and the failed share."""
+    return {"env/failed_episodes": int(stats.env_failed), "env/timed_out_episodes": int(stats.env_timed_out),
+            "env/frac_failed_episodes": stats.env_failed / stats.env_episodes}
 
 
 def distill_metrics(stats: RolloutStats) -> dict:
@@ -288,6 +288,7 @@ __all__ = [
     "RolloutStats",
     "UpdateTotals",
     "distill_metrics",
+    "env_metrics",
     "ordered_samples",
     "param_delta_norm",
     "rollout_samples",
