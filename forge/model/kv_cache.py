@@ -79,10 +79,14 @@ if DynamicLayer is not None:
             self._expose()
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
-            # index_select copies whole rows; indexing (buffer[indices]) copies element by element, ~3x slower
-            # on a CPU, and rows leave the decode batch at many steps of a generation
-            self.key_buffer = self.key_buffer.index_select(0, indices)
-            self.value_buffer = self.value_buffer.index_select(0, indices)
+            # Rows leave the decode batch at many steps of a generation: the kept rows' filled positions move
+            # into new buffers (index_select copies whole rows; indexing, buffer[indices], copies element by
+            # element, ~3x slower on a CPU); the positions not yet written are not copied
+            for name in ("key_buffer", "value_buffer"):
+                old = getattr(self, name)
+                new = old.new_empty(len(indices), *old.shape[1:])  # (n', H, capacity, D)
+                torch.index_select(old[:, :, :self.length], 0, indices, out=new[:, :, :self.length])
+                setattr(self, name, new)
             self._expose()
 
 
