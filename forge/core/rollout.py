@@ -381,7 +381,7 @@ def generate(
                                                tools=None if turns is None else turns.schemas)  # (P, Lp)
     plan = plan or DecodePlan.of(model, settings.backend, with_tools=turns is not None)
     # The loop's tensors never meet autograd and it returns plain lists: inference mode skips autograd's
-    # version counting and view tracking on each of its operators (the same values; 1.03x the tokens per
+    # version counting and view tracking on each of its operators (the same values; 1.05x the tokens per
     # CPU-second of the demo's generation on an AMX Xeon, bench/decode_switch.py inference_mode)
     inference = torch.inference_mode() if INFERENCE_MODE else contextlib.nullcontext()
     with packed_linears(model) if plan.pack else contextlib.nullcontext(), inference:
