@@ -102,8 +102,6 @@ class GRPOTrainer(TrainerSurface):
         self.sampling_rng = torch.Generator().manual_seed(sampling_seed(config.seed, 0))  # reseeded each step
         self.signals = StopSignals(next_step=lambda: self.global_step + 1)
         self.entropy_control = config.entropy_control  # the entropy coefficient (adaptive: adapted each step)
-        # the loss variant and the sampling settings, read from the config once
-        self.loss_settings, self.sampling_settings = config.loss_settings, SamplingSettings.from_config(config)
         self.max_prompt_length = prompt_budget(model.config, config.max_new_tokens, config.max_prompt_length)
         self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # reset by train()
         self.scheduler = self.prompt_pool = None  # set by train(): the schedule, the rows (dynamic sampling)
@@ -185,8 +183,8 @@ class GRPOTrainer(TrainerSurface):
     def generate(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
         """G completions per prompt, with this step's sampling noise (and the run's tools, or its environments
         reset with the prompts' dataset `rows`)."""
-        config, settings = self.config, self.sampling_settings
-        noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, config.max_new_tokens,
+        config, settings = self.config, SamplingSettings.from_config(self.config)  # as the config stands
+        noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, settings.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
         if self.engine is not None:  # vLLM samples its own copy of the weights (forge/core/engine_rollout.py)
             self.engine.sync(self.model, self.global_step)
@@ -265,7 +263,7 @@ class GRPOTrainer(TrainerSurface):
                           totals: step_metrics.UpdateTotals) -> None:
         """The loss of one micro-batch (rollout r's rows `indices`) and its backward; gradients accumulate."""
         config, rollout, mask = self.config, batch.rollouts[r], batch.loss_mask[r][indices]
-        settings = dataclasses.replace(self.loss_settings, entropy_coef=self.entropy_control.applied)
+        settings = dataclasses.replace(config.loss_settings, entropy_coef=self.entropy_control.applied)
         with checkpointed_layers(self.model, config.gradient_checkpointing):  # layers recomputed in backward
             logprobs, entropy, *divergence = self.logprobs(  # (n, T') each; divergence: distill_loss='full'
                 self.model, rollout, indices, with_entropy=True, entropy_grad=settings.entropy_coef != 0,

@@ -463,6 +463,25 @@ def test_everything_masked_is_a_no_op_step(tmp_path, tiny_model, tiny_tokenizer)
     assert all(torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
 
 
+def test_a_config_changed_between_steps_changes_sampling_and_the_loss_pass_together(
+        tmp_path, tiny_model, tiny_tokenizer):
+    """A callback may change the config between steps (a shorter budget, another temperature): the next
+    step's sampler, its noise and the loss pass all read the new values."""
+    from transformers import TrainerCallback
+
+    class Anneal(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            args.max_new_tokens, args.temperature = 3, 2.5
+
+    config = fast_config(tmp_path, max_new_tokens=6, max_steps=2, mask_truncated_completions=False)
+    GRPOTrainer(tiny_model, tiny_tokenizer, alternating, config, callbacks=[Anneal()]).train(
+        [{"prompt": "0 1 2 3 4 5 6 7 8 9"}])
+    first, second = read_jsonl(tmp_path / "run" / "training_log.jsonl")
+    assert first["completion_length/max"] == 6 and second["completion_length/max"] == 3  # the new budget
+    # the sampler's log-probs (temperature 2.5) are the loss pass's: at the build's 0.9 they would differ by ~1
+    assert second["sampling/logp_diff_max"] < 1e-4
+
+
 def test_drop_zero_std_groups(tmp_path, tiny_model, tiny_tokenizer):
     def flat_for_flat_prompts(prompts, completions, **kwargs):
         return [1.0 if "flat" in prompt else float(i % 2) for i, prompt in enumerate(prompts)]
