@@ -102,7 +102,7 @@ class GRPOTrainer(TrainerSurface):
         self.sampling_rng = torch.Generator().manual_seed(sampling_seed(config.seed, 0))  # reseeded each step
         self.signals = StopSignals(next_step=lambda: self.global_step + 1)
         self.entropy_control = config.entropy_control  # the entropy coefficient (adaptive: adapted each step)
-        self.max_prompt_length = prompt_budget(model.config, config.max_new_tokens, config.max_prompt_length)
+        prompt_budget(model.config, config.max_new_tokens, config.max_prompt_length)  # refuses no room
         self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # reset by train()
         self.scheduler = self.prompt_pool = None  # set by train(): the schedule, the rows (dynamic sampling)
         auto = config.micro_batch_size == "auto"  # one group per pass until the preflight fits max_memory_mb
@@ -282,6 +282,10 @@ class GRPOTrainer(TrainerSurface):
         (loss * self.guard.loss_scale).backward()  # the scale is 1 but under fp16 (forge/run/optim.py)
         gap = None if sampler is None else logprob_gap(logprobs if old is None else old, sampler, part_mask)
         totals.add(loss, stats, float(mask.sum()), gap)
+
+    @property
+    def max_prompt_length(self) -> int:  # max_prompt_length, or the context left after max_new_tokens
+        return prompt_budget(self.model.config, self.config.max_new_tokens, self.config.max_prompt_length)
 
     @contextlib.contextmanager
     def sampling(self):

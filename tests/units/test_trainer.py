@@ -474,8 +474,10 @@ def test_a_config_changed_between_steps_changes_sampling_and_the_loss_pass_toget
             args.max_new_tokens, args.temperature = 3, 2.5
 
     config = fast_config(tmp_path, max_new_tokens=6, max_steps=2, mask_truncated_completions=False)
-    GRPOTrainer(tiny_model, tiny_tokenizer, alternating, config, callbacks=[Anneal()]).train(
-        [{"prompt": "0 1 2 3 4 5 6 7 8 9"}])
+    trainer = GRPOTrainer(tiny_model, tiny_tokenizer, alternating, config, callbacks=[Anneal()])
+    assert trainer.max_prompt_length == 512 - 6  # the tiny model's context less the completion budget
+    trainer.train([{"prompt": "0 1 2 3 4 5 6 7 8 9"}])
+    assert trainer.max_prompt_length == 512 - 3
     first, second = read_jsonl(tmp_path / "run" / "training_log.jsonl")
     assert first["completion_length/max"] == 6 and second["completion_length/max"] == 3  # the new budget
     # the sampler's log-probs (temperature 2.5) are the loss pass's: at the build's 0.9 they would differ by ~1
