@@ -264,6 +264,24 @@ class GRPOConfig:
     """Server: its port, when vllm_server_base_url is None."""
     vllm_server_timeout: float = 240.0
     """Server: seconds to wait for it to answer before the run fails."""
+    max_staleness: int | None = None
+    """Sample and learn at once (async GRPO; TRL's AsyncGRPOTrainer): a rollout worker samples the next steps'
+    groups while this process trains. Step s trains on groups sampled by the weights of step
+    s - max_staleness (of the run's first step until then): 1 = one step off (AsyncGRPOConfig's default),
+    0 = the worker waits for every update (the synchronous run's numbers, sampled in another process); None =
+    sample, then learn, in this process. The schedule is fixed, so a seeded run repeats. A stale group's ratio
+    is taken against the log-probs its sampler recorded (docs/algorithm.md). The own decode loop samples in a
+    second process holding its own copy of the policy (sampler_threads, sampler_device); weights reach it
+    through shared memory after every optimizer step (docs/scaling.md)."""
+    sampler_threads: int = 0
+    """With max_staleness set: the sampling process's CPU threads; 0 = the cores this process's torch threads
+    leave free, at least 1. `forge demo --async` gives each side one core of two."""
+    sampler_device: str | None = None
+    """With max_staleness set: the device of the sampling process's copy of the policy (e.g. 'cuda:1', to sample
+    on one GPU and train on another); None = the trainer's."""
+    rollout_timeout: float = 900.0
+    """With max_staleness set: seconds the trainer waits for one step's groups before it stops the run, naming
+    the rollout worker (TRL's heartbeat_stale_after_s); a worker that dies is noticed within a second."""
     merge_lora_for_generation: bool = True
     """With LoRA, generate and evaluate with the adapters folded into a temporary copy of the adapted weights
     (policy.merged_adapters): one matmul per layer instead of three, 0.85-0.90x the generation time on a CPU
@@ -456,6 +474,23 @@ class GRPOConfig:
              or (isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 0),
              f"micro_batch_size={self.micro_batch_size!r} must be >= 0 (0 = whole rollout batch) or 'auto'")
         need(self.num_iterations >= 1, f"num_iterations={self.num_iterations} must be >= 1")
+        if self.max_staleness is not None:
+            need(self.max_staleness >= 0,
+                 f"max_staleness={self.max_staleness} must be >= 0 (0: the worker waits for every update; "
+                 f"1: one step off; None: no rollout worker)")
+            need(self.generation_backend != "vllm",
+                 "max_staleness (async GRPO) samples with the own decode loop in a second process; "
+                 "generation_backend='vllm' with it is not built yet: leave max_staleness=None for vLLM")
+            need(not self.fsdp, "max_staleness (async GRPO) keeps a whole copy of the policy in the sampling "
+                                "process; with fsdp=True leave max_staleness=None")
+            need(self.num_iterations == 1,
+                 f"max_staleness (async GRPO) takes one update per rollout; num_iterations={self.num_iterations} "
+                 f"needs max_staleness=None")
+            need(not self.dynamic_sampling,
+                 "dynamic_sampling decides more rounds from the step's rewards, which an async worker sampled "
+                 "before them; use drop_zero_std_groups=True with max_staleness, or max_staleness=None")
+            need(self.sampler_threads >= 0, f"sampler_threads={self.sampler_threads} must be >= 0 (0: the free cores)")
+            need(self.rollout_timeout > 0, f"rollout_timeout={self.rollout_timeout} must be > 0 seconds")
         need(self.loss_type in LOSS_TYPES,
              f"loss_type={self.loss_type!r} unknown; choose one of {sorted(LOSS_TYPES)}")
         need(self.importance_sampling_level in IMPORTANCE_LEVELS,

@@ -63,6 +63,8 @@ class Rollout:
     # to it (tools); None = every completion token was sampled
     tool_calls: list[list] | None = None  # (N,) each completion's calls, in order (forge/tools ToolResult)
     episodes: list | None = None  # (N,) each completion's environment episode (forge/envs Episode) or None
+    policy_version: int | None = None  # async GRPO: the optimizer step whose weights sampled it (None: the
+    # trainer's weights as they are, sampled in this step)
 
     @property
     def environments(self) -> list | None:

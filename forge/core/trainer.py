@@ -35,6 +35,7 @@ from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
 from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
                                 sampling_seed)
+from forge.core.rollout_worker import AsyncRollouts, SamplingRequest
 from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
 from forge.core.teacher import open_teacher
 from forge.envs import env_rewards, rollout_tools
@@ -109,6 +110,7 @@ class GRPOTrainer(TrainerSurface):
         self.micro_batch_size = config.group_size if auto else config.micro_batch_size
         self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer,
                                 is_main=self.dist.is_main)
+        self.ahead = None if config.max_staleness is None else self.rollout_worker()  # async GRPO's sampler
 
     def train(self, dataset: Any = None, eval_dataset: Any = None,
               resume_from_checkpoint: bool | str | None = None):
@@ -137,6 +139,8 @@ class GRPOTrainer(TrainerSurface):
                                                       torch.cat(stats.valid)),
             seconds=time.perf_counter() - started, skipped_steps=self.guard.skipped_steps,
             param_delta_norm=delta_norm, engine=self.engine)
+        if self.ahead is not None and self.ahead.running:
+            metrics.update(self.ahead.stats.as_metrics())  # who waited on whom
         metrics["_samples"] = step_metrics.ordered_samples(self.dist.gather_objects(stats.samples),
                                                            len(batch.rollouts), self.config.log_completions)
         return metrics
@@ -186,6 +190,8 @@ class GRPOTrainer(TrainerSurface):
         config, settings = self.config, SamplingSettings.from_config(self.config)  # as the config stands
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, settings.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
+        if self.ahead is not None and self.ahead.running:  # async: sampled earlier, by the rollout worker
+            return self.ahead.take(self.global_step, prompts)
         if self.engine is not None:  # vLLM samples its own copy of the weights (forge/core/engine_rollout.py)
             self.engine.sync(self.model, self.global_step)
             return generate_on_engine(self.engine, self.tokenizer, prompts, config.group_size, settings,
@@ -215,8 +221,13 @@ class GRPOTrainer(TrainerSurface):
 
     @torch.no_grad()
     def old_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
-        several = self.config.num_iterations > 1  # one update per rollout: None, pi_old = stopgrad(pi_theta)
-        return self.rollout_logprobs(self.model, rollout, indices) if several else None
+        """pi_old: None (= stopgrad(pi_theta)) for one update of a rollout the weights as they are sampled; the
+        sampler's recorded log-probs for a stale one (async); recomputed for several updates, or for a stale
+        rollout under rollout_is (then pi_old / pi_sampler is its truncated importance weight)."""
+        stale = rollout.policy_version is not None and rollout.policy_version < self.global_step
+        if self.config.num_iterations > 1 or (stale and self.config.rollout_is != "none"):
+            return self.rollout_logprobs(self.model, rollout, indices)
+        return rollout.sampler_logprobs if stale else None
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
@@ -255,6 +266,8 @@ class GRPOTrainer(TrainerSurface):
                                               after_skip=self.signals.uncommit, announce=self.dist.is_main)
         advance_schedule(self.scheduler)
         self.global_step += 1
+        if self.ahead is not None:
+            self.ahead.publish(self.global_step, self.trainable)  # for the steps the worker samples next
         update["entropy_coef"] = self.entropy_control.applied  # the coefficient this step's loss used
         self.entropy_control = self.entropy_control.observed(update.get("entropy"))
         return update
@@ -280,8 +293,43 @@ class GRPOTrainer(TrainerSurface):
             loss = loss + self.teacher.loss(divergence[0], part_mask, normaliser.num_tokens, totals)
         # Each rank's loss carries its share: the sum of the ranks' gradients is the whole loss's gradient.
         (loss * self.guard.loss_scale).backward()  # the scale is 1 but under fp16 (forge/run/optim.py)
-        gap = None if sampler is None else logprob_gap(logprobs if old is None else old, sampler, part_mask)
+        recomputed = old is not None and batch.old_logprobs[r] is not rollout.sampler_logprobs
+        gap = None if sampler is None else logprob_gap(old if recomputed else logprobs, sampler, part_mask)
         totals.add(loss, stats, float(mask.sum()), gap)
+
+    def rollout_worker(self) -> AsyncRollouts:
+        """Async GRPO's sampling process (forge/core/rollout_worker.py), started by rollout_schedule."""
+        config = self.config
+        if self.dist.world_size > 1:
+            raise ValueError("max_staleness (async GRPO) runs one trainer process and one sampling process; "
+                             "with several processes (--nproc, torchrun) leave max_staleness=None")
+        if self.tool_settings is not None:
+            raise ValueError("max_staleness (async GRPO) does not sample tool or environment rollouts yet; "
+                             "leave max_staleness=None with tools= or environment_factory=")
+        return AsyncRollouts(config.max_staleness, config.sampler_threads, config.sampler_device,
+                             config.rollout_timeout)
+
+    def rollout_schedule(self, steps):
+        """The run's steps (rows, epoch, position), as the loop walks them. Async GRPO: the rollout worker starts
+        from the weights as they are, and each step's prompts reach it max_staleness steps before the step."""
+        if self.ahead is None:
+            return steps
+        start = partial(self.ahead.start, self.model, self.tokenizer, self.precision, self.config, self.trainable,
+                        version=self.global_step)
+        return self.ahead.run_ahead(steps, self.global_step, self.total_steps, self.sampling_request, start)
+
+    def sampling_request(self, step: int, rows: list[dict]) -> SamplingRequest:
+        """Step `step`'s generate calls as collect() makes them: prompts_per_step rows each, with the noise the
+        step's seeded generator draws for them, and the sampling settings as the config stands now."""
+        config, settings = self.config, SamplingSettings.from_config(self.config)
+        generator = torch.Generator().manual_seed(sampling_seed(config.seed, step))
+        rounds = []
+        for start in range(0, len(rows), config.prompts_per_step):
+            prompts = [row["prompt"] for row in rows[start:start + config.prompts_per_step]]
+            rounds.append((prompts, sampling_noise(generator, len(prompts) * config.group_size,
+                                                   settings.max_new_tokens)))
+        budget = prompt_budget(self.model.config, settings.max_new_tokens, config.max_prompt_length)
+        return SamplingRequest(step, rounds, settings, budget)
 
     @property
     def max_prompt_length(self) -> int:  # max_prompt_length, or the context left after max_new_tokens

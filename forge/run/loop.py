@@ -15,7 +15,7 @@
 The trainer is given, not imported: anything with the attributes read below runs here (`config`, `dist`,
 `model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `guard`, `signals`, `global_step`, `events` (a
 RunEvents), and the methods
-`step(rows) -> metrics`, `evaluate(rows) -> metrics`).
+`step(rows) -> metrics`, `evaluate(rows) -> metrics`, `rollout_schedule(steps) -> steps`).
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ class TrainingRun:
         steps = iterate_steps(self.rows, trainer.rows_per_step, seed=config.seed, shuffle=config.shuffle,
                               epoch=epoch, position=position,
                               num_epochs=None if config.max_steps > 0 else config.num_train_epochs)
+        steps = trainer.rollout_schedule(steps)  # async GRPO: each step's prompts go to the sampler early
         signals = trainer.signals
         signals.saves_on_abandon = not self.dist.fsdp  # a sharded save needs every rank (see where_to_resume)
         signals.under_way = trainer.global_step + config.num_iterations  # what a signal's message names
@@ -177,6 +178,7 @@ class TrainingRun:
             raise
         finally:
             bar.close()
+            steps.close()  # async GRPO: stops the rollout worker
         self.lifecycle.save(self.finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
         self.dist.barrier()
         if self.eval_rows is not None and not reached(trainer.global_step, config.eval_steps, config.num_iterations):

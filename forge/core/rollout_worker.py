@@ -1,0 +1,338 @@
+"""Async GRPO's rollout source: a second process samples the next steps' groups while the trainer learns.
+
+    trainer process (AsyncRollouts)                          sampling process (sample_forever)
+      start(model, version)      -- a copy of the policy -->   its own threads and device
+      run_ahead(steps)           -- each step's prompts and     waits for the weights of version
+                                    noise, max_staleness        max(first, step - max_staleness), then
+                                    steps early ------------>   samples the step's groups
+      publish(version, weights)  -- after each optimizer  -->   reads the versions in order, loads the one
+                                    step (shared memory)        each step needs
+      take(step, prompts)        <-- the step's rollouts, the version that sampled them, the seconds idle
+
+The schedule is fixed, not raced: step s is always sampled by version max(first, s - max_staleness), whatever
+either side's speed, so a seeded run repeats its samples and weights, and max_staleness=0 is the synchronous
+run's numbers on another process. A group is never older than max_staleness optimizer steps (first = the step
+the run started or resumed at: a resumed run samples its first steps from the checkpoint's weights).
+
+Weights go through shared memory as one flat float32 tensor of the trainable parameters (the LoRA adapters
+only, under LoRA). The worker ignores Ctrl-C (the trainer finishes its step and stops it), dies with the
+trainer (PR_SET_PDEATHSIG, and a check while it waits), and a failure in it reaches the trainer as one line
+naming the worker: `RolloutWorkerError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.multiprocessing as mp
+
+from forge.core.rollout import Rollout, SamplingSettings, generate
+from forge.model.lora import merged_adapters
+from forge.model.static_decode import DecodePlan
+
+POLL_SECONDS = 0.5  # how often a waiting side looks whether the other is still there
+
+
+class RolloutWorkerError(RuntimeError):
+    """The sampling process failed, died or stopped answering; the trainer's weights are those of its last
+    finished step."""
+
+
+@dataclass
+class SamplingRequest:
+    """The groups of one optimizer step, as the synchronous step would sample them."""
+
+    step: int  # the optimizer step that trains on them (global_step before it)
+    rounds: list[tuple[list, torch.Tensor]]  # (prompts, noise (N, T)) per generate call of the step
+    settings: SamplingSettings
+    max_prompt_length: int
+
+
+@dataclass
+class Sampled:
+    """What the worker sends back for one request."""
+
+    step: int
+    version: int  # the optimizer step whose weights sampled it
+    rollouts: list[Rollout]
+    idle_seconds: float  # the worker waiting, for this request or for its weights
+    seconds: float  # sampling
+
+
+@dataclass
+class WorkerSpec:
+    """Everything the sampling process needs, given once at its start."""
+
+    model: torch.nn.Module  # its own copy of the policy
+    tokenizer: object
+    precision: object  # forge.model.precision.Precision
+    trainable_names: list[str]  # the parameters each publish carries, in order
+    version: int  # the weights' version: the trainer's global_step at start
+    max_staleness: int
+    group_size: int
+    truncate_prompts: str
+    share_prompt_prefix: bool
+    merge_lora: bool
+    backend: str  # GRPOConfig.generation_backend
+    threads: int
+    device: str | None
+
+
+def flat_weights(params: list[torch.Tensor]) -> torch.Tensor:
+    """(sum of numels,) float32 CPU copy of the parameters, one tensor: one shared-memory block per publish."""
+    return torch.cat([p.detach().float().reshape(-1).cpu() for p in params])
+
+
+def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy a flat_weights tensor into `params` in place."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def needed_version(step: int, first: int, max_staleness: int) -> int:
+    """The weights that sample step `step`: max_staleness steps before it, never before the run's first."""
+    return max(first, step - max_staleness)
+
+
+# --------------------------------------------------------------------------------------------------
+# the sampling process
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the trainer dies, even by kill -9."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _get(q, what: str):
+    """q.get(), giving up when the trainer is gone."""
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            return q.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                raise SystemExit(f"the trainer exited while the rollout worker waited for {what}") from None
+
+
+def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
+    """The sampling process: serve requests in order until None, each with the weights its step needs."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the trainer finishes its step and stops us
+    _die_with_parent()
+    try:
+        torch.set_num_threads(spec.threads)
+        model = spec.model if spec.device is None else spec.model.to(spec.device)
+        model.eval()
+        named = dict(model.named_parameters())
+        trainable = [named[name] for name in spec.trainable_names]
+        with spec.precision.autocast(model):
+            plan = DecodePlan.of(model, spec.backend, False)
+        version = spec.version
+        while True:
+            waited = time.perf_counter()
+            request = _get(requests, "the next step's prompts")
+            if request is None:
+                return
+            while version < needed_version(request.step, spec.version, spec.max_staleness):
+                version, flat = _get(weights, f"the weights of step {request.step - spec.max_staleness}")
+                load_flat(trainable, flat)
+            idle = time.perf_counter() - waited
+            started = time.perf_counter()
+            rollouts = []
+            with torch.no_grad(), spec.precision.autocast(model), merged_adapters(model, spec.merge_lora):
+                for prompts, noise in request.rounds:
+                    rollouts.append(generate(model, spec.tokenizer, prompts, spec.group_size, request.settings,
+                                             request.max_prompt_length, spec.truncate_prompts,
+                                             spec.share_prompt_prefix, noise, plan=plan))
+            results.put(Sampled(request.step, version, rollouts, idle, time.perf_counter() - started))
+    except SystemExit:
+        raise
+    except BaseException as error:  # noqa: BLE001 - every failure reaches the trainer, with its traceback
+        last = traceback.format_exception_only(type(error), error)[-1].strip()
+        results.put(("failed", last, traceback.format_exc()))
+        sys.exit(1)
+
+
+# --------------------------------------------------------------------------------------------------
+# the trainer's side
+
+
+@dataclass
+class AsyncStats:
+    """Who waited on whom, for the step just taken (the async/* metrics)."""
+
+    staleness: list[int] = field(default_factory=list)  # per rollout of the step: global_step - version
+    trainer_wait_s: float = 0.0  # the trainer blocked on take()
+    sampler_idle_s: float = 0.0  # the worker waiting for a request or for weights, before this step
+    sampler_s: float = 0.0  # the worker sampling this step
+    queue_length: int = 0  # steps sampled and waiting when the trainer asked
+
+    def as_metrics(self) -> dict:
+        return {"async/staleness_mean": sum(self.staleness) / max(len(self.staleness), 1),
+                "async/staleness_max": float(max(self.staleness, default=0)),
+                "async/trainer_wait_s": self.trainer_wait_s, "async/sampler_idle_s": self.sampler_idle_s,
+                "async/sampler_s": self.sampler_s, "async/queue_length": float(self.queue_length)}
+
+
+class AsyncRollouts:
+    """The trainer's handle on the sampling process (module docstring)."""
+
+    def __init__(self, max_staleness: int, threads: int = 0, device: str | None = None,
+                 timeout: float | None = None):
+        self.max_staleness = max_staleness
+        self.threads = threads or max(1, (os.cpu_count() or 1) - torch.get_num_threads())
+        self.device, self.timeout = device, timeout  # timeout: seconds one step's groups may take; None: none
+        self.process = None
+        self.first = 0  # the version the worker started from
+        self.pending: list[Rollout] = []  # the rollouts of the step being collected, in generate order
+        self.ready: list[Sampled] = []  # sampled, not yet taken
+        self.stats = AsyncStats()
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None
+
+    def start(self, model, tokenizer, precision, config, trainable: list[torch.nn.Parameter],
+              version: int) -> None:
+        """Start the sampling process with a copy of `model` (weights of step `version`)."""
+        names = {id(p): name for name, p in model.named_parameters()}
+        missing = [i for i, p in enumerate(trainable) if id(p) not in names]
+        if missing:
+            raise ValueError("async GRPO publishes the trainable parameters by name; "
+                             f"{len(missing)} of them are not parameters of the model")
+        ctx = mp.get_context("spawn")
+        self.requests, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.first = version
+        spec = WorkerSpec(_copy_for_worker(model), tokenizer, precision, [names[id(p)] for p in trainable],
+                          version, self.max_staleness, config.group_size, config.truncate_prompts,
+                          config.share_prompt_prefix, config.merge_lora_for_generation,
+                          config.generation_backend, self.threads, self.device)
+        self.process = ctx.Process(target=sample_forever, args=(spec, self.requests, self.weights, self.results),
+                                   name="forge-rollout-worker", daemon=True)
+        with _main_module_hidden():
+            self.process.start()
+        del spec
+
+    def run_ahead(self, steps: Iterator, first_step: int, total_steps: int,
+                  request_for: Callable[[int, list[dict]], SamplingRequest], start: Callable[[], None]) -> Iterator:
+        """The run's steps, each step's rows sent to the worker max_staleness steps before they train. The worker
+        starts (`start`) when the loop asks for the first step and stops when the steps end or the loop leaves."""
+        window: list = []
+        step = first_step
+        start()
+        try:
+            for item in steps:
+                if step < total_steps:
+                    self.requests.put(request_for(step, item[0]))
+                window.append(item)
+                step += 1
+                if len(window) > self.max_staleness:
+                    yield window.pop(0)
+            while window:
+                yield window.pop(0)
+        finally:
+            self.close()
+
+    def publish(self, version: int, trainable: list[torch.Tensor]) -> None:
+        """The weights after optimizer step `version`, for the steps that need them."""
+        if self.running:
+            self.weights.put((version, flat_weights(trainable)))
+
+    def take(self, step: int, prompts: list) -> Rollout:
+        """The next rollout of step `step` (its groups come in the order the step asks for them)."""
+        if not self.pending:
+            self.stats = AsyncStats()
+            waited = time.perf_counter()
+            sampled = self._next()
+            self.stats.trainer_wait_s = time.perf_counter() - waited
+            if sampled.step != step:
+                raise RolloutWorkerError(f"rollout worker: sent the groups of step {sampled.step + 1} when step "
+                                         f"{step + 1} asked (the schedule broke; this is a bug in Forge)")
+            self.pending = list(sampled.rollouts)
+            self.stats.sampler_idle_s, self.stats.sampler_s = sampled.idle_seconds, sampled.seconds
+            self.stats.staleness = [step - sampled.version] * len(sampled.rollouts)
+            self.version = sampled.version
+        rollout = self.pending.pop(0)
+        if rollout.num_prompts != len(prompts):
+            raise RolloutWorkerError(f"rollout worker: {rollout.num_prompts} prompts sampled for step {step + 1}, "
+                                     f"which asks for {len(prompts)} (a bug in Forge)")
+        rollout.policy_version = self.version
+        return rollout
+
+    def _next(self) -> Sampled:
+        """The next Sampled from the worker; a failure, death or timeout raises RolloutWorkerError."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            try:
+                got = self.results.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    code = self.process.exitcode
+                    raise RolloutWorkerError(
+                        f"rollout worker (pid {self.process.pid}) died with exit code {code}"
+                        f"{' (killed by signal ' + str(-code) + ')' if code is not None and code < 0 else ''}"
+                        " before sending its groups; the last finished step is saved: --resume") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RolloutWorkerError(
+                        f"rollout worker (pid {self.process.pid}) sent nothing for {self.timeout:.0f} s "
+                        "(rollout_timeout); the last finished step is saved: --resume") from None
+                continue
+            if isinstance(got, tuple) and got and got[0] == "failed":
+                raise RolloutWorkerError(f"rollout worker (pid {self.process.pid}) failed: {got[1]}\n"
+                                         f"its traceback:\n{got[2]}")
+            self.stats.queue_length = self.results.qsize() if _has_qsize() else 0
+            return got
+
+    def close(self) -> None:
+        """Stop the worker (it finishes nothing more); idempotent."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        with contextlib.suppress(Exception):
+            self.requests.put(None)
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+        for q in (self.requests, self.weights, self.results):
+            with contextlib.suppress(Exception):
+                q.cancel_join_thread()
+                q.close()
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """A spawned process runs the parent's main script again unless it sits under `if __name__ == "__main__"`,
+    which TRL-style training scripts rarely do: the worker needs none of it, so it is not told of it."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _copy_for_worker(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the policy for the sampling process: its tensors move to shared memory when the process
+    starts, so the trainer's own weights never do."""
+    return copy.deepcopy(model)
+
+
+def _has_qsize() -> bool:
+    return sys.platform != "darwin"  # macOS's multiprocessing queues have no qsize
