@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import io
 import multiprocessing
 import os
 import queue
@@ -33,22 +34,24 @@ import sys
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing as mp
 
-from forge.core.rollout import Rollout, SamplingSettings, generate
+from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
+                                sampling_seed)
 from forge.model.lora import merged_adapters
 from forge.model.static_decode import DecodePlan
+from forge.run.loop import StepFailed
 
 POLL_SECONDS = 0.5  # how often a waiting side looks whether the other is still there
 
 
-class RolloutWorkerError(RuntimeError):
+class RolloutWorkerError(StepFailed):
     """The sampling process failed, died or stopped answering; the trainer's weights are those of its last
-    finished step."""
+    finished step, which the run saves and names (forge/run/loop.py)."""
 
 
 @dataclass
@@ -110,6 +113,21 @@ def needed_version(step: int, first: int, max_staleness: int) -> int:
     return max(first, step - max_staleness)
 
 
+def sampling_request(config, model_config, step: int, rows: list[dict]) -> SamplingRequest:
+    """Step `step`'s generate calls as GRPOTrainer.collect makes them: prompts_per_step rows each, with the
+    noise the step's seeded generator draws for them (rollout.sampling_noise), and the sampling settings and
+    prompt budget as the config stands when the step is sent."""
+    settings = SamplingSettings.from_config(config)
+    generator = torch.Generator().manual_seed(sampling_seed(config.seed, step))
+    rounds = []
+    for start in range(0, len(rows), config.prompts_per_step):
+        prompts = [row["prompt"] for row in rows[start:start + config.prompts_per_step]]
+        rounds.append((prompts, sampling_noise(generator, len(prompts) * config.group_size,
+                                               settings.max_new_tokens)))
+    budget = prompt_budget(model_config, settings.max_new_tokens, config.max_prompt_length)
+    return SamplingRequest(step, rounds, settings, budget)
+
+
 # --------------------------------------------------------------------------------------------------
 # the sampling process
 
@@ -160,7 +178,7 @@ def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
                     rollouts.append(generate(model, spec.tokenizer, prompts, spec.group_size, request.settings,
                                              request.max_prompt_length, spec.truncate_prompts,
                                              spec.share_prompt_prefix, noise, plan=plan))
-            results.put(Sampled(request.step, version, rollouts, idle, time.perf_counter() - started))
+            results.put(_as_bytes(Sampled(request.step, version, rollouts, idle, time.perf_counter() - started)))
     except SystemExit:
         raise
     except BaseException as error:  # noqa: BLE001 - every failure reaches the trainer, with its traceback
@@ -184,6 +202,7 @@ class AsyncStats:
     queue_length: int = 0  # steps sampled and waiting when the trainer asked
 
     def as_metrics(self) -> dict:
+        """async/*: staleness, who waited on whom, and the queue of sampled steps (docs/metrics.md)."""
         return {"async/staleness_mean": sum(self.staleness) / max(len(self.staleness), 1),
                 "async/staleness_max": float(max(self.staleness, default=0)),
                 "async/trainer_wait_s": self.trainer_wait_s, "async/sampler_idle_s": self.sampler_idle_s,
@@ -193,9 +212,9 @@ class AsyncStats:
 class AsyncRollouts:
     """The trainer's handle on the sampling process (module docstring)."""
 
-    def __init__(self, max_staleness: int, threads: int = 0, device: str | None = None,
+    def __init__(self, max_staleness: int | None, threads: int = 0, device: str | None = None,
                  timeout: float | None = None):
-        self.max_staleness = max_staleness
+        self.max_staleness = max_staleness  # None: synchronous, the worker never starts
         self.threads = threads or max(1, (os.cpu_count() or 1) - torch.get_num_threads())
         self.device, self.timeout = device, timeout  # timeout: seconds one step's groups may take; None: none
         self.process = None
@@ -203,6 +222,20 @@ class AsyncRollouts:
         self.pending: list[Rollout] = []  # the rollouts of the step being collected, in generate order
         self.ready: list[Sampled] = []  # sampled, not yet taken
         self.stats = AsyncStats()
+
+    @classmethod
+    def of_run(cls, config, world_size: int, tool_settings) -> AsyncRollouts:
+        """The rollout worker of a run with this GRPOConfig; with max_staleness None one that never starts
+        (the run samples in its own process)."""
+        if config.max_staleness is None:
+            return cls(None)
+        if world_size > 1:
+            raise ValueError("max_staleness (async GRPO) runs one trainer process and one sampling process; "
+                             "with several processes (--nproc, torchrun) leave max_staleness=None")
+        if tool_settings is not None:
+            raise ValueError("max_staleness (async GRPO) does not sample tool or environment rollouts yet; "
+                             "leave max_staleness=None with tools= or environment_factory=")
+        return cls(config.max_staleness, config.sampler_threads, config.sampler_device, config.rollout_timeout)
 
     @property
     def running(self) -> bool:
@@ -229,17 +262,22 @@ class AsyncRollouts:
             self.process.start()
         del spec
 
-    def run_ahead(self, steps: Iterator, first_step: int, total_steps: int,
-                  request_for: Callable[[int, list[dict]], SamplingRequest], start: Callable[[], None]) -> Iterator:
-        """The run's steps, each step's rows sent to the worker max_staleness steps before they train. The worker
-        starts (`start`) when the loop asks for the first step and stops when the steps end or the loop leaves."""
+    def schedule(self, steps: Iterator, trainer) -> Iterator:
+        """The run's steps (rows, epoch, position) as the loop walks them (forge/run/loop.py), each step's rows
+        sent to the worker max_staleness steps before the step. The worker starts from the trainer's weights as
+        they are when the loop asks for the first step, and stops when the steps end or the loop leaves."""
+        if self.max_staleness is None:
+            return steps
+        return self._ahead(steps, trainer)
+
+    def _ahead(self, steps: Iterator, trainer) -> Iterator:
         window: list = []
-        step = first_step
-        start()
+        step = first = trainer.global_step
+        self.start(trainer.model, trainer.tokenizer, trainer.precision, trainer.config, trainer.trainable, first)
         try:
             for item in steps:
-                if step < total_steps:
-                    self.requests.put(request_for(step, item[0]))
+                if step < trainer.total_steps:
+                    self.requests.put(sampling_request(trainer.config, trainer.model.config, step, item[0]))
                 window.append(item)
                 step += 1
                 if len(window) > self.max_staleness:
@@ -287,17 +325,20 @@ class AsyncRollouts:
                     raise RolloutWorkerError(
                         f"rollout worker (pid {self.process.pid}) died with exit code {code}"
                         f"{' (killed by signal ' + str(-code) + ')' if code is not None and code < 0 else ''}"
-                        " before sending its groups; the last finished step is saved: --resume") from None
+                        " before sending its groups") from None
                 if deadline is not None and time.monotonic() > deadline:
                     raise RolloutWorkerError(
                         f"rollout worker (pid {self.process.pid}) sent nothing for {self.timeout:.0f} s "
-                        "(rollout_timeout); the last finished step is saved: --resume") from None
+                        "(rollout_timeout)") from None
                 continue
+            except (EOFError, OSError) as error:  # the worker died while its message was on the way
+                raise RolloutWorkerError(f"rollout worker (pid {self.process.pid}) broke off its message: "
+                                         f"{error}") from None
             if isinstance(got, tuple) and got and got[0] == "failed":
                 raise RolloutWorkerError(f"rollout worker (pid {self.process.pid}) failed: {got[1]}\n"
                                          f"its traceback:\n{got[2]}")
             self.stats.queue_length = self.results.qsize() if _has_qsize() else 0
-            return got
+            return torch.load(io.BytesIO(got), weights_only=False)
 
     def close(self) -> None:
         """Stop the worker (it finishes nothing more); idempotent."""
@@ -314,6 +355,15 @@ class AsyncRollouts:
             with contextlib.suppress(Exception):
                 q.cancel_join_thread()
                 q.close()
+
+
+def _as_bytes(sampled: Sampled) -> bytes:
+    """The worker's answer as plain bytes: shared tensors would need the worker alive when the trainer reads
+    them (torch.multiprocessing passes their file descriptors through the sender), and a crash must not
+    take an answer already sent with it."""
+    buffer = io.BytesIO()
+    torch.save(sampled, buffer)
+    return buffer.getvalue()
 
 
 @contextlib.contextmanager

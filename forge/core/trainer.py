@@ -14,7 +14,6 @@ and split like the prompts, so 1 and N processes give the same update, up to fp3
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -25,8 +24,9 @@ from typing import Any
 import torch
 
 from forge.core.advantages import group_reward_std, multi_reward_advantages
+from forge.core.arguments import trainer_arguments
 from forge.core.batch import Batch
-from forge.core.config import GRPOConfig, trainer_arguments
+from forge.core.config import GRPOConfig
 from forge.core.dynamic_sampling import SamplingRounds
 from forge.core.engine_rollout import generate_on_engine, open_engine
 from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
@@ -35,11 +35,11 @@ from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
 from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
                                 sampling_seed)
-from forge.core.rollout_worker import AsyncRollouts, SamplingRequest
+from forge.core.rollout_worker import AsyncRollouts
 from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
 from forge.core.teacher import open_teacher
 from forge.envs import env_rewards, rollout_tools
-from forge.model import merged_adapters, prepare_policy
+from forge.model import prepare_policy
 from forge.model.static_decode import DecodePlan
 from forge.parallel.distributed import DataParallel
 from forge.run import metrics as step_metrics
@@ -110,7 +110,7 @@ class GRPOTrainer(TrainerSurface):
         self.micro_batch_size = config.group_size if auto else config.micro_batch_size
         self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer,
                                 is_main=self.dist.is_main)
-        self.ahead = None if config.max_staleness is None else self.rollout_worker()  # async GRPO's sampler
+        self.ahead = AsyncRollouts.of_run(config, self.dist.world_size, self.tool_settings)  # async GRPO
 
     def train(self, dataset: Any = None, eval_dataset: Any = None,
               resume_from_checkpoint: bool | str | None = None):
@@ -138,9 +138,7 @@ class GRPOTrainer(TrainerSurface):
             stats, update, group_std=group_reward_std(torch.cat(stats.scores), self.config.group_size,
                                                       torch.cat(stats.valid)),
             seconds=time.perf_counter() - started, skipped_steps=self.guard.skipped_steps,
-            param_delta_norm=delta_norm, engine=self.engine)
-        if self.ahead is not None and self.ahead.running:
-            metrics.update(self.ahead.stats.as_metrics())  # who waited on whom
+            param_delta_norm=delta_norm, engine=self.engine, ahead=self.ahead)
         metrics["_samples"] = step_metrics.ordered_samples(self.dist.gather_objects(stats.samples),
                                                            len(batch.rollouts), self.config.log_completions)
         return metrics
@@ -190,7 +188,7 @@ class GRPOTrainer(TrainerSurface):
         config, settings = self.config, SamplingSettings.from_config(self.config)  # as the config stands
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, settings.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
-        if self.ahead is not None and self.ahead.running:  # async: sampled earlier, by the rollout worker
+        if self.ahead.running:  # async GRPO: sampled earlier, by the rollout worker
             return self.ahead.take(self.global_step, prompts)
         if self.engine is not None:  # vLLM samples its own copy of the weights (forge/core/engine_rollout.py)
             self.engine.sync(self.model, self.global_step)
@@ -221,9 +219,7 @@ class GRPOTrainer(TrainerSurface):
 
     @torch.no_grad()
     def old_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
-        """pi_old: None (= stopgrad(pi_theta)) for one update of a rollout the weights as they are sampled; the
-        sampler's recorded log-probs for a stale one (async); recomputed for several updates, or for a stale
-        rollout under rollout_is (then pi_old / pi_sampler is its truncated importance weight)."""
+        """pi_old (docs/algorithm.md): None = stopgrad(pi_theta); a stale (async) rollout's sampler's; recomputed."""
         stale = rollout.policy_version is not None and rollout.policy_version < self.global_step
         if self.config.num_iterations > 1 or (stale and self.config.rollout_is != "none"):
             return self.rollout_logprobs(self.model, rollout, indices)
@@ -266,8 +262,7 @@ class GRPOTrainer(TrainerSurface):
                                               after_skip=self.signals.uncommit, announce=self.dist.is_main)
         advance_schedule(self.scheduler)
         self.global_step += 1
-        if self.ahead is not None:
-            self.ahead.publish(self.global_step, self.trainable)  # for the steps the worker samples next
+        self.ahead.publish(self.global_step, self.trainable)  # async GRPO: for the steps sampled next
         update["entropy_coef"] = self.entropy_control.applied  # the coefficient this step's loss used
         self.entropy_control = self.entropy_control.observed(update.get("entropy"))
         return update
@@ -297,52 +292,9 @@ class GRPOTrainer(TrainerSurface):
         gap = None if sampler is None else logprob_gap(old if recomputed else logprobs, sampler, part_mask)
         totals.add(loss, stats, float(mask.sum()), gap)
 
-    def rollout_worker(self) -> AsyncRollouts:
-        """Async GRPO's sampling process (forge/core/rollout_worker.py), started by rollout_schedule."""
-        config = self.config
-        if self.dist.world_size > 1:
-            raise ValueError("max_staleness (async GRPO) runs one trainer process and one sampling process; "
-                             "with several processes (--nproc, torchrun) leave max_staleness=None")
-        if self.tool_settings is not None:
-            raise ValueError("max_staleness (async GRPO) does not sample tool or environment rollouts yet; "
-                             "leave max_staleness=None with tools= or environment_factory=")
-        return AsyncRollouts(config.max_staleness, config.sampler_threads, config.sampler_device,
-                             config.rollout_timeout)
-
-    def rollout_schedule(self, steps):
-        """The run's steps (rows, epoch, position), as the loop walks them. Async GRPO: the rollout worker starts
-        from the weights as they are, and each step's prompts reach it max_staleness steps before the step."""
-        if self.ahead is None:
-            return steps
-        start = partial(self.ahead.start, self.model, self.tokenizer, self.precision, self.config, self.trainable,
-                        version=self.global_step)
-        return self.ahead.run_ahead(steps, self.global_step, self.total_steps, self.sampling_request, start)
-
-    def sampling_request(self, step: int, rows: list[dict]) -> SamplingRequest:
-        """Step `step`'s generate calls as collect() makes them: prompts_per_step rows each, with the noise the
-        step's seeded generator draws for them, and the sampling settings as the config stands now."""
-        config, settings = self.config, SamplingSettings.from_config(self.config)
-        generator = torch.Generator().manual_seed(sampling_seed(config.seed, step))
-        rounds = []
-        for start in range(0, len(rows), config.prompts_per_step):
-            prompts = [row["prompt"] for row in rows[start:start + config.prompts_per_step]]
-            rounds.append((prompts, sampling_noise(generator, len(prompts) * config.group_size,
-                                                   settings.max_new_tokens)))
-        budget = prompt_budget(self.model.config, settings.max_new_tokens, config.max_prompt_length)
-        return SamplingRequest(step, rounds, settings, budget)
-
     @property
     def max_prompt_length(self) -> int:  # max_prompt_length, or the context left after max_new_tokens
         return prompt_budget(self.model.config, self.config.max_new_tokens, self.config.max_prompt_length)
-
-    @contextlib.contextmanager
-    def sampling(self):
-        """The policy as sampling runs it: the run's autocast, whole weights, LoRA merged, vLLM synced."""
-        if self.engine is not None:
-            self.engine.sync(self.model, self.global_step)
-        with self.precision.autocast(self.model), self.dist.whole_weights(self.model), merged_adapters(
-                self.model, self.config.merge_lora_for_generation and not self.dist.fsdp):
-            yield
 
 
 __all__ = ["Batch", "GRPOTrainer", "RewardError", "TrainingInterrupted", "seed_everything"]

@@ -15,7 +15,9 @@
 The trainer is given, not imported: anything with the attributes read below runs here (`config`, `dist`,
 `model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `guard`, `signals`, `global_step`, `events` (a
 RunEvents), and the methods
-`step(rows) -> metrics`, `evaluate(rows) -> metrics`, `rollout_schedule(steps) -> steps`).
+`step(rows) -> metrics`, `evaluate(rows) -> metrics`), and `ahead`, async GRPO's rollout worker: its
+`schedule(steps, trainer)` starts and feeds it, or gives the steps back when the run samples in its process
+(forge/core/rollout_worker.py).
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ class TrainingRun:
         steps = iterate_steps(self.rows, trainer.rows_per_step, seed=config.seed, shuffle=config.shuffle,
                               epoch=epoch, position=position,
                               num_epochs=None if config.max_steps > 0 else config.num_train_epochs)
-        steps = trainer.rollout_schedule(steps)  # async GRPO: each step's prompts go to the sampler early
+        steps = trainer.ahead.schedule(steps, trainer)  # async GRPO: the prompts reach the worker early
         signals = trainer.signals
         signals.saves_on_abandon = not self.dist.fsdp  # a sharded save needs every rank (see where_to_resume)
         signals.under_way = trainer.global_step + config.num_iterations  # what a signal's message names

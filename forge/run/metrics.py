@@ -135,12 +135,16 @@ class UpdateTotals:
 
 
 def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, seconds: float,
-                 skipped_steps: int, param_delta_norm: float, engine=None) -> dict:
+                 skipped_steps: int, param_delta_norm: float, engine=None, ahead=None) -> dict:
     """The logged metrics of one optimizer step from the statistics of the whole batch (every rank's share);
-    with a vLLM engine (forge/model/vllm_engine.py) also the seconds this step spent pushing weights to it."""
+    with a vLLM engine (forge/model/vllm_engine.py) also the seconds this step spent pushing weights to it;
+    with async GRPO's rollout worker running (`ahead`, forge/core/rollout_worker.py) its async/* metrics, and
+    tokens_per_second is the worker's (generation_share: the share of the step the trainer waited for it)."""
     rewards = torch.cat(stats.scores)  # (N_total,)
     lengths, truncated = torch.cat(stats.lengths), torch.cat(stats.truncated)  # (N_total,) each
     terminated = lengths[truncated == 0]  # (n_eos,) completions that ended with EOS
+    worker = {} if ahead is None or not ahead.running else ahead.stats.as_metrics()
+    sampling_seconds = worker.get("async/sampler_s", stats.gen_seconds)
     metrics = {
         "loss": update["loss"],
         "reward": float(rewards.mean()),
@@ -154,7 +158,7 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         "completion_length/max": float(lengths.max()),
         "completion_length/mean_terminated": float(terminated.mean()) if terminated.numel() else 0.0,
         "frac_truncated": float(truncated.mean()),
-        "tokens_per_second": float(lengths.sum()) / max(stats.gen_seconds, 1e-9),
+        "tokens_per_second": float(lengths.sum()) / max(sampling_seconds, 1e-9),
         "step_seconds": seconds,
         "generation_share": stats.gen_seconds / max(seconds, 1e-9),
         "rewards/errors": int(stats.errors),
@@ -163,6 +167,7 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         "skipped_steps": skipped_steps,
         "param_delta_norm": param_delta_norm,
         **({} if engine is None else {"vllm/push_seconds": engine.take_push_seconds()}),
+        **worker,
     }
     if stats.tool_calls:  # a run with tools
         metrics.update(tool_metrics(stats))

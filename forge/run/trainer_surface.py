@@ -28,6 +28,7 @@ GRPOConfig: a callback reads `args.output_dir`, `args.logging_steps`, ... (Forge
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -38,6 +39,7 @@ from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging as transformers_logging
 
 from forge.data.dataset import checked_rows
+from forge.model.lora import merged_adapters
 
 
 class RunEvents:
@@ -147,6 +149,15 @@ class TrainerSurface:
 
     def remove_callback(self, callback) -> None:
         self.events.handler.remove_callback(callback)
+
+    @contextlib.contextmanager
+    def sampling(self):
+        """The policy as sampling runs it: the run's autocast, whole weights, LoRA merged, vLLM synced."""
+        if self.engine is not None:
+            self.engine.sync(self.model, self.global_step)
+        with self.precision.autocast(self.model), self.dist.whole_weights(self.model), merged_adapters(
+                self.model, self.config.merge_lora_for_generation and not self.dist.fsdp):
+            yield
 
     def evaluate(self, rows: list[dict] | None = None) -> dict:
         """The evaluator's metrics on `rows` (default: eval_dataset) in the run's precision, whole merged
