@@ -13,6 +13,8 @@ from forge import _moved
 
 # Names are imported on first use, so `forge --help` and `import forge.core.grpo` do not load transformers.
 _WHERE = {
+    "AsyncGRPOConfig": "forge.core.async_grpo",
+    "AsyncGRPOTrainer": "forge.core.async_grpo",
     "GRPOConfig": "forge.core.config",
     "apply_lora": "forge.model",
     "load_model": "forge.model",
@@ -37,6 +39,7 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
+    from forge.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from forge.core.config import GRPOConfig
     from forge.core.reward import (
         BaseReward,
@@ -80,6 +83,8 @@ def evaluate(*args, **kwargs):
 
 
 __all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
     "BaseReward",
     "CompositeReward",
     "ExactMatchReward",

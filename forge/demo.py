@@ -120,6 +120,10 @@ class DemoSettings:
     distill_loss: str = "sampled"
     """With --distill: 'sampled' or 'full' (the reverse KL per sampled token, or over the vocabulary; --distill:
     'full')."""
+    asynchronous: bool = False
+    """--async: sample and learn at once, one step off (GRPOConfig.max_staleness=1): a rollout worker process
+    samples the next step's groups on half the cores while the step trains on the rest; reports who waited
+    on whom (the async/* metrics)."""
     dynamic_sampling: bool = False
     """Dynamic sampling (DAPO): up to 4 rounds of prompts per step until it holds prompts_per_step groups whose
     rewards differ."""
@@ -176,7 +180,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser, switches: dict | None = 
     for f in fields(DemoSettings):
         text = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
         if f.type in ("bool", bool):
-            parser.add_argument(f"--{f.name}", action="store_true", default=None, help=text)
+            flags = ["--async"] if f.name == "asynchronous" else []  # `async` is a Python keyword
+            parser.add_argument(*flags, f"--{f.name}", dest=f.name, action="store_true", default=None, help=text)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
             parser.add_argument(f"--{f.name}", type=kind, default=None, help=f"{text} (default: {defaults[f.name]})")
@@ -240,6 +245,7 @@ def demo_config(settings: DemoSettings, output_dir, **overrides) -> GRPOConfig:
         loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
         drop_zero_std_groups=True, micro_batch_size=settings.group_size, dtype=settings.dtype,
         generation_backend=settings.generation_backend, dynamic_sampling=settings.dynamic_sampling,
+        max_staleness=1 if settings.asynchronous else None,
         overwrite_output_dir=True,  # each demo run replaces the previous one in its output dir
     )
     return replace(config, **overrides) if overrides else config
@@ -337,6 +343,10 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     (out / "demo_result.json").write_text(json.dumps(result, indent=2))
     print(f"\ntraining {train_seconds:.0f}s ({result['seconds_per_step']:.1f} s/step), total {total:.0f}s ("
           + ", ".join(f"{k} {v:.0f}s" for k, v in run.timings.items() if k != "total") + ")")
+    if settings.asynchronous:
+        result["async"] = async_summary(out / "training_log.jsonl")
+        (out / "demo_result.json").write_text(json.dumps(result, indent=2))
+        print("async:    " + ", ".join(f"{k} {v:.1f}" for k, v in result["async"].items()))
     print(f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     {out / 'training_log.jsonl'}, "
           f"{out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   {out / 'demo_result.json'}")
     return result
@@ -365,6 +375,16 @@ def run_distill_demo(settings: DemoSettings) -> dict:
     (out / "distill_result.json").write_text(json.dumps(result, indent=2))
     print(f"result:   {out / 'distill_result.json'}")
     return result
+
+
+def async_summary(log_path: Path) -> dict:
+    """Who waited on whom over an async run: the per-step means of the async/* metrics and their sums."""
+    rows = [row for row in map(json.loads, log_path.read_text().splitlines()) if "async/trainer_wait_s" in row]
+    total = {key: sum(row[f"async/{key}"] for row in rows) for key in ("trainer_wait_s", "sampler_idle_s", "sampler_s")}
+    return {"steps": len(rows), "trainer_wait_s_total": total["trainer_wait_s"],
+            "sampler_idle_s_total": total["sampler_idle_s"], "sampler_s_total": total["sampler_s"],
+            "step_seconds_total": sum(row["step_seconds"] for row in rows),
+            "staleness_max": max((row["async/staleness_max"] for row in rows), default=0.0)}
 
 
 def demo_rewards() -> list:

@@ -273,8 +273,8 @@ class GRPOConfig:
     second process holding its own copy of the policy (sampler_threads, sampler_device); weights reach it
     through shared memory after every optimizer step (docs/scaling.md)."""
     sampler_threads: int = 0
-    """With max_staleness set: the sampling process's CPU threads; 0 = the cores this process's torch threads
-    leave free, at least 1. `forge demo --async` gives each side one core of two."""
+    """With max_staleness set, sampling on a CPU: the sampling process's threads (0 = half of this process's
+    torch threads, at least 1); while it runs this process trains on the rest (one core each of two)."""
     sampler_device: str | None = None
     """With max_staleness set: the device of the sampling process's copy of the policy (e.g. 'cuda:1', to sample
     on one GPU and train on another); None = the trainer's."""

@@ -17,7 +17,7 @@ import textwrap
 from dataclasses import fields
 
 from forge.core.config import GRPOConfig
-from forge.core.trl_names import TRAINING_ARGUMENTS_FIELDS, TRL_GRPO_FIELDS, classify
+from forge.core.trl_names import TRAINING_ARGUMENTS_FIELDS, TRL_ASYNC_GRPO_FIELDS, TRL_GRPO_FIELDS, classify
 
 
 def field_docs() -> dict[str, str]:
@@ -57,7 +57,9 @@ def trl_tables_markdown() -> str:
     forge_fields = {f.name for f in fields(GRPOConfig)}
     out = []
     for title, names in (("transformers' `TrainingArguments` (5.24)", TRAINING_ARGUMENTS_FIELDS),
-                         ("TRL's own `GRPOConfig` fields (1.16)", TRL_GRPO_FIELDS)):
+                         ("TRL's own `GRPOConfig` fields (1.16)", TRL_GRPO_FIELDS),
+                         ("TRL's own `AsyncGRPOConfig` fields (1.16, `trl.experimental.async_grpo`)",
+                          TRL_ASYNC_GRPO_FIELDS)):
         rows = [(name, *classify(name, forge_fields)) for name in names]
         counts = {kind: sum(1 for _, k, _ in rows if k == kind) for kind in ("mapped", "ignored", "refused")}
         out += [f"### {title}", "", f"{len(rows)} fields: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + ".",

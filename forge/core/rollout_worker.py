@@ -15,9 +15,10 @@ run's numbers on another process. A group is never older than max_staleness opti
 the run started or resumed at: a resumed run samples its first steps from the checkpoint's weights).
 
 Weights go through shared memory as one flat float32 tensor of the trainable parameters (the LoRA adapters
-only, under LoRA). The worker ignores Ctrl-C (the trainer finishes its step and stops it), dies with the
-trainer (PR_SET_PDEATHSIG, and a check while it waits), and a failure in it reaches the trainer as one line
-naming the worker: `RolloutWorkerError`.
+only, under LoRA). The worker ignores Ctrl-C, SIGTERM and SIGHUP, which reach a whole process group (the
+trainer finishes its step, saves it and stops the worker); it dies with the trainer (PR_SET_PDEATHSIG, and a
+check while it waits); a failure in it reaches the trainer as one line naming the worker (RolloutWorkerError,
+after which the run saves its last finished step and names it for --resume).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import copy
 import ctypes
 import io
 import multiprocessing
-import os
 import queue
 import signal
 import sys
@@ -151,7 +151,8 @@ def _get(q, what: str):
 
 def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
     """The sampling process: serve requests in order until None, each with the weights its step needs."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the trainer finishes its step and stops us
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a terminal's or a job's stop reaches the whole
+        signal.signal(stop, signal.SIG_IGN)  # group: the trainer finishes its step, saves it and stops us
     _die_with_parent()
     try:
         torch.set_num_threads(spec.threads)
@@ -215,7 +216,8 @@ class AsyncRollouts:
     def __init__(self, max_staleness: int | None, threads: int = 0, device: str | None = None,
                  timeout: float | None = None):
         self.max_staleness = max_staleness  # None: synchronous, the worker never starts
-        self.threads = threads or max(1, (os.cpu_count() or 1) - torch.get_num_threads())
+        self.threads = threads or max(1, torch.get_num_threads() // 2)  # of the cores torch would use
+        self.trainer_threads = None  # the trainer's torch threads before the worker took its share
         self.device, self.timeout = device, timeout  # timeout: seconds one step's groups may take; None: none
         self.process = None
         self.first = 0  # the version the worker started from
@@ -256,6 +258,9 @@ class AsyncRollouts:
                           version, self.max_staleness, config.group_size, config.truncate_prompts,
                           config.share_prompt_prefix, config.merge_lora_for_generation,
                           config.generation_backend, self.threads, self.device)
+        if self.device is None and precision.device_type == "cpu":  # the two processes split the cores
+            self.trainer_threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, self.trainer_threads - self.threads))
         self.process = ctx.Process(target=sample_forever, args=(spec, self.requests, self.weights, self.results),
                                    name="forge-rollout-worker", daemon=True)
         with _main_module_hidden():
@@ -345,6 +350,9 @@ class AsyncRollouts:
         process, self.process = self.process, None
         if process is None:
             return
+        if self.trainer_threads is not None:  # the cores go back to the trainer (evaluation, saving)
+            torch.set_num_threads(self.trainer_threads)
+            self.trainer_threads = None
         with contextlib.suppress(Exception):
             self.requests.put(None)
         process.join(timeout=5)

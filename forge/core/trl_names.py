@@ -35,6 +35,7 @@ TRL_NAMES = {
     "run_name": "wandb_run_name",
     "eval_on_start": "eval_before_training",
     "shuffle_dataset": "shuffle",
+    "heartbeat_stale_after_s": "rollout_timeout",
 }
 """TRL name -> the Forge field that means the same thing. Names TRL and Forge share (loss_type, scale_rewards,
 num_iterations, temperature, learning_rate, gradient_accumulation_steps, logging_steps, save_steps, max_steps,
@@ -198,6 +199,8 @@ TRL_CONVERTED: dict[str, Converter] = {
     "adam_epsilon": _fixed("adam_epsilon", "Forge's AdamW uses torch's eps", 1e-8),
     "average_tokens_across_devices": _fixed(
         "average_tokens_across_devices", "Forge's loss always counts the tokens of every process", True),
+    "weight_sync_steps": _fixed("weight_sync_steps", "Forge's rollout worker gets the weights after every "
+                                "optimizer step (max_staleness bounds how old they are)", 1),
 }
 """TRL name -> converter(value, every field: given or default) -> Forge fields: names whose value Forge states
 another way. A converter raises TypeError, saying what to set, for a value Forge cannot honour."""
@@ -291,6 +294,14 @@ TRL_IGNORED = {
     "use_transformers_continuous_batching": "Forge decodes with its own loop or vLLM (generation_backend)",
     "transformers_continuous_batching_config": "Forge decodes with its own loop or vLLM (generation_backend)",
     "use_transformers_paged": "Forge decodes with its own loop or vLLM (generation_backend)",
+    "fork_threshold_tokens": "Forge keeps one token sequence per completion, never re-tokenized, so there is "
+                             "nothing to reconcile",
+    "request_timeout": "Forge's async worker samples with the own decode loop; rollout_timeout bounds a step's wait",
+    "weight_sync_timeout": "the weights reach the async worker through shared memory; rollout_timeout bounds a "
+                           "step's wait",
+    "token_budget": "Forge sizes the loss pass's micro-batches itself (micro_batch_size='auto' fits max_memory_mb)",
+    "max_inflight_tasks": "Forge's worker samples whole steps, at most max_staleness steps ahead",
+    "queue_maxsize": "Forge's queue holds at most max_staleness + 1 sampled steps",
 }
 """TRL or TrainingArguments name -> why it changes nothing in a Forge run. Accepted with any value."""
 
@@ -391,6 +402,17 @@ TRL_GRPO_FIELDS = (
     "vllm_importance_sampling_cap",
 )
 """TRL 1.16's GRPOConfig fields besides those of TrainingArguments, in its order."""
+
+TRL_ASYNC_GRPO_FIELDS = (
+    "model_init_kwargs", "dtype", "trust_remote_code", "router_aux_loss_coef", "learning_rate", "logging_steps",
+    "lr_scheduler_type", "ignore_data_skip", "num_generations", "max_completion_length", "temperature", "top_p",
+    "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "max_tool_calling_iterations",
+    "fork_threshold_tokens", "vllm_server_base_url", "vllm_server_timeout", "request_timeout", "weight_sync_timeout",
+    "epsilon", "epsilon_high", "token_budget", "max_inflight_tasks", "max_staleness", "queue_maxsize",
+    "weight_sync_steps", "heartbeat_stale_after_s", "log_completions", "num_completions_to_print",
+)
+"""TRL 1.16's AsyncGRPOConfig fields (trl.experimental.async_grpo) besides those of TrainingArguments, in its
+order (forge/core/async_grpo.py)."""
 
 
 def is_off(name: str, value: Any) -> bool:

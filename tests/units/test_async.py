@@ -164,3 +164,34 @@ def test_bad_async_settings_are_refused_before_any_model_loads(overrides, says):
     with pytest.raises(ValueError, match="invalid GRPOConfig|max_staleness") as caught:
         GRPOConfig(**overrides).validate()
     assert says in str(caught.value)
+
+
+def test_a_trl_async_script_runs_with_the_import_changed(model_folder, tmp_path):
+    """TRL's async GRPO example, as `trl.experimental.async_grpo` documents it, with the import changed, the model
+    a local folder and the lengths small."""
+    from forge import AsyncGRPOConfig, AsyncGRPOTrainer  # was: from trl.experimental.async_grpo import ...
+
+    def reward_len(completions, **kwargs):
+        return [-abs(5 - len(completion)) for completion in completions]
+
+    dataset = [{"prompt": prompt} for prompt in ("What is 2 + 3?", "Name a color.", "Count to three.", "Say yes.")]
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, max_completion_length=6,
+                           per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=3,
+                           logging_steps=1, report_to="none", max_staleness=1, weight_sync_steps=1,
+                           max_inflight_tasks=-1, queue_maxsize=1024, heartbeat_stale_after_s=300.0)
+    trainer = AsyncGRPOTrainer(model=model_folder, reward_funcs=reward_len, args=args, train_dataset=dataset)
+    trainer.train()
+    assert args.max_staleness == 1 and trainer.config.rollout_timeout == 300.0
+    log = trainer.state.log_history
+    assert [row["async/staleness_max"] for row in log if "async/staleness_max" in row] == [0.0, 1.0, 1.0]
+    assert (tmp_path / "out" / "final").is_dir()
+
+
+def test_async_trl_settings_forge_cannot_honour_are_refused(tmp_path):
+    from forge import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    assert AsyncGRPOConfig().max_staleness == 1
+    with pytest.raises(TypeError, match="weight_sync_steps=4"):
+        AsyncGRPOConfig(weight_sync_steps=4)
+    with pytest.raises(TypeError, match="rollout_worker"):
+        AsyncGRPOTrainer(model="default", reward_funcs=alternating, rollout_worker=object())
