@@ -269,9 +269,10 @@ class GRPOConfig:
     s - max_staleness (of the run's first step until then): 1 = one step off (AsyncGRPOConfig's default),
     0 = the worker waits for every update (the synchronous run's numbers, sampled in another process); None =
     sample, then learn, in this process. The schedule is fixed, so a seeded run repeats. A stale group's ratio
-    is taken against the log-probs its sampler recorded (docs/algorithm.md). The own decode loop samples in a
-    second process holding its own copy of the policy (sampler_threads, sampler_device); weights reach it
-    through shared memory after every optimizer step (docs/scaling.md)."""
+    is taken against the log-probs its sampler recorded (docs/algorithm.md). A second process holds a copy of the
+    policy, its weights updated through shared memory after every optimizer step, and samples with the own decode
+    loop (sampler_threads, sampler_device) or on a `forge vllm-serve` server (vllm_mode='server'), which it
+    gives each step's weights (docs/scaling.md)."""
     sampler_threads: int = 0
     """With max_staleness set, sampling on a CPU: the sampling process's threads (0 = half of this process's
     torch threads, at least 1); while it runs this process trains on the rest (one core each of two)."""
@@ -477,9 +478,9 @@ class GRPOConfig:
             need(self.max_staleness >= 0,
                  f"max_staleness={self.max_staleness} must be >= 0 (0: the worker waits for every update; "
                  f"1: one step off; None: no rollout worker)")
-            need(self.generation_backend != "vllm",
-                 "max_staleness (async GRPO) samples with the own decode loop in a second process; "
-                 "generation_backend='vllm' with it is not built yet: leave max_staleness=None for vLLM")
+            need(self.generation_backend != "vllm" or self.vllm_mode == "server",
+                 "max_staleness (async GRPO) with generation_backend='vllm' samples on a `forge vllm-serve` "
+                 "server: set vllm_mode='server' (colocate would sample in the training process)")
             need(not self.fsdp, "max_staleness (async GRPO) keeps a whole copy of the policy in the sampling "
                                 "process; with fsdp=True leave max_staleness=None")
             need(self.num_iterations == 1,

@@ -36,11 +36,12 @@ from forge.model.vllm_engine import MODES, ColocatedEngine, EngineSampling, Serv
 from forge.tools.calls import ToolSettings
 
 
-def open_engine(config, model, tokenizer, compute: torch.dtype, dist=None):
+def open_engine(config, model, tokenizer, compute: torch.dtype, dist=None, worker: bool = False):
     """The run's engine (GRPOConfig.vllm_mode), or None when the run samples with the own loop: started from the
     policy's weights, or a running server that the processes of the run (`dist`, forge/parallel) share: the first
-    pushes each step's weights, the others wait."""
-    if config.generation_backend != "vllm":
+    pushes each step's weights, the others wait. Async GRPO (max_staleness set): the rollout worker's server
+    (`worker`), and None in the trainer, which evaluates with the own loop (forge/core/rollout_worker.py)."""
+    if config.generation_backend != "vllm" or (config.max_staleness is not None and not worker):
         return None
     if config.vllm_mode not in MODES:
         raise ValueError(f"vllm_mode={config.vllm_mode!r}: use one of {', '.join(MODES)}")

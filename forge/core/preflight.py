@@ -77,6 +77,8 @@ class PreflightReport:
     prompt_as_seen: str
     memory: memory.MemoryProjection | None = None  # the run's projected peak (None under FSDP2)
     memory_budget_mb: float | None = None  # what it was checked against
+    generation_step_seconds: float = 0.0  # the generation part of step_seconds
+    max_staleness: int | None = None  # async GRPO: the sampling and the learning overlap
     problems: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
@@ -165,6 +167,7 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
         finished_lengths={q: float(torch.quantile(finished, q / 100)) for q in (50, 90, 99)} if finished.numel()
         else {}, rewards=checks, flat_low=float(low.float().mean()), flat_high=float((flat & ~low).float().mean()),
         tokens_per_second=float(lengths.sum()) / max(generation_seconds, 1e-9), step_seconds=step_seconds,
+        generation_step_seconds=rollouts_per_step * generation_seconds, max_staleness=config.max_staleness,
         run_seconds=step_seconds * total_steps, seconds=time.perf_counter() - started,
         prompt_as_seen=render_prompt(trainer.tokenizer, mine[0]["prompt"]),
         memory=None if trainer.dist.fsdp else projected_memory(trainer, rollout, held, generation_rise, loss_rise))
@@ -291,6 +294,11 @@ def format_report(report: PreflightReport) -> str:
                      f"{check.raised:.0%}, None {check.none:.0%}, NaN/inf {check.nonfinite:.0%}")
     lines.append(f"  speed         {report.tokens_per_second:.0f} tokens/s generating; ~{report.step_seconds:.1f} s "
                  f"per step, ~{report.run_seconds / 60:.1f} min for the run (projected)")
+    if report.max_staleness is not None:  # async: each side's share of a step, who waits for whom
+        sampling, learning = report.generation_step_seconds, report.step_seconds - report.generation_step_seconds
+        waits = "the trainer waits for the worker" if sampling > learning else "the worker waits for the trainer"
+        lines.append(f"  async         sampling ~{sampling:.1f} s and learning ~{learning:.1f} s a step, measured "
+                     f"on this process's threads: {waits} (max_staleness={report.max_staleness})")
     if report.memory is not None:
         budget = f" of a {report.memory_budget_mb:.0f} MB budget" if report.memory_budget_mb else ""
         lines.append(f"  memory        ~{report.memory.peak:.0f} MB peak{budget} (projected: held "

@@ -28,6 +28,7 @@ import copy
 import ctypes
 import io
 import multiprocessing
+import os
 import queue
 import signal
 import sys
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
+from forge.core.engine_rollout import generate_on_engine, open_engine
 from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
                                 sampling_seed)
 from forge.model.lora import merged_adapters
@@ -84,12 +86,8 @@ class WorkerSpec:
     precision: object  # forge.model.precision.Precision
     trainable_names: list[str]  # the parameters each publish carries, in order
     version: int  # the weights' version: the trainer's global_step at start
-    max_staleness: int
-    group_size: int
-    truncate_prompts: str
-    share_prompt_prefix: bool
-    merge_lora: bool
-    backend: str  # GRPOConfig.generation_backend
+    config: object  # the run's GRPOConfig: group_size, truncate_prompts, share_prompt_prefix, max_staleness,
+    # merge_lora_for_generation, generation_backend (and the vLLM server's address)
     threads: int
     device: str | None
 
@@ -149,36 +147,35 @@ def _get(q, what: str):
                 raise SystemExit(f"the trainer exited while the rollout worker waited for {what}") from None
 
 
-def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
-    """The sampling process: serve requests in order until None, each with the weights its step needs."""
+def sample_forever(spec: WorkerSpec, requests, weights, results, busy) -> None:
+    """The sampling process: serve requests in order until None, each with the weights its step needs; `busy`
+    is set while it samples."""
     for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a terminal's or a job's stop reaches the whole
         signal.signal(stop, signal.SIG_IGN)  # group: the trainer finishes its step, saves it and stops us
     _die_with_parent()
     try:
         torch.set_num_threads(spec.threads)
-        model = spec.model if spec.device is None else spec.model.to(spec.device)
+        config, model = spec.config, spec.model if spec.device is None else spec.model.to(spec.device)
         model.eval()
         named = dict(model.named_parameters())
         trainable = [named[name] for name in spec.trainable_names]
+        engine = open_engine(config, model, spec.tokenizer, spec.precision.compute, worker=True)  # vLLM or None
         with spec.precision.autocast(model):
-            plan = DecodePlan.of(model, spec.backend, False)
-        version = spec.version
+            plan = None if engine else DecodePlan.of(model, config.generation_backend, False)
+        version, k = spec.version, config.max_staleness
         while True:
             waited = time.perf_counter()
             request = _get(requests, "the next step's prompts")
             if request is None:
                 return
-            while version < needed_version(request.step, spec.version, spec.max_staleness):
-                version, flat = _get(weights, f"the weights of step {request.step - spec.max_staleness}")
+            while version < needed_version(request.step, spec.version, k):
+                version, flat = _get(weights, f"the weights of step {request.step - k}")
                 load_flat(trainable, flat)
             idle = time.perf_counter() - waited
             started = time.perf_counter()
-            rollouts = []
-            with torch.no_grad(), spec.precision.autocast(model), merged_adapters(model, spec.merge_lora):
-                for prompts, noise in request.rounds:
-                    rollouts.append(generate(model, spec.tokenizer, prompts, spec.group_size, request.settings,
-                                             request.max_prompt_length, spec.truncate_prompts,
-                                             spec.share_prompt_prefix, noise, plan=plan))
+            busy.set()
+            rollouts = sample(config, model, spec, engine, plan, request, version)
+            busy.clear()
             results.put(_as_bytes(Sampled(request.step, version, rollouts, idle, time.perf_counter() - started)))
     except SystemExit:
         raise
@@ -186,6 +183,19 @@ def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
         last = traceback.format_exception_only(type(error), error)[-1].strip()
         results.put(("failed", last, traceback.format_exc()))
         sys.exit(1)
+
+
+def sample(config, model, spec: WorkerSpec, engine, plan, request: SamplingRequest, version: int) -> list[Rollout]:
+    """One step's rollouts: on the vLLM server (given the weights of `version` first, once), or with the own
+    decode loop on the worker's copy of the policy, as the trainer's generate would."""
+    group, budget, truncate = config.group_size, request.max_prompt_length, config.truncate_prompts
+    if engine is not None:
+        engine.sync(model, version)  # the server samples this step with these weights
+        return [generate_on_engine(engine, spec.tokenizer, prompts, group, request.settings, budget, truncate, noise)
+                for prompts, noise in request.rounds]
+    with torch.no_grad(), spec.precision.autocast(model), merged_adapters(model, config.merge_lora_for_generation):
+        return [generate(model, spec.tokenizer, prompts, group, request.settings, budget, truncate,
+                         config.share_prompt_prefix, noise, plan=plan) for prompts, noise in request.rounds]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,16 +262,16 @@ class AsyncRollouts:
             raise ValueError("async GRPO publishes the trainable parameters by name; "
                              f"{len(missing)} of them are not parameters of the model")
         ctx = mp.get_context("spawn")
-        self.requests, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.requests, self.weights, self.results, self.busy = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
         self.first = version
         spec = WorkerSpec(_copy_for_worker(model), tokenizer, precision, [names[id(p)] for p in trainable],
-                          version, self.max_staleness, config.group_size, config.truncate_prompts,
-                          config.share_prompt_prefix, config.merge_lora_for_generation,
-                          config.generation_backend, self.threads, self.device)
-        if self.device is None and precision.device_type == "cpu":  # the two processes split the cores
+                          version, config, self.threads, self.device)
+        own_loop = config.generation_backend != "vllm"  # on vLLM the server samples; the worker only asks
+        if own_loop and self.device is None and precision.device_type == "cpu":  # the processes split the cores
             self.trainer_threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self.trainer_threads - self.threads))
-        self.process = ctx.Process(target=sample_forever, args=(spec, self.requests, self.weights, self.results),
+        self.process = ctx.Process(target=sample_forever, args=(spec, self.requests, self.weights, self.results,
+                                                                 self.busy),
                                    name="forge-rollout-worker", daemon=True)
         with _main_module_hidden():
             self.process.start()
@@ -291,6 +301,17 @@ class AsyncRollouts:
                 yield window.pop(0)
         finally:
             self.close()
+
+    def sharing_cores(self, micro_batches: list) -> Iterator:
+        """The update's micro-batches; on a CPU, before each, this process takes the cores the worker leaves: all
+        of them while it waits for weights, the rest while it samples (docs/scaling.md)."""
+        for item in micro_batches:
+            if self.trainer_threads is not None:
+                busy = self.busy.is_set() or os.environ.get("FORGE_ADAPTIVE") == "0"
+                torch.set_num_threads(max(1, self.trainer_threads - self.threads) if busy else self.trainer_threads)
+            yield item
+        if self.trainer_threads is not None:  # the worker starts the next step as soon as it has the weights
+            torch.set_num_threads(max(1, self.trainer_threads - self.threads))
 
     def publish(self, version: int, trainable: list[torch.Tensor]) -> None:
         """The weights after optimizer step `version`, for the steps that need them."""

@@ -108,8 +108,7 @@ class GRPOTrainer(TrainerSurface):
         self.scheduler = self.prompt_pool = None  # set by train(): the schedule, the rows (dynamic sampling)
         auto = config.micro_batch_size == "auto"  # one group per pass until the preflight fits max_memory_mb
         self.micro_batch_size = config.group_size if auto else config.micro_batch_size
-        self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer,
-                                is_main=self.dist.is_main)
+        self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer, is_main=self.dist.is_main)
         self.ahead = AsyncRollouts.of_run(config, self.dist.world_size, self.tool_settings)  # async GRPO
 
     def train(self, dataset: Any = None, eval_dataset: Any = None,
@@ -250,8 +249,9 @@ class GRPOTrainer(TrainerSurface):
         totals = step_metrics.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
-            for r, rollout in enumerate(batch.rollouts):
-                for indices in micro_batches(rollout, self.micro_batch_size, batch.loss_indices[r]):
+            for r, rollout in enumerate(batch.rollouts):  # async GRPO on a CPU: on the cores the worker leaves
+                for indices in self.ahead.sharing_cores(micro_batches(rollout, self.micro_batch_size,
+                                                                      batch.loss_indices[r])):
                     self.loss_and_backward(batch, r, indices, normaliser, totals)
         self.dist.all_reduce_grads(self.trainable)
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")

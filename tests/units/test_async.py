@@ -195,3 +195,20 @@ def test_async_trl_settings_forge_cannot_honour_are_refused(tmp_path):
         AsyncGRPOConfig(weight_sync_steps=4)
     with pytest.raises(TypeError, match="rollout_worker"):
         AsyncGRPOTrainer(model="default", reward_funcs=alternating, rollout_worker=object())
+
+
+def test_the_preflight_says_which_side_will_wait():
+    from forge.core.preflight import PreflightReport, format_report
+
+    def report(generation, step):
+        return format_report(PreflightReport(
+            prompts=2, group_size=4, max_new_tokens=8, truncated=0.0, finished_lengths={}, rewards=[], flat_low=0.0,
+            flat_high=0.0, tokens_per_second=10.0, step_seconds=step, run_seconds=step * 10, seconds=1.0,
+            prompt_as_seen="p", generation_step_seconds=generation, max_staleness=1))
+
+    assert "sampling ~3.0 s and learning ~2.0 s a step" in report(3.0, 5.0)
+    assert "the trainer waits for the worker" in report(3.0, 5.0)
+    assert "the worker waits for the trainer" in report(1.0, 5.0)
+    assert "async" not in format_report(PreflightReport(
+        prompts=2, group_size=4, max_new_tokens=8, truncated=0.0, finished_lengths={}, rewards=[], flat_low=0.0,
+        flat_high=0.0, tokens_per_second=10.0, step_seconds=5.0, run_seconds=50.0, seconds=1.0, prompt_as_seen="p"))
