@@ -28,7 +28,6 @@ import copy
 import ctypes
 import io
 import multiprocessing
-import os
 import queue
 import signal
 import sys
@@ -147,9 +146,8 @@ def _get(q, what: str):
                 raise SystemExit(f"the trainer exited while the rollout worker waited for {what}") from None
 
 
-def sample_forever(spec: WorkerSpec, requests, weights, results, busy) -> None:
-    """The sampling process: serve requests in order until None, each with the weights its step needs; `busy`
-    is set while it samples."""
+def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
+    """The sampling process: serve requests in order until None, each with the weights its step needs."""
     for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a terminal's or a job's stop reaches the whole
         signal.signal(stop, signal.SIG_IGN)  # group: the trainer finishes its step, saves it and stops us
     _die_with_parent()
@@ -173,9 +171,7 @@ def sample_forever(spec: WorkerSpec, requests, weights, results, busy) -> None:
                 load_flat(trainable, flat)
             idle = time.perf_counter() - waited
             started = time.perf_counter()
-            busy.set()
             rollouts = sample(config, model, spec, engine, plan, request, version)
-            busy.clear()
             results.put(_as_bytes(Sampled(request.step, version, rollouts, idle, time.perf_counter() - started)))
     except SystemExit:
         raise
@@ -223,9 +219,9 @@ class AsyncStats:
 class AsyncRollouts:
     """The trainer's handle on the sampling process (module docstring)."""
 
-    def __init__(self, max_staleness: int | None, threads: int = 0, device: str | None = None,
+    def __init__(self, max_staleness: int, threads: int = 0, device: str | None = None,
                  timeout: float | None = None):
-        self.max_staleness = max_staleness  # None: synchronous, the worker never starts
+        self.max_staleness = max_staleness
         self.threads = threads or max(1, torch.get_num_threads() // 2)  # of the cores torch would use
         self.trainer_threads = None  # the trainer's torch threads before the worker took its share
         self.device, self.timeout = device, timeout  # timeout: seconds one step's groups may take; None: none
@@ -236,11 +232,11 @@ class AsyncRollouts:
         self.stats = AsyncStats()
 
     @classmethod
-    def of_run(cls, config, world_size: int, tool_settings) -> AsyncRollouts:
-        """The rollout worker of a run with this GRPOConfig; with max_staleness None one that never starts
-        (the run samples in its own process)."""
+    def of_run(cls, config, world_size: int, tool_settings) -> AsyncRollouts | None:
+        """The rollout worker of a run with this GRPOConfig; None when max_staleness is None (the run samples in
+        its own process)."""
         if config.max_staleness is None:
-            return cls(None)
+            return None
         if world_size > 1:
             raise ValueError("max_staleness (async GRPO) runs one trainer process and one sampling process; "
                              "with several processes (--nproc, torchrun) leave max_staleness=None")
@@ -262,7 +258,7 @@ class AsyncRollouts:
             raise ValueError("async GRPO publishes the trainable parameters by name; "
                              f"{len(missing)} of them are not parameters of the model")
         ctx = mp.get_context("spawn")
-        self.requests, self.weights, self.results, self.busy = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
+        self.requests, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self.first = version
         spec = WorkerSpec(_copy_for_worker(model), tokenizer, precision, [names[id(p)] for p in trainable],
                           version, config, self.threads, self.device)
@@ -270,8 +266,7 @@ class AsyncRollouts:
         if own_loop and self.device is None and precision.device_type == "cpu":  # the processes split the cores
             self.trainer_threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self.trainer_threads - self.threads))
-        self.process = ctx.Process(target=sample_forever, args=(spec, self.requests, self.weights, self.results,
-                                                                 self.busy),
+        self.process = ctx.Process(target=sample_forever, args=(spec, self.requests, self.weights, self.results),
                                    name="forge-rollout-worker", daemon=True)
         with _main_module_hidden():
             self.process.start()
@@ -281,11 +276,6 @@ class AsyncRollouts:
         """The run's steps (rows, epoch, position) as the loop walks them (forge/run/loop.py), each step's rows
         sent to the worker max_staleness steps before the step. The worker starts from the trainer's weights as
         they are when the loop asks for the first step, and stops when the steps end or the loop leaves."""
-        if self.max_staleness is None:
-            return steps
-        return self._ahead(steps, trainer)
-
-    def _ahead(self, steps: Iterator, trainer) -> Iterator:
         window: list = []
         step = first = trainer.global_step
         self.start(trainer.model, trainer.tokenizer, trainer.precision, trainer.config, trainer.trainable, first)
@@ -301,17 +291,6 @@ class AsyncRollouts:
                 yield window.pop(0)
         finally:
             self.close()
-
-    def sharing_cores(self, micro_batches: list) -> Iterator:
-        """The update's micro-batches; on a CPU, before each, this process takes the cores the worker leaves: all
-        of them while it waits for weights, the rest while it samples (docs/scaling.md)."""
-        for item in micro_batches:
-            if self.trainer_threads is not None:
-                busy = self.busy.is_set() or os.environ.get("FORGE_ADAPTIVE") == "0"
-                torch.set_num_threads(max(1, self.trainer_threads - self.threads) if busy else self.trainer_threads)
-            yield item
-        if self.trainer_threads is not None:  # the worker starts the next step as soon as it has the weights
-            torch.set_num_threads(max(1, self.trainer_threads - self.threads))
 
     def publish(self, version: int, trainable: list[torch.Tensor]) -> None:
         """The weights after optimizer step `version`, for the steps that need them."""

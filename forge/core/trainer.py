@@ -109,7 +109,7 @@ class GRPOTrainer(TrainerSurface):
         auto = config.micro_batch_size == "auto"  # one group per pass until the preflight fits max_memory_mb
         self.micro_batch_size = config.group_size if auto else config.micro_batch_size
         self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer, is_main=self.dist.is_main)
-        self.ahead = AsyncRollouts.of_run(config, self.dist.world_size, self.tool_settings)  # async GRPO
+        self.ahead = AsyncRollouts.of_run(config, self.dist.world_size, self.tool_settings)  # async GRPO, or None
 
     def train(self, dataset: Any = None, eval_dataset: Any = None,
               resume_from_checkpoint: bool | str | None = None):
@@ -187,7 +187,7 @@ class GRPOTrainer(TrainerSurface):
         config, settings = self.config, SamplingSettings.from_config(self.config)  # as the config stands
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, settings.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
-        if self.ahead.running:  # async GRPO: sampled earlier, by the rollout worker
+        if self.ahead is not None and self.ahead.running:  # async GRPO: sampled earlier, by the rollout worker
             return self.ahead.take(self.global_step, prompts)
         if self.engine is not None:  # vLLM samples its own copy of the weights (forge/core/engine_rollout.py)
             self.engine.sync(self.model, self.global_step)
@@ -249,9 +249,8 @@ class GRPOTrainer(TrainerSurface):
         totals = step_metrics.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
-            for r, rollout in enumerate(batch.rollouts):  # async GRPO on a CPU: on the cores the worker leaves
-                for indices in self.ahead.sharing_cores(micro_batches(rollout, self.micro_batch_size,
-                                                                      batch.loss_indices[r])):
+            for r, rollout in enumerate(batch.rollouts):
+                for indices in micro_batches(rollout, self.micro_batch_size, batch.loss_indices[r]):
                     self.loss_and_backward(batch, r, indices, normaliser, totals)
         self.dist.all_reduce_grads(self.trainable)
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")
@@ -262,7 +261,8 @@ class GRPOTrainer(TrainerSurface):
                                               after_skip=self.signals.uncommit, announce=self.dist.is_main)
         advance_schedule(self.scheduler)
         self.global_step += 1
-        self.ahead.publish(self.global_step, self.trainable)  # async GRPO: for the steps sampled next
+        if self.ahead is not None:  # async GRPO: the weights for the steps the worker samples next
+            self.ahead.publish(self.global_step, self.trainable)
         update["entropy_coef"] = self.entropy_control.applied  # the coefficient this step's loss used
         self.entropy_control = self.entropy_control.observed(update.get("entropy"))
         return update

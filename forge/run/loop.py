@@ -15,9 +15,8 @@
 The trainer is given, not imported: anything with the attributes read below runs here (`config`, `dist`,
 `model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `guard`, `signals`, `global_step`, `events` (a
 RunEvents), and the methods
-`step(rows) -> metrics`, `evaluate(rows) -> metrics`), and `ahead`, async GRPO's rollout worker: its
-`schedule(steps, trainer)` starts and feeds it, or gives the steps back when the run samples in its process
-(forge/core/rollout_worker.py).
+`step(rows) -> metrics`, `evaluate(rows) -> metrics`), and `ahead`: None, or async GRPO's rollout worker, which
+`ahead.schedule(steps, trainer)` starts and feeds (forge/core/rollout_worker.py).
 """
 
 from __future__ import annotations
@@ -144,7 +143,8 @@ class TrainingRun:
         steps = iterate_steps(self.rows, trainer.rows_per_step, seed=config.seed, shuffle=config.shuffle,
                               epoch=epoch, position=position,
                               num_epochs=None if config.max_steps > 0 else config.num_train_epochs)
-        steps = trainer.ahead.schedule(steps, trainer)  # async GRPO: the prompts reach the worker early
+        if trainer.ahead is not None:  # async GRPO: each step's prompts reach the rollout worker early
+            steps = trainer.ahead.schedule(steps, trainer)
         signals = trainer.signals
         signals.saves_on_abandon = not self.dist.fsdp  # a sharded save needs every rank (see where_to_resume)
         signals.under_way = trainer.global_step + config.num_iterations  # what a signal's message names

@@ -233,6 +233,49 @@ def test_server_mode_trains_and_syncs_the_weights(workspace, tmp_path):
         server.wait(timeout=60)
 
 
+def test_async_grpo_on_a_server_trains_within_the_staleness_bound_and_pushes_each_version(workspace, tmp_path):
+    """max_staleness=1 on `forge vllm-serve`: the rollout worker pushes step s-1's weights before it samples step s.
+    After 3 steps the server holds step 1's weights (the last step sampled with them), and its greedy tokens are
+    Forge's own greedy decode of the policy as it was after step 1."""
+    from transformers import TrainerCallback
+
+    from forge.core.engine_rollout import open_engine
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "forge", "vllm-serve", "--model", str(workspace / "tiny"),
+                               "--port", str(port), "--dtype", "float32", "--enforce_eager"],
+                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    snapshots = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            snapshots[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    try:
+        model, tokenizer = tiny()
+        trainer = GRPOTrainer(model, tokenizer, reward_fn=text_length, callbacks=[Snapshot()], config=config(
+            tmp_path, vllm_mode="server", vllm_server_port=port, vllm_server_timeout=600, max_staleness=1,
+            max_steps=3))
+        assert trainer.engine is None  # the trainer never talks to the server: the worker does
+        trainer.train(ROWS)
+        log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+        assert [row["async/staleness_max"] for row in log] == [0.0, 1.0, 1.0]
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                p.copy_(snapshots[1][name])  # the policy after step 1: what sampled step 3
+        server_engine = open_engine(trainer.config, trainer.model, tokenizer, torch.float32, worker=True)
+        server_engine.version = 1  # already there: ask, do not push
+        settings = SamplingSettings(16, do_sample=False)
+        on_server = generate_on_engine(server_engine, tokenizer, PROMPTS, 1, settings)
+        own = generate(trainer.model, tokenizer, PROMPTS, 1, settings)
+        assert torch.equal(on_server.completion_ids, own.completion_ids)
+        assert not all(torch.equal(snapshots[1][n], snapshots[3][n]) for n in snapshots[1])  # it trained on
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+
+
 def test_server_mode_without_a_server_says_how_to_start_one(tmp_path):
     model, tokenizer = tiny()
     with pytest.raises(ConnectionError, match="no vLLM server answered at http://127.0.0.1:.*forge vllm-serve"):
