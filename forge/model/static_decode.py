@@ -87,6 +87,7 @@ class DecodePlan:
     def of(cls, model, backend: str = "auto", with_tools: bool = False) -> DecodePlan:
         """The plan for `model`; with tools (results are fed between tokens) the eager repeated-prompt
         step."""
+        backend = "auto" if backend == "vllm" else backend  # a run sampling on vLLM elsewhere (async GRPO)
         backend = "eager" if with_tools else resolve_backend(backend, next(model.parameters()).device.type)
         eager = backend == "eager"
         shared = shared_attention_configs(model) if eager and not with_tools else ()
