@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for one lent H100/H200-class GPU (<= 8 minutes, each part under its own timeout, nothing
 # downloaded): the `-m gpu` tests on the tiny model (bf16 step with fp32 masters, LoRA step, first-update
-# ratio, resume); Forge's step time at fp32 vs dtype=auto on the tiny model; one decode step of a random-init
+# ratio, resume, async GRPO one step off with the rollout worker on the same GPU); Forge's step time at fp32 vs dtype=auto on the tiny model; one decode step of a random-init
 # Qwen2.5-0.5B-shaped model, eager vs static cache vs compiled with CUDA graphs (bench/compiled_decode.py:
 # compile time, ms/step); one bf16 GRPO step of that model in Forge and, if TRL is importable there, in TRL
 # (bench/gpu_step.py: step and generation seconds, tokens/s, peak GPU memory); where vLLM imports on the device,

@@ -88,7 +88,7 @@ class WorkerSpec:
     config: object  # the run's GRPOConfig: group_size, truncate_prompts, share_prompt_prefix, max_staleness,
     # merge_lora_for_generation, generation_backend (and the vLLM server's address)
     threads: int
-    device: str | None
+    device: str  # where its copy runs: sampler_device, or the trainer's device
 
 
 def flat_weights(params: list[torch.Tensor]) -> torch.Tensor:
@@ -153,7 +153,7 @@ def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
     _die_with_parent()
     try:
         torch.set_num_threads(spec.threads)
-        config, model = spec.config, spec.model if spec.device is None else spec.model.to(spec.device)
+        config, model = spec.config, spec.model.to(spec.device)
         model.eval()
         named = dict(model.named_parameters())
         trainable = [named[name] for name in spec.trainable_names]
@@ -260,8 +260,9 @@ class AsyncRollouts:
         ctx = mp.get_context("spawn")
         self.requests, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self.first = version
+        device = self.device or str(next(model.parameters()).device)
         spec = WorkerSpec(_copy_for_worker(model), tokenizer, precision, [names[id(p)] for p in trainable],
-                          version, config, self.threads, self.device)
+                          version, config, self.threads, device)
         own_loop = config.generation_backend != "vllm"  # on vLLM the server samples; the worker only asks
         if own_loop and self.device is None and precision.device_type == "cpu":  # the processes split the cores
             self.trainer_threads = torch.get_num_threads()
@@ -387,9 +388,9 @@ def _main_module_hidden() -> Iterator[None]:
 
 
 def _copy_for_worker(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of the policy for the sampling process: its tensors move to shared memory when the process
-    starts, so the trainer's own weights never do."""
-    return copy.deepcopy(model)
+    """A copy of the policy for the sampling process, on the CPU: its tensors move to shared memory when the
+    process starts (so the trainer's own weights never do), and the worker moves it to its device."""
+    return copy.deepcopy(model).cpu()
 
 
 def _has_qsize() -> bool:

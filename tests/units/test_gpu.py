@@ -2,7 +2,7 @@
 
 The tiny model on one GPU: dtype='auto' picks bf16 compute there (if the GPU supports it) over float32 master
 weights; a full and a LoRA step train finite weights; with num_iterations=2 the first update's ratio is 1;
-a run resumes from its checkpoint.
+a run resumes from its checkpoint; async GRPO samples one step off on the same GPU.
 """
 
 import pytest
@@ -50,3 +50,15 @@ def test_resume_on_gpu(tmp_path, tiny_tokenizer):
     gpu_trainer(tmp_path, tiny_tokenizer, max_steps=2).train(ROWS)
     resumed = gpu_trainer(tmp_path, tiny_tokenizer, max_steps=3, resume_from="latest")
     assert resumed.train(ROWS)["global_step"] == 3
+
+
+def test_async_one_step_off_on_gpu(tmp_path, tiny_tokenizer):
+    """The rollout worker's copy of the policy on the trainer's GPU; its weights through shared memory."""
+    import json
+
+    trainer = gpu_trainer(tmp_path, tiny_tokenizer, max_staleness=1, max_steps=3, save_steps=0, use_lora=True,
+                          lora_r=4)
+    trainer.train(ROWS)
+    log = [json.loads(line) for line in (tmp_path / "run" / "training_log.jsonl").read_text().splitlines()]
+    assert [row["async/staleness_max"] for row in log] == [0.0, 1.0, 1.0]
+    assert all(p.is_cuda and bool(torch.isfinite(p).all()) for p in trainer.trainable)
