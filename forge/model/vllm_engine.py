@@ -249,7 +249,15 @@ class ServerEngine(PushTimer):
         except urllib.error.HTTPError as error:
             raise RuntimeError(f"vLLM server {self.base_url}{path}: HTTP {error.code}: "
                                f"{error.read().decode()[:500]}") from None
-        return json.loads(text) if text else {}
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:  # gone, or hung
+            reason = getattr(error, "reason", error)
+            raise ConnectionError(f"vLLM server {self.base_url}{path} did not answer: {reason} (is `forge "
+                                  f"vllm-serve` still running there?)") from None
+        try:
+            return json.loads(text) if text else {}
+        except ValueError:
+            raise RuntimeError(f"vLLM server {self.base_url}{path} answered with something that is not JSON: "
+                               f"{text[:200]!r}") from None
 
     def sync(self, model: nn.Module, version: int) -> None:
         """Write the policy's weights where the server reads them and have its workers reload them."""
@@ -278,9 +286,13 @@ class ServerEngine(PushTimer):
             params = request_params(sampling, group_size, self.stop_ids if stop_ids is None else stop_ids,
                                     None if seeds is None else seeds[i], None if max_tokens is None else max_tokens[i])
             answer = self.post("/inference/v1/generate", {"token_ids": prompts[i], "sampling_params": params})
-            choices = sorted(answer["choices"], key=lambda c: c["index"])
-            return [Sample(list(c["token_ids"]), [float(p["logprob"]) for p in c["logprobs"]["content"]],
-                           c.get("finish_reason") == "stop") for c in choices]
+            try:
+                choices = sorted(answer["choices"], key=lambda c: c["index"])
+                return [Sample(list(c["token_ids"]), [float(p["logprob"]) for p in c["logprobs"]["content"]],
+                               c.get("finish_reason") == "stop") for c in choices]
+            except (KeyError, TypeError, ValueError) as error:
+                raise RuntimeError(f"vLLM server {self.base_url}/inference/v1/generate answered in a shape Forge "
+                                   f"cannot read ({type(error).__name__}: {error}): {str(answer)[:200]}") from None
 
         with ThreadPoolExecutor(max_workers=min(32, len(prompts) or 1)) as pool:
             return list(pool.map(one, range(len(prompts))))

@@ -122,3 +122,62 @@ def test_an_engine_completion_that_never_stops_is_truncated_at_its_budget(tiny_t
                                tools=ToolSettings(as_tools([calculator])))
     for rollout in (plain, tools):
         assert rollout.truncated.all() and rollout.completion_lengths.tolist() == [max_new_tokens] * 2
+
+
+class _Answers:
+    """A loopback HTTP server standing in for `forge vllm-serve`: /health answers 200, /inference/v1/generate
+    answers `body`."""
+
+    def __init__(self, body: bytes):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("body, says", [(b"<html>busy</html>", "not JSON"),
+                                        (b'{"choices": [{"index": 0}]}', "cannot read (KeyError: 'token_ids')")])
+def test_a_server_that_answers_garbage_is_named_in_one_line(tmp_path, body, says):
+    from forge.core.rollout import SamplingSettings as Settings
+    from forge.core.engine_rollout import engine_sampling
+    from forge.model.vllm_engine import ServerEngine
+
+    server = _Answers(body)
+    try:
+        engine = ServerEngine(server.url, [2], torch.float32, 64, tmp_path / "weights", timeout=5)
+        with pytest.raises(RuntimeError) as caught:
+            engine.sample([[1, 2, 3]], 2, engine_sampling(Settings(4)), None)
+    finally:
+        server.close()
+    assert server.url in str(caught.value) and says in str(caught.value)
+
+
+def test_a_server_that_is_gone_is_named_in_one_line(tmp_path):
+    from forge.core.engine_rollout import engine_sampling
+    from forge.model.vllm_engine import ServerEngine
+
+    server = _Answers(b"{}")
+    engine = ServerEngine(server.url, [2], torch.float32, 64, tmp_path / "weights", timeout=5)
+    server.close()
+    with pytest.raises(ConnectionError, match=f"vLLM server {server.url}/inference/v1/generate did not answer"):
+        engine.sample([[1, 2, 3]], 2, engine_sampling(SamplingSettings(4)), None)
