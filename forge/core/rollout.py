@@ -384,8 +384,11 @@ def generate(
     plan = plan or DecodePlan.of(model, settings.backend, with_tools=turns is not None)
     # The loop's tensors never meet autograd and it returns plain lists: inference mode skips autograd's
     # version counting and view tracking on each of its operators (the same values; 1.05x the tokens per
-    # CPU-second of the demo's generation on an AMX Xeon, bench/decode_switch.py inference_mode)
-    inference = torch.inference_mode() if INFERENCE_MODE else contextlib.nullcontext()
+    # CPU-second of the demo's generation on an AMX Xeon, bench/decode_switch.py inference_mode). Under autocast
+    # with unpacked weights (bf16 on a CPU without bf16 units) it would also turn off autocast's cache of each
+    # weight's bf16 copy, casting every weight again at every decode step: there the loop runs under no_grad.
+    recast = torch.is_autocast_enabled(next(model.parameters()).device.type) and not plan.pack
+    inference = torch.inference_mode() if INFERENCE_MODE and not recast else torch.no_grad()
     with packed_linears(model) if plan.pack else contextlib.nullcontext(), inference:
         decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings, plan,
                            share_prompt_prefix, noise, turns)

@@ -166,10 +166,29 @@ def test_forge_cpu_bf16_overrides_the_detection(monkeypatch):
         choose_precision("auto", "cpu")
 
 
-def test_bf16_generation_casts_each_master_weight_once_not_per_decode_step(tmp_path, tiny_model, tiny_tokenizer):
-    # autocast keeps the bf16 copy of a trainable fp32 weight while its context is open; Forge opens one per
-    # generation, so the number of weight casts must not grow with the number of decode steps
+def _packs_bf16_here() -> bool:
+    from forge.model.packed_linear import packing_applies
+
+    return packing_applies(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", [
+    "no bf16 units",  # the AVX2-only CPU's detection, mocked on every machine: weights unpacked, autocast casts
+    pytest.param(None, marks=pytest.mark.skipif(not _packs_bf16_here(), reason=(
+        "this CPU does not pack bf16 linear layers (oneDNN needs AVX512-BF16 or AMX): its kind is the row above"))),
+])
+def test_bf16_generation_casts_each_master_weight_once_not_per_decode_step(tmp_path, tiny_model, tiny_tokenizer,
+                                                                          monkeypatch, kind):
+    # autocast keeps the bf16 copy of a trainable fp32 weight while its context is open (not in inference mode);
+    # packed layers cast each weight once per generation; so the number of weight casts must not grow with the
+    # number of decode steps, on a CPU that packs bf16 (None: this machine's own kind, where it packs) and on one
+    # that does not (its detection mocked)
     from torch.profiler import profile
+
+    import forge.model.packed_linear as packed_linear
+
+    if kind is not None:
+        monkeypatch.setattr(packed_linear, "_bf16_units", lambda: kind)
 
     shapes = {tuple(p.shape) for p in tiny_model.parameters() if p.dim() == 2}
     counts = []
