@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import io
+import dataclasses
 import multiprocessing
 import queue
 import signal
@@ -37,6 +37,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -172,7 +173,7 @@ def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
             idle = time.perf_counter() - waited
             started = time.perf_counter()
             rollouts = sample(config, model, spec, engine, plan, request, version)
-            results.put(_as_bytes(Sampled(request.step, version, rollouts, idle, time.perf_counter() - started)))
+            results.put(_portable(Sampled(request.step, version, rollouts, idle, time.perf_counter() - started)))
     except SystemExit:
         raise
     except BaseException as error:  # noqa: BLE001 - every failure reaches the trainer, with its traceback
@@ -344,7 +345,8 @@ class AsyncRollouts:
                 raise RolloutWorkerError(f"rollout worker (pid {self.process.pid}) failed: {got[1]}\n"
                                          f"its traceback:\n{got[2]}")
             self.stats.queue_length = self.results.qsize() if _has_qsize() else 0
-            return torch.load(io.BytesIO(got), weights_only=False)
+            got.rollouts = [_with_fields(r, np.ndarray, torch.from_numpy) for r in got.rollouts]
+            return got
 
     def close(self) -> None:
         """Stop the worker (it finishes nothing more); idempotent."""
@@ -366,13 +368,18 @@ class AsyncRollouts:
                 q.close()
 
 
-def _as_bytes(sampled: Sampled) -> bytes:
-    """The worker's answer as plain bytes: shared tensors would need the worker alive when the trainer reads
-    them (torch.multiprocessing passes their file descriptors through the sender), and a crash must not
-    take an answer already sent with it."""
-    buffer = io.BytesIO()
-    torch.save(sampled, buffer)
-    return buffer.getvalue()
+def _portable(sampled: Sampled) -> Sampled:
+    """The worker's answer with its tensors as numpy arrays, which a queue sends by value: tensors would be sent
+    as shared memory whose file descriptors the trainer fetches from the worker, so a worker that dies after
+    sending would take its answer with it."""
+    return dataclasses.replace(sampled, rollouts=[_with_fields(r, torch.Tensor, torch.Tensor.numpy)
+                                                  for r in sampled.rollouts])
+
+
+def _with_fields(rollout: Rollout, kind: type, convert) -> Rollout:
+    """`rollout` with each field of type `kind` converted (tensors to numpy arrays, and back)."""
+    values = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
+    return dataclasses.replace(rollout, **{name: convert(v) for name, v in values.items() if isinstance(v, kind)})
 
 
 @contextlib.contextmanager
