@@ -495,6 +495,17 @@ def test_resuming_before_later_checkpoints_warns_and_replaces_them(tmp_path):
     assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2, 3]
 
 
+def test_a_line_of_the_training_log_that_is_not_a_row_is_left_out_with_a_warning_and_the_run_resumes(tmp_path):
+    trainer_for(tmp_path, max_steps=2, save_steps=1).train(ROWS)
+    log = tmp_path / "run" / "training_log.jsonl"
+    first, *rest = log.read_text().splitlines(keepends=True)
+    log.write_text(first + "[1, 2, 3]\n" + "".join(rest))  # a line that is JSON but no row
+    resumed = trainer_for(tmp_path, max_steps=3, save_steps=1, resume_from="latest")
+    with pytest.warns(UserWarning, match=rf"^{re.escape(str(log))}, line 2 is not a JSON object \(it holds an array\)"):
+        resumed.train(ROWS)
+    assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2, 3]
+
+
 def test_checkpoint_holds_the_model_name_and_dataset_identity(tmp_path):
     model, tokenizer = build_tiny_model()
     model.config._name_or_path = "my-org/tiny"
