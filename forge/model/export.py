@@ -22,6 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from forge.model.loading import load_model, prepare_tokenizer
 from forge.model.lora import LORA_INSTALL_HINT, is_peft_model, quiet_checkpointing_deprecation
+from forge.safe_json import read_json
 
 # --------------------------------------------------------------------------------------------------
 # export and evaluation
@@ -89,10 +90,9 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
 
 def _export_record(out: Path) -> dict | None:
     try:
-        record = json.loads((out / EXPORT_RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json(out / EXPORT_RECORD)
+    except (OSError, ValueError):  # ValueError: JSONFileError, not the record an export writes
         return None
-    return record if isinstance(record, dict) else None
 
 
 def _listed(names: list[str], shown: int = 4) -> str:
