@@ -375,6 +375,22 @@ def test_a_symlink_loop_in_a_saved_folder_stops_eval_and_export_in_one_line(save
     assert not out.exists()
 
 
+def test_a_symlink_loop_in_a_checkpoint_stops_train_resume_in_one_line(saved, tmp_path, capsys):
+    output_dir = tmp_path / "run"
+    argv = ["train", "--model", saved / "plain", "--dataset", saved / "data.jsonl", "--group_size", "2",
+            "--prompts_per_step", "2", "--max_new_tokens", "2", "--preflight", "off", "--save_steps", "1",
+            "--output_dir", output_dir]
+    assert forge_main(*argv, "--max_steps", "1") == 0
+    (output_dir / "1" / "loop").symlink_to("loop")
+    capsys.readouterr()
+
+    assert forge_main(*argv, "--max_steps", "2", "--resume") == 1  # a damaged checkpoint: a CheckpointError
+    err = capsys.readouterr().err  # after the model's loading lines
+    (message,) = [line for line in err.splitlines() if line.startswith("forge: error: ")]
+    assert "Traceback" not in err
+    assert f"checkpoint {output_dir / '1'}" in message and "loop is a symlink loop" in message, message
+
+
 def deep_header(file: Path) -> None:
     header = DEEP_JSON.encode()
     file.write_bytes(len(header).to_bytes(8, "little") + header)
