@@ -67,7 +67,7 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
     if not out.is_dir():
         raise ExportRefused(f"--out {out} is a file, not a folder; choose a new or empty folder, or pass --overwrite "
                             f"(overwrite=True) to replace it")
-    present = sorted((p.name for p in out.iterdir()), key=lambda name: (not name.endswith(WEIGHT_SUFFIXES), name))
+    present = _contents(out)
     if not present:
         return
     record = _export_record(out)
@@ -79,13 +79,25 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
             return  # the same export again
         what = (f"the export of --adapter {record.get('adapter')} --base {record.get('base')}"
                 + (f", and {_listed(extra)} besides" if extra else ""))
-    elif (out / "COMPLETE").is_file():
-        what = f"a Forge checkpoint ({_listed(present)})"
     else:
-        what = _listed(present)
+        what = forge_checkpoint(out) or _listed(present)
     raise ExportRefused(f"--out {out} already holds {what}: an export writes only into a new or empty folder, or over "
                         f"its own earlier export of the same adapter and base; choose another --out, or pass "
                         f"--overwrite (overwrite=True) to replace what is there")
+
+
+def forge_checkpoint(folder: Path) -> str | None:
+    """'a Forge checkpoint (model.safetensors, COMPLETE, ...)' when `folder` is one (it holds COMPLETE), else None.
+    An export writes over one only when told to (overwrite), and `save_model` never: its files would no longer match
+    the sha256 that COMPLETE records, so it would neither load nor resume."""
+    if not (folder / "COMPLETE").is_file():
+        return None
+    return f"a Forge checkpoint ({_listed(_contents(folder))})"
+
+
+def _contents(folder: Path) -> list[str]:
+    """The names in `folder`, weight files first."""
+    return sorted((p.name for p in folder.iterdir()), key=lambda name: (not name.endswith(WEIGHT_SUFFIXES), name))
 
 
 def _export_record(out: Path) -> dict | None:

@@ -30,7 +30,7 @@ from forge.core.scoring import (
 from forge.core.trainer import TrainingInterrupted
 from forge.data.dataset import reward_kwargs
 from forge.model.tiny import build_tiny_model
-from forge.run.integrity import COMPLETE_MARKER, latest_checkpoint
+from forge.run.integrity import COMPLETE_MARKER, latest_checkpoint, verify_checkpoint
 from forge.tools.sandbox import run_python
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
@@ -504,6 +504,18 @@ def test_a_line_of_the_training_log_that_is_not_a_row_is_left_out_with_a_warning
     with pytest.warns(UserWarning, match=rf"^{re.escape(str(log))}, line 2 is not a JSON object \(it holds an array\)"):
         resumed.train(ROWS)
     assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_save_model_refuses_a_checkpoint_of_the_run_which_still_verifies(tmp_path):
+    trainer = trainer_for(tmp_path, max_steps=2, save_steps=1)
+    trainer.train(ROWS)
+    checkpoint = tmp_path / "run" / "1"
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    with pytest.raises(ValueError, match=rf"save_model\('{re.escape(str(checkpoint))}'\): .* holds a Forge checkpoint"):
+        trainer.save_model(str(tmp_path / "run") + "/1")
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    verify_checkpoint(checkpoint)
+    assert (trainer.save_model(tmp_path / "saved") / "model.safetensors").is_file()  # a new folder: written
 
 
 def test_checkpoint_holds_the_model_name_and_dataset_identity(tmp_path):
