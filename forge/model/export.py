@@ -2,7 +2,7 @@
 
 An export never replaces what it was not asked to: its folder must be new or empty, or hold only an earlier export
 of the same adapter and base (`forge_export.json` says which); `overwrite` replaces anything else, but never a
-folder the export reads from. It is written into a temporary sibling and renamed into place, so a failed export
+folder the export reads from, or a training run's output_dir (its checkpoints and logs). It is written into a temporary sibling and renamed into place, so a failed export
 leaves the folder as it was.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from forge.logging.logger import TRAINING_LOG_NAME
 from forge.model.loading import load_model, prepare_tokenizer
 from forge.model.lora import LORA_INSTALL_HINT, is_peft_model, quiet_checkpointing_deprecation
 from forge.safe_json import read_json
@@ -62,6 +64,11 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
             holds = "is" if out.resolve() == path.resolve() else "holds"
             raise ExportRefused(f"--out {out} {holds} the {flag} folder {path}, which the export reads: it never "
                                 f"writes there (not with --overwrite either); choose another --out")
+    run = training_run(out)
+    if run is not None:
+        raise ExportRefused(f"--out {out} is a training run's output_dir (it holds {run}): an export never replaces "
+                            f"one, not with --overwrite either, since the run's checkpoints and logs would be lost; "
+                            f"choose another --out (e.g. {out / 'merged'})")
     if not out.exists() or overwrite:
         return
     if not out.is_dir():
@@ -84,6 +91,18 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
     raise ExportRefused(f"--out {out} already holds {what}: an export writes only into a new or empty folder, or over "
                         f"its own earlier export of the same adapter and base; choose another --out, or pass "
                         f"--overwrite (overwrite=True) to replace what is there")
+
+
+def training_run(folder: Path) -> str | None:
+    """'3/, final/, training_log.jsonl': what of a training run `folder` holds (checkpoints, numbered or final/, that
+    hold COMPLETE; its training log), when it is a run's output_dir; else None. An export never replaces one."""
+    if not folder.is_dir():
+        return None
+    held = [f"{child.name}/" for child in folder.iterdir()
+            if (re.fullmatch(r"(checkpoint-)?\d+|final", child.name) and (child / "COMPLETE").is_file())]
+    held = sorted(held, key=lambda name: (len(name), name)) + (
+        [TRAINING_LOG_NAME] if (folder / TRAINING_LOG_NAME).is_file() else [])
+    return _listed(held) if held else None
 
 
 def forge_checkpoint(folder: Path) -> str | None:

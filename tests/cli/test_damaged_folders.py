@@ -443,3 +443,19 @@ def test_an_overwrite_over_a_step_folder_with_deep_json_in_complete_is_one_line(
     message = error_line(capsys)
     assert "7/" in message and "not Forge's" in message, message
     assert (output_dir / "7" / "COMPLETE").read_text() == DEEP_JSON  # never deleted
+
+
+@pytest.mark.parametrize("holds", ["a checkpoint", "a training log"])
+def test_export_never_replaces_a_training_runs_output_dir_not_with_overwrite_either(saved, tmp_path, capsys, holds):
+    run = tmp_path / "run"
+    if holds == "a checkpoint":
+        shutil.copytree(saved / "full" / "final", run / "3")
+    else:
+        run.mkdir()
+        (run / "training_log.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    before = contents(run)
+    assert forge_main(*export_args(saved, run), "--overwrite") == 2
+    message = error_line(capsys)
+    assert f"--out {run} is a training run's output_dir" in message and "not with --overwrite" in message, message
+    assert ("3/" if holds == "a checkpoint" else "training_log.jsonl") in message, message
+    assert contents(run) == before
