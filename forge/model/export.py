@@ -2,8 +2,8 @@
 
 An export never replaces what it was not asked to: its folder must be new or empty, or hold only an earlier export
 of the same adapter and base (`forge_export.json` says which); `overwrite` replaces anything else, but never a
-folder the export reads from, or a training run's output_dir (its checkpoints and logs). It is written into a temporary sibling and renamed into place, so a failed export
-leaves the folder as it was.
+folder the export reads from, or a training run's output_dir (its checkpoints and logs). It is written into a
+temporary sibling and renamed into place, so a failed export leaves the folder as it was.
 """
 
 from __future__ import annotations
