@@ -451,6 +451,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"--max_samples {max_samples}: must be >= 1 (leave it out to use every row)")
     _check_model(getattr(args, "model", None), "--model")
+    if getattr(args, "generation_backend", None) == "vllm":  # forge eval's, forge demo's (and forge train's)
+        from forge.core.config import require_vllm
+
+        require_vllm()  # GRPOConfig's install line, before any model or data loads
     seed = getattr(args, "seed", None)  # forge eval's (forge train's is GRPOConfig's, checked by validate())
     if isinstance(seed, int) and not -2**63 <= seed < 2**64:
         raise ValueError(f"--seed {seed} is out of range; torch takes -2**63 .. 2**64-1 (e.g. 0)")

@@ -17,7 +17,6 @@ tokens: checked before the first step, with an error that names the first differ
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ from forge.core.batch import Batch
 from forge.core.distill import distillation_advantages, divergence_loss, reverse_kl_sums
 from forge.core.logprobs import TeacherStates, completion_states, logit_head, micro_batches, padded_rows
 from forge.model import is_peft_model, load_model
+from forge.safe_json import read_json
 
 TEACHER_ADAPTER = "teacher"  # the name of a teacher adapter inside the student's PeftModel
 
@@ -189,7 +189,7 @@ def open_teacher(config, student, tokenizer, teacher_model=None) -> Teacher | No
 def _adapter_teacher(path: Path, student, tokenizer, device):
     """(model, adapter name or None) of a LoRA adapter folder: the student's second adapter when the student
     is a LoRA model of the adapter's base, else the base loaded with the adapter on it."""
-    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    base = read_json(path / "adapter_config.json").get("base_model_name_or_path") or ""
     check_vocabulary(tokenizer, _saved_tokenizer(path) or _saved_tokenizer(base), None)
     if is_peft_model(student):
         student_base = getattr(student.get_base_model().config, "_name_or_path", "")

@@ -440,9 +440,11 @@ def classify(name: str, forge_fields: set[str]) -> tuple[str, str]:
 def forge_names(values: dict, defaults: dict[str, Any]) -> dict:
     """Keyword values with TRL's names turned into Forge's fields (the tables above); `defaults` maps every Forge
     field to its default. An unknown name, a refused one that asks for something, a value a converter cannot
-    honour, or a TRL name given with its Forge field raises TypeError naming what to use."""
+    honour, a TRL name given with its Forge field, or two TRL names that ask for two values of one field (bf16=True,
+    fp16=True) raises TypeError naming what to use."""
     known = set(defaults)
     out = {k: v for k, v in values.items() if k in known}
+    set_by: dict[str, str] = {}  # Forge field -> the TRL name that set it
     unknown = sorted(k for k in values if k not in known and classify(k, known)[0] == "unclassified")
     if unknown:
         guesses = {k: get_close_matches(k, sorted(known | set(TRL_NAMES) | set(TRL_CONVERTED)), n=2) for k in unknown}
@@ -461,5 +463,9 @@ def forge_names(values: dict, defaults: dict[str, Any]) -> dict:
         for field_name, field_value in converted.items():
             if field_name in values:
                 raise TypeError(f"GRPOConfig got both {name!r} (TRL's name) and {field_name!r}; give one")
+            earlier = set_by.setdefault(field_name, name)
+            if earlier != name and out[field_name] != field_value:  # bf16=True, fp16=True
+                raise TypeError(f"GRPOConfig got {earlier}={values[earlier]!r} and {name}={value!r}, which ask for "
+                                f"{field_name}={out[field_name]!r} and {field_name}={field_value!r}: give one of them")
             out[field_name] = field_value
     return out

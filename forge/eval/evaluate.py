@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from forge.core.config import GRPOConfig
+from forge.core.config import GRPOConfig, require_vllm
 from forge.core.engine_rollout import colocated_engine, generate_on_engine
 from forge.core.rollout import SamplingSettings, generate, sampling_noise
 from forge.core.scoring import build_reward_list, greedy_reward_evaluator
@@ -372,6 +372,8 @@ def evaluate_model(
     whose prompts Forge writes; string prompts of other sources are warned about, `warn_if_raw_prompts`); True also
     wraps the string prompts of any source as one user message. ``rewards`` (weighted by ``reward_weights``) adds
     the mean reward of greedy completions under them (`reward_metrics`). ``eval_kw`` go to `evaluate`."""
+    if eval_kw.get("generation_backend") == "vllm":
+        require_vllm()  # before the model loads
     if isinstance(model_name_or_path, tuple):
         model, tokenizer = load_for_eval(model_name_or_path[0], adapter, tokenizer=model_name_or_path[1])
     else:

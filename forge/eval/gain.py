@@ -9,8 +9,9 @@ point at or past it gives the steps and the training CPU seconds to get there.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from forge.logging.logger import log_rows
 
 
 def teacher_accuracy(teacher: dict, n: int) -> float | None:
@@ -26,9 +27,8 @@ def step_seconds(log_path: Path) -> dict[int, float]:
     """step -> training seconds up to and including it, summed from training_log.jsonl's step_seconds (for a run
     whose curve points do not carry train_cpu_seconds; wall seconds, one thread)."""
     total, out = 0.0, {0: 0.0}
-    for line in Path(log_path).read_text().splitlines():
-        row = json.loads(line)
-        if "step_seconds" in row:
+    for _, row in log_rows(Path(log_path)):
+        if "step_seconds" in row and row.get("step") is not None:
             total += row["step_seconds"]
             out[row["step"]] = total
     return out

@@ -9,11 +9,12 @@ started (`health/<rule>` turning 1, forge/run/health.py) are marked on every pan
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from forge.logging.logger import log_rows
 
 TRAINING_LOG_NAME = "training_log.jsonl"
 REWARD_COUNTERS = ("rewards/errors", "rewards/timeouts", "rewards/nonfinite")  # counts, not rewards
@@ -61,16 +62,8 @@ def resolve_log_path(output_dir_or_log_path: str | os.PathLike) -> Path:
 
 
 def read_log(log_path: Path) -> list[dict]:
-    rows = []
-    with log_path.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from an interrupted run
-            if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
-                rows.append(row)
-    return rows
+    """The rows of training_log.jsonl that have a step (`log_rows`: a line that is no row is left out, said)."""
+    return [row for _, row in log_rows(log_path) if row.get("step") is not None]
 
 
 def extract_series(rows: list[dict], key: str, label: str | None = None) -> Series:

@@ -27,7 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from forge.safe_json import JSONFileError, parse_json
+
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from typing_extensions import Self
 
 _console = logging.getLogger("forge")
@@ -144,21 +148,35 @@ def is_forge_source(filename: str) -> bool:
         return False
 
 
-def _drop_rows_after(path: Path, step: int) -> None:
-    """Rewrite a JSONL file without the rows whose "step" is > `step`; atomic via temp file + rename."""
-    if not path.exists():
-        return
-    kept = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
+def log_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """(line, row) of each row of a JSONL log (training_log.jsonl, samples.jsonl) as Forge writes them: a JSON
+    object whose "step", if any, is a number. Any other line is left out with a one-line warning naming the file and
+    the line, but for a last line cut short by a crash (no newline: the run died writing it), left out silently."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                row_step = json.loads(line).get("step")
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash: drop it
-            if row_step is None or row_step <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
+                row = parse_json(raw, f"{path}, line {number}")
+            except JSONFileError as error:
+                if raw.endswith(b"\n"):  # not a torn last line: say what is dropped
+                    warnings.warn(f"{error}: left out (not a row Forge wrote)", stacklevel=2)
+                continue
+            step = row.get("step")
+            if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))):
+                warnings.warn(f"{path}, line {number} has the step {json.dumps(step)[:40]}, not a number: left out "
+                              f"(not a row Forge wrote)", stacklevel=2)
+                continue
+            yield raw.decode("utf-8"), row
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite a JSONL file without the rows whose "step" is > `step`, and without any line that is not a row
+    (`log_rows`); atomic via temp file + rename."""
+    if not path.exists():
+        return
+    kept = [line if line.endswith("\n") else line + "\n"
+            for line, row in log_rows(path) if row.get("step") is None or row["step"] <= step]
     tmp_path = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with tmp_path.open("w", encoding="utf-8") as f:
         f.writelines(kept)
@@ -353,16 +371,8 @@ class ForgeLogger:
         """The highest step in `training_log.jsonl`, or None when nothing was logged yet."""
         if not self.enabled or not self.log_path.exists():
             return None
-        last = None
-        with self.log_path.open(encoding="utf-8") as f:
-            for line in f:
-                try:
-                    step = json.loads(line).get("step")
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(step, int) and (last is None or step > last):
-                    last = step
-        return last
+        steps = [row["step"] for _, row in log_rows(self.log_path) if isinstance(row.get("step"), int)]
+        return max(steps, default=None)
 
     # -- shutdown -----------------------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 
 An export never replaces what it was not asked to: its folder must be new or empty, or hold only an earlier export
 of the same adapter and base (`forge_export.json` says which); `overwrite` replaces anything else, but never a
-folder the export reads from. It is written into a temporary sibling and renamed into place, so a failed export
-leaves the folder as it was.
+folder the export reads from, or a training run's output_dir (its checkpoints and logs). It is written into a
+temporary sibling and renamed into place, so a failed export leaves the folder as it was.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -20,8 +21,10 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from forge.logging.logger import TRAINING_LOG_NAME
 from forge.model.loading import load_model, prepare_tokenizer
 from forge.model.lora import LORA_INSTALL_HINT, is_peft_model, quiet_checkpointing_deprecation
+from forge.safe_json import read_json
 
 # --------------------------------------------------------------------------------------------------
 # export and evaluation
@@ -61,12 +64,17 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
             holds = "is" if out.resolve() == path.resolve() else "holds"
             raise ExportRefused(f"--out {out} {holds} the {flag} folder {path}, which the export reads: it never "
                                 f"writes there (not with --overwrite either); choose another --out")
+    run = training_run(out)
+    if run is not None:
+        raise ExportRefused(f"--out {out} is a training run's output_dir (it holds {run}): an export never replaces "
+                            f"one, not with --overwrite either, since the run's checkpoints and logs would be lost; "
+                            f"choose another --out (e.g. {out / 'merged'})")
     if not out.exists() or overwrite:
         return
     if not out.is_dir():
         raise ExportRefused(f"--out {out} is a file, not a folder; choose a new or empty folder, or pass --overwrite "
                             f"(overwrite=True) to replace it")
-    present = sorted((p.name for p in out.iterdir()), key=lambda name: (not name.endswith(WEIGHT_SUFFIXES), name))
+    present = _contents(out)
     if not present:
         return
     record = _export_record(out)
@@ -78,21 +86,44 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
             return  # the same export again
         what = (f"the export of --adapter {record.get('adapter')} --base {record.get('base')}"
                 + (f", and {_listed(extra)} besides" if extra else ""))
-    elif (out / "COMPLETE").is_file():
-        what = f"a Forge checkpoint ({_listed(present)})"
     else:
-        what = _listed(present)
+        what = forge_checkpoint(out) or _listed(present)
     raise ExportRefused(f"--out {out} already holds {what}: an export writes only into a new or empty folder, or over "
                         f"its own earlier export of the same adapter and base; choose another --out, or pass "
                         f"--overwrite (overwrite=True) to replace what is there")
 
 
+def training_run(folder: Path) -> str | None:
+    """'3/, final/, training_log.jsonl': what of a training run `folder` holds (checkpoints, numbered or final/, that
+    hold COMPLETE; its training log), when it is a run's output_dir; else None. An export never replaces one."""
+    if not folder.is_dir():
+        return None
+    held = [f"{child.name}/" for child in folder.iterdir()
+            if (re.fullmatch(r"(checkpoint-)?\d+|final", child.name) and (child / "COMPLETE").is_file())]
+    held = sorted(held, key=lambda name: (len(name), name)) + (
+        [TRAINING_LOG_NAME] if (folder / TRAINING_LOG_NAME).is_file() else [])
+    return _listed(held) if held else None
+
+
+def forge_checkpoint(folder: Path) -> str | None:
+    """'a Forge checkpoint (model.safetensors, COMPLETE, ...)' when `folder` is one (it holds COMPLETE), else None.
+    An export writes over one only when told to (overwrite), and `save_model` never: its files would no longer match
+    the sha256 that COMPLETE records, so it would neither load nor resume."""
+    if not (folder / "COMPLETE").is_file():
+        return None
+    return f"a Forge checkpoint ({_listed(_contents(folder))})"
+
+
+def _contents(folder: Path) -> list[str]:
+    """The names in `folder`, weight files first."""
+    return sorted((p.name for p in folder.iterdir()), key=lambda name: (not name.endswith(WEIGHT_SUFFIXES), name))
+
+
 def _export_record(out: Path) -> dict | None:
     try:
-        record = json.loads((out / EXPORT_RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json(out / EXPORT_RECORD)
+    except (OSError, ValueError):  # ValueError: JSONFileError, not the record an export writes
         return None
-    return record if isinstance(record, dict) else None
 
 
 def _listed(names: list[str], shown: int = 4) -> str:

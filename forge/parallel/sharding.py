@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from forge.safe_json import read_json
+
 SHARDED_DIR = "sharded"
 """The DCP folder of a sharded checkpoint: one safetensors file of model and optimizer shards per rank."""
 
@@ -181,7 +183,7 @@ def fix_architectures(folder: Path, model) -> None:
     """Write the unwrapped class name into a saved config.json (see unwrapped_class_name)."""
     config = folder / "config.json"
     if config.is_file():
-        data = json.loads(config.read_text(encoding="utf-8"))
+        data = read_json(config)
         data["architectures"] = [unwrapped_class_name(model)]
         config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 

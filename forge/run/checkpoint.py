@@ -78,6 +78,7 @@ from forge.run.integrity import (
 )
 from forge.run.optim import all_finite
 from forge.run.rng import capture_rng_state
+from forge.safe_json import JSONFileError, read_json
 
 # Config keys that must match for a resumed run to continue the same training problem. The batching
 # keys and seed/shuffle also fix which dataset rows the saved (epoch, position) points at.
@@ -354,7 +355,7 @@ def load_sharded_state(path: str | os.PathLike, model, optimizer) -> None:
     number of ranks: the shards are redistributed). Reads safetensors headers, tensor bytes and JSON only."""
     path = Path(path)
     try:
-        saved = _read_json(path / SHARDED_LAYOUT)
+        saved = read_json(path / SHARDED_LAYOUT)
         if not isinstance(saved, dict) or saved.get("format") != _SHARDED_FORMAT:
             raise ValueError(f"its format is not {_SHARDED_FORMAT}")
         tensors, _ = state_files.encode(sharding.state_dicts(model, optimizer))  # this run's shards, to fill
@@ -375,6 +376,8 @@ def load_sharded_state(path: str | os.PathLike, model, optimizer) -> None:
 def _read_state_file(path: Path, name: str, reader) -> Any:
     try:
         return reader(path / name)
+    except JSONFileError as error:  # too big, nested too deep, no JSON, not an object
+        raise CheckpointError(f"checkpoint {path} is damaged: {name} {error.problem}. {offer_previous(path)}") from None
     except Exception as error:  # noqa: BLE001 - any failure to parse is a damaged file, named
         raise CheckpointError(f"checkpoint {path} is damaged: {name} cannot be read "
                               f"({type(error).__name__}: {error}). {offer_previous(path)}") from None
@@ -382,10 +385,6 @@ def _read_state_file(path: Path, name: str, reader) -> Any:
 
 def _load_optional(path: Path) -> Any | None:
     return state_files.load_state(path) if path.is_file() else None
-
-
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def load_checkpoint(path: str | os.PathLike, *, require_training_state: bool = True) -> CheckpointState:
@@ -404,8 +403,8 @@ def load_checkpoint(path: str | os.PathLike, *, require_training_state: bool = T
                       f"verifying its files; its weights were checked for truncation and NaN/inf", stacklevel=2)
     return CheckpointState(
         path=path,
-        trainer_state=_read_state_file(path, TRAINER_STATE_NAME, _read_json),
-        config=_read_state_file(path, CONFIG_NAME, _read_json),
+        trainer_state=_read_state_file(path, TRAINER_STATE_NAME, read_json),
+        config=_read_state_file(path, CONFIG_NAME, read_json),
         rng_state=_read_state_file(path, RNG_STATE_NAME, _load_optional),
         optimizer_state=_read_state_file(path, OPTIMIZER_NAME, _load_optional),
         scheduler_state=_read_state_file(path, SCHEDULER_NAME, _load_optional),

@@ -10,12 +10,13 @@ last finished step and says how to resume).
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+from forge.logging.logger import log_rows
 
 Window = deque  # of the last health_window steps' metrics dicts, oldest first; the newest is window[-1]
 
@@ -146,7 +147,7 @@ class HealthMonitor:
         so the alarms after a resume are those of the uninterrupted run (exactly so with logging_steps=1)."""
         if not training_log.exists():
             return
-        rows = [json.loads(line) for line in training_log.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = [row for _, row in log_rows(training_log)]  # a line that is no row is left out, said
         for row in [row for row in rows if "loss" in row][-(self.steps.maxlen or 0):]:
             self.check(row)
 

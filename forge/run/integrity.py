@@ -10,10 +10,14 @@ checkpoints of a run exist, verify, or are left over from a killed save.
     has_forge_manifest         whether a folder is Forge's checkpoint (what --overwrite_output_dir may delete)
     check_saved_model          a folder Forge saved verifies before `forge eval` / `forge export` load it
     prune_checkpoints          keep the newest N
+
+A checkpoint is read as someone else may have left it: its JSON (COMPLETE, the shard index, a safetensors header)
+through forge/safe_json.py's limits, a link followed only when it stays inside the folder and ends (`inside`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -26,6 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from forge.run.optim import all_finite
+from forge.safe_json import MAX_JSON_BYTES, JSONFileError, json_type, parse_json, read_json
 
 COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -112,12 +117,16 @@ def has_forge_manifest(path: str | os.PathLike) -> bool:
     checksums): how Forge tells its own checkpoint folders from anything else with a step's name."""
     marker = Path(path) / COMPLETE_MARKER
     try:
-        if not marker.is_file() or marker.stat().st_size > 50_000_000:
+        if not marker.is_file():
             return False
-        text = marker.read_text(encoding="utf-8", errors="replace")
-        return text.strip() == "ok" or json.loads(text).get("format") == _MANIFEST_FORMAT
-    except (OSError, ValueError, AttributeError):
+        return _is_old_marker(marker) or read_json(marker).get("format") == _MANIFEST_FORMAT
+    except (OSError, ValueError):  # ValueError: JSONFileError, not Forge's JSON
         return False
+
+
+def _is_old_marker(marker: Path) -> bool:
+    """Whether COMPLETE holds the "ok" of a Forge from before checksums."""
+    return marker.stat().st_size < 16 and marker.read_bytes().strip() == b"ok"
 
 
 def pickled_file(path: Path) -> str | None:
@@ -155,16 +164,16 @@ class Damaged(Exception):
 
 def _read_manifest(path: Path) -> dict[str, str] | None:
     """{file: sha256} as COMPLETE records it; None for a checkpoint from before checksums ("ok")."""
-    text = (path / COMPLETE_MARKER).read_text(encoding="utf-8", errors="replace")
-    if text.strip() == "ok":
+    marker = path / COMPLETE_MARKER
+    if _is_old_marker(marker):
         return None
     try:
-        manifest = json.loads(text)
-        hashes = manifest["sha256"]
-        if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(hashes, dict):
-            raise ValueError(manifest.get("format"))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise Damaged(COMPLETE_MARKER, "is unreadable (damaged, or written by a newer Forge)") from None
+        manifest = read_json(marker)
+    except JSONFileError as error:
+        raise Damaged(COMPLETE_MARKER, error.problem) from None
+    hashes = manifest.get("sha256")
+    if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(hashes, dict):
+        raise Damaged(COMPLETE_MARKER, "is unreadable (damaged, or written by a newer Forge)")
     return hashes
 
 
@@ -177,26 +186,55 @@ def weight_files(path: Path) -> list[str]:
         return [inside(path, FULL_WEIGHTS_NAME)]
     if (path / FULL_WEIGHTS_INDEX_NAME).is_file():
         try:
-            index = json.loads((path / FULL_WEIGHTS_INDEX_NAME).read_text(encoding="utf-8"))
-            names = sorted(set(index["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise Damaged(FULL_WEIGHTS_INDEX_NAME, "is unreadable") from None
-        return [inside(path, name, named_by=FULL_WEIGHTS_INDEX_NAME) for name in names]
+            index = read_json(path / FULL_WEIGHTS_INDEX_NAME)
+        except JSONFileError as error:
+            raise Damaged(FULL_WEIGHTS_INDEX_NAME, error.problem) from None
+        problem = index_problem(index)
+        if problem is not None:
+            raise Damaged(FULL_WEIGHTS_INDEX_NAME, problem)
+        shards = sorted(set(index["weight_map"].values()))
+        return [inside(path, name, named_by=FULL_WEIGHTS_INDEX_NAME) for name in shards]
     raise Damaged(FULL_WEIGHTS_NAME, f"is missing (and there is no {ADAPTER_WEIGHTS_NAME} either)")
+
+
+def index_problem(index: dict) -> str | None:
+    """Why a model.safetensors.index.json is not one transformers can read (its weight_map an object of tensor
+    name -> shard file), or None."""
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        holds = f" (it holds {json_type(weight_map)})" if "weight_map" in index else ""
+        return f'has no "weight_map" object of tensor name -> shard file{holds}'
+    for tensor, file in weight_map.items():
+        if not isinstance(file, str):
+            return f'has a "weight_map" that gives {tensor!r:.100} the shard {file!r:.100}, not a file name'
+    return None
 
 
 def inside(path: Path, name: Any, named_by: str | None = None) -> str:
     """`name`, a file of the checkpoint `path`: a relative path without `..` that, links followed, stays inside
-    the folder; Damaged otherwise (a checkpoint's files are read from the checkpoint only)."""
+    the folder; Damaged otherwise (a checkpoint's files are read from the checkpoint only), and for a link that
+    loops (following it never ends)."""
+    if isinstance(name, str) and name and link_loops(path / name):
+        raise Damaged(name, "is a symlink loop (a link that leads back to itself, never to a file); remove it")
     outside = (not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts
-               or not (path / name).resolve().is_relative_to(path.resolve()))
+               or not Path(os.path.realpath(path / name)).is_relative_to(os.path.realpath(path)))
     if not outside:
         return name
     if named_by is not None:
         raise Damaged(named_by, f"names {name!r:.200}, outside the checkpoint; a checkpoint's files are read only "
                                 f"from inside it")
-    raise Damaged(name, f"is a link to {(path / name).resolve()}, outside the checkpoint; a checkpoint's files "
-                        f"are read only from inside it")
+    raise Damaged(name, f"is a link to {os.path.realpath(path / name)}, outside the checkpoint; a checkpoint's "
+                        f"files are read only from inside it")
+
+
+def link_loops(file: Path) -> bool:
+    """Whether following the links of `file` never ends (a link to itself, or links in a circle), where
+    Path.resolve raises RuntimeError("Symlink loop")."""
+    try:
+        os.stat(file)
+    except OSError as error:
+        return error.errno == errno.ELOOP
+    return False
 
 
 def _links_out(path: Path) -> None:
@@ -220,15 +258,44 @@ def safetensors_problem(file: Path) -> str | None:
         header_size = int.from_bytes(head, "little") if len(head) == 8 else size
         if 8 + header_size > size:
             return f"is truncated ({size} bytes; its header alone needs {8 + header_size})"
+        if header_size > MAX_JSON_BYTES:  # safetensors' own limit
+            return f"has a header of {header_size:,} bytes, more than the {MAX_JSON_BYTES:,} safetensors reads"
         try:
-            header = json.loads(f.read(header_size))
-            data_end = max((int(entry["data_offsets"][1]) for key, entry in header.items()
-                            if key != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return "has an unreadable header (not a safetensors file, or damaged)"
+            header = parse_json(f.read(header_size), file.name)
+        except JSONFileError as error:
+            return f"has a header that {error.problem}"
+    problem = header_problem(header)
+    if problem is not None:
+        return problem
+    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
     if 8 + header_size + data_end > size:
         return f"is truncated ({size} bytes of the {8 + header_size + data_end} its header describes)"
     return None
+
+
+def read_header(file: Path) -> dict:
+    """The JSON header of a safetensors file that `safetensors_problem` passed."""
+    with file.open("rb") as f:
+        return parse_json(f.read(int.from_bytes(f.read(8), "little")), file.name)
+
+
+def header_problem(header: dict) -> str | None:
+    """Why a safetensors header is not one (each entry a tensor's dtype, shape and data_offsets; __metadata__ an
+    object of strings), or None."""
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(value, str) for value in entry.values()):
+                return "has a header whose __metadata__ is not an object of strings (not a safetensors file)"
+            continue
+        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and _counts(entry.get("shape"))
+                and _counts(entry.get("data_offsets")) and len(entry["data_offsets"]) == 2):
+            return f"has a header entry for {name!r:.100} that is not a tensor's ({str(entry)[:200]})"
+    return None
+
+
+def _counts(value: Any) -> bool:
+    """Whether `value` is a list of whole numbers >= 0 (JSON's true and false are not)."""
+    return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)
 
 
 def _verify(path: Path, require_training_state: bool) -> bool:

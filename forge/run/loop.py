@@ -8,15 +8,17 @@
             log every logging_steps (with the run-health keys, forge/run/health.py), evaluate every eval_steps,
             save every save_steps; a run-health alarm in stop_on_health stops the run
             the callbacks hear each event and may ask to log, evaluate, save or stop  -> run/trainer_surface.py
+            a config a callback changed is checked as at start-up before it is used   -> run/config_watch.py
             a signal: finish the step, save it, raise TrainingInterrupted
-        a failed step (StepFailed: a reward, non-finite losses): say where the last finished step is saved
+        a failed step (StepFailed: a reward, non-finite losses, a config a callback broke): say where the last
+            finished step is saved
         save final/, evaluate, close the logs
 
 The trainer is given, not imported: anything with the attributes read below runs here (`config`, `dist`,
-`model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `guard`, `signals`, `global_step`, `events` (a
-RunEvents), and the methods
-`step(rows) -> metrics`, `evaluate(rows) -> metrics`), and `ahead`: None, or async GRPO's rollout worker, which
-`ahead.schedule(steps, trainer)` starts and feeds (forge/core/rollout_worker.py).
+`model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `reference_model`, `guard`, `signals`, `global_step`,
+`events` (a RunEvents), and the methods `step(rows) -> metrics`, `evaluate(rows) -> metrics`), and `ahead`: None,
+or async GRPO's rollout worker, which `ahead.schedule(steps, trainer)` starts and feeds
+(forge/core/rollout_worker.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 from forge.data.dataset import checked_rows, iterate_steps, rows_per_step, training_rows
 from forge.logging.logger import ForgeLogger, install_warning_format
 from forge.run import memory
+from forge.run.config_watch import ConfigWatch
 from forge.run.health import HEALTH_RULES, REWARD_RULES, HealthMonitor, parse_thresholds
 from forge.run.lifecycle import (
     CheckpointParts,
@@ -50,6 +53,11 @@ class StepFailed(RuntimeError):
 
 class HealthStop(StepFailed):
     """A run-health alarm named in stop_on_health went off; the step it went off at is saved."""
+
+
+class ConfigRefused(StepFailed):
+    """A callback changed the config between steps to what the run refuses (forge/run/config_watch.py); the last
+    finished step is saved."""
 
 
 def reached(step: int, every: int, stride: int) -> bool:
@@ -91,6 +99,7 @@ class TrainingRun:
         self.alarms: list[str] = []  # the alarms of the last step that stop the run (stop_on_health)
         self.rollouts_without_calls: int | None = 0  # steps with tools in which no completion called one; None:
         # a call was seen, or the warning was given
+        self.config_watch = ConfigWatch(config, has_reference=trainer.is_lora or trainer.reference_model is not None)
 
     def run(self) -> dict:
         """Claim output_dir (its lock is held until the run ends), then train."""
@@ -154,6 +163,7 @@ class TrainingRun:
                     if trainer.global_step >= self.total_steps:
                         break
                     self.events.step_begin(epoch)
+                    self.check_config()  # what the callbacks changed since the last step
                     metrics = trainer.step(batch_rows)
                     signals.under_way = None  # finished: logged, evaluated, saved below
                     metrics["epoch"] = epoch + position / max(1, len(self.rows))
@@ -164,6 +174,7 @@ class TrainingRun:
                     if self.events.control.should_training_stop:  # a callback ends the run as max_steps would
                         break
                     signals.under_way = trainer.global_step + config.num_iterations
+            self.check_config()  # before the final evaluation uses it
         except (StepFailed, FloatingPointError) as error:  # the weights are still those of the last step
             error.args = (f"{error.args[0]}\n{self.where_to_resume()}",)
             self.dist.barrier()  # raised on every rank at once: none exits before rank 0 has saved
@@ -210,6 +221,7 @@ class TrainingRun:
         if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps or asked.should_log:
             self.log(metrics, step, round(metrics["epoch"], 4))
             self.logger.log_samples(metrics.pop("_samples"), step=step)
+        self.check_config(finished_at=(epoch, position))  # on_step_end's and on_log's changes, before they are used
         if self.eval_rows is not None and (reached(step, config.eval_steps, config.num_iterations)
                                            or asked.should_evaluate):
             self.evaluate(epoch)
@@ -221,6 +233,19 @@ class TrainingRun:
             self.events.saved()
         self.lifecycle.finished(finished)
         self.alarms = [n for n in started if {n, "any"} & set(config.stop_on_health or ())]
+
+    def check_config(self, finished_at: tuple[int, int] | None = None) -> None:
+        """A callback's change of the config, checked as at start-up: ConfigRefused (a StepFailed: the last finished
+        step is saved and named) for one the run refuses, on every rank when any refuses it. `finished_at`: the
+        (epoch, position) of the step that just finished, when the lifecycle has not been told of it yet."""
+        problem = self.config_watch.problem()
+        if not self.dist.any(problem is not None):
+            return
+        if finished_at is not None:  # the step is whole (its update committed): it is what gets saved
+            self.trainer.signals.committing = False
+            self.lifecycle.finished(self.finished(*finished_at))
+        raise ConfigRefused(f"after step {self.trainer.global_step} a callback changed the config to what the run "
+                            f"refuses: {problem or 'on another process (its output says what)'}")
 
     def stop_if_asked(self) -> None:
         """After a finished step: a signal to any rank stops all of them here (rank 0 saves the step)."""
@@ -266,4 +291,4 @@ class TrainingRun:
         self.events.log(metrics, step, epoch)
 
 
-__all__ = ["HealthStop", "StepFailed", "TrainingRun", "reached"]
+__all__ = ["ConfigRefused", "HealthStop", "StepFailed", "TrainingRun", "reached"]

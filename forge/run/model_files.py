@@ -5,7 +5,9 @@ folder has none, and a manifest can be rewritten together with the damage. `chec
 loaders will read, before they do, and refuses with one line naming the folder and the file (ValueError, exit
 code 2 on the command line):
 
-    config.json, adapter_config.json, tokenizer files, the shard index   a JSON object each
+    config.json, adapter_config.json, tokenizer files, the shard index   a JSON object each, within the size and
+                                         nesting limits of forge/safe_json.py; the index's weight_map an object
+                                         of tensor name -> shard file
     every safetensors weight file        a safetensors file (not a pickle, a zip of torch.save, or a link to
                                          anything else), whole, each tensor's bytes matching its shape and dtype
                                          in the header, every float finite (`nonfinite_tensors`, as resuming does)
@@ -16,7 +18,6 @@ the loaders themselves (forge/model/loading.py `load_model`, forge/model/export.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -27,9 +28,13 @@ from forge.run.integrity import (
     ADAPTER_WEIGHTS_NAME,
     FULL_WEIGHTS_INDEX_NAME,
     FULL_WEIGHTS_NAME,
+    index_problem,
+    link_loops,
     nonfinite_tensors,
+    read_header,
     safetensors_problem,
 )
+from forge.safe_json import JSONFileError, read_json
 
 # The JSON files transformers and peft read from a model or adapter folder (the others are not read by a load).
 LOADED_JSON = ("config.json", "generation_config.json", "adapter_config.json", "tokenizer.json",
@@ -53,7 +58,7 @@ def check_model_files(path: str | os.PathLike, given_as: str) -> None:
         problem = _read(_json_problem, path / name) if (path / name).is_file() else None
         if problem:
             raise DamagedModelFolder(f"{given_as} {path}: {name} {problem}. {_restore(path)}")
-    for name in _weight_files(path):
+    for name in _weight_files(path, given_as):
         problem = _read(weights_problem, path / name)
         if problem:
             raise DamagedModelFolder(f"{given_as} {path}: {name}{_link_note(path / name)} {problem}. "
@@ -73,21 +78,22 @@ def _restore(path: Path) -> str:
 
 def _json_problem(file: Path) -> str | None:
     try:
-        value = json.loads(file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        return "is not valid JSON (not UTF-8 text)"
-    except ValueError as error:
-        return f"is not valid JSON ({error})"
-    return None if isinstance(value, dict) else f"is not a JSON object (it holds a {type(value).__name__})"
+        read_json(file)
+    except JSONFileError as error:
+        return error.problem
+    return None
 
 
-def _weight_files(path: Path) -> list[str]:
-    """The safetensors files a load of `path` reads: the adapter's, the single file, the shards of the index."""
+def _weight_files(path: Path, given_as: str) -> list[str]:
+    """The safetensors files a load of `path` reads: the adapter's, the single file, the shards of the index (its
+    weight_map checked as transformers reads it)."""
     names = [name for name in (ADAPTER_WEIGHTS_NAME, FULL_WEIGHTS_NAME) if os.path.lexists(path / name)]
     if (path / FULL_WEIGHTS_INDEX_NAME).is_file():  # parsed above
-        weight_map = json.loads((path / FULL_WEIGHTS_INDEX_NAME).read_text(encoding="utf-8")).get("weight_map")
-        if isinstance(weight_map, dict):
-            names += sorted({str(name) for name in weight_map.values()} - set(names))
+        index = read_json(path / FULL_WEIGHTS_INDEX_NAME)
+        problem = index_problem(index)
+        if problem is not None:
+            raise DamagedModelFolder(f"{given_as} {path}: {FULL_WEIGHTS_INDEX_NAME} {problem}. {_restore(path)}")
+        names += sorted(set(index["weight_map"].values()) - set(names))
     return names
 
 
@@ -98,6 +104,8 @@ def _link_note(file: Path) -> str:
 def weights_problem(file: Path) -> str | None:
     """Why the safetensors file `file` cannot be loaded as weights (not safetensors, truncated, a header that lies
     about a tensor, NaN/inf), or None."""
+    if link_loops(file):
+        return "is a symlink loop (a link that leads back to itself, never to a file)"
     if not file.exists():
         return "is missing"
     if not file.is_file():
@@ -124,9 +132,7 @@ def weights_problem(file: Path) -> str | None:
 
 def _tensor_extent_problem(file: Path) -> str | None:
     """A tensor whose bytes in the file are not what its shape and dtype in the header make, or None."""
-    with file.open("rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    for name, entry in header.items():
+    for name, entry in read_header(file).items():
         if name == "__metadata__":
             continue
         try:

@@ -2,8 +2,8 @@
 
 `torch.save` pickles, and unpickling a file runs whatever code it names. A checkpoint's state files are
 safetensors instead: the tensors as tensors, and everything else (numbers, strings, lists, tuples, dicts with
-any plain keys) as JSON in the file's header. Reading one parses JSON and copies tensor bytes; no code in the
-file can run.
+any plain keys) as JSON in the file's header. Reading one parses JSON (within forge/safe_json.py's limits) and
+copies tensor bytes; no code in the file can run.
 
     encode(state)                 -> (tensors {key: tensor}, layout: JSON-able)   the split
     decode(layout, tensors)       -> state                                          the join, strict
@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from forge.safe_json import JSONFileError, parse_json
 
 STATE_FORMAT = "forge-state-v1"
 _LAYOUT_KEY = "forge_state"
@@ -100,7 +102,11 @@ def load_state(path: str | Path) -> Any:
         if metadata.get("forge_format") != STATE_FORMAT or _LAYOUT_KEY not in metadata:
             raise ValueError(f"not a Forge state file (its header has no {STATE_FORMAT} layout)")
         tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open has no iteration
-    return decode(json.loads(metadata[_LAYOUT_KEY]), tensors)
+    try:
+        layout = parse_json(metadata[_LAYOUT_KEY], str(path), expect=object)  # any JSON value: `decode` checks it
+    except JSONFileError as error:
+        raise ValueError(f"its {_LAYOUT_KEY} layout {error.problem}") from None
+    return decode(layout, tensors)
 
 
 __all__ = ["STATE_FORMAT", "decode", "encode", "load_state", "save_state"]

@@ -39,6 +39,7 @@ from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging as transformers_logging
 
 from forge.data.dataset import checked_rows
+from forge.model.export import forge_checkpoint
 from forge.model.lora import merged_adapters
 
 
@@ -176,11 +177,17 @@ class TrainerSurface:
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
         """Write the model as it is now (the adapter alone under LoRA, as peft saves it) and its tokenizer into
-        `output_dir` (default: the config's output_dir), next to what the folder holds; returns the folder."""
+        `output_dir` (default: the config's output_dir), next to what the folder holds; returns the folder. A Forge
+        checkpoint (a numbered one, final/) is refused as `forge export` refuses it: writing into it would break it."""
         path = Path(self.config.output_dir if output_dir is None else output_dir)
         if self.dist.fsdp:
             raise ValueError(f"save_model under fsdp=True: the weights are sharded over the processes; the run "
                              f"writes them whole to {Path(self.config.output_dir) / 'final'} when it ends")
+        checkpoint = forge_checkpoint(path) if path.is_dir() else None
+        if checkpoint is not None:
+            raise ValueError(f"save_model({str(path)!r}): {path} holds {checkpoint}; writing the model into it would "
+                             f"change files its COMPLETE records, so it would no longer verify or resume. Save to a "
+                             f"new folder (e.g. {Path(self.config.output_dir) / 'saved'})")
         if self.dist.is_main:
             path.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(path, safe_serialization=True)

@@ -331,3 +331,131 @@ def test_a_reward_raising_keyboard_interrupt_in_the_preflight_is_the_rewards_fai
     assert forge_main(*argv, "--output_dir", tmp_path / "raise") == 1
     message = capsys.readouterr().err
     assert "reward 'interrupts' raised KeyboardInterrupt" in message and "interrupted" not in message
+
+
+# --------------------------------------------------------------------------------------------------
+# what a folder can hold besides damaged weights: a symlink loop, JSON nested past the recursion limit, an index
+# whose weight_map is not a map; each is one line naming the file, exit 2, before anything loads
+
+
+DEEP_JSON = "[" * 200_000 + "]" * 200_000  # json.loads recurses once per level: a RecursionError unchecked
+
+
+@pytest.fixture(scope="module")
+def sharded(saved, tmp_path_factory):
+    """plain/ saved in shards (model-0000N-of-0000M.safetensors and model.safetensors.index.json), and the same
+    as a Forge save (forge_config.json, trainer_state.json, COMPLETE)."""
+    root = tmp_path_factory.mktemp("sharded")
+    model, tokenizer = build_tiny_model(seed=0)
+    model.save_pretrained(root / "plain", max_shard_size="40KB")
+    tokenizer.save_pretrained(root / "plain")
+    shutil.copytree(root / "plain", root / "forge")
+    (root / "forge" / "forge_config.json").write_text(json.dumps({"model_name": "tiny"}))
+    (root / "forge" / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    write_manifest(root / "forge")
+    return root
+
+
+@pytest.mark.parametrize("run", ["full", "lora"])
+def test_a_symlink_loop_in_a_saved_folder_stops_eval_and_export_in_one_line(saved, tmp_path, capsys, run):
+    folder = tmp_path / "looped"
+    shutil.copytree(saved / run / "final", folder)
+    (folder / "loop").symlink_to("loop")  # `ln -s loop F/loop`: following it never ends
+    out = tmp_path / "out"
+
+    model_args = ["--model", folder] if run == "full" else ["--model", saved / "plain", "--adapter", folder]
+    assert forge_main(*eval_args(saved, *model_args), "--out", out) == 2
+    message = error_line(capsys)
+    assert str(folder) in message and "loop is a symlink loop" in message, message
+
+    argv = export_args(saved, out, base=folder) if run == "full" else export_args(saved, out, adapter=folder)
+    assert forge_main(*argv) == 2
+    message = error_line(capsys)
+    assert str(folder) in message and "loop is a symlink loop" in message, message
+    assert not out.exists()
+
+
+def test_a_symlink_loop_in_a_checkpoint_stops_train_resume_in_one_line(saved, tmp_path, capsys):
+    output_dir = tmp_path / "run"
+    argv = ["train", "--model", saved / "plain", "--dataset", saved / "data.jsonl", "--group_size", "2",
+            "--prompts_per_step", "2", "--max_new_tokens", "2", "--preflight", "off", "--save_steps", "1",
+            "--output_dir", output_dir]
+    assert forge_main(*argv, "--max_steps", "1") == 0
+    (output_dir / "1" / "loop").symlink_to("loop")
+    capsys.readouterr()
+
+    assert forge_main(*argv, "--max_steps", "2", "--resume") == 1  # a damaged checkpoint: a CheckpointError
+    err = capsys.readouterr().err  # after the model's loading lines
+    (message,) = [line for line in err.splitlines() if line.startswith("forge: error: ")]
+    assert "Traceback" not in err
+    assert f"checkpoint {output_dir / '1'}" in message and "loop is a symlink loop" in message, message
+
+
+def deep_header(file: Path) -> None:
+    header = DEEP_JSON.encode()
+    file.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+# case: (the folder: a plain transformers folder or a Forge save, whole or sharded; the file; its new bytes or a
+# function of the file; words the message holds)
+BAD_JSON = {
+    "deep config.json": ("plain", "config.json", DEEP_JSON, ["levels deep"]),
+    "deep COMPLETE": ("full", "COMPLETE", '{"format": ' + DEEP_JSON + "}", ["levels deep"]),
+    "deep adapter_config.json": ("lora", "adapter_config.json", DEEP_JSON, ["levels deep"]),
+    "deep safetensors header": ("plain", "model.safetensors", deep_header, ["levels deep"]),
+    "deep index": ("sharded", "model.safetensors.index.json", DEEP_JSON, ["levels deep"]),
+    "deep index of a Forge save": ("sharded-forge", "model.safetensors.index.json", DEEP_JSON,
+                                   ["levels deep"]),
+    "a weight_map list": ("sharded", "model.safetensors.index.json", json.dumps({"weight_map": [1, 2]}),
+                          ["weight_map", "an array"]),
+    "a weight_map list in a Forge save": ("sharded-forge", "model.safetensors.index.json",
+                                          json.dumps({"weight_map": [1, 2]}), ["weight_map", "an array"]),
+    "a weight_map of numbers": ("sharded", "model.safetensors.index.json",
+                                json.dumps({"weight_map": {"model.norm.weight": 7}}), ["weight_map", "7"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_JSON)
+def test_json_a_load_would_choke_on_stops_eval_in_one_line_naming_the_file(saved, sharded, tmp_path, capsys, case):
+    kind, name, damage, words = BAD_JSON[case]
+    source = {"plain": saved / "plain", "full": saved / "full" / "final", "lora": saved / "lora" / "final",
+              "sharded": sharded / "plain", "sharded-forge": sharded / "forge"}[kind]
+    folder = tmp_path / "damaged"
+    shutil.copytree(source, folder)
+    damage(folder / name) if callable(damage) else (folder / name).write_text(damage)
+    if kind in ("lora", "sharded-forge"):
+        write_manifest(folder)  # the hashes pass: the damage came with them
+    model_args = ["--model", saved / "plain", "--adapter", folder] if kind == "lora" else ["--model", folder]
+
+    assert forge_main(*eval_args(saved, *model_args)) == 2
+    message = error_line(capsys)
+    assert str(folder) in message and name in message, message
+    assert all(word in message for word in words), message
+
+
+def test_an_overwrite_over_a_step_folder_with_deep_json_in_complete_is_one_line(saved, tmp_path, capsys):
+    output_dir = tmp_path / "run"
+    (output_dir / "7").mkdir(parents=True)
+    (output_dir / "7" / "COMPLETE").write_text(DEEP_JSON)  # not Forge's COMPLETE, so 7/ is not Forge's
+    argv = ["train", "--model", saved / "plain", "--dataset", saved / "data.jsonl", "--max_steps", "1",
+            "--output_dir", output_dir, "--overwrite_output_dir"]
+    assert forge_main(*argv) == 2
+    message = error_line(capsys)
+    assert "7/" in message and "not Forge's" in message, message
+    assert (output_dir / "7" / "COMPLETE").read_text() == DEEP_JSON  # never deleted
+
+
+@pytest.mark.parametrize("holds", ["a checkpoint", "a training log"])
+def test_export_never_replaces_a_training_runs_output_dir_not_with_overwrite_either(saved, tmp_path, capsys, holds):
+    run = tmp_path / "run"
+    if holds == "a checkpoint":
+        shutil.copytree(saved / "full" / "final", run / "3")
+    else:
+        run.mkdir()
+        (run / "training_log.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    before = contents(run)
+    assert forge_main(*export_args(saved, run), "--overwrite") == 2
+    message = error_line(capsys)
+    assert f"--out {run} is a training run's output_dir" in message and "not with --overwrite" in message, message
+    assert ("3/" if holds == "a checkpoint" else "training_log.jsonl") in message, message
+    assert contents(run) == before

@@ -3,6 +3,8 @@ starts; and `forge train` watches its training process, so an exit no `except` c
 is said, exits 1 and leaves a run `--resume` continues. The messages in this process on the tiny offline model;
 the watched runs as `python -m forge` subprocesses."""
 
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -16,6 +18,7 @@ import pytest
 import yaml
 
 from forge.cli import main
+from forge.core.config import VLLM_INSTALL
 from forge.model.tiny import build_tiny_model
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
@@ -189,6 +192,18 @@ def test_a_seed_torch_cannot_take_is_refused_before_the_model_loads(seed, worksp
     assert f"\n  - seed={seed} is out of range; torch takes -2**63 .. 2**64-1 (e.g. 42)" in capsys.readouterr().err
     assert forge_main("eval", "--seed", seed) == 2
     assert error_of(capsys).startswith(f"forge: error: --seed {seed} is out of range")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: nothing to refuse")
+@pytest.mark.parametrize("command", ["eval", "demo"])
+def test_the_vllm_backend_without_vllm_is_refused_before_any_model_loads(command, workspace, capsys, monkeypatch):
+    def loads_a_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(importlib.import_module("forge.eval.evaluate"), "load_for_eval", loads_a_model)
+    monkeypatch.setattr(importlib.import_module("forge.demo"), "load_model", loads_a_model)
+    assert forge_main(command, "--generation_backend", "vllm", "--model", workspace / "tiny") == 2
+    assert error_of(capsys) == f"forge: error: {VLLM_INSTALL}"
 
 
 # ----------------------------------------------------------------------------------------------------

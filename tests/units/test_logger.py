@@ -170,6 +170,24 @@ def test_truncate_after_drops_a_torn_last_line(tmp_path):
     assert read_rows(log_path) == [{"step": 1, "loss": 1.0}]
 
 
+def test_truncate_after_leaves_out_lines_that_are_not_rows_and_names_each(tmp_path):
+    """A line Forge did not write (an array, JSON nested past the recursion limit, a step that is no number) is
+    left out of the log with a one-line warning naming the file and the line; the rows around it stay."""
+    log_path = tmp_path / "training_log.jsonl"
+    deep = "[" * 200_000 + "]" * 200_000
+    log_path.write_text(f'{{"step": 1, "loss": 1.0}}\n[1, 2, 3]\n{deep}\n{{"step": "two"}}\n{{"step": 2, "loss": 2.0}}\n')
+    logger = ForgeLogger(tmp_path, console=False)
+    with pytest.warns(UserWarning) as caught:
+        logger.truncate_after(10)
+    assert [str(warning.message) for warning in caught] == [
+        f"{log_path}, line 2 is not a JSON object (it holds an array): left out (not a row Forge wrote)",
+        (f"{log_path}, line 3 is JSON nested 200,000 levels deep, more than the 100 Forge reads (no file Forge or "
+         f"transformers writes nests more than a few): left out (not a row Forge wrote)"),
+        f'{log_path}, line 4 has the step "two", not a number: left out (not a row Forge wrote)']
+    assert read_rows(log_path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]
+    assert logger.last_logged_step() == 2
+
+
 def test_last_logged_step_without_log(tmp_path):
     assert ForgeLogger(tmp_path, console=False).last_logged_step() is None
 

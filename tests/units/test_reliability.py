@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 
 import forge.core.trainer as trainer_module
 from forge import GRPOConfig, GRPOTrainer
@@ -30,7 +31,8 @@ from forge.core.scoring import (
 from forge.core.trainer import TrainingInterrupted
 from forge.data.dataset import reward_kwargs
 from forge.model.tiny import build_tiny_model
-from forge.run.integrity import COMPLETE_MARKER, latest_checkpoint
+from forge.run.integrity import COMPLETE_MARKER, latest_checkpoint, verify_checkpoint
+from forge.run.loop import StepFailed
 from forge.tools.sandbox import run_python
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
@@ -493,6 +495,78 @@ def test_resuming_before_later_checkpoints_warns_and_replaces_them(tmp_path):
         resumed.train(ROWS * 2)
     assert (tmp_path / "run" / "3" / "model.safetensors").stat().st_mtime_ns != stale
     assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_a_line_of_the_training_log_that_is_not_a_row_is_left_out_with_a_warning_and_the_run_resumes(tmp_path):
+    trainer_for(tmp_path, max_steps=2, save_steps=1).train(ROWS)
+    log = tmp_path / "run" / "training_log.jsonl"
+    first, *rest = log.read_text().splitlines(keepends=True)
+    log.write_text(first + "[1, 2, 3]\n" + "".join(rest))  # a line that is JSON but no row
+    resumed = trainer_for(tmp_path, max_steps=3, save_steps=1, resume_from="latest")
+    with pytest.warns(UserWarning, match=rf"^{re.escape(str(log))}, line 2 is not a JSON object \(it holds an array\)"):
+        resumed.train(ROWS)
+    assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_save_model_refuses_a_checkpoint_of_the_run_which_still_verifies(tmp_path):
+    trainer = trainer_for(tmp_path, max_steps=2, save_steps=1)
+    trainer.train(ROWS)
+    checkpoint = tmp_path / "run" / "1"
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    with pytest.raises(ValueError, match=rf"save_model\('{re.escape(str(checkpoint))}'\): .* holds a Forge checkpoint"):
+        trainer.save_model(str(tmp_path / "run") + "/1")
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    verify_checkpoint(checkpoint)
+    assert (trainer.save_model(tmp_path / "saved") / "model.safetensors").is_file()  # a new folder: written
+
+
+class ChangesTheConfig(TrainerCallback):
+    """Sets `values` on the config (TRL's `args`) in on_step_end of step 1, as a TRL callback may."""
+
+    def __init__(self, **values):
+        self.values = values
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            for name, value in self.values.items():
+                setattr(args, name, value)
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"max_new_tokens": 0}, "max_new_tokens=0 must be >= 1"),  # was an IndexError in the next step
+    ({"temperature": "hot"}, "temperature='hot' (str) must be a float"),  # a TypeError
+    ({"group_size": 0}, "group_size=0: GRPO needs >= 2 completions per prompt"),  # a ZeroDivisionError
+    ({"kl_beta": 0.1}, "kl_beta=0.1 needs the frozen reference model"),  # an AttributeError: no reference
+    ({"loss_type": "bogus"}, "loss_type='bogus' unknown"),  # a KeyError
+    ({"temperature": 0}, "temperature=0 must be > 0"),  # a NaN loss
+    ({"group_size": 8}, "group_size=8 (it was 4)"),  # valid, but the run was laid out (and saved) for 4
+    ({"use_lora": True}, "use_lora=True (it was False)"),
+], ids=["max_new_tokens", "temperature-str", "group_size-0", "kl_beta-without-reference", "loss_type",
+        "temperature-0", "group_size-changed", "use_lora"])
+def test_a_config_a_callback_breaks_between_steps_stops_the_run_as_a_failed_step(tmp_path, change, said):
+    trainer = trainer_for(tmp_path, max_steps=3, kl_beta=0.0)  # a full fine-tune: no reference model
+    trainer.add_callback(ChangesTheConfig(**change))
+    with pytest.raises(StepFailed) as caught:
+        trainer.train(ROWS)
+    message = str(caught.value)
+    checkpoint = tmp_path / "run" / "1"
+    assert said in message and "a callback changed the config" in message, message
+    assert f"The last finished step (1) is saved in {checkpoint}" in message, message
+    assert trainer.global_step == 1 and [row["step"] for row in read_log(tmp_path / "run")] == [1]
+    verify_checkpoint(checkpoint)
+
+
+def test_a_config_change_a_callback_makes_in_on_step_begin_is_checked_before_the_step(tmp_path):
+    class Shorter(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                args.max_new_tokens = 0
+
+    trainer = trainer_for(tmp_path, max_steps=3)
+    trainer.add_callback(Shorter())
+    with pytest.raises(StepFailed, match="max_new_tokens=0 must be >= 1(.|\n)*The last finished step \\(1\\)"):
+        trainer.train(ROWS)
+    assert trainer.global_step == 1
 
 
 def test_checkpoint_holds_the_model_name_and_dataset_identity(tmp_path):

@@ -127,6 +127,14 @@ def test_converted_training_arguments():
         GRPOConfig(push_to_hub=True)
 
 
+def test_trl_names_that_ask_for_two_values_of_one_field_are_refused_as_transformers_refuses_bf16_with_fp16():
+    with pytest.raises(TypeError, match=r"GRPOConfig got bf16=True and fp16=True, which ask for dtype='bfloat16' and "
+                                        r"dtype='float16': give one of them$"):
+        GRPOConfig(bf16=True, fp16=True)
+    assert GRPOConfig(bf16=True, fp16=False).dtype == "bfloat16"
+    assert GRPOConfig(bf16=True, model_init_kwargs={"torch_dtype": "bfloat16"}).dtype == "bfloat16"  # they agree
+
+
 def test_a_published_grpo_scripts_arguments_make_a_valid_config(tmp_path):
     """The TrainingArguments most GRPO scripts set, TRL's spelling throughout."""
     config = GRPOConfig(
