@@ -29,7 +29,6 @@ GRPOConfig: a callback reads `args.output_dir`, `args.logging_steps`, ... (Forge
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -114,7 +113,7 @@ def with_resume(config: Any, resume_from_checkpoint: bool | str | None) -> Any:
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return config
     where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
-    return dataclasses.replace(config, resume_from=where)
+    return config.replace(resume_from=where)  # GRPOConfig.replace: the TRL values given kept
 
 
 class TrainerSurface:
