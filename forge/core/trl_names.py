@@ -48,8 +48,8 @@ Converter = Callable[[Any, dict], dict]
 
 
 def _batch(doc: str) -> Converter:
-    """A converter for one of TRL's batch names: Forge's batch fields from TRL's arithmetic over all of them
-    (forge/core/trl_batch.py; forge_names calls it once with the names as given)."""
+    """A converter for one of TRL's batch names (the table's entry); convert_names converts them together, with
+    forge_batch (forge/core/trl_batch.py)."""
 
     def convert(value: Any, values: dict) -> dict:
         return forge_batch(values, values.get("num_generations", values["group_size"]))
