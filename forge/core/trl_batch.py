@@ -103,12 +103,14 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
     elif per_step % group_size == 0:  # a generation spans optimizer steps: each step's own prompts, for that step
         batch = {"prompts_per_step": per_step // group_size, "gradient_accumulation_steps": 1}
     else:
-        raise TypeError(f"TRL cuts each generation of {generation} completions ({generation // group_size} prompt(s) "
-                        f"x num_generations={group_size}) into {generation / per_step:g} optimizer steps of "
-                        f"{per_step} completions (per_device_train_batch_size x gradient_accumulation_steps x "
-                        f"processes), part of a group each; a Forge optimizer step trains on whole groups. Make "
-                        f"that product a multiple of {group_size}, e.g. gradient_accumulation_steps={steps} (the "
-                        f"whole generation in each optimizer step)")
+        split = (f"cuts each generation of {generation} completions ({generation // group_size} prompt(s) x "
+                 f"num_generations={group_size}) into {generation // per_step} optimizer steps of {per_step} completions"
+                 if generation % per_step == 0 else
+                 f"trains each optimizer step on {per_step} completions of its generations of {generation}")
+        raise TypeError(f"TRL {split} (per_device_train_batch_size x gradient_accumulation_steps x processes), part "
+                        f"of a group each; a Forge optimizer step trains on whole groups. Make that product a "
+                        f"multiple of num_generations={group_size}, e.g. gradient_accumulation_steps={steps} (one "
+                        f"whole generation per optimizer step)")
     share = batch["prompts_per_step"] * group_size // world  # this process's completions of a rollout batch
     if not values.get("auto_find_batch_size"):
         batch["micro_batch_size"] = per_device if per_device < share else 0
