@@ -104,8 +104,8 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
         batch = {"prompts_per_step": per_step // group_size, "gradient_accumulation_steps": 1}
     else:
         split = (f"cuts each generation of {generation} completions ({generation // group_size} prompt(s) x "
-                 f"num_generations={group_size}) into {generation // per_step} optimizer steps of {per_step} completions"
-                 if generation % per_step == 0 else
+                 f"num_generations={group_size}) into {generation // per_step} optimizer steps of {per_step} "
+                 f"completions" if generation % per_step == 0 else
                  f"trains each optimizer step on {per_step} completions of its generations of {generation}")
         raise TypeError(f"TRL {split} (per_device_train_batch_size x gradient_accumulation_steps x processes), part "
                         f"of a group each; a Forge optimizer step trains on whole groups. Make that product a "
