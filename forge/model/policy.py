@@ -85,8 +85,9 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
                    announce: bool = True, shard=None, peft_config=None) -> Policy:
     """What GRPOTrainer does to the model it is given (a model object, or a name `load_model` understands):
     choose the precision, load, prepare the tokenizer (a model object's own checkpoint's when none is given, as in
-    TRL), add LoRA (its random init seeded by `seed(config.seed)`), make the trainable weights float32 masters, move to `device`, `sync(trainable parameters)` (every process
-    starts from the same weights), enable checkpointing, build the reference; `announce` logs the precision.
+    TRL), add LoRA (its random init seeded by `seed(config.seed)`), make the trainable weights float32 masters,
+    move to `device`, `sync(trainable parameters)` (every process starts from the same weights), enable
+    checkpointing, build the reference; `announce` logs the precision.
     `shard` (FSDP2, forge/parallel/sharding.py): shards the model and the reference over the processes, which also puts
     each rank's shards on its device, instead of moving the whole model there. `peft_config`: a peft LoraConfig
     that apply_lora hands to peft as it is (config's lora_* fields are then its record)."""
