@@ -71,8 +71,6 @@ def _report_to(value: Any, values: dict) -> dict:
 
 def _precision(dtype: str) -> Converter:
     def convert(value: Any, values: dict) -> dict:
-        if value and values.get("bf16") and values.get("fp16"):
-            raise TypeError("bf16=True and fp16=True: give at most one (transformers refuses both too)")
         return {"dtype": dtype} if value else {}
 
     convert.__doc__ = f"dtype='{dtype}' when true (Forge's default 'auto' picks bf16 where the hardware runs it fast)"

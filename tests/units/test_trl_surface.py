@@ -323,9 +323,3 @@ def test_refusals_name_what_to_do():
     assert "{" not in str(refused.value) and "huggingface-cli upload" in str(refused.value)
     with pytest.raises(ValueError, match=r"generation_backend='vllm' \(TRL's use_vllm=True\) needs vLLM"):
         GRPOConfig(use_vllm=True).validate()  # vLLM is not installed with the test suite
-
-
-def test_bf16_and_fp16_together_are_refused_as_transformers_refuses_them():
-    with pytest.raises(TypeError, match="bf16=True and fp16=True: give at most one"):
-        GRPOConfig(bf16=True, fp16=True)
-    assert GRPOConfig(bf16=True, fp16=False).dtype == "bfloat16"
