@@ -483,9 +483,9 @@ def _whole(name: str, value: Any) -> Any:
 def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[str, dict]]:
     """(Forge's fields, and the fields each TRL name given set) from keyword values in Forge's or TRL's names (the
     tables above); `defaults` maps every Forge field to its default. An unknown name, a refused one that asks for
-    something, a value a converter cannot honour, or a TRL name given with its Forge field raises TypeError naming
-    what to use. TRL's batch names are converted together (forge/core/trl_batch.py), gradient_accumulation_steps
-    then in TRL's meaning."""
+    something, a value a converter cannot honour, a TRL name given with its Forge field, or two TRL names that ask
+    for two values of one field (bf16=True, fp16=True) raises TypeError naming what to use. TRL's batch names are
+    converted together (forge/core/trl_batch.py), gradient_accumulation_steps then in TRL's meaning."""
     known = set(defaults)
     unknown = sorted(k for k in values if k not in known and classify(k, known)[0] == "unclassified")
     if unknown:
@@ -495,6 +495,7 @@ def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[st
                         f"docs/config.md, `forge train --help`)")
     out = {k: _whole(k, v) for k, v in values.items() if k in known}
     produced: dict[str, dict] = {}
+    set_by: dict[str, str] = {}  # Forge field -> the TRL name that set it
     if speaks_trl_batch(values):
         batch = forge_batch(values, values.get("num_generations", values.get("group_size", defaults["group_size"])))
         said = next((name for name in BATCH_NAMES if name in values), "num_generations")
@@ -517,6 +518,10 @@ def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[st
         for field_name, field_value in converted.items():
             if field_name in values:
                 raise TypeError(f"GRPOConfig got both {name!r} (TRL's name) and {field_name!r}; give one")
+            earlier = set_by.setdefault(field_name, name)
+            if earlier != name and out[field_name] != field_value:  # bf16=True, fp16=True
+                raise TypeError(f"GRPOConfig got {earlier}={values[earlier]!r} and {name}={value!r}, which ask for "
+                                f"{field_name}={out[field_name]!r} and {field_name}={field_value!r}: give one of them")
             out[field_name] = field_value
         produced[name] = converted
     return out, produced
