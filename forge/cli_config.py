@@ -11,6 +11,7 @@ from pathlib import Path
 
 from forge.core.config import GRPOConfig
 from forge.core.config_docs import field_docs
+from forge.core.trl_batch import BATCH_NAMES
 from forge.core.trl_names import TRL_CONVERTED, TRL_NAMES
 
 
@@ -90,6 +91,8 @@ def _fields_of(name: str, value, values: dict) -> set[str]:
     """The GRPOConfig fields a Forge or TRL name sets (a converted TRL name: those its converter gives)."""
     if name in TRL_NAMES:
         return {TRL_NAMES[name]}
+    if name in BATCH_NAMES:  # converted together (core/trl_batch.py), gradient_accumulation_steps one of the inputs
+        return {"prompts_per_step", "micro_batch_size"}
     if name in TRL_CONVERTED:
         try:
             defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from forge.core.config import GRPOConfig
@@ -34,7 +33,7 @@ def trainer_arguments(tokenizer: Any, reward_fn: Any, config: Any, *, reward_fun
             raise TypeError(f"GRPOTrainer got both {forge}= and TRL's {trl}=; give one")
     config = config if config is not None else args if args is not None else GRPOConfig()
     if peft_config is not None:
-        config = dataclasses.replace(config, **lora_fields(peft_config))
+        config = config.replace(**lora_fields(peft_config))  # GRPOConfig.replace: the TRL values given kept
     rewards = reward_fn if reward_fn is not None else reward_funcs
     if rewards is None:
         raise ValueError("GRPOTrainer needs reward_fn (e.g. reward_fn=ExactMatchReward()), or TRL's "

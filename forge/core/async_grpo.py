@@ -9,7 +9,6 @@ classified in forge/core/trl_names.py (TRL_ASYNC_GRPO_FIELDS) like GRPOConfig's:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from forge.core.config import GRPOConfig
@@ -44,7 +43,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         config = forge_keywords.pop("config", None) or args  # Forge's name or TRL's
         config = AsyncGRPOConfig() if config is None else config
         if config.max_staleness is None:
-            config = dataclasses.replace(config, max_staleness=1)
+            config = config.replace(max_staleness=1)  # the TRL values given read back as before
         super().__init__(model, reward_funcs=reward_funcs, config=config, train_dataset=train_dataset,
                          processing_class=processing_class, callbacks=callbacks, peft_config=peft_config,
                          tools=tools, environment_factory=environment_factory, **forge_keywords)

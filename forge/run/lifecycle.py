@@ -21,6 +21,7 @@ This module never reads the trainer: everything comes in through `CheckpointPart
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -74,6 +75,8 @@ class CheckpointParts:
     dataset_identity: dict = field(default_factory=dict)  # size and fingerprint of the training rows
     sharded_by: Any = None  # FSDP2: the run's processes (is_main, main_pid, barrier, any), which all save;
     # None: the whole model is on rank 0, which saves alone
+    log_history: list = field(default_factory=list)  # transformers' TrainerState.log_history, kept up to date by
+    # the run: trainer_state.json holds it as transformers writes it, and resuming puts it back
 
 
 def resume_hint(path: Path) -> str:
@@ -277,7 +280,10 @@ class RunLifecycle:
                  "nonfinite_in_a_row": finished.nonfinite_in_a_row, "skipped_steps": finished.skipped_steps,
                  "loss_scale": finished.loss_scale, "entropy_control": finished.entropy_control,
                  "micro_batch_size": finished.micro_batch_size, "model_name": parts.run_config["model_name"],
-                 "is_lora": parts.is_lora, **parts.dataset_identity}
+                 "is_lora": parts.is_lora, **parts.dataset_identity,
+                 "log_history": [{k: v if not isinstance(v, float) or math.isfinite(v) else None  # NaN: null
+                                  for k, v in row.items()}
+                                 for row in parts.log_history if row["step"] <= finished.step]}
         files = {"model": parts.model, "tokenizer": parts.tokenizer, "optimizer": parts.optimizer,
                  "scheduler": parts.scheduler, "trainer_state": state, "config": parts.run_config,
                  "rng_state": finished.rng_state}
@@ -351,6 +357,7 @@ class RunLifecycle:
             restore_rng_state(state.rng_state)
         step = int(saved["global_step"])
         self.saved = (step, path)
+        parts.log_history[:] = saved.get("log_history", [])  # state.log_history goes on from the checkpoint's
         # This run's learning_rate / weight_decay apply from here on (the saved optimizer state would win).
         changed = apply_new_hyperparameters(parts.optimizer, parts.scheduler,
                                             parts.run_config["learning_rate"],

@@ -121,7 +121,8 @@ class TrainingRun:
                                            self.total_steps)
         self.lifecycle = RunLifecycle(config.output_dir, CheckpointParts(
             trainer.model, trainer.tokenizer, trainer.optimizer, trainer.scheduler, run_config(trainer),
-            trainer.is_lora, self.identity, sharded_by=self.dist if self.dist.fsdp else None),
+            trainer.is_lora, self.identity, sharded_by=self.dist if self.dist.fsdp else None,
+            log_history=self.events.state.log_history),
             save_total_limit=config.save_total_limit, is_main=self.dist.is_main)
         seed_everything(config.seed)
         epoch, position = 0, 0

@@ -29,7 +29,8 @@ GRPOConfig: a callback reads `args.output_dir`, `args.logging_steps`, ... (Forge
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -115,12 +116,38 @@ def with_resume(config: Any, resume_from_checkpoint: bool | str | None) -> Any:
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return config
     where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
-    return dataclasses.replace(config, resume_from=where)
+    return config.replace(resume_from=where)  # GRPOConfig.replace: the TRL values given kept
+
+
+def taking_quantization_config(init):
+    """A trainer's __init__ that also takes TRL's quantization_config: None, which TRL's scripts pass unless asked to
+    quantize (--load_in_4bit / --load_in_8bit), is accepted; a value is refused."""
+
+    @functools.wraps(init)
+    def wrapped(self, *args: Any, quantization_config: Any = None, **kwargs: Any) -> None:
+        if quantization_config is not None:
+            raise TypeError(f"{type(self).__name__}(quantization_config=...): Forge trains unquantized weights "
+                            f"(float32 masters, LoRA or full); load the model unquantized, or leave "
+                            f"quantization_config out")
+        init(self, *args, **kwargs)
+
+    signature = inspect.signature(init)
+    parameters = list(signature.parameters.values())
+    at = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_KEYWORD), len(parameters))
+    parameters.insert(at, inspect.Parameter("quantization_config", inspect.Parameter.KEYWORD_ONLY, default=None))
+    wrapped.__signature__ = signature.replace(parameters=parameters)
+    return wrapped
 
 
 class TrainerSurface:
     """Mixed into GRPOTrainer: transformers Trainer's names for what Forge's trainer has (`events` is its
-    RunEvents, `config` its GRPOConfig, `tokenizer`, `model`, `dist`, `eval_dataset`)."""
+    RunEvents, `config` its GRPOConfig, `tokenizer`, `model`, `dist`, `eval_dataset`), and TRL's trainer keyword
+    quantization_config on the __init__ of every trainer class (taking_quantization_config)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = taking_quantization_config(cls.__dict__["__init__"])
 
     @property
     def state(self) -> TrainerState:
@@ -196,4 +223,4 @@ class TrainerSurface:
         return path
 
 
-__all__ = ["RunEvents", "TrainerSurface", "with_resume"]
+__all__ = ["RunEvents", "TrainerSurface", "taking_quantization_config", "with_resume"]

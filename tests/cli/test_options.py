@@ -95,6 +95,18 @@ def test_trl_names_in_a_yaml_file_and_flags_win_whichever_name_they_use(tmp_path
     assert not config.use_tensorboard
 
 
+def test_trl_batch_names_follow_trls_arithmetic_across_a_yaml_file_and_flags(tmp_path):
+    """TRL's out-of-memory advice, split between the file and the command line: one prompt's 8 completions per
+    optimizer step, one per forward/backward (gradient_accumulation_steps is TRL's, an input of the batch)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"num_generations": 8, "per_device_train_batch_size": 1}))
+    parser = build_parser()
+    config = build_config(parser.parse_args(["train", "--config", str(path), "--gradient_accumulation_steps", "8"]))
+    assert (config.prompts_per_step, config.gradient_accumulation_steps, config.micro_batch_size) == (1, 1, 1)
+    config = build_config(parser.parse_args(["train", "--config", str(path), "--prompts_per_step", "3"]))
+    assert (config.prompts_per_step, config.gradient_accumulation_steps) == (3, 4)  # Forge's batch: its names win
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "--vllm_mode", "nearby"], "vllm_mode='nearby': use 'colocate' or 'server'"),
     (["train", "--num_generation", "4"], "forge train: unknown option --num_generation (did you mean --num_generations"),

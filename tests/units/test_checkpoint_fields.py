@@ -150,7 +150,8 @@ def test_optimizer_moments_of_another_shape_or_dtype_are_refused(run, plant):
 
 @pytest.mark.parametrize("field, value", [("global_step", 10**30), ("global_step", -1), ("global_step", 7),
                                           ("epoch", "two"), ("position", -3), ("skipped_steps", 10**9),
-                                          ("loss_scale", float("inf"))])
+                                          ("loss_scale", float("inf")), ("log_history", "rows"),
+                                          ("log_history", [1, 2])])
 def test_trainer_state_values_out_of_range_are_refused(run, field, value):
     file = run / "1" / "trainer_state.json"
     file.write_text(json.dumps(json.loads(file.read_text()) | {field: value}))

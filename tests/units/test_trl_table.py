@@ -148,5 +148,7 @@ def test_a_published_grpo_scripts_arguments_make_a_valid_config(tmp_path):
         dataloader_num_workers=2, remove_unused_columns=False, log_on_each_node=False, tf32=True,
         use_vllm=False, beta=0.04, loss_type="dr_grpo", scale_rewards="batch", log_completions=2,
     ).validate()
-    assert (config.dtype, config.gradient_checkpointing, config.eval_steps, config.prompts_per_step,
-            config.wandb_run_name, config.num_train_epochs) == ("bfloat16", True, 50, 1, "qwen-grpo", 1)
+    assert (config.dtype, config.gradient_checkpointing, config.eval_steps, config.wandb_run_name,
+            config.num_train_epochs) == ("bfloat16", True, 50, "qwen-grpo", 1)
+    # TRL: 8 completions x 4 accumulated passes = 32 per optimizer step, one generation of 4 prompts x 8
+    assert (config.prompts_per_step, config.gradient_accumulation_steps, config.micro_batch_size) == (4, 1, 8)

@@ -191,12 +191,16 @@ def test_a_callback_asks_for_a_checkpoint_and_train_resumes_from_it(model_folder
                         callbacks=[SaveAt])  # a class, as transformers takes it
     first.train()
     assert (tmp_path / "out" / "1").is_dir()
+    saved = json.loads((tmp_path / "out" / "1" / "trainer_state.json").read_text())
+    assert saved["log_history"] == first.state.log_history and [row["step"] for row in saved["log_history"]] == [1]
 
     second = GRPOTrainer(model=model_folder, reward_funcs=reward_len,
                          args=trl_args(tmp_path, max_steps=2, save_strategy="no"), train_dataset=dataset)
     second.train(resume_from_checkpoint=True)
     assert second.global_step == 2 and second.config.resume_from == "latest"
-    assert [row["step"] for row in second.state.log_history] == [2]
+    assert [row["step"] for row in second.state.log_history] == [1, 2]  # the checkpoint's rows, then this run's
+    final = json.loads((tmp_path / "out" / "final" / "trainer_state.json").read_text())
+    assert [row["step"] for row in final["log_history"]] == [1, 2]
 
 
 def test_save_model_writes_the_model_where_it_is_asked(model_folder, tmp_path):
