@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> None:
     extra = shlex.split(args.extra)
     tag = "_".join(flag.strip("-") for flag in extra) or "own_loop"
     for pair in range(args.pairs):
-        for kind, flags in (("sync", []), ("async", ["--async"])):
+        for kind, flags in [(k, f) for k, f in (("sync", []), ("async", ["--async"])) if k in args.kinds.split(",")]:
             out = RAW / f"{tag}_seed{args.seed}_{kind}_{pair}"
             record = demo(out, args.seed, args.steps, *flags, *extra)
             (out.with_suffix(".json")).write_text(json.dumps(record | {"kind": kind, "pair": pair}, indent=2))
@@ -87,8 +87,9 @@ def report(_: argparse.Namespace) -> None:
         bound = bound_per_step(one[0]) if one else None
         pairs = []
         for pair in sorted({r["pair"] for r in group if "pair" in r}):
-            sync, asyn = (next(r for r in group if r.get("pair") == pair and r["kind"] == kind)
-                          for kind in ("sync", "async"))
+            seed_group = groups.get("own_loop_seed" + name.split("_seed")[1], group)  # an async-only run: its sync
+            sync = next(r for r in group + seed_group if r.get("pair") == pair and r["kind"] == "sync")
+            asyn = next(r for r in group if r.get("pair") == pair and r["kind"] == "async")
             steps = [log_rows(r["command"]) for r in (sync, asyn)]
             per_step = [statistics.fmean(row["step_seconds"] for row in rows[1:]) for rows in steps]  # step 1: start
             waits = {key: sum(row.get(f"async/{key}", 0.0) for row in steps[1])
@@ -141,6 +142,8 @@ def main() -> None:
     go.add_argument("--pairs", type=int, default=1)
     go.add_argument("--seed", type=int, default=0)
     go.add_argument("--steps", type=int, default=60)
+    go.add_argument("--kinds", default="sync,async", help="which of the pair to run (async alone: another "
+                    "--max_staleness in --extra, against a pair's synchronous run)")
     go.add_argument("--bound", action="store_true", help="then once on one thread: each side's one-core time")
     go.add_argument("--extra", default="", help="more `forge demo` flags for every run, e.g. '--eval_every 0'")
     sub.add_parser("report")

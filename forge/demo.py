@@ -121,9 +121,11 @@ class DemoSettings:
     """With --distill: 'sampled' or 'full' (the reverse KL per sampled token, or over the vocabulary; --distill:
     'full')."""
     asynchronous: bool = False
-    """--async: sample and learn at once, one step off (GRPOConfig.max_staleness=1): a rollout worker process
-    samples the next step's groups on half the cores while the step trains on the rest; reports who waited
-    on whom (the async/* metrics)."""
+    """--async: sample and learn at once (GRPOConfig.max_staleness): a rollout worker process samples the next
+    steps' groups on half the cores while the step trains on the rest; reports who waited on whom (the async/*
+    metrics)."""
+    max_staleness: int = 1
+    """With --async: how many optimizer steps old the weights that sample a step are (1: one step off)."""
     dynamic_sampling: bool = False
     """Dynamic sampling (DAPO): up to 4 rounds of prompts per step until it holds prompts_per_step groups whose
     rewards differ."""
@@ -245,7 +247,7 @@ def demo_config(settings: DemoSettings, output_dir, **overrides) -> GRPOConfig:
         loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
         drop_zero_std_groups=True, micro_batch_size=settings.group_size, dtype=settings.dtype,
         generation_backend=settings.generation_backend, dynamic_sampling=settings.dynamic_sampling,
-        max_staleness=1 if settings.asynchronous else None,
+        max_staleness=settings.max_staleness if settings.asynchronous else None,
         overwrite_output_dir=True,  # each demo run replaces the previous one in its output dir
     )
     return replace(config, **overrides) if overrides else config
