@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def log_rows(command: str) -> list[dict]:
-    folder = Path(shlex.split(command)[shlex.split(command).index("--output_dir") + 1])
+    """The training rows of a run's training_log.jsonl (its folder under bench/results/async_demo/)."""
+    folder = RAW / Path(shlex.split(command)[shlex.split(command).index("--output_dir") + 1]).name
     return [json.loads(line) for line in (folder / "training_log.jsonl").read_text().splitlines()
             if line.strip() and "reward" in json.loads(line)]
 
