@@ -160,3 +160,15 @@ def test_tool_demo_evaluates_without_and_with_the_tool_in_the_training_precision
     assert result["gain_vs_no_tool"] == result["after"]["accuracy"] - result["no_tool"]["accuracy"]
     assert {"load", "no_tool_eval", "base_eval", "training", "final_eval", "total"} <= set(result["timings"])
     assert "demo_tools_result.json" in capsys.readouterr().out
+
+
+def test_the_async_demo_samples_ahead_and_reports_who_waited(model_folder, tmp_path, capsys):
+    out = tmp_path / "async_out"
+    main(["demo", "--model", str(model_folder), "--steps", "3", "--prompts_per_step", "2", "--group_size", "2",
+          "--heldout", "4", "--max_new_tokens", "6", "--threads", "2", "--seed", "3", "--output_dir", str(out),
+          "--eval_every", "0", "--eval_batch_size", "4", "--async", "--max_staleness", "2"])
+    printed = capsys.readouterr().out
+    result = json.loads((out / "demo_result.json").read_text())
+    assert result["settings"]["asynchronous"] and result["settings"]["max_staleness"] == 2
+    assert result["async"]["steps"] == 3 and result["async"]["staleness_max"] == 2.0  # steps 1, 2, 3: 0, 1, 2
+    assert "async:" in printed and "trainer_wait_s_total" in printed
