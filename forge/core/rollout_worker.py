@@ -35,7 +35,7 @@ import time
 import traceback
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -172,7 +172,7 @@ def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
                 load_flat(trainable, flat)
             idle = time.perf_counter() - waited
             started = time.perf_counter()
-            rollouts = sample(config, model, spec, engine, plan, request, version)
+            rollouts = sample(spec, model, engine, plan, request, version)
             results.put(_portable(Sampled(request.step, version, rollouts, idle, time.perf_counter() - started)))
     except SystemExit:
         raise
@@ -182,9 +182,10 @@ def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
         sys.exit(1)
 
 
-def sample(config, model, spec: WorkerSpec, engine, plan, request: SamplingRequest, version: int) -> list[Rollout]:
+def sample(spec: WorkerSpec, model, engine, plan, request: SamplingRequest, version: int) -> list[Rollout]:
     """One step's rollouts: on the vLLM server (given the weights of `version` first, once), or with the own
     decode loop on the worker's copy of the policy, as the trainer's generate would."""
+    config = spec.config
     group, budget, truncate = config.group_size, request.max_prompt_length, config.truncate_prompts
     if engine is not None:
         engine.sync(model, version)  # the server samples this step with these weights
@@ -203,7 +204,7 @@ def sample(config, model, spec: WorkerSpec, engine, plan, request: SamplingReque
 class AsyncStats:
     """Who waited on whom, for the step just taken (the async/* metrics)."""
 
-    staleness: list[int] = field(default_factory=list)  # per rollout of the step: global_step - version
+    staleness: int = 0  # global_step - the version that sampled the step (one version samples a whole step)
     trainer_wait_s: float = 0.0  # the trainer blocked on take()
     sampler_idle_s: float = 0.0  # the worker waiting for a request or for weights, before this step
     sampler_s: float = 0.0  # the worker sampling this step
@@ -211,8 +212,7 @@ class AsyncStats:
 
     def as_metrics(self) -> dict:
         """async/*: staleness, who waited on whom, and the queue of sampled steps (docs/metrics.md)."""
-        return {"async/staleness_mean": sum(self.staleness) / max(len(self.staleness), 1),
-                "async/staleness_max": float(max(self.staleness, default=0)),
+        return {"async/staleness_mean": float(self.staleness), "async/staleness_max": float(self.staleness),
                 "async/trainer_wait_s": self.trainer_wait_s, "async/sampler_idle_s": self.sampler_idle_s,
                 "async/sampler_s": self.sampler_s, "async/queue_length": float(self.queue_length)}
 
@@ -227,9 +227,8 @@ class AsyncRollouts:
         self.trainer_threads = None  # the trainer's torch threads before the worker took its share
         self.device, self.timeout = device, timeout  # timeout: seconds one step's groups may take; None: none
         self.process = None
-        self.first = 0  # the version the worker started from
         self.pending: list[Rollout] = []  # the rollouts of the step being collected, in generate order
-        self.ready: list[Sampled] = []  # sampled, not yet taken
+        self.version = 0  # the weights that sampled them
         self.stats = AsyncStats()
 
     @classmethod
@@ -254,13 +253,12 @@ class AsyncRollouts:
               version: int) -> None:
         """Start the sampling process with a copy of `model` (weights of step `version`)."""
         names = {id(p): name for name, p in model.named_parameters()}
-        missing = [i for i, p in enumerate(trainable) if id(p) not in names]
+        missing = sum(id(p) not in names for p in trainable)
         if missing:
             raise ValueError("async GRPO publishes the trainable parameters by name; "
-                             f"{len(missing)} of them are not parameters of the model")
+                             f"{missing} of them are not parameters of the model")
         ctx = mp.get_context("spawn")
         self.requests, self.weights, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        self.first = version
         device = self.device or str(next(model.parameters()).device)
         spec = WorkerSpec(_copy_for_worker(model), tokenizer, precision, [names[id(p)] for p in trainable],
                           version, config, self.threads, device)
@@ -272,7 +270,6 @@ class AsyncRollouts:
                                    name="forge-rollout-worker", daemon=True)
         with _main_module_hidden():
             self.process.start()
-        del spec
 
     def schedule(self, steps: Iterator, trainer) -> Iterator:
         """The run's steps (rows, epoch, position) as the loop walks them (forge/run/loop.py), each step's rows
@@ -311,7 +308,7 @@ class AsyncRollouts:
                                          f"{step + 1} asked (the schedule broke; this is a bug in Forge)")
             self.pending = list(sampled.rollouts)
             self.stats.sampler_idle_s, self.stats.sampler_s = sampled.idle_seconds, sampled.seconds
-            self.stats.staleness = [step - sampled.version] * len(sampled.rollouts)
+            self.stats.staleness = step - sampled.version
             self.version = sampled.version
         rollout = self.pending.pop(0)
         if rollout.num_prompts != len(prompts):

@@ -184,11 +184,11 @@ class GRPOTrainer(TrainerSurface):
     def generate(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
         """G completions per prompt, with this step's sampling noise (and the run's tools, or its environments
         reset with the prompts' dataset `rows`)."""
+        if self.ahead is not None and self.ahead.running:  # async GRPO: sampled earlier, by the rollout worker
+            return self.ahead.take(self.global_step, prompts)
         config, settings = self.config, SamplingSettings.from_config(self.config)  # as the config stands
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, settings.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
-        if self.ahead is not None and self.ahead.running:  # async GRPO: sampled earlier, by the rollout worker
-            return self.ahead.take(self.global_step, prompts)
         if self.engine is not None:  # vLLM samples its own copy of the weights (forge/core/engine_rollout.py)
             self.engine.sync(self.model, self.global_step)
             return generate_on_engine(self.engine, self.tokenizer, prompts, config.group_size, settings,

@@ -18,25 +18,9 @@ import pytest
 
 from forge.cli import main as forge_main
 from forge.model.tiny import build_tiny_model
+from test_resume import REWARD_FILE  # the reward that pauses at a chosen call, as the resume tests use it
 
 STEPS = 6
-
-REWARD_FILE = '''
-import os, pathlib, time
-
-CALLS = 0
-
-
-def text_length(prompts, completions, **kwargs):
-    global CALLS
-    CALLS += 1
-    if CALLS == int(os.environ.get("FORGE_TEST_PAUSE_AT_CALL", "0")):
-        pathlib.Path(os.environ["FORGE_TEST_READY"]).touch()
-        deadline = time.monotonic() + float(os.environ.get("FORGE_TEST_PAUSE_SECONDS", "600"))
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-    return [len(text) % 5 / 4 for text in completions]
-'''
 
 
 @pytest.fixture(scope="module")
