@@ -30,13 +30,18 @@ def parse_rewards(spec: str):
 
     rewards, weights = [], []
     for item in (part.strip() for part in spec.split(",") if part.strip()):
-        name, _, weight = item.rpartition(":") if item.count(":") >= 1 and _is_number(item.rsplit(":", 1)[1]) \
+        name, _, weight = (
+            item.rpartition(":")
+            if item.count(":") >= 1 and _is_number(item.rsplit(":", 1)[1])
             else (item, "", "1.0")
+        )
         if not name:
             name = item
         if not math.isfinite(float(weight or 1.0)):
-            raise ValueError(f"--reward {item!r}: the weight {weight!r} is not a finite number; give a weight "
-                             f"like {name}:0.5 (a reward function cannot be called {weight!r})")
+            raise ValueError(
+                f"--reward {item!r}: the weight {weight!r} is not a finite number; give a weight "
+                f"like {name}:0.5 (a reward function cannot be called {weight!r})"
+            )
         if ":" in name or "." in name:
             rewards.append(_load_user_reward(name, item))
         else:
@@ -80,8 +85,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:], config.output_dir)
     from_file = args.config and args.model != getattr(args, "given_model", args.model)  # `model:` in the YAML
     _check_model(args.model, f"{args.config}: model:" if from_file else "--model")
-    check_output_dir_is_free(Path(config.output_dir), resuming=bool(config.resume_from),  # before the model loads
-                             overwrite=config.overwrite_output_dir, is_main=int(os.environ.get("RANK", "0")) == 0)
+    check_output_dir_is_free(
+        Path(config.output_dir),
+        resuming=bool(config.resume_from),  # before the model loads
+        overwrite=config.overwrite_output_dir,
+        is_main=int(os.environ.get("RANK", "0")) == 0,
+    )
     if getattr(args, "watched", False) and "WORLD_SIZE" not in os.environ:  # the `forge` program, one process
         from forge.run.supervisor import run_watched
 
@@ -102,15 +111,24 @@ def _train(args: argparse.Namespace, config) -> int:
     rewards, weights = _rewards_for(args, environment)
     if config.reward_weights is None:
         config.reward_weights = weights
-    trainer = GRPOTrainer(args.model, None, rewards, config, evaluator=heldout_metrics,  # eval/strict_accuracy, ...
-                          tools=tools, environment_factory=environment)
+    trainer = GRPOTrainer(
+        args.model,
+        None,
+        rewards,
+        config,
+        evaluator=heldout_metrics,  # eval/strict_accuracy, ...
+        tools=tools,
+        environment_factory=environment,
+    )
     dataset, eval_rows = _training_data(args, trainer.tokenizer)
     if eval_rows is not None and not graded_by_math(eval_rows):  # the math grader would count every answer wrong
         trainer.evaluator = greedy_reward_evaluator(trainer.rewards, config, trainer.tool_settings)
         if trainer.dist.is_main:
-            print(f"forge: --eval_dataset {args.eval_dataset}: most references are not numbers the math grader "
-                  f"reads, so evaluation reports the mean reward of greedy completions under --reward (eval/reward)",
-                  file=sys.stderr)
+            print(
+                f"forge: --eval_dataset {args.eval_dataset}: most references are not numbers the math grader "
+                f"reads, so evaluation reports the mean reward of greedy completions under --reward (eval/reward)",
+                file=sys.stderr,
+            )
     try:
         trainer.train(dataset, eval_dataset=eval_rows)
     except TrainingInterrupted as interrupted:  # SIGINT/SIGTERM: a checkpoint was saved; say how to go on
@@ -132,8 +150,11 @@ def _rewards_for(args: argparse.Namespace, environment=None) -> tuple[list, list
     from forge.envs.protocol import environment_reward
 
     if args.reward == DEFAULTS["reward"] and environment is not None and environment_reward(environment):
-        print(f"forge: --environment {args.environment}: its get_reward is the reward (weight 1.0); give --reward "
-              f"to add others", file=sys.stderr)
+        print(
+            f"forge: --environment {args.environment}: its get_reward is the reward (weight 1.0); give --reward "
+            f"to add others",
+            file=sys.stderr,
+        )
         return [], []
     rewards, weights = parse_rewards(args.reward)
     task = task_for(args.dataset) if args.reward == DEFAULTS["reward"] else None
@@ -161,8 +182,9 @@ def _training_data(args: argparse.Namespace, tokenizer) -> tuple[list[dict], lis
     eval_rows = None
     if args.eval_dataset:
         eval_chat = pick_chat(getattr(args, "chat", None), tokenizer, args.eval_dataset, announce=False)
-        eval_rows = load_rows(args.eval_dataset, **source_kwargs(args.eval_dataset, chat=eval_chat, heldout=True,
-                                                                 **columns))
+        eval_rows = load_rows(
+            args.eval_dataset, **source_kwargs(args.eval_dataset, chat=eval_chat, heldout=True, **columns)
+        )
     if getattr(args, "chat", None):
         return as_chat_rows(dataset), eval_rows and as_chat_rows(eval_rows)
     if getattr(args, "chat", None) is None:
@@ -172,11 +194,18 @@ def _training_data(args: argparse.Namespace, tokenizer) -> tuple[list[dict], lis
 
 def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """--chat, --prompt_column, --reference_column (of `forge train` and `forge eval`)."""
-    parser.add_argument("--chat", type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
-                        help="prompts as chat messages (--chat, --chat true) or plain text (--chat false), for the "
-                             "datasets whose prompts Forge writes (gsm8k, gsm-hard, arithmetic, reasoning-gym:, "
-                             "hf:; default: true when the tokenizer has a chat template); true also wraps every "
-                             "string prompt (a JSONL file's) as one user message")
+    parser.add_argument(
+        "--chat",
+        type=parse_bool,
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="BOOL",
+        help="prompts as chat messages (--chat, --chat true) or plain text (--chat false), for the "
+        "datasets whose prompts Forge writes (gsm8k, gsm-hard, arithmetic, reasoning-gym:, "
+        "hf:; default: true when the tokenizer has a chat template); true also wraps every "
+        "string prompt (a JSONL file's) as one user message",
+    )
     parser.add_argument("--prompt_column", default=None, help="hf: datasets: the question column [question]")
     parser.add_argument("--reference_column", default=None, help="hf: datasets: the reference answer column [answer]")
 
@@ -208,17 +237,21 @@ def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
     resumed_from = newest_checkpoint(output_dir) if "--resume" in argv else None
     launcher = subprocess.Popen(command, env={**env, "FORGE_PARENT_PID": str(os.getpid())},
                                 start_new_session=True)  # signals reach it through this process alone
-    previous = {signum: signal.signal(signum, lambda signum, frame: launcher.send_signal(signum))
-                for signum in STOP_SIGNALS  # SIGHUP stays ignored under nohup
-                if not (signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) is signal.SIG_IGN)}
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: launcher.send_signal(signum))
+        for signum in STOP_SIGNALS  # SIGHUP stays ignored under nohup
+        if not (signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) is signal.SIG_IGN)
+    }
     try:
         code = launcher.wait()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if code not in (0, 130):  # 130: interrupted, and rank 0 said where it saved
-        print(f"forge: error: the {nproc}-process run did not finish; {resume_hint(output_dir, resumed_from)}",
-              file=sys.stderr)
+        print(
+            f"forge: error: the {nproc}-process run did not finish; {resume_hint(output_dir, resumed_from)}",
+            file=sys.stderr,
+        )
     return code
 
 
@@ -333,9 +366,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="forge", description="GRPO fine-tuning for HuggingFace causal LMs.",
-                                     epilog="--debug (anywhere on the line) or FORGE_DEBUG=1: show the Python "
-                                            "traceback of an error instead of only its message.")
+    parser = argparse.ArgumentParser(
+        prog="forge",
+        description="GRPO fine-tuning for HuggingFace causal LMs.",
+        epilog="--debug (anywhere on the line) or FORGE_DEBUG=1: show the Python "
+        "traceback of an error instead of only its message.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="fine-tune a model with GRPO",
@@ -346,30 +382,49 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dataset", default=DEFAULTS["dataset"],
                        help="gsm8k, gsm8k-mock, gsm-hard, arithmetic, reasoning-gym:NAME, "
                             "hf:ORG/NAME[:CONFIG][@SPLIT], or a JSONL file of {prompt, reference}")
-    train.add_argument("--eval_dataset", default=None, help="held-out data evaluated per eval_steps (same names; "
-                       "reasoning-gym:NAME gives its held-out problems, hf: its test split unless @SPLIT says)")
+    train.add_argument(
+        "--eval_dataset",
+        default=None,
+        help="held-out data evaluated per eval_steps (same names; "
+        "reasoning-gym:NAME gives its held-out problems, hf: its test split unless @SPLIT says)",
+    )
     _add_data_arguments(train)
     train.add_argument("--max_samples", type=int, default=None, help="use only the first N dataset rows")
-    train.add_argument("--reward", default=DEFAULTS["reward"],
-                       help="comma-separated name[:weight] (exact_match, math_correctness, tag_format, number, "
-                            "length) or module:function[:weight]")
+    train.add_argument(
+        "--reward",
+        default=DEFAULTS["reward"],
+        help="comma-separated name[:weight] (exact_match, math_correctness, tag_format, number, "
+        "length) or module:function[:weight]",
+    )
     train.add_argument("--tools", default=None,
                        help="comma-separated module:function (or path/file.py:function, or the built-in "
                             "'calculator') the model may call during rollouts; see GRPOConfig's tool fields")
-    train.add_argument("--environment", default=None,
-                       help="module:Class (or path/file.py:Class): an environment, one instance per completion, "
-                            "reset with its dataset row, whose public methods the model calls (docs/environments.md)")
+    train.add_argument(
+        "--environment",
+        default=None,
+        help="module:Class (or path/file.py:Class): an environment, one instance per completion, "
+        "reset with its dataset row, whose public methods the model calls (docs/environments.md)",
+    )
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
-    train.add_argument("--nproc", type=int, default=None, help="train data-parallel in N processes on this machine "
-                       "(one per GPU, or gloo on CPU); the same as torchrun / accelerate launch")
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="train data-parallel in N processes on this machine "
+        "(one per GPU, or gloo on CPU); the same as torchrun / accelerate launch",
+    )
     add_config_arguments(train)
     train.set_defaults(func=cmd_train)
 
     ev = sub.add_parser("eval", help="evaluate a model on held-out problems (strict/soft accuracy, pass@k)")
     ev.add_argument("--model", default="default", help="hub id, local folder, checkpoint, or 'default'")
     ev.add_argument("--adapter", default=None, help="LoRA adapter folder to apply on --model")
-    ev.add_argument("--data", default="arithmetic", help="arithmetic, gsm8k, gsm-hard, gsm8k-mock, "
-                    "reasoning-gym:NAME (its held-out problems), hf:ORG/NAME[:CONFIG][@SPLIT], or a JSONL path")
+    ev.add_argument(
+        "--data",
+        default="arithmetic",
+        help="arithmetic, gsm8k, gsm-hard, gsm8k-mock, "
+        "reasoning-gym:NAME (its held-out problems), hf:ORG/NAME[:CONFIG][@SPLIT], or a JSONL path",
+    )
     _add_data_arguments(ev)
     ev.add_argument("--split", default="test")
     ev.add_argument("--n", type=int, default=None, help="number of problems (default: all)")
@@ -380,9 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--generation_backend", default="auto", choices=["auto", "eager", "compiled", "vllm"],
                     help="Forge's own decode loop (auto, eager, compiled) or vLLM (docs/scaling.md)")
     ev.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="evaluate two models side by side")
-    ev.add_argument("--reward", default=None, help="also report the mean reward of greedy completions under these "
-                    "rewards (reward, rewards/NAME), the syntax of `forge train --reward`: for data the math grader "
-                    "cannot judge")
+    ev.add_argument(
+        "--reward",
+        default=None,
+        help="also report the mean reward of greedy completions under these "
+        "rewards (reward, rewards/NAME), the syntax of `forge train --reward`: for data the math grader "
+        "cannot judge",
+    )
     ev.add_argument("--out", default=None, help="directory for eval.json / the comparison report")
     ev.set_defaults(func=cmd_eval)
 
@@ -408,10 +467,16 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="merge a LoRA adapter into its base model (plain transformers folder)")
     export.add_argument("--adapter", required=True)
     export.add_argument("--base", default="default")
-    export.add_argument("--out", required=True, help="a new or empty folder, or an earlier export of the same "
-                        "--adapter and --base (replaced)")
-    export.add_argument("--overwrite", action="store_true", help="replace what --out holds (never the --adapter or "
-                        "--base folder)")
+    export.add_argument(
+        "--out",
+        required=True,
+        help="a new or empty folder, or an earlier export of the same --adapter and --base (replaced)",
+    )
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what --out holds (never the --adapter or --base folder)",
+    )
     export.set_defaults(func=cmd_export)
     serve = sub.add_parser("vllm-serve", help="serve a model on vLLM for `forge train --vllm_mode server`")
     serve.add_argument("--model", default="default", help="hub id, local folder, or 'default' (packaged SmolLM2)")
@@ -519,8 +584,10 @@ def _user_error(error: BaseException, args: argparse.Namespace) -> tuple[str, in
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and isinstance(error, RuntimeError) and any(
             backend in str(error) for backend in ("gloo", "NCCL", "nccl")):  # a collective lost its peers
         detail = str(error).strip().splitlines()[0][:200]
-        return (f"process {os.environ.get('RANK', '?')} stopped: a collective with the other processes failed "
-                f"({detail}); another process of the run most likely ended first, and its output says why"), 1
+        return (
+            f"process {os.environ.get('RANK', '?')} stopped: a collective with the other processes failed "
+            f"({detail}); another process of the run most likely ended first, and its output says why"
+        ), 1
     return None
 
 

@@ -69,9 +69,14 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(GRPOConfig)
     for f in dataclasses.fields(GRPOConfig):
         flag = {"nargs": "?", "const": True} if hints[f.name] is bool else {}  # `--fsdp` alone means true
-        group.add_argument(f"--{f.name}", type=_field_parser(f.name), default=None, metavar=f.name.upper(),
-                           help=f"{docs.get(f.name, '')} [{f.default}]".replace("%", "%%"),  # argparse %-formats
-                           **flag)
+        group.add_argument(
+            f"--{f.name}",
+            type=_field_parser(f.name),
+            default=None,
+            metavar=f.name.upper(),
+            help=f"{docs.get(f.name, '')} [{f.default}]".replace("%", "%%"),  # argparse %-formats
+            **flag,
+        )
     trl = parser.add_argument_group("TRL's GRPOConfig names (docs/from-trl.md)")
     for name, field in TRL_NAMES.items():
         flag = {"nargs": "?", "const": True} if hints[field] is bool else {}
@@ -79,8 +84,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                          help=f"the same as --{field}", **flag)
     for name, convert in TRL_CONVERTED.items():
         what = " ".join((convert.__doc__ or "").split()).split(". ")[0]
-        trl.add_argument(f"--{name}", type=_trl_value, nargs="?", const=True, default=None, metavar="VALUE",
-                         help=(what or f"TRL's {name} (the Forge field it sets: docs/from-trl.md)").replace("%", "%%"))
+        trl.add_argument(
+            f"--{name}",
+            type=_trl_value,
+            nargs="?",
+            const=True,
+            default=None,
+            metavar="VALUE",
+            help=(what or f"TRL's {name} (the Forge field it sets: docs/from-trl.md)").replace("%", "%%"),
+        )
 
 
 CONFIG_FLAGS = (*(f.name for f in dataclasses.fields(GRPOConfig)), *TRL_NAMES, *TRL_CONVERTED)
@@ -145,7 +157,8 @@ def _read_yaml_config(path: Path) -> dict:
                          f"one per line") from None
     if not isinstance(loaded, dict):
         raise ValueError(  # noqa: TRY004 - bad input in a file, reported like the others
-            f"{path} must hold a mapping of GRPOConfig fields (`name: value` lines), got a {type(loaded).__name__}")
+            f"{path} must hold a mapping of GRPOConfig fields (`name: value` lines), got a {type(loaded).__name__}"
+        )
     return loaded
 
 

@@ -196,8 +196,12 @@ def demo_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     tools = switches["tools"]
     described = __doc__.split("\n\n")
     description = described[2] if tools else "\n\n".join(described[:2])
-    parser = argparse.ArgumentParser(prog="forge demo" + (" --tools" if tools else ""), description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="forge demo" + (" --tools" if tools else ""),
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     add_demo_arguments(parser, switches)
     return parser
 
@@ -239,14 +243,32 @@ def load_policy(settings: DemoSettings) -> tuple[torch.nn.Module, Any, Precision
 def demo_config(settings: DemoSettings, output_dir, **overrides) -> GRPOConfig:
     """The demo's GRPOConfig (bench/learning_vs_trl.py builds TRL's config from the same settings)."""
     config = GRPOConfig(
-        group_size=settings.group_size, prompts_per_step=settings.prompts_per_step, gradient_accumulation_steps=1,
-        max_steps=settings.steps, learning_rate=settings.learning_rate, lr_scheduler="constant", warmup_ratio=0.0,
-        kl_beta=0.0, temperature=settings.temperature, max_new_tokens=settings.max_new_tokens, use_lora=True,
-        lora_r=settings.lora_r, lora_alpha=2 * settings.lora_r, logging_steps=1, save_steps=0,
-        reward_weights=[1.0, settings.format_weight], output_dir=str(output_dir), seed=settings.seed,
-        loss_type="dr_grpo", scale_rewards="group", lora_target_modules=settings.lora_targets.split(","),
-        drop_zero_std_groups=True, micro_batch_size=settings.group_size, dtype=settings.dtype,
-        generation_backend=settings.generation_backend, dynamic_sampling=settings.dynamic_sampling,
+        group_size=settings.group_size,
+        prompts_per_step=settings.prompts_per_step,
+        gradient_accumulation_steps=1,
+        max_steps=settings.steps,
+        learning_rate=settings.learning_rate,
+        lr_scheduler="constant",
+        warmup_ratio=0.0,
+        kl_beta=0.0,
+        temperature=settings.temperature,
+        max_new_tokens=settings.max_new_tokens,
+        use_lora=True,
+        lora_r=settings.lora_r,
+        lora_alpha=2 * settings.lora_r,
+        logging_steps=1,
+        save_steps=0,
+        reward_weights=[1.0, settings.format_weight],
+        output_dir=str(output_dir),
+        seed=settings.seed,
+        loss_type="dr_grpo",
+        scale_rewards="group",
+        lora_target_modules=settings.lora_targets.split(","),
+        drop_zero_std_groups=True,
+        micro_batch_size=settings.group_size,
+        dtype=settings.dtype,
+        generation_backend=settings.generation_backend,
+        dynamic_sampling=settings.dynamic_sampling,
         max_staleness=settings.max_staleness if settings.asynchronous else None,
         overwrite_output_dir=True,  # each demo run replaces the previous one in its output dir
     )
@@ -279,8 +301,11 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     run.say(f"loading {settings.model} (the packaged model is converted from GGUF once, ~20 s)")
     model, tokenizer, precision = load_policy(settings)
     heldout = ARITHMETIC_TASK.heldout(n=settings.heldout, chat=True)
-    candidates = ARITHMETIC_TASK.rows(n=max(settings.screen_candidates, settings.steps * settings.prompts_per_step),
-                                      seed=settings.seed, chat=True)
+    candidates = ARITHMETIC_TASK.rows(
+        n=max(settings.screen_candidates, settings.steps * settings.prompts_per_step),
+        seed=settings.seed,
+        chat=True,
+    )
     run.timings["load"] = run.elapsed()
     if settings.ceiling:
         with precision.autocast():
@@ -299,8 +324,13 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     subset = heldout[: settings.eval_subset] if settings.eval_every else None
     distill = {"teacher_model": teacher, "reward_coef": settings.reward_coef, "drop_zero_std_groups": False,
                "distill_loss": settings.distill_loss, "micro_batch_size": 0}  # every group in one loss pass
-    config = demo_config(settings, run.out, eval_steps=settings.eval_every, eval_before_training=subset is not None,
-                         **(distill if teacher else {}))
+    config = demo_config(
+        settings,
+        run.out,
+        eval_steps=settings.eval_every,
+        eval_before_training=subset is not None,
+        **(distill if teacher else {}),
+    )
     run.say(training_line(settings) + (f"; held-out curve: the first {len(subset)} problems every "
                                         f"{settings.eval_every} steps" if subset else ""))
     curve = HeldoutCurve(heldout, len(subset or ()), settings.steps, eval_kw, before)
@@ -333,14 +363,23 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
         fmt = "{:6.1%}" if key != "mean_completion_length" else "{:6.1f}"
         print(f"{label:>18} | {fmt.format(before.metrics[key])} | {fmt.format(after.metrics[key])}")
     recorded = asdict(settings) | ({"distill": True, "teacher": teacher} if teacher else {})  # a student says so
-    result = {"settings": recorded, "heldout_size": len(heldout), "before": before.metrics,
-              "after": after.metrics, "gain": after.metrics["strict_accuracy"] - before.metrics["strict_accuracy"],
-              "eval_curve": curve.points, "eval_curve_size": len(subset or ()),
-              "train_seconds": train_seconds, "train_cpu_seconds": train_cpu_seconds, "total_seconds": total,
-              "seconds_per_step": train_seconds / max(1, settings.steps), "timings": run.timings,
-              "load_average": {"start": load_before, "end": _load_average()},
-              "machine": _machine() | {"precision": str(precision.compute).removeprefix("torch."),
-                                       "precision_reason": precision.reason}}
+    result = {
+        "settings": recorded,
+        "heldout_size": len(heldout),
+        "before": before.metrics,
+        "after": after.metrics,
+        "gain": after.metrics["strict_accuracy"] - before.metrics["strict_accuracy"],
+        "eval_curve": curve.points,
+        "eval_curve_size": len(subset or ()),
+        "train_seconds": train_seconds,
+        "train_cpu_seconds": train_cpu_seconds,
+        "total_seconds": total,
+        "seconds_per_step": train_seconds / max(1, settings.steps),
+        "timings": run.timings,
+        "load_average": {"start": load_before, "end": _load_average()},
+        "machine": _machine()
+        | {"precision": str(precision.compute).removeprefix("torch."), "precision_reason": precision.reason},
+    }
     out = run.out
     (out / "demo_result.json").write_text(json.dumps(result, indent=2))
     print(f"\ntraining {train_seconds:.0f}s ({result['seconds_per_step']:.1f} s/step), total {total:.0f}s ("
@@ -349,8 +388,10 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
         result["async"] = async_summary(out / "training_log.jsonl")
         (out / "demo_result.json").write_text(json.dumps(result, indent=2))
         print("async:    " + ", ".join(f"{k} {v:.1f}" for k, v in result["async"].items()))
-    print(f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     {out / 'training_log.jsonl'}, "
-          f"{out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   {out / 'demo_result.json'}")
+    print(
+        f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     {out / 'training_log.jsonl'}, "
+        f"{out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   {out / 'demo_result.json'}"
+    )
     return result
 
 
@@ -362,8 +403,10 @@ def run_distill_demo(settings: DemoSettings) -> dict:
     teacher_settings = replace(plain, **{key: plain_values[key] for key in DISTILL})  # the plain demo's recipe
     teacher_dir = Path(settings.teacher) if settings.teacher else out / "teacher" / "final"
     if settings.teacher and not (teacher_dir.parent / "demo_result.json").is_file():
-        raise FileNotFoundError(f"--teacher {teacher_dir}: no demo_result.json beside it; give the final/ folder of "
-                                f"a `forge demo` run, or leave --teacher out to train the teacher first")
+        raise FileNotFoundError(
+            f"--teacher {teacher_dir}: no demo_result.json beside it; give the final/ folder of "
+            f"a `forge demo` run, or leave --teacher out to train the teacher first"
+        )
     grpo = (json.loads((teacher_dir.parent / "demo_result.json").read_text()) if settings.teacher
             else run_demo(replace(teacher_settings, output_dir=str(out / "teacher"))))
     student = run_demo(replace(plain, output_dir=str(out / "student")), teacher=str(teacher_dir))
@@ -399,8 +442,10 @@ def _screened_rows(settings: DemoSettings, run: DemoRun, model, tokenizer, candi
                    heldout: list[dict]) -> list[dict]:
     """The candidates whose samples are mixed (some right, some wrong), topped up to one step's prompts."""
     seed_everything(settings.seed)
-    run.say(f"screening {settings.screen_candidates} training prompts ({settings.screen_group_size} samples each) "
-            f"for mixed correctness")
+    run.say(
+        f"screening {settings.screen_candidates} training prompts ({settings.screen_group_size} samples each) "
+        f"for mixed correctness"
+    )
     screened = screen_prompts(model, tokenizer, candidates[: settings.screen_candidates],
                               group_size=settings.screen_group_size, max_new_tokens=settings.max_new_tokens,
                               temperature=settings.temperature, seed=settings.seed, heldout_rows=heldout)

@@ -39,8 +39,15 @@ def evaluate_episodes(model, tokenizer, rows: list[dict], factory, *, max_new_to
     """Greedy episodes on rows: the share found, guesses per episode, and a few transcripts."""
     was_training = model.training
     model.eval()
-    rollout = generate(model, tokenizer, [row["prompt"] for row in rows], 1,
-                       SamplingSettings(max_new_tokens, do_sample=False), tools=env_settings(factory), rows=rows)
+    rollout = generate(
+        model,
+        tokenizer,
+        [row["prompt"] for row in rows],
+        1,
+        SamplingSettings(max_new_tokens, do_sample=False),
+        tools=env_settings(factory),
+        rows=rows,
+    )
     model.train(was_training)
     found = [bool(e.environment is not None and e.environment.found) for e in rollout.episodes]
     turns = [e.turns for e in rollout.episodes]
@@ -62,8 +69,10 @@ def run_env_demo(settings: DemoSettings) -> dict:
                                                 max_new_tokens=settings.max_new_tokens)
                     for feedback, factory in (("real", GuessNumber), ("noise", NoisyGuessNumber))}
 
-    run.say(f"base model on {len(heldout)} held-out episodes (ranges {HELDOUT_HIGHS}), greedy, real and noise "
-            f"feedback")
+    run.say(
+        f"base model on {len(heldout)} held-out episodes (ranges {HELDOUT_HIGHS}), greedy, real and noise "
+        f"feedback"
+    )
     before = measured("base_eval", model)
     run.say(_line("base", before))
     config = demo_config(settings, run.out, reward_weights=None, max_tool_calling_iterations=TURNS,

@@ -18,9 +18,11 @@ from forge.core.trainer import GRPOTrainer
 from forge.demo import DemoRun, DemoSettings, demo_config, load_policy, training_line
 from forge.tools.calls import ToolSettings, as_tools, calculator
 
-SYSTEM_WITH_TOOL = ("You are a careful assistant with a calculator. To compute something, write "
-                    "<calc>expression</calc>; the calculator answers with <result>value</result>. Then give the "
-                    "final answer as <answer>number</answer>.")
+SYSTEM_WITH_TOOL = (
+    "You are a careful assistant with a calculator. To compute something, write "
+    "<calc>expression</calc>; the calculator answers with <result>value</result>. Then give the "
+    "final answer as <answer>number</answer>."
+)
 SYSTEM_NO_TOOL = "You are a careful assistant. Give the final answer as <answer>number</answer>."
 EXAMPLE_QUESTION = "What is 312 * 27?"
 EXAMPLE_WITH_TOOL = "<calc>312 * 27</calc><result>8424</result> The answer is <answer>8424</answer>"
@@ -41,8 +43,10 @@ def tool_problems(n: int, seed: int) -> list[dict]:
             question, answer = f"A box holds {b} pens. How many pens are in {a} boxes?", a * b
         else:
             c, d = rng.randint(100, 999), rng.randint(2, 9)
-            question = (f"A shop sells {a} bags of {b} apples each and {c} single apples. It has {d} workers. "
-                        f"How many apples does it sell in total?")
+            question = (
+                f"A shop sells {a} bags of {b} apples each and {c} single apples. It has {d} workers. "
+                f"How many apples does it sell in total?"
+            )
             answer = a * b + c
         out.append({"question": question, "answer": answer, "kind": kind})
     return out
@@ -55,8 +59,10 @@ def tool_prompt(question: str, with_tool: bool = True) -> list[dict]:
 
 
 def tool_rows(problems: list[dict], with_tool: bool = True) -> list[dict]:
-    return [{"prompt": tool_prompt(p["question"], with_tool), "reference": str(p["answer"]), "kind": p["kind"]}
-            for p in problems]
+    return [
+        {"prompt": tool_prompt(p["question"], with_tool), "reference": str(p["answer"]), "kind": p["kind"]}
+        for p in problems
+    ]
 
 
 def final_answer(text: str) -> str | None:
@@ -89,8 +95,14 @@ def evaluate_with_tools(model, tokenizer, rows: list[dict], *, with_tool: bool, 
     sampling, tools = SamplingSettings(max_new_tokens, do_sample=False), calculator_settings() if with_tool else None
     texts, calls = [], []
     for start in range(0, len(rows), batch_size):
-        rollout = generate(model, tokenizer, [row["prompt"] for row in rows[start:start + batch_size]], 1, sampling,
-                           tools=tools)
+        rollout = generate(
+            model,
+            tokenizer,
+            [row["prompt"] for row in rows[start : start + batch_size]],
+            1,
+            sampling,
+            tools=tools,
+        )
         texts += rollout.completions
         calls += rollout.tool_calls or [[] for _ in rollout.completions]
     model.train(was_training)
@@ -134,8 +146,13 @@ def run_tool_demo(settings: DemoSettings) -> dict:
     run.say(f"no tool {no_tool['accuracy']:.1%}; with the tool {before['accuracy']:.1%} "
             f"(tool used {before['tool_use']:.1%}, right call {before['right_call']:.1%})")
     tools = calculator_settings()
-    config = demo_config(settings, run.out, max_tool_calling_iterations=tools.max_calls, tool_format=tools.format,
-                         tool_timeout=tools.timeout)
+    config = demo_config(
+        settings,
+        run.out,
+        max_tool_calling_iterations=tools.max_calls,
+        tool_format=tools.format,
+        tool_timeout=tools.timeout,
+    )
     trainer = GRPOTrainer(model, tokenizer, [answer_correct, answer_format], config, tools=[calculator])
     run.say(training_line(settings) + ", calculator tool")
     with run.timed("training"):
@@ -144,10 +161,17 @@ def run_tool_demo(settings: DemoSettings) -> dict:
     run.say(f"trained with the tool {after['accuracy']:.1%} (tool used {after['tool_use']:.1%}, right call "
             f"{after['right_call']:.1%})")
     run.timings["total"] = run.elapsed()
-    result = {"settings": asdict(settings), "heldout_size": len(heldout), "no_tool": no_tool, "before": before,
-              "after": after, "gain_vs_base_with_tool": after["accuracy"] - before["accuracy"],
-              "gain_vs_no_tool": after["accuracy"] - no_tool["accuracy"], "timings": run.timings,
-              "precision": str(precision.compute).removeprefix("torch.")}
+    result = {
+        "settings": asdict(settings),
+        "heldout_size": len(heldout),
+        "no_tool": no_tool,
+        "before": before,
+        "after": after,
+        "gain_vs_base_with_tool": after["accuracy"] - before["accuracy"],
+        "gain_vs_no_tool": after["accuracy"] - no_tool["accuracy"],
+        "timings": run.timings,
+        "precision": str(precision.compute).removeprefix("torch."),
+    }
     (run.out / "demo_tools_result.json").write_text(json.dumps(result, indent=2))
     print(f"\n{'':>22} | accuracy | tool used | right call\n"
           + "\n".join(f"{label:>22} | {m['accuracy']:8.1%} | {m['tool_use']:9.1%} | {m['right_call']:10.1%}"

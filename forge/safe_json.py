@@ -66,8 +66,11 @@ def parse_json(text: str | bytes, where: str, expect: type | tuple[type, ...] = 
             raise JSONFileError(where, "is not valid JSON (not UTF-8 text)") from None
     depth = nesting_depth(text, max_depth)
     if depth > max_depth:
-        raise JSONFileError(where, f"is JSON nested {depth:,} levels deep, more than the {max_depth} Forge reads "
-                                   f"(no file Forge or transformers writes nests more than a few)")
+        raise JSONFileError(
+            where,
+            f"is JSON nested {depth:,} levels deep, more than the {max_depth} Forge reads "
+            f"(no file Forge or transformers writes nests more than a few)",
+        )
     try:
         value = json.loads(text)
     except ValueError as error:

@@ -31,15 +31,30 @@ class AsyncGRPOTrainer(GRPOTrainer):
     TRL's `optimizers`, `rollout_worker` and `weight_transfer` hooks are refused when given: Forge's optimizer
     is AdamW on the config's learning rate, and its worker and weight transfer are its own."""
 
-    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, processing_class=None,
-                 callbacks=None, optimizers=(None, None), peft_config=None, tools=None, environment_factory=None,
-                 rollout_worker=None, weight_transfer=None, **forge_keywords):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args=None,
+        train_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        tools=None,
+        environment_factory=None,
+        rollout_worker=None,
+        weight_transfer=None,
+        **forge_keywords,
+    ):
         for name, value in (("optimizers", optimizers if any(o is not None for o in optimizers) else None),
                             ("rollout_worker", rollout_worker), ("weight_transfer", weight_transfer)):
             if value is not None:
-                raise TypeError(f"AsyncGRPOTrainer({name}=...): Forge's optimizer is torch's AdamW on the config's "
-                                f"learning_rate, and its rollout worker and weight transfer are its own "
-                                f"(forge/core/rollout_worker.py); leave {name} out")
+                raise TypeError(
+                    f"AsyncGRPOTrainer({name}=...): Forge's optimizer is torch's AdamW on the config's "
+                    f"learning_rate, and its rollout worker and weight transfer are its own "
+                    f"(forge/core/rollout_worker.py); leave {name} out"
+                )
         config = forge_keywords.pop("config", None) or args  # Forge's name or TRL's
         config = AsyncGRPOConfig() if config is None else config
         if config.max_staleness is None:

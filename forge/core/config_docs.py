@@ -34,10 +34,15 @@ def reference_markdown() -> str:
     """docs/config.md: every field under its block's heading (the `# --- block ---` comments), with its type,
     default and docstring."""
     docs, defaults = field_docs(), {f.name: f.default for f in fields(GRPOConfig)}
-    out = ["# GRPOConfig reference", "",
-           ("Generated from the field docstrings of `forge/core/config.py` by `python -m forge.core.config_docs > "
+    out = [
+        "# GRPOConfig reference",
+        "",
+        (
+            "Generated from the field docstrings of `forge/core/config.py` by `python -m forge.core.config_docs > "
             "docs/config.md`; tests/math/test_config.py fails when the two differ. Every field is also a `forge train` "
-            "flag (`--name value`) and a key of a `--config` YAML file.")]
+            "flag (`--name value`) and a key of a `--config` YAML file."
+        ),
+    ]
     for line in inspect.getsource(GRPOConfig).splitlines():
         block = re.fullmatch(r"\s*# --- (.*) ---", line)
         field = re.fullmatch(r"\s*(\w+): (.+?) = .*", line)
@@ -62,8 +67,14 @@ def trl_tables_markdown() -> str:
                           TRL_ASYNC_GRPO_FIELDS)):
         rows = [(name, *classify(name, forge_fields)) for name in names]
         counts = {kind: sum(1 for _, k, _ in rows if k == kind) for kind in ("mapped", "ignored", "refused")}
-        out += [f"### {title}", "", f"{len(rows)} fields: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + ".",
-                "", "| name | class | in Forge |", "|---|---|---|"]
+        out += [
+            f"### {title}",
+            "",
+            f"{len(rows)} fields: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + ".",
+            "",
+            "| name | class | in Forge |",
+            "|---|---|---|",
+        ]
         out += [f"| `{name}` | {kind} | {text.replace('|', '/')} |" for name, kind, text in rows]
         out.append("")
     return "\n".join(out)

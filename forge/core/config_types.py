@@ -38,8 +38,13 @@ def _type_name(hint: object) -> str:
     if typing.get_origin(hint) in (list, tuple):
         item = typing.get_args(hint)[0]
         return f"a list of {getattr(item, '__name__', item)} values"
-    names = {bool: "a bool (true or false)", int: "an int (a whole number)", float: "a float", str: "a string",
-             type(None): "None"}
+    names = {
+        bool: "a bool (true or false)",
+        int: "an int (a whole number)",
+        float: "a float",
+        str: "a string",
+        type(None): "None",
+    }
     return names.get(hint, f"a {getattr(hint, '__name__', hint)}")
 
 

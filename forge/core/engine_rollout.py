@@ -47,14 +47,23 @@ def open_engine(config, model, tokenizer, compute: torch.dtype, dist=None, worke
         raise ValueError(f"vllm_mode={config.vllm_mode!r}: use one of {', '.join(MODES)}")
     if config.vllm_mode == "server":
         url = config.vllm_server_base_url or f"http://{config.vllm_server_host}:{config.vllm_server_port}"
-        engine = ServerEngine(url, eos_ids(tokenizer, model), compute, context_of(model),
-                              weights_dir=f"{config.output_dir}/vllm-weights", timeout=config.vllm_server_timeout,
-                              pushes=dist is None or dist.is_main, after_push=None if dist is None else dist.barrier)
+        engine = ServerEngine(
+            url,
+            eos_ids(tokenizer, model),
+            compute,
+            context_of(model),
+            weights_dir=f"{config.output_dir}/vllm-weights",
+            timeout=config.vllm_server_timeout,
+            pushes=dist is None or dist.is_main,
+            after_push=None if dist is None else dist.barrier,
+        )
         note(f"vLLM server at {url}: weights pushed through {config.output_dir}/vllm-weights")
         return engine
     if dist is not None and dist.world_size > 1:
-        raise ValueError("vllm_mode='colocate' starts one engine per process; with several training processes "
-                         "run one `forge vllm-serve` and set vllm_mode='server' (docs/scaling.md)")
+        raise ValueError(
+            "vllm_mode='colocate' starts one engine per process; with several training processes "
+            "run one `forge vllm-serve` and set vllm_mode='server' (docs/scaling.md)"
+        )
     return colocated_engine(model, tokenizer, compute, config.prompts_per_step * config.group_size,
                             config.max_new_tokens, enforce_eager=config.vllm_enforce_eager,
                             gpu_memory_utilization=config.vllm_gpu_memory_utilization, seed=config.seed)
@@ -85,16 +94,34 @@ def request_seeds(noise: torch.Tensor, group_size: int) -> list[int]:
     return [int(u * 2**62) for u in noise[::group_size, 0].tolist()]
 
 
-def generate_on_engine(engine, tokenizer, prompts: Sequence[Prompt], group_size: int, settings: SamplingSettings,
-                       max_prompt_length: int = 10**9, truncate_prompts: str = "error",
-                       noise: torch.Tensor | None = None, tools: ToolSettings | EnvironmentSettings | None = None,
-                       rows: Sequence[dict] | None = None) -> Rollout:
+def generate_on_engine(
+    engine,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    group_size: int,
+    settings: SamplingSettings,
+    max_prompt_length: int = 10**9,
+    truncate_prompts: str = "error",
+    noise: torch.Tensor | None = None,
+    tools: ToolSettings | EnvironmentSettings | None = None,
+    rows: Sequence[dict] | None = None,
+) -> Rollout:
     """`group_size` completions for every prompt from the engine, as a Rollout (rollout.generate's contract:
     completions end at the first stop token, sampler log-probs of the sampled tokens, `truncated` when none;
     with tools or an environment, reset with the prompts' dataset `rows`: calls answered as the own loop does)."""
     if tools is not None:
-        return _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_length, truncate_prompts,
-                           noise, tools, rows)
+        return _with_tools(
+            engine,
+            tokenizer,
+            prompts,
+            group_size,
+            settings,
+            max_prompt_length,
+            truncate_prompts,
+            noise,
+            tools,
+            rows,
+        )
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts)  # (P, Lp)
     own_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]  # padding dropped
     groups = engine.sample(own_tokens, group_size, engine_sampling(settings),
@@ -112,19 +139,30 @@ def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_len
     own_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
     stops = sorted(set(turns.closing.nonzero().squeeze(1).tolist())
                    | (set(engine.stop_ids) if turns.fmt.stops_at_eos else set()))
-    decodings = [Decoding(min(turns.budget, engine.context - len(own_tokens[n // group_size])), turns.episode(n))
-                 for n in range(len(turns.prompts) * group_size)]
+    decodings = [
+        Decoding(min(turns.budget, engine.context - len(own_tokens[n // group_size])), turns.episode(n))
+        for n in range(len(turns.prompts) * group_size)
+    ]
     sampling = engine_sampling(settings)
     for turn in range(10**9):  # each round: every running completion samples up to its next stop; calls answered
         active = [n for n, decoding in enumerate(decodings) if not decoding.done]
         if not active:
             break
         seeds = None if noise is None else request_seeds(noise[active, min(turn, noise.shape[1] - 1):], 1)
-        samples = engine.sample([own_tokens[n // group_size] + decodings[n].tokens for n in active], 1, sampling,
-                                seeds, max_tokens=[min(settings.max_new_tokens - decodings[n].model_tokens,
-                                                       decodings[n].limit - len(decodings[n].tokens))
-                                                   for n in active],
-                                stop_ids=stops)
+        samples = engine.sample(
+            [own_tokens[n // group_size] + decodings[n].tokens for n in active],
+            1,
+            sampling,
+            seeds,
+            max_tokens=[
+                min(
+                    settings.max_new_tokens - decodings[n].model_tokens,
+                    decodings[n].limit - len(decodings[n].tokens),
+                )
+                for n in active
+            ],
+            stop_ids=stops,
+        )
         for n, (sample,) in zip(active, samples):
             decodings[n].take(sample.token_ids, sample.logprobs, engine.stop_ids, settings.max_new_tokens,
                               turns.fmt.stops_at_eos)

@@ -141,8 +141,12 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
              "trainer_state": TrainerState(0, total_steps, trainer.device), **rollout_inputs(rollout)}
     scoring_started = time.perf_counter()
     total = score_completions(trainer.rewards, prompts, rollout.completions, columns, **score)
-    checks = [reward_check(name, score_completions([(name, reward, 1.0)], prompts, rollout.completions, columns,
-                                                   **score)) for name, reward, _ in trainer.rewards]
+    checks = [
+        reward_check(
+            name, score_completions([(name, reward, 1.0)], prompts, rollout.completions, columns, **score)
+        )
+        for name, reward, _ in trainer.rewards
+    ]
     scoring_seconds = (time.perf_counter() - scoring_started) / (len(trainer.rewards) + 1)
     update_seconds, loss_rise = loss_pass(trainer, rollout)
     restore_rng_state(rng_state)
@@ -151,8 +155,14 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     finished = lengths[~rollout.truncated]
     kept = total.valid & total.scored  # (N,)
     flat = group_reward_std(total.total, group, kept) == 0  # (P,)
-    level = torch.stack([total.total[i * group:(i + 1) * group][kept[i * group:(i + 1) * group]].mean()
-                         if kept[i * group:(i + 1) * group].any() else torch.tensor(0.0) for i in range(len(mine))])
+    level = torch.stack(
+        [
+            total.total[i * group : (i + 1) * group][kept[i * group : (i + 1) * group]].mean()
+            if kept[i * group : (i + 1) * group].any()
+            else torch.tensor(0.0)
+            for i in range(len(mine))
+        ]
+    )
     middle = float(total.total[kept].mean()) if kept.any() else 0.0
     spread = float(total.total[kept].max() - total.total[kept].min()) if kept.any() else 0.0
     low = flat & ((level <= middle) if spread > 0 else (level <= 0))  # one value everywhere: judged by its sign
@@ -162,15 +172,27 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
                                         + update_seconds * carrying * config.num_iterations)
     step_seconds /= config.num_iterations  # an optimizer step of a rollout reused num_iterations times
     report = PreflightReport(
-        prompts=len(mine), group_size=group, max_new_tokens=config.max_new_tokens,
+        prompts=len(mine),
+        group_size=group,
+        max_new_tokens=config.max_new_tokens,
         truncated=float(rollout.truncated.float().mean()),
-        finished_lengths={q: float(torch.quantile(finished, q / 100)) for q in (50, 90, 99)} if finished.numel()
-        else {}, rewards=checks, flat_low=float(low.float().mean()), flat_high=float((flat & ~low).float().mean()),
-        tokens_per_second=float(lengths.sum()) / max(generation_seconds, 1e-9), step_seconds=step_seconds,
-        generation_step_seconds=rollouts_per_step * generation_seconds, max_staleness=config.max_staleness,
-        run_seconds=step_seconds * total_steps, seconds=time.perf_counter() - started,
+        finished_lengths={q: float(torch.quantile(finished, q / 100)) for q in (50, 90, 99)}
+        if finished.numel()
+        else {},
+        rewards=checks,
+        flat_low=float(low.float().mean()),
+        flat_high=float((flat & ~low).float().mean()),
+        tokens_per_second=float(lengths.sum()) / max(generation_seconds, 1e-9),
+        step_seconds=step_seconds,
+        generation_step_seconds=rollouts_per_step * generation_seconds,
+        max_staleness=config.max_staleness,
+        run_seconds=step_seconds * total_steps,
+        seconds=time.perf_counter() - started,
         prompt_as_seen=render_prompt(trainer.tokenizer, mine[0]["prompt"]),
-        memory=None if trainer.dist.fsdp else projected_memory(trainer, rollout, held, generation_rise, loss_rise))
+        memory=None
+        if trainer.dist.fsdp
+        else projected_memory(trainer, rollout, held, generation_rise, loss_rise),
+    )
     judge(report, string_prompts=isinstance(mine[0]["prompt"], str),
           chat_model=bool(getattr(trainer.tokenizer, "chat_template", None)),
           rewards_teach=getattr(trainer, "rewards_teach", True))
@@ -182,9 +204,14 @@ def reward_check(name: str, scores) -> RewardCheck:
     n = scores.total.numel()
     applies = scores.applies.get(name, torch.ones(n, dtype=torch.bool))  # (N,)
     values = scores.components[name][applies & scores.valid]
-    return RewardCheck(name, float(values.mean()) if values.numel() else float("nan"),
-                       float(values.std()) if values.numel() > 1 else 0.0, (scores.errors + scores.timeouts) / n,
-                       float((~applies).float().mean()), scores.nonfinite / n)
+    return RewardCheck(
+        name,
+        float(values.mean()) if values.numel() else float("nan"),
+        float(values.std()) if values.numel() > 1 else 0.0,
+        (scores.errors + scores.timeouts) / n,
+        float((~applies).float().mean()),
+        scores.nonfinite / n,
+    )
 
 
 def loss_pass(trainer, rollout) -> tuple[float, float]:
@@ -209,10 +236,16 @@ def projected_memory(trainer, rollout, held: float, generation_rise: float, loss
     config, rows, run_rows = trainer.config, rollout.completion_ids.shape[0], rollout_rows(trainer)
     prompt = rollout.prompt_ids.shape[1]
     return memory.project(
-        generation_rise, loss_rise, held=held + memory.optimizer_state_mb(trainer.trainable, trainer.optimizer),
-        sampled_rows=rows, run_rows=run_rows, measured_micro_batch=min(trainer.micro_batch_size or rows, rows),
+        generation_rise,
+        loss_rise,
+        held=held + memory.optimizer_state_mb(trainer.trainable, trainer.optimizer),
+        sampled_rows=rows,
+        run_rows=run_rows,
+        measured_micro_batch=min(trainer.micro_batch_size or rows, rows),
         measured_tokens=prompt + int(rollout.completion_lengths.max()),
-        run_micro_batch=min(trainer.micro_batch_size or run_rows, run_rows), run_tokens=prompt + config.max_new_tokens)
+        run_micro_batch=min(trainer.micro_batch_size or run_rows, run_rows),
+        run_tokens=prompt + config.max_new_tokens,
+    )
 
 
 def rollout_rows(trainer) -> int:
@@ -229,8 +262,9 @@ def fit_memory(trainer, report: PreflightReport) -> str | None:
     if projection is None:
         return None
     free = memory.available_mb(trainer.device)
-    budget = config.max_memory_mb or (None if free is None else
-                                      0.9 * (projection.held + (free - projection.held) / trainer.dist.world_size))
+    budget = config.max_memory_mb or (
+        None if free is None else 0.9 * (projection.held + (free - projection.held) / trainer.dist.world_size)
+    )
     report.memory_budget_mb = budget
     if budget is None:
         return None
@@ -241,11 +275,13 @@ def fit_memory(trainer, report: PreflightReport) -> str | None:
             report.memory = projection = projection.with_micro_batch(fitted)
     if not trainer.dist.any(projection.peak > budget):
         return None
-    return (f"this run's memory is projected to peak at {projection.peak:.0f} MB (held {projection.held:.0f}, "
-            f"generation +{projection.generation:.0f}, loss pass +{projection.loss_pass:.0f} per micro-batch of "
-            f"{projection.micro_batch_size}), over its budget of {budget:.0f} MB (max_memory_mb; default 90% of what "
-            f"is free): set micro_batch_size='auto' or lower it, turn on gradient_checkpointing, or lower "
-            f"max_new_tokens or prompts_per_step; raise max_memory_mb only if that memory is there")
+    return (
+        f"this run's memory is projected to peak at {projection.peak:.0f} MB (held {projection.held:.0f}, "
+        f"generation +{projection.generation:.0f}, loss pass +{projection.loss_pass:.0f} per micro-batch of "
+        f"{projection.micro_batch_size}), over its budget of {budget:.0f} MB (max_memory_mb; default 90% of what "
+        f"is free): set micro_batch_size='auto' or lower it, turn on gradient_checkpointing, or lower "
+        f"max_new_tokens or prompts_per_step; raise max_memory_mb only if that memory is there"
+    )
 
 
 def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool, rewards_teach: bool = True) -> None:
@@ -256,17 +292,21 @@ def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool, re
         report.problems.append(
             f"no group of {report.group_size} completions got different rewards, so no step can learn: "
             f"{'every group scored low (too hard, or a reward that never pays)' if report.flat_low else 'every group scored high (too easy)'}; "
-            f"screen the prompts (`forge screen`), raise group_size, or use a reward with partial credit.")
+            f"screen the prompts (`forge screen`), raise group_size, or use a reward with partial credit."
+        )
     elif flat > MOST:
-        report.advice.append(f"{flat:.0%} of groups scored alike ({report.flat_low:.0%} low, {report.flat_high:.0%} "
-                             f"high) and carry no signal; `forge screen` keeps prompts of mixed outcome.")
+        report.advice.append(
+            f"{flat:.0%} of groups scored alike ({report.flat_low:.0%} low, {report.flat_high:.0%} "
+            f"high) and carry no signal; `forge screen` keeps prompts of mixed outcome."
+        )
     if report.truncated > MOST:
         p90 = report.finished_lengths.get(90)
         hint = f"; the finished ones needed up to {p90:.0f} tokens (p90)" if p90 else ""
         report.problems.append(
             f"{report.truncated:.0%} of completions were cut at max_new_tokens={report.max_new_tokens}{hint}: "
             f"raise max_new_tokens (e.g. {max(2 * report.max_new_tokens, int(2 * (p90 or 0)))}) or ask for "
-            f"shorter answers.")
+            f"shorter answers."
+        )
     for check in report.rewards:
         failed = check.raised + check.nonfinite
         if failed > MOST:
@@ -275,30 +315,41 @@ def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool, re
                 f"{check.nonfinite:.0%} NaN/inf): fix it; on_reward_error='raise' stops at the first failure "
                 f"with the sample.")
         if check.none > MOST:
-            report.advice.append(f"reward '{check.name}' did not apply (returned None) to {check.none:.0%} of "
-                                 f"samples.")
+            report.advice.append(
+                f"reward '{check.name}' did not apply (returned None) to {check.none:.0%} of samples."
+            )
     if string_prompts and chat_model:
-        report.advice.append("the prompts are plain strings but the tokenizer has a chat template: they reach the "
-                             "model without it; give chat messages, or `forge train --chat true`.")
+        report.advice.append(
+            "the prompts are plain strings but the tokenizer has a chat template: they reach the "
+            "model without it; give chat messages, or `forge train --chat true`."
+        )
 
 
 def format_report(report: PreflightReport) -> str:
     """The preflight as one compact block for the console."""
     lengths = " ".join(f"p{q} {v:.0f}" for q, v in report.finished_lengths.items()) or "none finished"
-    lines = [f"forge preflight: {report.prompts} prompts x {report.group_size} completions, {report.seconds:.1f} s",
-             (f"  completions   {report.truncated:.0%} cut at max_new_tokens={report.max_new_tokens}; finished "
-             f"lengths (tokens): {lengths}"),
-             f"  flat groups   {report.flat_low:.0%} low, {report.flat_high:.0%} high (no learning signal)"]
+    lines = [
+        f"forge preflight: {report.prompts} prompts x {report.group_size} completions, {report.seconds:.1f} s",
+        (
+            f"  completions   {report.truncated:.0%} cut at max_new_tokens={report.max_new_tokens}; finished "
+            f"lengths (tokens): {lengths}"
+        ),
+        f"  flat groups   {report.flat_low:.0%} low, {report.flat_high:.0%} high (no learning signal)",
+    ]
     for check in report.rewards:
         lines.append(f"  reward        {check.name}: mean {check.mean:.3g}, std {check.std:.3g}; raised "
                      f"{check.raised:.0%}, None {check.none:.0%}, NaN/inf {check.nonfinite:.0%}")
-    lines.append(f"  speed         {report.tokens_per_second:.0f} tokens/s generating; ~{report.step_seconds:.1f} s "
-                 f"per step, ~{report.run_seconds / 60:.1f} min for the run (projected)")
+    lines.append(
+        f"  speed         {report.tokens_per_second:.0f} tokens/s generating; ~{report.step_seconds:.1f} s "
+        f"per step, ~{report.run_seconds / 60:.1f} min for the run (projected)"
+    )
     if report.max_staleness is not None:  # async: each side's share of a step, who waits for whom
         sampling, learning = report.generation_step_seconds, report.step_seconds - report.generation_step_seconds
         waits = "the trainer waits for the worker" if sampling > learning else "the worker waits for the trainer"
-        lines.append(f"  async         sampling ~{sampling:.1f} s and learning ~{learning:.1f} s a step, measured "
-                     f"on this process's threads: {waits} (max_staleness={report.max_staleness})")
+        lines.append(
+            f"  async         sampling ~{sampling:.1f} s and learning ~{learning:.1f} s a step, measured "
+            f"on this process's threads: {waits} (max_staleness={report.max_staleness})"
+        )
     if report.memory is not None:
         budget = f" of a {report.memory_budget_mb:.0f} MB budget" if report.memory_budget_mb else ""
         lines.append(f"  memory        ~{report.memory.peak:.0f} MB peak{budget} (projected: held "

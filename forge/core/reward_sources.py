@@ -65,9 +65,17 @@ def as_reward(fn_or_reward: Any, convention: str = "forge") -> BaseReward:
 
 def _is_sequence_classifier(obj: Any) -> bool:
     """A HF ``*ForSequenceClassification`` model (a torch module with a config and a classification head)."""
-    return hasattr(obj, "config") and callable(getattr(obj, "forward", None)) and (
-        type(obj).__name__.endswith("ForSequenceClassification")
-        or any(a.endswith("ForSequenceClassification") for a in getattr(obj.config, "architectures", None) or []))
+    return (
+        hasattr(obj, "config")
+        and callable(getattr(obj, "forward", None))
+        and (
+            type(obj).__name__.endswith("ForSequenceClassification")
+            or any(
+                a.endswith("ForSequenceClassification")
+                for a in getattr(obj.config, "architectures", None) or []
+            )
+        )
+    )
 
 
 def is_model_and_tokenizer(obj: Any) -> bool:
@@ -96,9 +104,11 @@ class SequenceClassificationReward(BaseReward):
             model = AutoModelForSequenceClassification.from_pretrained(source)
             name = name or Path(source.rstrip("/")).name
         if not _is_sequence_classifier(model):
-            raise TypeError(f"{type(model).__name__} is not a sequence-classification model; a reward model must be a "
-                            f"*ForSequenceClassification model (e.g. AutoModelForSequenceClassification), its hub id "
-                            f"or its folder")
+            raise TypeError(
+                f"{type(model).__name__} is not a sequence-classification model; a reward model must be a "
+                f"*ForSequenceClassification model (e.g. AutoModelForSequenceClassification), its hub id "
+                f"or its folder"
+            )
         if tokenizer is None:
             source = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
             if not source:
@@ -289,9 +299,11 @@ def load_reward_from_path(path: str, convention: str = "forge") -> BaseReward:
             target = target()
         except Exception as error:  # noqa: BLE001 - the user's __init__: said in one line, with its own words
             detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-            raise ValueError(f"reward {path!r}: {attribute}() raised {type(error).__name__}: {detail}; a reward "
-                             f"class given by name is built with no arguments: give its arguments defaults, or pass "
-                             f"an instance from Python") from None
+            raise ValueError(
+                f"reward {path!r}: {attribute}() raised {type(error).__name__}: {detail}; a reward "
+                f"class given by name is built with no arguments: give its arguments defaults, or pass "
+                f"an instance from Python"
+            ) from None
     return as_reward(target, convention)
 
 

@@ -189,8 +189,12 @@ def sample(spec: WorkerSpec, model, engine, plan, request: SamplingRequest, vers
     group, budget, truncate = config.group_size, request.max_prompt_length, config.truncate_prompts
     if engine is not None:
         engine.sync(model, version)  # the server samples this step with these weights
-        return [generate_on_engine(engine, spec.tokenizer, prompts, group, request.settings, budget, truncate, noise)
-                for prompts, noise in request.rounds]
+        return [
+            generate_on_engine(
+                engine, spec.tokenizer, prompts, group, request.settings, budget, truncate, noise
+            )
+            for prompts, noise in request.rounds
+        ]
     with torch.no_grad(), spec.precision.autocast(model), merged_adapters(model, config.merge_lora_for_generation):
         return [generate(model, spec.tokenizer, prompts, group, request.settings, budget, truncate,
                          config.share_prompt_prefix, noise, plan=plan) for prompts, noise in request.rounds]
@@ -266,8 +270,12 @@ class AsyncRollouts:
         if own_loop and self.device is None and precision.device_type == "cpu":  # the processes split the cores
             self.trainer_threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self.trainer_threads - self.threads))
-        self.process = ctx.Process(target=sample_forever, args=(spec, self.requests, self.weights, self.results),
-                                   name="forge-rollout-worker", daemon=True)
+        self.process = ctx.Process(
+            target=sample_forever,
+            args=(spec, self.requests, self.weights, self.results),
+            name="forge-rollout-worker",
+            daemon=True,
+        )
         with _main_module_hidden():
             self.process.start()
 
@@ -304,16 +312,20 @@ class AsyncRollouts:
             sampled = self._next()
             self.stats.trainer_wait_s = time.perf_counter() - waited
             if sampled.step != step:
-                raise RolloutWorkerError(f"rollout worker: sent the groups of step {sampled.step + 1} when step "
-                                         f"{step + 1} asked (the schedule broke; this is a bug in Forge)")
+                raise RolloutWorkerError(
+                    f"rollout worker: sent the groups of step {sampled.step + 1} when step "
+                    f"{step + 1} asked (the schedule broke; this is a bug in Forge)"
+                )
             self.pending = list(sampled.rollouts)
             self.stats.sampler_idle_s, self.stats.sampler_s = sampled.idle_seconds, sampled.seconds
             self.stats.staleness = step - sampled.version
             self.version = sampled.version
         rollout = self.pending.pop(0)
         if rollout.num_prompts != len(prompts):
-            raise RolloutWorkerError(f"rollout worker: {rollout.num_prompts} prompts sampled for step {step + 1}, "
-                                     f"which asks for {len(prompts)} (a bug in Forge)")
+            raise RolloutWorkerError(
+                f"rollout worker: {rollout.num_prompts} prompts sampled for step {step + 1}, "
+                f"which asks for {len(prompts)} (a bug in Forge)"
+            )
         rollout.policy_version = self.version
         return rollout
 

@@ -84,8 +84,14 @@ class ToolTurns:
         offsets = torch.arange(width, device=device)[None, :] - (width - lengths[:, None])  # (n, width), <0 = pad
         mask = torch.cat([mask, (offsets >= 0).long()], dim=1)  # (n, L + width)
         grow(cache, mask.shape[1])
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=next_position[:, None] + offsets.clamp(min=0),
-                    use_cache=True, logits_to_keep=LAST_POSITION, **{CACHE_ARG: cache})
+        out = model(
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=next_position[:, None] + offsets.clamp(min=0),
+            use_cache=True,
+            logits_to_keep=LAST_POSITION,
+            **{CACHE_ARG: cache},
+        )
         return out.logits[:, -1], mask, next_position + lengths
 
 

@@ -83,22 +83,28 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
         raise TypeError("generation_batch_size and steps_per_generation: give one (TRL refuses both too)")
     if generation is not None:
         if _count("generation_batch_size", generation) % per_pass:
-            raise TypeError(f"generation_batch_size={generation} must be divisible by per_device_train_batch_size x "
-                            f"processes = {per_pass}, as in TRL")
+            raise TypeError(
+                f"generation_batch_size={generation} must be divisible by per_device_train_batch_size x "
+                f"processes = {per_pass}, as in TRL"
+            )
         steps = generation // per_pass
     steps = accumulation if steps is None else _count("steps_per_generation", steps)
     generation = per_pass * steps
     if generation % group_size:
-        raise TypeError(f"generation_batch_size={generation} (per_device_train_batch_size x processes x "
-                        f"steps_per_generation) must be a multiple of num_generations={group_size}: whole groups, "
-                        f"as in TRL")
+        raise TypeError(
+            f"generation_batch_size={generation} (per_device_train_batch_size x processes x "
+            f"steps_per_generation) must be a multiple of num_generations={group_size}: whole groups, "
+            f"as in TRL"
+        )
     per_step = per_pass * accumulation  # completions of one optimizer step
     if accumulation % steps == 0:  # whole generations per optimizer step
         if values.get("num_iterations", 1) > 1 and steps != accumulation:
-            raise TypeError(f"num_iterations={values['num_iterations']} with steps_per_generation={steps} < "
-                            f"gradient_accumulation_steps={accumulation}: TRL reuses each generation num_iterations "
-                            f"times inside one optimizer step, which is not Forge's num_iterations (optimizer steps "
-                            f"over the same rollouts); leave steps_per_generation and generation_batch_size out")
+            raise TypeError(
+                f"num_iterations={values['num_iterations']} with steps_per_generation={steps} < "
+                f"gradient_accumulation_steps={accumulation}: TRL reuses each generation num_iterations "
+                f"times inside one optimizer step, which is not Forge's num_iterations (optimizer steps "
+                f"over the same rollouts); leave steps_per_generation and generation_batch_size out"
+            )
         batch = {"prompts_per_step": generation // group_size, "gradient_accumulation_steps": accumulation // steps}
     elif per_step % group_size == 0:  # a generation spans optimizer steps: each step's own prompts, for that step
         batch = {"prompts_per_step": per_step // group_size, "gradient_accumulation_steps": 1}
@@ -107,10 +113,12 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
                  f"num_generations={group_size}) into {generation // per_step} optimizer steps of {per_step} "
                  f"completions" if generation % per_step == 0 else
                  f"trains each optimizer step on {per_step} completions of its generations of {generation}")
-        raise TypeError(f"TRL {split} (per_device_train_batch_size x gradient_accumulation_steps x processes), part "
-                        f"of a group each; a Forge optimizer step trains on whole groups. Make that product a "
-                        f"multiple of num_generations={group_size}, e.g. gradient_accumulation_steps={steps} (one "
-                        f"whole generation per optimizer step)")
+        raise TypeError(
+            f"TRL {split} (per_device_train_batch_size x gradient_accumulation_steps x processes), part "
+            f"of a group each; a Forge optimizer step trains on whole groups. Make that product a "
+            f"multiple of num_generations={group_size}, e.g. gradient_accumulation_steps={steps} (one "
+            f"whole generation per optimizer step)"
+        )
     share = batch["prompts_per_step"] * group_size // world  # this process's completions of a rollout batch
     if not values.get("auto_find_batch_size"):
         batch["micro_batch_size"] = per_device if per_device < share else 0

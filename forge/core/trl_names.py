@@ -63,8 +63,10 @@ def _report_to(value: Any, values: dict) -> dict:
     wanted = {value} if isinstance(value, str) else set(value or ())
     known = {"wandb", "tensorboard", "trackio"}
     if wanted - known - {"none", "all"}:
-        raise TypeError(f"report_to={value!r}: Forge reports to {sorted(known)} (and always to the console and "
-                        f"training_log.jsonl)")
+        raise TypeError(
+            f"report_to={value!r}: Forge reports to {sorted(known)} (and always to the console and "
+            f"training_log.jsonl)"
+        )
     wanted = known if "all" in wanted else wanted & known
     return {f"use_{name}": name in wanted for name in sorted(known)}
 
@@ -106,8 +108,10 @@ def _warmup_steps(value: Any, values: dict) -> dict:
         return {"warmup_ratio": float(value)}
     if values["max_steps"] > 0:
         return {"warmup_ratio": value / values["max_steps"]}
-    raise TypeError(f"warmup_steps={value}: with no max_steps Forge cannot turn steps into its warmup_ratio "
-                    f"before the dataset is read; set warmup_ratio (the fraction of the run spent warming up)")
+    raise TypeError(
+        f"warmup_steps={value}: with no max_steps Forge cannot turn steps into its warmup_ratio "
+        f"before the dataset is read; set warmup_ratio (the fraction of the run spent warming up)"
+    )
 
 
 def _steps_strategy(name: str, every: str, off: dict | None, default_every: str | None = None) -> Converter:
@@ -121,8 +125,10 @@ def _steps_strategy(name: str, every: str, off: dict | None, default_every: str 
             return off
         if value in ("no", False):
             raise TypeError(f"{name}='no': Forge always writes training_log.jsonl; set {every} to log less often")
-        raise TypeError(f"{name}={value!r}: Forge counts {every} in optimizer steps; use 'steps' with {every} (one "
-                        f"epoch is rows / (prompts_per_step x gradient_accumulation_steps) x num_iterations steps)")
+        raise TypeError(
+            f"{name}={value!r}: Forge counts {every} in optimizer steps; use 'steps' with {every} (one "
+            f"epoch is rows / (prompts_per_step x gradient_accumulation_steps) x num_iterations steps)"
+        )
 
     said = "refused" if off is None else "= " + ", ".join(f"{k}={v}" for k, v in off.items())
     convert.__doc__ = f"{every}: 'steps' as given, 'no' {said}; 'epoch' refused (Forge counts in optimizer steps)"
@@ -160,16 +166,20 @@ def _model_init_kwargs(value: Any, values: dict) -> dict:
     dtype = str(kwargs.pop("dtype", kwargs.pop("torch_dtype", None))).removeprefix("torch.")
     kwargs = {k: v for k, v in kwargs.items() if v is not None and v not in _LOADING_AS_FORGE_DOES.get(k, ())}
     if kwargs:
-        raise TypeError(f"model_init_kwargs {sorted(kwargs)}: Forge loads a model by name with its dtype only; load "
-                        f"it yourself (AutoModelForCausalLM.from_pretrained(name, ...)) and pass the model object")
+        raise TypeError(
+            f"model_init_kwargs {sorted(kwargs)}: Forge loads a model by name with its dtype only; load "
+            f"it yourself (AutoModelForCausalLM.from_pretrained(name, ...)) and pass the model object"
+        )
     return {"dtype": dtype} if dtype in ("bfloat16", "float16") else {}
 
 
 def _checkpointing_kwargs(value: Any, values: dict) -> dict:
     """gradient_checkpointing's arguments: Forge's checkpointing is non-reentrant ({'use_reentrant': False})."""
     if dict(value or {}) not in ({}, {"use_reentrant": False}):
-        raise TypeError(f"gradient_checkpointing_kwargs={value!r}: Forge checkpoints non-reentrantly and takes no "
-                        f"other arguments; leave it out or give {{'use_reentrant': False}}")
+        raise TypeError(
+            f"gradient_checkpointing_kwargs={value!r}: Forge checkpoints non-reentrantly and takes no "
+            f"other arguments; leave it out or give {{'use_reentrant': False}}"
+        )
     return {}
 
 
@@ -191,14 +201,17 @@ TRL_CONVERTED: dict[str, Converter] = {
         "TRL's arithmetic with gradient_accumulation_steps, generation_batch_size or steps_per_generation and "
         "num_generations (forge/core/trl_batch.py): the same prompts and completions per optimizer step as in TRL. "
         "micro_batch_size = it (completions per forward/backward on a process) when it is smaller than the "
-        "process's share of a rollout batch"),
+        "process's share of a rollout batch"
+    ),
     "generation_batch_size": _batch(
-        "prompts_per_step = it / num_generations: a rollout batch is a generation (forge/core/trl_batch.py)"),
+        "prompts_per_step = it / num_generations: a rollout batch is a generation (forge/core/trl_batch.py)"
+    ),
     "steps_per_generation": _batch(
         "generation_batch_size = per_device_train_batch_size x processes x it; gradient_accumulation_steps = the "
         "generations of an optimizer step. More optimizer steps than one per generation: Forge generates each "
         "step's prompts for it (not num_iterations, which trains each step on the whole rollout; "
-        "forge/core/trl_batch.py)"),
+        "forge/core/trl_batch.py)"
+    ),
     "report_to": _report_to,
     "bf16": _precision("bfloat16"),
     "fp16": _precision("float16"),
@@ -216,14 +229,21 @@ TRL_CONVERTED: dict[str, Converter] = {
     "model_init_kwargs": _model_init_kwargs,
     "gradient_checkpointing_kwargs": _checkpointing_kwargs,
     "activation_checkpointing_kwargs": _checkpointing_kwargs,
-    "optim": _fixed("optim", "Forge's optimizer is torch's AdamW", "adamw_torch", "adamw_torch_fused", "adamw_hf"),
+    "optim": _fixed(
+        "optim", "Forge's optimizer is torch's AdamW", "adamw_torch", "adamw_torch_fused", "adamw_hf"
+    ),
     "adam_beta1": _fixed("adam_beta1", "Forge's AdamW uses torch's betas (0.9, 0.999)", 0.9),
     "adam_beta2": _fixed("adam_beta2", "Forge's AdamW uses torch's betas (0.9, 0.999)", 0.999),
     "adam_epsilon": _fixed("adam_epsilon", "Forge's AdamW uses torch's eps", 1e-8),
     "average_tokens_across_devices": _fixed(
-        "average_tokens_across_devices", "Forge's loss always counts the tokens of every process", True),
-    "weight_sync_steps": _fixed("weight_sync_steps", "Forge's rollout worker gets the weights after every "
-                                "optimizer step (max_staleness bounds how old they are)", 1),
+        "average_tokens_across_devices", "Forge's loss always counts the tokens of every process", True
+    ),
+    "weight_sync_steps": _fixed(
+        "weight_sync_steps",
+        "Forge's rollout worker gets the weights after every "
+        "optimizer step (max_staleness bounds how old they are)",
+        1,
+    ),
 }
 """TRL name -> converter(value, every field: given or default) -> Forge fields: names whose value Forge states
 another way. A converter raises TypeError, saying what to set, for a value Forge cannot honour."""
@@ -256,7 +276,7 @@ TRL_IGNORED = {
     "include_for_metrics": _PREDICTION_LOOP,
     "batch_eval_metrics": _PREDICTION_LOOP,
     "save_only_model": "numbered checkpoints always hold the optimizer, schedule and RNG (resumable); final/ the "
-                       "model only",
+    "model only",
     "save_on_each_node": "the main process writes the checkpoints",
     "enable_jit_checkpoint": "Forge always saves the finished step on SIGTERM, SIGINT and SIGHUP",
     "hub_token": _HUB_ONLY,
@@ -308,20 +328,20 @@ TRL_IGNORED = {
     "ref_model_sync_steps": "used only by sync_ref_model, which Forge refuses",
     "vllm_importance_sampling_mode": "used only by vllm_importance_sampling_correction (Forge's: rollout_is)",
     "vllm_importance_sampling_clip_max": "used only by vllm_importance_sampling_correction (Forge's: "
-                                         "rollout_is_threshold)",
+    "rollout_is_threshold)",
     "vllm_importance_sampling_clip_min": "used only by vllm_importance_sampling_correction (Forge's: rollout_is)",
     "vllm_importance_sampling_cap": "used only by vllm_importance_sampling_correction (Forge's: "
-                                    "rollout_is_threshold)",
+    "rollout_is_threshold)",
     "log_multimodal": "Forge's prompts are text",
     "log_unique_prompts": "samples.jsonl holds log_completions samples of each logged step",
     "use_transformers_continuous_batching": "Forge decodes with its own loop or vLLM (generation_backend)",
     "transformers_continuous_batching_config": "Forge decodes with its own loop or vLLM (generation_backend)",
     "use_transformers_paged": "Forge decodes with its own loop or vLLM (generation_backend)",
     "fork_threshold_tokens": "Forge keeps one token sequence per completion, never re-tokenized, so there is "
-                             "nothing to reconcile",
+    "nothing to reconcile",
     "request_timeout": "Forge's async worker samples with the own decode loop; rollout_timeout bounds a step's wait",
     "weight_sync_timeout": "the weights reach the async worker through shared memory; rollout_timeout bounds a "
-                           "step's wait",
+    "step's wait",
     "token_budget": "Forge sizes the loss pass's micro-batches itself (micro_batch_size='auto' fits max_memory_mb)",
     "max_inflight_tasks": "Forge's worker samples whole steps, at most max_staleness steps ahead",
     "queue_maxsize": "Forge's queue holds at most max_staleness + 1 sampled steps",
@@ -353,7 +373,7 @@ TRL_REFUSED = {
     "load_best_model_at_end": "Forge keeps the last weights; pick a checkpoint by its eval/ rows in training_log.jsonl",
     "restore_callback_states_from_checkpoint": "Forge's checkpoints do not hold callbacks' state",
     "full_determinism": "call torch.use_deterministic_algorithms(True) before training; Forge seeds python, numpy "
-                        "and torch with seed",
+    "and torch with seed",
     "data_seed": "Forge shuffles the rows with seed; set seed",
     "use_cpu": "hide the GPUs instead: CUDA_VISIBLE_DEVICES= python train.py",
     "accelerator_config": "Forge's processes are plain data parallel, or FSDP2 with fsdp=True (docs/scaling.md)",
@@ -377,60 +397,237 @@ TRL_NEUTRAL = {"repetition_penalty": 1.0, "vllm_tensor_parallel_size": 1}
 """Refused names whose "off" value is not falsy."""
 
 TRAINING_ARGUMENTS_FIELDS = (
-    "output_dir", "per_device_train_batch_size", "num_train_epochs", "max_steps", "learning_rate",
-    "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "optim", "optim_args", "weight_decay", "adam_beta1",
-    "adam_beta2", "adam_epsilon", "optim_target_modules", "gradient_accumulation_steps",
-    "average_tokens_across_devices", "max_grad_norm", "label_smoothing_factor", "bf16", "fp16", "bf16_full_eval",
-    "fp16_full_eval", "tf32", "activation_checkpointing", "activation_checkpointing_kwargs", "gradient_checkpointing",
-    "gradient_checkpointing_kwargs", "torch_compile", "torch_compile_backend", "torch_compile_mode",
-    "use_liger_kernel", "liger_kernel_config", "use_cache", "neftune_noise_alpha", "torch_empty_cache_steps",
-    "auto_find_batch_size", "logging_strategy", "logging_steps", "logging_first_step", "log_on_each_node",
-    "logging_nan_inf_filter", "include_num_input_tokens_seen", "log_level", "log_level_replica", "disable_tqdm",
-    "report_to", "run_name", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
-    "eval_strategy", "eval_steps", "eval_delay", "per_device_eval_batch_size", "prediction_loss_only",
-    "eval_on_start", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
-    "include_for_metrics", "batch_eval_metrics", "save_only_model", "save_strategy", "save_steps",
-    "save_on_each_node", "save_total_limit", "enable_jit_checkpoint", "push_to_hub", "hub_token",
-    "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision", "load_best_model_at_end",
-    "metric_for_best_model", "greater_is_better", "ignore_data_skip", "restore_callback_states_from_checkpoint",
-    "full_determinism", "seed", "data_seed", "use_cpu", "accelerator_config", "parallelism_config",
-    "dataloader_drop_last", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
-    "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order",
-    "remove_unused_columns", "label_names", "train_sampling_strategy", "length_column_name",
-    "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend",
-    "ddp_timeout", "fsdp", "fsdp_config", "deepspeed", "debug", "skip_memory_metrics", "do_train", "do_eval",
-    "do_predict", "resume_from_checkpoint", "local_rank",
+    "output_dir",
+    "per_device_train_batch_size",
+    "num_train_epochs",
+    "max_steps",
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "optim",
+    "optim_args",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "optim_target_modules",
+    "gradient_accumulation_steps",
+    "average_tokens_across_devices",
+    "max_grad_norm",
+    "label_smoothing_factor",
+    "bf16",
+    "fp16",
+    "bf16_full_eval",
+    "fp16_full_eval",
+    "tf32",
+    "activation_checkpointing",
+    "activation_checkpointing_kwargs",
+    "gradient_checkpointing",
+    "gradient_checkpointing_kwargs",
+    "torch_compile",
+    "torch_compile_backend",
+    "torch_compile_mode",
+    "use_liger_kernel",
+    "liger_kernel_config",
+    "use_cache",
+    "neftune_noise_alpha",
+    "torch_empty_cache_steps",
+    "auto_find_batch_size",
+    "logging_strategy",
+    "logging_steps",
+    "logging_first_step",
+    "log_on_each_node",
+    "logging_nan_inf_filter",
+    "include_num_input_tokens_seen",
+    "log_level",
+    "log_level_replica",
+    "disable_tqdm",
+    "report_to",
+    "run_name",
+    "project",
+    "trackio_space_id",
+    "trackio_bucket_id",
+    "trackio_static_space_id",
+    "eval_strategy",
+    "eval_steps",
+    "eval_delay",
+    "per_device_eval_batch_size",
+    "prediction_loss_only",
+    "eval_on_start",
+    "eval_do_concat_batches",
+    "eval_use_gather_object",
+    "eval_accumulation_steps",
+    "include_for_metrics",
+    "batch_eval_metrics",
+    "save_only_model",
+    "save_strategy",
+    "save_steps",
+    "save_on_each_node",
+    "save_total_limit",
+    "enable_jit_checkpoint",
+    "push_to_hub",
+    "hub_token",
+    "hub_private_repo",
+    "hub_model_id",
+    "hub_strategy",
+    "hub_always_push",
+    "hub_revision",
+    "load_best_model_at_end",
+    "metric_for_best_model",
+    "greater_is_better",
+    "ignore_data_skip",
+    "restore_callback_states_from_checkpoint",
+    "full_determinism",
+    "seed",
+    "data_seed",
+    "use_cpu",
+    "accelerator_config",
+    "parallelism_config",
+    "dataloader_drop_last",
+    "dataloader_num_workers",
+    "dataloader_pin_memory",
+    "dataloader_persistent_workers",
+    "dataloader_prefetch_factor",
+    "dataloader_multiprocessing_context",
+    "dataloader_in_order",
+    "remove_unused_columns",
+    "label_names",
+    "train_sampling_strategy",
+    "length_column_name",
+    "ddp_find_unused_parameters",
+    "ddp_bucket_cap_mb",
+    "ddp_broadcast_buffers",
+    "ddp_static_graph",
+    "ddp_backend",
+    "ddp_timeout",
+    "fsdp",
+    "fsdp_config",
+    "deepspeed",
+    "debug",
+    "skip_memory_metrics",
+    "do_train",
+    "do_eval",
+    "do_predict",
+    "resume_from_checkpoint",
+    "local_rank",
 )
 """transformers 5.24's TrainingArguments fields, in its order."""
 
 TRL_GRPO_FIELDS = (
-    "model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "disable_dropout", "cast_lm_head_to_fp32",
-    "num_generations", "num_generations_eval", "max_completion_length", "ds3_gather_for_generation",
-    "shuffle_dataset", "pad_to_multiple_of", "generation_batch_size", "steps_per_generation", "temperature", "top_p",
-    "top_k", "min_p", "generation_kwargs", "chat_template_kwargs", "repetition_penalty", "cache_implementation",
-    "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
-    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "beta", "num_iterations",
-    "epsilon", "delta", "epsilon_high", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
-    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level", "reward_weights",
-    "multi_objective_aggregation", "scale_rewards", "loss_type", "mask_truncated_completions", "sync_ref_model",
-    "ref_model_mixup_alpha", "ref_model_sync_steps", "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy",
-    "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target", "max_tool_calling_iterations",
-    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-    "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "use_bias_correction_kl", "log_completions",
-    "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
-    "use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged",
+    "model_init_kwargs",
+    "trust_remote_code",
+    "router_aux_loss_coef",
+    "disable_dropout",
+    "cast_lm_head_to_fp32",
+    "num_generations",
+    "num_generations_eval",
+    "max_completion_length",
+    "ds3_gather_for_generation",
+    "shuffle_dataset",
+    "pad_to_multiple_of",
+    "generation_batch_size",
+    "steps_per_generation",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "generation_kwargs",
+    "chat_template_kwargs",
+    "repetition_penalty",
+    "cache_implementation",
+    "use_vllm",
+    "vllm_mode",
+    "vllm_model_impl",
+    "vllm_enable_sleep_mode",
+    "vllm_structured_outputs_regex",
+    "vllm_server_base_url",
+    "vllm_server_host",
+    "vllm_server_port",
+    "vllm_server_timeout",
+    "vllm_group_port",
+    "vllm_gpu_memory_utilization",
+    "vllm_max_model_length",
+    "vllm_tensor_parallel_size",
+    "beta",
+    "num_iterations",
+    "epsilon",
+    "delta",
+    "epsilon_high",
+    "sapo_temperature_neg",
+    "sapo_temperature_pos",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "importance_sampling_level",
+    "reward_weights",
+    "multi_objective_aggregation",
+    "scale_rewards",
+    "loss_type",
+    "mask_truncated_completions",
+    "sync_ref_model",
+    "ref_model_mixup_alpha",
+    "ref_model_sync_steps",
+    "top_entropy_quantile",
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "entropy_coef_min",
+    "entropy_coef_max",
+    "entropy_coef_delta",
+    "entropy_target",
+    "max_tool_calling_iterations",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+    "off_policy_mask_threshold",
+    "use_bias_correction_kl",
+    "log_completions",
+    "log_multimodal",
+    "num_completions_to_print",
+    "log_unique_prompts",
+    "log_completions_hub_repo",
+    "use_transformers_continuous_batching",
+    "transformers_continuous_batching_config",
+    "use_transformers_paged",
     "vllm_importance_sampling_cap",
 )
 """TRL 1.16's GRPOConfig fields besides those of TrainingArguments, in its order."""
 
 TRL_ASYNC_GRPO_FIELDS = (
-    "model_init_kwargs", "dtype", "trust_remote_code", "router_aux_loss_coef", "learning_rate", "logging_steps",
-    "lr_scheduler_type", "ignore_data_skip", "num_generations", "max_completion_length", "temperature", "top_p",
-    "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "max_tool_calling_iterations",
-    "fork_threshold_tokens", "vllm_server_base_url", "vllm_server_timeout", "request_timeout", "weight_sync_timeout",
-    "epsilon", "epsilon_high", "token_budget", "max_inflight_tasks", "max_staleness", "queue_maxsize",
-    "weight_sync_steps", "heartbeat_stale_after_s", "log_completions", "num_completions_to_print",
+    "model_init_kwargs",
+    "dtype",
+    "trust_remote_code",
+    "router_aux_loss_coef",
+    "learning_rate",
+    "logging_steps",
+    "lr_scheduler_type",
+    "ignore_data_skip",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "chat_template_kwargs",
+    "max_tool_calling_iterations",
+    "fork_threshold_tokens",
+    "vllm_server_base_url",
+    "vllm_server_timeout",
+    "request_timeout",
+    "weight_sync_timeout",
+    "epsilon",
+    "epsilon_high",
+    "token_budget",
+    "max_inflight_tasks",
+    "max_staleness",
+    "queue_maxsize",
+    "weight_sync_steps",
+    "heartbeat_stale_after_s",
+    "log_completions",
+    "num_completions_to_print",
 )
 """TRL 1.16's AsyncGRPOConfig fields (trl.experimental.async_grpo) besides those of TrainingArguments, in its
 order (forge/core/async_grpo.py)."""
@@ -438,9 +635,9 @@ order (forge/core/async_grpo.py)."""
 
 SAME_NAME_NOTES = {
     "gradient_accumulation_steps": "`gradient_accumulation_steps`: rollout batches per optimizer step. Given with "
-                                   "TRL's batch names (per_device_train_batch_size, num_generations, ...) it is TRL's "
-                                   "forward/backward passes per step, and Forge's becomes the generations per step "
-                                   "(1 by default; forge/core/trl_batch.py)",
+    "TRL's batch names (per_device_train_batch_size, num_generations, ...) it is TRL's "
+    "forward/backward passes per step, and Forge's becomes the generations per step "
+    "(1 by default; forge/core/trl_batch.py)",
 }
 """Forge fields of a TRL name whose meaning differs in part: what the docs table says of them."""
 
@@ -467,8 +664,12 @@ def classify(name: str, forge_fields: set[str]) -> tuple[str, str]:
     return "unclassified", ""
 
 
-WHOLE_COUNTS = {"num_train_epochs": "epochs; set max_steps to stop within one",
-                "logging_steps": "optimizer steps", "save_steps": "optimizer steps", "eval_steps": "optimizer steps"}
+WHOLE_COUNTS = {
+    "num_train_epochs": "epochs; set max_steps to stop within one",
+    "logging_steps": "optimizer steps",
+    "save_steps": "optimizer steps",
+    "eval_steps": "optimizer steps",
+}
 """Forge's int fields that transformers' TrainingArguments types float: a whole number given as a float is taken."""
 
 
@@ -520,8 +721,10 @@ def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[st
                 raise TypeError(f"GRPOConfig got both {name!r} (TRL's name) and {field_name!r}; give one")
             earlier = set_by.setdefault(field_name, name)
             if earlier != name and out[field_name] != field_value:  # bf16=True, fp16=True
-                raise TypeError(f"GRPOConfig got {earlier}={values[earlier]!r} and {name}={value!r}, which ask for "
-                                f"{field_name}={out[field_name]!r} and {field_name}={field_value!r}: give one of them")
+                raise TypeError(
+                    f"GRPOConfig got {earlier}={values[earlier]!r} and {name}={value!r}, which ask for "
+                    f"{field_name}={out[field_name]!r} and {field_name}={field_value!r}: give one of them"
+                )
             out[field_name] = field_value
         produced[name] = converted
     return out, produced

@@ -89,8 +89,10 @@ def _not_loaded(spec: str, path: str, error: OSError) -> str:
         return (f"{spec}: no such folder or file {path}; pass an existing folder or data file, or a hub name "
                 f"(hf:ORG/NAME[:CONFIG][@SPLIT])")
     reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return (f"{spec}: cannot load {path} ({reason}); check the name (hf:ORG/NAME[:CONFIG][@SPLIT]); without a "
-            f"network only datasets already in the Hugging Face cache load")
+    return (
+        f"{spec}: cannot load {path} ({reason}); check the name (hf:ORG/NAME[:CONFIG][@SPLIT]); without a "
+        f"network only datasets already in the Hugging Face cache load"
+    )
 
 
 def _final_answer(reference: Any) -> Any:
@@ -112,8 +114,10 @@ def rows_from_records(records: Sequence[Mapping[str, Any]] | Any, prompt_column:
     columns = list(getattr(records, "column_names", None) or (list(records[0]) if len(records) else []))
     missing = [column for column in (prompt_column, reference_column) if column not in columns]
     if missing and len(records):
-        raise ValueError(f"{name} has no column {', '.join(repr(c) for c in missing)}; its columns are "
-                         f"{columns}. Pass --prompt_column / --reference_column (prompt_column=, reference_column=)")
+        raise ValueError(
+            f"{name} has no column {', '.join(repr(c) for c in missing)}; its columns are "
+            f"{columns}. Pass --prompt_column / --reference_column (prompt_column=, reference_column=)"
+        )
     system = SYSTEM_PROMPT if system_prompt is None else system_prompt
     rows: list[dict] = []
     empty_prompt = no_reference = 0
@@ -129,17 +133,24 @@ def rows_from_records(records: Sequence[Mapping[str, Any]] | Any, prompt_column:
             question = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), prompt[-1]["content"])
         elif isinstance(text, str) and text.strip():
             question = text
-            prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}] \
-                if chat else text
+            prompt = (
+                ([{"role": "system", "content": system}] if system else [])
+                + [{"role": "user", "content": text}]
+                if chat
+                else text
+            )
         else:
             empty_prompt += 1
             continue
         rows.append({"prompt": prompt, "reference": str(reference).strip(), "question": str(question)})
     if not rows:
         total = len(records)
-        why = ("it has no rows" if total == 0 else
-               f"of its {total} rows, {empty_prompt} have an empty or non-text '{prompt_column}' and {no_reference} "
-               f"have no '{reference_column}'")
+        why = (
+            "it has no rows"
+            if total == 0
+            else f"of its {total} rows, {empty_prompt} have an empty or non-text '{prompt_column}' and {no_reference} "
+            f"have no '{reference_column}'"
+        )
         raise ValueError(f"{name} gives zero usable rows: {why}")
     return rows
 
@@ -156,9 +167,11 @@ def load_hf_rows(spec: str, *, prompt_column: str | None = None, reference_colum
     local = Path(path).expanduser()
     scripts = sorted(p.name for p in local.glob("*.py")) if local.is_dir() else []
     if scripts:
-        raise ValueError(f"{spec}: the folder holds a loading script ({', '.join(scripts[:3])}); Forge loads data "
-                         f"files only (parquet, JSON, JSONL, CSV, or a save_to_disk folder) and never runs a "
-                         f"dataset's code: write the rows to one of those where you trust the script, and pass that")
+        raise ValueError(
+            f"{spec}: the folder holds a loading script ({', '.join(scripts[:3])}); Forge loads data "
+            f"files only (parquet, JSON, JSONL, CSV, or a save_to_disk folder) and never runs a "
+            f"dataset's code: write the rows to one of those where you trust the script, and pass that"
+        )
     try:
         records = _load_split(path, config, split)
     except OSError as error:  # no such folder, not on the hub (datasets' DatasetNotFoundError), no network
@@ -166,8 +179,10 @@ def load_hf_rows(spec: str, *, prompt_column: str | None = None, reference_colum
     except RuntimeError as error:  # a hub dataset that is a loading script: `datasets` refuses to run it
         if "script" not in str(error).lower():
             raise
-        raise ValueError(f"{spec}: {str(error).splitlines()[0]}; Forge loads data files only (parquet, JSON, "
-                         f"JSONL, CSV) and never runs a dataset's code: pick a release of it in data files") from None
+        raise ValueError(
+            f"{spec}: {str(error).splitlines()[0]}; Forge loads data files only (parquet, JSON, "
+            f"JSONL, CSV) and never runs a dataset's code: pick a release of it in data files"
+        ) from None
     limit = n if n is not None else max_samples
     return rows_from_records(records, prompt_column or "question", reference_column or "answer", chat=chat,
                              system_prompt=system_prompt, max_samples=limit, name=f"{spec} (split {split})")

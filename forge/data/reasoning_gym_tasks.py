@@ -128,8 +128,9 @@ def _scorer_dataset(name: str, config_text: str):
     return _task_dataset(name, config_text, 0, 1)
 
 
-def score_answer_for(answer: str | None, task: str, entry: Mapping[str, Any], config: str | Mapping | None = None
-                     ) -> float:
+def score_answer_for(
+    answer: str | None, task: str, entry: Mapping[str, Any], config: str | Mapping | None = None
+) -> float:
     """The task's own ``score_answer(answer, entry)`` as a float in [0, 1]; 0.0 for no answer.
 
     ``config`` is the task config (JSON text as stored in a row's ``rg_config``, or a dict). An exception
@@ -147,8 +148,15 @@ def score_answer_for(answer: str | None, task: str, entry: Mapping[str, Any], co
     return score if 0.0 <= score <= 1.0 else 0.0
 
 
-def grade_reasoning_gym(answer: str | None, reference: Any = None, *, rg_task: str, rg_entry: Mapping[str, Any],
-                        rg_config: str | Mapping | None = None, **columns: Any) -> float:
+def grade_reasoning_gym(
+    answer: str | None,
+    reference: Any = None,
+    *,
+    rg_task: str,
+    rg_entry: Mapping[str, Any],
+    rg_config: str | Mapping | None = None,
+    **columns: Any,
+) -> float:
     """The grader of reasoning-gym rows: the task's own ``score_answer`` on ``answer`` (`score_answer_for`). It
     reads the row's entry and config, not its reference; other columns are not read."""
     return score_answer_for(answer, rg_task, rg_entry, rg_config)
@@ -259,7 +267,8 @@ def reasoning_gym_dataset(name: str, size: int = 200, seed: int = 0, chat: bool 
         raise ValueError(
             f"reasoning-gym task '{name}' gave only {len(entries)} training problems disjoint from its held-out "
             f"set in {budget} draws ({skipped} were held-out questions): the task has few distinct problems "
-            f"with this config; ask for fewer rows or widen the task's config")
+            f"with this config; ask for fewer rows or widen the task's config"
+        )
     return _rows(name, config_text, entries, chat, few_shot)
 
 
@@ -289,8 +298,10 @@ def parse_reasoning_gym_spec(spec: str) -> tuple[str, dict[str, Any], str]:
     True/False, quoted strings) or bare words (strings); ``@test`` means ``@heldout``.
     """
     if not spec.startswith(RG_PREFIX):
-        raise ValueError(f"a reasoning-gym dataset name looks like '{RG_PREFIX}NAME[:KEY=VALUE,...][@heldout]', "
-                         f"got '{spec}'")
+        raise ValueError(
+            f"a reasoning-gym dataset name looks like '{RG_PREFIX}NAME[:KEY=VALUE,...][@heldout]', "
+            f"got '{spec}'"
+        )
     rest, _, split = spec[len(RG_PREFIX):].partition("@")
     name, _, config_text = rest.partition(":")
     split = split or "train"
@@ -329,9 +340,11 @@ def load_reasoning_gym_spec(spec: str, *, split: str | None = None, n: int | Non
     except TypeError as error:  # an unknown config key: the task's config dataclass refuses it
         raise ValueError(f"'{spec}': {error}; see the task's config class in reasoning_gym.factory.DATASETS") from None
     except AssertionError as error:  # the task's config validate() asserts its settings
-        raise ValueError(f"'{spec}': the task refuses these settings ({error or 'a check failed'}); change the "
-                         f"KEY=VALUE pairs (the task's config class in reasoning_gym.factory.DATASETS lists "
-                         f"them)") from None
+        raise ValueError(
+            f"'{spec}': the task refuses these settings ({error or 'a check failed'}); change the "
+            f"KEY=VALUE pairs (the task's config class in reasoning_gym.factory.DATASETS lists "
+            f"them)"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,11 +379,15 @@ class ReasoningGymReward:
             raise ValueError("reasoning_gym reward needs rows from a reasoning-gym task (columns rg_task, "
                              "rg_entry, rg_config); load the data as 'reasoning-gym:NAME'")
         if not (len(rg_task) == len(rg_entry) == len(responses)):
-            raise ValueError(f"reasoning_gym reward got {len(responses)} responses but {len(rg_task)} tasks and "
-                             f"{len(rg_entry)} entries")
+            raise ValueError(
+                f"reasoning_gym reward got {len(responses)} responses but {len(rg_task)} tasks and "
+                f"{len(rg_entry)} entries"
+            )
         configs = rg_config if rg_config is not None else ["{}"] * len(responses)
-        return [grade_reasoning_gym(self.extract(str(response)), rg_task=task, rg_entry=entry, rg_config=config)
-                for response, task, entry, config in zip(responses, rg_task, rg_entry, configs)]
+        return [
+            grade_reasoning_gym(self.extract(str(response)), rg_task=task, rg_entry=entry, rg_config=config)
+            for response, task, entry, config in zip(responses, rg_task, rg_entry, configs)
+        ]
 
     def __repr__(self) -> str:
         return f"ReasoningGymReward(strict={self.strict})"

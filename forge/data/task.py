@@ -52,8 +52,12 @@ def grade_math(answer: str | None, reference: Any, **columns: Any) -> float:
     return float(answers_match(answer, reference_answer(reference)))
 
 
-def math_correctness(prompts: Sequence[Any], completions: Sequence[str], references: Sequence[Any] | None = None,
-                     **columns: Any) -> list[float]:
+def math_correctness(
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    references: Sequence[Any] | None = None,
+    **columns: Any,
+) -> list[float]:
     """The math tasks' training reward: `grade_math` of each completion's final answer (`extract_final_answer`),
     the same scores as ``forge.core.reward.MathCorrectnessReward()``."""
     if references is None:

@@ -16,12 +16,16 @@ import re
 
 from forge.envs.protocol import Observation
 
-EXAMPLE = ("<guess>5</guess><result>higher, from 6 to 10 (middle 8)</result><guess>8</guess><result>higher, from 9 "
-           "to 10 (middle 9)</result><guess>9</guess><result>correct</result>")
+EXAMPLE = (
+    "<guess>5</guess><result>higher, from 6 to 10 (middle 8)</result><guess>8</guess><result>higher, from 9 "
+    "to 10 (middle 9)</result><guess>9</guess><result>correct</result>"
+)
 
-RULES = ("Find my secret number. Guess by writing <guess>N</guess>. If N is wrong I answer higher or lower, the "
-         "numbers still possible and their middle, like <result>higher, from 6 to 10 (middle 8)</result>; if you "
-         "found it, <result>correct</result>. You have {turns} guesses.")
+RULES = (
+    "Find my secret number. Guess by writing <guess>N</guess>. If N is wrong I answer higher or lower, the "
+    "numbers still possible and their middle, like <result>higher, from 6 to 10 (middle 8)</result>; if you "
+    "found it, <result>correct</result>. You have {turns} guesses."
+)
 
 
 def guess_prompt(high: int, turns: int) -> list[dict]:

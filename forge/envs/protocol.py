@@ -127,23 +127,35 @@ class EnvironmentSettings:
         built: dict = {}
         with warnings.catch_warnings():  # a probe past its timeout is said below, as the refusal
             warnings.simplefilter("ignore", RuntimeWarning)
-            (result,) = run_calls([ToolCall("probe", "probe", {})], settings,
-                                  toolboxes=[{"probe": Tool(lambda: _build(factory, built), "probe", {}, "probe")}])
+            (result,) = run_calls(
+                [ToolCall("probe", "probe", {})],
+                settings,
+                toolboxes=[{"probe": Tool(lambda: _build(factory, built), "probe", {}, "probe")}],
+            )
         name, method = _factory_name(factory)
         if result.failure is not None:
-            failed = (f"did not return within tool_timeout={settings.timeout:g} s" if result.failure == "timeout"
-                      else f"raised {result.output.removeprefix('error: ')}")
-            raise ValueError(f"environment_factory {name}: {method} {failed}; Forge builds one instance before the "
-                             f"run to read its tools, so the factory must build one quickly without a dataset row "
-                             f"(do slow set-up in reset)")
+            failed = (
+                f"did not return within tool_timeout={settings.timeout:g} s"
+                if result.failure == "timeout"
+                else f"raised {result.output.removeprefix('error: ')}"
+            )
+            raise ValueError(
+                f"environment_factory {name}: {method} {failed}; Forge builds one instance before the "
+                f"run to read its tools, so the factory must build one quickly without a dataset row "
+                f"(do slow set-up in reset)"
+            )
         probe = built["instance"]
         if not callable(getattr(probe, "reset", None)):
-            raise TypeError(f"environment {type(probe).__name__} has no reset method; define reset(self, **row) "
-                             f"(it may return the opening observation)")
+            raise TypeError(
+                f"environment {type(probe).__name__} has no reset method; define reset(self, **row) "
+                f"(it may return the opening observation)"
+            )
         methods = [as_tool(getattr(probe, name)) for name in environment_methods(probe)]
         if not methods and not settings.tools:
-            raise ValueError(f"environment {type(probe).__name__} has no public method for the model to call; "
-                             f"give it a typed, docstringed method (its tools)")
+            raise ValueError(
+                f"environment {type(probe).__name__} has no public method for the model to call; "
+                f"give it a typed, docstringed method (its tools)"
+            )
         return cls(factory, dataclasses.replace(settings, tools=settings.tools + methods), list(settings.tools))
 
     def start(self, rows: Sequence[dict], group_size: int) -> list[Episode]:
@@ -174,9 +186,11 @@ class EnvironmentSettings:
             for episode in group:
                 if episode.failure is None and episode.opening != first:
                     episode.environment = None
-                    episode.failure = (f"reset opened with {str(episode.opening)[:80]!r}, its group with "
-                                       f"{str(first)[:80]!r}; the completions of a row share their prompt, so "
-                                       f"reset must open the same way for the same row")
+                    episode.failure = (
+                        f"reset opened with {str(episode.opening)[:80]!r}, its group with "
+                        f"{str(first)[:80]!r}; the completions of a row share their prompt, so "
+                        f"reset must open the same way for the same row"
+                    )
         return episodes
 
     def _opener(self, built: dict) -> Callable[..., str]:
@@ -278,8 +292,10 @@ def environment_reward(factory: Callable[[], Any]) -> Callable[..., list[float |
         return None
 
     def reward(prompts, completions, episodes=None, **kwargs) -> list[float | None]:
-        return [None if e.failure is not None or e.environment is None else _resolved(e.environment.get_reward())
-                for e in episodes]
+        return [
+            None if e.failure is not None or e.environment is None else _resolved(e.environment.get_reward())
+            for e in episodes
+        ]
 
     reward.__name__ = cls.__name__
     return reward
@@ -290,8 +306,12 @@ def load_environment(spec: str) -> Callable[[], Any]:
     return load_object(spec, f"--environment {spec!r}", kind="Class")
 
 
-def rollout_tools(tools: Sequence[Callable[..., Any] | Tool] | None, environment_factory: Callable[[], Any] | None,
-                  config, tokenizer) -> ToolSettings | EnvironmentSettings | None:
+def rollout_tools(
+    tools: Sequence[Callable[..., Any] | Tool] | None,
+    environment_factory: Callable[[], Any] | None,
+    config,
+    tokenizer,
+) -> ToolSettings | EnvironmentSettings | None:
     """What a run's rollouts use: its tools under GRPOConfig's tool block, or its environment (with those tools
     too); None for a run with neither."""
     if environment_factory is None:

@@ -72,8 +72,10 @@ class EvalResult:
         decoding = "greedy" if m["num_samples"] == 1 and self.settings.get("temperature", 0) == 0 else (
             f"{m['num_samples']} samples at T={self.settings.get('temperature')}")
         extra = "".join(f"  {key} {value:.1%}" for key, value in m.items() if key.startswith(("pass@", "maj@")))
-        return (f"strict {m['strict_accuracy']:.1%}  soft {m['soft_accuracy']:.1%}  format {m['format_rate']:.1%}"
-                f"{extra}  ({m['n']} problems, {decoding}, {m['seconds']:.1f} s)")
+        return (
+            f"strict {m['strict_accuracy']:.1%}  soft {m['soft_accuracy']:.1%}  format {m['format_rate']:.1%}"
+            f"{extra}  ({m['n']} problems, {decoding}, {m['seconds']:.1f} s)"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -81,13 +83,26 @@ class EvalResult:
 # --------------------------------------------------------------------------------------------------
 
 
-def heldout_metrics(model, tokenizer, rows: Any, *, max_new_tokens: int = 256, max_prompt_length: int | None = None,
-                    **evaluate_kwargs: Any) -> dict[str, float]:
+def heldout_metrics(
+    model,
+    tokenizer,
+    rows: Any,
+    *,
+    max_new_tokens: int = 256,
+    max_prompt_length: int | None = None,
+    **evaluate_kwargs: Any,
+) -> dict[str, float]:
     """Greedy strict/soft accuracy and format rate of `rows`: the evaluator `forge train --eval_dataset` and the
     demo hand to GRPOTrainer(..., evaluator=heldout_metrics), logged as eval/<metric> during training.
     evaluate_kwargs go to `evaluate` (e.g. batch_size)."""
-    return evaluate(model, tokenizer, rows, max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length,
-                    **evaluate_kwargs).metrics
+    return evaluate(
+        model,
+        tokenizer,
+        rows,
+        max_new_tokens=max_new_tokens,
+        max_prompt_length=max_prompt_length,
+        **evaluate_kwargs,
+    ).metrics
 
 
 def evaluate(
@@ -153,15 +168,39 @@ def evaluate(
             for start in range(0, len(rows), batch_size):
                 chunk = rows[start:start + batch_size]
                 prompts = [row["prompt"] for row in chunk]
-                rollout = generate(model, tokenizer, prompts, num_samples, settings,
-                                   max_prompt_length=max_prompt_length or 10**9) if engine is None else \
-                    generate_on_engine(engine, tokenizer, prompts, num_samples, settings, max_prompt_length or 10**9,
-                                       noise=sampling_noise(request_rng, len(prompts) * num_samples, max_new_tokens))
+                rollout = (
+                    generate(
+                        model,
+                        tokenizer,
+                        prompts,
+                        num_samples,
+                        settings,
+                        max_prompt_length=max_prompt_length or 10**9,
+                    )
+                    if engine is None
+                    else generate_on_engine(
+                        engine,
+                        tokenizer,
+                        prompts,
+                        num_samples,
+                        settings,
+                        max_prompt_length or 10**9,
+                        noise=sampling_noise(request_rng, len(prompts) * num_samples, max_new_tokens),
+                    )
+                )
                 lengths, truncated = rollout.completion_lengths.tolist(), rollout.truncated.tolist()
                 for offset, row in enumerate(chunk):
                     samples = slice(offset * num_samples, (offset + 1) * num_samples)  # this prompt's group
-                    records.append(_record(start + offset, row, formats[start + offset],
-                                           rollout.completions[samples], lengths[samples], truncated[samples]))
+                    records.append(
+                        _record(
+                            start + offset,
+                            row,
+                            formats[start + offset],
+                            rollout.completions[samples],
+                            lengths[samples],
+                            truncated[samples],
+                        )
+                    )
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - started
@@ -196,14 +235,25 @@ def warn_if_references_unreadable(rows: Sequence[dict]) -> None:
     unreadable = unreadable_references(rows)
     if 2 * len(unreadable) > len(rows):
         example = rows[unreadable[0]].get("reference")
-        warnings.warn(f"{len(unreadable)} of {len(rows)} references are not numbers or math the grader reads (e.g. "
-                      f"row {unreadable[0]}: {str(example)!r:.60}), so strict/soft accuracy count every answer to them "
-                      f"as wrong. Score the responses with a reward that fits the data instead: `forge eval --reward "
-                      f"SPEC` (eval's reward), or GRPOTrainer's default evaluator (eval/reward)", stacklevel=3)
+        warnings.warn(
+            f"{len(unreadable)} of {len(rows)} references are not numbers or math the grader reads (e.g. "
+            f"row {unreadable[0]}: {str(example)!r:.60}), so strict/soft accuracy count every answer to them "
+            f"as wrong. Score the responses with a reward that fits the data instead: `forge eval --reward "
+            f"SPEC` (eval's reward), or GRPOTrainer's default evaluator (eval/reward)",
+            stacklevel=3,
+        )
 
 
-def reward_metrics(model, tokenizer, rows: list[dict], rewards: Any, reward_weights: Sequence[float] | None = None,
-                   *, max_new_tokens: int = 256, max_prompt_length: int | None = None) -> dict[str, float]:
+def reward_metrics(
+    model,
+    tokenizer,
+    rows: list[dict],
+    rewards: Any,
+    reward_weights: Sequence[float] | None = None,
+    *,
+    max_new_tokens: int = 256,
+    max_prompt_length: int | None = None,
+) -> dict[str, float]:
     """The mean reward of one greedy completion per row under `rewards` (anything GRPOTrainer's reward_fn takes,
     weighted by reward_weights): `forge.core.scoring.greedy_reward_evaluator`, the trainer's default evaluator, with
     GRPOConfig's defaults for failing rewards. Returns reward, rewards/<name>, n."""
@@ -268,7 +318,9 @@ def _record(index: int, row: dict, answer_format: str, responses: list[str], len
         "prompt": row["prompt"],
         "reference": str(row["reference"]),
         "answer_format": answer_format,
-        "fields": {key: value for key, value in row.items() if key not in ("prompt", "reference", "question")},
+        "fields": {
+            key: value for key, value in row.items() if key not in ("prompt", "reference", "question")
+        },
         "responses": list(responses),
         "answers": [g.answer for g in grades],
         "soft_answers": [g.soft_answer for g in grades],
@@ -313,8 +365,9 @@ def aggregate_metrics(records: Sequence[dict], num_samples: int, k_values: Seque
             metrics[f"maj@{k}"] = _mean(answers_match(majority_vote(r["answers"][:k]), r["reference"])
                                         for r in records)
             metrics[f"soft_pass@{k}"] = _mean(pass_at_k(num_samples, r["num_soft_correct"], k) for r in records)
-            metrics[f"soft_maj@{k}"] = _mean(answers_match(majority_vote(r["soft_answers"][:k]), r["reference"])
-                                             for r in records)
+            metrics[f"soft_maj@{k}"] = _mean(
+                answers_match(majority_vote(r["soft_answers"][:k]), r["reference"]) for r in records
+            )
     return metrics
 
 
@@ -328,8 +381,15 @@ def _mean(values) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_eval_rows(data: Any = "arithmetic", split: str = "test", n: int | None = None, chat: bool | None = None,
-                   *, prompt_column: str | None = None, reference_column: str | None = None) -> list[dict]:
+def load_eval_rows(
+    data: Any = "arithmetic",
+    split: str = "test",
+    n: int | None = None,
+    chat: bool | None = None,
+    *,
+    prompt_column: str | None = None,
+    reference_column: str | None = None,
+) -> list[dict]:
     """Held-out rows by name: "arithmetic" (the fixed held-out arithmetic set, 60 problems unless n says
     otherwise), "gsm8k" (the hub split), "gsm-hard" (its only split; the name's split is ignored),
     "gsm8k-mock" (20 offline GSM8K-style problems), "reasoning-gym:NAME" (the task's held-out problems,

@@ -156,8 +156,16 @@ def render(panels: list[Panel], alarms: list[tuple[int, str]]):
         for step, rule in alarms:
             ax.axvline(step, color="red", linestyle="--", linewidth=1, alpha=0.6)
             if number == 0:
-                ax.annotate(rule, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize="x-small",
-                            color="red", va="top", ha="right")
+                ax.annotate(
+                    rule,
+                    (step, 1.0),
+                    xycoords=("data", "axes fraction"),
+                    rotation=90,
+                    fontsize="x-small",
+                    color="red",
+                    va="top",
+                    ha="right",
+                )
         ax.set_title(panel.title)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(panel.ylabel)

@@ -57,11 +57,15 @@ class ComparisonReport:
         before, after = self.labels
         lines = [f"| metric | {before} | {after} | change |", "|---|---:|---:|---:|"]
         for row in self.summary:
-            lines.append(f"| {row['label']} | {_format(row['metric'], row['before'])} | "
-                         f"{_format(row['metric'], row['after'])} | {_format_change(row['metric'], row['change'])} |")
+            lines.append(
+                f"| {row['label']} | {_format(row['metric'], row['before'])} | "
+                f"{_format(row['metric'], row['after'])} | {_format_change(row['metric'], row['change'])} |"
+            )
         c = self.counts
-        counts = (f"Per problem (strict): {c['fixed']} fixed, {c['broken']} broken, {c['changed']} with new text "
-                  f"but the same verdict, {c['identical']} identical.")
+        counts = (
+            f"Per problem (strict): {c['fixed']} fixed, {c['broken']} broken, {c['changed']} with new text "
+            f"but the same verdict, {c['identical']} identical."
+        )
         lines += ["", counts]
         return "\n".join(lines)
 
@@ -75,12 +79,16 @@ def build_comparison(before: EvalResult, after: EvalResult, labels: tuple[str, s
                      notes: str = "") -> ComparisonReport:
     """Pair two evaluations of the same problems (same order) into a `ComparisonReport`."""
     if len(before.records) != len(after.records):
-        raise ValueError(f"the two evaluations cover {len(before.records)} and {len(after.records)} problems; "
-                         "evaluate both models on the same rows")
+        raise ValueError(
+            f"the two evaluations cover {len(before.records)} and {len(after.records)} problems; "
+            "evaluate both models on the same rows"
+        )
     for b, a in zip(before.records, after.records):
         if (b["question"], b["reference"]) != (a["question"], a["reference"]):
-            raise ValueError(f"problem {b['index']} differs between the two evaluations ({b['question'][:60]!r} vs "
-                             f"{a['question'][:60]!r}); evaluate both models on the same rows in the same order")
+            raise ValueError(
+                f"problem {b['index']} differs between the two evaluations ({b['question'][:60]!r} vs "
+                f"{a['question'][:60]!r}); evaluate both models on the same rows in the same order"
+            )
     if labels[0] == labels[1]:
         raise ValueError(f"the two labels must differ, got {labels}")
 
@@ -140,8 +148,17 @@ def _summary_rows(before: dict, after: dict) -> list[dict]:
         if key.startswith(("pass@", "maj@", "soft_pass@", "soft_maj@")) and key in after:
             keys[key] = key
     keys.update(_TRAILING_METRICS)
-    return [{"metric": key, "label": label, "before": before[key], "after": after[key],
-             "change": after[key] - before[key]} for key, label in keys.items() if key in before and key in after]
+    return [
+        {
+            "metric": key,
+            "label": label,
+            "before": before[key],
+            "after": after[key],
+            "change": after[key] - before[key],
+        }
+        for key, label in keys.items()
+        if key in before and key in after
+    ]
 
 
 def _format(metric: str, value: float) -> str:

@@ -71,9 +71,11 @@ class ScreenResult:
         return self.num_candidates - self.num_all_correct - self.num_all_wrong
 
     def summary(self) -> str:
-        return (f"screened {self.num_candidates} prompts x {self.group_size} samples ({self.correct_by} grading, "
-                f"{self.seconds:.0f} s): kept {self.num_kept} ({self.keep}); {self.num_mixed} mixed, "
-                f"{self.num_all_correct} all correct, {self.num_all_wrong} all wrong")
+        return (
+            f"screened {self.num_candidates} prompts x {self.group_size} samples ({self.correct_by} grading, "
+            f"{self.seconds:.0f} s): kept {self.num_kept} ({self.keep}); {self.num_mixed} mixed, "
+            f"{self.num_all_correct} all correct, {self.num_all_wrong} all wrong"
+        )
 
     def report(self) -> dict[str, Any]:
         """Everything except the kept rows themselves, JSON-ready."""
@@ -139,8 +141,14 @@ def screen_prompts(
             torch.manual_seed(seed)
             for start in range(0, len(rows), batch_size):
                 chunk = rows[start:start + batch_size]
-                rollout = generate_fn(model, tokenizer, [row["prompt"] for row in chunk], group_size, settings,
-                                      max_prompt_length=max_prompt_length or 10**9)
+                rollout = generate_fn(
+                    model,
+                    tokenizer,
+                    [row["prompt"] for row in chunk],
+                    group_size,
+                    settings,
+                    max_prompt_length=max_prompt_length or 10**9,
+                )
                 for offset, row in enumerate(chunk):
                     group = rollout.completions[offset * group_size:(offset + 1) * group_size]
                     answer_format = detect_answer_format(row["prompt"])
@@ -155,9 +163,15 @@ def screen_prompts(
     candidates = [{"index": index, "question": question_text(row), "reference": str(row["reference"]),
                    "correct": count, "kept": flag}
                   for index, (row, count, flag) in enumerate(zip(rows, correct_counts, kept_flags))]
-    return ScreenResult(kept=[row for row, flag in zip(rows, kept_flags) if flag], correct_counts=correct_counts,
-                        group_size=group_size, keep=keep, correct_by=correct_by,
-                        seconds=time.perf_counter() - started, candidates=candidates)
+    return ScreenResult(
+        kept=[row for row, flag in zip(rows, kept_flags) if flag],
+        correct_counts=correct_counts,
+        group_size=group_size,
+        keep=keep,
+        correct_by=correct_by,
+        seconds=time.perf_counter() - started,
+        candidates=candidates,
+    )
 
 
 def check_disjoint(candidate_rows: Sequence[dict], heldout_rows: Sequence[dict]) -> None:
@@ -167,9 +181,11 @@ def check_disjoint(candidate_rows: Sequence[dict], heldout_rows: Sequence[dict])
                if _prompt_key(row["prompt"]) in heldout or question_text(row) in heldout]
     if overlap:
         first = question_text(candidate_rows[overlap[0]])
-        raise ValueError(f"{len(overlap)} candidate prompts are also in the held-out set (first: row {overlap[0]}, "
-                         f"{first[:80]!r}); screen training rows only, e.g. arithmetic_dataset(), never "
-                         "arithmetic_heldout()")
+        raise ValueError(
+            f"{len(overlap)} candidate prompts are also in the held-out set (first: row {overlap[0]}, "
+            f"{first[:80]!r}); screen training rows only, e.g. arithmetic_dataset(), never "
+            "arithmetic_heldout()"
+        )
 
 
 def _prompt_key(prompt: Any) -> str:

@@ -164,8 +164,11 @@ def log_rows(path: Path) -> Iterator[tuple[str, dict]]:
                 continue
             step = row.get("step")
             if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))):
-                warnings.warn(f"{path}, line {number} has the step {json.dumps(step)[:40]}, not a number: left out "
-                              f"(not a row Forge wrote)", stacklevel=2)
+                warnings.warn(
+                    f"{path}, line {number} has the step {json.dumps(step)[:40]}, not a number: left out "
+                    f"(not a row Forge wrote)",
+                    stacklevel=2,
+                )
                 continue
             yield raw.decode("utf-8"), row
 

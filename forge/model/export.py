@@ -62,18 +62,24 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
         if path is not None and path.exists() and out.exists() and (
                 out.resolve() == path.resolve() or out.resolve() in path.resolve().parents):
             holds = "is" if out.resolve() == path.resolve() else "holds"
-            raise ExportRefused(f"--out {out} {holds} the {flag} folder {path}, which the export reads: it never "
-                                f"writes there (not with --overwrite either); choose another --out")
+            raise ExportRefused(
+                f"--out {out} {holds} the {flag} folder {path}, which the export reads: it never "
+                f"writes there (not with --overwrite either); choose another --out"
+            )
     run = training_run(out)
     if run is not None:
-        raise ExportRefused(f"--out {out} is a training run's output_dir (it holds {run}): an export never replaces "
-                            f"one, not with --overwrite either, since the run's checkpoints and logs would be lost; "
-                            f"choose another --out (e.g. {out / 'merged'})")
+        raise ExportRefused(
+            f"--out {out} is a training run's output_dir (it holds {run}): an export never replaces "
+            f"one, not with --overwrite either, since the run's checkpoints and logs would be lost; "
+            f"choose another --out (e.g. {out / 'merged'})"
+        )
     if not out.exists() or overwrite:
         return
     if not out.is_dir():
-        raise ExportRefused(f"--out {out} is a file, not a folder; choose a new or empty folder, or pass --overwrite "
-                            f"(overwrite=True) to replace it")
+        raise ExportRefused(
+            f"--out {out} is a file, not a folder; choose a new or empty folder, or pass --overwrite "
+            f"(overwrite=True) to replace it"
+        )
     present = _contents(out)
     if not present:
         return
@@ -88,9 +94,11 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
                 + (f", and {_listed(extra)} besides" if extra else ""))
     else:
         what = forge_checkpoint(out) or _listed(present)
-    raise ExportRefused(f"--out {out} already holds {what}: an export writes only into a new or empty folder, or over "
-                        f"its own earlier export of the same adapter and base; choose another --out, or pass "
-                        f"--overwrite (overwrite=True) to replace what is there")
+    raise ExportRefused(
+        f"--out {out} already holds {what}: an export writes only into a new or empty folder, or over "
+        f"its own earlier export of the same adapter and base; choose another --out, or pass "
+        f"--overwrite (overwrite=True) to replace what is there"
+    )
 
 
 def training_run(folder: Path) -> str | None:
@@ -147,15 +155,19 @@ def _load_adapter(base_model: nn.Module, adapter_dir: str | os.PathLike) -> nn.M
         mismatch = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), None)
         if mismatch is None:
             raise
-        raise ValueError(f"adapter folder {adapter_dir}: its weights ({_adapter_weights(adapter_dir)}) do not fit "
-                         f"adapter_config.json: {mismatch.replace('torch.Size', '')} The config (its r, "
-                         f"target_modules) is not the one the adapter was saved with: restore the folder from where "
-                         f"it came from") from None
+        raise ValueError(
+            f"adapter folder {adapter_dir}: its weights ({_adapter_weights(adapter_dir)}) do not fit "
+            f"adapter_config.json: {mismatch.replace('torch.Size', '')} The config (its r, "
+            f"target_modules) is not the one the adapter was saved with: restore the folder from where "
+            f"it came from"
+        ) from None
     except UnpicklingError:
-        raise ValueError(f"adapter folder {adapter_dir}: {_adapter_weights(adapter_dir)} cannot be loaded: it is a "
-                         f"pickle that holds more than tensors, and unpickling it would run whatever code it names "
-                         f"(torch refuses it, and Forge never unpickles it); load an adapter saved as "
-                         f"adapter_model.safetensors") from None
+        raise ValueError(
+            f"adapter folder {adapter_dir}: {_adapter_weights(adapter_dir)} cannot be loaded: it is a "
+            f"pickle that holds more than tensors, and unpickling it would run whatever code it names "
+            f"(torch refuses it, and Forge never unpickles it); load an adapter saved as "
+            f"adapter_model.safetensors"
+        ) from None
 
 
 def _adapter_weights(adapter_dir: str | os.PathLike) -> str:
@@ -204,8 +216,10 @@ def merge_and_export(
     bad = [name for name, tensor in merged.state_dict().items()
            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
     if bad:
-        raise ValueError(f"refusing to export: {len(bad)} merged weight tensors hold NaN/inf (e.g. {bad[:3]}); the "
-                         f"adapter or the base holds them, and a model of them computes nothing")
+        raise ValueError(
+            f"refusing to export: {len(bad)} merged weight tensors hold NaN/inf (e.g. {bad[:3]}); the "
+            f"adapter or the base holds them, and a model of them computes nothing"
+        )
     return _write_export(Path(out_dir).expanduser(), merged, tokenizer,
                          {"adapter": None if live else _source_name(adapter_dir_or_model),
                           "base": None if live else _source_name(base_name_or_path)})

@@ -54,13 +54,17 @@ def tokenizer_of(model: nn.Module) -> PreTrainedTokenizerBase:
     model's config names (config._name_or_path; a PeftModel's is its base model's), ready for generation."""
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     if not source:
-        raise ValueError("GRPOTrainer needs the model's tokenizer, and this model names no checkpoint to load it from "
-                         "(config._name_or_path is empty): pass processing_class=tokenizer (Forge's name: tokenizer=)")
+        raise ValueError(
+            "GRPOTrainer needs the model's tokenizer, and this model names no checkpoint to load it from "
+            "(config._name_or_path is empty): pass processing_class=tokenizer (Forge's name: tokenizer=)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
-        raise ValueError(f"GRPOTrainer loads the tokenizer of a model object from its checkpoint {source!r} "
-                         f"(config._name_or_path), which failed ({error}); pass processing_class=tokenizer") from None
+        raise ValueError(
+            f"GRPOTrainer loads the tokenizer of a model object from its checkpoint {source!r} "
+            f"(config._name_or_path), which failed ({error}); pass processing_class=tokenizer"
+        ) from None
     return prepare_tokenizer(tokenizer)
 
 
@@ -112,15 +116,22 @@ def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: b
     level = report.level
     report.setLevel(logging.ERROR)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                           ignore_mismatched_sizes=True, output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
+        )
     except Exception as error:
         if "Weights only load failed" not in str(error):  # torch's refusal of a pickle that is not tensors only
             raise
-        raise ValueError(f"model {source}: its weights ({_weights_named(source)}) are a pickle (torch.save) that "
-                         f"holds more than tensors; torch's weights-only loader refused it (Weights only load "
-                         f"failed), so nothing in it ran. Load a safetensors release of the model, or one whose "
-                         f"pickle holds tensors only") from None
+        raise ValueError(
+            f"model {source}: its weights ({_weights_named(source)}) are a pickle (torch.save) that "
+            f"holds more than tensors; torch's weights-only loader refused it (Weights only load "
+            f"failed), so nothing in it ran. Load a safetensors release of the model, or one whose "
+            f"pickle holds tensors only"
+        ) from None
     finally:
         report.setLevel(level)
     mismatched, missing = info.get("mismatched_keys") or [], sorted(info.get("missing_keys") or [])
@@ -130,15 +141,21 @@ def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: b
     described = f"the {config.model_type} model ({type(model).__name__}) config.json describes"
     if mismatched:
         name, in_file, in_model = min(mismatched)
-        problem = (f"{_weights_named(source)} does not fit {described}: {name} is {list(in_file)} in the file and "
-                   f"{list(in_model)} in the model" + (f" ({len(mismatched) - 1} more like it)" if len(mismatched) > 1
-                                                       else ""))
+        problem = (
+            f"{_weights_named(source)} does not fit {described}: {name} is {list(in_file)} in the file and "
+            f"{list(in_model)} in the model"
+            + (f" ({len(mismatched) - 1} more like it)" if len(mismatched) > 1 else "")
+        )
     else:
         total = len(model.state_dict())
-        problem = (f"{_weights_named(source)} does not hold {described}: {len(missing)} of its {total} weights are "
-                   f"missing (e.g. {missing[:3]})")
-    raise ValueError(f"model folder {source}: {problem}. config.json and the weights are of different models: "
-                     f"restore the folder from where it came from, or load another")
+        problem = (
+            f"{_weights_named(source)} does not hold {described}: {len(missing)} of its {total} weights are "
+            f"missing (e.g. {missing[:3]})"
+        )
+    raise ValueError(
+        f"model folder {source}: {problem}. config.json and the weights are of different models: "
+        f"restore the folder from where it came from, or load another"
+    )
 
 
 def _weights_named(source: str) -> str:

@@ -74,8 +74,10 @@ def checkpoint_weights(model: nn.Module) -> Iterator[list[tuple[str, torch.Tenso
     inside the block. A LoRA model whose adapters cannot be merged (DoRA, quantised layers) is refused."""
     with merged_adapters(model, rounded=True) as merged:
         if is_peft_model(model) and not merged:
-            raise ValueError("generation_backend='vllm' with LoRA needs plain LoRA adapters on linear layers (no "
-                             "DoRA, no quantised or sharded weights): their merged weights are what vLLM samples")
+            raise ValueError(
+                "generation_backend='vllm' with LoRA needs plain LoRA adapters on linear layers (no "
+                "DoRA, no quantised or sharded weights): their merged weights are what vLLM samples"
+            )
         base = model.get_base_model() if is_peft_model(model) else model
         yield [(name.replace(".base_layer.", "."), p.detach()) for name, p in base.named_parameters()
                if "lora_" not in name]
@@ -153,10 +155,18 @@ class ColocatedEngine(PushTimer):
             write_model_folder(model, folder, dtype)
             from vllm import LLM
 
-            self.llm = LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype_name(dtype),
-                           seed=seed, enforce_eager=enforce_eager, max_model_len=context,
-                           logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True,
-                           **({"gpu_memory_utilization": gpu_memory_utilization} if device.type == "cuda" else {}))
+            self.llm = LLM(
+                model=str(folder),
+                skip_tokenizer_init=True,
+                dtype=dtype_name(dtype),
+                seed=seed,
+                enforce_eager=enforce_eager,
+                max_model_len=context,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",
+                enable_prefix_caching=True,
+                **({"gpu_memory_utilization": gpu_memory_utilization} if device.type == "cuda" else {}),
+            )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         note(f"vLLM engine started in {time.perf_counter() - started:.1f} s ({dtype_name(dtype)}, "
@@ -169,26 +179,49 @@ class ColocatedEngine(PushTimer):
         if self.version is not None or version != 0:  # the engine started from these weights at step 0
             started = time.perf_counter()
             with checkpoint_weights(model) as weights:
-                self.llm.collective_rpc("reload_weights", kwargs={
-                    "weights_iterator": ((name, t.to(self.dtype)) for name, t in weights)})  # the engine's dtype
+                self.llm.collective_rpc(
+                    "reload_weights",
+                    kwargs={"weights_iterator": ((name, t.to(self.dtype)) for name, t in weights)},
+                )  # the engine's dtype
             self.pushes += 1
             self.push_seconds += time.perf_counter() - started
         self.llm.reset_prefix_cache()  # cached prompt keys/values were computed with the old weights
         self.version = version
 
-    def sample(self, prompts: list[list[int]], group_size: int, sampling: EngineSampling, seeds: list[int] | None,
-               max_tokens: list[int] | None = None, stop_ids: list[int] | None = None) -> list[list[Sample]]:
+    def sample(
+        self,
+        prompts: list[list[int]],
+        group_size: int,
+        sampling: EngineSampling,
+        seeds: list[int] | None,
+        max_tokens: list[int] | None = None,
+        stop_ids: list[int] | None = None,
+    ) -> list[list[Sample]]:
         """group_size Samples for each prompt (token ids); max_tokens and stop_ids per call override sampling's
         max_new_tokens and the run's stop tokens (a tool rollout stops where a call may end, too)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [SamplingParams(**request_params(
-            sampling, group_size, self.stop_ids if stop_ids is None else stop_ids, None if seeds is None else seeds[i],
-            None if max_tokens is None else max_tokens[i])) for i in range(len(prompts))]
+        params = [
+            SamplingParams(
+                **request_params(
+                    sampling,
+                    group_size,
+                    self.stop_ids if stop_ids is None else stop_ids,
+                    None if seeds is None else seeds[i],
+                    None if max_tokens is None else max_tokens[i],
+                )
+            )
+            for i in range(len(prompts))
+        ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [[as_sample(c.token_ids, c.logprobs, c.finish_reason) for c in sorted(o.outputs, key=lambda c: c.index)]
-                for o in outputs]
+        return [
+            [
+                as_sample(c.token_ids, c.logprobs, c.finish_reason)
+                for c in sorted(o.outputs, key=lambda c: c.index)
+            ]
+            for o in outputs
+        ]
 
 
 def request_params(sampling: EngineSampling, group_size: int, stop_ids: list[int], seed: int | None,
@@ -220,8 +253,17 @@ class ServerEngine(PushTimer):
     generation on /inference/v1/generate, weights pushed as a safetensors file its workers reload from
     (`reload_weights`), so the server must see `weights_dir` (the same machine, or a shared folder)."""
 
-    def __init__(self, base_url: str, stop_ids: list[int], compute: torch.dtype, context: int,
-                 weights_dir: str | os.PathLike, timeout: float = 240.0, pushes: bool = True, after_push=None):
+    def __init__(
+        self,
+        base_url: str,
+        stop_ids: list[int],
+        compute: torch.dtype,
+        context: int,
+        weights_dir: str | os.PathLike,
+        timeout: float = 240.0,
+        pushes: bool = True,
+        after_push=None,
+    ):
         self.base_url, self.stop_ids, self.version = base_url.rstrip("/"), list(stop_ids), None
         self.pushing, self.after_push = pushes, after_push  # several processes: one pushes, all wait for it
         self.dtype, self.context, self.weights_dir = engine_dtype(compute), context, Path(weights_dir)
@@ -237,7 +279,8 @@ class ServerEngine(PushTimer):
                 if time.monotonic() > deadline:
                     raise ConnectionError(
                         f"no vLLM server answered at {self.base_url} within {timeout:.0f} s ({error}); start one "
-                        f"with `forge vllm-serve --model MODEL --port PORT` and set vllm_server_base_url") from None
+                        f"with `forge vllm-serve --model MODEL --port PORT` and set vllm_server_base_url"
+                    ) from None
                 time.sleep(1.0)
 
     def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
@@ -277,29 +320,50 @@ class ServerEngine(PushTimer):
         self.version = version
         self.push_seconds += time.perf_counter() - started
 
-    def sample(self, prompts: list[list[int]], group_size: int, sampling: EngineSampling, seeds: list[int] | None,
-               max_tokens: list[int] | None = None, stop_ids: list[int] | None = None) -> list[list[Sample]]:
+    def sample(
+        self,
+        prompts: list[list[int]],
+        group_size: int,
+        sampling: EngineSampling,
+        seeds: list[int] | None,
+        max_tokens: list[int] | None = None,
+        stop_ids: list[int] | None = None,
+    ) -> list[list[Sample]]:
         """As ColocatedEngine.sample, one HTTP request per prompt, sent together."""
         from concurrent.futures import ThreadPoolExecutor
 
         def one(i: int) -> list[Sample]:
-            params = request_params(sampling, group_size, self.stop_ids if stop_ids is None else stop_ids,
-                                    None if seeds is None else seeds[i], None if max_tokens is None else max_tokens[i])
+            params = request_params(
+                sampling,
+                group_size,
+                self.stop_ids if stop_ids is None else stop_ids,
+                None if seeds is None else seeds[i],
+                None if max_tokens is None else max_tokens[i],
+            )
             answer = self.post("/inference/v1/generate", {"token_ids": prompts[i], "sampling_params": params})
             try:
                 choices = sorted(answer["choices"], key=lambda c: c["index"])
                 return [Sample(list(c["token_ids"]), [float(p["logprob"]) for p in c["logprobs"]["content"]],
                                c.get("finish_reason") == "stop") for c in choices]
             except (KeyError, TypeError, ValueError) as error:
-                raise RuntimeError(f"vLLM server {self.base_url}/inference/v1/generate answered in a shape Forge "
-                                   f"cannot read ({type(error).__name__}: {error}): {str(answer)[:200]}") from None
+                raise RuntimeError(
+                    f"vLLM server {self.base_url}/inference/v1/generate answered in a shape Forge "
+                    f"cannot read ({type(error).__name__}: {error}): {str(answer)[:200]}"
+                ) from None
 
         with ThreadPoolExecutor(max_workers=min(32, len(prompts) or 1)) as pool:
             return list(pool.map(one, range(len(prompts))))
 
 
-def serve(model_folder: str, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
-          enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, extra: list[str] | None = None) -> None:
+def serve(
+    model_folder: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    dtype: str = "auto",
+    enforce_eager: bool = False,
+    gpu_memory_utilization: float = 0.9,
+    extra: list[str] | None = None,
+) -> None:
     """Replace this process with vLLM's OpenAI-compatible server for `forge train --vllm_mode server`: the
     token-in/token-out endpoint on, log-probs of the sampling softmax, and the development endpoints through
     which a trainer has the workers reload its weights (`/collective_rpc`) and drop stale prefixes. Serve only on

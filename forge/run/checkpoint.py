@@ -227,11 +227,17 @@ def _write_failed(path: Path, error: BaseException) -> CheckpointError | None:
     if isinstance(error, CheckpointError) or not (_disk_full(error) or isinstance(error, OSError)):
         return None
     newest = latest_checkpoint(path.parent)
-    kept = (f"the checkpoints already there are untouched (the newest is {newest}: continue from it with the same "
-            f"command plus --resume)" if newest is not None else "nothing already there was touched")
+    kept = (
+        f"the checkpoints already there are untouched (the newest is {newest}: continue from it with the same "
+        f"command plus --resume)"
+        if newest is not None
+        else "nothing already there was touched"
+    )
     if _disk_full(error):
-        return CheckpointError(f"cannot write checkpoint {path}: the disk holding {path.parent} is full (no space "
-                               f"left on device). Free space there, or choose an output_dir on another disk; {kept}.")
+        return CheckpointError(
+            f"cannot write checkpoint {path}: the disk holding {path.parent} is full (no space "
+            f"left on device). Free space there, or choose an output_dir on another disk; {kept}."
+        )
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
     return CheckpointError(f"cannot write checkpoint {path}: {reason} ({type(error).__name__}). Make "
                            f"{path.parent} writable, or choose another output_dir; {kept}.")
@@ -270,9 +276,11 @@ def _swap_into_place(tmp_path: Path, path: Path) -> None:
     half-written. A folder at `path` that is not a Forge checkpoint is never replaced (a CheckpointError)."""
     old_path = path.with_name(f"{path.name}.old-{os.getpid()}")
     if path.exists() and not has_forge_manifest(path):
-        raise CheckpointError(f"cannot write checkpoint {path}: a folder that is not a Forge checkpoint (it holds no "
-                              f"Forge COMPLETE) is in the way; move it out of {path.parent}, or choose another "
-                              f"output_dir")
+        raise CheckpointError(
+            f"cannot write checkpoint {path}: a folder that is not a Forge checkpoint (it holds no "
+            f"Forge COMPLETE) is in the way; move it out of {path.parent}, or choose another "
+            f"output_dir"
+        )
     if path.exists():
         if old_path.exists():
             shutil.rmtree(old_path)
@@ -310,7 +318,8 @@ def save_sharded_checkpoint(
                          if p.is_floating_point())):
         raise CheckpointError(
             f"refusing to write checkpoint {path}: some weight shards hold NaN/inf. The weights are garbage, so "
-            "there is nothing worth saving; resume from an earlier checkpoint with a lower learning_rate.")
+            "there is nothing worth saving; resume from an earlier checkpoint with a lower learning_rate."
+        )
     tmp_path = _temporary(path, ranks.main_pid)  # rank 0's: every rank writes its shards there
     try:
         if ranks.is_main:
@@ -363,8 +372,10 @@ def load_sharded_state(path: str | os.PathLike, model, optimizer) -> None:
         sharding.load_tensors(path / SHARDED_DIR, tensors)  # in place, into `state` too
     except Exception as error:  # noqa: BLE001 - a wrong layout or shard, said with the checkpoint named
         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
-        raise CheckpointError(f"checkpoint {path} cannot be loaded: {SHARDED_DIR}/ is damaged or was saved from another "
-                              f"model or LoRA setup ({reason}). {offer_previous(path)}") from None
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded: {SHARDED_DIR}/ is damaged or was saved from another "
+            f"model or LoRA setup ({reason}). {offer_previous(path)}"
+        ) from None
     sharding.set_state(model, optimizer, state)
 
 
@@ -399,8 +410,11 @@ def load_checkpoint(path: str | os.PathLike, *, require_training_state: bool = T
     path = Path(path)
     verified = verify_checkpoint(path, require_training_state=require_training_state)
     if not verified:
-        warnings.warn(f"checkpoint {path} has no checksums (saved by an older Forge): loading it without "
-                      f"verifying its files; its weights were checked for truncation and NaN/inf", stacklevel=2)
+        warnings.warn(
+            f"checkpoint {path} has no checksums (saved by an older Forge): loading it without "
+            f"verifying its files; its weights were checked for truncation and NaN/inf",
+            stacklevel=2,
+        )
     return CheckpointState(
         path=path,
         trainer_state=_read_state_file(path, TRAINER_STATE_NAME, read_json),

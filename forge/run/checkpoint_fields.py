@@ -44,9 +44,11 @@ _APPLIED_FROM_THE_RUN = ("lr", "initial_lr", "weight_decay")  # resuming applies
 
 
 def refused(path: Path, name: str, problem: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} cannot be resumed: {name} {problem}; a checkpoint this run's setup "
-                           f"saved never holds that (changed after the save, or saved by another setup). "
-                           f"{offer_previous(path)}")
+    return CheckpointError(
+        f"checkpoint {path} cannot be resumed: {name} {problem}; a checkpoint this run's setup "
+        f"saved never holds that (changed after the save, or saved by another setup). "
+        f"{offer_previous(path)}"
+    )
 
 
 @contextmanager
@@ -80,19 +82,35 @@ def check_trainer_state(path: Path, state: Any, dataset_size: int | None = None)
     bounds = {
         "global_step": (_is_count(step), "a whole number from 0 to 10**12"),
         "epoch": (_is_count(state.get("epoch")), "a whole number from 0 to 10**12"),
-        "position": (_is_count(state.get("position"), 0, dataset_size if dataset_size is not None else MAX_COUNT),
-                     f"a whole number from 0 to the dataset's {dataset_size} rows"),
-        "nonfinite_in_a_row": (_is_count(state.get("nonfinite_in_a_row", 0), 0, step if _is_count(step) else 0),
-                               "a whole number from 0 to global_step"),
-        "skipped_steps": (_is_count(state.get("skipped_steps", 0), 0, step if _is_count(step) else 0),
-                          "a whole number from 0 to global_step"),
-        "loss_scale": (_is_number(state.get("loss_scale", 1.0)) and state.get("loss_scale", 1.0) > 0,
-                       "a finite number > 0"),
-        "entropy_control": (isinstance(state.get("entropy_control"), (dict, type(None))), "an object or null"),
-        "micro_batch_size": (state.get("micro_batch_size") is None or _is_count(state.get("micro_batch_size"), 1),
-                             "a whole number >= 1 or null"),
-        "log_history": (isinstance(state.get("log_history", []), list)
-                        and all(isinstance(row, dict) for row in state.get("log_history", [])), "a list of objects"),
+        "position": (
+            _is_count(state.get("position"), 0, dataset_size if dataset_size is not None else MAX_COUNT),
+            f"a whole number from 0 to the dataset's {dataset_size} rows",
+        ),
+        "nonfinite_in_a_row": (
+            _is_count(state.get("nonfinite_in_a_row", 0), 0, step if _is_count(step) else 0),
+            "a whole number from 0 to global_step",
+        ),
+        "skipped_steps": (
+            _is_count(state.get("skipped_steps", 0), 0, step if _is_count(step) else 0),
+            "a whole number from 0 to global_step",
+        ),
+        "loss_scale": (
+            _is_number(state.get("loss_scale", 1.0)) and state.get("loss_scale", 1.0) > 0,
+            "a finite number > 0",
+        ),
+        "entropy_control": (
+            isinstance(state.get("entropy_control"), (dict, type(None))),
+            "an object or null",
+        ),
+        "micro_batch_size": (
+            state.get("micro_batch_size") is None or _is_count(state.get("micro_batch_size"), 1),
+            "a whole number >= 1 or null",
+        ),
+        "log_history": (
+            isinstance(state.get("log_history", []), list)
+            and all(isinstance(row, dict) for row in state.get("log_history", [])),
+            "a list of objects",
+        ),
     }
     for field, (fits, should_be) in bounds.items():
         if not fits:
@@ -111,8 +129,12 @@ def check_tensors(path: Path, name: str, saved: dict[str, torch.Tensor], expecte
         if want is None:
             continue
         if tuple(tensor.shape) != tuple(want.shape) or tensor.dtype != want.dtype:
-            raise refused(path, name, f"holds {key} as {_described(tensor)} where the model's is {_described(want)} "
-                                      f"(a tensor of another shape or dtype is never cast on the way in)")
+            raise refused(
+                path,
+                name,
+                f"holds {key} as {_described(tensor)} where the model's is {_described(want)} "
+                f"(a tensor of another shape or dtype is never cast on the way in)",
+            )
 
 
 def _described(tensor: torch.Tensor) -> str:
@@ -133,27 +155,40 @@ def check_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimiz
         raise refused(path, OPTIMIZER_NAME, "is not an optimizer state (param_groups and state)")
     counts = [len(group["params"]) for group in groups]
     if counts != [len(group["params"]) for group in optimizer.param_groups]:
-        raise refused(path, OPTIMIZER_NAME, f"has parameter groups of {counts} parameters where this run's have "
-                                            f"{[len(group['params']) for group in optimizer.param_groups]}")
+        raise refused(
+            path,
+            OPTIMIZER_NAME,
+            f"has parameter groups of {counts} parameters where this run's have "
+            f"{[len(group['params']) for group in optimizer.param_groups]}",
+        )
     parameters = {saved_id: parameter for group, own in zip(groups, optimizer.param_groups)
                   for saved_id, parameter in zip(group["params"], own["params"])}
     for saved_id, moments in saved["state"].items():
         parameter = parameters.get(saved_id)
         if parameter is None or not isinstance(moments, dict):
-            raise refused(path, OPTIMIZER_NAME, f"has a state for parameter {saved_id!r:.40}, which its groups do "
-                                                f"not list")
+            raise refused(
+                path,
+                OPTIMIZER_NAME,
+                f"has a state for parameter {saved_id!r:.40}, which its groups do not list",
+            )
         for key, value in moments.items():
             if key == "step":
                 fits = (_is_number(value) or isinstance(value, torch.Tensor) and value.numel() == 1
                         and bool(torch.isfinite(value).all()) and float(value) >= 0)
                 if not fits:
-                    raise refused(path, OPTIMIZER_NAME, f"has state/{saved_id}/step={value!r:.60}; it must be a "
-                                                        f"finite count >= 0")
+                    raise refused(
+                        path,
+                        OPTIMIZER_NAME,
+                        f"has state/{saved_id}/step={value!r:.60}; it must be a finite count >= 0",
+                    )
             elif not isinstance(value, torch.Tensor) or value.shape != parameter.shape or (
                     value.dtype != parameter.dtype):
                 got = _described(value) if isinstance(value, torch.Tensor) else f"{value!r:.60}"
-                raise refused(path, OPTIMIZER_NAME, f"has state/{saved_id}/{key} as {got} where its parameter is "
-                                                    f"{_described(parameter)}")
+                raise refused(
+                    path,
+                    OPTIMIZER_NAME,
+                    f"has state/{saved_id}/{key} as {got} where its parameter is {_described(parameter)}",
+                )
 
 
 def check_hyperparameters(path: Path, name: str, optimizer: torch.optim.Optimizer, expected: list[dict]) -> None:
@@ -188,8 +223,11 @@ def check_scheduler_state(path: Path, state: Any) -> None:
         raise refused(path, SCHEDULER_NAME, f"is a {type(state).__name__}, not a scheduler's state")
     for key in ("last_epoch", "_step_count"):
         if key in state and not _is_count(state[key]):
-            raise refused(path, SCHEDULER_NAME, f"has {key}={state[key]!r:.60}; it must be a whole number from 0 "
-                                                f"to 10**12")
+            raise refused(
+                path,
+                SCHEDULER_NAME,
+                f"has {key}={state[key]!r:.60}; it must be a whole number from 0 to 10**12",
+            )
     for key in ("base_lrs", "_last_lr"):
         if key in state and not (isinstance(state[key], list) and all(_is_number(lr) for lr in state[key])):
             raise refused(path, SCHEDULER_NAME, f"has {key}={state[key]!r:.60}; it must be a list of finite "

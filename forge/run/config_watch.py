@@ -52,9 +52,11 @@ class ConfigWatch:
         changed = [f"{name}={now[name]!r} (it was {self.started[name]!r}): {why}"
                    for name, why in BUILT_AT_START.items() if now[name] != self.started[name]]
         if self.config.kl_beta > 0 and not self.has_reference:
-            changed.append(f"kl_beta={self.config.kl_beta} needs the frozen reference model, which a full fine-tune "
-                           f"builds at start only when kl_beta > 0 (this run started with kl_beta=0); start it with "
-                           f"a kl_beta > 0 to change it later, or use LoRA")
+            changed.append(
+                f"kl_beta={self.config.kl_beta} needs the frozen reference model, which a full fine-tune "
+                f"builds at start only when kl_beta > 0 (this run started with kl_beta=0); start it with "
+                f"a kl_beta > 0 to change it later, or use LoRA"
+            )
         if changed:
             return "; ".join(changed) + ": set it back in the callback"
         self.checked = now

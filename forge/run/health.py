@@ -80,41 +80,73 @@ def _skipped(window: Window, threshold: float) -> bool:
 
 
 HEALTH_RULES: dict[str, Rule] = {
-    "reward_stuck": Rule(1e-6, _reward_stuck,
-                         "the mean reward has not moved over the last health_window steps: every group scores alike "
-                         "or training has stalled; check frac_zero_std_groups, screen the prompts (`forge screen`), "
-                         "or give partial credit"),
-    "groups_flat": Rule(0.9, _every("frac_zero_std_groups", lambda v, t: v >= t),
-                        "most groups scored all alike for health_window steps in a row and carry no signal: the task "
-                        "is too hard or too easy; `forge screen`, a larger group_size, or a softer reward"),
-    "entropy_collapsed": Rule(0.01, _entropy_collapsed,
-                              "the policy's token entropy stayed under 0.01 over health_window steps (it samples "
-                              "nearly one answer): lower learning_rate, raise temperature, or add entropy_coef"),
-    "kl_spike": Rule(10.0, _spike("kl", 1e-3),
-                     "the KL to the reference jumped over 10x its recent level: lower learning_rate or raise kl_beta"),
-    "clip_spike": Rule(0.3, _latest("clip_frac", lambda v, t: v > t),
-                       "over 30% of tokens were clipped: the updates move the policy too far from the one that "
-                       "sampled; lower learning_rate or num_iterations"),
-    "length_collapsed": Rule(2.0, _latest("completion_length/mean", lambda v, t: v <= t),
-                             "completions have collapsed to a token or two: a reward that pays for short answers, or "
-                             "a diverging policy; check the samples (samples.jsonl) and the rewards"),
-    "length_pinned": Rule(0.9, _every("frac_truncated", lambda v, t: v >= t),
-                          "almost every completion hits max_new_tokens: raise max_new_tokens, ask for shorter "
-                          "answers, or set mask_truncated_completions"),
-    "logprob_gap": Rule(0.1, _latest("sampling/logp_diff_mean", lambda v, t: v > t),
-                        "the sampler's and the trainer's log-probs of the sampled tokens differ by over 0.1 nat on "
-                        "average (the samples come from another policy than the one trained): check the precision "
-                        "(dtype) and merge_lora_for_generation, or set rollout_is"),
-    "grad_norm_exploding": Rule(10.0, _spike("grad_norm", 1e-6),
-                                "the gradient norm jumped over 10x its recent level: lower learning_rate or "
-                                "max_grad_norm"),
-    "episodes_failing": Rule(0.5, _latest("env/frac_failed_episodes", lambda v, t: v > t),
-                             "most of this step's environment episodes failed (env/failed_episodes), so they "
-                             "sampled nothing and taught nothing: their environment's __init__ or reset raised or "
-                             "took longer than tool_timeout; samples.jsonl says why (episode_failure)"),
-    "skipped_steps": Rule(1.0, _skipped,
-                          "an optimizer step was skipped for a NaN/inf loss, gradient or weight: lower learning_rate "
-                          "or use dtype='float32'"),
+    "reward_stuck": Rule(
+        1e-6,
+        _reward_stuck,
+        "the mean reward has not moved over the last health_window steps: every group scores alike "
+        "or training has stalled; check frac_zero_std_groups, screen the prompts (`forge screen`), "
+        "or give partial credit",
+    ),
+    "groups_flat": Rule(
+        0.9,
+        _every("frac_zero_std_groups", lambda v, t: v >= t),
+        "most groups scored all alike for health_window steps in a row and carry no signal: the task "
+        "is too hard or too easy; `forge screen`, a larger group_size, or a softer reward",
+    ),
+    "entropy_collapsed": Rule(
+        0.01,
+        _entropy_collapsed,
+        "the policy's token entropy stayed under 0.01 over health_window steps (it samples "
+        "nearly one answer): lower learning_rate, raise temperature, or add entropy_coef",
+    ),
+    "kl_spike": Rule(
+        10.0,
+        _spike("kl", 1e-3),
+        "the KL to the reference jumped over 10x its recent level: lower learning_rate or raise kl_beta",
+    ),
+    "clip_spike": Rule(
+        0.3,
+        _latest("clip_frac", lambda v, t: v > t),
+        "over 30% of tokens were clipped: the updates move the policy too far from the one that "
+        "sampled; lower learning_rate or num_iterations",
+    ),
+    "length_collapsed": Rule(
+        2.0,
+        _latest("completion_length/mean", lambda v, t: v <= t),
+        "completions have collapsed to a token or two: a reward that pays for short answers, or "
+        "a diverging policy; check the samples (samples.jsonl) and the rewards",
+    ),
+    "length_pinned": Rule(
+        0.9,
+        _every("frac_truncated", lambda v, t: v >= t),
+        "almost every completion hits max_new_tokens: raise max_new_tokens, ask for shorter "
+        "answers, or set mask_truncated_completions",
+    ),
+    "logprob_gap": Rule(
+        0.1,
+        _latest("sampling/logp_diff_mean", lambda v, t: v > t),
+        "the sampler's and the trainer's log-probs of the sampled tokens differ by over 0.1 nat on "
+        "average (the samples come from another policy than the one trained): check the precision "
+        "(dtype) and merge_lora_for_generation, or set rollout_is",
+    ),
+    "grad_norm_exploding": Rule(
+        10.0,
+        _spike("grad_norm", 1e-6),
+        "the gradient norm jumped over 10x its recent level: lower learning_rate or max_grad_norm",
+    ),
+    "episodes_failing": Rule(
+        0.5,
+        _latest("env/frac_failed_episodes", lambda v, t: v > t),
+        "most of this step's environment episodes failed (env/failed_episodes), so they "
+        "sampled nothing and taught nothing: their environment's __init__ or reset raised or "
+        "took longer than tool_timeout; samples.jsonl says why (episode_failure)",
+    ),
+    "skipped_steps": Rule(
+        1.0,
+        _skipped,
+        "an optimizer step was skipped for a NaN/inf loss, gradient or weight: lower learning_rate "
+        "or use dtype='float32'",
+    ),
 }
 
 

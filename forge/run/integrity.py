@@ -45,8 +45,12 @@ SHARDED_DIR = "sharded"  # an FSDP2 run's shards of the weights and AdamW state 
 SHARDED_LAYOUT = "sharded/layout.json"  # what of the sharded state is not a tensor, and the format: Forge's
 # What an older Forge wrote with pickle (torch.save, torch.distributed.checkpoint's .metadata), and what replaced
 # each: a checkpoint holding one of these without its replacement is refused, never unpickled.
-PICKLED_NAMES = {"optimizer.pt": OPTIMIZER_NAME, "scheduler.pt": SCHEDULER_NAME, "rng_state.pt": RNG_STATE_NAME,
-                 "sharded/.metadata": SHARDED_LAYOUT}
+PICKLED_NAMES = {
+    "optimizer.pt": OPTIMIZER_NAME,
+    "scheduler.pt": SCHEDULER_NAME,
+    "rng_state.pt": RNG_STATE_NAME,
+    "sharded/.metadata": SHARDED_LAYOUT,
+}
 
 # Numbered checkpoints are `{output_dir}/{step}`; `checkpoint-{step}` is accepted when reading.
 _STEP_DIR_PATTERN = re.compile(r"^(?:checkpoint-)?(\d+)$")
@@ -140,14 +144,17 @@ def pickled_file(path: Path) -> str | None:
 def refuse_pickled(path: Path, name: str) -> CheckpointError:
     """The error for a checkpoint whose state needs unpickling (see PICKLED_NAMES): what it is, and what to do."""
     if name.startswith(SHARDED_DIR):
-        way_out = (f"start a new run from the whole weights of that run's final/ (--model {path.parent / 'final'}), "
-                   f"if it finished")
+        way_out = (
+            f"start a new run from the whole weights of that run's final/ (--model {path.parent / 'final'}), "
+            f"if it finished"
+        )
     else:
         way_out = f"start a new run from its weights, which are safetensors (--model {path})"
     return CheckpointError(
         f"checkpoint {path} cannot be loaded: {name} is in torch's pickle format, written by an older Forge, and "
         f"Forge never unpickles a checkpoint (unpickling runs whatever code the file names). To go on, {way_out}; "
-        f"or resume it with the Forge version that wrote it, if you trust where the checkpoint came from.")
+        f"or resume it with the Forge version that wrote it, if you trust where the checkpoint came from."
+    )
 
 
 def _has_whole_weights(path: Path) -> bool:
@@ -221,10 +228,15 @@ def inside(path: Path, name: Any, named_by: str | None = None) -> str:
     if not outside:
         return name
     if named_by is not None:
-        raise Damaged(named_by, f"names {name!r:.200}, outside the checkpoint; a checkpoint's files are read only "
-                                f"from inside it")
-    raise Damaged(name, f"is a link to {os.path.realpath(path / name)}, outside the checkpoint; a checkpoint's "
-                        f"files are read only from inside it")
+        raise Damaged(
+            named_by,
+            f"names {name!r:.200}, outside the checkpoint; a checkpoint's files are read only from inside it",
+        )
+    raise Damaged(
+        name,
+        f"is a link to {os.path.realpath(path / name)}, outside the checkpoint; a checkpoint's "
+        f"files are read only from inside it",
+    )
 
 
 def link_loops(file: Path) -> bool:
@@ -287,8 +299,13 @@ def header_problem(header: dict) -> str | None:
             if not isinstance(entry, dict) or not all(isinstance(value, str) for value in entry.values()):
                 return "has a header whose __metadata__ is not an object of strings (not a safetensors file)"
             continue
-        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and _counts(entry.get("shape"))
-                and _counts(entry.get("data_offsets")) and len(entry["data_offsets"]) == 2):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("dtype"), str)
+            and _counts(entry.get("shape"))
+            and _counts(entry.get("data_offsets"))
+            and len(entry["data_offsets"]) == 2
+        ):
             return f"has a header entry for {name!r:.100} that is not a tensor's ({str(entry)[:200]})"
     return None
 
@@ -400,8 +417,10 @@ def check_saved_model(path: str | os.PathLike, given_as: str) -> None:
     if not is_forge_save(path):
         return
     if not is_complete(path):
-        problem = (f"is incomplete: it has no {COMPLETE_MARKER} marker (its save was interrupted, or the marker "
-                   f"was removed)")
+        problem = (
+            f"is incomplete: it has no {COMPLETE_MARKER} marker (its save was interrupted, or the marker "
+            f"was removed)"
+        )
     else:
         try:
             _verify(path, require_training_state=False)

@@ -136,10 +136,17 @@ class TrainingRun:
                 trainer.micro_batch_size = resumed.micro_batch_size
         elif self.preflight is not None:
             self.preflight(self.rows, self.total_steps)  # leaves the weights and the random state as they were
-        self.logger = ForgeLogger(config.output_dir, use_wandb=config.use_wandb, wandb_project=config.wandb_project,
-                                  wandb_run_name=config.wandb_run_name, use_tensorboard=config.use_tensorboard,
-                                  use_trackio=config.use_trackio, trackio_project=config.trackio_project,
-                                  config=run_config(trainer), enabled=self.dist.is_main)
+        self.logger = ForgeLogger(
+            config.output_dir,
+            use_wandb=config.use_wandb,
+            wandb_project=config.wandb_project,
+            wandb_run_name=config.wandb_run_name,
+            use_tensorboard=config.use_tensorboard,
+            use_trackio=config.use_trackio,
+            trackio_project=config.trackio_project,
+            config=run_config(trainer),
+            enabled=self.dist.is_main,
+        )
         if config.resume_from:
             self.logger.truncate_after(trainer.global_step)  # rows past the checkpoint come again, once
             self.health.resume(self.logger.log_path)  # the window the uninterrupted run would have had
@@ -245,8 +252,10 @@ class TrainingRun:
         if finished_at is not None:  # the step is whole (its update committed): it is what gets saved
             self.trainer.signals.committing = False
             self.lifecycle.finished(self.finished(*finished_at))
-        raise ConfigRefused(f"after step {self.trainer.global_step} a callback changed the config to what the run "
-                            f"refuses: {problem or 'on another process (its output says what)'}")
+        raise ConfigRefused(
+            f"after step {self.trainer.global_step} a callback changed the config to what the run "
+            f"refuses: {problem or 'on another process (its output says what)'}"
+        )
 
     def stop_if_asked(self) -> None:
         """After a finished step: a signal to any rank stops all of them here (rank 0 saves the step)."""
@@ -261,8 +270,10 @@ class TrainingRun:
         """After a finished step: a run-health alarm named in stop_on_health stops the run (every rank saw the
         same metrics, so every rank stops here; the step is saved)."""
         if self.alarms:
-            raise HealthStop(f"step {self.trainer.global_step}: stopped on the run-health alarm {self.alarms[0]} "
-                             f"(stop_on_health): {HEALTH_RULES[self.alarms[0]].says}")
+            raise HealthStop(
+                f"step {self.trainer.global_step}: stopped on the run-health alarm {self.alarms[0]} "
+                f"(stop_on_health): {HEALTH_RULES[self.alarms[0]].says}"
+            )
 
     def where_to_resume(self, every_rank_is_here: bool = True) -> str:
         """Save the last finished step unless an optimizer step is under way; say where to resume from. A
@@ -276,10 +287,17 @@ class TrainingRun:
 
     def finished(self, epoch: int, position: int) -> FinishedStep:
         guard, control = self.trainer.guard, self.trainer.entropy_control
-        return FinishedStep(self.trainer.global_step, epoch, position, capture_rng_state(),
-                            guard.nonfinite_in_a_row, guard.skipped_steps, guard.loss_scale,
-                            {"coef": control.coef, "last_entropy": control.last_entropy} if control.adaptive else None,
-                            self.trainer.micro_batch_size if self.config.micro_batch_size == "auto" else None)
+        return FinishedStep(
+            self.trainer.global_step,
+            epoch,
+            position,
+            capture_rng_state(),
+            guard.nonfinite_in_a_row,
+            guard.skipped_steps,
+            guard.loss_scale,
+            {"coef": control.coef, "last_entropy": control.last_entropy} if control.adaptive else None,
+            self.trainer.micro_batch_size if self.config.micro_batch_size == "auto" else None,
+        )
 
     def evaluate(self, epoch: int) -> None:
         metrics = {f"eval/{k}": v for k, v in self.trainer.evaluate(self.eval_rows).items()}

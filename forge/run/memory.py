@@ -114,9 +114,18 @@ class MemoryProjection:
         return dataclasses.replace(self, loss_pass=self.per_row * size, micro_batch_size=size)
 
 
-def project(measured_generation: float, measured_loss_pass: float, *, held: float, sampled_rows: int, run_rows: int,
-            measured_micro_batch: int, measured_tokens: int, run_micro_batch: int, run_tokens: int
-            ) -> MemoryProjection:
+def project(
+    measured_generation: float,
+    measured_loss_pass: float,
+    *,
+    held: float,
+    sampled_rows: int,
+    run_rows: int,
+    measured_micro_batch: int,
+    measured_tokens: int,
+    run_micro_batch: int,
+    run_tokens: int,
+) -> MemoryProjection:
     """Scale the preflight's measured rises to the run's shapes, linearly (activations, KV cache and logit chunks
     all grow with the tokens in flight): generation by the rollout's rows, the loss pass by the micro-batch's
     rows times its longest completion plus the prompt (`*_tokens`: per row, prompt + completion)."""

@@ -37,11 +37,34 @@ from forge.run.integrity import (
 from forge.safe_json import JSONFileError, read_json
 
 # The JSON files transformers and peft read from a model or adapter folder (the others are not read by a load).
-LOADED_JSON = ("config.json", "generation_config.json", "adapter_config.json", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", FULL_WEIGHTS_INDEX_NAME)
+LOADED_JSON = (
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    FULL_WEIGHTS_INDEX_NAME,
+)
 # Bytes per element of each safetensors dtype.
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 class DamagedModelFolder(ValueError):
@@ -115,8 +138,10 @@ def weights_problem(file: Path) -> str | None:
         with file.open("rb") as f:
             head = f.read(4)
         if (head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5) or head == b"PK\x03\x04":
-            return ("is not a safetensors file: it is in a pickle format (torch.save's), which Forge never loads "
-                    "(unpickling runs whatever code the file names)")
+            return (
+                "is not a safetensors file: it is in a pickle format (torch.save's), which Forge never loads "
+                "(unpickling runs whatever code the file names)"
+            )
         if "its header alone needs" in problem:  # its first 8 bytes ask for more than the file holds
             return f"is not a safetensors file, or is truncated: {problem.removeprefix('is truncated (')[:-1]}"
         return problem
@@ -141,6 +166,8 @@ def _tensor_extent_problem(file: Path) -> str | None:
         except (KeyError, TypeError, ValueError):
             return f"has a header entry for {name!r} that is not a tensor's ({entry!r})"
         if end - start != needed:
-            return (f"has a header that lies about {name!r}: shape {entry['shape']} of {entry['dtype']} is {needed} "
-                    f"bytes, the file gives it {end - start}")
+            return (
+                f"has a header that lies about {name!r}: shape {entry['shape']} of {entry['dtype']} is {needed} "
+                f"bytes, the file gives it {end - start}"
+            )
     return None

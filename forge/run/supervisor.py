@@ -103,8 +103,10 @@ def resume_hint(output_dir: str | os.PathLike, resumed_from: Path | None = None)
     if newest is None:
         return f"no finished step is saved in {output_dir}, so start the run again"
     if resumed_from is not None and newest == resumed_from:
-        return (f"it stopped before finishing a step after {newest}, which it resumed from: if the lines above "
-                f"refuse that checkpoint, restore it or remove it to resume from an earlier one")
+        return (
+            f"it stopped before finishing a step after {newest}, which it resumed from: if the lines above "
+            f"refuse that checkpoint, restore it or remove it to resume from an earlier one"
+        )
     return f"the last finished step is saved in {newest}: continue with the same command plus --resume"
 
 
@@ -130,9 +132,11 @@ def _take_relayed_signals_as_themselves() -> None:
 
 def _wait_passing_signals(child: int) -> int:
     """Wait for `child`; meanwhile pass SIGINT, SIGTERM and SIGHUP on to it (nohup's ignored SIGHUP excepted)."""
-    previous = {signum: signal.signal(signum, lambda signum, frame: _pass_on(child, relayed_as(signum)))
-                for signum in STOP_SIGNALS
-                if not (signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) is signal.SIG_IGN)}
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: _pass_on(child, relayed_as(signum)))
+        for signum in STOP_SIGNALS
+        if not (signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) is signal.SIG_IGN)
+    }
     try:
         return os.waitpid(child, 0)[1]
     finally:

@@ -126,9 +126,11 @@ def taking_quantization_config(init):
     @functools.wraps(init)
     def wrapped(self, *args: Any, quantization_config: Any = None, **kwargs: Any) -> None:
         if quantization_config is not None:
-            raise TypeError(f"{type(self).__name__}(quantization_config=...): Forge trains unquantized weights "
-                            f"(float32 masters, LoRA or full); load the model unquantized, or leave "
-                            f"quantization_config out")
+            raise TypeError(
+                f"{type(self).__name__}(quantization_config=...): Forge trains unquantized weights "
+                f"(float32 masters, LoRA or full); load the model unquantized, or leave "
+                f"quantization_config out"
+            )
         init(self, *args, **kwargs)
 
     signature = inspect.signature(init)
@@ -198,8 +200,10 @@ class TrainerSurface:
     def eval_rows(self) -> list[dict]:
         """The rows of eval_dataset, checked, for evaluate() without rows."""
         if self.eval_dataset is None:
-            raise ValueError("evaluate() without rows evaluates eval_dataset, and this trainer has none: pass "
-                             "GRPOTrainer(..., eval_dataset=...) or trainer.evaluate(rows)")
+            raise ValueError(
+                "evaluate() without rows evaluates eval_dataset, and this trainer has none: pass "
+                "GRPOTrainer(..., eval_dataset=...) or trainer.evaluate(rows)"
+            )
         return checked_rows(self.eval_dataset)
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
@@ -208,13 +212,17 @@ class TrainerSurface:
         checkpoint (a numbered one, final/) is refused as `forge export` refuses it: writing into it would break it."""
         path = Path(self.config.output_dir if output_dir is None else output_dir)
         if self.dist.fsdp:
-            raise ValueError(f"save_model under fsdp=True: the weights are sharded over the processes; the run "
-                             f"writes them whole to {Path(self.config.output_dir) / 'final'} when it ends")
+            raise ValueError(
+                f"save_model under fsdp=True: the weights are sharded over the processes; the run "
+                f"writes them whole to {Path(self.config.output_dir) / 'final'} when it ends"
+            )
         checkpoint = forge_checkpoint(path) if path.is_dir() else None
         if checkpoint is not None:
-            raise ValueError(f"save_model({str(path)!r}): {path} holds {checkpoint}; writing the model into it would "
-                             f"change files its COMPLETE records, so it would no longer verify or resume. Save to a "
-                             f"new folder (e.g. {Path(self.config.output_dir) / 'saved'})")
+            raise ValueError(
+                f"save_model({str(path)!r}): {path} holds {checkpoint}; writing the model into it would "
+                f"change files its COMPLETE records, so it would no longer verify or resume. Save to a "
+                f"new folder (e.g. {Path(self.config.output_dir) / 'saved'})"
+            )
         if self.dist.is_main:
             path.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(path, safe_serialization=True)

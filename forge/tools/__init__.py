@@ -19,5 +19,19 @@ from forge.tools.calls import (
     truncate_output,
 )
 
-__all__ = ["CallFormat", "Tool", "ToolCall", "ToolResult", "ToolSettings", "as_tool", "as_tools", "calculator",
-           "call_format", "load_tools", "resolve_format", "run_calls", "template_supports_tools", "truncate_output"]
+__all__ = [
+    "CallFormat",
+    "Tool",
+    "ToolCall",
+    "ToolResult",
+    "ToolSettings",
+    "as_tool",
+    "as_tools",
+    "calculator",
+    "call_format",
+    "load_tools",
+    "resolve_format",
+    "run_calls",
+    "template_supports_tools",
+    "truncate_output",
+]

@@ -63,8 +63,10 @@ def as_tool(tool: Callable[..., Any] | Tool) -> Tool:
     try:
         schema = get_json_schema(tool)
     except (DocstringParsingException, TypeHintParsingException) as error:
-        raise ValueError(f"tool {getattr(tool, '__name__', tool)!r}: {error}. A tool needs a type hint on every "
-                         f"argument and a docstring with an 'Args:' section describing each one") from None
+        raise ValueError(
+            f"tool {getattr(tool, '__name__', tool)!r}: {error}. A tool needs a type hint on every "
+            f"argument and a docstring with an 'Args:' section describing each one"
+        ) from None
     name = schema["function"]["name"]
     return Tool(tool, name, schema, getattr(tool, "text_tag", name))
 
@@ -201,8 +203,12 @@ def run_calls(calls: Sequence[ToolCall], settings: ToolSettings,
         thread.join(max(0.0, deadline - time.perf_counter()))
         seconds, outcome = time.perf_counter() - started, boxes[i].get("outcome")
         if thread.is_alive():
-            results[i] = ToolResult(calls[i], f"error: the call took longer than {settings.timeout:g} s and was "
-                                    f"abandoned", "timeout", seconds=seconds)
+            results[i] = ToolResult(
+                calls[i],
+                f"error: the call took longer than {settings.timeout:g} s and was abandoned",
+                "timeout",
+                seconds=seconds,
+            )
             stateful = toolboxes is not None and toolboxes[i].get(calls[i].name) not in settings.tools
             _say_abandoned(calls[i].name, settings.timeout, stateful)
         elif outcome is None:  # the thread died outside the tool's own error handling
@@ -222,12 +228,19 @@ def _say_abandoned(name: str, timeout: float, stateful: bool) -> None:
     if name in _abandoned:
         return
     _abandoned.add(name)
-    way_out = ("an environment's method runs in the trainer, where its state is: make it return in time, or run "
-               "its slow work in a subprocess" if stateful else
-               "set tool_isolation='process', where such a call's worker is killed")
-    warnings.warn(f"tool {name} ran past tool_timeout={timeout:g} s and keeps running in a thread (Python cannot "
-                  f"stop one): while it runs it takes CPU and, in Python code, the GIL from the training; {way_out} "
-                  f"(docs/tools.md)", RuntimeWarning, stacklevel=3)
+    way_out = (
+        "an environment's method runs in the trainer, where its state is: make it return in time, or run "
+        "its slow work in a subprocess"
+        if stateful
+        else "set tool_isolation='process', where such a call's worker is killed"
+    )
+    warnings.warn(
+        f"tool {name} ran past tool_timeout={timeout:g} s and keeps running in a thread (Python cannot "
+        f"stop one): while it runs it takes CPU and, in Python code, the GIL from the training; {way_out} "
+        f"(docs/tools.md)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -439,6 +452,21 @@ def load_tools(spec: str) -> list[Callable[..., Any]]:
             for item in (part.strip() for part in spec.split(",") if part.strip())]
 
 
-__all__ = ["CallFormat", "Tool", "ToolCall", "ToolResult", "ToolSettings", "as_tool", "as_tools", "calculator",
-           "call_format", "closing_token_ids", "ended_call", "load_tools", "resolve_format", "run_calls",
-           "template_supports_tools", "truncate_output"]
+__all__ = [
+    "CallFormat",
+    "Tool",
+    "ToolCall",
+    "ToolResult",
+    "ToolSettings",
+    "as_tool",
+    "as_tools",
+    "calculator",
+    "call_format",
+    "closing_token_ids",
+    "ended_call",
+    "load_tools",
+    "resolve_format",
+    "run_calls",
+    "template_supports_tools",
+    "truncate_output",
+]

@@ -84,11 +84,35 @@ from pathlib import Path
 __all__ = ["DEFAULT_HIDDEN", "SandboxResult", "namespace_problem", "run_python"]
 
 INIT = str(Path(__file__).with_name("sandbox_init.py"))
-NAMESPACES = ["--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--net",
-              "--ipc", "--uts"]
-DEFAULT_HIDDEN = ("~/.ssh", "~/.aws", "~/.azure", "~/.config/gcloud", "~/.docker", "~/.kube", "~/.netrc",
-                  "~/.git-credentials", "~/.pypirc", "~/.config/gh", "~/.huggingface", "~/.cache/huggingface/token",
-                  "~/.cache/huggingface/stored_tokens", "$HF_HOME/token", "$HF_TOKEN_PATH")
+NAMESPACES = [
+    "--user",
+    "--map-root-user",
+    "--pid",
+    "--fork",
+    "--kill-child",
+    "--mount",
+    "--mount-proc",
+    "--net",
+    "--ipc",
+    "--uts",
+]
+DEFAULT_HIDDEN = (
+    "~/.ssh",
+    "~/.aws",
+    "~/.azure",
+    "~/.config/gcloud",
+    "~/.docker",
+    "~/.kube",
+    "~/.netrc",
+    "~/.git-credentials",
+    "~/.pypirc",
+    "~/.config/gh",
+    "~/.huggingface",
+    "~/.cache/huggingface/token",
+    "~/.cache/huggingface/stored_tokens",
+    "$HF_HOME/token",
+    "$HF_TOKEN_PATH",
+)
 _warned = False
 
 
@@ -146,8 +170,13 @@ def run_python(
     interpreter = os.path.abspath(python or sys.executable)
     if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
         return SandboxResult("", f"could not start {interpreter}: not an executable file", None, False, False, 0.0)
-    limits = {"memory": memory_mb * 2**20, "cpu_seconds": int(timeout) + 1, "file_bytes": output_limit_kb * 1024,
-              "max_processes": max_processes, "hide": _expand(hide)}
+    limits = {
+        "memory": memory_mb * 2**20,
+        "cpu_seconds": int(timeout) + 1,
+        "file_bytes": output_limit_kb * 1024,
+        "max_processes": max_processes,
+        "hide": _expand(hide),
+    }
     if namespaces is False:
         return _run(code, stdin, timeout, {**limits, "interpreter": interpreter, "keep": []}, output_limit_kb,
                     namespace=False)
@@ -164,7 +193,8 @@ def run_python(
             f"user namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
             f"kernel.apparmor_restrict_unprivileged_userns=0) or run the trainer in a VM. To run programs NOT "
             f"isolated (they can read your processes' secrets, use the network and write your files), pass "
-            f"allow_unisolated=True, or namespaces=False.")
+            f"allow_unisolated=True, or namespaces=False."
+        )
     _warn_once(problem)
     return _run(code, stdin, timeout, {**limits, "interpreter": interpreter, "keep": []}, output_limit_kb,
                 namespace=False)
@@ -206,8 +236,9 @@ def _visible_inside(interpreter: str) -> dict:
     needed = [os.path.dirname(os.path.dirname(hop)) for hop in hops]
     try:
         question = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, *sys.path]))"
-        found = subprocess.run([interpreter, "-I", "-c", question], capture_output=True, text=True, timeout=60,
-                               check=False)
+        found = subprocess.run(
+            [interpreter, "-I", "-c", question], capture_output=True, text=True, timeout=60, check=False
+        )
         needed += json.loads(found.stdout) if found.returncode == 0 else []
     except (OSError, ValueError, subprocess.TimeoutExpired):
         pass  # it is found inside or not; the sandbox then says which
@@ -228,7 +259,9 @@ def _warn_once(problem: str) -> None:
             f"secrets (/proc/<pid>/environ), signal them, use the network and write your files. Where Linux user "
             f"namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
             f"kernel.apparmor_restrict_unprivileged_userns=0), or run the trainer in a VM.",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _expand(paths: Sequence[str]) -> list[str]:
@@ -252,9 +285,17 @@ def _run(code: str, stdin: str, timeout: float, limits: dict, output_limit_kb: i
             started = time.monotonic()
             with (work / "stdout").open("wb") as out, (work / "stderr").open("wb") as err:
                 try:
-                    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=workdir,
-                                               env=environment, start_new_session=True, close_fds=True,
-                                               pass_fds=(status.fileno(),))
+                    process = subprocess.Popen(
+                        command,
+                        stdin=subprocess.PIPE,
+                        stdout=out,
+                        stderr=err,
+                        cwd=workdir,
+                        env=environment,
+                        start_new_session=True,
+                        close_fds=True,
+                        pass_fds=(status.fileno(),),
+                    )
                 except OSError as error:
                     if namespace:
                         raise SetupError(f"could not start unshare: {error}") from error

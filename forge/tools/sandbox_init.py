@@ -93,8 +93,9 @@ def set_up_namespace(config: dict, program: bytes) -> str:
         elif os.path.exists(path):
             _mount("/dev/null", path, None, _MS_BIND)
     if not os.access(config["interpreter"], os.X_OK):
-        raise SetupError(f"the interpreter {config['interpreter']} is not there, or not executable, inside the "
-                         f"sandbox")
+        raise SetupError(
+            f"the interpreter {config['interpreter']} is not there, or not executable, inside the sandbox"
+        )
     workdir = os.path.join("/tmp", config["name"])
     os.mkdir(workdir)
     with open(os.path.join(workdir, "main.py"), "wb") as f:

@@ -79,8 +79,10 @@ def portable_reference(function: Callable[..., Any]) -> dict:
 
 def _not_portable(function: Any, why: str) -> str:
     name = getattr(function, "__name__", type(function).__name__)
-    return (f"tool {name!r} cannot run in a worker process (tool_isolation='process'): {why}. Define it at the top "
-            f"level of a module (or pass a picklable callable), or set tool_isolation='thread'")
+    return (
+        f"tool {name!r} cannot run in a worker process (tool_isolation='process'): {why}. Define it at the top "
+        f"level of a module (or pass a picklable callable), or set tool_isolation='thread'"
+    )
 
 
 class _Worker:
@@ -89,8 +91,10 @@ class _Worker:
     def __init__(self, setup: dict):
         call_read, self.call_write = os.pipe()
         self.result_read, result_write = os.pipe()
-        bootstrap = (f"import sys; sys.path[:] = {json.dumps(sys.path)}; from forge.tools.worker import serve; "
-                     f"serve({call_read}, {result_write})")
+        bootstrap = (
+            f"import sys; sys.path[:] = {json.dumps(sys.path)}; from forge.tools.worker import serve; "
+            f"serve({call_read}, {result_write})"
+        )
         try:
             self.process = subprocess.Popen([sys.executable, "-c", bootstrap], stdin=subprocess.DEVNULL,
                                             pass_fds=(call_read, result_write), start_new_session=True,
@@ -152,9 +156,11 @@ class ToolWorkers:
 
     def __init__(self, functions: dict[str, Callable[..., Any]], memory_mb: int, max_workers: int = MAX_WORKERS):
         if os.environ.get("FORGE_TOOL_WORKER"):
-            raise RuntimeError("a tool worker process is starting tool workers of its own: the script that defines "
-                               "the tools runs again in each worker, training code included; put that code under "
-                               "`if __name__ == \"__main__\":` (or the tools in a module of their own)")
+            raise RuntimeError(
+                "a tool worker process is starting tool workers of its own: the script that defines "
+                "the tools runs again in each worker, training code included; put that code under "
+                '`if __name__ == "__main__":` (or the tools in a module of their own)'
+            )
         self.setup = {"tools": {name: portable_reference(f) for name, f in functions.items()},
                       "memory_mb": memory_mb}
         self.memory_mb = memory_mb
@@ -210,8 +216,12 @@ class ToolWorkers:
                     self.idle += started
                     if problems and not self.idle and not busy:  # no worker can run them: each call fails
                         for job in waiting:
-                            outcomes[job] = (f"error: the tool's worker process could not start: {problems[0]}",
-                                             "error", False, 0.0)
+                            outcomes[job] = (
+                                f"error: the tool's worker process could not start: {problems[0]}",
+                                "error",
+                                False,
+                                0.0,
+                            )
                         waiting = []
                 while waiting and self.idle and len(busy) < self.max_workers:
                     job, worker = waiting.pop(0), self.idle.pop()
@@ -226,8 +236,12 @@ class ToolWorkers:
                         continue
                     if not sent:
                         worker.kill()
-                        outcomes[job] = ("error: the tool's worker process ended before the call", "error", False,
-                                         0.0)
+                        outcomes[job] = (
+                            "error: the tool's worker process ended before the call",
+                            "error",
+                            False,
+                            0.0,
+                        )
                         continue
                     busy[job] = (worker, time.perf_counter())
                     selector.register(worker.result_read, selectors.EVENT_READ, job)
