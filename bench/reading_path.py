@@ -83,7 +83,8 @@ def is_import_hook(frame) -> bool:
 @dataclass
 class Trace:
     """What running the step records: the package's code objects in first-call order, the lines that ran,
-    and each first call from one file into another (an entry), as (caller's file, callee's file, callee)."""
+    and each first call from one file into another (an entry; a function's consecutive calls into one other
+    file are one), as (caller's file, callee's file, callee)."""
 
     codes: list = field(default_factory=list)
     executed: set = field(default_factory=set)  # (file, line)
@@ -94,6 +95,7 @@ class Trace:
 def record_step(trainer: GRPOTrainer, rows: list[dict]) -> Trace:
     """Trace trainer.step(rows): every call, line and return of the package's functions."""
     trace, seen, stack, package = Trace(), set(), [], str(PACKAGE)
+    last_entered: dict[int, str] = {}  # id(frame) -> the file its last call went into
 
     def local(frame, event, arg):
         if event == "line":
@@ -110,8 +112,12 @@ def record_step(trainer: GRPOTrainer, rows: list[dict]) -> Trace:
         if code not in seen:
             seen.add(code)
             trace.codes.append(code)
-            if stack and stack[-1][1] != file:
-                trace.entries.append((stack[-1][1], file, code.co_qualname))
+            caller = stack[-1] if stack else None
+            # one function's calls into one other file, one after another, are one entry
+            if caller is not None and caller[1] != file and last_entered.get(id(caller[0])) != file:
+                trace.entries.append((caller[1], file, code.co_qualname))
+        if stack:
+            last_entered[id(stack[-1][0])] = file
             if any(name == "GRPOTrainer.generate" for _, _, name in stack):
                 trace.inside_generate.add(code)
         stack.append((frame, file, code.co_qualname))
