@@ -41,7 +41,7 @@ What it leaves out, and where the engine has it:
     several rewards, reward isolation and timeouts       forge/core/reward.py, forge/core/scoring.py
     tools and environments in the decode loop            forge/core/rollout.py, forge/tools/, forge/envs/
     finished rows leaving the decode batch, a cache      forge/core/rollout.py, forge/model/kv_cache.py,
-      allocated once, compiled decoding, top-p/top-k       forge/model/static_decode.py
+      allocated once, compiled decoding, top-p/top-k       forge/model/decode_plan.py
     the same draws on 1 and N processes                  forge/core/rollout.py (sampling_noise)
     micro-batches, each prompt once per group in the     forge/core/logprobs.py, forge/core/trainer.py
       loss pass, chunked log-softmax, a template prefix
@@ -51,7 +51,7 @@ What it leaves out, and where the engine has it:
     checkpoints, resume, signals                         forge/run/checkpoint.py, forge/run/lifecycle.py
     data parallel and FSDP2                              forge/parallel/
     vLLM as the sampler                                  forge/model/vllm_engine.py, core/engine_rollout.py
-    metrics, logs, evaluation, the preflight             forge/run/metrics.py, forge/logging/, forge/eval/,
+    metrics, logs, evaluation, the preflight             forge/run/step_stats.py, forge/logging/, forge/eval/,
                                                            forge/core/preflight.py
     any model by name, GGUF files in general             forge/model/loading.py
 
