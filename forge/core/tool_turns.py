@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from forge.envs.protocol import EnvironmentSettings, Episode, with_opening
-from forge.model.kv_cache import CACHE_ARG, LAST_POSITION, grow
+from forge.model.kv_cache import CACHE_ARG, LAST_POSITION
 from forge.tools.calls import CallFormat, ToolSettings, call_format, closing_token_ids, ended_call, run_calls
 
 TRUNCATION_MARKER = " [truncated: token budget]"  # ends a fed result cut to the completion's token budget
@@ -83,7 +83,6 @@ class ToolTurns:
             step_ids[j, width - len(ids):] = torch.tensor(ids, device=device)
         offsets = torch.arange(width, device=device)[None, :] - (width - lengths[:, None])  # (n, width), <0 = pad
         mask = torch.cat([mask, (offsets >= 0).long()], dim=1)  # (n, L + width)
-        grow(cache, mask.shape[1])
         out = model(
             input_ids=step_ids,
             attention_mask=mask,

@@ -45,8 +45,6 @@ from forge.model.kv_cache import (
     CACHE_ARG,
     LAST_POSITION,
     attending,
-    grow,
-    holds_full_attention,
     is_shared,
     preallocated,
     returned_cache,
@@ -152,7 +150,6 @@ class EagerStep:
 
     def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens (n,), mask (n, L), positions (n,) of the live rows -> their next-token logits (n, V)."""
-        grow(self.cache, mask.shape[1])
         # a cache that holds each group's prompt once is read by its own attention
         with attending(self.shared_prompt, self.cache) if self.shared_prompt else contextlib.nullcontext():
             out = self.model(input_ids=tokens[:, None],
@@ -216,9 +213,9 @@ def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, g
         return preallocated(cache, mask.shape[1] + max_new_tokens), next_logits, mask  # the cache: N rows
     next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
     rows_mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    if attend_shared and holds_full_attention(cache):
-        cache = shared(cache, mask, group_size, max_new_tokens)  # the prompt P rows, the rest N
-        return cache, next_logits, rows_mask
+    # the prompt P rows, the rest N
+    if attend_shared and (once := shared(cache, mask, group_size, max_new_tokens)) is not None:
+        return once, next_logits, rows_mask
     return preallocated(cache, mask.shape[1] + max_new_tokens, group_size), next_logits, rows_mask  # N rows
 
 

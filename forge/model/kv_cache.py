@@ -85,13 +85,22 @@ if DynamicLayer is not None:
 
         def update(self, key_states, value_states, *args, **kwargs):
             new = key_states.shape[-2]
-            if self.length + new > self.key_buffer.shape[-2]:
-                raise RuntimeError(f"preallocated cache of {self.key_buffer.shape[-2]} positions is full")
+            if self.length + new > self.key_buffer.shape[-2]:  # fed tool results were not in the plan
+                self._grow(self.length + new)
             self.key_buffer[:, :, self.length:self.length + new] = key_states
             self.value_buffer[:, :, self.length:self.length + new] = value_states
             self.length += new
             self._expose()
             return self.keys, self.values
+
+        def _grow(self, needed: int) -> None:
+            """Room for `needed` positions, and 64 more: the filled part moves into larger buffers."""
+            capacity = max(needed, self.key_buffer.shape[-2] + 64)
+            for name in ("key_buffer", "value_buffer"):
+                old = getattr(self, name)
+                new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
+                new[:, :, :self.length] = old[:, :, :self.length]
+                setattr(self, name, new)
 
         def batch_repeat_interleave(self, repeats: int) -> None:
             self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
@@ -126,21 +135,6 @@ def preallocated(cache, capacity: int, repeats: int = 1):
         return cache
     cache.layers = [PreallocatedLayer(layer.keys, layer.values, capacity, repeats) for layer in layers]
     return cache
-
-
-def grow(cache, needed: int) -> None:
-    """Give preallocated cache layers room for `needed` positions (fed result tokens were not in the plan)."""
-    for layer in getattr(cache, "layers", []):
-        buffer = getattr(layer, "key_buffer", None)
-        if buffer is None or buffer.shape[-2] >= needed:
-            continue
-        capacity = max(needed, buffer.shape[-2] + 64)
-        for name in ("key_buffer", "value_buffer"):
-            old = getattr(layer, name)
-            new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
-            new[:, :, :layer.length] = old[:, :, :layer.length]
-            setattr(layer, name, new)
-        layer._expose()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -308,7 +302,9 @@ def is_shared(cache) -> bool:
 
 def shared(cache, prompt_mask: torch.Tensor, group_size: int, capacity: int):
     """The prefilled cache of P prompts as SharedPrefixLayers for P * group_size rows with `capacity` new
-    tokens."""
+    tokens; None, the cache unchanged, where it is not full attention in every layer."""
+    if not holds_full_attention(cache):
+        return None
     cache.layers = [
         SharedPrefixLayer(layer.keys, layer.values, prompt_mask, group_size, capacity)
         for layer in cache.layers
