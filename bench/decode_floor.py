@@ -174,7 +174,7 @@ def main(argv=None) -> int:
             merge = merged_adapters(model, rounded=True) if name.startswith("merged") else contextlib.nullcontext()
             start = time.perf_counter()
             with merge:
-                rollouts[name] = trainer.generate(prompts)
+                rollouts[name] = trainer.sample_completions(prompts)
             timings[name].append(time.perf_counter() - start)
             print(r, name, round(timings[name][-1], 3), "s", flush=True)
     trainer.config, trainer.decode_plan = config, plan

@@ -85,7 +85,7 @@ def main() -> None:
             trainer.sampling_rng.manual_seed(round_index)
             timers.clear()
             started = time.perf_counter()
-            rollout_ = trainer.generate(prompts)
+            rollout_ = trainer.sample_completions(prompts)
             timers.seconds["generation"] = time.perf_counter() - started
             steps = timers.calls["decode step"]
             rounds.append({"decode_steps": steps, "tokens": int(rollout_.completion_mask.sum()),

@@ -1,4 +1,4 @@
-"""Where one decode step of the demo's generation spends its time: torch.profiler over one `trainer.generate`.
+"""Where one decode step of the demo's generation spends its time: torch.profiler over one `trainer.sample_completions`.
 
 The demo's workload (packaged SmolLM2-135M, LoRA as in bench/decode_floor.py, 4 prompts x 8 completions, in the
 run's precision), a few new tokens (--max-new-tokens), after a warm-up generation; on the adapter path (training's
@@ -97,11 +97,11 @@ def main(argv=None) -> int:
             for _ in range(2):  # a warm-up, then the unprofiled time
                 trainer.sampling_rng = torch.Generator().manual_seed(0)
                 start = time.perf_counter()
-                trainer.generate(prompts)
+                trainer.sample_completions(prompts)
                 timings.append(time.perf_counter() - start)
             trainer.sampling_rng = torch.Generator().manual_seed(0)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-                rollout = trainer.generate(prompts)
+                rollout = trainer.sample_completions(prompts)
         steps = int(rollout.completion_lengths.max()) - 1
         key = variant
         results[key] = {"unprofiled_s": round(timings[-1], 3), "decode_steps": steps,

@@ -118,7 +118,7 @@ def record_step(trainer: GRPOTrainer, rows: list[dict]) -> Trace:
                 trace.entries.append((caller[1], file, code.co_qualname))
         if stack:
             last_entered[id(stack[-1][0])] = file
-            if any(name == "GRPOTrainer.generate" for _, _, name in stack):
+            if any(name == "GRPOTrainer.sample_completions" for _, _, name in stack):
                 trace.inside_generate.add(code)
         stack.append((frame, file, code.co_qualname))
         return local

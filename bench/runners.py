@@ -104,7 +104,7 @@ def run_forge(spec: dict, model, tokenizer, rows: list[dict], recorder: Recorder
     )
     trainer = GRPOTrainer(model, tokenizer, reward_fn=correctness_reward, config=config)
 
-    generate, step = trainer.generate, trainer.step
+    generate, step = trainer.sample_completions, trainer.step
 
     def timed_generate(prompts, *args, **kwargs):
         t0 = time.perf_counter()
@@ -119,7 +119,7 @@ def run_forge(spec: dict, model, tokenizer, rows: list[dict], recorder: Recorder
         recorder.end()
         return metrics
 
-    trainer.generate, trainer.step = timed_generate, timed_step
+    trainer.sample_completions, trainer.step = timed_generate, timed_step
     try:
         trainer.train(rows)
     except BenchmarkDone:

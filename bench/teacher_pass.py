@@ -45,7 +45,7 @@ def main() -> None:
                          drop_zero_std_groups=False)
     trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config)
     rows = ARITHMETIC_TASK.rows(n=settings.prompts_per_step, seed=0, chat=True)
-    rollout = trainer.generate([row["prompt"] for row in rows], rows)
+    rollout = trainer.sample_completions([row["prompt"] for row in rows], rows)
     passes = {"reference": lambda: trainer.reference_logprobs(rollout),
               "teacher": lambda: trainer.teacher.logprobs(rollout, trainer.rollout_logprobs)}
     measured = {name: {"cpu_seconds": [], "peak_added_mb": []} for name in passes}

@@ -1,7 +1,7 @@
-"""nano GRPO: Forge's plain GRPO step in one file, the reading edition of the engine.
+"""nano GRPO: Forge's plain GRPO step in one file, the reading edition of Forge's trainer.
 
 Plain GRPO as DeepSeekMath defines it (Shao et al. 2024, https://arxiv.org/abs/2402.03300, sec. 4.1.2,
-eq. 3), with the defaults of Forge's engine (GRPOConfig: loss_type="grpo", scale_rewards="group",
+eq. 3), with the defaults of Forge's trainer (GRPOConfig: loss_type="grpo", scale_rewards="group",
 kl_loss_type="k3", lr_scheduler="cosine"). A step samples G completions o_1..o_G from pi_old for each of its
 P prompts; n runs over its N = P x G completions and g(n) is the group of completion n:
 
@@ -17,7 +17,7 @@ The file reads in the order a step runs; each numbered section below holds what 
     1. prompts     a batch of arithmetic problems as chat prompts (the task: `Arithmetic`, with its grader)
     2. generate    G completions per prompt in one batched decode with a KV cache; each distinct prompt runs
                    through the model once and its keys/values are copied to its group; each token is drawn
-                   from one uniform by inverse CDF, the draws seeded by (seed, step) as the engine seeds them
+                   from one uniform by inverse CDF, the draws seeded by (seed, step) as Forge seeds them
     3. score       the task's grader: 1.0 for the exact answer, 0.0 otherwise
     4. advantages  the formula above (float64, Bessel-corrected std; a group of equal rewards gets 0)
     5. log-probs   one forward over each prompt and its completion, the completion positions' logits kept;
@@ -28,13 +28,13 @@ The file reads in the order a step runs; each numbered section below holds what 
                    cosine decay of the learning rate
     8. the loop    max_steps optimizer steps, so max_steps // num_iterations rollouts; the command line
 
-It imports only torch, transformers and peft (and the standard library), and computes what the engine
-computes for the same run: tests/units/test_nano.py runs nano's `train` and the engine's GRPOTrainer on the
+It imports only torch, transformers and peft (and the standard library), and computes what Forge's
+trainer computes for the same run: tests/units/test_nano.py runs nano's `train` and Forge's GRPOTrainer on the
 same prompts (LoRA with and without the KL term, full fine-tuning, two updates per rollout; fp32, one process)
 and holds their sampled tokens equal, their learning rates, losses, gradients and weights equal to fp32
-rounding, and nano's sampling at temperature 1 and below equal to the engine's, token for token.
+rounding, and nano's sampling at temperature 1 and below equal to Forge's, token for token.
 
-What it leaves out, and where the engine has it:
+What it leaves out, and where Forge has it:
 
     other losses, advantage scales and KL estimators     forge/core/grpo.py, forge/core/advantages.py
       (DAPO, Dr. GRPO, GSPO, CISPO, SAPO, RLOO, GDPO)
@@ -111,7 +111,7 @@ class Config:
     threads: int = 0  # torch CPU threads (0 = torch's default)
 
 
-class Rollout(NamedTuple):
+class Samples(NamedTuple):
     """The completions of one batch of prompts, group by group: completion n belongs to prompt n // G."""
 
     prompt_ids: torch.Tensor  # (P, Lp) prompt tokens, left-padded
@@ -230,9 +230,9 @@ class Arithmetic:
 
 
 def sampling_generator(seed: int, steps_taken: int) -> torch.Generator:
-    """The generator of one rollout's draws, seeded from a hash of (seed, optimizer steps taken) as the engine
-    seeds it (forge/core/rollout.py, sampling_seed): a rollout's samples depend on the run's seed and its step
-    alone, so a seeded nano run samples the engine's tokens."""
+    """The generator of one rollout's draws, seeded from a hash of (seed, optimizer steps taken) as Forge's
+    trainer seeds it (forge/core/rollout.py, sampling_seed): a rollout's samples depend on the run's seed and
+    its step alone, so a seeded nano run samples Forge's tokens."""
     digest = hashlib.sha256(f"forge-sampling:{seed}:{steps_taken}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
@@ -265,7 +265,7 @@ def stop_token_ids(model, tokenizer) -> torch.Tensor:
 def sample_token(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor | None) -> torch.Tensor:
     """(N, V) next-token logits -> (N,) tokens: greedy at temperature 0, else drawn from softmax(logits / T)
     by inverse CDF: the first token whose cumulative probability exceeds u x the total, u (N,) uniforms in
-    [0, 1), one per row (the engine's sample_next_token draws the same way)."""
+    [0, 1), one per row (Forge's sample_next_token draws the same way)."""
     if temperature == 0:
         return logits.argmax(dim=-1)  # (N,)
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (N, V)
@@ -275,8 +275,8 @@ def sample_token(logits: torch.Tensor, temperature: float, uniforms: torch.Tenso
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-             max_new_tokens: int, temperature: float, generator: torch.Generator | None = None) -> Rollout:
+def sample_groups(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+             max_new_tokens: int, temperature: float, generator: torch.Generator | None = None) -> Samples:
     """Sample G completions of every prompt (temperature 0: greedy); token t of completion n is drawn with
     the uniform (n, t) of `generator` (None: torch's global one). Every row decodes until all have ended;
     a row's tokens after its end-of-sequence token are replaced by padding."""
@@ -301,14 +301,14 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     completion_ids = torch.stack(tokens, dim=1)  # (N, T)
     is_stop = torch.isin(completion_ids, stop).long()  # (N, T)
     completion_mask = (is_stop.cumsum(dim=1) - is_stop == 0).long()  # (N, T) up to the first stop, included
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return Samples(prompt_ids, prompt_mask, completion_ids, completion_mask)
 
 
 # ----------------------------------------------------------------------------------------------------
 # 3. Score: the task's grader on every completion
 
 
-def score(tokenizer, task: Arithmetic, rollout: Rollout, problems: list[tuple[str, int]],
+def score(tokenizer, task: Arithmetic, rollout: Samples, problems: list[tuple[str, int]],
           group_size: int) -> torch.Tensor:
     """(N,) the reward of each completion; completion n answers problem n // group_size."""
     texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)  # padding dropped
@@ -321,7 +321,7 @@ def score(tokenizer, task: Arithmetic, rollout: Rollout, problems: list[tuple[st
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """A_n = (r_n - mean(group)) / (std(group) + eps), (N,) -> (N,); 0 for a group whose rewards are all equal
-    (such a group carries no signal). Computed in float64, as the engine does, then returned in float32."""
+    (such a group carries no signal). Computed in float64, as Forge does, then returned in float32."""
     grouped = rewards.double().view(-1, group_size)  # (P, G)
     centred = grouped - grouped.mean(dim=1, keepdim=True)  # (P, G)
     std = grouped.std(dim=1, keepdim=True)  # (P, 1), Bessel-corrected (divides by G - 1)
@@ -333,7 +333,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
 # 5. Log-probs: of every completion token, under the policy, the reference and pi_old
 
 
-def completion_logprobs(model, rollout: Rollout, group_size: int, temperature: float) -> torch.Tensor:
+def completion_logprobs(model, rollout: Samples, group_size: int, temperature: float) -> torch.Tensor:
     """log pi(o_t | q, o_<t) of every completion token, (N, T), under the sampling softmax (logits / T):
     one forward over each prompt followed by its completion, keeping the logits of the positions that
     predict the completion's tokens (the last prompt position predicts the first completion token)."""
@@ -352,7 +352,7 @@ def completion_logprobs(model, rollout: Rollout, group_size: int, temperature: f
 
 
 @torch.no_grad()
-def reference_and_old_logprobs(model, reference, rollout: Rollout, config: Config):
+def reference_and_old_logprobs(model, reference, rollout: Samples, config: Config):
     """The log-probs that stay fixed over a rollout's updates, (N, T) each: pi_ref's (None when kl_beta = 0;
     `reference` is None under LoRA, whose reference is the policy with its adapters off) and pi_old's (None
     with one update per rollout, where pi_old = stopgrad(pi_theta))."""
@@ -398,7 +398,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
 # 7. Optimizer steps: num_iterations of them on one rollout
 
 
-def optimizer_steps(model, optimizer, scheduler, rollout: Rollout, advantages: torch.Tensor,
+def optimizer_steps(model, optimizer, scheduler, rollout: Samples, advantages: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, old_logprobs: torch.Tensor | None,
                     config: Config) -> list[dict]:
     """config.num_iterations optimizer steps on one rollout and its advantages (N,): each the policy's
@@ -434,7 +434,7 @@ def train(model, tokenizer, task: Arithmetic, config: Config):
         started, steps_taken = time.perf_counter(), rollout_number * config.num_iterations
         problems = task.train_batch(config.prompts_per_step)  # 1. prompts
         prompt_ids, prompt_mask = task.prompts(problems)  # (P, Lp) each
-        rollout = generate(model, tokenizer, prompt_ids, prompt_mask, config.group_size,  # 2. generate
+        rollout = sample_groups(model, tokenizer, prompt_ids, prompt_mask, config.group_size,  # 2. generate
                            config.max_new_tokens, config.temperature,
                            sampling_generator(config.seed, steps_taken))
         rewards = score(tokenizer, task, rollout, problems, config.group_size)  # 3. score, (N,)
@@ -453,7 +453,7 @@ def heldout_accuracy(model, tokenizer, task: Arithmetic, config: Config, batch_s
     problems, correct = task.heldout[:config.eval_problems], 0.0
     for start in range(0, len(problems), batch_size):
         chunk = problems[start:start + batch_size]
-        rollout = generate(model, tokenizer, *task.prompts(chunk), 1, config.max_new_tokens, 0.0)
+        rollout = sample_groups(model, tokenizer, *task.prompts(chunk), 1, config.max_new_tokens, 0.0)
         correct += float(score(tokenizer, task, rollout, chunk, 1).sum())
     return correct / max(1, len(problems))
 

@@ -134,7 +134,7 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     mine = rows[:: max(1, len(rows) // config.preflight_prompts)][:config.preflight_prompts]  # spread over the data
     trainer.model.eval()
     generation_started, held = time.perf_counter(), memory.reset_peak(trainer.device)
-    rollout = trainer.generate([row["prompt"] for row in mine], mine)
+    rollout = trainer.sample_completions([row["prompt"] for row in mine], mine)
     generation_seconds, generation_rise = time.perf_counter() - generation_started, memory.peak_mb(trainer.device) - held
     prompts, columns, _ = per_completion(mine, group)
     score = {"on_error": "score", "error_value": 0.0, "timeout": config.reward_timeout,

@@ -162,7 +162,7 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         for round_rows in rounds:  # the step's rows (dynamic_sampling: more, until enough groups differ)
             mine = dist.my_share(round_rows, per)  # each rank: whole groups
             started = time.perf_counter()
-            rollout = self.generate([row["prompt"] for row in mine], mine)
+            rollout = self.sample_completions([row["prompt"] for row in mine], mine)
             stats.gen_seconds += time.perf_counter() - started
             scores = self.score(mine, rollout)
             # Advantages of the whole rollout batch (scale_rewards='batch' needs every rank's rewards), then
@@ -191,7 +191,7 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
             batch.advantages = self.teacher.advantages(batch, self, stats)
         return batch, stats
 
-    def generate(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
+    def sample_completions(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
         """G completions per prompt, with this step's sampling noise (and the run's tools, or its environments
         reset with the prompts' dataset `rows`)."""
         if self.ahead is not None and self.ahead.running:  # async GRPO: sampled earlier, by the worker

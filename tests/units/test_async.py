@@ -86,7 +86,7 @@ def test_a_stale_rollouts_ratio_is_taken_against_its_samplers_logprobs(tmp_path,
     rollout sampled by the weights as they are (policy_version None) has ratio 1 and loss -A."""
     config = config_for(tmp_path, "ratio", kl_beta=0.0, loss_type="grpo")
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, alternating, config)
-    rollout = trainer.generate(["1 2 3"], [{"prompt": "1 2 3"}])
+    rollout = trainer.sample_completions(["1 2 3"], [{"prompt": "1 2 3"}])
     indices = torch.arange(rollout.completion_ids.shape[0])
     with torch.no_grad():
         current = trainer.rollout_logprobs(trainer.model, rollout, indices)  # (N, T), 0 on padding

@@ -89,7 +89,7 @@ def make_trainer(base_model, tokenizer, tmp_path, optimised: bool, mode: str, lo
     with torch.no_grad():
         for parameter in trainer.trainable:
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    trainer.generate = lambda prompts, rows=None: next(rollouts)
+    trainer.sample_completions = lambda prompts, rows=None: next(rollouts)
     captured = {}
 
     def capture_gradients(optimizer):

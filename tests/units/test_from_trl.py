@@ -100,7 +100,7 @@ def test_a_reward_argument_no_column_supplies_fails_before_the_first_step(model_
     generated = []
     trainer = GRPOTrainer(model=model_folder, reward_funcs=needs_a_column, args=trl_args(tmp_path),
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS, "solution": ["5"] * 4}))
-    trainer.generate = lambda prompts, rows=None: generated.append(prompts)
+    trainer.sample_completions = lambda prompts, rows=None: generated.append(prompts)
     with pytest.raises(ValueError, match=r"reward 'needs_a_column': it needs \['answer'\].*columns are \['solution'\]"):
         trainer.train()
     assert generated == []

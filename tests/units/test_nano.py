@@ -1,4 +1,4 @@
-"""The reading edition (forge/nano.py) computes what the engine computes, and fails here when it does not.
+"""The reading edition (forge/nano.py) computes what Forge's trainer computes, and fails here when it does not.
 
 GRPOTrainer.train with its defaults (loss_type="grpo", scale_rewards="group", k3 KL, linear warmup then
 cosine decay, AdamW, gradient clipping), fp32, one process, on the tiny offline model, against nano's own
@@ -7,7 +7,7 @@ fine-tuning, and full fine-tuning with two updates per rollout (pi_old differs f
 Both sample at temperature 0.9 with the same seeded draws, so they must sample the same tokens; 4 optimizer
 steps with one warmup step give the rates 1/2, 1, 3/4, 1/4 of the peak, where a linear decay gives 2/3, 1/3.
 
-The engine computes the log-probs by another route (each prompt once per group, a cache expanded by index,
+Forge's trainer computes the log-probs by another route (each prompt once per group, a cache expanded by index,
 a chunked log-softmax, the completions cut to the longest), so the two agree to fp32 rounding, not to the
 bit. What each comparison allows, and the largest gap measured over the four runs (Intel Xeon with
 AMX-BF16, 2 cores, torch 2.13 CPU; the AVX2-only EPYC's kernels round otherwise, hence the margins):
@@ -16,8 +16,8 @@ AMX-BF16, 2 cores, torch 2.13 CPU; the AVX2-only EPYC's kernels round otherwise,
     rollouts          as many, each sampled token and each reward equal            equal
     learning rates    relative 1e-12                                               equal
     losses            relative 1e-3 (absolute 1e-7 near 0)                          1.2e-5
-    gradients         ||g_nano - g_engine|| <= 5e-5 ||g_engine||, each step         9.8e-6 (full, step 3)
-    weights           ||W_nano - W_engine|| <= 1e-3 ||W_engine - W_0||, at the end  7.2e-5 (full)
+    gradients         ||g_nano - g_forge|| <= 5e-5 ||g_forge||, each step         9.8e-6 (full, step 3)
+    weights           ||W_nano - W_forge|| <= 1e-3 ||W_forge - W_0||, at the end  7.2e-5 (full)
 
 The weights are compared relative to how far training moved them: AdamW divides each gradient element by the
 root of its own running square, which turns the rounding of a near-zero element into a visible part of the
@@ -58,7 +58,7 @@ A wrong nano fails by far. test_a_wrong_nano_fails_the_comparison edits nano's s
 Most fail every later check too (a wrong step samples other tokens next). The smallest margin: eps 10x moves
 the gradients by 1.6e-3 of their norm, 32x the tolerance.
 
-nano's sampler is held against the engine's alone too: at temperatures 0 (greedy), 0.7 and 1, the same prompts
+nano's sampler is held against the trainer's alone too: at temperatures 0 (greedy), 0.7 and 1, the same prompts
 (each prefilled once, its cache copied to its group) and the same seeded draws give the same tokens.
 """
 
@@ -117,12 +117,12 @@ def trainable_weights(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def engine_run(tmp_path, run: dict) -> dict:
-    """Train the engine, recording each step's prompts, samples, rewards, loss, rate and applied gradient."""
+def forge_run(tmp_path, run: dict) -> dict:
+    """Train Forge's trainer, recording each step's prompts, samples, rewards, loss, rate and applied gradient."""
     model, tokenizer = tiny_model()
     settings = {ENGINE_NAMES.get(name, name): value for name, value in (SETTINGS | run).items()}
     config = GRPOConfig(**settings, gradient_accumulation_steps=1, dtype="float32",
-                        preflight="off", logging_steps=1, save_steps=0, output_dir=str(tmp_path / "engine"))
+                        preflight="off", logging_steps=1, save_steps=0, output_dir=str(tmp_path / "forge"))
     trainer = GRPOTrainer(model, tokenizer, vowel_count, config)
     run = {"initial": trainable_weights(trainer.model), "prompts": [], "rollouts": [], "rewards": [],
            "losses": [], "rates": [], "gradients": recording_gradients(trainer.optimizer)}
@@ -131,7 +131,7 @@ def engine_run(tmp_path, run: dict) -> dict:
     def recording_collect(rows):
         batch, stats = collect(rows)
         run["prompts"] += [[row["prompt"] for row in mine] for mine in batch.rows]
-        run["rollouts"] += [nano.Rollout(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+        run["rollouts"] += [nano.Samples(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
                             for r in batch.rollouts]
         return batch, stats
 
@@ -151,9 +151,9 @@ def engine_run(tmp_path, run: dict) -> dict:
     return run | {"weights": trainable_weights(trainer.model)}
 
 
-class EnginePrompts:
-    """nano's task on the engine's prompts, batch by batch in the order the engine drew them, scored like the
-    engine (vowel_count). A batch asked for past the engine's last gets its first again: the comparison
+class TrainerPrompts:
+    """nano's task on the trainer's prompts, batch by batch in the order the trainer drew them, scored like the
+    trainer (vowel_count). A batch asked for past the trainer's last gets its first again: the comparison
     counts the rollouts."""
 
     def __init__(self, tokenizer, batches: list[list[str]]):
@@ -173,8 +173,8 @@ class EnginePrompts:
         return vowel_count(None, [completion])[0]
 
 
-def nano_run(module, run: dict, engine: dict, monkeypatch) -> dict:
-    """`module.train` (nano, or an edited copy of it) on the engine's prompts, from the same initial weights,
+def nano_run(module, run: dict, recorded: dict, monkeypatch) -> dict:
+    """`module.train` (nano, or an edited copy of it) on the trainer's prompts, from the same initial weights,
     recording each rollout, its rewards, and each optimizer step's loss, rate and applied gradient."""
     model, tokenizer = tiny_model()
     reading = {"rollouts": [], "rewards": [], "losses": [], "rates": []}
@@ -202,7 +202,7 @@ def nano_run(module, run: dict, engine: dict, monkeypatch) -> dict:
     monkeypatch.setattr(module, "score", recording_score)
     monkeypatch.setattr(module, "optimizer_steps", recording_steps)
     config = module.Config(**(SETTINGS | run))
-    trained = module.train(model.eval(), tokenizer, EnginePrompts(tokenizer, engine["prompts"]), config)
+    trained = module.train(model.eval(), tokenizer, TrainerPrompts(tokenizer, recorded["prompts"]), config)
     return reading | {"weights": trainable_weights(trained)}
 
 
@@ -210,7 +210,7 @@ def norm(tensors) -> float:
     return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
 
 
-def same_samples(mine: nano.Rollout, theirs: nano.Rollout) -> bool:
+def same_samples(mine: nano.Samples, theirs: nano.Samples) -> bool:
     """The same tokens up to each completion's end (nano's rollout stops at the longest completion)."""
     length = mine.completion_ids.shape[1]
     return (torch.equal(mine.prompt_ids, theirs.prompt_ids) and not theirs.completion_mask[:, length:].any()
@@ -219,35 +219,35 @@ def same_samples(mine: nano.Rollout, theirs: nano.Rollout) -> bool:
                             theirs.completion_ids[:, :length] * theirs.completion_mask[:, :length]))
 
 
-def gaps(engine: dict, reading: dict) -> dict[str, float]:
+def gaps(recorded: dict, reading: dict) -> dict[str, float]:
     """The largest relative gap of each compared quantity (losses, gradients, weights)."""
     losses = [abs(a - b) / max(abs(b), LOSS_ATOL / LOSS_RTOL)
-              for a, b in zip(reading["losses"], engine["losses"], strict=False)]
+              for a, b in zip(reading["losses"], recorded["losses"], strict=False)]
     gradients = [norm(a - b for a, b in zip(mine, theirs, strict=True)) / norm(theirs)
-                 for mine, theirs in zip(reading["gradients"], engine["gradients"], strict=False)]
-    names = list(engine["weights"])
-    moved = norm(engine["weights"][k] - engine["initial"][k] for k in names)
-    weights = norm(reading["weights"][k] - engine["weights"][k] for k in names) / moved
+                 for mine, theirs in zip(reading["gradients"], recorded["gradients"], strict=False)]
+    names = list(recorded["weights"])
+    moved = norm(recorded["weights"][k] - recorded["initial"][k] for k in names)
+    weights = norm(reading["weights"][k] - recorded["weights"][k] for k in names) / moved
     return {"losses": max(losses, default=0.0), "gradients": max(gradients, default=0.0), "weights": weights}
 
 
-def disagreements(engine: dict, reading: dict) -> dict[str, str]:
+def disagreements(recorded: dict, reading: dict) -> dict[str, str]:
     """What differs beyond the tolerances, by check (an empty dict: the two agree)."""
-    assert engine["weights"].keys() == reading["weights"].keys()
+    assert recorded["weights"].keys() == reading["weights"].keys()
     found = {}
-    if len(reading["rollouts"]) != len(engine["rollouts"]):
-        found["rollouts"] = f"{len(reading['rollouts'])} rollouts, the engine {len(engine['rollouts'])}"
-    pairs = list(zip(reading["rollouts"], engine["rollouts"], reading["rewards"], engine["rewards"]))
+    if len(reading["rollouts"]) != len(recorded["rollouts"]):
+        found["rollouts"] = f"{len(reading['rollouts'])} rollouts, the trainer {len(recorded['rollouts'])}"
+    pairs = list(zip(reading["rollouts"], recorded["rollouts"], reading["rewards"], recorded["rewards"]))
     differ = [k for k, (mine, theirs, *rewards) in enumerate(pairs, 1)
               if not (same_samples(mine, theirs) and torch.equal(*rewards))]
     if differ:
-        found["samples"] = f"rollouts {differ} sampled other tokens than the engine's"
-    if reading["rates"] != pytest.approx(engine["rates"], rel=RATE_RTOL):
-        found["learning rates"] = f"{reading['rates']} vs the engine's {engine['rates']}"
-    if reading["losses"] != pytest.approx(engine["losses"], rel=LOSS_RTOL, abs=LOSS_ATOL):
-        found["losses"] = f"{reading['losses']} vs the engine's {engine['losses']}"
-    measured = gaps(engine, reading)
-    if len(reading["gradients"]) != len(engine["gradients"]) or measured["gradients"] > GRADIENT_RTOL:
+        found["samples"] = f"rollouts {differ} sampled other tokens than the trainer's"
+    if reading["rates"] != pytest.approx(recorded["rates"], rel=RATE_RTOL):
+        found["learning rates"] = f"{reading['rates']} vs the trainer's {recorded['rates']}"
+    if reading["losses"] != pytest.approx(recorded["losses"], rel=LOSS_RTOL, abs=LOSS_ATOL):
+        found["losses"] = f"{reading['losses']} vs the trainer's {recorded['losses']}"
+    measured = gaps(recorded, reading)
+    if len(reading["gradients"]) != len(recorded["gradients"]) or measured["gradients"] > GRADIENT_RTOL:
         found["gradients"] = f"gradients differ by up to {measured['gradients']:.1e} of their norm"
     if measured["weights"] > WEIGHTS_RTOL:
         found["weights"] = f"weights differ by {measured['weights']:.1e} of how far they moved"
@@ -255,33 +255,33 @@ def disagreements(engine: dict, reading: dict) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory):
-    """Every run's engine steps, made once when a test first asks for one."""
+def forge_runs(tmp_path_factory):
+    """Every run's trainer steps, made once when a test first asks for one."""
     made = {}
 
     def steps(name: str) -> dict:
         if name not in made:
-            made[name] = engine_run(tmp_path_factory.mktemp("engine"), RUNS[name])
+            made[name] = forge_run(tmp_path_factory.mktemp("forge"), RUNS[name])
         return made[name]
 
     return steps
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
-def engine_steps(request, engine_runs):
-    return request.param, engine_runs(request.param)
+def forge_steps(request, forge_runs):
+    return request.param, forge_runs(request.param)
 
 
-def test_nano_trains_as_the_engine_does(engine_steps, monkeypatch):
-    name, engine = engine_steps
+def test_nano_trains_as_forge_does(forge_steps, monkeypatch):
+    name, recorded = forge_steps
     settings = SETTINGS | RUNS[name]
-    assert len(engine["rollouts"]) * settings.get("num_iterations", 1) == settings["max_steps"]
-    assert all(float(r.std()) > 0 for r in engine["rewards"])  # every rollout carries a signal
-    lengths = torch.cat([r.completion_mask.sum(dim=1) for r in engine["rollouts"]])
+    assert len(recorded["rollouts"]) * settings.get("num_iterations", 1) == settings["max_steps"]
+    assert all(float(r.std()) > 0 for r in recorded["rewards"])  # every rollout carries a signal
+    lengths = torch.cat([r.completion_mask.sum(dim=1) for r in recorded["rollouts"]])
     assert lengths.min() < lengths.max()  # completions of different lengths: the per-completion mean matters
-    reading = nano_run(nano, RUNS[name], engine, monkeypatch)
-    assert all(torch.equal(reading["initial"][k], w) for k, w in engine["initial"].items())  # same start
-    assert disagreements(engine, reading) == {}
+    reading = nano_run(nano, RUNS[name], recorded, monkeypatch)
+    assert all(torch.equal(reading["initial"][k], w) for k, w in recorded["initial"].items())  # same start
+    assert disagreements(recorded, reading) == {}
 
 
 MUTANTS = {  # one detail of nano changed -> (its text in forge/nano.py, the changed text, run, the check)
@@ -360,39 +360,39 @@ def edited_nano(old: str, new: str, folder: Path, monkeypatch) -> types.ModuleTy
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
-def test_a_wrong_nano_fails_the_comparison(engine_runs, mutant, tmp_path, monkeypatch):
+def test_a_wrong_nano_fails_the_comparison(forge_runs, mutant, tmp_path, monkeypatch):
     old, new, run, check = MUTANTS[mutant]
-    engine = engine_runs(run)
+    recorded = forge_runs(run)
     wrong_nano = edited_nano(old, new, tmp_path, monkeypatch)
-    found = disagreements(engine, nano_run(wrong_nano, RUNS[run], engine, monkeypatch))
+    found = disagreements(recorded, nano_run(wrong_nano, RUNS[run], recorded, monkeypatch))
     assert check in found, f"{mutant}: the {check} check passes (found: {found})"
 
 
-def test_nano_group_advantages_are_the_engines():
+def test_nano_group_advantages_are_forges():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.7, 0.7, 0.7, 0.7, 3.0, -1.0, 2.0, 2.0])  # one group flat
     assert torch.equal(nano.group_advantages(rewards, 4), compute_group_advantages(rewards, 4))
 
 
-def engine_samples(model, tokenizer, prompts: list[str], temperature: float, seed: int) -> nano.Rollout:
+def forge_samples(model, tokenizer, prompts: list[str], temperature: float, seed: int) -> nano.Samples:
     settings = SamplingSettings(max_new_tokens=12, temperature=temperature, do_sample=temperature > 0,
                                 backend="eager")
     noise = sampling_noise(torch.Generator().manual_seed(sampling_seed(seed, 0)), len(prompts) * 3, 12)
     sampled = generate(model, tokenizer, prompts, 3, settings, noise=noise)
-    return nano.Rollout(*(getattr(sampled, name) for name in nano.Rollout._fields))
+    return nano.Samples(*(getattr(sampled, name) for name in nano.Samples._fields))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
-def test_nano_samples_the_engines_tokens(temperature):
+def test_nano_samples_forges_tokens(temperature):
     """Prompts of different lengths (left padding), each prefilled once and copied to its group of 3, the same
-    draws: nano's generator for (seed 5, step 0) and the engine's noise of that step."""
+    draws: nano's generator for (seed 5, step 0) and the trainer's noise of that step."""
     model, tokenizer = tiny_model()
     prompts = ["What is 12 + 7?", "Solve step by step. 3 times 4 is", "the answer"]
-    engine = engine_samples(model, tokenizer, prompts, temperature, seed=5)
+    recorded = forge_samples(model, tokenizer, prompts, temperature, seed=5)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length=10**6)
-    reading = nano.generate(model, tokenizer, prompt_ids, prompt_mask, 3, 12, temperature,
+    reading = nano.sample_groups(model, tokenizer, prompt_ids, prompt_mask, 3, 12, temperature,
                             nano.sampling_generator(5, 0))
-    assert same_samples(reading, engine)
+    assert same_samples(reading, recorded)
     if temperature > 0:  # the draws matter: other draws, or the same draws at another temperature, differ
-        for other in (engine_samples(model, tokenizer, prompts, temperature, seed=6),
-                      engine_samples(model, tokenizer, prompts, 1.7 - temperature, seed=5)):
+        for other in (forge_samples(model, tokenizer, prompts, temperature, seed=6),
+                      forge_samples(model, tokenizer, prompts, 1.7 - temperature, seed=5)):
             assert not same_samples(reading, other)

@@ -196,7 +196,7 @@ def test_bf16_generation_casts_each_master_weight_once_not_per_decode_step(tmp_p
         trainer = GRPOTrainer(tiny_model, tiny_tokenizer, text_length,
                               config(tmp_path, f"casts{tokens}", dtype="bfloat16", max_new_tokens=tokens))
         with profile(record_shapes=True) as prof:
-            rollout = trainer.generate([ROWS[0]["prompt"]])
+            rollout = trainer.sample_completions([ROWS[0]["prompt"]])
         assert rollout.completion_mask.sum(dim=1).max() == tokens  # this many decode steps
         counts.append(sum(e.count for e in prof.key_averages(group_by_input_shape=True)
                           if e.key == "aten::_to_copy" and e.input_shapes and tuple(e.input_shapes[0]) in shapes))

@@ -81,8 +81,8 @@ def test_strict_stops_a_run_whose_reward_never_varies(tmp_path):
 
     run = trainer(tmp_path, reward=always_zero, preflight="strict")
     generated = []
-    real_generate = run.generate
-    run.generate = lambda prompts, rows=None: generated.append(prompts) or real_generate(prompts, rows)
+    real_generate = run.sample_completions
+    run.sample_completions = lambda prompts, rows=None: generated.append(prompts) or real_generate(prompts, rows)
     with pytest.raises(PreflightFailed, match=r"no group of 4 completions got different rewards.*every group "
                                               r"scored low.*forge screen"):
         run.train(ROWS)

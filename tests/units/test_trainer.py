@@ -201,7 +201,7 @@ def test_lora_reference_is_the_adapter_disabled_model(tmp_path, monkeypatch, tin
         if "lora_" not in name:
             assert torch.equal(p, base_weights[name.replace(".base_layer", "")]), f"base weight {name} changed"
 
-    rollout = trainer.generate([ROWS[0]["prompt"], ROWS[1]["prompt"]])
+    rollout = trainer.sample_completions([ROWS[0]["prompt"], ROWS[1]["prompt"]])
     reference = trainer.reference_logprobs(rollout)
     mask = rollout.completion_mask.bool()
     with torch.no_grad():
@@ -366,8 +366,8 @@ def test_gradient_accumulation_consumes_prompts_per_step_times_accumulation(tmp_
                          group_size=2)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, alternating, config)
     generated, step_rows = [], []
-    real_generate, real_step = trainer.generate, trainer.step
-    trainer.generate = lambda prompts, rows=None: generated.append(list(prompts)) or real_generate(prompts, rows)
+    real_generate, real_step = trainer.sample_completions, trainer.step
+    trainer.sample_completions = lambda prompts, rows=None: generated.append(list(prompts)) or real_generate(prompts, rows)
     trainer.step = lambda rows: step_rows.append(len(rows)) or real_step(rows)
     optimizer_steps = count_optimizer_steps(trainer)
     trainer.train(ROWS)
