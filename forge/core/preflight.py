@@ -38,7 +38,6 @@ from forge.run import memory
 from forge.run.lifecycle import note_user_interrupt
 from forge.run.rng import capture_rng_state, restore_rng_state
 
-PREFLIGHT_MODES = ("warn", "strict", "off")
 MOST = 0.5  # "most" samples, for the strict checks
 
 

@@ -394,10 +394,6 @@ def _describe_failure(name, error, prompts, completions, index, where, row_index
             f"set on_reward_error='score' to give failing samples reward_error_value and go on.")
 
 
-Evaluator = Callable[..., dict]
-"""evaluator(model, tokenizer, rows, *, max_new_tokens, max_prompt_length) -> {metric name: value}."""
-
-
 def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: list[dict]) -> None:
     """A reward argument that neither its calling convention nor a dataset column supplies is an error before
     the first step, naming the columns there are."""

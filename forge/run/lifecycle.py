@@ -101,8 +101,6 @@ def check_output_dir(output_dir: Path, is_main: bool) -> None:
 
 LOG_ARTIFACTS = ("training_log.jsonl", "samples.jsonl", "tensorboard")
 """The logs a run writes into output_dir (forge/logging/logger.py)."""
-RUN_ARTIFACTS = ("final", *LOG_ARTIFACTS)
-"""What a run writes into output_dir besides its numbered checkpoints."""
 LOCK_NAME = ".forge.lock"
 
 
