@@ -3,8 +3,8 @@
 Each field's docstring is its documentation everywhere: `forge train --help` and docs/config.md are generated
 from it (`python -m forge.core.config_docs > docs/config.md`; tests/math/test_config.py fails when they
 drift).
-`validate()` turns every bad value or combination into one clear error before any model is loaded, and
-`loss_settings` derives the loss variant that the pure math in core/grpo.py takes.
+`validate()` turns every bad value or combination into one clear error before any model is loaded;
+`LossSettings.from_config` (core/grpo.py) derives from it the loss variant that the pure math takes.
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ class GRPOConfig(TRLAttributes):
     @property
     def epsilon_high(self) -> float:
         """The upper clip range, as the loss takes it (LossSettings.epsilon_high)."""
-        return self.loss_settings.epsilon_high
+        return LossSettings.from_config(self).epsilon_high
 
     @property
     def completions_per_step(self) -> int:
@@ -408,22 +408,6 @@ class GRPOConfig(TRLAttributes):
     def entropy_control(self) -> EntropyControl:
         return EntropyControl(self.entropy_coef, self.adaptive_entropy, self.entropy_target,
                               self.entropy_coef_delta, self.entropy_coef_min, self.entropy_coef_max)
-
-    @property
-    def loss_settings(self) -> LossSettings:
-        """The loss variant these fields describe, as grpo_loss takes it (delta and clip_ratio_c are one cap:
-        the smaller of those set)."""
-        caps = [c for c in (self.delta, self.clip_ratio_c) if c is not None]
-        return LossSettings(clip_epsilon=self.clip_epsilon, clip_epsilon_high=self.clip_epsilon_high,
-                            kl_beta=self.kl_beta, loss_type=self.loss_type,
-                            importance_sampling_level=self.importance_sampling_level,
-                            kl_loss_type=self.kl_loss_type, negative_ratio_cap=min(caps) if caps else None,
-                            sapo_temperature_pos=self.sapo_temperature_pos,
-                            sapo_temperature_neg=self.sapo_temperature_neg,
-                            top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
-                            rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
-                            kl_bias_correction=self.kl_bias_correction,
-                            off_policy_mask_threshold=self.off_policy_mask_threshold)
 
     def validate(self) -> GRPOConfig:
         """Raise a ValueError that says what to change for every bad setting; returns self.

@@ -21,7 +21,7 @@ piece of this, each one small function plus one entry in a dict below; adding a 
 
 plus the token entropy (from the same chunked log-softmax as the log-probs), its top-quantile mask and bonus.
 grpo_loss comes first and reads as plain GRPO; it takes the variant as one LossSettings
-(GRPOConfig.loss_settings derives it from a run's config) and looks each piece up in the tables after it.
+(LossSettings.from_config derives it from a run's config) and looks each piece up in the tables after it.
 
 This module imports only torch, the standard library and core/advantages.py (pure tensor math too): everything
 comes in as tensors and numbers, so every formula is tested with hand-built tensors.
@@ -46,7 +46,7 @@ from forge.core.advantages import (ADVANTAGE_SCALES, MULTI_REWARD_AGGREGATIONS, 
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The loss variant in GRPOConfig's names: all grpo_loss needs besides tensors (config.loss_settings)."""
+    """The loss variant in GRPOConfig's names: all grpo_loss needs besides tensors (`from_config`)."""
 
     clip_epsilon: float = 0.2
     clip_epsilon_high: float | None = None  # None = clip_epsilon
@@ -63,6 +63,22 @@ class LossSettings:
     rollout_is_threshold: float = 3.0
     kl_bias_correction: bool = False  # the KL term weighted by the importance ratio (DeepSeek-V3.2)
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask; None = off
+
+    @classmethod
+    def from_config(cls, config) -> LossSettings:
+        """The loss variant a run's GRPOConfig describes, read from its fields of the same names (delta and
+        clip_ratio_c are one cap: the smaller of those set)."""
+        caps = [c for c in (config.delta, config.clip_ratio_c) if c is not None]
+        return cls(clip_epsilon=config.clip_epsilon, clip_epsilon_high=config.clip_epsilon_high,
+                   kl_beta=config.kl_beta, loss_type=config.loss_type,
+                   importance_sampling_level=config.importance_sampling_level,
+                   kl_loss_type=config.kl_loss_type, negative_ratio_cap=min(caps) if caps else None,
+                   sapo_temperature_pos=config.sapo_temperature_pos,
+                   sapo_temperature_neg=config.sapo_temperature_neg,
+                   top_entropy_quantile=config.top_entropy_quantile, entropy_coef=config.entropy_coef,
+                   rollout_is=config.rollout_is, rollout_is_threshold=config.rollout_is_threshold,
+                   kl_bias_correction=config.kl_bias_correction,
+                   off_policy_mask_threshold=config.off_policy_mask_threshold)
 
     @property
     def epsilon_high(self) -> float:
