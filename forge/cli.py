@@ -53,7 +53,8 @@ def parse_rewards(spec: str):
 
 
 def _load_user_reward(name: str, item: str):
-    """load_reward_from_path, with a missing function or a broken reward file said as a one-line ValueError."""
+    """load_reward_from_path, with a missing function or a broken reward file said as a
+    one-line ValueError."""
     from forge.core.reward_sources import load_reward_from_path
 
     try:
@@ -141,10 +142,11 @@ def _train(args: argparse.Namespace, config) -> int:
 
 
 def _rewards_for(args: argparse.Namespace, environment=None) -> tuple[list, list[float]]:
-    """--reward's rewards and weights. Left at its default (math_correctness:1.0,tag_format:0.1) for a built-in
-    task (`forge.data.dataset.task_for`), the correctness term is the task's own reward, which pays what its
-    evaluation counts as right: the math tasks' `math_correctness`, reasoning-gym's own score_answer. Left at its
-    default with an --environment that has `get_reward`, the environment's reward is the only one."""
+    """--reward's rewards and weights. Left at its default (math_correctness:1.0,tag_format:0.1) for a
+    built-in task (`forge.data.dataset.task_for`), the correctness term is the task's own reward, which pays
+    what its evaluation counts as right: the math tasks' `math_correctness`, reasoning-gym's own score_answer.
+    Left at its default with an --environment that has `get_reward`, the environment's reward
+    is the only one."""
     from forge.data.dataset import task_for
     from forge.data.task import math_correctness
     from forge.envs.protocol import environment_reward
@@ -212,14 +214,14 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
     """forge train --nproc N: run the same command in N processes under torch.distributed's launcher
-    (forge/parallel/launch.py). When a process fails, the launcher stops the others and this says which step is
-    saved for --resume.
+    (forge/parallel/launch.py). When a process fails, the launcher stops the others and this says which step
+    is saved for --resume.
 
-    Each process sees WORLD_SIZE=N and trains instead of relaunching. The launcher runs in a session of its own,
-    so a stop signal (SIGINT from Ctrl-C or `kill -INT`, SIGTERM, SIGHUP) reaches the processes once, passed on by
-    this one to the launcher and by the launcher to them; and the launcher gets SIGTERM when this process dies.
-    They finish the step and rank 0 saves a checkpoint, so the launcher is given a longer grace period than
-    its default 30 s before it kills them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, in seconds, sets it).
+    Each process sees WORLD_SIZE=N and trains instead of relaunching. The launcher runs in a session of its
+    own, so a stop signal (SIGINT from Ctrl-C or `kill -INT`, SIGTERM, SIGHUP) reaches the processes once,
+    passed on by this one to the launcher and by the launcher to them; and the launcher gets SIGTERM when this
+    process dies. They finish the step and rank 0 saves a checkpoint, so the launcher is given a longer grace
+    period than its default 30 s before it kills them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, in seconds, sets it).
     """
     import signal
     import subprocess
@@ -314,9 +316,9 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
 
 
 def _check_saved_folders(*given: tuple[str, str | None]) -> None:
-    """A folder Forge saved, given to `forge eval` or `forge export`, must verify before it loads (an UnverifiedSave,
-    exit code 2, names the folder, the file and what to load instead); then the files any local folder's load reads
-    must be whole and finite (forge/run/model_files.py). A hub id loads as is."""
+    """A folder Forge saved, given to `forge eval` or `forge export`, must verify before it loads (an
+    UnverifiedSave, exit code 2, names the folder, the file and what to load instead); then the files any
+    local folder's load reads must be whole and finite (forge/run/model_files.py). A hub id loads as is."""
     from forge.run.integrity import check_saved_model
     from forge.run.model_files import check_model_files
 
@@ -526,8 +528,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def _check_model(model, given_as: str) -> None:
-    """A model named by a path must be a model folder (config.json, or a LoRA adapter's adapter_config.json) or a
-    .gguf file: a missing path or another file is refused here, before the hub is asked for it as a repo id."""
+    """A model named by a path must be a model folder (config.json, or a LoRA adapter's adapter_config.json)
+    or a .gguf file: a missing path or another file is refused here, before the hub is asked for
+    it as a repo id."""
     if not isinstance(model, str):
         return
     path = Path(model).expanduser()
@@ -568,7 +571,8 @@ def _newest_intact_checkpoint_hint(args: argparse.Namespace) -> str:
 
 
 def _user_error(error: BaseException, args: argparse.Namespace) -> tuple[str, int] | None:
-    """(message, exit code) for an error the user can act on; None for a bug in Forge (keeps its traceback)."""
+    """(message, exit code) for an error the user can act on; None for a bug in Forge
+    (keeps its traceback)."""
     if isinstance(error, KeyboardInterrupt):
         return f"interrupted (Ctrl-C).{_newest_intact_checkpoint_hint(args)}", 130
     run_failures = [FloatingPointError]  # Forge's own, looked up only if loaded: `forge` must start fast
@@ -597,7 +601,8 @@ def _debug_requested(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `forge` program (argv None: the command line, and `forge train` runs watched) or a call with argv."""
+    """The `forge` program (argv None: the command line, and `forge train` runs watched) or
+    a call with argv."""
     watched = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = _debug_requested(argv)

@@ -62,8 +62,8 @@ def _trl_value(text: str):
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """A flag per GRPOConfig field, its docstring the help; and TRL's names for them (core/trl_names.py TRL_NAMES,
-    TRL_CONVERTED; docs/from-trl.md)."""
+    """A flag per GRPOConfig field, its docstring the help; and TRL's names for them (core/trl_names.py
+    TRL_NAMES, TRL_CONVERTED; docs/from-trl.md)."""
     docs = field_docs()
     group = parser.add_argument_group("GRPOConfig fields (defaults in brackets)")
     hints = typing.get_type_hints(GRPOConfig)
@@ -115,8 +115,8 @@ def _fields_of(name: str, value, values: dict) -> set[str]:
 
 
 def build_config(args: argparse.Namespace, overrides: dict | None = None) -> GRPOConfig:
-    """GRPOConfig from the --config file, then `overrides`, then the flags: a later source wins for each field,
-    whether it names it with Forge's name or TRL's."""
+    """GRPOConfig from the --config file, then `overrides`, then the flags: a later source wins for each
+    field, whether it names it with Forge's name or TRL's."""
     from_file: dict = {}
     if getattr(args, "config", None):
         loaded = _read_yaml_config(Path(args.config))

@@ -1,25 +1,27 @@
 """`forge demo`: LoRA GRPO makes the packaged SmolLM2-135M-Instruct better at arithmetic, offline, on a CPU.
 
 The recipe: build a seeded training set and a fixed, disjoint held-out set of arithmetic problems in a
-chat prompt that asks for <think>...</think><answer>...</answer> (the arithmetic task, forge/data/arithmetic.py:
-its rows and its grader, which both the reward and the evaluation use); measure the base model on the held-out
-set (greedy); train on fresh prompts every step (a group whose completions all score the same carries no
-GRPO signal and skips the backward pass; --screen_candidates instead keeps only prompts with mixed results),
-evaluating the first --eval_subset held-out problems every --eval_every steps for the held-out curve; measure
-again with the same decoding; write the before/after report. --ceiling measures the base model's pass@k at the
-training temperature on the held-out set instead (what sharpening alone can reach).
+chat prompt that asks for <think>...</think><answer>...</answer> (the arithmetic task,
+forge/data/arithmetic.py: its rows and its grader, which both the reward and the evaluation use); measure the
+base model on the held-out set (greedy); train on fresh prompts every step (a group whose completions all
+score the same carries no GRPO signal and skips the backward pass; --screen_candidates instead keeps only
+prompts with mixed results), evaluating the first --eval_subset held-out problems every --eval_every steps for
+the held-out curve; measure again with the same decoding; write the before/after report. --ceiling measures
+the base model's pass@k at the training temperature on the held-out set instead (what
+sharpening alone can reach).
 
 `forge demo --tools`: the same LoRA GRPO with a calculator tool, on arithmetic a 135M model cannot do in its
 head: 3-digit x 2-digit products, one-step "boxes" word problems, and two-step word problems with a distractor
 quantity (a*b + c). The prompt (the same before and after training) describes the text protocol
-`<calc>expr</calc>` -> `<result>v</result>` -> `<answer>v</answer>` and shows one worked example with one call.
-Rewards: the number in the last <answer> equals the reference (weight 1; the evaluation counts the same
+`<calc>expr</calc>` -> `<result>v</result>` -> `<answer>v</answer>` and shows one worked example with one
+call. Rewards: the number in the last <answer> equals the reference (weight 1; the evaluation counts the same
 function's verdict), and an <answer> tag is there (format_weight). Three greedy evaluations on the same fixed
 held-out set (disjoint from training): the base model without the tool (a prompt without the calculator), the
 base model with it, the trained model with it.
 
 Both demos load the model and pick the precision in one place (`load_policy`: one `choose_precision` call),
-and evaluate in that precision: the one the trainer trains in, so that before and after differ by training only.
+and evaluate in that precision: the one the trainer trains in, so that before and after
+differ by training only.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ class DemoSettings:
     """torch threads (0 = all cores)."""
     dtype: str = "auto"
     """Compute dtype (GRPOConfig.dtype) of training and of every evaluation: 'auto' = bf16 on a CPU with bf16
-    matrix units (AMX / AVX512-BF16) or a bf16 GPU, fp32 elsewhere; 'float32' forces fp32. Weights stay fp32."""
+    matrix units (AMX / AVX512-BF16) or a bf16 GPU, fp32 elsewhere; 'float32' forces fp32.
+    Weights stay fp32."""
     generation_backend: str = "auto"
     """Sampling during training: Forge's own decode loop ('auto') or 'vllm' (vLLM installed; docs/scaling.md).
     Every evaluation decodes with Forge's own greedy loop, so runs on either backend are measured alike."""
@@ -107,19 +110,19 @@ class DemoSettings:
     """Instead: the calculator-tool demo: arithmetic with a <calc> tool, base model without and with the tool,
     trained model with the tool, on the same held-out set."""
     distill: bool = False
-    """Instead: on-policy distillation: the packaged base model (the student) learns from the demo's GRPO-trained
-    adapter (the teacher: --teacher, or trained first by this command in output_dir/teacher, with the plain
-    demo's recipe) to match the teacher's next-token distributions; prints the steps and CPU seconds each needed
-    for 90% of the teacher's gain. The student's recipe: 24 steps x 8 prompts x 1 completion, lr 3e-4,
-    distill_loss 'full', the curve on 240 held-out problems every 4 steps; other flags apply to both."""
+    """Instead: on-policy distillation: the packaged base model (the student) learns from the demo's
+    GRPO-trained adapter (the teacher: --teacher, or trained first by this command in output_dir/teacher, with
+    the plain demo's recipe) to match the teacher's next-token distributions; prints the steps and CPU seconds
+    each needed for 90% of the teacher's gain. The student's recipe: 24 steps x 8 prompts x 1 completion, lr
+    3e-4, distill_loss 'full', the curve on 240 held-out problems every 4 steps; other flags apply to both."""
     teacher: str = ""
-    """With --distill: the final/ adapter folder of an earlier `forge demo` run (its demo_result.json beside it
-    gives GRPO's curve and times); empty = train the teacher first."""
+    """With --distill: the final/ adapter folder of an earlier `forge demo` run (its demo_result.json beside
+    it gives GRPO's curve and times); empty = train the teacher first."""
     reward_coef: float = 0.0
     """With --distill: weight of the reward advantage next to the teacher's (0 = pure distillation)."""
     distill_loss: str = "sampled"
-    """With --distill: 'sampled' or 'full' (the reverse KL per sampled token, or over the vocabulary; --distill:
-    'full')."""
+    """With --distill: 'sampled' or 'full' (the reverse KL per sampled token, or over the vocabulary;
+    --distill: 'full')."""
     asynchronous: bool = False
     """--async: sample and learn at once (GRPOConfig.max_staleness): a rollout worker process samples the next
     steps' groups on half the cores while the step trains on the rest; reports who waited on whom (the async/*
@@ -127,8 +130,8 @@ class DemoSettings:
     max_staleness: int = 1
     """With --async: how many optimizer steps old the weights that sample a step are (1: one step off)."""
     dynamic_sampling: bool = False
-    """Dynamic sampling (DAPO): up to 4 rounds of prompts per step until it holds prompts_per_step groups whose
-    rewards differ."""
+    """Dynamic sampling (DAPO): up to 4 rounds of prompts per step until it holds prompts_per_step groups
+    whose rewards differ."""
     env: bool = False
     """Instead: the environment demo (forge/demo_env.py): guess-the-number with higher/lower answers, base and
     trained model with the real answers and with a decoy's answers in their place, on the same held-out
@@ -136,8 +139,8 @@ class DemoSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoSettings:
-        """The settings of parsed flags (`add_demo_arguments`: None = not given): the flags the user gave, then the
-        recipe of --tools, --env, --distill or --quick (--quick wins), then the defaults."""
+        """The settings of parsed flags (`add_demo_arguments`: None = not given): the flags the user gave,
+        then the recipe of --tools, --env, --distill or --quick (--quick wins), then the defaults."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name) is not None}
         return cls(**(recipe(given) | given))
 
@@ -155,8 +158,9 @@ ENV = {"steps": 30, "prompts_per_step": 2, "max_new_tokens": 48, "learning_rate"
 DISTILL = {"steps": 24, "prompts_per_step": 8, "group_size": 1, "learning_rate": 3e-4, "distill_loss": "full",
            "eval_every": 4, "eval_subset": 240}
 """The distillation student's recipe (--distill; a teacher trained here first keeps the plain demo's values):
-8 prompts x 1 completion (pure distillation needs no group baseline), the divergence over the whole vocabulary,
-the curve on all 240 held-out problems every 4 steps (docs/performance.md, "On-policy distillation")."""
+8 prompts x 1 completion (pure distillation needs no group baseline), the divergence over the whole
+vocabulary, the curve on all 240 held-out problems every 4 steps (docs/performance.md, "On-policy
+distillation")."""
 RECIPES = {"tools": TOOLS, "env": ENV, "distill": DISTILL, "quick": QUICK}  # in this order: --quick wins
 
 
@@ -190,8 +194,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser, switches: dict | None = 
 
 
 def demo_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The argument parser of `forge demo` (the CLI hands it the demo's part of the command line, `argv`): with
-    --tools in argv it describes the tool demo, its help and defaults included."""
+    """The argument parser of `forge demo` (the CLI hands it the demo's part of the command line, `argv`):
+    with --tools in argv it describes the tool demo, its help and defaults included."""
     switches = {name: f"--{name}" in (argv or []) for name in RECIPES}
     tools = switches["tools"]
     described = __doc__.split("\n\n")
@@ -396,8 +400,9 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
 
 
 def run_distill_demo(settings: DemoSettings) -> dict:
-    """--distill: the GRPO teacher (settings.teacher, or trained here first), then the packaged base distilled from
-    it; the steps and training CPU seconds each needed for 90% of the teacher's held-out gain (forge/eval/gain.py)."""
+    """--distill: the GRPO teacher (settings.teacher, or trained here first), then the packaged base distilled
+    from it; the steps and training CPU seconds each needed for 90% of the teacher's held-out gain
+    (forge/eval/gain.py)."""
     out, plain = Path(settings.output_dir), replace(settings, distill=False, teacher="")
     plain_values = recipe_defaults({"quick": settings.quick})
     teacher_settings = replace(plain, **{key: plain_values[key] for key in DISTILL})  # the plain demo's recipe
@@ -433,8 +438,8 @@ def async_summary(log_path: Path) -> dict:
 
 
 def demo_rewards() -> list:
-    """The demo's rewards, weighted [1, format_weight]: the arithmetic task's own reward (its grader on the final
-    answer, the grader the evaluation uses), and the tag format."""
+    """The demo's rewards, weighted [1, format_weight]: the arithmetic task's own reward (its grader on the
+    final answer, the grader the evaluation uses), and the tag format."""
     return [ARITHMETIC_TASK.reward, TagFormatReward()]
 
 
@@ -460,7 +465,8 @@ def _screened_rows(settings: DemoSettings, run: DemoRun, model, tokenizer, candi
 
 
 class HeldoutCurve:
-    """The demo's evaluator for GRPOTrainer(evaluator=...): greedy metrics of the held-out subset during training.
+    """The demo's evaluator for GRPOTrainer(evaluator=...): greedy metrics of the held-out
+    subset during training.
 
     Step 0 is not generated again: it is the first `subset` problems of the base model's full evaluation
     (the same greedy decode). At the last step the whole held-out set is evaluated once (the subset comes

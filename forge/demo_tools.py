@@ -1,7 +1,8 @@
 """`forge demo --tools`: LoRA GRPO with a calculator tool on arithmetic a 135M model cannot do in its head.
 
-The calculator task (its problems, prompt and grader) and its demo; the run around it, the model, its precision
-and the GRPOConfig are the plain demo's (forge/demo.py, whose docstring describes this demo's recipe).
+The calculator task (its problems, prompt and grader) and its demo; the run around it, the model, its
+precision and the GRPOConfig are the plain demo's (forge/demo.py, whose docstring describes
+this demo's recipe).
 """
 
 from __future__ import annotations
@@ -82,14 +83,16 @@ def answer_format(prompts, completions, **kwargs) -> list[float]:
 
 
 def calculator_settings() -> ToolSettings:
-    """The calculator as the demo's rollouts use it, in training and evaluation: text protocol, 3 calls, 5 s."""
+    """The calculator as the demo's rollouts use it, in training and evaluation: text
+    protocol, 3 calls, 5 s."""
     return ToolSettings(as_tools([calculator]), "text", max_calls=3, timeout=5.0)
 
 
 @torch.no_grad()
 def evaluate_with_tools(model, tokenizer, rows: list[dict], *, with_tool: bool, max_new_tokens: int,
                         batch_size: int = 60) -> dict:
-    """Greedy accuracy on rows (tool_rows, graded by `answer_correct`), the share that used the tool, and per kind."""
+    """Greedy accuracy on rows (tool_rows, graded by `answer_correct`), the share that used the
+    tool, and per kind."""
     was_training = model.training
     model.eval()
     sampling, tools = SamplingSettings(max_new_tokens, do_sample=False), calculator_settings() if with_tool else None

@@ -273,16 +273,16 @@ class GRPOConfig(TRLAttributes):
     s - max_staleness (of the run's first step until then): 1 = one step off (AsyncGRPOConfig's default),
     0 = the worker waits for every update (the synchronous run's numbers, sampled in another process); None =
     sample, then learn, in this process. The schedule is fixed, so a seeded run repeats. A stale group's ratio
-    is taken against the log-probs its sampler recorded (docs/algorithm.md). A second process holds a copy of the
-    policy, its weights updated through shared memory after every optimizer step, and samples with the own decode
-    loop (sampler_threads, sampler_device) or on a `forge vllm-serve` server (vllm_mode='server'), which it
-    gives each step's weights (docs/scaling.md)."""
+    is taken against the log-probs its sampler recorded (docs/algorithm.md). A second process holds a copy of
+    the policy, its weights updated through shared memory after every optimizer step, and samples with the own
+    decode loop (sampler_threads, sampler_device) or on a `forge vllm-serve` server (vllm_mode='server'),
+    which it gives each step's weights (docs/scaling.md)."""
     sampler_threads: int = 0
     """With max_staleness set, sampling on a CPU: the sampling process's threads (0 = half of this process's
     torch threads, at least 1); while it runs this process trains on the rest (one core each of two)."""
     sampler_device: str | None = None
-    """With max_staleness set: the device of the sampling process's copy of the policy (e.g. 'cuda:1', to sample
-    on one GPU and train on another); None = the trainer's."""
+    """With max_staleness set: the device of the sampling process's copy of the policy (e.g. 'cuda:1', to
+    sample on one GPU and train on another); None = the trainer's."""
     rollout_timeout: float = 900.0
     """With max_staleness set: seconds the trainer waits for one step's groups before it stops the run, naming
     the rollout worker (TRL's heartbeat_stale_after_s); a worker that dies is noticed within a second."""

@@ -3,8 +3,8 @@
     python -m forge.core.config_docs > docs/config.md
     python -m forge.core.config_docs trl      the name tables of docs/from-trl.md (core/trl_names.py)
 
-tests/math/test_config.py fails when docs/config.md differs from what this prints, tests/units/test_trl_table.py
-when docs/from-trl.md does not hold the name tables.
+tests/math/test_config.py fails when docs/config.md differs from what this prints,
+tests/units/test_trl_table.py when docs/from-trl.md does not hold the name tables.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def reference_markdown() -> str:
 
 
 def trl_tables_markdown() -> str:
-    """docs/from-trl.md's tables: every field of transformers' TrainingArguments and of TRL's GRPOConfig, with its
-    class (mapped, ignored, refused) and what it is in Forge, from forge/core/trl_names.py."""
+    """docs/from-trl.md's tables: every field of transformers' TrainingArguments and of TRL's GRPOConfig, with
+    its class (mapped, ignored, refused) and what it is in Forge, from forge/core/trl_names.py."""
     forge_fields = {f.name for f in fields(GRPOConfig)}
     out = []
     for title, names in (("transformers' `TrainingArguments` (5.24)", TRAINING_ARGUMENTS_FIELDS),

@@ -3,9 +3,10 @@
 `check_before_training(trainer, rows)` runs when the rows are loaded:
     every prompt fits the model (core/rollout.py check_prompt_lengths)
     every reward gets the arguments it needs (core/scoring.py check_reward_columns)
-`run_preflight(trainer, rows, total_steps)` runs once the output directory is the run's, before step 1 of a new run
-    (GRPOConfig.preflight: 'warn' prints, 'strict' also stops, 'off' skips): a few prompts x G
-    sampled with the run's own model, precision, sampling settings and rewards, and one table of what they show:
+`run_preflight(trainer, rows, total_steps)` runs once the output directory is the run's, before step 1 of a
+    new run (GRPOConfig.preflight: 'warn' prints, 'strict' also stops, 'off' skips): a few prompts x G
+    sampled with the run's own model, precision, sampling settings and rewards, and one table of what they
+    show:
         truncation at max_new_tokens and the lengths of the finished completions
         each reward's mean and spread, and the share of samples where it raised, returned None or NaN/inf
         flat groups (every completion scored the same: no learning signal), at the low or the high end
@@ -89,8 +90,8 @@ def check_before_training(trainer, rows: list[dict]) -> None:
 
 
 def run_preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport | None:
-    """The preflight as GRPOConfig.preflight says: print its table (main process), stop a strict run that cannot
-    learn (PreflightFailed), or skip it ('off'). Returns the report."""
+    """The preflight as GRPOConfig.preflight says: print its table (main process), stop a strict run that
+    cannot learn (PreflightFailed), or skip it ('off'). Returns the report."""
     mode = trainer.config.preflight
     if mode == "off" or not rows:
         return None
@@ -109,8 +110,8 @@ def run_preflight(trainer, rows: list[dict], total_steps: int) -> PreflightRepor
 
 @contextmanager
 def ctrl_c_marked_as_the_users():
-    """Ctrl-C raises KeyboardInterrupt marked as the user's (`note_user_interrupt`), as during training, so the
-    scoring tells it from a KeyboardInterrupt a reward raises itself, which is the reward's failure."""
+    """Ctrl-C raises KeyboardInterrupt marked as the user's (`note_user_interrupt`), as during training, so
+    the scoring tells it from a KeyboardInterrupt a reward raises itself, which is the reward's failure."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -214,9 +215,9 @@ def reward_check(name: str, scores) -> RewardCheck:
 
 
 def loss_pass(trainer, rollout) -> tuple[float, float]:
-    """(seconds, MB the memory peak rose) of one forward and backward over the preflight's completions, micro-batch
-    by micro-batch as the loss pass runs them; the gradients are dropped again (no weight and no optimizer state
-    changes). Not measured under FSDP2."""
+    """(seconds, MB the memory peak rose) of one forward and backward over the preflight's completions,
+    micro-batch by micro-batch as the loss pass runs them; the gradients are dropped again (no weight and no
+    optimizer state changes). Not measured under FSDP2."""
     if trainer.dist.fsdp:
         return 0.0, 0.0
     started, held = time.perf_counter(), memory.reset_peak(trainer.device)
@@ -253,10 +254,10 @@ def rollout_rows(trainer) -> int:
 
 
 def fit_memory(trainer, report: PreflightReport) -> str | None:
-    """Check the projected peak against max_memory_mb (default: 90% of what this process holds plus its share of
-    what the machine has free): micro_batch_size='auto' takes the largest micro-batch that fits; a run that still
-    does not fit stops (the returned message, raised after the report prints), naming what to turn, instead of
-    being killed for memory later."""
+    """Check the projected peak against max_memory_mb (default: 90% of what this process holds plus its share
+    of what the machine has free): micro_batch_size='auto' takes the largest micro-batch that fits; a run that
+    still does not fit stops (the returned message, raised after the report prints), naming what to turn,
+    instead of being killed for memory later."""
     config, projection = trainer.config, report.memory
     if projection is None:
         return None
@@ -284,8 +285,8 @@ def fit_memory(trainer, report: PreflightReport) -> str | None:
 
 
 def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool, rewards_teach: bool = True) -> None:
-    """Fill `problems` (what stops a strict run) and `advice` (what is worth a look), each naming the fix. Flat
-    groups are judged only where the rewards enter the loss (not in pure on-policy distillation)."""
+    """Fill `problems` (what stops a strict run) and `advice` (what is worth a look), each naming the fix.
+    Flat groups are judged only where the rewards enter the loss (not in pure on-policy distillation)."""
     flat = (report.flat_low + report.flat_high) if rewards_teach else 0.0
     if flat >= 1.0:
         report.problems.append(

@@ -1,5 +1,5 @@
-"""Rewards from whatever the user passes: a function, a BaseReward, a built-in's name, an import path, a reward
-model (a loaded sequence-classification model, its hub id or its folder), or a weighted list of them.
+"""Rewards from whatever the user passes: a function, a BaseReward, a built-in's name, an import path, a
+reward model (a loaded sequence-classification model, its hub id or its folder), or a weighted list of them.
 
     as_reward(x)                  any one of them as a BaseReward (what GRPOTrainer and CompositeReward call)
     CompositeReward([(r, w), ..]) a weighted average of rewards
@@ -36,10 +36,11 @@ from forge.core.reward import (
 
 
 def as_reward(fn_or_reward: Any, convention: str = "forge") -> BaseReward:
-    """A BaseReward for a BaseReward (returned unchanged), a plain callable (wrapped in a `FunctionReward` that is
-    called by `convention`: 'forge' or 'trl', see forge.core.reward.CONVENTIONS), a sequence-classification model,
-    or a string: a built-in reward's name, a ``module:function`` path, or else a reward model's hub id or folder.
-    A BaseReward subclass passed by mistake instead of an instance is an error."""
+    """A BaseReward for a BaseReward (returned unchanged), a plain callable (wrapped in a `FunctionReward`
+    that is called by `convention`: 'forge' or 'trl', see forge.core.reward.CONVENTIONS), a
+    sequence-classification model, or a string: a built-in reward's name, a ``module:function`` path, or else
+    a reward model's hub id or folder. A BaseReward subclass passed by mistake instead of an
+    instance is an error."""
     if isinstance(fn_or_reward, BaseReward):
         return fn_or_reward
     if isinstance(fn_or_reward, (str, os.PathLike)):
@@ -85,8 +86,8 @@ def is_model_and_tokenizer(obj: Any) -> bool:
 
 
 class SequenceClassificationReward(BaseReward):
-    """A reward model: a HuggingFace sequence-classification model scores prompt + completion, and the score is
-    its logit ``label_index`` (0: the usual single-output reward model, as TRL uses).
+    """A reward model: a HuggingFace sequence-classification model scores prompt + completion, and the score
+    is its logit ``label_index`` (0: the usual single-output reward model, as TRL uses).
 
     ``model`` is a loaded ``*ForSequenceClassification`` model, a hub id or a local folder; ``tokenizer`` is
     read from the same place when not given. Scoring runs batched (``batch_size`` texts a forward), without

@@ -93,7 +93,8 @@ class WorkerSpec:
 
 
 def flat_weights(params: list[torch.Tensor]) -> torch.Tensor:
-    """(sum of numels,) float32 CPU copy of the parameters, one tensor: one shared-memory block per publish."""
+    """(sum of numels,) float32 CPU copy of the parameters, one tensor: one shared-memory
+    block per publish."""
     return torch.cat([p.detach().float().reshape(-1).cpu() for p in params])
 
 
@@ -237,8 +238,8 @@ class AsyncRollouts:
 
     @classmethod
     def of_run(cls, config, world_size: int, tool_settings) -> AsyncRollouts | None:
-        """The rollout worker of a run with this GRPOConfig; None when max_staleness is None (the run samples in
-        its own process)."""
+        """The rollout worker of a run with this GRPOConfig; None when max_staleness is None (the run samples
+        in its own process)."""
         if config.max_staleness is None:
             return None
         if world_size > 1:
@@ -280,9 +281,10 @@ class AsyncRollouts:
             self.process.start()
 
     def schedule(self, steps: Iterator, trainer) -> Iterator:
-        """The run's steps (rows, epoch, position) as the loop walks them (forge/run/loop.py), each step's rows
-        sent to the worker max_staleness steps before the step. The worker starts from the trainer's weights as
-        they are when the loop asks for the first step, and stops when the steps end or the loop leaves."""
+        """The run's steps (rows, epoch, position) as the loop walks them (forge/run/loop.py), each step's
+        rows sent to the worker max_staleness steps before the step. The worker starts from the trainer's
+        weights as they are when the loop asks for the first step, and stops when the steps end or
+        the loop leaves."""
         window: list = []
         step = first = trainer.global_step
         self.start(trainer.model, trainer.tokenizer, trainer.precision, trainer.config, trainer.trainable, first)
@@ -378,9 +380,9 @@ class AsyncRollouts:
 
 
 def _portable(sampled: Sampled) -> Sampled:
-    """The worker's answer with its tensors as numpy arrays, which a queue sends by value: tensors would be sent
-    as shared memory whose file descriptors the trainer fetches from the worker, so a worker that dies after
-    sending would take its answer with it."""
+    """The worker's answer with its tensors as numpy arrays, which a queue sends by value: tensors would be
+    sent as shared memory whose file descriptors the trainer fetches from the worker, so a worker that dies
+    after sending would take its answer with it."""
     return dataclasses.replace(sampled, rollouts=[_with_fields(r, torch.Tensor, torch.Tensor.numpy)
                                                   for r in sampled.rollouts])
 

@@ -20,16 +20,16 @@ TRUNCATION_MARKER = " [truncated: token budget]"  # ends a fed result cut to the
 
 
 class ToolTurns:
-    """Tools or an environment in a decode loop. When a completion's text ends a call (CallFormat), the calls of
-    that decode step run together, each with its timeout; each result is rendered, tokenized and *fed* to its
-    completion in the next forward, all its tokens in that one pass, while the others go on sampling (inputs of
-    unequal length are left-padded within the step). A completion is then one interleaved sequence (model text,
-    result, model text, ...); `Rollout.action_mask` marks the sampled tokens, and only those count towards
-    max_new_tokens. Sampled and fed tokens together count towards `tools.max_episode_tokens`, and prompt +
-    completion never pass the model's context: a result that does not fit is cut, ends with TRUNCATION_MARKER,
-    and ends the completion. A completion also ends at a call beyond `tools.max_calls` (left unanswered), and
-    when its environment ends the episode. With no call made and no opening observation, the tokens are those
-    sampled without tools (the noise is indexed by sampled tokens).
+    """Tools or an environment in a decode loop. When a completion's text ends a call (CallFormat), the calls
+    of that decode step run together, each with its timeout; each result is rendered, tokenized and *fed* to
+    its completion in the next forward, all its tokens in that one pass, while the others go on sampling
+    (inputs of unequal length are left-padded within the step). A completion is then one interleaved sequence
+    (model text, result, model text, ...); `Rollout.action_mask` marks the sampled tokens, and only those
+    count towards max_new_tokens. Sampled and fed tokens together count towards `tools.max_episode_tokens`,
+    and prompt + completion never pass the model's context: a result that does not fit is cut, ends with
+    TRUNCATION_MARKER, and ends the completion. A completion also ends at a call beyond `tools.max_calls`
+    (left unanswered), and when its environment ends the episode. With no call made and no opening
+    observation, the tokens are those sampled without tools (the noise is indexed by sampled tokens).
 
     An environment (EnvironmentSettings) gives one episode per completion, reset with its prompt's dataset row
     (`rows`), and the prompts open with its first observation (`self.prompts`)."""
@@ -47,8 +47,8 @@ class ToolTurns:
         return None if self.episodes is None else self.episodes[n]
 
     def ended_call(self, decoding, tokens: list[int], max_new_tokens: int) -> tuple | None:
-        """(call, overflow) when the tokens just taken end a call the model can still read the result of; a call
-        past tools.max_calls ends the completion unanswered."""
+        """(call, overflow) when the tokens just taken end a call the model can still read the result of; a
+        call past tools.max_calls ends the completion unanswered."""
         last = tokens[-1] if tokens else None
         if decoding.eos or last is None or last >= self.closing.numel() or not bool(self.closing[last]):
             return None
@@ -72,8 +72,9 @@ class ToolTurns:
 
     def forward(self, model, cache, decodings: list, active: torch.Tensor, tokens: torch.Tensor,
                 mask: torch.Tensor, next_position: torch.Tensor):
-        """One forward of every running completion's sampled token and, where a call was answered, its result's
-        tokens, left-padded to the widest: (next-token logits (n, V), mask (n, L + width), next positions (n,))."""
+        """One forward of every running completion's sampled token and, where a call was answered, its
+        result's tokens, left-padded to the widest: (next-token logits (n, V), mask (n, L + width), next
+        positions (n,))."""
         device = tokens.device
         inputs = [[token] + decodings[i].fed for i, token in zip(active.tolist(), tokens.tolist())]
         width = max(len(ids) for ids in inputs)

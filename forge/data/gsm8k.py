@@ -11,8 +11,8 @@ Rows returned by the loaders have the shape Forge trains on:
 ``{"prompt": str | list[message], "reference": str, "question": str}``.
 
 Two prompt styles. ``chat=False`` (the loaders' default) is `format_prompt`, a
-plain-text prompt for base models (the original Forge API's). ``chat=True`` is `chat_prompt`: chat messages with a
-system prompt and worked examples as user/assistant turns, answering in
+plain-text prompt for base models (the original Forge API's). ``chat=True`` is `chat_prompt`: chat messages
+with a system prompt and worked examples as user/assistant turns, answering in
 ``<think>...</think><answer>N</answer>``, the format the default rewards (``math_correctness``,
 ``tag_format``) and the evaluation's strict grader read. Every answer is graded by the math tasks' grader
 (`forge.data.task.grade_math`), in training and in evaluation. Instruct models need it: on the plain prompt

@@ -84,7 +84,8 @@ def _load_split(path: str, config: str | None, split: str):
 
 
 def _not_loaded(spec: str, path: str, error: OSError) -> str:
-    """The message for a dataset `datasets` could not find or fetch: the missing folder, or the hub's reason."""
+    """The message for a dataset `datasets` could not find or fetch: the missing folder, or
+    the hub's reason."""
     if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
         return (f"{spec}: no such folder or file {path}; pass an existing folder or data file, or a hub name "
                 f"(hf:ORG/NAME[:CONFIG][@SPLIT])")

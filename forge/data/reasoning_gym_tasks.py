@@ -157,8 +157,8 @@ def grade_reasoning_gym(
     rg_config: str | Mapping | None = None,
     **columns: Any,
 ) -> float:
-    """The grader of reasoning-gym rows: the task's own ``score_answer`` on ``answer`` (`score_answer_for`). It
-    reads the row's entry and config, not its reference; other columns are not read."""
+    """The grader of reasoning-gym rows: the task's own ``score_answer`` on ``answer`` (`score_answer_for`).
+    It reads the row's entry and config, not its reference; other columns are not read."""
     return score_answer_for(answer, rg_task, rg_entry, rg_config)
 
 
@@ -358,8 +358,8 @@ class ReasoningGymReward:
     eval's strict grade); the default reads `extract_final_answer` (the eval's soft grade).
 
     A plain callable returning one float per response, as Forge takes any function reward; it is logged as
-    ``rewards/reasoning_gym``. It is the default reward of ``forge train --dataset reasoning-gym:NAME``, next to
-    ``tag_format:0.1``.
+    ``rewards/reasoning_gym``. It is the default reward of ``forge train --dataset reasoning-gym:NAME``, next
+    to ``tag_format:0.1``.
     """
 
     name = "reasoning_gym"
@@ -395,7 +395,8 @@ class ReasoningGymReward:
 
 def _heldout_rows(spec: str, n: int | None = None, chat: bool | None = None, split: str = "heldout"
                   ) -> list[dict]:
-    """The held-out rows of ``spec`` (50 unless n), chat prompts unless told otherwise; ``split`` is ignored."""
+    """The held-out rows of ``spec`` (50 unless n), chat prompts unless told otherwise;
+    ``split`` is ignored."""
     return load_reasoning_gym_spec(spec, split="heldout", n=n, chat=True if chat is None else chat)
 
 

@@ -1,9 +1,11 @@
-"""Environments: per-episode state that the model's actions change, so what it reads next depends on what it did.
+"""Environments: per-episode state that the model's actions change, so what it reads next
+depends on what it did.
 
 An environment is a class; Forge makes one instance per completion (G per prompt, never shared), so a group's
 episodes are independent. The protocol is TRL's `environment_factory`, accepted as it is:
 
-    class Guess:                                    # any class, or a factory: a callable returning an instance
+    class Guess:                                    # any class, or a factory: a callable
+                                                    # returning an instance
         def reset(self, **row) -> str | None:       # the dataset row; may return the opening observation
             self.secret = int(row["secret"])
         def guess(self, number: int) -> str:        # public, typed, docstringed methods are the tools
@@ -35,8 +37,9 @@ statistics. Failed episodes are counted each step (env/failed_episodes, env/time
 samples.jsonl (`episode_failure`), and the run-health alarm `episodes_failing` goes off when most of a step's
 episodes failed. Text from an environment reaches the tokenizer with lone surrogates replaced (U+FFFD). Before
 the run, one instance is built to read its tools, under the same timeout (tool_timeout) and error handling; a
-factory that fails there stops the run with one line. Environments are built from the rows at every step, never saved: a resumed run rebuilds
-them, so an environment whose state depends only on its row resumes bitwise.
+factory that fails there stops the run with one line. Environments are built from the rows at every step,
+never saved: a resumed run rebuilds them, so an environment whose state depends only on its
+row resumes bitwise.
 """
 
 from __future__ import annotations
@@ -86,16 +89,16 @@ class Episode:
 
 
 def environment_methods(environment: Any) -> list[str]:
-    """The public methods of an environment's class that are tools (TRL's rule: functions defined on the class,
-    not starting with '_', other than reset and get_reward)."""
+    """The public methods of an environment's class that are tools (TRL's rule: functions defined on the
+    class, not starting with '_', other than reset and get_reward)."""
     names = [name for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
              if not name.startswith("_") and name not in RESERVED]
     return sorted(names)
 
 
 def as_text(value: Any) -> str:
-    """What a method returned, as the text fed to the model (inside the call's isolation: a value that cannot be
-    turned into text raises here, in the call's thread, and is the model's error to read)."""
+    """What a method returned, as the text fed to the model (inside the call's isolation: a value that cannot
+    be turned into text raises here, in the call's thread, and is the model's error to read)."""
     if isinstance(value, str):
         return value
     try:
@@ -159,8 +162,8 @@ class EnvironmentSettings:
         return cls(factory, dataclasses.replace(settings, tools=settings.tools + methods), list(settings.tools))
 
     def start(self, rows: Sequence[dict], group_size: int) -> list[Episode]:
-        """One episode per completion (rows[i] opens episodes i*G..(i+1)*G-1): build each instance and reset it
-        with its row, all in parallel under the tool timeout; a failure marks the episode, never raises."""
+        """One episode per completion (rows[i] opens episodes i*G..(i+1)*G-1): build each instance and reset
+        it with its row, all in parallel under the tool timeout; a failure marks the episode, never raises."""
         episodes = [Episode() for _ in range(len(rows) * group_size)]
         calls, boxes, built = [], [], [{} for _ in episodes]  # built[n]: what episode n's call got to
         for n, episode in enumerate(episodes):
@@ -253,8 +256,8 @@ def _factory_name(factory: Callable[[], Any]) -> tuple[str, str]:
 
 
 def _reward_of(observation: Observation, where: str) -> dict:
-    """{'reward': float or None} for an Observation's reward, or {'problem': the episode's failure} when it is not
-    a number (run inside the call's isolation: a __float__ that raises or hangs costs the call)."""
+    """{'reward': float or None} for an Observation's reward, or {'problem': the episode's failure} when it is
+    not a number (run inside the call's isolation: a __float__ that raises or hangs costs the call)."""
     reward = observation.reward
     if reward is None:
         return {"reward": None}
@@ -302,7 +305,8 @@ def environment_reward(factory: Callable[[], Any]) -> Callable[..., list[float |
 
 
 def load_environment(spec: str) -> Callable[[], Any]:
-    """`module:Class` or `path/to/file.py:Class` -> the class (any factory), for `forge train --environment`."""
+    """`module:Class` or `path/to/file.py:Class` -> the class (any factory), for `forge train
+    --environment`."""
     return load_object(spec, f"--environment {spec!r}", kind="Class")
 
 
@@ -312,8 +316,8 @@ def rollout_tools(
     config,
     tokenizer,
 ) -> ToolSettings | EnvironmentSettings | None:
-    """What a run's rollouts use: its tools under GRPOConfig's tool block, or its environment (with those tools
-    too); None for a run with neither."""
+    """What a run's rollouts use: its tools under GRPOConfig's tool block, or its environment (with those
+    tools too); None for a run with neither."""
     if environment_factory is None:
         return ToolSettings.of_run(tools, config, tokenizer) if tools else None
     return EnvironmentSettings.of(environment_factory, ToolSettings.of_run(tools or [], config, tokenizer))

@@ -1,4 +1,5 @@
-"""Before/after reports: evaluate two models with the same decoding and show, problem by problem, what changed.
+"""Before/after reports: evaluate two models with the same decoding and show, problem by
+problem, what changed.
 
 `compare` evaluates both models on the same rows; `build_comparison` pairs two existing `EvalResult`s;
 `write_comparison` writes the pairing as JSON (everything) and Markdown (for reading): the summary table

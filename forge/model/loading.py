@@ -36,7 +36,8 @@ _COMPLETE_MARKER = ".forge-complete"  # written last inside the converted folder
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
-    """Give the tokenizer a pad token (eos when it has none) and pad on the left, as batched generation needs."""
+    """Give the tokenizer a pad token (eos when it has none) and pad on the left, as batched
+    generation needs."""
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(
@@ -50,8 +51,9 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizer
 
 
 def tokenizer_of(model: nn.Module) -> PreTrainedTokenizerBase:
-    """The tokenizer of a model object given without one, found as TRL finds it: loaded from the checkpoint the
-    model's config names (config._name_or_path; a PeftModel's is its base model's), ready for generation."""
+    """The tokenizer of a model object given without one, found as TRL finds it: loaded from the checkpoint
+    the model's config names (config._name_or_path; a PeftModel's is its base model's),
+    ready for generation."""
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     if not source:
         raise ValueError(
@@ -109,9 +111,9 @@ def load_model(
 
 
 def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
-    """from_pretrained, refusing weights that do not make the model config.json describes: a tensor of another shape,
-    or weights the files do not hold (transformers would start them at random and say so in a table of many lines,
-    which this keeps quiet: a refusal says it in one line)."""
+    """from_pretrained, refusing weights that do not make the model config.json describes: a tensor of another
+    shape, or weights the files do not hold (transformers would start them at random and say so in a table of
+    many lines, which this keeps quiet: a refusal says it in one line)."""
     report = logging.getLogger("transformers.modeling_utils")
     level = report.level
     report.setLevel(logging.ERROR)
@@ -188,7 +190,8 @@ def _load_gguf_as_plain_model(
 
 
 def default_cache_dir() -> Path:
-    """Where the packaged model is converted to: ``$FORGE_CACHE/models/...`` or ``~/.cache/forge/models/...``."""
+    """Where the packaged model is converted to: ``$FORGE_CACHE/models/...`` or
+    ``~/.cache/forge/models/...``."""
     root = os.environ.get("FORGE_CACHE") or Path.home() / ".cache" / "forge"
     return Path(root) / "models" / _PACKAGED_NAME
 

@@ -1,10 +1,11 @@
 """What a checkpoint's files say, checked against what the resuming run expects, before any of it is used.
 
 COMPLETE's sha256s (forge/run/integrity.py) prove that the files are those written when the save finished: no
-truncation, no bit rot, no half-written save. They do not prove who wrote them: whoever hands a checkpoint over
-can change a file and rehash. Nothing in a checkpoint can run code (safetensors and JSON only); what a changed
-field can do is change the run, so each one resuming uses is checked here, and a field that does not fit is
-refused with one line naming the checkpoint and the file (a CheckpointError: exit code 1 on the command line):
+truncation, no bit rot, no half-written save. They do not prove who wrote them: whoever hands a checkpoint
+over can change a file and rehash. Nothing in a checkpoint can run code (safetensors and JSON only); what a
+changed field can do is change the run, so each one resuming uses is checked here, and a field that does not
+fit is refused with one line naming the checkpoint and the file (a CheckpointError: exit code 1
+on the command line):
 
     check_trainer_state      trainer_state.json: an object; global_step the folder's step; counters in range
     check_tensors            weights: each tensor the model's shape and dtype (never cast on the way in)
@@ -53,8 +54,8 @@ def refused(path: Path, name: str, problem: str) -> CheckpointError:
 
 @contextmanager
 def loading(path: Path, name: str) -> Iterator[None]:
-    """Whatever loading `name` into the run raises (a torch or Python error on a value that does not fit) as one
-    line naming the checkpoint and the file."""
+    """Whatever loading `name` into the run raises (a torch or Python error on a value that does not fit) as
+    one line naming the checkpoint and the file."""
     try:
         yield
     except CheckpointError:
@@ -147,8 +148,8 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 
 def check_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -> None:
-    """optimizer.safetensors before it is loaded: the run's groups and parameters, and each parameter's moments
-    of its shape and dtype (torch would cast them silently)."""
+    """optimizer.safetensors before it is loaded: the run's groups and parameters, and each parameter's
+    moments of its shape and dtype (torch would cast them silently)."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list) or not isinstance(saved.get("state"), dict) or not all(
             isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
@@ -193,8 +194,9 @@ def check_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimiz
 
 def check_hyperparameters(path: Path, name: str, optimizer: torch.optim.Optimizer, expected: list[dict]) -> None:
     """After loading `name` into `optimizer` (whose settings were `expected` before): lr, initial_lr and
-    weight_decay are finite numbers >= 0 (this run's values then apply, and are announced); every other setting
-    is the run's own AdamW's, or the resume is refused (AdamW maximize=True would be gradient ascent)."""
+    weight_decay are finite numbers >= 0 (this run's values then apply, and are announced); every other
+    setting is the run's own AdamW's, or the resume is refused (AdamW maximize=True would be
+    gradient ascent)."""
     for index, (group, own) in enumerate(zip(optimizer.param_groups, expected)):
         for key in sorted(set(group) - {"params"} | set(own)):
             value, want = group.get(key, "<absent>"), own.get(key, "<absent>")

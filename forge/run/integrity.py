@@ -1,5 +1,5 @@
-"""Whether a checkpoint directory is whole: its layout, the sha256 manifest written last, verification, and which
-checkpoints of a run exist, verify, or are left over from a killed save.
+"""Whether a checkpoint directory is whole: its layout, the sha256 manifest written last, verification, and
+which checkpoints of a run exist, verify, or are left over from a killed save.
 
     {checkpoint}/COMPLETE      written last: {"format": ..., "sha256": {file: digest}} of every other file
     verify_checkpoint(path)    re-hash every file against COMPLETE (a checkpoint from before checksums: check
@@ -11,8 +11,9 @@ checkpoints of a run exist, verify, or are left over from a killed save.
     check_saved_model          a folder Forge saved verifies before `forge eval` / `forge export` load it
     prune_checkpoints          keep the newest N
 
-A checkpoint is read as someone else may have left it: its JSON (COMPLETE, the shard index, a safetensors header)
-through forge/safe_json.py's limits, a link followed only when it stays inside the folder and ends (`inside`).
+A checkpoint is read as someone else may have left it: its JSON (COMPLETE, the shard index, a safetensors
+header) through forge/safe_json.py's limits, a link followed only when it stays inside the folder
+and ends (`inside`).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def _checkpoint_files(directory: Path) -> list[str]:
 
 
 def nonfinite_tensors(state_dict: dict[str, Any]) -> list[str]:
-    """Names of the floating-point tensors that hold a NaN or inf (`all_finite`: the sum first, 0.07 s instead of
-    1.3 s for SmolLM2-135M on one CPU thread)."""
+    """Names of the floating-point tensors that hold a NaN or inf (`all_finite`: the sum first, 0.07 s instead
+    of 1.3 s for SmolLM2-135M on one CPU thread)."""
     return [name for name, tensor in state_dict.items()
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not all_finite(tensor)]
 
@@ -117,8 +118,8 @@ def is_sharded(path: str | os.PathLike) -> bool:
 
 
 def has_forge_manifest(path: str | os.PathLike) -> bool:
-    """Whether `path` holds a COMPLETE that Forge wrote (its sha256 manifest, or the "ok" of a Forge from before
-    checksums): how Forge tells its own checkpoint folders from anything else with a step's name."""
+    """Whether `path` holds a COMPLETE that Forge wrote (its sha256 manifest, or the "ok" of a Forge from
+    before checksums): how Forge tells its own checkpoint folders from anything else with a step's name."""
     marker = Path(path) / COMPLETE_MARKER
     try:
         if not marker.is_file():
@@ -134,7 +135,8 @@ def _is_old_marker(marker: Path) -> bool:
 
 
 def pickled_file(path: Path) -> str | None:
-    """The first file of a checkpoint in an older Forge's pickle format whose replacement is absent, or None."""
+    """The first file of a checkpoint in an older Forge's pickle format whose replacement is
+    absent, or None."""
     for name, replacement in PICKLED_NAMES.items():
         if (path / name).is_file() and not (path / replacement).is_file():
             return name
@@ -142,7 +144,8 @@ def pickled_file(path: Path) -> str | None:
 
 
 def refuse_pickled(path: Path, name: str) -> CheckpointError:
-    """The error for a checkpoint whose state needs unpickling (see PICKLED_NAMES): what it is, and what to do."""
+    """The error for a checkpoint whose state needs unpickling (see PICKLED_NAMES): what it
+    is, and what to do."""
     if name.startswith(SHARDED_DIR):
         way_out = (
             f"start a new run from the whole weights of that run's final/ (--model {path.parent / 'final'}), "
@@ -218,9 +221,9 @@ def index_problem(index: dict) -> str | None:
 
 
 def inside(path: Path, name: Any, named_by: str | None = None) -> str:
-    """`name`, a file of the checkpoint `path`: a relative path without `..` that, links followed, stays inside
-    the folder; Damaged otherwise (a checkpoint's files are read from the checkpoint only), and for a link that
-    loops (following it never ends)."""
+    """`name`, a file of the checkpoint `path`: a relative path without `..` that, links followed, stays
+    inside the folder; Damaged otherwise (a checkpoint's files are read from the checkpoint only), and for a
+    link that loops (following it never ends)."""
     if isinstance(name, str) and name and link_loops(path / name):
         raise Damaged(name, "is a symlink loop (a link that leads back to itself, never to a file); remove it")
     outside = (not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts
@@ -258,7 +261,8 @@ def _links_out(path: Path) -> None:
 
 
 def safetensors_problem(file: Path) -> str | None:
-    """Why `file` is not a whole safetensors file (empty, truncated, bad header), or None; reads only the header.
+    """Why `file` is not a whole safetensors file (empty, truncated, bad header), or None;
+    reads only the header.
 
     Layout: an 8-byte little-endian header length n, n bytes of JSON header, then the tensor bytes, whose
     extent the header's data_offsets give."""
@@ -292,8 +296,8 @@ def read_header(file: Path) -> dict:
 
 
 def header_problem(header: dict) -> str | None:
-    """Why a safetensors header is not one (each entry a tensor's dtype, shape and data_offsets; __metadata__ an
-    object of strings), or None."""
+    """Why a safetensors header is not one (each entry a tensor's dtype, shape and data_offsets; __metadata__
+    an object of strings), or None."""
     for name, entry in header.items():
         if name == "__metadata__":
             if not isinstance(entry, dict) or not all(isinstance(value, str) for value in entry.values()):
@@ -397,22 +401,24 @@ def offer_previous(path: Path) -> str:
 
 
 class UnverifiedSave(ValueError):
-    """A folder Forge saved, given to `forge eval` or `forge export`, does not verify: bad input (exit code 2)."""
+    """A folder Forge saved, given to `forge eval` or `forge export`, does not verify: bad
+    input (exit code 2)."""
 
 
 def is_forge_save(path: str | os.PathLike) -> bool:
     """Whether `path` is a folder Forge saved or was saving: it holds Forge's COMPLETE or forge_config.json (a
-    name only Forge writes), or has the name of a save's temporary. A plain transformers folder or a hub id is not."""
+    name only Forge writes), or has the name of a save's temporary. A plain transformers folder or
+    a hub id is not."""
     path = Path(path)
     return path.is_dir() and (has_forge_manifest(path) or (path / CONFIG_NAME).is_file()
                               or _TEMPORARY_DIR_PATTERN.match(path.name) is not None)
 
 
 def check_saved_model(path: str | os.PathLike, given_as: str) -> None:
-    """Before a command loads a model or adapter folder (`forge eval --model/--adapter`, `forge export --adapter`):
-    a folder Forge saved must be complete and verify as final/ does (`_verify`, no training state needed); anything
-    else loads unchecked. Raises UnverifiedSave naming the folder (`given_as` is the flag), the file, and what to
-    load instead."""
+    """Before a command loads a model or adapter folder (`forge eval --model/--adapter`, `forge export
+    --adapter`): a folder Forge saved must be complete and verify as final/ does (`_verify`, no training state
+    needed); anything else loads unchecked. Raises UnverifiedSave naming the folder (`given_as` is the flag),
+    the file, and what to load instead."""
     path = Path(path)
     if not is_forge_save(path):
         return
@@ -443,8 +449,8 @@ def check_saved_model(path: str | os.PathLike, given_as: str) -> None:
 
 
 def _complete_numbered_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every numbered checkpoint with Forge's COMPLETE, oldest first. Skips final/, temporaries,
-    partial folders and folders with a step's name that Forge did not write."""
+    """(step, path) of every numbered checkpoint with Forge's COMPLETE, oldest first. Skips final/,
+    temporaries, partial folders and folders with a step's name that Forge did not write."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
@@ -468,7 +474,8 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
 
 def latest_verified_checkpoint(output_dir: str | os.PathLike, before_step: int | None = None) -> Path | None:
-    """The newest complete numbered checkpoint that passes `verify_checkpoint` (and can resume a run), or None.
+    """The newest complete numbered checkpoint that passes `verify_checkpoint` (and can
+    resume a run), or None.
 
     `before_step` only considers checkpoints of earlier steps. Checks newest first and stops at the
     first that verifies, so it usually hashes one checkpoint. Unlike `latest_checkpoint` it skips a
@@ -483,7 +490,8 @@ def latest_verified_checkpoint(output_dir: str | os.PathLike, before_step: int |
 
 
 def verifies(path: Path, require_training_state: bool = True) -> bool:
-    """Whether `path` passes `verify_checkpoint`, without raising: every file whole, none in the pickle format."""
+    """Whether `path` passes `verify_checkpoint`, without raising: every file whole, none in
+    the pickle format."""
     if not is_complete(path) or pickled_file(path) is not None:
         return False
     try:
@@ -510,7 +518,8 @@ def _process_is_alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[tuple[Path, str]]:
-    """Clean up after saves that were killed; returns (directory, what was done: "deleted", "restored" or "kept").
+    """Clean up after saves that were killed; returns (directory, what was done: "deleted",
+    "restored" or "kept").
 
     `{name}.tmp-{pid}` (a checkpoint being written) whose process is gone is deleted. `{name}.old-{pid}`
     (a checkpoint being replaced, killed between the two renames) is renamed back to `{name}` when nothing
@@ -538,7 +547,8 @@ def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[tuple[Path, 
 
 
 def stale_old_checkpoint(path: Path) -> Path | None:
-    """For `{name}.old-{pid}` of a process that is gone: the checkpoint `{name}` it would be put back as; else None."""
+    """For `{name}.old-{pid}` of a process that is gone: the checkpoint `{name}` it would be put
+    back as; else None."""
     match = _TEMPORARY_DIR_PATTERN.match(path.name)
     if not match or match.group("kind") != "old" or _process_is_alive(int(match.group("pid"))):
         return None
@@ -546,13 +556,15 @@ def stale_old_checkpoint(path: Path) -> Path | None:
 
 
 def restorable(old: Path) -> bool:
-    """Whether `{name}.old-{pid}` is a whole Forge checkpoint: its COMPLETE is Forge's and every file verifies."""
+    """Whether `{name}.old-{pid}` is a whole Forge checkpoint: its COMPLETE is Forge's and
+    every file verifies."""
     name = _TEMPORARY_DIR_PATTERN.match(old.name).group("name")
     return has_forge_manifest(old) and verifies(old, require_training_state=name != "final")
 
 
 def prune_checkpoints(output_dir: str | os.PathLike, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` complete numbered checkpoints (None keeps all); returns the deleted."""
+    """Delete all but the newest `keep` complete numbered checkpoints (None keeps all);
+    returns the deleted."""
     if keep is None:
         return []
     if keep < 0:

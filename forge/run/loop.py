@@ -5,9 +5,10 @@
         resume (weights, optimizer, schedule, RNG, data position)     -> forge/run/lifecycle.py
         a new run: preflight(rows, total_steps)                        -> core/preflight.py
         for each step's rows:  trainer.step(rows)                      -> the GRPO step (core/trainer.py)
-            log every logging_steps (with the run-health keys, forge/run/health.py), evaluate every eval_steps,
-            save every save_steps; a run-health alarm in stop_on_health stops the run
-            the callbacks hear each event and may ask to log, evaluate, save or stop  -> run/trainer_surface.py
+            log every logging_steps (with the run-health keys, forge/run/health.py), evaluate every
+            eval_steps, save every save_steps; a run-health alarm in stop_on_health stops the run
+            the callbacks hear each event and may ask to log, evaluate, save or stop
+                                                                                -> run/trainer_surface.py
             a config a callback changed is checked as at start-up before it is used   -> run/config_watch.py
             a signal: finish the step, save it, raise TrainingInterrupted
         a failed step (StepFailed: a reward, non-finite losses, a config a callback broke): say where the last
@@ -15,9 +16,9 @@
         save final/, evaluate, close the logs
 
 The trainer is given, not imported: anything with the attributes read below runs here (`config`, `dist`,
-`model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `reference_model`, `guard`, `signals`, `global_step`,
-`events` (a RunEvents), and the methods `step(rows) -> metrics`, `evaluate(rows) -> metrics`), and `ahead`: None,
-or async GRPO's rollout worker, which `ahead.schedule(steps, trainer)` starts and feeds
+`model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `reference_model`, `guard`, `signals`,
+`global_step`, `events` (a RunEvents), and the methods `step(rows) -> metrics`, `evaluate(rows) -> metrics`),
+and `ahead`: None, or async GRPO's rollout worker, which `ahead.schedule(steps, trainer)` starts and feeds
 (forge/core/rollout_worker.py).
 """
 
@@ -56,8 +57,8 @@ class HealthStop(StepFailed):
 
 
 class ConfigRefused(StepFailed):
-    """A callback changed the config between steps to what the run refuses (forge/run/config_watch.py); the last
-    finished step is saved."""
+    """A callback changed the config between steps to what the run refuses (forge/run/config_watch.py); the
+    last finished step is saved."""
 
 
 def reached(step: int, every: int, stride: int) -> bool:
@@ -243,9 +244,10 @@ class TrainingRun:
         self.alarms = [n for n in started if {n, "any"} & set(config.stop_on_health or ())]
 
     def check_config(self, finished_at: tuple[int, int] | None = None) -> None:
-        """A callback's change of the config, checked as at start-up: ConfigRefused (a StepFailed: the last finished
-        step is saved and named) for one the run refuses, on every rank when any refuses it. `finished_at`: the
-        (epoch, position) of the step that just finished, when the lifecycle has not been told of it yet."""
+        """A callback's change of the config, checked as at start-up: ConfigRefused (a StepFailed: the last
+        finished step is saved and named) for one the run refuses, on every rank when any refuses it.
+        `finished_at`: the (epoch, position) of the step that just finished, when the lifecycle has not been
+        told of it yet."""
         problem = self.config_watch.problem()
         if not self.dist.any(problem is not None):
             return
@@ -305,7 +307,8 @@ class TrainingRun:
         self.events.evaluated(metrics)
 
     def log(self, metrics: dict, step: int, epoch: float) -> None:
-        """A row of training_log.jsonl (and the trackers); the callbacks' on_log and state.log_history get it too."""
+        """A row of training_log.jsonl (and the trackers); the callbacks' on_log and
+        state.log_history get it too."""
         self.logger.log(metrics, step=step, epoch=epoch)
         self.events.log(metrics, step, epoch)
 

@@ -139,7 +139,8 @@ class ToolSettings:
     @classmethod
     def of_run(cls, tools: Sequence[Callable[..., Any] | Tool], config, tokenizer) -> ToolSettings:
         """A run's tools under its GRPOConfig's tool block ('auto' format resolved for this tokenizer). With
-        tool_isolation='process' one worker starts now, so tools it cannot load stop the run before it starts."""
+        tool_isolation='process' one worker starts now, so tools it cannot load stop the run
+        before it starts."""
         settings = cls(as_tools(tools), resolve_format(config.tool_format, tokenizer),
                        config.max_tool_calling_iterations, config.tool_timeout, config.max_tool_output_chars,
                        config.max_episode_tokens, config.tool_isolation, config.tool_memory_mb)
@@ -159,15 +160,17 @@ def _bind(tool: Tool, arguments: dict) -> str | None:
 
 def run_calls(calls: Sequence[ToolCall], settings: ToolSettings,
               toolboxes: Sequence[dict[str, Tool]] | None = None) -> list[ToolResult]:
-    """Run a round of calls in parallel, each with `settings.timeout` seconds; never raises for what a tool does.
+    """Run a round of calls in parallel, each with `settings.timeout` seconds; never raises
+    for what a tool does.
 
     The tool runs, and its value (or exception) is turned into text (`outcome.call_tool`), inside the call's
-    isolation: with settings.isolation='thread' a daemon thread of this process, abandoned when it outlives its
-    timeout (Python cannot kill a thread; as a daemon it does not keep the process alive, but it keeps running
-    and holding the GIL); with 'process' a worker process (forge/tools/worker.py) under a memory limit, killed
-    and replaced when it outlives its timeout. toolboxes: each call's own tools by name (an environment's
-    methods, bound to that completion's instance); default `settings.tools` for every call. A toolbox tool that
-    is not one of `settings.tools` runs in a thread in either mode (its state lives in this process)."""
+    isolation: with settings.isolation='thread' a daemon thread of this process, abandoned when it outlives
+    its timeout (Python cannot kill a thread; as a daemon it does not keep the process alive, but it keeps
+    running and holding the GIL); with 'process' a worker process (forge/tools/worker.py) under a memory
+    limit, killed and replaced when it outlives its timeout. toolboxes: each call's own tools by name (an
+    environment's methods, bound to that completion's instance); default `settings.tools` for every call. A
+    toolbox tool that is not one of `settings.tools` runs in a thread in either mode (its state lives
+    in this process)."""
     results: list[ToolResult | None] = [None] * len(calls)
     boxes: list[dict] = [{} for _ in calls]
     threads: list[tuple[int, threading.Thread, float]] = []
@@ -223,8 +226,8 @@ _abandoned: set[str] = set()  # tools whose abandoned thread was announced (once
 
 
 def _say_abandoned(name: str, timeout: float, stateful: bool) -> None:
-    """Warn, once per tool, that a call abandoned at its timeout runs on in its thread; `stateful`: an environment's
-    method (its state lives in the trainer, so it always runs in a thread)."""
+    """Warn, once per tool, that a call abandoned at its timeout runs on in its thread; `stateful`: an
+    environment's method (its state lives in the trainer, so it always runs in a thread)."""
     if name in _abandoned:
         return
     _abandoned.add(name)
@@ -264,8 +267,8 @@ MAX_CALL_DEPTH = 64  # the most nested JSON arrays and objects a call may hold (
 
 
 def _too_deep(text: str) -> str | None:
-    """Why the JSON `text` is refused before parsing (it nests deeper than MAX_CALL_DEPTH, where json.loads would
-    recurse to a RecursionError and the tools, the logs and rewards after it too), else None."""
+    """Why the JSON `text` is refused before parsing (it nests deeper than MAX_CALL_DEPTH, where json.loads
+    would recurse to a RecursionError and the tools, the logs and rewards after it too), else None."""
     depth, in_string, escaped = 0, False, False
     for char in text:
         if in_string:
@@ -447,7 +450,8 @@ def load_object(item: str, what: str, kind: str = "function") -> Any:
 
 
 def load_tools(spec: str) -> list[Callable[..., Any]]:
-    """`module:function,module:function` (or a bare `calculator`) -> the functions, for `forge train --tools`."""
+    """`module:function,module:function` (or a bare `calculator`) -> the functions, for
+    `forge train --tools`."""
     return [calculator if item == "calculator" else load_object(item, f"--tools entry {item!r}")
             for item in (part.strip() for part in spec.split(",") if part.strip())]
 

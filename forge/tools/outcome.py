@@ -1,11 +1,12 @@
-"""One tool call's outcome as the text the model reads: the return value (or the exception) turned into text and
-cut to length.
+"""One tool call's outcome as the text the model reads: the return value (or the exception) turned into text
+and cut to length.
 
-`call_tool` runs inside the call's isolation (its thread or its worker process), so everything that can go wrong
-while turning a result into text (an int past Python's 4,300-digit str limit, a `__str__` that raises or blocks,
-a list nested too deep for JSON, an exception whose own `__str__` raises) happens under the call's timeout and
-error handling and costs that call, never the run. The text has no lone surrogate (a str that cannot be UTF-8, e.g.
-"\\udcff" from bytes decoded with surrogateescape): each becomes U+FFFD, so a tokenizer can always read it.
+`call_tool` runs inside the call's isolation (its thread or its worker process), so everything that can go
+wrong while turning a result into text (an int past Python's 4,300-digit str limit, a `__str__` that raises or
+blocks, a list nested too deep for JSON, an exception whose own `__str__` raises) happens under the call's
+timeout and error handling and costs that call, never the run. The text has no lone surrogate (a str that
+cannot be UTF-8, e.g. "\\udcff" from bytes decoded with surrogateescape): each becomes U+FFFD, so a tokenizer
+can always read it.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def describe_error(error: BaseException) -> str:
 
 
 def _as_text(value: Any) -> str:
-    """A string as it is, anything else as JSON, or its str() when it is not JSON-serialisable. Raises what the
-    conversion raises."""
+    """A string as it is, anything else as JSON, or its str() when it is not JSON-serialisable. Raises what
+    the conversion raises."""
     if isinstance(value, str):
         return _plain(value)
     try:

@@ -1,14 +1,15 @@
 """Tool calls in worker processes (GRPOConfig.tool_isolation='process'): both sides of the pipe.
 
-The trainer keeps a small pool of worker processes (`ToolWorkers`, at most `MAX_WORKERS`, started on first use,
-reused across calls). A call is sent to an idle worker as one JSON line; the worker runs the tool, turns its
-value into text (`outcome.call_tool`) and answers with one JSON line. Only JSON crosses back: the trainer never
-unpickles anything a worker sends.
+The trainer keeps a small pool of worker processes (`ToolWorkers`, at most `MAX_WORKERS`, started on first
+use, reused across calls). A call is sent to an idle worker as one JSON line; the worker runs the tool, turns
+its value into text (`outcome.call_tool`) and answers with one JSON line. Only JSON crosses back: the trainer
+never unpickles anything a worker sends.
 
 What a worker bounds:
-    - memory: RLIMIT_DATA of `memory_mb` (the heap and every private writable mapping), so a tool that allocates
-      from model input gets MemoryError, recorded as that call's error, instead of the kernel's OOM killer
-      taking the trainer; the worker also volunteers as the OOM killer's first choice (oom_score_adj 1000);
+    - memory: RLIMIT_DATA of `memory_mb` (the heap and every private writable mapping), so a tool that
+      allocates from model input gets MemoryError, recorded as that call's error, instead of the kernel's OOM
+      killer taking the trainer; the worker also volunteers as the OOM killer's first choice (oom_score_adj
+      1000);
     - time and CPU: a call past its timeout gets its worker (and the worker's process group) SIGKILLed and
       replaced, so a spinning tool never holds the trainer's GIL or a CPU after its timeout;
     - the trainer's life: a worker dies with the trainer (PR_SET_PDEATHSIG) and exits when its pipe closes.
