@@ -95,7 +95,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "watched", False) and "WORLD_SIZE" not in os.environ:  # the `forge` program, one process
         from forge.run.supervisor import run_watched
 
-        return run_watched(lambda: _train(args, config), config.output_dir)  # os._exit() in a reward is reported
+        # os._exit() in a reward is reported
+        return run_watched(lambda: _train(args, config), config.output_dir)
     return _train(args, config)
 
 
@@ -122,7 +123,8 @@ def _train(args: argparse.Namespace, config) -> int:
         environment_factory=environment,
     )
     dataset, eval_rows = _training_data(args, trainer.tokenizer)
-    if eval_rows is not None and not graded_by_math(eval_rows):  # the math grader would count every answer wrong
+    # the math grader would count every answer wrong
+    if eval_rows is not None and not graded_by_math(eval_rows):
         trainer.evaluator = greedy_reward_evaluator(trainer.rewards, config, trainer.tool_settings)
         if trainer.dist.is_main:
             print(
@@ -297,7 +299,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from forge.model import merge_and_export
 
-    _check_saved_folders(("--adapter", args.adapter), ("--base", args.base))  # before anything is written to --out
+    # before anything is written to --out
+    _check_saved_folders(("--adapter", args.adapter), ("--base", args.base))
     print(merge_and_export(args.adapter, args.base, args.out, overwrite=args.overwrite))
     return 0
 
@@ -447,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default=None, help="directory for eval.json / the comparison report")
     ev.set_defaults(func=cmd_eval)
 
-    # `forge demo`'s flags are parsed by forge.demo (cmd_demo), which imports the trainer: not on every `forge` call
+    # `forge demo`'s flags are parsed by forge.demo (cmd_demo), which imports the trainer: not on every
+    # `forge` call
     demo = sub.add_parser("demo", help="offline demo: LoRA GRPO makes SmolLM2-135M better at arithmetic",
                           add_help=False)
     demo.set_defaults(func=cmd_demo)
@@ -491,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_vllm_serve)
     parser.commands = sub.choices  # each command's parser, for the unknown-flag message
     for command in parser.commands.values():
-        command.allow_abbrev = False  # `--num_generation` is a typo to name, not a prefix of --num_generations
+        # `--num_generation` is a typo to name, not a prefix of --num_generations
+        command.allow_abbrev = False
     return parser
 
 

@@ -103,7 +103,8 @@ def _fields_of(name: str, value, values: dict) -> set[str]:
     """The GRPOConfig fields a Forge or TRL name sets (a converted TRL name: those its converter gives)."""
     if name in TRL_NAMES:
         return {TRL_NAMES[name]}
-    if name in BATCH_NAMES:  # converted together (core/trl_batch.py), gradient_accumulation_steps one of the inputs
+    # converted together (core/trl_batch.py), gradient_accumulation_steps one of the inputs
+    if name in BATCH_NAMES:
         return {"prompts_per_step", "micro_batch_size"}
     if name in TRL_CONVERTED:
         try:

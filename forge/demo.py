@@ -366,7 +366,8 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
                        ("format rate", "format_rate"), ("mean length", "mean_completion_length")):
         fmt = "{:6.1%}" if key != "mean_completion_length" else "{:6.1f}"
         print(f"{label:>18} | {fmt.format(before.metrics[key])} | {fmt.format(after.metrics[key])}")
-    recorded = asdict(settings) | ({"distill": True, "teacher": teacher} if teacher else {})  # a student says so
+    # a student says so
+    recorded = asdict(settings) | ({"distill": True, "teacher": teacher} if teacher else {})
     result = {
         "settings": recorded,
         "heldout_size": len(heldout),
@@ -405,7 +406,8 @@ def run_distill_demo(settings: DemoSettings) -> dict:
     (forge/eval/gain.py)."""
     out, plain = Path(settings.output_dir), replace(settings, distill=False, teacher="")
     plain_values = recipe_defaults({"quick": settings.quick})
-    teacher_settings = replace(plain, **{key: plain_values[key] for key in DISTILL})  # the plain demo's recipe
+    # the plain demo's recipe
+    teacher_settings = replace(plain, **{key: plain_values[key] for key in DISTILL})
     teacher_dir = Path(settings.teacher) if settings.teacher else out / "teacher" / "final"
     if settings.teacher and not (teacher_dir.parent / "demo_result.json").is_file():
         raise FileNotFoundError(

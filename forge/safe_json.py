@@ -26,7 +26,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-MAX_JSON_BYTES = 100_000_000  # safetensors' own limit for a header; a large vocabulary's tokenizer.json is ~30 MB
+# safetensors' own limit for a header; a large vocabulary's tokenizer.json is ~30 MB
+MAX_JSON_BYTES = 100_000_000
 MAX_JSON_DEPTH = 100  # no file Forge, transformers or peft writes nests more than a few levels
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a JSON string, escapes included

@@ -222,7 +222,8 @@ class GRPOConfig(TRLAttributes):
 
     # --- LoRA ---
     # init=False (lora_*, dtype): TRL's ModelConfig has these names too, and TRL's scripts parse it with the
-    # GRPOConfig in one HfArgumentParser, which takes only init fields. The constructor takes them all the same.
+    # GRPOConfig in one HfArgumentParser, which takes only init fields. The constructor takes them all the
+    # same.
     use_lora: bool = False
     """Train LoRA adapters (peft) instead of all weights; the reference is the adapter-disabled base."""
     lora_r: int = field(default=16, init=False)

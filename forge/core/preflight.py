@@ -68,7 +68,8 @@ class PreflightReport:
     truncated: float  # share of completions cut at max_new_tokens
     finished_lengths: dict[int, float]  # percentile -> tokens, over the completions that ended by themselves
     rewards: list[RewardCheck]
-    flat_low: float  # share of groups scored all alike at or below the mean reward (too hard, or a stuck reward)
+    # share of groups scored all alike at or below the mean reward (too hard, or a stuck reward)
+    flat_low: float
     flat_high: float  # share of groups scored all alike above it (too easy)
     tokens_per_second: float
     step_seconds: float  # projected for one optimizer step of this run
@@ -131,7 +132,8 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     """Sample preflight_prompts prompts x G and score them as the run will, leaving the run unchanged."""
     config, group = trainer.config, trainer.config.group_size
     started, rng_state = time.perf_counter(), capture_rng_state()
-    mine = rows[:: max(1, len(rows) // config.preflight_prompts)][:config.preflight_prompts]  # spread over the data
+    # spread over the data
+    mine = rows[:: max(1, len(rows) // config.preflight_prompts)][:config.preflight_prompts]
     trainer.model.eval()
     generation_started, held = time.perf_counter(), memory.reset_peak(trainer.device)
     rollout = trainer.generate([row["prompt"] for row in mine], mine)
@@ -165,7 +167,8 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     )
     middle = float(total.total[kept].mean()) if kept.any() else 0.0
     spread = float(total.total[kept].max() - total.total[kept].min()) if kept.any() else 0.0
-    low = flat & ((level <= middle) if spread > 0 else (level <= 0))  # one value everywhere: judged by its sign
+    # one value everywhere: judged by its sign
+    low = flat & ((level <= middle) if spread > 0 else (level <= 0))
     rollouts_per_step = config.gradient_accumulation_steps * config.prompts_per_step / len(mine)
     carrying = 1.0 - float(flat.float().mean()) if config.drop_zero_std_groups else 1.0  # flat: no loss pass
     step_seconds = rollouts_per_step * (generation_seconds + scoring_seconds

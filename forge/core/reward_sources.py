@@ -295,7 +295,8 @@ def load_reward_from_path(path: str, convention: str = "forge") -> BaseReward:
             f"module '{module_name}' has no attribute '{attribute}' (from reward path '{path}')"
         )
     target = getattr(module, attribute)
-    if isinstance(target, type):  # a reward class (BaseReward or a plain callable class): its default instance
+    # a reward class (BaseReward or a plain callable class): its default instance
+    if isinstance(target, type):
         try:
             target = target()
         except Exception as error:  # noqa: BLE001 - the user's __init__: said in one line, with its own words

@@ -150,8 +150,10 @@ def _get(q, what: str):
 
 def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
     """The sampling process: serve requests in order until None, each with the weights its step needs."""
-    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a terminal's or a job's stop reaches the whole
-        signal.signal(stop, signal.SIG_IGN)  # group: the trainer finishes its step, saves it and stops us
+    # a terminal's or a job's stop reaches the whole group: the trainer finishes its step, saves it and
+    # stops us
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, signal.SIG_IGN)
     _die_with_parent()
     try:
         torch.set_num_threads(spec.threads)
@@ -159,7 +161,8 @@ def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
         model.eval()
         named = dict(model.named_parameters())
         trainable = [named[name] for name in spec.trainable_names]
-        engine = open_engine(config, model, spec.tokenizer, spec.precision.compute, worker=True)  # vLLM or None
+        # vLLM or None
+        engine = open_engine(config, model, spec.tokenizer, spec.precision.compute, worker=True)
         with spec.precision.autocast(model):
             plan = None if engine else DecodePlan.of(model, config.generation_backend, False)
         version, k = spec.version, config.max_staleness
@@ -268,7 +271,8 @@ class AsyncRollouts:
         spec = WorkerSpec(_copy_for_worker(model), tokenizer, precision, [names[id(p)] for p in trainable],
                           version, config, self.threads, device)
         own_loop = config.generation_backend != "vllm"  # on vLLM the server samples; the worker only asks
-        if own_loop and self.device is None and precision.device_type == "cpu":  # the processes split the cores
+        # the processes split the cores
+        if own_loop and self.device is None and precision.device_type == "cpu":
             self.trainer_threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self.trainer_threads - self.threads))
         self.process = ctx.Process(

@@ -38,8 +38,10 @@ class ToolTurns:
                  rows: Sequence[dict] | None, group_size: int, tokenizer, fmt: CallFormat | None = None):
         self.tools, self.episodes, self.prompts = start_episodes(tools, prompts, rows, group_size)
         self.fmt = fmt or call_format(self.tools.format, self.tools.tools, tokenizer)
-        self.schemas = [t.schema for t in self.tools.tools] if self.fmt.kind == "template" else None  # templates'
-        self.closing = closing_token_ids(tokenizer, self.fmt.closers)  # (V,) tokens after which a call may end
+        # templates' schemas
+        self.schemas = [t.schema for t in self.tools.tools] if self.fmt.kind == "template" else None
+        # (V,) tokens after which a call may end
+        self.closing = closing_token_ids(tokenizer, self.fmt.closers)
         self.budget = self.tools.max_episode_tokens or 10**9
         self.tokenizer = tokenizer
 
@@ -82,7 +84,8 @@ class ToolTurns:
         step_ids = torch.full((len(inputs), width), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
         for j, ids in enumerate(inputs):
             step_ids[j, width - len(ids):] = torch.tensor(ids, device=device)
-        offsets = torch.arange(width, device=device)[None, :] - (width - lengths[:, None])  # (n, width), <0 = pad
+        # (n, width), <0 = pad
+        offsets = torch.arange(width, device=device)[None, :] - (width - lengths[:, None])
         mask = torch.cat([mask, (offsets >= 0).long()], dim=1)  # (n, L + width)
         out = model(
             input_ids=step_ids,

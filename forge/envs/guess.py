@@ -64,7 +64,8 @@ class GuessNumber:
         self.secret, self.high, self.found, self.guesses = int(secret), int(high), False, []
         self.low_bound, self.high_bound = 1, int(high)  # what the answers so far leave
         others = [n for n in range(1, self.high + 1) if n != self.secret] or [self.secret]
-        # The number the answers are about: the secret, or a decoy drawn from the row (so a resume redraws it).
+        # The number the answers are about: the secret, or a decoy drawn from the row (so a resume redraws
+        # it).
         self.answered = self.secret if self.feedback == "real" else random.Random(
             f"{secret}:{high}:{episode}").choice(others)
 

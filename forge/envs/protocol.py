@@ -81,7 +81,8 @@ class Episode:
     failure: str | None = None  # why the episode could not run (factory or reset raised, hung, ...), one line
     timed_out: bool = False  # the failure: building or resetting the instance took longer than tool_timeout
     toolbox: dict[str, Tool] = field(default_factory=dict, repr=False)  # this instance's methods, as tools
-    outbox: dict[int, dict] = field(default_factory=dict, repr=False)  # turn -> its Observation's reward, done
+    # turn -> its Observation's reward, done
+    outbox: dict[int, dict] = field(default_factory=dict, repr=False)
 
     @property
     def total_reward(self) -> float | None:
@@ -108,7 +109,8 @@ def as_text(value: Any) -> str:
 
 
 def _resolved(value: Any) -> Any:
-    return asyncio.run(value) if inspect.isawaitable(value) else value  # an async method: run in the call's thread
+    # an async method: run in the call's thread
+    return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
 @dataclass
@@ -172,13 +174,15 @@ class EnvironmentSettings:
             boxes.append({"reset": Tool(self._opener(built[n]), "reset", {}, "reset")})
         _, builder = _factory_name(self.factory)
         for episode, result, got in zip(episodes, run_calls(calls, self.tools, toolboxes=boxes), built):
-            if result.failure is not None:  # a call abandoned at its timeout writes on in `got`, no one reads it
+            # a call abandoned at its timeout writes on in `got`, no one reads it
+            if result.failure is not None:
                 method = f"{type(got['instance']).__name__}.reset" if "instance" in got else builder
                 episode.failure = f"{method}: {result.output}"
                 episode.timed_out = result.failure == "timeout"
                 continue
             episode.environment = got["instance"]
-            episode.opening = None if got["opening"] is None else result.output  # as read: cut, no lone surrogate
+            # as read: cut, no lone surrogate
+            episode.opening = None if got["opening"] is None else result.output
             if episode.failure is None:
                 episode.toolbox = {t.name: t for t in self.standalone} | {
                     t.name: Tool(self._method(episode, t.name), t.name, t.schema, t.text_tag)
@@ -213,7 +217,8 @@ class EnvironmentSettings:
 
     @staticmethod
     def _method(episode: Episode, name: str) -> Callable[..., str]:
-        method = getattr(type(episode.environment), name)  # the class's: an instance attribute cannot shadow it
+        # the class's: an instance attribute cannot shadow it
+        method = getattr(type(episode.environment), name)
         where = f"{type(episode.environment).__name__}.{name}"
 
         def call(**arguments) -> str:
@@ -330,7 +335,8 @@ def env_rewards(reward_fn: Any, environment_factory: Callable[[], Any] | None,
     own = None if environment_factory is None else environment_reward(environment_factory)
     if own is None:
         return reward_fn, None if weights is None else list(weights)
-    rewards = [*(reward_fn if isinstance(reward_fn, list) else [reward_fn]), own]  # (a tuple may be a reward model)
+    # (a tuple may be a reward model)
+    rewards = [*(reward_fn if isinstance(reward_fn, list) else [reward_fn]), own]
     return rewards, None if weights is None else [*weights, 1.0]
 
 

@@ -48,7 +48,8 @@ class ScreenResult:
     keep: str
     correct_by: str
     seconds: float = 0.0
-    candidates: list[dict] = field(default_factory=list)  # per candidate: index, question, reference, correct, kept
+    # per candidate: index, question, reference, correct, kept
+    candidates: list[dict] = field(default_factory=list)
 
     @property
     def num_candidates(self) -> int:

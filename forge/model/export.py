@@ -31,7 +31,8 @@ from forge.safe_json import read_json
 # --------------------------------------------------------------------------------------------------
 
 
-EXPORT_RECORD = "forge_export.json"  # in an exported folder: its adapter, its base, the files the export wrote
+# in an exported folder: its adapter, its base, the files the export wrote
+EXPORT_RECORD = "forge_export.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")  # named first in what a refused folder holds
 
 

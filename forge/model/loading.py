@@ -126,7 +126,8 @@ def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: b
             output_loading_info=True,
         )
     except Exception as error:
-        if "Weights only load failed" not in str(error):  # torch's refusal of a pickle that is not tensors only
+        # torch's refusal of a pickle that is not tensors only
+        if "Weights only load failed" not in str(error):
             raise
         raise ValueError(
             f"model {source}: its weights ({_weights_named(source)}) are a pickle (torch.save) that "

@@ -140,7 +140,8 @@ class ColocatedEngine(PushTimer):
         # The engine in this process (not vLLM's engine-core subprocess), so its model runner takes the pushed
         # tensors directly; on a CPU its KV cache is sized for this run unless VLLM_CPU_KVCACHE_SPACE says.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO and per-push warnings would fill a console
+        # its INFO and per-push warnings would fill a console
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         device = next(model.parameters()).device
         dtype = engine_dtype(compute)
         if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:

@@ -44,8 +44,8 @@ FULL_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 SHARDED_DIR = "sharded"  # an FSDP2 run's shards of the weights and AdamW state (forge/parallel/sharding.py)
 SHARDED_LAYOUT = "sharded/layout.json"  # what of the sharded state is not a tensor, and the format: Forge's
-# What an older Forge wrote with pickle (torch.save, torch.distributed.checkpoint's .metadata), and what replaced
-# each: a checkpoint holding one of these without its replacement is refused, never unpickled.
+# What an older Forge wrote with pickle (torch.save, torch.distributed.checkpoint's .metadata), and what
+# replaced each: a checkpoint holding one of these without its replacement is refused, never unpickled.
 PICKLED_NAMES = {
     "optimizer.pt": OPTIMIZER_NAME,
     "scheduler.pt": SCHEDULER_NAME,
@@ -55,7 +55,8 @@ PICKLED_NAMES = {
 
 # Numbered checkpoints are `{output_dir}/{step}`; `checkpoint-{step}` is accepted when reading.
 _STEP_DIR_PATTERN = re.compile(r"^(?:checkpoint-)?(\d+)$")
-# The temporaries of a save in progress: `{name}.tmp-{pid}` (being written), `{name}.old-{pid}` (being replaced).
+# The temporaries of a save in progress: `{name}.tmp-{pid}` (being written), `{name}.old-{pid}` (being
+# replaced).
 _TEMPORARY_DIR_PATTERN = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
 # What resuming needs besides the weights; load_checkpoint(require_training_state=True) insists on them.
 TRAINING_STATE_NAMES = (OPTIMIZER_NAME, SCHEDULER_NAME, RNG_STATE_NAME)
@@ -328,7 +329,8 @@ def _verify(path: Path, require_training_state: bool) -> bool:
     _links_out(path)
     for name in manifest or ():
         inside(path, name, named_by=COMPLETE_MARKER)
-    sharded = is_sharded(path)  # an FSDP2 run's: weights and optimizer in sharded/, whole weights only in final/
+    # an FSDP2 run's: weights and optimizer in sharded/, whole weights only in final/
+    sharded = is_sharded(path)
     weights = weight_files(path) if not sharded or _has_whole_weights(path) else []
     required = [*weights, TRAINER_STATE_NAME, CONFIG_NAME]
     if sharded:

@@ -75,8 +75,9 @@ class CheckpointParts:
     dataset_identity: dict = field(default_factory=dict)  # size and fingerprint of the training rows
     sharded_by: Any = None  # FSDP2: the run's processes (is_main, main_pid, barrier, any), which all save;
     # None: the whole model is on rank 0, which saves alone
-    log_history: list = field(default_factory=list)  # transformers' TrainerState.log_history, kept up to date by
-    # the run: trainer_state.json holds it as transformers writes it, and resuming puts it back
+    # transformers' TrainerState.log_history, kept up to date by the run: trainer_state.json holds it as
+    # transformers writes it, and resuming puts it back
+    log_history: list = field(default_factory=list)
 
 
 def resume_hint(path: Path) -> str:

@@ -93,13 +93,14 @@ class TrainingRun:
         self.total_steps = config.max_steps if config.max_steps > 0 else steps_per_epoch * config.num_train_epochs
         self.lifecycle: RunLifecycle | None = None
         self.logger: ForgeLogger | None = None
-        rewards_teach = getattr(trainer, "rewards_teach", True)  # False: pure distillation (no flat-group alarms)
+        # False: pure distillation (no flat-group alarms)
+        rewards_teach = getattr(trainer, "rewards_teach", True)
         self.warned_flat = not rewards_teach  # "most groups carry no signal" is said once per run
         self.health = HealthMonitor(config.health_window, parse_thresholds(config.health_thresholds),
                                     off=() if rewards_teach else REWARD_RULES)
         self.alarms: list[str] = []  # the alarms of the last step that stop the run (stop_on_health)
-        self.rollouts_without_calls: int | None = 0  # steps with tools in which no completion called one; None:
-        # a call was seen, or the warning was given
+        # steps with tools in which no completion called one; None: a call was seen, or the warning was given
+        self.rollouts_without_calls: int | None = 0
         self.config_watch = ConfigWatch(config, has_reference=trainer.is_lora or trainer.reference_model is not None)
 
     def run(self) -> dict:
@@ -136,7 +137,8 @@ class TrainingRun:
             if resumed.micro_batch_size and config.micro_batch_size == "auto":  # as the preflight fitted it
                 trainer.micro_batch_size = resumed.micro_batch_size
         elif self.preflight is not None:
-            self.preflight(self.rows, self.total_steps)  # leaves the weights and the random state as they were
+            # leaves the weights and the random state as they were
+            self.preflight(self.rows, self.total_steps)
         self.logger = ForgeLogger(
             config.output_dir,
             use_wandb=config.use_wandb,
@@ -230,7 +232,8 @@ class TrainingRun:
         if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps or asked.should_log:
             self.log(metrics, step, round(metrics["epoch"], 4))
             self.logger.log_samples(metrics.pop("_samples"), step=step)
-        self.check_config(finished_at=(epoch, position))  # on_step_end's and on_log's changes, before they are used
+        # on_step_end's and on_log's changes, before they are used
+        self.check_config(finished_at=(epoch, position))
         if self.eval_rows is not None and (reached(step, config.eval_steps, config.num_iterations)
                                            or asked.should_evaluate):
             self.evaluate(epoch)
@@ -265,7 +268,8 @@ class TrainingRun:
         signals.committing = False
         if self.dist.any(signals.requested is not None):
             message = f"{signals.describe(self.trainer.global_step, self.total_steps)} {self.where_to_resume()}"
-            self.dist.barrier()  # no rank exits (and makes the launcher kill the rest) before the save is done
+            # no rank exits (and makes the launcher kill the rest) before the save is done
+            self.dist.barrier()
             raise TrainingInterrupted(message)
 
     def stop_on_alarm(self) -> None:

@@ -62,7 +62,8 @@ def peak_mb(device: torch.device | None = None) -> float:
     if device is not None and device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     peak = _status_mb("VmHWM")
-    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    # Linux: KiB
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def reset_peak(device: torch.device | None = None) -> float:

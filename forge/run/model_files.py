@@ -37,7 +37,8 @@ from forge.run.integrity import (
 )
 from forge.safe_json import JSONFileError, read_json
 
-# The JSON files transformers and peft read from a model or adapter folder (the others are not read by a load).
+# The JSON files transformers and peft read from a model or adapter folder (the others are not read by a
+# load).
 LOADED_JSON = (
     "config.json",
     "generation_config.json",

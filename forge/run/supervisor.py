@@ -57,7 +57,8 @@ def run_watched(train: Callable[[], int], output_dir: str | os.PathLike) -> int:
     reached_the_end = mmap.mmap(-1, 1)  # shared memory: the child writes 1 once train() returned or raised
     sys.stdout.flush()
     sys.stderr.flush()
-    gc.freeze()  # the child's garbage collector then leaves the parent's objects (and their shared pages) alone
+    # the child's garbage collector then leaves the parent's objects (and their shared pages) alone
+    gc.freeze()
     parent = os.getpid()
     child = os.fork()
     if child == 0:
@@ -76,7 +77,8 @@ def run_watched(train: Callable[[], int], output_dir: str | os.PathLike) -> int:
     code = os.waitstatus_to_exitcode(status)
     if reached_the_end[0]:
         return code if code >= 0 else 128 - code
-    print(f"\nforge: error: {unfinished_exit(code, output_dir)}", file=sys.stderr)  # below a progress bar left open
+    # below a progress bar left open
+    print(f"\nforge: error: {unfinished_exit(code, output_dir)}", file=sys.stderr)
     return 1
 
 

@@ -47,7 +47,8 @@ def describe_error(error: BaseException) -> str:
     """`Type: message`, also for an exception whose own `__str__` raises."""
     try:
         message = _plain(str(error))
-    except BaseException:  # noqa: BLE001 - the message is for the model; its absence must not hide the failure
+    # BLE001: the message is for the model; its absence must not hide the failure
+    except BaseException:  # noqa: BLE001
         message = "<the exception's message could not be shown>"
     return f"{type(error).__name__}: {message}"
 

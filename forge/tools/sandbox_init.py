@@ -55,7 +55,8 @@ def _mount(source: str | None, target: str, kind: str | None, flags: int, data: 
 
 
 def _everything_read_only() -> None:
-    attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)  # struct mount_attr: set, clear, propagation, userns
+    # struct mount_attr: set, clear, propagation, userns
+    attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)
     _check(_libc.syscall(_SYS_MOUNT_SETATTR, -100, b"/", _AT_RECURSIVE, attr, ctypes.sizeof(attr)),
            "mount_setattr(/, read-only, recursive)")
 

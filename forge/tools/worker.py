@@ -48,7 +48,8 @@ from forge.tools.outcome import call_tool, describe_error
 
 __all__ = ["MAX_WORKERS", "ToolWorkers", "portable_reference", "serve"]
 
-MAX_WORKERS = 8  # calls beyond this many at once wait for a free worker (each call's timeout starts when it runs)
+# calls beyond this many at once wait for a free worker (each call's timeout starts when it runs)
+MAX_WORKERS = 8
 START_TIMEOUT = 120.0  # seconds a new worker may take to import its tools (not counted in any call's timeout)
 _REPLY_SLACK = 65536  # bytes a reply may hold beyond its text (escapes are counted separately)
 _POOLS: weakref.WeakSet = weakref.WeakSet()
@@ -137,7 +138,8 @@ class _Worker:
 
     def kill(self) -> None:
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the worker and anything its tools started in its group
+            # the worker and anything its tools started in its group
+            os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         try:
@@ -170,7 +172,8 @@ class ToolWorkers:
         self.lock = threading.Lock()
         _POOLS.add(self)
 
-    def __deepcopy__(self, memo) -> ToolWorkers:  # a copy of the settings gets its own (not yet started) workers
+    # a copy of the settings gets its own (not yet started) workers
+    def __deepcopy__(self, memo) -> ToolWorkers:
         copy = ToolWorkers.__new__(ToolWorkers)
         copy.setup, copy.memory_mb, copy.max_workers = self.setup, self.memory_mb, self.max_workers
         copy.idle, copy.lock = [], threading.Lock()
