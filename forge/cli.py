@@ -128,8 +128,9 @@ def _train(args: argparse.Namespace, config) -> int:
         trainer.evaluator = greedy_reward_evaluator(trainer.rewards, config, trainer.tool_settings)
         if trainer.dist.is_main:
             print(
-                f"forge: --eval_dataset {args.eval_dataset}: most references are not numbers the math grader "
-                f"reads, so evaluation reports the mean reward of greedy completions under --reward (eval/reward)",
+                f"forge: --eval_dataset {args.eval_dataset}: most references are not numbers the math "
+                "grader reads, so evaluation reports the mean reward of greedy completions under "
+                "--reward (eval/reward)",
                 file=sys.stderr,
             )
     try:
@@ -155,8 +156,8 @@ def _rewards_for(args: argparse.Namespace, environment=None) -> tuple[list, list
 
     if args.reward == DEFAULTS["reward"] and environment is not None and environment_reward(environment):
         print(
-            f"forge: --environment {args.environment}: its get_reward is the reward (weight 1.0); give --reward "
-            f"to add others",
+            f"forge: --environment {args.environment}: its get_reward is the reward (weight 1.0); give "
+            "--reward to add others",
             file=sys.stderr,
         )
         return [], []
@@ -211,7 +212,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         "string prompt (a JSONL file's) as one user message",
     )
     parser.add_argument("--prompt_column", default=None, help="hf: datasets: the question column [question]")
-    parser.add_argument("--reference_column", default=None, help="hf: datasets: the reference answer column [answer]")
+    parser.add_argument("--reference_column", default=None,
+                        help="hf: datasets: the reference answer column [answer]")
 
 
 def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
@@ -265,10 +267,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     common = {"data": args.data, "split": args.split, "n": args.n, "max_new_tokens": args.max_new_tokens,
               "num_samples": args.num_samples, "temperature": args.temperature, "seed": args.seed,
               "generation_backend": args.generation_backend}
-    data_options = {"chat": args.chat, "prompt_column": args.prompt_column, "reference_column": args.reference_column}
+    data_options = {"chat": args.chat, "prompt_column": args.prompt_column,
+                    "reference_column": args.reference_column}
     if args.reward:
         if args.compare:
-            raise ValueError("--reward scores one model's greedy completions: use it with --model, not --compare")
+            raise ValueError("--reward scores one model's greedy completions: use it with "
+                             "--model, not --compare")
         data_options["rewards"], data_options["reward_weights"] = parse_rewards(args.reward)
     _check_saved_folders(("--model", args.model), ("--adapter", args.adapter),
                          *(("--compare", model) for model in args.compare or ()))
@@ -276,7 +280,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from forge.eval.report import compare_models
 
         before, after = args.compare
-        json_path, md_path, summary = compare_models(before, after, out_dir=args.out, adapter=args.adapter, **common)
+        json_path, md_path, summary = compare_models(before, after, out_dir=args.out, adapter=args.adapter,
+                                                     **common)
         print(summary)
         print(f"report: {md_path}\n        {json_path}")
         return 0
@@ -314,7 +319,8 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
     require_vllm()
     folder = str(packaged_model_path()) if args.model in _DEFAULT_ALIASES else args.model
     dtype = dtype_name(engine_dtype(choose_precision(args.dtype).compute))
-    serve(folder, args.host, args.port, dtype, args.enforce_eager, args.gpu_memory_utilization, args.vllm_args)
+    serve(folder, args.host, args.port, dtype, args.enforce_eager, args.gpu_memory_utilization,
+          args.vllm_args)
     return 0
 
 
@@ -339,7 +345,8 @@ def cmd_screen(args: argparse.Namespace) -> int:
     _check_model(args.model, "--model")
     model, tokenizer = load_model(args.model)
     rows = load_rows(args.dataset)[: args.n]
-    result = screen_prompts(model, tokenizer, rows, group_size=args.group_size, max_new_tokens=args.max_new_tokens)
+    result = screen_prompts(model, tokenizer, rows, group_size=args.group_size,
+                            max_new_tokens=args.max_new_tokens)
     print(result.summary())
     if args.out:
         with open(args.out, "w") as f:
@@ -381,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="fine-tune a model with GRPO",
                            description="Fine-tune a model with GRPO. Every GRPOConfig field is a flag.")
-    train.add_argument("--config", help="YAML file of GRPOConfig fields (and model/dataset/reward); flags override")
+    train.add_argument("--config",
+                       help="YAML file of GRPOConfig fields (and model/dataset/reward); flags override")
     train.add_argument("--model", default=DEFAULTS["model"],
                        help="hub id, local folder, .gguf file, or 'default' (packaged SmolLM2-135M-Instruct)")
     train.add_argument("--dataset", default=DEFAULTS["dataset"],
@@ -410,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="module:Class (or path/file.py:Class): an environment, one instance per completion, "
         "reset with its dataset row, whose public methods the model calls (docs/environments.md)",
     )
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in output_dir")
     train.add_argument(
         "--nproc",
         type=int,
@@ -434,12 +443,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", default="test")
     ev.add_argument("--n", type=int, default=None, help="number of problems (default: all)")
     ev.add_argument("--max_new_tokens", type=int, default=256)
-    ev.add_argument("--num_samples", type=int, default=1, help="samples per problem (>1 enables pass@k, maj@k)")
+    ev.add_argument("--num_samples", type=int, default=1,
+                    help="samples per problem (>1 enables pass@k, maj@k)")
     ev.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--generation_backend", default="auto", choices=["auto", "eager", "compiled", "vllm"],
                     help="Forge's own decode loop (auto, eager, compiled) or vLLM (docs/scaling.md)")
-    ev.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="evaluate two models side by side")
+    ev.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="evaluate two models side by side")
     ev.add_argument(
         "--reward",
         default=None,
@@ -470,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, help="PNG path (default OUTPUT_DIR/training_curves.png)")
     plot.set_defaults(func=cmd_plot)
 
-    export = sub.add_parser("export", help="merge a LoRA adapter into its base model (plain transformers folder)")
+    export = sub.add_parser("export",
+                            help="merge a LoRA adapter into its base model (plain transformers folder)")
     export.add_argument("--adapter", required=True)
     export.add_argument("--base", default="default")
     export.add_argument(
@@ -485,13 +497,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=cmd_export)
     serve = sub.add_parser("vllm-serve", help="serve a model on vLLM for `forge train --vllm_mode server`")
-    serve.add_argument("--model", default="default", help="hub id, local folder, or 'default' (packaged SmolLM2)")
+    serve.add_argument("--model", default="default",
+                       help="hub id, local folder, or 'default' (packaged SmolLM2)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--dtype", default="auto", help="as GRPOConfig.dtype: the trainer's compute dtype")
-    serve.add_argument("--enforce_eager", action="store_true", help="no compiled model: faster start, slower tokens")
+    serve.add_argument("--enforce_eager", action="store_true",
+                       help="no compiled model: faster start, slower tokens")
     serve.add_argument("--gpu_memory_utilization", type=float, default=0.9)
-    serve.add_argument("--vllm_args", nargs=argparse.REMAINDER, default=[], help="the rest goes to vLLM's server")
+    serve.add_argument("--vllm_args", nargs=argparse.REMAINDER, default=[],
+                       help="the rest goes to vLLM's server")
     serve.set_defaults(func=cmd_vllm_serve)
     parser.commands = sub.choices  # each command's parser, for the unknown-flag message
     for command in parser.commands.values():
@@ -506,14 +521,16 @@ def _unknown_arguments(unknown: list[str], parser: argparse.ArgumentParser) -> s
     flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")]
     if not flags:
         return f"{parser.prog}: unexpected arguments: {' '.join(unknown)}"
-    known = sorted(option for action in parser._actions for option in action.option_strings if option.startswith("--"))
+    known = sorted(option for action in parser._actions for option in action.option_strings
+                   if option.startswith("--"))
     problems = []
     for flag in flags:
         if flag[2:] in TRL_REFUSED and "--num_generations" in known:  # a command that takes TRL's names
             problems.append(f"{flag} is TRL's and has no Forge equivalent as is: {TRL_REFUSED[flag[2:]]}")
             continue
         guesses = difflib.get_close_matches(flag, known, n=2)
-        problems.append(f"unknown option {flag}" + (f" (did you mean {' or '.join(guesses)}?)" if guesses else ""))
+        problems.append(f"unknown option {flag}"
+                        + (f" (did you mean {' or '.join(guesses)}?)" if guesses else ""))
     return f"{parser.prog}: " + "; ".join(problems) + f". `{parser.prog} --help` lists every option"
 
 
@@ -546,7 +563,8 @@ def _check_model(model, given_as: str) -> None:
             raise FileNotFoundError(f"{given_as} {model}: no such file or folder; {what}")
     elif path.is_file() and not model.lower().endswith(".gguf"):
         raise ValueError(f"{given_as} {model} is a file, not a model folder; {what}")
-    elif path.is_dir() and not any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
+    elif path.is_dir() and not any((path / name).is_file()
+                                   for name in ("config.json", "adapter_config.json")):
         raise ValueError(f"{given_as} {model} is a folder without config.json, so not a model folder; {what}")
     if path.is_dir():  # a folder Forge saved must verify (UnverifiedSave, exit 2); another loads as is
         _check_saved_folders((given_as, str(path)))

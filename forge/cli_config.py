@@ -124,7 +124,8 @@ def build_config(args: argparse.Namespace, overrides: dict | None = None) -> GRP
         # fields at the top level, or under `grpo:` next to top-level model / dataset / reward / eval_dataset
         nested = loaded.get("grpo")
         if nested is not None and not isinstance(nested, dict):
-            raise ValueError(f"{args.config}: `grpo:` must hold a mapping of GRPOConfig fields, got {nested!r:.60}")
+            raise ValueError(f"{args.config}: `grpo:` must hold a mapping of GRPOConfig fields, "
+                             f"got {nested!r:.60}")
         from_file = _yaml_numbers(loaded if nested is None else
                                   {**{k: v for k, v in loaded.items() if k in _RUN_SETTINGS}, **nested})
     given = {**(overrides or {}), **{name: value for name in CONFIG_FLAGS
@@ -158,7 +159,8 @@ def _read_yaml_config(path: Path) -> dict:
                          f"one per line") from None
     if not isinstance(loaded, dict):
         raise ValueError(  # noqa: TRY004 - bad input in a file, reported like the others
-            f"{path} must hold a mapping of GRPOConfig fields (`name: value` lines), got a {type(loaded).__name__}"
+            f"{path} must hold a mapping of GRPOConfig fields (`name: value` lines), got a "
+            f"{type(loaded).__name__}"
         )
     return loaded
 

@@ -167,7 +167,8 @@ RECIPES = {"tools": TOOLS, "env": ENV, "distill": DISTILL, "quick": QUICK}  # in
 def recipe(switches: dict) -> dict:
     """The settings changed by the switches that are on in `switches` ({"tools": True, ...}), with their
     values."""
-    return {key: value for name, values in RECIPES.items() if switches.get(name) for key, value in values.items()}
+    return {key: value for name, values in RECIPES.items() if switches.get(name)
+            for key, value in values.items()}
 
 
 def recipe_defaults(switches: dict) -> dict:
@@ -187,10 +188,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser, switches: dict | None = 
         text = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
         if f.type in ("bool", bool):
             flags = ["--async"] if f.name == "asynchronous" else []  # `async` is a Python keyword
-            parser.add_argument(*flags, f"--{f.name}", dest=f.name, action="store_true", default=None, help=text)
+            parser.add_argument(*flags, f"--{f.name}", dest=f.name, action="store_true", default=None,
+                                help=text)
         else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(f"--{f.name}", type=kind, default=None, help=f"{text} (default: {defaults[f.name]})")
+            type_name = f.type if isinstance(f.type, str) else f.type.__name__
+            kind = {"int": int, "float": float, "str": str}[type_name]
+            parser.add_argument(f"--{f.name}", type=kind, default=None,
+                                help=f"{text} (default: {defaults[f.name]})")
 
 
 def demo_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -356,7 +360,8 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     after = curve.final
     run.say(_summary_line("trained", after.metrics))
     with run.timed("report_and_plot"):
-        json_path, md_path = write_comparison(build_comparison(before, after, labels=("base", "trained")), run.out)
+        json_path, md_path = write_comparison(build_comparison(before, after, labels=("base", "trained")),
+                                              run.out)
         curves = plot_training_curves(run.out)
     total = run.timings["total"] = run.elapsed()
     train_seconds = run.timings["training"]
@@ -394,8 +399,9 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
         (out / "demo_result.json").write_text(json.dumps(result, indent=2))
         print("async:    " + ", ".join(f"{k} {v:.1f}" for k, v in result["async"].items()))
     print(
-        f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     {out / 'training_log.jsonl'}, "
-        f"{out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   {out / 'demo_result.json'}"
+        f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     "
+        f"{out / 'training_log.jsonl'}, {out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   "
+        f"{out / 'demo_result.json'}"
     )
     return result
 
@@ -431,8 +437,10 @@ def run_distill_demo(settings: DemoSettings) -> dict:
 
 def async_summary(log_path: Path) -> dict:
     """Who waited on whom over an async run: the per-step means of the async/* metrics and their sums."""
-    rows = [row for row in map(json.loads, log_path.read_text().splitlines()) if "async/trainer_wait_s" in row]
-    total = {key: sum(row[f"async/{key}"] for row in rows) for key in ("trainer_wait_s", "sampler_idle_s", "sampler_s")}
+    rows = [row for row in map(json.loads, log_path.read_text().splitlines())
+            if "async/trainer_wait_s" in row]
+    total = {key: sum(row[f"async/{key}"] for row in rows)
+             for key in ("trainer_wait_s", "sampler_idle_s", "sampler_s")}
     return {"steps": len(rows), "trainer_wait_s_total": total["trainer_wait_s"],
             "sampler_idle_s_total": total["sampler_idle_s"], "sampler_s_total": total["sampler_s"],
             "step_seconds_total": sum(row["step_seconds"] for row in rows),
@@ -450,8 +458,8 @@ def _screened_rows(settings: DemoSettings, run: DemoRun, model, tokenizer, candi
     """The candidates whose samples are mixed (some right, some wrong), topped up to one step's prompts."""
     seed_everything(settings.seed)
     run.say(
-        f"screening {settings.screen_candidates} training prompts ({settings.screen_group_size} samples each) "
-        f"for mixed correctness"
+        f"screening {settings.screen_candidates} training prompts ({settings.screen_group_size} samples "
+        "each) for mixed correctness"
     )
     screened = screen_prompts(model, tokenizer, candidates[: settings.screen_candidates],
                               group_size=settings.screen_group_size, max_new_tokens=settings.max_new_tokens,
@@ -513,7 +521,8 @@ class HeldoutCurve:
 HELDOUT_KEYS = ("strict_accuracy", "soft_accuracy", "format_rate", "mean_completion_length", "n")
 
 
-def _measure_ceiling(settings: DemoSettings, run: DemoRun, model, tokenizer, heldout, precision: Precision) -> dict:
+def _measure_ceiling(settings: DemoSettings, run: DemoRun, model, tokenizer, heldout,
+                     precision: Precision) -> dict:
     """pass@group_size of the base model at the training temperature: what sharpening alone can reach."""
     k = settings.group_size
     run.say(f"measuring the ceiling: {k} samples per problem at temperature {settings.temperature} on "

@@ -54,7 +54,8 @@ def tool_problems(n: int, seed: int) -> list[dict]:
 
 
 def tool_prompt(question: str, with_tool: bool = True) -> list[dict]:
-    system, example = (SYSTEM_WITH_TOOL, EXAMPLE_WITH_TOOL) if with_tool else (SYSTEM_NO_TOOL, EXAMPLE_NO_TOOL)
+    system, example = ((SYSTEM_WITH_TOOL, EXAMPLE_WITH_TOOL) if with_tool
+                       else (SYSTEM_NO_TOOL, EXAMPLE_NO_TOOL))
     return [{"role": "system", "content": system}, {"role": "user", "content": EXAMPLE_QUESTION},
             {"role": "assistant", "content": example}, {"role": "user", "content": question}]
 
@@ -95,7 +96,8 @@ def evaluate_with_tools(model, tokenizer, rows: list[dict], *, with_tool: bool, 
     tool, and per kind."""
     was_training = model.training
     model.eval()
-    sampling, tools = SamplingSettings(max_new_tokens, do_sample=False), calculator_settings() if with_tool else None
+    sampling = SamplingSettings(max_new_tokens, do_sample=False)
+    tools = calculator_settings() if with_tool else None
     texts, calls = [], []
     for start in range(0, len(rows), batch_size):
         rollout = generate(

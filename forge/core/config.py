@@ -462,15 +462,16 @@ class GRPOConfig(TRLAttributes):
                                 "process; with fsdp=True leave max_staleness=None")
             need(
                 self.num_iterations == 1,
-                f"max_staleness (async GRPO) takes one update per rollout; num_iterations={self.num_iterations} "
-                f"needs max_staleness=None",
+                "max_staleness (async GRPO) takes one update per rollout; "
+                f"num_iterations={self.num_iterations} needs max_staleness=None",
             )
             need(
                 not self.dynamic_sampling,
                 "dynamic_sampling decides more rounds from the step's rewards, which an async worker sampled "
                 "before them; use drop_zero_std_groups=True with max_staleness, or max_staleness=None",
             )
-            need(self.sampler_threads >= 0, f"sampler_threads={self.sampler_threads} must be >= 0 (0: the free cores)")
+            need(self.sampler_threads >= 0,
+                 f"sampler_threads={self.sampler_threads} must be >= 0 (0: the free cores)")
             need(self.rollout_timeout > 0, f"rollout_timeout={self.rollout_timeout} must be > 0 seconds")
         need(self.loss_type in LOSS_TYPES,
              f"loss_type={self.loss_type!r} unknown; choose one of {sorted(LOSS_TYPES)}")

@@ -38,9 +38,9 @@ def reference_markdown() -> str:
         "# GRPOConfig reference",
         "",
         (
-            "Generated from the field docstrings of `forge/core/config.py` by `python -m forge.core.config_docs > "
-            "docs/config.md`; tests/math/test_config.py fails when the two differ. Every field is also a `forge train` "
-            "flag (`--name value`) and a key of a `--config` YAML file."
+            "Generated from the field docstrings of `forge/core/config.py` by `python -m "
+            "forge.core.config_docs > docs/config.md`; tests/math/test_config.py fails when the two differ. "
+            "Every field is also a `forge train` flag (`--name value`) and a key of a `--config` YAML file."
         ),
     ]
     for line in inspect.getsource(GRPOConfig).splitlines():
@@ -48,7 +48,8 @@ def reference_markdown() -> str:
         field = re.fullmatch(r"\s*(\w+): (.+?) = .*", line)
         if block:
             title = block.group(1)
-            out += ["", f"## {title[0].upper()}{title[1:]}", "", "| field | type | default | |", "|---|---|---|---|"]
+            out += ["", f"## {title[0].upper()}{title[1:]}", "", "| field | type | default | |",
+                    "|---|---|---|---|"]
         elif field and field.group(1) in defaults:
             name, kind = field.groups()
             text = " ".join(docs.get(name, "").split()).replace("|", "\\|")

@@ -137,7 +137,8 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     trainer.model.eval()
     generation_started, held = time.perf_counter(), memory.reset_peak(trainer.device)
     rollout = trainer.generate([row["prompt"] for row in mine], mine)
-    generation_seconds, generation_rise = time.perf_counter() - generation_started, memory.peak_mb(trainer.device) - held
+    generation_seconds = time.perf_counter() - generation_started
+    generation_rise = memory.peak_mb(trainer.device) - held
     prompts, columns, _ = per_completion(mine, group)
     score = {"on_error": "score", "error_value": 0.0, "timeout": config.reward_timeout,
              "trainer_state": TrainerState(0, total_steps, trainer.device), **rollout_inputs(rollout)}
@@ -281,21 +282,24 @@ def fit_memory(trainer, report: PreflightReport) -> str | None:
     return (
         f"this run's memory is projected to peak at {projection.peak:.0f} MB (held {projection.held:.0f}, "
         f"generation +{projection.generation:.0f}, loss pass +{projection.loss_pass:.0f} per micro-batch of "
-        f"{projection.micro_batch_size}), over its budget of {budget:.0f} MB (max_memory_mb; default 90% of what "
-        f"is free): set micro_batch_size='auto' or lower it, turn on gradient_checkpointing, or lower "
-        f"max_new_tokens or prompts_per_step; raise max_memory_mb only if that memory is there"
+        f"{projection.micro_batch_size}), over its budget of {budget:.0f} MB (max_memory_mb; default 90% of "
+        "what is free): set micro_batch_size='auto' or lower it, turn on gradient_checkpointing, or lower "
+        "max_new_tokens or prompts_per_step; raise max_memory_mb only if that memory is there"
     )
 
 
-def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool, rewards_teach: bool = True) -> None:
+def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool,
+          rewards_teach: bool = True) -> None:
     """Fill `problems` (what stops a strict run) and `advice` (what is worth a look), each naming the fix.
     Flat groups are judged only where the rewards enter the loss (not in pure on-policy distillation)."""
     flat = (report.flat_low + report.flat_high) if rewards_teach else 0.0
     if flat >= 1.0:
+        scored = ("every group scored low (too hard, or a reward that never pays)" if report.flat_low
+                  else "every group scored high (too easy)")
         report.problems.append(
             f"no group of {report.group_size} completions got different rewards, so no step can learn: "
-            f"{'every group scored low (too hard, or a reward that never pays)' if report.flat_low else 'every group scored high (too easy)'}; "
-            f"screen the prompts (`forge screen`), raise group_size, or use a reward with partial credit."
+            f"{scored}; screen the prompts (`forge screen`), raise group_size, or use a reward with partial "
+            "credit."
         )
     elif flat > MOST:
         report.advice.append(
@@ -306,9 +310,9 @@ def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool, re
         p90 = report.finished_lengths.get(90)
         hint = f"; the finished ones needed up to {p90:.0f} tokens (p90)" if p90 else ""
         report.problems.append(
-            f"{report.truncated:.0%} of completions were cut at max_new_tokens={report.max_new_tokens}{hint}: "
-            f"raise max_new_tokens (e.g. {max(2 * report.max_new_tokens, int(2 * (p90 or 0)))}) or ask for "
-            f"shorter answers."
+            f"{report.truncated:.0%} of completions were cut at "
+            f"max_new_tokens={report.max_new_tokens}{hint}: raise max_new_tokens (e.g. "
+            f"{max(2 * report.max_new_tokens, int(2 * (p90 or 0)))}) or ask for shorter answers."
         )
     for check in report.rewards:
         failed = check.raised + check.nonfinite
@@ -332,7 +336,10 @@ def format_report(report: PreflightReport) -> str:
     """The preflight as one compact block for the console."""
     lengths = " ".join(f"p{q} {v:.0f}" for q, v in report.finished_lengths.items()) or "none finished"
     lines = [
-        f"forge preflight: {report.prompts} prompts x {report.group_size} completions, {report.seconds:.1f} s",
+        (
+            f"forge preflight: {report.prompts} prompts x {report.group_size} completions, "
+            f"{report.seconds:.1f} s"
+        ),
         (
             f"  completions   {report.truncated:.0%} cut at max_new_tokens={report.max_new_tokens}; finished "
             f"lengths (tokens): {lengths}"
@@ -347,8 +354,10 @@ def format_report(report: PreflightReport) -> str:
         f"per step, ~{report.run_seconds / 60:.1f} min for the run (projected)"
     )
     if report.max_staleness is not None:  # async: each side's share of a step, who waits for whom
-        sampling, learning = report.generation_step_seconds, report.step_seconds - report.generation_step_seconds
-        waits = "the trainer waits for the worker" if sampling > learning else "the worker waits for the trainer"
+        sampling = report.generation_step_seconds
+        learning = report.step_seconds - report.generation_step_seconds
+        waits = ("the trainer waits for the worker" if sampling > learning
+                 else "the worker waits for the trainer")
         lines.append(
             f"  async         sampling ~{sampling:.1f} s and learning ~{learning:.1f} s a step, measured "
             f"on this process's threads: {waits} (max_staleness={report.max_staleness})"

@@ -128,7 +128,8 @@ class SequenceClassificationReward(BaseReward):
         model.eval()
         model.requires_grad_(False)
         self.model, self.tokenizer = model, tokenizer
-        self.batch_size, self.max_length, self.label_index, self.device = batch_size, max_length, label_index, device
+        self.batch_size, self.max_length = batch_size, max_length
+        self.label_index, self.device = label_index, device
         if name:
             self.name = name
 
@@ -158,7 +159,8 @@ class SequenceClassificationReward(BaseReward):
                 encoded = self.tokenizer([t for t, _ in chunk], padding=True, padding_side="right",
                                          truncation=self.max_length is not None, max_length=self.max_length,
                                          add_special_tokens=special, return_tensors="pt").to(device)
-                logits = self.model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
+                logits = self.model(input_ids=encoded["input_ids"],
+                                    attention_mask=encoded["attention_mask"]).logits
                 scores.extend(logits[:, self.label_index].float().cpu().tolist())  # (b,)
         return RewardOutput(scores=scores)
 

@@ -177,7 +177,8 @@ def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
             idle = time.perf_counter() - waited
             started = time.perf_counter()
             rollouts = sample(spec, model, engine, plan, request, version)
-            results.put(_portable(Sampled(request.step, version, rollouts, idle, time.perf_counter() - started)))
+            results.put(_portable(Sampled(request.step, version, rollouts, idle,
+                                          time.perf_counter() - started)))
     except SystemExit:
         raise
     except BaseException as error:  # noqa: BLE001 - every failure reaches the trainer, with its traceback
@@ -199,7 +200,8 @@ def sample(spec: WorkerSpec, model, engine, plan, request: SamplingRequest, vers
             )
             for prompts, noise in request.rounds
         ]
-    with torch.no_grad(), spec.precision.autocast(model), merged_adapters(model, config.merge_lora_for_generation):
+    with (torch.no_grad(), spec.precision.autocast(model),
+          merged_adapters(model, config.merge_lora_for_generation)):
         return [generate(model, spec.tokenizer, prompts, group, request.settings, budget, truncate,
                          config.share_prompt_prefix, noise, plan=plan) for prompts, noise in request.rounds]
 
@@ -251,7 +253,8 @@ class AsyncRollouts:
         if tool_settings is not None:
             raise ValueError("max_staleness (async GRPO) does not sample tool or environment rollouts yet; "
                              "leave max_staleness=None with tools= or environment_factory=")
-        return cls(config.max_staleness, config.sampler_threads, config.sampler_device, config.rollout_timeout)
+        return cls(config.max_staleness, config.sampler_threads, config.sampler_device,
+                   config.rollout_timeout)
 
     @property
     def running(self) -> bool:
@@ -291,7 +294,8 @@ class AsyncRollouts:
         the loop leaves."""
         window: list = []
         step = first = trainer.global_step
-        self.start(trainer.model, trainer.tokenizer, trainer.precision, trainer.config, trainer.trainable, first)
+        self.start(trainer.model, trainer.tokenizer, trainer.precision, trainer.config, trainer.trainable,
+                   first)
         try:
             for item in steps:
                 if step < trainer.total_steps:
@@ -394,7 +398,8 @@ def _portable(sampled: Sampled) -> Sampled:
 def _with_fields(rollout: Rollout, kind: type, convert) -> Rollout:
     """`rollout` with each field of type `kind` converted (tensors to numpy arrays, and back)."""
     values = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
-    return dataclasses.replace(rollout, **{name: convert(v) for name, v in values.items() if isinstance(v, kind)})
+    return dataclasses.replace(rollout,
+                               **{name: convert(v) for name, v in values.items() if isinstance(v, kind)})
 
 
 @contextlib.contextmanager

@@ -81,7 +81,8 @@ class ToolTurns:
         inputs = [[token] + decodings[i].fed for i, token in zip(active.tolist(), tokens.tolist())]
         width = max(len(ids) for ids in inputs)
         lengths = torch.tensor([len(ids) for ids in inputs], device=device)  # (n,)
-        step_ids = torch.full((len(inputs), width), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
+        step_ids = torch.full((len(inputs), width), self.tokenizer.pad_token_id, dtype=torch.long,
+                              device=device)
         for j, ids in enumerate(inputs):
             step_ids[j, width - len(ids):] = torch.tensor(ids, device=device)
         # (n, width), <0 = pad
@@ -104,7 +105,8 @@ def start_episodes(tools, prompts: Sequence[str | list[dict]], rows: Sequence[di
     if not isinstance(tools, EnvironmentSettings):
         return tools, None, prompts
     episodes = tools.start(rows if rows is not None else [{"prompt": p} for p in prompts], group_size)
-    return tools.tools, episodes, [with_opening(p, episodes[i * group_size].opening) for i, p in enumerate(prompts)]
+    opened = [with_opening(p, episodes[i * group_size].opening) for i, p in enumerate(prompts)]
+    return tools.tools, episodes, opened
 
 
 def answer_calls(round_calls: list, decodings: list, tools: ToolSettings, fmt: CallFormat,

@@ -42,7 +42,8 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str | None]:
     -> ``("/data/my_set", None, "train")``.
     """
     if not spec.startswith(HF_PREFIX):
-        raise ValueError(f"a Hugging Face dataset name looks like 'hf:ORG/NAME[:CONFIG][@SPLIT]', got '{spec}'")
+        raise ValueError("a Hugging Face dataset name looks like "
+                         f"'hf:ORG/NAME[:CONFIG][@SPLIT]', got '{spec}'")
     rest = spec[len(HF_PREFIX):]
     rest, _, split = rest.rpartition("@") if "@" in rest else (rest, "", "")
     path, _, config = rest.partition(":")
@@ -131,7 +132,8 @@ def rows_from_records(records: Sequence[Mapping[str, Any]] | Any, prompt_column:
             continue
         if _is_messages(text):
             prompt: Any = [dict(message) for message in text]
-            question = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), prompt[-1]["content"])
+            question = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"),
+                            prompt[-1]["content"])
         elif isinstance(text, str) and text.strip():
             question = text
             prompt = (
@@ -149,8 +151,8 @@ def rows_from_records(records: Sequence[Mapping[str, Any]] | Any, prompt_column:
         why = (
             "it has no rows"
             if total == 0
-            else f"of its {total} rows, {empty_prompt} have an empty or non-text '{prompt_column}' and {no_reference} "
-            f"have no '{reference_column}'"
+            else f"of its {total} rows, {empty_prompt} have an empty or non-text '{prompt_column}' and "
+            f"{no_reference} have no '{reference_column}'"
         )
         raise ValueError(f"{name} gives zero usable rows: {why}")
     return rows

@@ -68,6 +68,7 @@ def math_correctness(
         raise ValueError("math_correctness needs reference answers: give the dataset a 'reference' column")
     for index, reference in enumerate(references):
         if reference is None or not reference_answer(reference):
-            raise ValueError(f"math_correctness: reference {index} is empty; every row needs a reference answer")
+            raise ValueError(f"math_correctness: reference {index} is empty; every row needs "
+                             "a reference answer")
     return [grade_math(extract_final_answer(completion_text(completion)), reference)
             for completion, reference in zip(completions, references, strict=True)]

@@ -161,7 +161,8 @@ class EnvironmentSettings:
                 f"environment {type(probe).__name__} has no public method for the model to call; "
                 f"give it a typed, docstringed method (its tools)"
             )
-        return cls(factory, dataclasses.replace(settings, tools=settings.tools + methods), list(settings.tools))
+        return cls(factory, dataclasses.replace(settings, tools=settings.tools + methods),
+                   list(settings.tools))
 
     def start(self, rows: Sequence[dict], group_size: int) -> list[Episode]:
         """One episode per completion (rows[i] opens episodes i*G..(i+1)*G-1): build each instance and reset
@@ -285,7 +286,8 @@ def with_opening(prompt: Any, opening: str | None) -> Any:
     return [*prompt[:-1], {**last, "content": last["content"] + opening}]
 
 
-def episode_return(prompts: list, completions: list, episodes: list[Episode] | None = None, **kwargs) -> list[float | None]:
+def episode_return(prompts: list, completions: list, episodes: list[Episode] | None = None,
+                   **kwargs) -> list[float | None]:
     """A reward: the sum of each episode's per-turn rewards (None where the episode gave none)."""
     if episodes is None:
         raise ValueError("episode_return needs a run with an environment (environment_factory=...)")

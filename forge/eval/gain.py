@@ -42,11 +42,13 @@ def time_to_gain(run: dict, teacher: dict, fraction: float = 0.9, log_path: Path
     n, base = points[0]["n"], points[0]["strict_accuracy"]
     target = teacher_accuracy(teacher, n)
     threshold = None if target is None else base + fraction * (target - base)
-    hit = next((p for p in points[1:] if threshold is not None and p["strict_accuracy"] >= threshold - 1e-9), None)
+    hit = next((p for p in points[1:] if threshold is not None and p["strict_accuracy"] >= threshold - 1e-9),
+               None)
     seconds = None if hit is None else hit.get("train_cpu_seconds")
     if hit is not None and seconds is None and log_path is not None and Path(log_path).is_file():
         seconds = step_seconds(log_path).get(hit["step"])
-    return {"threshold": threshold, "n": n, "step": None if hit is None else hit["step"], "train_cpu_seconds": seconds}
+    return {"threshold": threshold, "n": n, "step": None if hit is None else hit["step"],
+            "train_cpu_seconds": seconds}
 
 
 def gain_table(rows: list[tuple[str, dict, dict]]) -> str:

@@ -112,7 +112,8 @@ def alarm_starts(rows: list[dict]) -> list[tuple[int, str]]:
     for row in rows:
         if not any(key.startswith("health/") for key in row):
             continue  # an evaluation row
-        now = {key.removeprefix("health/") for key, value in row.items() if key.startswith("health/") and value}
+        now = {key.removeprefix("health/") for key, value in row.items()
+               if key.startswith("health/") and value}
         starts += [(int(row["step"]), rule) for rule in sorted(now - before)]
         before = now
     return starts

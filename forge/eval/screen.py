@@ -177,7 +177,8 @@ def screen_prompts(
 
 def check_disjoint(candidate_rows: Sequence[dict], heldout_rows: Sequence[dict]) -> None:
     """Raise ValueError when a candidate shares its prompt or its question with a held-out row."""
-    heldout = {_prompt_key(row["prompt"]) for row in heldout_rows} | {question_text(row) for row in heldout_rows}
+    heldout = ({_prompt_key(row["prompt"]) for row in heldout_rows}
+               | {question_text(row) for row in heldout_rows})
     overlap = [index for index, row in enumerate(candidate_rows)
                if _prompt_key(row["prompt"]) in heldout or question_text(row) in heldout]
     if overlap:

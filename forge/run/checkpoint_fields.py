@@ -115,14 +115,16 @@ def check_trainer_state(path: Path, state: Any, dataset_size: int | None = None)
     }
     for field, (fits, should_be) in bounds.items():
         if not fits:
-            raise refused(path, TRAINER_STATE_NAME, f"has {field}={state.get(field)!r:.60}; it must be {should_be}")
+            raise refused(path, TRAINER_STATE_NAME,
+                          f"has {field}={state.get(field)!r:.60}; it must be {should_be}")
     if folder is not None and int(folder.group(1)) != step:
         raise refused(path, TRAINER_STATE_NAME, f"has global_step={step}, but the checkpoint is of step "
                                                 f"{int(folder.group(1))} (its folder's name)")
     return state
 
 
-def check_tensors(path: Path, name: str, saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+def check_tensors(path: Path, name: str, saved: dict[str, torch.Tensor],
+                  expected: dict[str, torch.Tensor]) -> None:
     """Each tensor of the file `name` that the model has: of the model's shape and dtype (names are checked by
     the load: missing or unexpected keys)."""
     for key, tensor in saved.items():
@@ -144,7 +146,8 @@ def _described(tensor: torch.Tensor) -> str:
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
     """The run's own optimizer settings, per parameter group (what check_hyperparameters compares against)."""
-    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    return [{key: value for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups]
 
 
 def check_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -192,7 +195,8 @@ def check_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimiz
                 )
 
 
-def check_hyperparameters(path: Path, name: str, optimizer: torch.optim.Optimizer, expected: list[dict]) -> None:
+def check_hyperparameters(path: Path, name: str, optimizer: torch.optim.Optimizer,
+                          expected: list[dict]) -> None:
     """After loading `name` into `optimizer` (whose settings were `expected` before): lr, initial_lr and
     weight_decay are finite numbers >= 0 (this run's values then apply, and are announced); every other
     setting is the run's own AdamW's, or the resume is refused (AdamW maximize=True would be
@@ -206,7 +210,8 @@ def check_hyperparameters(path: Path, name: str, optimizer: torch.optim.Optimize
                     raise refused(path, name, f"has {where}={value!r:.60}; it must be a finite number >= 0")
             elif not _same(value, want):
                 why = " (a resumed run would do gradient ascent)" if key == "maximize" else ""
-                raise refused(path, name, f"has {where}={value!r:.60} where this run's AdamW has {want!r}{why}")
+                raise refused(path, name,
+                              f"has {where}={value!r:.60} where this run's AdamW has {want!r}{why}")
 
 
 def _same(value: Any, want: Any) -> bool:

@@ -193,7 +193,8 @@ def parse_thresholds(entries: Sequence[str] | None) -> dict[str, float]:
     for entry in entries or ():
         name, _, value = entry.partition("=")
         if name not in HEALTH_RULES:
-            raise ValueError(f"health_thresholds: unknown rule {name!r}; the rules are {sorted(HEALTH_RULES)}")
+            raise ValueError(f"health_thresholds: unknown rule {name!r}; the rules are "
+                             f"{sorted(HEALTH_RULES)}")
         try:
             out[name] = float(value)
         except ValueError:

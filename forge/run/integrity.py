@@ -155,14 +155,16 @@ def refuse_pickled(path: Path, name: str) -> CheckpointError:
     else:
         way_out = f"start a new run from its weights, which are safetensors (--model {path})"
     return CheckpointError(
-        f"checkpoint {path} cannot be loaded: {name} is in torch's pickle format, written by an older Forge, and "
-        f"Forge never unpickles a checkpoint (unpickling runs whatever code the file names). To go on, {way_out}; "
-        f"or resume it with the Forge version that wrote it, if you trust where the checkpoint came from."
+        f"checkpoint {path} cannot be loaded: {name} is in torch's pickle format, written by an older "
+        "Forge, and Forge never unpickles a checkpoint (unpickling runs whatever code the file names). To "
+        f"go on, {way_out}; or resume it with the Forge version that wrote it, if you trust where the "
+        "checkpoint came from."
     )
 
 
 def _has_whole_weights(path: Path) -> bool:
-    return any((path / name).exists() for name in (ADAPTER_WEIGHTS_NAME, FULL_WEIGHTS_NAME, FULL_WEIGHTS_INDEX_NAME))
+    return any((path / name).exists() for name in (ADAPTER_WEIGHTS_NAME, FULL_WEIGHTS_NAME,
+                                                   FULL_WEIGHTS_INDEX_NAME))
 
 
 class Damaged(Exception):
@@ -226,7 +228,8 @@ def inside(path: Path, name: Any, named_by: str | None = None) -> str:
     inside the folder; Damaged otherwise (a checkpoint's files are read from the checkpoint only), and for a
     link that loops (following it never ends)."""
     if isinstance(name, str) and name and link_loops(path / name):
-        raise Damaged(name, "is a symlink loop (a link that leads back to itself, never to a file); remove it")
+        raise Damaged(name,
+                      "is a symlink loop (a link that leads back to itself, never to a file); remove it")
     outside = (not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts
                or not Path(os.path.realpath(path / name)).is_relative_to(os.path.realpath(path)))
     if not outside:
@@ -276,7 +279,8 @@ def safetensors_problem(file: Path) -> str | None:
         if 8 + header_size > size:
             return f"is truncated ({size} bytes; its header alone needs {8 + header_size})"
         if header_size > MAX_JSON_BYTES:  # safetensors' own limit
-            return f"has a header of {header_size:,} bytes, more than the {MAX_JSON_BYTES:,} safetensors reads"
+            return (f"has a header of {header_size:,} bytes, more than the {MAX_JSON_BYTES:,} "
+                    "safetensors reads")
         try:
             header = parse_json(f.read(header_size), file.name)
         except JSONFileError as error:
@@ -284,7 +288,8 @@ def safetensors_problem(file: Path) -> str | None:
     problem = header_problem(header)
     if problem is not None:
         return problem
-    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                   default=0)
     if 8 + header_size + data_end > size:
         return f"is truncated ({size} bytes of the {8 + header_size + data_end} its header describes)"
     return None
@@ -336,7 +341,8 @@ def _verify(path: Path, require_training_state: bool) -> bool:
     if sharded:
         required.append(SHARDED_LAYOUT)
     if require_training_state:  # final/ holds none of these (forge/run/checkpoint.py)
-        required += [SCHEDULER_NAME, RNG_STATE_NAME] if sharded else [OPTIMIZER_NAME, SCHEDULER_NAME, RNG_STATE_NAME]
+        required += ([SCHEDULER_NAME, RNG_STATE_NAME] if sharded
+                     else [OPTIMIZER_NAME, SCHEDULER_NAME, RNG_STATE_NAME])
     for name in required:
         if not (path / name).is_file():
             if manifest is not None and name not in manifest:
@@ -381,7 +387,8 @@ def verify_checkpoint(path: str | os.PathLike, *, require_training_state: bool =
     try:
         return _verify(path, require_training_state)
     except Damaged as damaged:
-        raise CheckpointError(f"checkpoint {path} {damaged.verdict}: {damaged}. {offer_previous(path)}") from None
+        raise CheckpointError(f"checkpoint {path} {damaged.verdict}: {damaged}. "
+                              f"{offer_previous(path)}") from None
     except OSError as error:
         raise CheckpointError(f"checkpoint {path} cannot be read: {error}. {offer_previous(path)}") from None
 
@@ -442,7 +449,8 @@ def check_saved_model(path: str | os.PathLike, given_as: str) -> None:
     previous = latest_verified_checkpoint(path.parent, before_step=int(step.group(1)) if step else None)
     way_out = (f"Use {previous} instead (the newest earlier checkpoint that verifies), or re-run the save"
                if previous else f"No earlier checkpoint in {path.parent} verifies: re-run the save")
-    raise UnverifiedSave(f"{given_as} {path} (a Forge checkpoint) {problem}. {way_out} (the training that wrote it).")
+    raise UnverifiedSave(f"{given_as} {path} (a Forge checkpoint) {problem}. {way_out} (the "
+                         "training that wrote it).")
 
 
 # ---------------------------------------------------------------------------------------------------

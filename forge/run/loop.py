@@ -69,7 +69,8 @@ def reached(step: int, every: int, stride: int) -> bool:
 
 def run_config(trainer) -> dict:
     """The config as saved with checkpoints and compared on resume: GRPOConfig plus the model's name."""
-    return {**trainer.config.to_dict(), "model_name": getattr(trainer.model.config, "_name_or_path", "") or ""}
+    return {**trainer.config.to_dict(),
+            "model_name": getattr(trainer.model.config, "_name_or_path", "") or ""}
 
 
 class TrainingRun:
@@ -90,7 +91,8 @@ class TrainingRun:
         check_rows(self.rows)
         self.preflight = preflight
         steps_per_epoch = len(self.rows) // trainer.rows_per_step * config.num_iterations  # optimizer steps
-        self.total_steps = config.max_steps if config.max_steps > 0 else steps_per_epoch * config.num_train_epochs
+        self.total_steps = (config.max_steps if config.max_steps > 0
+                            else steps_per_epoch * config.num_train_epochs)
         self.lifecycle: RunLifecycle | None = None
         self.logger: ForgeLogger | None = None
         # False: pure distillation (no flat-group alarms)
@@ -101,7 +103,8 @@ class TrainingRun:
         self.alarms: list[str] = []  # the alarms of the last step that stop the run (stop_on_health)
         # steps with tools in which no completion called one; None: a call was seen, or the warning was given
         self.rollouts_without_calls: int | None = 0
-        self.config_watch = ConfigWatch(config, has_reference=trainer.is_lora or trainer.reference_model is not None)
+        self.config_watch = ConfigWatch(config,
+                                        has_reference=trainer.is_lora or trainer.reference_model is not None)
 
     def run(self) -> dict:
         """Claim output_dir (its lock is held until the run ends), then train."""
@@ -133,7 +136,8 @@ class TrainingRun:
             epoch, position, trainer.global_step = resumed.epoch, resumed.position, resumed.step
             trainer.guard.restore(resumed.nonfinite_in_a_row, resumed.skipped_steps, resumed.loss_scale)
             if resumed.entropy_control:  # adaptive entropy control goes on from where it was
-                trainer.entropy_control = dataclasses.replace(trainer.entropy_control, **resumed.entropy_control)
+                trainer.entropy_control = dataclasses.replace(trainer.entropy_control,
+                                                              **resumed.entropy_control)
             if resumed.micro_batch_size and config.micro_batch_size == "auto":  # as the preflight fitted it
                 trainer.micro_batch_size = resumed.micro_batch_size
         elif self.preflight is not None:
@@ -205,7 +209,8 @@ class TrainingRun:
             steps.close()  # async GRPO: stops the rollout worker
         self.lifecycle.save(self.finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
         self.dist.barrier()
-        if self.eval_rows is not None and not reached(trainer.global_step, config.eval_steps, config.num_iterations):
+        if self.eval_rows is not None and not reached(trainer.global_step, config.eval_steps,
+                                                      config.num_iterations):
             self.evaluate(epoch)
         self.events.train_end()
         self.logger.close()
@@ -225,11 +230,13 @@ class TrainingRun:
                 self.rollouts_without_calls = None
         health, started = self.health.check(metrics)
         metrics.update(health)
-        failures = [sample["episode_failure"] for sample in metrics.get("_samples", ()) if "episode_failure" in sample]
+        failures = [sample["episode_failure"] for sample in metrics.get("_samples", ())
+                    if "episode_failure" in sample]
         for name in started if self.dist.is_main else ():
             example = f" (e.g. {failures[0]})" if name == "episodes_failing" and failures else ""
             tqdm.write(f"forge: health: step {step}: {name}: {HEALTH_RULES[name].says}{example}")
-        if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps or asked.should_log:
+        if (reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps
+                or asked.should_log):
             self.log(metrics, step, round(metrics["epoch"], 4))
             self.logger.log_samples(metrics.pop("_samples"), step=step)
         # on_step_end's and on_log's changes, before they are used
@@ -267,7 +274,8 @@ class TrainingRun:
         signals = self.trainer.signals
         signals.committing = False
         if self.dist.any(signals.requested is not None):
-            message = f"{signals.describe(self.trainer.global_step, self.total_steps)} {self.where_to_resume()}"
+            described = signals.describe(self.trainer.global_step, self.total_steps)
+            message = f"{described} {self.where_to_resume()}"
             # no rank exits (and makes the launcher kill the rest) before the save is done
             self.dist.barrier()
             raise TrainingInterrupted(message)

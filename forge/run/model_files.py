@@ -99,7 +99,8 @@ def _read(check, file: Path) -> str | None:
 
 
 def _restore(path: Path) -> str:
-    return f"The folder is damaged: load another, or restore {path} from where it came from (or re-run its save)"
+    return (f"The folder is damaged: load another, or restore {path} from where it came from "
+            "(or re-run its save)")
 
 
 def _json_problem(file: Path) -> str | None:
@@ -118,7 +119,8 @@ def _weight_files(path: Path, given_as: str) -> list[str]:
         index = read_json(path / FULL_WEIGHTS_INDEX_NAME)
         problem = index_problem(index)
         if problem is not None:
-            raise DamagedModelFolder(f"{given_as} {path}: {FULL_WEIGHTS_INDEX_NAME} {problem}. {_restore(path)}")
+            raise DamagedModelFolder(f"{given_as} {path}: {FULL_WEIGHTS_INDEX_NAME} {problem}. "
+                                     f"{_restore(path)}")
         names += sorted(set(index["weight_map"].values()) - set(names))
     return names
 
@@ -146,7 +148,8 @@ def weights_problem(file: Path) -> str | None:
                 "(unpickling runs whatever code the file names)"
             )
         if "its header alone needs" in problem:  # its first 8 bytes ask for more than the file holds
-            return f"is not a safetensors file, or is truncated: {problem.removeprefix('is truncated (')[:-1]}"
+            return ("is not a safetensors file, or is truncated: "
+                    f"{problem.removeprefix('is truncated (')[:-1]}")
         return problem
     problem = _tensor_extent_problem(file)
     if problem is not None:
@@ -170,7 +173,7 @@ def _tensor_extent_problem(file: Path) -> str | None:
             return f"has a header entry for {name!r} that is not a tensor's ({entry!r})"
         if end - start != needed:
             return (
-                f"has a header that lies about {name!r}: shape {entry['shape']} of {entry['dtype']} is {needed} "
-                f"bytes, the file gives it {end - start}"
+                f"has a header that lies about {name!r}: shape {entry['shape']} of {entry['dtype']} is "
+                f"{needed} bytes, the file gives it {end - start}"
             )
     return None

@@ -132,7 +132,8 @@ def _take_relayed_signals_as_themselves() -> None:
     during training, counts a signal that came both ways once)."""
     for signum in STOP_SIGNALS:
         if relayed_as(signum) != signum:
-            signal.signal(relayed_as(signum), lambda relayed, frame, signum=signum: os.kill(os.getpid(), signum))
+            signal.signal(relayed_as(signum),
+                          lambda relayed, frame, signum=signum: os.kill(os.getpid(), signum))
 
 
 def _wait_passing_signals(child: int) -> int:

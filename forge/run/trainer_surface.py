@@ -75,8 +75,10 @@ class RunEvents:
         self.args = args
         self.handler.lr_scheduler = scheduler
         state = self.state
-        state.max_steps, state.global_step, state.num_train_epochs = total_steps, global_step, args.num_train_epochs
-        state.logging_steps, state.eval_steps, state.save_steps = args.logging_steps, args.eval_steps, args.save_steps
+        state.max_steps, state.global_step = total_steps, global_step
+        state.num_train_epochs = args.num_train_epochs
+        state.logging_steps, state.eval_steps = args.logging_steps, args.eval_steps
+        state.save_steps = args.save_steps
         state.train_batch_size = args.prompts_per_step * args.group_size  # completions per rollout batch
         self.epoch_seen = None
         self.call("on_train_begin")
@@ -139,7 +141,8 @@ def taking_quantization_config(init):
     signature = inspect.signature(init)
     parameters = list(signature.parameters.values())
     at = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_KEYWORD), len(parameters))
-    parameters.insert(at, inspect.Parameter("quantization_config", inspect.Parameter.KEYWORD_ONLY, default=None))
+    parameters.insert(at, inspect.Parameter("quantization_config", inspect.Parameter.KEYWORD_ONLY,
+                                            default=None))
     wrapped.__signature__ = signature.replace(parameters=parameters)
     return wrapped
 

@@ -215,7 +215,8 @@ def run_calls(calls: Sequence[ToolCall], settings: ToolSettings,
             stateful = toolboxes is not None and toolboxes[i].get(calls[i].name) not in settings.tools
             _say_abandoned(calls[i].name, settings.timeout, stateful)
         elif outcome is None:  # the thread died outside the tool's own error handling
-            results[i] = ToolResult(calls[i], "error: the call ended without a result", "error", seconds=seconds)
+            results[i] = ToolResult(calls[i], "error: the call ended without a result", "error",
+                                    seconds=seconds)
         else:
             text, failure, cut = outcome
             results[i] = ToolResult(calls[i], text, failure, cut, seconds)
@@ -326,7 +327,8 @@ def _parse_template_call(segment: str) -> ToolCall | None:
         return None
     start = segment.rfind("<tool_call>")
     if start < 0:
-        return ToolCall(segment[-len("</tool_call>"):], None, None, "</tool_call> without an opening <tool_call>")
+        return ToolCall(segment[-len("</tool_call>"):], None, None,
+                        "</tool_call> without an opening <tool_call>")
     text = segment[start:]
     body = text[len("<tool_call>"):-len("</tool_call>")].strip()
     payload, problem = _json(body)

@@ -32,7 +32,8 @@ def truncate_output(text: str, limit: int) -> tuple[str, bool]:
     return f"{text[:limit]}... [output truncated: {len(text) - limit} more characters]", True
 
 
-def call_tool(function: Callable[..., Any], arguments: dict, max_output_chars: int) -> tuple[str, str | None, bool]:
+def call_tool(function: Callable[..., Any], arguments: dict,
+              max_output_chars: int) -> tuple[str, str | None, bool]:
     """(text, failure, truncated) of one call: failure is None, or 'error' when the tool raised or its value
     could not be turned into text (the text then says why)."""
     try:

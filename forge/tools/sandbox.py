@@ -172,7 +172,8 @@ def run_python(
         raise ValueError("memory_mb must be >= 0, output_limit_kb >= 1 and max_processes >= 1")
     interpreter = os.path.abspath(python or sys.executable)
     if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
-        return SandboxResult("", f"could not start {interpreter}: not an executable file", None, False, False, 0.0)
+        return SandboxResult("", f"could not start {interpreter}: not an executable file", None, False, False,
+                             0.0)
     limits = {
         "memory": memory_mb * 2**20,
         "cpu_seconds": int(timeout) + 1,
@@ -192,11 +193,11 @@ def run_python(
             problem = str(error)
     if not allow_unisolated:
         raise RuntimeError(
-            f"run_python: cannot isolate the program, so it was not run ({problem}). Fix the cause; where Linux "
-            f"user namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
-            f"kernel.apparmor_restrict_unprivileged_userns=0) or run the trainer in a VM. To run programs NOT "
-            f"isolated (they can read your processes' secrets, use the network and write your files), pass "
-            f"allow_unisolated=True, or namespaces=False."
+            f"run_python: cannot isolate the program, so it was not run ({problem}). Fix the cause; where "
+            "Linux user namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on "
+            "Ubuntu also kernel.apparmor_restrict_unprivileged_userns=0) or run the trainer in a VM. To run "
+            "programs NOT isolated (they can read your processes' secrets, use the network and write your "
+            "files), pass allow_unisolated=True, or namespaces=False."
         )
     _warn_once(problem)
     return _run(code, stdin, timeout, {**limits, "interpreter": interpreter, "keep": []}, output_limit_kb,
@@ -257,11 +258,12 @@ def _warn_once(problem: str) -> None:
     if not _warned:
         _warned = True
         warnings.warn(
-            f"forge.tools.sandbox: the sandbox cannot isolate programs here ({problem}), so run_python("
-            f"allow_unisolated=True) runs them NOT ISOLATED, with rlimits only: a program can read your processes' "
-            f"secrets (/proc/<pid>/environ), signal them, use the network and write your files. Where Linux user "
-            f"namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
-            f"kernel.apparmor_restrict_unprivileged_userns=0), or run the trainer in a VM.",
+            f"forge.tools.sandbox: the sandbox cannot isolate programs here ({problem}), so "
+            "run_python(allow_unisolated=True) runs them NOT ISOLATED, with rlimits only: a program can "
+            "read your processes' secrets (/proc/<pid>/environ), signal them, use the network and write "
+            "your files. Where Linux user namespaces are off, allow them (sysctl "
+            "kernel.unprivileged_userns_clone=1; on Ubuntu also "
+            "kernel.apparmor_restrict_unprivileged_userns=0), or run the trainer in a VM.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -272,7 +274,8 @@ def _expand(paths: Sequence[str]) -> list[str]:
     return sorted({os.path.abspath(p) for p in expanded if "$" not in p and os.path.lexists(p)})
 
 
-def _run(code: str, stdin: str, timeout: float, limits: dict, output_limit_kb: int, namespace: bool) -> SandboxResult:
+def _run(code: str, stdin: str, timeout: float, limits: dict, output_limit_kb: int,
+         namespace: bool) -> SandboxResult:
     with tempfile.TemporaryDirectory(prefix="forge-sandbox-") as workdir:
         work = Path(workdir)
         (work / "main.py").write_text(code, encoding="utf-8")

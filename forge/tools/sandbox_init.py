@@ -87,7 +87,8 @@ def set_up_namespace(config: dict, program: bytes) -> str:
         os.close(fd)
     for path, data in (("/dev/shm", scratch), ("/run", "size=4k,mode=755")):
         if os.path.isdir(path):
-            _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV | (_MS_RDONLY if path == "/run" else 0), data)
+            _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV | (_MS_RDONLY if path == "/run" else 0),
+                   data)
     for path in config["hide"]:
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "size=4k,mode=755")

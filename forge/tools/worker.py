@@ -64,9 +64,11 @@ def portable_reference(function: Callable[..., Any]) -> dict:
     qualname = getattr(function, "__qualname__", None) or ""
     if isinstance(function, types.FunctionType):
         if "<lambda>" in qualname or "<locals>" in qualname:
-            raise ValueError(_not_portable(function, "a lambda or a function defined inside another function"))
+            raise ValueError(_not_portable(function,
+                                           "a lambda or a function defined inside another function"))
         module = sys.modules.get(function.__module__)
-        if function.__module__ != "__main__" and module is not None and _resolve(module, qualname) is function:
+        if (function.__module__ != "__main__" and module is not None
+                and _resolve(module, qualname) is function):
             return {"kind": "import", "module": function.__module__, "qualname": qualname}
         path = function.__code__.co_filename
         if os.path.isfile(path):
@@ -82,8 +84,8 @@ def portable_reference(function: Callable[..., Any]) -> dict:
 def _not_portable(function: Any, why: str) -> str:
     name = getattr(function, "__name__", type(function).__name__)
     return (
-        f"tool {name!r} cannot run in a worker process (tool_isolation='process'): {why}. Define it at the top "
-        f"level of a module (or pass a picklable callable), or set tool_isolation='thread'"
+        f"tool {name!r} cannot run in a worker process (tool_isolation='process'): {why}. Define it at the "
+        "top level of a module (or pass a picklable callable), or set tool_isolation='thread'"
     )
 
 
@@ -157,7 +159,8 @@ class ToolWorkers:
     """The worker processes of one run's tools. `run` is what run_calls uses; `check` starts one worker and
     raises ValueError when it cannot load the tools (so a run fails at its start, not at its first call)."""
 
-    def __init__(self, functions: dict[str, Callable[..., Any]], memory_mb: int, max_workers: int = MAX_WORKERS):
+    def __init__(self, functions: dict[str, Callable[..., Any]], memory_mb: int,
+                 max_workers: int = MAX_WORKERS):
         if os.environ.get("FORGE_TOOL_WORKER"):
             raise RuntimeError(
                 "a tool worker process is starting tool workers of its own: the script that defines "
@@ -235,7 +238,8 @@ class ToolWorkers:
                         sent = worker.send(request)
                     except (TypeError, ValueError) as error:  # arguments JSON cannot carry
                         self.idle.append(worker)
-                        text = f"error: the arguments cannot be sent to a worker process: {describe_error(error)}"
+                        text = ("error: the arguments cannot be sent to a worker process: "
+                                f"{describe_error(error)}")
                         outcomes[job] = (text, "error", False, 0.0)
                         continue
                     if not sent:
@@ -366,7 +370,8 @@ def _load(reference: dict) -> Callable[..., Any]:
     if reference["kind"] == "pickle":
         return pickle.loads(base64.b64decode(reference["data"]))  # written by the trainer, not by a tool
     if reference["kind"] == "import":
-        return _found(_resolve(importlib.import_module(reference["module"]), reference["qualname"]), reference)
+        return _found(_resolve(importlib.import_module(reference["module"]), reference["qualname"]),
+                      reference)
     path = reference["path"]
     name = "__mp_main__" if reference["main"] else f"forge_tool_file_{abs(hash(path))}"
     module = sys.modules.get(name)
