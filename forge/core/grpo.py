@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -66,19 +66,11 @@ class LossSettings:
 
     @classmethod
     def from_config(cls, config) -> LossSettings:
-        """The loss variant a run's GRPOConfig describes, read from its fields of the same names (delta and
-        clip_ratio_c are one cap: the smaller of those set)."""
+        """The loss variant a run's GRPOConfig describes: its fields of the same names, and delta and
+        clip_ratio_c as one cap (the smaller of those set)."""
         caps = [c for c in (config.delta, config.clip_ratio_c) if c is not None]
-        return cls(clip_epsilon=config.clip_epsilon, clip_epsilon_high=config.clip_epsilon_high,
-                   kl_beta=config.kl_beta, loss_type=config.loss_type,
-                   importance_sampling_level=config.importance_sampling_level,
-                   kl_loss_type=config.kl_loss_type, negative_ratio_cap=min(caps) if caps else None,
-                   sapo_temperature_pos=config.sapo_temperature_pos,
-                   sapo_temperature_neg=config.sapo_temperature_neg,
-                   top_entropy_quantile=config.top_entropy_quantile, entropy_coef=config.entropy_coef,
-                   rollout_is=config.rollout_is, rollout_is_threshold=config.rollout_is_threshold,
-                   kl_bias_correction=config.kl_bias_correction,
-                   off_policy_mask_threshold=config.off_policy_mask_threshold)
+        named = {f.name: getattr(config, f.name) for f in fields(cls) if f.name != "negative_ratio_cap"}
+        return cls(**named, negative_ratio_cap=min(caps) if caps else None)
 
     @property
     def epsilon_high(self) -> float:

@@ -21,8 +21,9 @@ FLOORS = {
     "eval": 4,
     "demo": 5,
     "cli_config": 6, "demo_env": 6, "demo_tools": 6,
-    "cli": 7,
-    "__main__": 8, "__init__": 8,
+    "cli_parser": 7,
+    "cli": 8,
+    "__main__": 9, "__init__": 9,
 }
 # Forge's own modules imported inside a function, where that is the point: the command line imports a
 # command's modules when it runs (`forge --help` does not load transformers), the package face imports a
