@@ -26,6 +26,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -135,12 +136,67 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     # spread over the data
     mine = rows[:: max(1, len(rows) // config.preflight_prompts)][:config.preflight_prompts]
     trainer.model.eval()
+    measured = measure(trainer, mine, total_steps)
+    restore_rng_state(rng_state)
+
+    rollout = measured.rollout
+    lengths = rollout.completion_lengths.float()  # (N,)
+    finished = lengths[~rollout.truncated]
+    flat, low = flat_groups(measured.scores, group)  # (P,) each
+    rollouts_per_step = config.gradient_accumulation_steps * config.prompts_per_step / len(mine)
+    step_seconds = projected_step_seconds(config, measured, flat, rollouts_per_step)
+    report = PreflightReport(
+        prompts=len(mine),
+        group_size=group,
+        max_new_tokens=config.max_new_tokens,
+        truncated=float(rollout.truncated.float().mean()),
+        finished_lengths={q: float(torch.quantile(finished, q / 100)) for q in (50, 90, 99)}
+        if finished.numel()
+        else {},
+        rewards=measured.checks,
+        flat_low=float(low.float().mean()),
+        flat_high=float((flat & ~low).float().mean()),
+        tokens_per_second=float(lengths.sum()) / max(measured.generation_seconds, 1e-9),
+        step_seconds=step_seconds,
+        generation_step_seconds=rollouts_per_step * measured.generation_seconds,
+        max_staleness=config.max_staleness,
+        run_seconds=step_seconds * total_steps,
+        seconds=time.perf_counter() - started,
+        prompt_as_seen=render_prompt(trainer.tokenizer, mine[0]["prompt"]),
+        memory=None
+        if trainer.dist.fsdp
+        else projected_memory(trainer, rollout, measured.held, measured.generation_rise, measured.loss_rise),
+    )
+    judge(report, string_prompts=isinstance(mine[0]["prompt"], str),
+          chat_model=bool(getattr(trainer.tokenizer, "chat_template", None)),
+          rewards_teach=getattr(trainer, "rewards_teach", True))
+    return report
+
+
+@dataclass
+class Measured:
+    """What the preflight's prompts cost and scored: the rollout, the total scores and each reward's check,
+    the seconds of each phase (scoring: per reward pass) and the MB the memory peak rose above `held`."""
+
+    rollout: Any
+    scores: Any
+    checks: list[RewardCheck]
+    generation_seconds: float
+    scoring_seconds: float
+    update_seconds: float
+    held: float
+    generation_rise: float
+    loss_rise: float
+
+
+def measure(trainer, mine: list[dict], total_steps: int) -> Measured:
+    """Sample `mine` x G, score them with every reward together and each alone, and time one loss pass."""
     generation_started, held = time.perf_counter(), memory.reset_peak(trainer.device)
     rollout = trainer.generate([row["prompt"] for row in mine], mine)
     generation_seconds = time.perf_counter() - generation_started
     generation_rise = memory.peak_mb(trainer.device) - held
-    prompts, columns, _ = per_completion(mine, group)
-    score = {"on_error": "score", "error_value": 0.0, "timeout": config.reward_timeout,
+    prompts, columns, _ = per_completion(mine, trainer.config.group_size)
+    score = {"on_error": "score", "error_value": 0.0, "timeout": trainer.config.reward_timeout,
              "trainer_state": TrainerState(0, total_steps, trainer.device), **rollout_inputs(rollout)}
     scoring_started = time.perf_counter()
     total = score_completions(trainer.rewards, prompts, rollout.completions, columns, **score)
@@ -152,10 +208,13 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     ]
     scoring_seconds = (time.perf_counter() - scoring_started) / (len(trainer.rewards) + 1)
     update_seconds, loss_rise = loss_pass(trainer, rollout)
-    restore_rng_state(rng_state)
+    return Measured(rollout, total, checks, generation_seconds, scoring_seconds, update_seconds, held,
+                    generation_rise, loss_rise)
 
-    lengths = rollout.completion_lengths.float()  # (N,)
-    finished = lengths[~rollout.truncated]
+
+def flat_groups(total, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat, low), (P,) each: the groups whose kept samples all scored alike, and those of them at or below
+    the mean reward."""
     kept = total.valid & total.scored  # (N,)
     flat = group_reward_std(total.total, group, kept) == 0  # (P,)
     level = torch.stack(
@@ -163,44 +222,22 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
             total.total[i * group : (i + 1) * group][kept[i * group : (i + 1) * group]].mean()
             if kept[i * group : (i + 1) * group].any()
             else torch.tensor(0.0)
-            for i in range(len(mine))
+            for i in range(len(flat))
         ]
     )
     middle = float(total.total[kept].mean()) if kept.any() else 0.0
     spread = float(total.total[kept].max() - total.total[kept].min()) if kept.any() else 0.0
     # one value everywhere: judged by its sign
     low = flat & ((level <= middle) if spread > 0 else (level <= 0))
-    rollouts_per_step = config.gradient_accumulation_steps * config.prompts_per_step / len(mine)
+    return flat, low
+
+
+def projected_step_seconds(config, measured: Measured, flat: torch.Tensor, rollouts_per_step: float) -> float:
+    """The seconds of one optimizer step: its rollouts' generation, scoring and loss passes."""
     carrying = 1.0 - float(flat.float().mean()) if config.drop_zero_std_groups else 1.0  # flat: no loss pass
-    step_seconds = rollouts_per_step * (generation_seconds + scoring_seconds
-                                        + update_seconds * carrying * config.num_iterations)
-    step_seconds /= config.num_iterations  # an optimizer step of a rollout reused num_iterations times
-    report = PreflightReport(
-        prompts=len(mine),
-        group_size=group,
-        max_new_tokens=config.max_new_tokens,
-        truncated=float(rollout.truncated.float().mean()),
-        finished_lengths={q: float(torch.quantile(finished, q / 100)) for q in (50, 90, 99)}
-        if finished.numel()
-        else {},
-        rewards=checks,
-        flat_low=float(low.float().mean()),
-        flat_high=float((flat & ~low).float().mean()),
-        tokens_per_second=float(lengths.sum()) / max(generation_seconds, 1e-9),
-        step_seconds=step_seconds,
-        generation_step_seconds=rollouts_per_step * generation_seconds,
-        max_staleness=config.max_staleness,
-        run_seconds=step_seconds * total_steps,
-        seconds=time.perf_counter() - started,
-        prompt_as_seen=render_prompt(trainer.tokenizer, mine[0]["prompt"]),
-        memory=None
-        if trainer.dist.fsdp
-        else projected_memory(trainer, rollout, held, generation_rise, loss_rise),
-    )
-    judge(report, string_prompts=isinstance(mine[0]["prompt"], str),
-          chat_model=bool(getattr(trainer.tokenizer, "chat_template", None)),
-          rewards_teach=getattr(trainer, "rewards_teach", True))
-    return report
+    step_seconds = rollouts_per_step * (measured.generation_seconds + measured.scoring_seconds
+                                        + measured.update_seconds * carrying * config.num_iterations)
+    return step_seconds / config.num_iterations  # an optimizer step of a rollout reused num_iterations times
 
 
 def reward_check(name: str, scores) -> RewardCheck:
