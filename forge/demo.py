@@ -306,15 +306,7 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     if settings.distill:
         return run_distill_demo(settings)
     run = DemoRun(settings, "forge demo")
-    run.say(f"loading {settings.model} (the packaged model is converted from GGUF once, ~20 s)")
-    model, tokenizer, precision = load_policy(settings)
-    heldout = ARITHMETIC_TASK.heldout(n=settings.heldout, chat=True)
-    candidates = ARITHMETIC_TASK.rows(
-        n=max(settings.screen_candidates, settings.steps * settings.prompts_per_step),
-        seed=settings.seed,
-        chat=True,
-    )
-    run.timings["load"] = run.elapsed()
+    model, tokenizer, precision, heldout, candidates = _load_model_and_problems(settings, run)
     if settings.ceiling:
         with precision.autocast():
             return _measure_ceiling(settings, run, model, tokenizer, heldout, precision)
@@ -329,6 +321,63 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     train_rows = (_screened_rows(settings, run, model, tokenizer, candidates, heldout)
                   if settings.screen_candidates else candidates)
 
+    trainer, curve, subset, train_cpu_seconds = _train_demo(settings, run, model, tokenizer, train_rows, heldout,
+                                                            before, eval_kw, teacher)
+
+    after = _final_eval(run, trainer, tokenizer, curve, heldout, eval_kw, precision)
+    with run.timed("report_and_plot"):
+        json_path, md_path = write_comparison(build_comparison(before, after, labels=("base", "trained")),
+                                              run.out)
+        curves = plot_training_curves(run.out)
+    total = run.timings["total"] = run.elapsed()
+    train_seconds = run.timings["training"]
+    _print_comparison(before.metrics, after.metrics)
+    # a student says so
+    recorded = asdict(settings) | ({"distill": True, "teacher": teacher} if teacher else {})
+    result = {
+        "settings": recorded,
+        "heldout_size": len(heldout),
+        "before": before.metrics,
+        "after": after.metrics,
+        "gain": after.metrics["strict_accuracy"] - before.metrics["strict_accuracy"],
+        "eval_curve": curve.points,
+        "eval_curve_size": len(subset or ()),
+        "train_seconds": train_seconds,
+        "train_cpu_seconds": train_cpu_seconds,
+        "total_seconds": total,
+        "seconds_per_step": train_seconds / max(1, settings.steps),
+        "timings": run.timings,
+        "load_average": {"start": load_before, "end": _load_average()},
+        "machine": _machine()
+        | {"precision": str(precision.compute).removeprefix("torch."), "precision_reason": precision.reason},
+    }
+    _save_result(settings, run, result)
+    print(
+        f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     "
+        f"{run.out / 'training_log.jsonl'}, {run.out / 'samples.jsonl'}\nadapter:  {run.out / 'final'}\n"
+        f"result:   {run.out / 'demo_result.json'}"
+    )
+    return result
+
+
+def _load_model_and_problems(settings: DemoSettings, run: DemoRun):
+    """The model, its tokenizer and precision, the held-out problems and the training candidates."""
+    run.say(f"loading {settings.model} (the packaged model is converted from GGUF once, ~20 s)")
+    model, tokenizer, precision = load_policy(settings)
+    heldout = ARITHMETIC_TASK.heldout(n=settings.heldout, chat=True)
+    candidates = ARITHMETIC_TASK.rows(
+        n=max(settings.screen_candidates, settings.steps * settings.prompts_per_step),
+        seed=settings.seed,
+        chat=True,
+    )
+    run.timings["load"] = run.elapsed()
+    return model, tokenizer, precision, heldout, candidates
+
+
+def _train_demo(settings: DemoSettings, run: DemoRun, model, tokenizer, train_rows: list[dict],
+                heldout: list[dict], before, eval_kw: dict, teacher: str | None):
+    """Train with the held-out curve (a teacher's adapter: distill from it). Returns the trainer, the curve,
+    the curve's held-out subset (None without one) and the training CPU seconds (the curve's excluded)."""
     subset = heldout[: settings.eval_subset] if settings.eval_every else None
     distill = {"teacher_model": teacher, "reward_coef": settings.reward_coef, "drop_zero_std_groups": False,
                "distill_loss": settings.distill_loss, "micro_batch_size": 0}  # every group in one loss pass
@@ -350,60 +399,41 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     run.timings["training"] -= curve.seconds
     train_cpu_seconds = time.process_time() - cpu_started - curve.cpu_seconds
     run.timings["curve_evals"] = curve.seconds - curve.final_seconds
+    return trainer, curve, subset, train_cpu_seconds
 
+
+def _final_eval(run: DemoRun, trainer, tokenizer, curve: HeldoutCurve, heldout: list[dict], eval_kw: dict,
+                precision: Precision):
+    """The trained policy on the whole held-out set: the curve's last point, or evaluated here."""
     run.say(f"evaluating the trained policy on the same {len(heldout)} held-out problems (greedy)")
     with run.timed("final_eval"):
         if curve.final is None:  # no curve (eval_every 0): evaluated here, in the training precision
             with precision.autocast(trainer.model):
                 curve.final = evaluate(trainer.model, tokenizer, heldout, **eval_kw)
     run.timings["final_eval"] += curve.final_seconds
-    after = curve.final
-    run.say(_summary_line("trained", after.metrics))
-    with run.timed("report_and_plot"):
-        json_path, md_path = write_comparison(build_comparison(before, after, labels=("base", "trained")),
-                                              run.out)
-        curves = plot_training_curves(run.out)
-    total = run.timings["total"] = run.elapsed()
-    train_seconds = run.timings["training"]
+    run.say(_summary_line("trained", curve.final.metrics))
+    return curve.final
 
+
+def _print_comparison(before: dict, after: dict) -> None:
     print("\n            metric |   base | trained")
     for label, key in (("strict accuracy", "strict_accuracy"), ("soft accuracy", "soft_accuracy"),
                        ("format rate", "format_rate"), ("mean length", "mean_completion_length")):
         fmt = "{:6.1%}" if key != "mean_completion_length" else "{:6.1f}"
-        print(f"{label:>18} | {fmt.format(before.metrics[key])} | {fmt.format(after.metrics[key])}")
-    # a student says so
-    recorded = asdict(settings) | ({"distill": True, "teacher": teacher} if teacher else {})
-    result = {
-        "settings": recorded,
-        "heldout_size": len(heldout),
-        "before": before.metrics,
-        "after": after.metrics,
-        "gain": after.metrics["strict_accuracy"] - before.metrics["strict_accuracy"],
-        "eval_curve": curve.points,
-        "eval_curve_size": len(subset or ()),
-        "train_seconds": train_seconds,
-        "train_cpu_seconds": train_cpu_seconds,
-        "total_seconds": total,
-        "seconds_per_step": train_seconds / max(1, settings.steps),
-        "timings": run.timings,
-        "load_average": {"start": load_before, "end": _load_average()},
-        "machine": _machine()
-        | {"precision": str(precision.compute).removeprefix("torch."), "precision_reason": precision.reason},
-    }
-    out = run.out
+        print(f"{label:>18} | {fmt.format(before[key])} | {fmt.format(after[key])}")
+
+
+def _save_result(settings: DemoSettings, run: DemoRun, result: dict) -> None:
+    """demo_result.json, the times (and an async run's summary) printed."""
+    out, train_seconds = run.out, result["train_seconds"]
     (out / "demo_result.json").write_text(json.dumps(result, indent=2))
-    print(f"\ntraining {train_seconds:.0f}s ({result['seconds_per_step']:.1f} s/step), total {total:.0f}s ("
+    print(f"\ntraining {train_seconds:.0f}s ({result['seconds_per_step']:.1f} s/step), "
+          f"total {result['total_seconds']:.0f}s ("
           + ", ".join(f"{k} {v:.0f}s" for k, v in run.timings.items() if k != "total") + ")")
     if settings.asynchronous:
         result["async"] = async_summary(out / "training_log.jsonl")
         (out / "demo_result.json").write_text(json.dumps(result, indent=2))
         print("async:    " + ", ".join(f"{k} {v:.1f}" for k, v in result["async"].items()))
-    print(
-        f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     "
-        f"{out / 'training_log.jsonl'}, {out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   "
-        f"{out / 'demo_result.json'}"
-    )
-    return result
 
 
 def run_distill_demo(settings: DemoSettings) -> dict:
