@@ -119,6 +119,21 @@ class TrainingRun:
                 lock.release()
 
     def train(self) -> dict:
+        epoch, position = self.begin()
+        epoch, position = self.run_steps(epoch, position)
+        self.lifecycle.save(self.finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
+        self.dist.barrier()
+        if self.eval_rows is not None and not reached(self.trainer.global_step, self.config.eval_steps,
+                                                      self.config.num_iterations):
+            self.evaluate(epoch)
+        self.events.train_end()
+        self.logger.close()
+        return {"global_step": self.trainer.global_step}
+
+    def begin(self) -> tuple[int, int]:
+        """Before the first step: the schedule, the checkpoints, the seed, then resume (or a new run's
+        preflight), the logs, and the callbacks' train_begin. Returns where the data starts: (epoch,
+        position)."""
         config, trainer = self.config, self.trainer
         trainer.total_steps = self.total_steps  # rewards see it through TrainerState
         memory.return_freed_memory()  # a loss pass's freed logit chunks go back to the system
@@ -132,14 +147,7 @@ class TrainingRun:
         seed_everything(config.seed)
         epoch, position = 0, 0
         if config.resume_from:
-            resumed = self.lifecycle.resume(config.resume_from)
-            epoch, position, trainer.global_step = resumed.epoch, resumed.position, resumed.step
-            trainer.guard.restore(resumed.nonfinite_in_a_row, resumed.skipped_steps, resumed.loss_scale)
-            if resumed.entropy_control:  # adaptive entropy control goes on from where it was
-                trainer.entropy_control = dataclasses.replace(trainer.entropy_control,
-                                                              **resumed.entropy_control)
-            if resumed.micro_batch_size and config.micro_batch_size == "auto":  # as the preflight fitted it
-                trainer.micro_batch_size = resumed.micro_batch_size
+            epoch, position = self.resume()
         elif self.preflight is not None:
             # leaves the weights and the random state as they were
             self.preflight(self.rows, self.total_steps)
@@ -160,7 +168,28 @@ class TrainingRun:
         self.events.train_begin(config, self.total_steps, trainer.global_step, trainer.scheduler)
         if self.eval_rows is not None and config.eval_before_training and trainer.global_step == 0:
             self.evaluate(epoch)
+        return epoch, position
 
+    def resume(self) -> tuple[int, int]:
+        """The checkpoint of config.resume_from back in place (weights, optimizer, schedule, RNG), with the
+        step count, the guarded step's state, adaptive entropy and an auto micro-batch as they were. Returns
+        the data position it had reached: (epoch, position)."""
+        config, trainer = self.config, self.trainer
+        resumed = self.lifecycle.resume(config.resume_from)
+        trainer.global_step = resumed.step
+        trainer.guard.restore(resumed.nonfinite_in_a_row, resumed.skipped_steps, resumed.loss_scale)
+        if resumed.entropy_control:  # adaptive entropy control goes on from where it was
+            trainer.entropy_control = dataclasses.replace(trainer.entropy_control,
+                                                          **resumed.entropy_control)
+        if resumed.micro_batch_size and config.micro_batch_size == "auto":  # as the preflight fitted it
+            trainer.micro_batch_size = resumed.micro_batch_size
+        return resumed.epoch, resumed.position
+
+    def run_steps(self, start_epoch: int, start_position: int) -> tuple[int, int]:
+        """The steps, from (start_epoch, start_position) until total_steps, a stop or a failure (said with
+        where the last finished step is saved). Returns the (epoch, position) of the last step."""
+        config, trainer = self.config, self.trainer
+        epoch, position = start_epoch, start_position
         self.lifecycle.finished(self.finished(epoch, position))
         bar = tqdm(total=self.total_steps, initial=trainer.global_step, desc="forge",
                    disable=not self.dist.is_main, dynamic_ncols=True)
@@ -207,14 +236,7 @@ class TrainingRun:
         finally:
             bar.close()
             steps.close()  # async GRPO: stops the rollout worker
-        self.lifecycle.save(self.finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
-        self.dist.barrier()
-        if self.eval_rows is not None and not reached(trainer.global_step, config.eval_steps,
-                                                      config.num_iterations):
-            self.evaluate(epoch)
-        self.events.train_end()
-        self.logger.close()
-        return {"global_step": trainer.global_step}
+        return epoch, position
 
     def after_step(self, metrics: dict, epoch: int, position: int, bar) -> None:
         """Log, evaluate and save after an optimizer step."""
