@@ -204,23 +204,23 @@ def run_calls(calls: Sequence[ToolCall], settings: ToolSettings,
             results[i] = ToolResult(calls[i], text, failure, cut, seconds)
     for i, thread, started in threads:
         thread.join(max(0.0, deadline - time.perf_counter()))
-        seconds, outcome = time.perf_counter() - started, boxes[i].get("outcome")
-        if thread.is_alive():
-            results[i] = ToolResult(
-                calls[i],
-                f"error: the call took longer than {settings.timeout:g} s and was abandoned",
-                "timeout",
-                seconds=seconds,
-            )
-            stateful = toolboxes is not None and toolboxes[i].get(calls[i].name) not in settings.tools
-            _say_abandoned(calls[i].name, settings.timeout, stateful)
-        elif outcome is None:  # the thread died outside the tool's own error handling
-            results[i] = ToolResult(calls[i], "error: the call ended without a result", "error",
-                                    seconds=seconds)
-        else:
-            text, failure, cut = outcome
-            results[i] = ToolResult(calls[i], text, failure, cut, seconds)
+        stateful = toolboxes is not None and toolboxes[i].get(calls[i].name) not in settings.tools
+        results[i] = _thread_result(calls[i], thread, boxes[i].get("outcome"), time.perf_counter() - started,
+                                    settings.timeout, stateful)
     return results  # type: ignore[return-value]
+
+
+def _thread_result(call: ToolCall, thread: threading.Thread, outcome: tuple | None, seconds: float,
+                   timeout: float, stateful: bool) -> ToolResult:
+    """A thread's call once its deadline has passed: its outcome, or abandoned (said once per tool)."""
+    if thread.is_alive():
+        _say_abandoned(call.name, timeout, stateful)
+        return ToolResult(call, f"error: the call took longer than {timeout:g} s and was abandoned", "timeout",
+                          seconds=seconds)
+    if outcome is None:  # the thread died outside the tool's own error handling
+        return ToolResult(call, "error: the call ended without a result", "error", seconds=seconds)
+    text, failure, cut = outcome
+    return ToolResult(call, text, failure, cut, seconds)
 
 
 _abandoned: set[str] = set()  # tools whose abandoned thread was announced (once per tool and process)
