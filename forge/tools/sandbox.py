@@ -192,16 +192,22 @@ def run_python(
         except SetupError as error:
             problem = str(error)
     if not allow_unisolated:
-        raise RuntimeError(
-            f"run_python: cannot isolate the program, so it was not run ({problem}). Fix the cause; where "
-            "Linux user namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on "
-            "Ubuntu also kernel.apparmor_restrict_unprivileged_userns=0) or run the trainer in a VM. To run "
-            "programs NOT isolated (they can read your processes' secrets, use the network and write your "
-            "files), pass allow_unisolated=True, or namespaces=False."
-        )
+        raise _cannot_isolate(problem)
     _warn_once(problem)
     return _run(code, stdin, timeout, {**limits, "interpreter": interpreter, "keep": []}, output_limit_kb,
                 namespace=False)
+
+
+def _cannot_isolate(problem: str) -> RuntimeError:
+    """The error of run_python when the namespaces cannot be set up and running unisolated was not asked
+    for: the cause, how to fix it, and how to opt in."""
+    return RuntimeError(
+        f"run_python: cannot isolate the program, so it was not run ({problem}). Fix the cause; where "
+        "Linux user namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on "
+        "Ubuntu also kernel.apparmor_restrict_unprivileged_userns=0) or run the trainer in a VM. To run "
+        "programs NOT isolated (they can read your processes' secrets, use the network and write your "
+        "files), pass allow_unisolated=True, or namespaces=False."
+    )
 
 
 class SetupError(RuntimeError):

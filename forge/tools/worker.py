@@ -230,29 +230,7 @@ class ToolWorkers:
                                 0.0,
                             )
                         waiting = []
-                while waiting and self.idle and len(busy) < self.max_workers:
-                    job, worker = waiting.pop(0), self.idle.pop()
-                    name, arguments = jobs[job]
-                    try:
-                        request = {"tool": name, "arguments": arguments, "max_output_chars": max_output_chars}
-                        sent = worker.send(request)
-                    except (TypeError, ValueError) as error:  # arguments JSON cannot carry
-                        self.idle.append(worker)
-                        text = ("error: the arguments cannot be sent to a worker process: "
-                                f"{describe_error(error)}")
-                        outcomes[job] = (text, "error", False, 0.0)
-                        continue
-                    if not sent:
-                        worker.kill()
-                        outcomes[job] = (
-                            "error: the tool's worker process ended before the call",
-                            "error",
-                            False,
-                            0.0,
-                        )
-                        continue
-                    busy[job] = (worker, time.perf_counter())
-                    selector.register(worker.result_read, selectors.EVENT_READ, job)
+                self._send_waiting(jobs, waiting, busy, outcomes, selector, max_output_chars)
                 if not busy:
                     continue
                 first_deadline = min(started for _, started in busy.values()) + timeout
@@ -264,18 +242,7 @@ class ToolWorkers:
                         continue
                     selector.unregister(worker.result_read)
                     del busy[job]
-                    seconds = time.perf_counter() - started
-                    if isinstance(reply, dict) and isinstance(reply.get("text"), str):
-                        outcomes[job] = (reply["text"], "error" if reply.get("failure") else None,
-                                         bool(reply.get("truncated")), seconds)
-                        self.idle.append(worker)
-                    else:
-                        worker.kill()
-                        why = reply if isinstance(reply, str) else "it sent an unreadable reply"
-                        text = f"error: the tool's worker process failed: {why}"
-                        if "exit status -" in why:  # killed by a signal: the kernel, short of memory?
-                            text += f" (a tool may use at most tool_memory_mb={self.memory_mb} MB)"
-                        outcomes[job] = (text, "error", False, seconds)
+                    outcomes[job] = self._outcome(worker, reply, time.perf_counter() - started)
                 now = time.perf_counter()
                 for job, (worker, started) in list(busy.items()):
                     if now - started >= timeout:
@@ -285,6 +252,42 @@ class ToolWorkers:
                         outcomes[job] = (f"error: the call took longer than {timeout:g} s and was stopped",
                                          "timeout", False, now - started)
         return outcomes
+
+    def _send_waiting(self, jobs: list[tuple[str, dict]], waiting: list[int], busy: dict, outcomes: list,
+                      selector: selectors.BaseSelector, max_output_chars: int) -> None:
+        """Hand waiting jobs to idle workers while there are both and room under max_workers; a job that
+        cannot be sent gets its error outcome at once."""
+        while waiting and self.idle and len(busy) < self.max_workers:
+            job, worker = waiting.pop(0), self.idle.pop()
+            name, arguments = jobs[job]
+            try:
+                request = {"tool": name, "arguments": arguments, "max_output_chars": max_output_chars}
+                sent = worker.send(request)
+            except (TypeError, ValueError) as error:  # arguments JSON cannot carry
+                self.idle.append(worker)
+                text = f"error: the arguments cannot be sent to a worker process: {describe_error(error)}"
+                outcomes[job] = (text, "error", False, 0.0)
+                continue
+            if not sent:
+                worker.kill()
+                outcomes[job] = ("error: the tool's worker process ended before the call", "error", False, 0.0)
+                continue
+            busy[job] = (worker, time.perf_counter())
+            selector.register(worker.result_read, selectors.EVENT_READ, job)
+
+    def _outcome(self, worker: _Worker, reply: Any, seconds: float) -> tuple[str, str | None, bool, float]:
+        """A call's outcome from its worker's reply; the worker goes back to the idle ones, or is killed when
+        the reply is not one."""
+        if isinstance(reply, dict) and isinstance(reply.get("text"), str):
+            self.idle.append(worker)
+            return (reply["text"], "error" if reply.get("failure") else None, bool(reply.get("truncated")),
+                    seconds)
+        worker.kill()
+        why = reply if isinstance(reply, str) else "it sent an unreadable reply"
+        text = f"error: the tool's worker process failed: {why}"
+        if "exit status -" in why:  # killed by a signal: the kernel, short of memory?
+            text += f" (a tool may use at most tool_memory_mb={self.memory_mb} MB)"
+        return (text, "error", False, seconds)
 
     def _start(self, count: int) -> tuple[list[_Worker], list[str]]:
         """Start `count` workers at once and wait until each has loaded the tools: (ready ones, problems)."""
