@@ -42,8 +42,14 @@ import torch
 import torch.multiprocessing as mp
 
 from forge.core.engine_rollout import generate_on_engine, open_engine
-from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
-                                sampling_seed)
+from forge.core.rollout import (
+    Rollout,
+    SamplingSettings,
+    generate,
+    prompt_budget,
+    sampling_noise,
+    sampling_seed,
+)
 from forge.model.lora import merged_adapters
 from forge.model.decode_plan import DecodePlan
 from forge.run.loop import StepFailed

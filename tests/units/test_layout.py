@@ -1,11 +1,13 @@
 """The layout docs/architecture.md describes, held against the code: the floors and which imports they allow,
-no import cycle, the spine's size limits, pure math that imports only torch, and the package face's public
-names."""
+no import cycle, the spine's size limits, pure math that imports only torch, ruff's rules with lines of at
+most 110 columns, functions of at most 60 lines, and the package face's public names."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "forge"
@@ -83,7 +85,8 @@ def test_no_import_cycle_between_files():
     for name, path in modules.items():
         graph[name] = set()
         for target, _ in forge_imports(path):
-            while target not in modules and "." in target:  # `from forge.run import checkpoint` names a module
+            # `from forge.run import checkpoint` names a module
+            while target not in modules and "." in target:
                 target = target.rsplit(".", 1)[0]
             if target != name and target != "forge":  # every module's package face runs first: not an arrow
                 graph[name].add(target)
@@ -111,7 +114,8 @@ def test_forge_modules_are_imported_at_the_top_of_a_file():
 
 
 def test_the_pure_math_imports_only_torch():
-    allowed = {"__future__", "math", "collections.abc", "dataclasses", "typing", "torch", "forge.core.advantages"}
+    allowed = {"__future__", "math", "collections.abc", "dataclasses", "typing", "torch",
+               "forge.core.advantages"}
     for name in ("grpo.py", "advantages.py"):
         tree = ast.parse((PACKAGE / "core" / name).read_text(encoding="utf-8"))
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
@@ -124,6 +128,27 @@ def test_no_file_is_over_600_lines_and_the_trainer_fits_300():
     long = {str(p.relative_to(PACKAGE)): n for p in SOURCES if (n := len(p.read_text().splitlines())) > 600}
     assert long == {}
     assert len((PACKAGE / "core" / "trainer.py").read_text().splitlines()) <= 300
+
+
+def test_ruff_finds_nothing_in_the_package_and_no_line_is_over_110_columns():
+    """`ruff check forge` with the project's rules (pyproject.toml: ruff's defaults and E501 at
+    line-length 110), so a line too long fails the default suite as `make test` runs it."""
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "--no-cache",
+                           str(PACKAGE)], cwd=PACKAGE.parent, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, f"ruff check forge:\n{done.stdout}{done.stderr}"
+
+
+def test_no_function_is_over_60_lines():
+    """Every function and method in forge/, counted from its first decorator to its last line (docstring
+    included), fits in 60 lines."""
+    long = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if (lines := node.end_lineno - first + 1) > 60:
+                    long.append(f"{path.relative_to(PACKAGE)}:{first} {node.name} ({lines} lines)")
+    assert long == []
 
 
 def test_every_public_name_of_the_package_face_imports():
