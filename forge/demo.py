@@ -321,8 +321,8 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     train_rows = (_screened_rows(settings, run, model, tokenizer, candidates, heldout)
                   if settings.screen_candidates else candidates)
 
-    trainer, curve, subset, train_cpu_seconds = _train_demo(settings, run, model, tokenizer, train_rows, heldout,
-                                                            before, eval_kw, teacher)
+    trainer, curve, subset, train_cpu_seconds = _train_demo(settings, run, model, tokenizer, train_rows,
+                                                            heldout, before, eval_kw, teacher)
 
     after = _final_eval(run, trainer, tokenizer, curve, heldout, eval_kw, precision)
     with run.timed("report_and_plot"):

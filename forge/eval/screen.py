@@ -156,8 +156,8 @@ def _check_screen_arguments(rows: list[dict], keep: str, correct_by: str, group_
         check_disjoint(rows, heldout_rows)
 
 
-def count_correct(model, tokenizer, rows: list[dict], group_size: int, settings: SamplingSettings, *, seed: int,
-                  batch_size: int, correct_by: str, max_prompt_length: int | None,
+def count_correct(model, tokenizer, rows: list[dict], group_size: int, settings: SamplingSettings, *,
+                  seed: int, batch_size: int, correct_by: str, max_prompt_length: int | None,
                   generate_fn: Callable[..., Any]) -> list[int]:
     """How many of each row's `group_size` samples are right (graded `correct_by`), sampled in eval mode
     under a seed that leaves the global random state as it was."""

@@ -215,8 +215,8 @@ def _thread_result(call: ToolCall, thread: threading.Thread, outcome: tuple | No
     """A thread's call once its deadline has passed: its outcome, or abandoned (said once per tool)."""
     if thread.is_alive():
         _say_abandoned(call.name, timeout, stateful)
-        return ToolResult(call, f"error: the call took longer than {timeout:g} s and was abandoned", "timeout",
-                          seconds=seconds)
+        return ToolResult(call, f"error: the call took longer than {timeout:g} s and was abandoned",
+                          "timeout", seconds=seconds)
     if outcome is None:  # the thread died outside the tool's own error handling
         return ToolResult(call, "error: the call ended without a result", "error", seconds=seconds)
     text, failure, cut = outcome
