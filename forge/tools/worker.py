@@ -270,8 +270,8 @@ class ToolWorkers:
                 continue
             if not sent:
                 worker.kill()
-                outcomes[job] = ("error: the tool's worker process ended before the call", "error", False,
-                                 0.0)
+                ended = "error: the tool's worker process ended before the call"
+                outcomes[job] = (ended, "error", False, 0.0)
                 continue
             busy[job] = (worker, time.perf_counter())
             selector.register(worker.result_read, selectors.EVENT_READ, job)
