@@ -212,7 +212,7 @@ def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
     import signal
     import subprocess
 
-    from forge.run.lifecycle import STOP_SIGNALS
+    from forge.run.signals import STOP_SIGNALS
 
     # The processes do not need --nproc, and the launcher would take it for an abbreviation of its own option.
     argv = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")

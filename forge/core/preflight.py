@@ -37,8 +37,8 @@ from forge.core.reward import TrainerState
 from forge.core.rollout import check_prompt_lengths, render_prompt
 from forge.core.scoring import check_reward_columns, per_completion, rollout_inputs, score_completions
 from forge.run import memory
-from forge.run.lifecycle import note_user_interrupt
 from forge.run.rng import capture_rng_state, restore_rng_state
+from forge.run.signals import note_user_interrupt
 
 MOST = 0.5  # "most" samples, for the strict checks
 

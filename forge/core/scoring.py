@@ -48,9 +48,9 @@ from forge.core.reward import BaseReward, RewardInputs, call_problem, is_async_r
 from forge.core.reward_sources import SequenceClassificationReward, as_reward, is_model_and_tokenizer
 from forge.core.rollout import SamplingSettings, generate
 from forge.data.dataset import dataset_columns
-from forge.run.lifecycle import reraise_user_interrupt
 from forge.run.loop import StepFailed
 from forge.run.rng import capture_rng_state, restore_rng_state
+from forge.run.signals import reraise_user_interrupt
 from forge.tools.calls import ToolSettings
 
 

@@ -49,10 +49,10 @@ from forge.model import prepare_policy
 from forge.model.decode_plan import DecodePlan
 from forge.parallel.distributed import DataParallel
 from forge.run import step_stats
-from forge.run.lifecycle import StopSignals, TrainingInterrupted
 from forge.run.loop import TrainingRun
 from forge.run.optim import GuardedStep, advance_schedule
 from forge.run.rng import seed_everything
+from forge.run.signals import StopSignals, TrainingInterrupted
 from forge.run.trainer_surface import RunEvents, TrainerSurface, with_resume
 
 

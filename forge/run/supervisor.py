@@ -19,7 +19,7 @@ The child is a copy of the parent (fork, no second interpreter or torch import),
 Signals: SIGINT, SIGTERM and SIGHUP sent to the parent are passed on to the child, so a stop signal to either
 process (`kill -INT`, `timeout -s INT`, a job runner, `Popen.send_signal`) gives the run's documented stop:
 finish the step under way, save it, exit 130. The parent passes each on as a real-time signal of its own
-(forge.run.lifecycle.relayed_as), so the child counts a signal that reached both processes (Ctrl-C in a
+(forge.run.signals.relayed_as), so the child counts a signal that reached both processes (Ctrl-C in a
 terminal, a signal to the process group) once. Before training starts and after it ends the child takes a
 relayed signal as the signal itself. A SIGHUP ignored by `nohup` stays ignored. The child gets SIGKILL when
 the parent dies (Linux's PR_SET_PDEATHSIG), so `kill -9` of `forge train` still stops the training at once.
@@ -42,7 +42,7 @@ from pathlib import Path
 
 from forge.parallel.launch import how_it_ended
 from forge.run.integrity import latest_verified_checkpoint
-from forge.run.lifecycle import STOP_SIGNALS, relayed_as
+from forge.run.signals import STOP_SIGNALS, relayed_as
 
 
 def run_watched(train: Callable[[], int], output_dir: str | os.PathLike) -> int:
@@ -128,7 +128,7 @@ def _die_with(parent: int) -> None:
 
 
 def _take_relayed_signals_as_themselves() -> None:
-    """In the child: a stop signal the parent relays is the signal itself (forge.run.lifecycle.StopSignals,
+    """In the child: a stop signal the parent relays is the signal itself (forge.run.signals.StopSignals,
     during training, counts a signal that came both ways once)."""
     for signum in STOP_SIGNALS:
         if relayed_as(signum) != signum:
