@@ -36,10 +36,10 @@ from forge.run import memory
 from forge.run.config_watch import ConfigWatch
 from forge.run.health import HEALTH_RULES, REWARD_RULES, HealthMonitor, parse_thresholds
 from forge.run.lifecycle import CheckpointParts, FinishedStep, RunLifecycle, claim_output_dir
-from forge.run.step_stats import warn_if_mostly_flat, warn_if_tools_unused
 from forge.run.optim import make_scheduler
 from forge.run.rng import capture_rng_state, seed_everything
 from forge.run.signals import TrainingInterrupted
+from forge.run.step_stats import warn_if_mostly_flat, warn_if_tools_unused
 
 
 class StepFailed(RuntimeError):
