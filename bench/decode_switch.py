@@ -54,14 +54,14 @@ def main() -> None:
     sides = {"on": True, "off": False}
     rounds = {side: [] for side in sides}
     rollouts = {}
-    trainer.generate(prompts)  # warm-up
+    trainer.sample_completions(prompts)  # warm-up
     for i in range(args.rounds):
         for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
             setattr(module, flag, sides[side])
             trainer.sampling_rng.manual_seed(0)  # the same sampling in every round
             started = time.process_time()
             with merged_adapters(trainer.model, args.merged, rounded=True):  # as evaluation merges in bf16
-                rollout = trainer.generate(prompts)
+                rollout = trainer.sample_completions(prompts)
             cpu = time.process_time() - started
             tokens = int(rollout.completion_mask.sum())
             rounds[side].append({"tokens": tokens, "cpu_seconds": cpu, "tokens_per_cpu_second": tokens / cpu})

@@ -64,14 +64,14 @@ def main() -> None:
              "unpacked": dataclasses.replace(trainer.decode_plan, pack=False)}
     rounds = {side: [] for side in plans}
     rollouts: dict[int, dict] = {}
-    trainer.generate(prompts)  # warm-up
+    trainer.sample_completions(prompts)  # warm-up
     for i in range(args.rounds):
         for side in (list(plans) if i % 2 == 0 else list(plans)[::-1]):
             trainer.decode_plan = plans[side]
             trainer.sampling_rng.manual_seed(0)  # the same sampling in every round
             with merged_adapters(trainer.model, args.merged, rounded=True):  # as evaluation merges
                 started = time.process_time()
-                rollout = trainer.generate(prompts)
+                rollout = trainer.sample_completions(prompts)
                 cpu = time.process_time() - started
                 gap_mean, gap_max = sampler_gap(trainer, rollout)
             tokens = int(rollout.completion_mask.sum())

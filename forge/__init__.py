@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from forge import _moved
-
 # Names are imported on first use, so `forge --help` and `import forge.core.grpo` do not load transformers.
 _WHERE = {
     "AsyncGRPOConfig": "forge.core.async_grpo",
@@ -20,7 +18,7 @@ _WHERE = {
     "load_model": "forge.model",
     "merge_and_export": "forge.model",
     "BaseReward": "forge.core.reward",
-    "CompositeReward": "forge.core.reward",
+    "CompositeReward": "forge.core.reward_sources",
     "ExactMatchReward": "forge.core.reward",
     "FormatReward": "forge.core.reward",
     "LengthPenaltyReward": "forge.core.reward",
@@ -71,8 +69,6 @@ def __dir__() -> list[str]:
 
 
 __version__ = "0.2.0"
-
-_moved.install()  # old import paths of moved modules (forge/_moved.py)
 
 
 def evaluate(*args, **kwargs):

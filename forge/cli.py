@@ -19,7 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from forge.cli_config import DEFAULTS, add_config_arguments, build_config, parse_bool
+from forge.cli_config import DEFAULTS, build_config
+from forge.cli_parser import build_parser
 from forge.core.trl_names import TRL_REFUSED
 from forge.logging.logger import install_warning_format
 
@@ -53,7 +54,8 @@ def parse_rewards(spec: str):
 
 
 def _load_user_reward(name: str, item: str):
-    """load_reward_from_path, with a missing function or a broken reward file said as a one-line ValueError."""
+    """load_reward_from_path, with a missing function or a broken reward file said as a
+    one-line ValueError."""
     from forge.core.reward_sources import load_reward_from_path
 
     try:
@@ -94,7 +96,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "watched", False) and "WORLD_SIZE" not in os.environ:  # the `forge` program, one process
         from forge.run.supervisor import run_watched
 
-        return run_watched(lambda: _train(args, config), config.output_dir)  # os._exit() in a reward is reported
+        # os._exit() in a reward is reported
+        return run_watched(lambda: _train(args, config), config.output_dir)
     return _train(args, config)
 
 
@@ -121,12 +124,14 @@ def _train(args: argparse.Namespace, config) -> int:
         environment_factory=environment,
     )
     dataset, eval_rows = _training_data(args, trainer.tokenizer)
-    if eval_rows is not None and not graded_by_math(eval_rows):  # the math grader would count every answer wrong
+    # the math grader would count every answer wrong
+    if eval_rows is not None and not graded_by_math(eval_rows):
         trainer.evaluator = greedy_reward_evaluator(trainer.rewards, config, trainer.tool_settings)
         if trainer.dist.is_main:
             print(
-                f"forge: --eval_dataset {args.eval_dataset}: most references are not numbers the math grader "
-                f"reads, so evaluation reports the mean reward of greedy completions under --reward (eval/reward)",
+                f"forge: --eval_dataset {args.eval_dataset}: most references are not numbers the math "
+                "grader reads, so evaluation reports the mean reward of greedy completions under "
+                "--reward (eval/reward)",
                 file=sys.stderr,
             )
     try:
@@ -141,18 +146,19 @@ def _train(args: argparse.Namespace, config) -> int:
 
 
 def _rewards_for(args: argparse.Namespace, environment=None) -> tuple[list, list[float]]:
-    """--reward's rewards and weights. Left at its default (math_correctness:1.0,tag_format:0.1) for a built-in
-    task (`forge.data.dataset.task_for`), the correctness term is the task's own reward, which pays what its
-    evaluation counts as right: the math tasks' `math_correctness`, reasoning-gym's own score_answer. Left at its
-    default with an --environment that has `get_reward`, the environment's reward is the only one."""
+    """--reward's rewards and weights. Left at its default (math_correctness:1.0,tag_format:0.1) for a
+    built-in task (`forge.data.dataset.task_for`), the correctness term is the task's own reward, which pays
+    what its evaluation counts as right: the math tasks' `math_correctness`, reasoning-gym's own score_answer.
+    Left at its default with an --environment that has `get_reward`, the environment's reward
+    is the only one."""
     from forge.data.dataset import task_for
     from forge.data.task import math_correctness
     from forge.envs.protocol import environment_reward
 
     if args.reward == DEFAULTS["reward"] and environment is not None and environment_reward(environment):
         print(
-            f"forge: --environment {args.environment}: its get_reward is the reward (weight 1.0); give --reward "
-            f"to add others",
+            f"forge: --environment {args.environment}: its get_reward is the reward (weight 1.0); give "
+            "--reward to add others",
             file=sys.stderr,
         )
         return [], []
@@ -192,39 +198,21 @@ def _training_data(args: argparse.Namespace, tokenizer) -> tuple[list[dict], lis
     return dataset, eval_rows
 
 
-def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    """--chat, --prompt_column, --reference_column (of `forge train` and `forge eval`)."""
-    parser.add_argument(
-        "--chat",
-        type=parse_bool,
-        nargs="?",
-        const=True,
-        default=None,
-        metavar="BOOL",
-        help="prompts as chat messages (--chat, --chat true) or plain text (--chat false), for the "
-        "datasets whose prompts Forge writes (gsm8k, gsm-hard, arithmetic, reasoning-gym:, "
-        "hf:; default: true when the tokenizer has a chat template); true also wraps every "
-        "string prompt (a JSONL file's) as one user message",
-    )
-    parser.add_argument("--prompt_column", default=None, help="hf: datasets: the question column [question]")
-    parser.add_argument("--reference_column", default=None, help="hf: datasets: the reference answer column [answer]")
-
-
 def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
     """forge train --nproc N: run the same command in N processes under torch.distributed's launcher
-    (forge/parallel/launch.py). When a process fails, the launcher stops the others and this says which step is
-    saved for --resume.
+    (forge/parallel/launch.py). When a process fails, the launcher stops the others and this says which step
+    is saved for --resume.
 
-    Each process sees WORLD_SIZE=N and trains instead of relaunching. The launcher runs in a session of its own,
-    so a stop signal (SIGINT from Ctrl-C or `kill -INT`, SIGTERM, SIGHUP) reaches the processes once, passed on by
-    this one to the launcher and by the launcher to them; and the launcher gets SIGTERM when this process dies.
-    They finish the step and rank 0 saves a checkpoint, so the launcher is given a longer grace period than
-    its default 30 s before it kills them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, in seconds, sets it).
+    Each process sees WORLD_SIZE=N and trains instead of relaunching. The launcher runs in a session of its
+    own, so a stop signal (SIGINT from Ctrl-C or `kill -INT`, SIGTERM, SIGHUP) reaches the processes once,
+    passed on by this one to the launcher and by the launcher to them; and the launcher gets SIGTERM when this
+    process dies. They finish the step and rank 0 saves a checkpoint, so the launcher is given a longer grace
+    period than its default 30 s before it kills them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, in seconds, sets it).
     """
     import signal
     import subprocess
 
-    from forge.run.lifecycle import STOP_SIGNALS
+    from forge.run.signals import STOP_SIGNALS
 
     # The processes do not need --nproc, and the launcher would take it for an abbreviation of its own option.
     argv = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
@@ -261,10 +249,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     common = {"data": args.data, "split": args.split, "n": args.n, "max_new_tokens": args.max_new_tokens,
               "num_samples": args.num_samples, "temperature": args.temperature, "seed": args.seed,
               "generation_backend": args.generation_backend}
-    data_options = {"chat": args.chat, "prompt_column": args.prompt_column, "reference_column": args.reference_column}
+    data_options = {"chat": args.chat, "prompt_column": args.prompt_column,
+                    "reference_column": args.reference_column}
     if args.reward:
         if args.compare:
-            raise ValueError("--reward scores one model's greedy completions: use it with --model, not --compare")
+            raise ValueError("--reward scores one model's greedy completions: use it with "
+                             "--model, not --compare")
         data_options["rewards"], data_options["reward_weights"] = parse_rewards(args.reward)
     _check_saved_folders(("--model", args.model), ("--adapter", args.adapter),
                          *(("--compare", model) for model in args.compare or ()))
@@ -272,7 +262,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from forge.eval.report import compare_models
 
         before, after = args.compare
-        json_path, md_path, summary = compare_models(before, after, out_dir=args.out, adapter=args.adapter, **common)
+        json_path, md_path, summary = compare_models(before, after, out_dir=args.out, adapter=args.adapter,
+                                                     **common)
         print(summary)
         print(f"report: {md_path}\n        {json_path}")
         return 0
@@ -295,7 +286,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from forge.model import merge_and_export
 
-    _check_saved_folders(("--adapter", args.adapter), ("--base", args.base))  # before anything is written to --out
+    # before anything is written to --out
+    _check_saved_folders(("--adapter", args.adapter), ("--base", args.base))
     print(merge_and_export(args.adapter, args.base, args.out, overwrite=args.overwrite))
     return 0
 
@@ -309,14 +301,15 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
     require_vllm()
     folder = str(packaged_model_path()) if args.model in _DEFAULT_ALIASES else args.model
     dtype = dtype_name(engine_dtype(choose_precision(args.dtype).compute))
-    serve(folder, args.host, args.port, dtype, args.enforce_eager, args.gpu_memory_utilization, args.vllm_args)
+    serve(folder, args.host, args.port, dtype, args.enforce_eager, args.gpu_memory_utilization,
+          args.vllm_args)
     return 0
 
 
 def _check_saved_folders(*given: tuple[str, str | None]) -> None:
-    """A folder Forge saved, given to `forge eval` or `forge export`, must verify before it loads (an UnverifiedSave,
-    exit code 2, names the folder, the file and what to load instead); then the files any local folder's load reads
-    must be whole and finite (forge/run/model_files.py). A hub id loads as is."""
+    """A folder Forge saved, given to `forge eval` or `forge export`, must verify before it loads (an
+    UnverifiedSave, exit code 2, names the folder, the file and what to load instead); then the files any
+    local folder's load reads must be whole and finite (forge/run/model_files.py). A hub id loads as is."""
     from forge.run.integrity import check_saved_model
     from forge.run.model_files import check_model_files
 
@@ -334,7 +327,8 @@ def cmd_screen(args: argparse.Namespace) -> int:
     _check_model(args.model, "--model")
     model, tokenizer = load_model(args.model)
     rows = load_rows(args.dataset)[: args.n]
-    result = screen_prompts(model, tokenizer, rows, group_size=args.group_size, max_new_tokens=args.max_new_tokens)
+    result = screen_prompts(model, tokenizer, rows, group_size=args.group_size,
+                            max_new_tokens=args.max_new_tokens)
     print(result.summary())
     if args.out:
         with open(args.out, "w") as f:
@@ -365,132 +359,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="forge",
-        description="GRPO fine-tuning for HuggingFace causal LMs.",
-        epilog="--debug (anywhere on the line) or FORGE_DEBUG=1: show the Python "
-        "traceback of an error instead of only its message.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    train = sub.add_parser("train", help="fine-tune a model with GRPO",
-                           description="Fine-tune a model with GRPO. Every GRPOConfig field is a flag.")
-    train.add_argument("--config", help="YAML file of GRPOConfig fields (and model/dataset/reward); flags override")
-    train.add_argument("--model", default=DEFAULTS["model"],
-                       help="hub id, local folder, .gguf file, or 'default' (packaged SmolLM2-135M-Instruct)")
-    train.add_argument("--dataset", default=DEFAULTS["dataset"],
-                       help="gsm8k, gsm8k-mock, gsm-hard, arithmetic, reasoning-gym:NAME, "
-                            "hf:ORG/NAME[:CONFIG][@SPLIT], or a JSONL file of {prompt, reference}")
-    train.add_argument(
-        "--eval_dataset",
-        default=None,
-        help="held-out data evaluated per eval_steps (same names; "
-        "reasoning-gym:NAME gives its held-out problems, hf: its test split unless @SPLIT says)",
-    )
-    _add_data_arguments(train)
-    train.add_argument("--max_samples", type=int, default=None, help="use only the first N dataset rows")
-    train.add_argument(
-        "--reward",
-        default=DEFAULTS["reward"],
-        help="comma-separated name[:weight] (exact_match, math_correctness, tag_format, number, "
-        "length) or module:function[:weight]",
-    )
-    train.add_argument("--tools", default=None,
-                       help="comma-separated module:function (or path/file.py:function, or the built-in "
-                            "'calculator') the model may call during rollouts; see GRPOConfig's tool fields")
-    train.add_argument(
-        "--environment",
-        default=None,
-        help="module:Class (or path/file.py:Class): an environment, one instance per completion, "
-        "reset with its dataset row, whose public methods the model calls (docs/environments.md)",
-    )
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
-    train.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="train data-parallel in N processes on this machine "
-        "(one per GPU, or gloo on CPU); the same as torchrun / accelerate launch",
-    )
-    add_config_arguments(train)
-    train.set_defaults(func=cmd_train)
-
-    ev = sub.add_parser("eval", help="evaluate a model on held-out problems (strict/soft accuracy, pass@k)")
-    ev.add_argument("--model", default="default", help="hub id, local folder, checkpoint, or 'default'")
-    ev.add_argument("--adapter", default=None, help="LoRA adapter folder to apply on --model")
-    ev.add_argument(
-        "--data",
-        default="arithmetic",
-        help="arithmetic, gsm8k, gsm-hard, gsm8k-mock, "
-        "reasoning-gym:NAME (its held-out problems), hf:ORG/NAME[:CONFIG][@SPLIT], or a JSONL path",
-    )
-    _add_data_arguments(ev)
-    ev.add_argument("--split", default="test")
-    ev.add_argument("--n", type=int, default=None, help="number of problems (default: all)")
-    ev.add_argument("--max_new_tokens", type=int, default=256)
-    ev.add_argument("--num_samples", type=int, default=1, help="samples per problem (>1 enables pass@k, maj@k)")
-    ev.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--generation_backend", default="auto", choices=["auto", "eager", "compiled", "vllm"],
-                    help="Forge's own decode loop (auto, eager, compiled) or vLLM (docs/scaling.md)")
-    ev.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="evaluate two models side by side")
-    ev.add_argument(
-        "--reward",
-        default=None,
-        help="also report the mean reward of greedy completions under these "
-        "rewards (reward, rewards/NAME), the syntax of `forge train --reward`: for data the math grader "
-        "cannot judge",
-    )
-    ev.add_argument("--out", default=None, help="directory for eval.json / the comparison report")
-    ev.set_defaults(func=cmd_eval)
-
-    # `forge demo`'s flags are parsed by forge.demo (cmd_demo), which imports the trainer: not on every `forge` call
-    demo = sub.add_parser("demo", help="offline demo: LoRA GRPO makes SmolLM2-135M better at arithmetic",
-                          add_help=False)
-    demo.set_defaults(func=cmd_demo)
-
-    screen = sub.add_parser("screen", help="keep training prompts with mixed correctness")
-    screen.add_argument("--model", default="default")
-    screen.add_argument("--dataset", default="arithmetic")
-    screen.add_argument("--n", type=int, default=64)
-    screen.add_argument("--group_size", type=int, default=8)
-    screen.add_argument("--max_new_tokens", type=int, default=64)
-    screen.add_argument("--out", default=None, help="JSONL file for the kept prompts")
-    screen.set_defaults(func=cmd_screen)
-
-    plot = sub.add_parser("plot", help="draw training curves from OUTPUT_DIR/training_log.jsonl")
-    plot.add_argument("output_dir")
-    plot.add_argument("--out", default=None, help="PNG path (default OUTPUT_DIR/training_curves.png)")
-    plot.set_defaults(func=cmd_plot)
-
-    export = sub.add_parser("export", help="merge a LoRA adapter into its base model (plain transformers folder)")
-    export.add_argument("--adapter", required=True)
-    export.add_argument("--base", default="default")
-    export.add_argument(
-        "--out",
-        required=True,
-        help="a new or empty folder, or an earlier export of the same --adapter and --base (replaced)",
-    )
-    export.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace what --out holds (never the --adapter or --base folder)",
-    )
-    export.set_defaults(func=cmd_export)
-    serve = sub.add_parser("vllm-serve", help="serve a model on vLLM for `forge train --vllm_mode server`")
-    serve.add_argument("--model", default="default", help="hub id, local folder, or 'default' (packaged SmolLM2)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--dtype", default="auto", help="as GRPOConfig.dtype: the trainer's compute dtype")
-    serve.add_argument("--enforce_eager", action="store_true", help="no compiled model: faster start, slower tokens")
-    serve.add_argument("--gpu_memory_utilization", type=float, default=0.9)
-    serve.add_argument("--vllm_args", nargs=argparse.REMAINDER, default=[], help="the rest goes to vLLM's server")
-    serve.set_defaults(func=cmd_vllm_serve)
-    parser.commands = sub.choices  # each command's parser, for the unknown-flag message
-    for command in parser.commands.values():
-        command.allow_abbrev = False  # `--num_generation` is a typo to name, not a prefix of --num_generations
-    return parser
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "screen": cmd_screen, "plot": cmd_plot,
+            "export": cmd_export, "vllm-serve": cmd_vllm_serve}
+"""What each command of the parser (forge/cli_parser.py) runs."""
 
 
 def _unknown_arguments(unknown: list[str], parser: argparse.ArgumentParser) -> str:
@@ -499,14 +370,16 @@ def _unknown_arguments(unknown: list[str], parser: argparse.ArgumentParser) -> s
     flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("--")]
     if not flags:
         return f"{parser.prog}: unexpected arguments: {' '.join(unknown)}"
-    known = sorted(option for action in parser._actions for option in action.option_strings if option.startswith("--"))
+    known = sorted(option for action in parser._actions for option in action.option_strings
+                   if option.startswith("--"))
     problems = []
     for flag in flags:
         if flag[2:] in TRL_REFUSED and "--num_generations" in known:  # a command that takes TRL's names
             problems.append(f"{flag} is TRL's and has no Forge equivalent as is: {TRL_REFUSED[flag[2:]]}")
             continue
         guesses = difflib.get_close_matches(flag, known, n=2)
-        problems.append(f"unknown option {flag}" + (f" (did you mean {' or '.join(guesses)}?)" if guesses else ""))
+        problems.append(f"unknown option {flag}"
+                        + (f" (did you mean {' or '.join(guesses)}?)" if guesses else ""))
     return f"{parser.prog}: " + "; ".join(problems) + f". `{parser.prog} --help` lists every option"
 
 
@@ -526,8 +399,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def _check_model(model, given_as: str) -> None:
-    """A model named by a path must be a model folder (config.json, or a LoRA adapter's adapter_config.json) or a
-    .gguf file: a missing path or another file is refused here, before the hub is asked for it as a repo id."""
+    """A model named by a path must be a model folder (config.json, or a LoRA adapter's adapter_config.json)
+    or a .gguf file: a missing path or another file is refused here, before the hub is asked for
+    it as a repo id."""
     if not isinstance(model, str):
         return
     path = Path(model).expanduser()
@@ -538,7 +412,8 @@ def _check_model(model, given_as: str) -> None:
             raise FileNotFoundError(f"{given_as} {model}: no such file or folder; {what}")
     elif path.is_file() and not model.lower().endswith(".gguf"):
         raise ValueError(f"{given_as} {model} is a file, not a model folder; {what}")
-    elif path.is_dir() and not any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
+    elif path.is_dir() and not any((path / name).is_file()
+                                   for name in ("config.json", "adapter_config.json")):
         raise ValueError(f"{given_as} {model} is a folder without config.json, so not a model folder; {what}")
     if path.is_dir():  # a folder Forge saved must verify (UnverifiedSave, exit 2); another loads as is
         _check_saved_folders((given_as, str(path)))
@@ -568,7 +443,8 @@ def _newest_intact_checkpoint_hint(args: argparse.Namespace) -> str:
 
 
 def _user_error(error: BaseException, args: argparse.Namespace) -> tuple[str, int] | None:
-    """(message, exit code) for an error the user can act on; None for a bug in Forge (keeps its traceback)."""
+    """(message, exit code) for an error the user can act on; None for a bug in Forge
+    (keeps its traceback)."""
     if isinstance(error, KeyboardInterrupt):
         return f"interrupted (Ctrl-C).{_newest_intact_checkpoint_hint(args)}", 130
     run_failures = [FloatingPointError]  # Forge's own, looked up only if loaded: `forge` must start fast
@@ -597,7 +473,8 @@ def _debug_requested(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `forge` program (argv None: the command line, and `forge train` runs watched) or a call with argv."""
+    """The `forge` program (argv None: the command line, and `forge train` runs watched) or
+    a call with argv."""
     watched = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = _debug_requested(argv)
@@ -612,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra and args.command != "demo":
             raise ValueError(_unknown_arguments(extra, parser.commands[args.command]))
         _check_arguments(args)
-        return args.func(args)
+        return COMMANDS[args.command](args)
     except BaseException as error:  # sorted below: a message for the user, or re-raised
         if debug or isinstance(error, SystemExit):
             raise

@@ -62,8 +62,8 @@ def _trl_value(text: str):
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """A flag per GRPOConfig field, its docstring the help; and TRL's names for them (core/trl_names.py TRL_NAMES,
-    TRL_CONVERTED; docs/from-trl.md)."""
+    """A flag per GRPOConfig field, its docstring the help; and TRL's names for them (core/trl_names.py
+    TRL_NAMES, TRL_CONVERTED; docs/from-trl.md)."""
     docs = field_docs()
     group = parser.add_argument_group("GRPOConfig fields (defaults in brackets)")
     hints = typing.get_type_hints(GRPOConfig)
@@ -103,7 +103,8 @@ def _fields_of(name: str, value, values: dict) -> set[str]:
     """The GRPOConfig fields a Forge or TRL name sets (a converted TRL name: those its converter gives)."""
     if name in TRL_NAMES:
         return {TRL_NAMES[name]}
-    if name in BATCH_NAMES:  # converted together (core/trl_batch.py), gradient_accumulation_steps one of the inputs
+    # converted together (core/trl_batch.py), gradient_accumulation_steps one of the inputs
+    if name in BATCH_NAMES:
         return {"prompts_per_step", "micro_batch_size"}
     if name in TRL_CONVERTED:
         try:
@@ -115,15 +116,16 @@ def _fields_of(name: str, value, values: dict) -> set[str]:
 
 
 def build_config(args: argparse.Namespace, overrides: dict | None = None) -> GRPOConfig:
-    """GRPOConfig from the --config file, then `overrides`, then the flags: a later source wins for each field,
-    whether it names it with Forge's name or TRL's."""
+    """GRPOConfig from the --config file, then `overrides`, then the flags: a later source wins for each
+    field, whether it names it with Forge's name or TRL's."""
     from_file: dict = {}
     if getattr(args, "config", None):
         loaded = _read_yaml_config(Path(args.config))
         # fields at the top level, or under `grpo:` next to top-level model / dataset / reward / eval_dataset
         nested = loaded.get("grpo")
         if nested is not None and not isinstance(nested, dict):
-            raise ValueError(f"{args.config}: `grpo:` must hold a mapping of GRPOConfig fields, got {nested!r:.60}")
+            raise ValueError(f"{args.config}: `grpo:` must hold a mapping of GRPOConfig fields, "
+                             f"got {nested!r:.60}")
         from_file = _yaml_numbers(loaded if nested is None else
                                   {**{k: v for k, v in loaded.items() if k in _RUN_SETTINGS}, **nested})
     given = {**(overrides or {}), **{name: value for name in CONFIG_FLAGS
@@ -157,7 +159,8 @@ def _read_yaml_config(path: Path) -> dict:
                          f"one per line") from None
     if not isinstance(loaded, dict):
         raise ValueError(  # noqa: TRY004 - bad input in a file, reported like the others
-            f"{path} must hold a mapping of GRPOConfig fields (`name: value` lines), got a {type(loaded).__name__}"
+            f"{path} must hold a mapping of GRPOConfig fields (`name: value` lines), got a "
+            f"{type(loaded).__name__}"
         )
     return loaded
 

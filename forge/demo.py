@@ -1,25 +1,27 @@
 """`forge demo`: LoRA GRPO makes the packaged SmolLM2-135M-Instruct better at arithmetic, offline, on a CPU.
 
 The recipe: build a seeded training set and a fixed, disjoint held-out set of arithmetic problems in a
-chat prompt that asks for <think>...</think><answer>...</answer> (the arithmetic task, forge/data/arithmetic.py:
-its rows and its grader, which both the reward and the evaluation use); measure the base model on the held-out
-set (greedy); train on fresh prompts every step (a group whose completions all score the same carries no
-GRPO signal and skips the backward pass; --screen_candidates instead keeps only prompts with mixed results),
-evaluating the first --eval_subset held-out problems every --eval_every steps for the held-out curve; measure
-again with the same decoding; write the before/after report. --ceiling measures the base model's pass@k at the
-training temperature on the held-out set instead (what sharpening alone can reach).
+chat prompt that asks for <think>...</think><answer>...</answer> (the arithmetic task,
+forge/data/arithmetic.py: its rows and its grader, which both the reward and the evaluation use); measure the
+base model on the held-out set (greedy); train on fresh prompts every step (a group whose completions all
+score the same carries no GRPO signal and skips the backward pass; --screen_candidates instead keeps only
+prompts with mixed results), evaluating the first --eval_subset held-out problems every --eval_every steps for
+the held-out curve; measure again with the same decoding; write the before/after report. --ceiling measures
+the base model's pass@k at the training temperature on the held-out set instead (what
+sharpening alone can reach).
 
 `forge demo --tools`: the same LoRA GRPO with a calculator tool, on arithmetic a 135M model cannot do in its
 head: 3-digit x 2-digit products, one-step "boxes" word problems, and two-step word problems with a distractor
 quantity (a*b + c). The prompt (the same before and after training) describes the text protocol
-`<calc>expr</calc>` -> `<result>v</result>` -> `<answer>v</answer>` and shows one worked example with one call.
-Rewards: the number in the last <answer> equals the reference (weight 1; the evaluation counts the same
+`<calc>expr</calc>` -> `<result>v</result>` -> `<answer>v</answer>` and shows one worked example with one
+call. Rewards: the number in the last <answer> equals the reference (weight 1; the evaluation counts the same
 function's verdict), and an <answer> tag is there (format_weight). Three greedy evaluations on the same fixed
 held-out set (disjoint from training): the base model without the tool (a prompt without the calculator), the
 base model with it, the trained model with it.
 
 Both demos load the model and pick the precision in one place (`load_policy`: one `choose_precision` call),
-and evaluate in that precision: the one the trainer trains in, so that before and after differ by training only.
+and evaluate in that precision: the one the trainer trains in, so that before and after
+differ by training only.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ class DemoSettings:
     """torch threads (0 = all cores)."""
     dtype: str = "auto"
     """Compute dtype (GRPOConfig.dtype) of training and of every evaluation: 'auto' = bf16 on a CPU with bf16
-    matrix units (AMX / AVX512-BF16) or a bf16 GPU, fp32 elsewhere; 'float32' forces fp32. Weights stay fp32."""
+    matrix units (AMX / AVX512-BF16) or a bf16 GPU, fp32 elsewhere; 'float32' forces fp32.
+    Weights stay fp32."""
     generation_backend: str = "auto"
     """Sampling during training: Forge's own decode loop ('auto') or 'vllm' (vLLM installed; docs/scaling.md).
     Every evaluation decodes with Forge's own greedy loop, so runs on either backend are measured alike."""
@@ -107,19 +110,19 @@ class DemoSettings:
     """Instead: the calculator-tool demo: arithmetic with a <calc> tool, base model without and with the tool,
     trained model with the tool, on the same held-out set."""
     distill: bool = False
-    """Instead: on-policy distillation: the packaged base model (the student) learns from the demo's GRPO-trained
-    adapter (the teacher: --teacher, or trained first by this command in output_dir/teacher, with the plain
-    demo's recipe) to match the teacher's next-token distributions; prints the steps and CPU seconds each needed
-    for 90% of the teacher's gain. The student's recipe: 24 steps x 8 prompts x 1 completion, lr 3e-4,
-    distill_loss 'full', the curve on 240 held-out problems every 4 steps; other flags apply to both."""
+    """Instead: on-policy distillation: the packaged base model (the student) learns from the demo's
+    GRPO-trained adapter (the teacher: --teacher, or trained first by this command in output_dir/teacher, with
+    the plain demo's recipe) to match the teacher's next-token distributions; prints the steps and CPU seconds
+    each needed for 90% of the teacher's gain. The student's recipe: 24 steps x 8 prompts x 1 completion, lr
+    3e-4, distill_loss 'full', the curve on 240 held-out problems every 4 steps; other flags apply to both."""
     teacher: str = ""
-    """With --distill: the final/ adapter folder of an earlier `forge demo` run (its demo_result.json beside it
-    gives GRPO's curve and times); empty = train the teacher first."""
+    """With --distill: the final/ adapter folder of an earlier `forge demo` run (its demo_result.json beside
+    it gives GRPO's curve and times); empty = train the teacher first."""
     reward_coef: float = 0.0
     """With --distill: weight of the reward advantage next to the teacher's (0 = pure distillation)."""
     distill_loss: str = "sampled"
-    """With --distill: 'sampled' or 'full' (the reverse KL per sampled token, or over the vocabulary; --distill:
-    'full')."""
+    """With --distill: 'sampled' or 'full' (the reverse KL per sampled token, or over the vocabulary;
+    --distill: 'full')."""
     asynchronous: bool = False
     """--async: sample and learn at once (GRPOConfig.max_staleness): a rollout worker process samples the next
     steps' groups on half the cores while the step trains on the rest; reports who waited on whom (the async/*
@@ -127,8 +130,8 @@ class DemoSettings:
     max_staleness: int = 1
     """With --async: how many optimizer steps old the weights that sample a step are (1: one step off)."""
     dynamic_sampling: bool = False
-    """Dynamic sampling (DAPO): up to 4 rounds of prompts per step until it holds prompts_per_step groups whose
-    rewards differ."""
+    """Dynamic sampling (DAPO): up to 4 rounds of prompts per step until it holds prompts_per_step groups
+    whose rewards differ."""
     env: bool = False
     """Instead: the environment demo (forge/demo_env.py): guess-the-number with higher/lower answers, base and
     trained model with the real answers and with a decoy's answers in their place, on the same held-out
@@ -136,8 +139,8 @@ class DemoSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoSettings:
-        """The settings of parsed flags (`add_demo_arguments`: None = not given): the flags the user gave, then the
-        recipe of --tools, --env, --distill or --quick (--quick wins), then the defaults."""
+        """The settings of parsed flags (`add_demo_arguments`: None = not given): the flags the user gave,
+        then the recipe of --tools, --env, --distill or --quick (--quick wins), then the defaults."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name) is not None}
         return cls(**(recipe(given) | given))
 
@@ -155,15 +158,17 @@ ENV = {"steps": 30, "prompts_per_step": 2, "max_new_tokens": 48, "learning_rate"
 DISTILL = {"steps": 24, "prompts_per_step": 8, "group_size": 1, "learning_rate": 3e-4, "distill_loss": "full",
            "eval_every": 4, "eval_subset": 240}
 """The distillation student's recipe (--distill; a teacher trained here first keeps the plain demo's values):
-8 prompts x 1 completion (pure distillation needs no group baseline), the divergence over the whole vocabulary,
-the curve on all 240 held-out problems every 4 steps (docs/performance.md, "On-policy distillation")."""
+8 prompts x 1 completion (pure distillation needs no group baseline), the divergence over the whole
+vocabulary, the curve on all 240 held-out problems every 4 steps (docs/performance.md, "On-policy
+distillation")."""
 RECIPES = {"tools": TOOLS, "env": ENV, "distill": DISTILL, "quick": QUICK}  # in this order: --quick wins
 
 
 def recipe(switches: dict) -> dict:
     """The settings changed by the switches that are on in `switches` ({"tools": True, ...}), with their
     values."""
-    return {key: value for name, values in RECIPES.items() if switches.get(name) for key, value in values.items()}
+    return {key: value for name, values in RECIPES.items() if switches.get(name)
+            for key, value in values.items()}
 
 
 def recipe_defaults(switches: dict) -> dict:
@@ -183,15 +188,18 @@ def add_demo_arguments(parser: argparse.ArgumentParser, switches: dict | None = 
         text = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
         if f.type in ("bool", bool):
             flags = ["--async"] if f.name == "asynchronous" else []  # `async` is a Python keyword
-            parser.add_argument(*flags, f"--{f.name}", dest=f.name, action="store_true", default=None, help=text)
+            parser.add_argument(*flags, f"--{f.name}", dest=f.name, action="store_true", default=None,
+                                help=text)
         else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(f"--{f.name}", type=kind, default=None, help=f"{text} (default: {defaults[f.name]})")
+            type_name = f.type if isinstance(f.type, str) else f.type.__name__
+            kind = {"int": int, "float": float, "str": str}[type_name]
+            parser.add_argument(f"--{f.name}", type=kind, default=None,
+                                help=f"{text} (default: {defaults[f.name]})")
 
 
 def demo_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The argument parser of `forge demo` (the CLI hands it the demo's part of the command line, `argv`): with
-    --tools in argv it describes the tool demo, its help and defaults included."""
+    """The argument parser of `forge demo` (the CLI hands it the demo's part of the command line, `argv`):
+    with --tools in argv it describes the tool demo, its help and defaults included."""
     switches = {name: f"--{name}" in (argv or []) for name in RECIPES}
     tools = switches["tools"]
     described = __doc__.split("\n\n")
@@ -298,15 +306,7 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     if settings.distill:
         return run_distill_demo(settings)
     run = DemoRun(settings, "forge demo")
-    run.say(f"loading {settings.model} (the packaged model is converted from GGUF once, ~20 s)")
-    model, tokenizer, precision = load_policy(settings)
-    heldout = ARITHMETIC_TASK.heldout(n=settings.heldout, chat=True)
-    candidates = ARITHMETIC_TASK.rows(
-        n=max(settings.screen_candidates, settings.steps * settings.prompts_per_step),
-        seed=settings.seed,
-        chat=True,
-    )
-    run.timings["load"] = run.elapsed()
+    model, tokenizer, precision, heldout, candidates = _load_model_and_problems(settings, run)
     if settings.ceiling:
         with precision.autocast():
             return _measure_ceiling(settings, run, model, tokenizer, heldout, precision)
@@ -321,6 +321,63 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     train_rows = (_screened_rows(settings, run, model, tokenizer, candidates, heldout)
                   if settings.screen_candidates else candidates)
 
+    trainer, curve, subset, train_cpu_seconds = _train_demo(settings, run, model, tokenizer, train_rows,
+                                                            heldout, before, eval_kw, teacher)
+
+    after = _final_eval(run, trainer, tokenizer, curve, heldout, eval_kw, precision)
+    with run.timed("report_and_plot"):
+        json_path, md_path = write_comparison(build_comparison(before, after, labels=("base", "trained")),
+                                              run.out)
+        curves = plot_training_curves(run.out)
+    total = run.timings["total"] = run.elapsed()
+    train_seconds = run.timings["training"]
+    _print_comparison(before.metrics, after.metrics)
+    # a student says so
+    recorded = asdict(settings) | ({"distill": True, "teacher": teacher} if teacher else {})
+    result = {
+        "settings": recorded,
+        "heldout_size": len(heldout),
+        "before": before.metrics,
+        "after": after.metrics,
+        "gain": after.metrics["strict_accuracy"] - before.metrics["strict_accuracy"],
+        "eval_curve": curve.points,
+        "eval_curve_size": len(subset or ()),
+        "train_seconds": train_seconds,
+        "train_cpu_seconds": train_cpu_seconds,
+        "total_seconds": total,
+        "seconds_per_step": train_seconds / max(1, settings.steps),
+        "timings": run.timings,
+        "load_average": {"start": load_before, "end": _load_average()},
+        "machine": _machine()
+        | {"precision": str(precision.compute).removeprefix("torch."), "precision_reason": precision.reason},
+    }
+    _save_result(settings, run, result)
+    print(
+        f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     "
+        f"{run.out / 'training_log.jsonl'}, {run.out / 'samples.jsonl'}\nadapter:  {run.out / 'final'}\n"
+        f"result:   {run.out / 'demo_result.json'}"
+    )
+    return result
+
+
+def _load_model_and_problems(settings: DemoSettings, run: DemoRun):
+    """The model, its tokenizer and precision, the held-out problems and the training candidates."""
+    run.say(f"loading {settings.model} (the packaged model is converted from GGUF once, ~20 s)")
+    model, tokenizer, precision = load_policy(settings)
+    heldout = ARITHMETIC_TASK.heldout(n=settings.heldout, chat=True)
+    candidates = ARITHMETIC_TASK.rows(
+        n=max(settings.screen_candidates, settings.steps * settings.prompts_per_step),
+        seed=settings.seed,
+        chat=True,
+    )
+    run.timings["load"] = run.elapsed()
+    return model, tokenizer, precision, heldout, candidates
+
+
+def _train_demo(settings: DemoSettings, run: DemoRun, model, tokenizer, train_rows: list[dict],
+                heldout: list[dict], before, eval_kw: dict, teacher: str | None):
+    """Train with the held-out curve (a teacher's adapter: distill from it). Returns the trainer, the curve,
+    the curve's held-out subset (None without one) and the training CPU seconds (the curve's excluded)."""
     subset = heldout[: settings.eval_subset] if settings.eval_every else None
     distill = {"teacher_model": teacher, "reward_coef": settings.reward_coef, "drop_zero_std_groups": False,
                "distill_loss": settings.distill_loss, "micro_batch_size": 0}  # every group in one loss pass
@@ -342,65 +399,51 @@ def run_demo(settings: DemoSettings, teacher: str | None = None) -> dict:
     run.timings["training"] -= curve.seconds
     train_cpu_seconds = time.process_time() - cpu_started - curve.cpu_seconds
     run.timings["curve_evals"] = curve.seconds - curve.final_seconds
+    return trainer, curve, subset, train_cpu_seconds
 
+
+def _final_eval(run: DemoRun, trainer, tokenizer, curve: HeldoutCurve, heldout: list[dict], eval_kw: dict,
+                precision: Precision):
+    """The trained policy on the whole held-out set: the curve's last point, or evaluated here."""
     run.say(f"evaluating the trained policy on the same {len(heldout)} held-out problems (greedy)")
     with run.timed("final_eval"):
         if curve.final is None:  # no curve (eval_every 0): evaluated here, in the training precision
             with precision.autocast(trainer.model):
                 curve.final = evaluate(trainer.model, tokenizer, heldout, **eval_kw)
     run.timings["final_eval"] += curve.final_seconds
-    after = curve.final
-    run.say(_summary_line("trained", after.metrics))
-    with run.timed("report_and_plot"):
-        json_path, md_path = write_comparison(build_comparison(before, after, labels=("base", "trained")), run.out)
-        curves = plot_training_curves(run.out)
-    total = run.timings["total"] = run.elapsed()
-    train_seconds = run.timings["training"]
+    run.say(_summary_line("trained", curve.final.metrics))
+    return curve.final
 
+
+def _print_comparison(before: dict, after: dict) -> None:
     print("\n            metric |   base | trained")
     for label, key in (("strict accuracy", "strict_accuracy"), ("soft accuracy", "soft_accuracy"),
                        ("format rate", "format_rate"), ("mean length", "mean_completion_length")):
         fmt = "{:6.1%}" if key != "mean_completion_length" else "{:6.1f}"
-        print(f"{label:>18} | {fmt.format(before.metrics[key])} | {fmt.format(after.metrics[key])}")
-    recorded = asdict(settings) | ({"distill": True, "teacher": teacher} if teacher else {})  # a student says so
-    result = {
-        "settings": recorded,
-        "heldout_size": len(heldout),
-        "before": before.metrics,
-        "after": after.metrics,
-        "gain": after.metrics["strict_accuracy"] - before.metrics["strict_accuracy"],
-        "eval_curve": curve.points,
-        "eval_curve_size": len(subset or ()),
-        "train_seconds": train_seconds,
-        "train_cpu_seconds": train_cpu_seconds,
-        "total_seconds": total,
-        "seconds_per_step": train_seconds / max(1, settings.steps),
-        "timings": run.timings,
-        "load_average": {"start": load_before, "end": _load_average()},
-        "machine": _machine()
-        | {"precision": str(precision.compute).removeprefix("torch."), "precision_reason": precision.reason},
-    }
-    out = run.out
+        print(f"{label:>18} | {fmt.format(before[key])} | {fmt.format(after[key])}")
+
+
+def _save_result(settings: DemoSettings, run: DemoRun, result: dict) -> None:
+    """demo_result.json, the times (and an async run's summary) printed."""
+    out, train_seconds = run.out, result["train_seconds"]
     (out / "demo_result.json").write_text(json.dumps(result, indent=2))
-    print(f"\ntraining {train_seconds:.0f}s ({result['seconds_per_step']:.1f} s/step), total {total:.0f}s ("
+    print(f"\ntraining {train_seconds:.0f}s ({result['seconds_per_step']:.1f} s/step), "
+          f"total {result['total_seconds']:.0f}s ("
           + ", ".join(f"{k} {v:.0f}s" for k, v in run.timings.items() if k != "total") + ")")
     if settings.asynchronous:
         result["async"] = async_summary(out / "training_log.jsonl")
         (out / "demo_result.json").write_text(json.dumps(result, indent=2))
         print("async:    " + ", ".join(f"{k} {v:.1f}" for k, v in result["async"].items()))
-    print(
-        f"report:   {md_path}\n          {json_path}\ncurves:   {curves}\nlogs:     {out / 'training_log.jsonl'}, "
-        f"{out / 'samples.jsonl'}\nadapter:  {out / 'final'}\nresult:   {out / 'demo_result.json'}"
-    )
-    return result
 
 
 def run_distill_demo(settings: DemoSettings) -> dict:
-    """--distill: the GRPO teacher (settings.teacher, or trained here first), then the packaged base distilled from
-    it; the steps and training CPU seconds each needed for 90% of the teacher's held-out gain (forge/eval/gain.py)."""
+    """--distill: the GRPO teacher (settings.teacher, or trained here first), then the packaged base distilled
+    from it; the steps and training CPU seconds each needed for 90% of the teacher's held-out gain
+    (forge/eval/gain.py)."""
     out, plain = Path(settings.output_dir), replace(settings, distill=False, teacher="")
     plain_values = recipe_defaults({"quick": settings.quick})
-    teacher_settings = replace(plain, **{key: plain_values[key] for key in DISTILL})  # the plain demo's recipe
+    # the plain demo's recipe
+    teacher_settings = replace(plain, **{key: plain_values[key] for key in DISTILL})
     teacher_dir = Path(settings.teacher) if settings.teacher else out / "teacher" / "final"
     if settings.teacher and not (teacher_dir.parent / "demo_result.json").is_file():
         raise FileNotFoundError(
@@ -424,8 +467,10 @@ def run_distill_demo(settings: DemoSettings) -> dict:
 
 def async_summary(log_path: Path) -> dict:
     """Who waited on whom over an async run: the per-step means of the async/* metrics and their sums."""
-    rows = [row for row in map(json.loads, log_path.read_text().splitlines()) if "async/trainer_wait_s" in row]
-    total = {key: sum(row[f"async/{key}"] for row in rows) for key in ("trainer_wait_s", "sampler_idle_s", "sampler_s")}
+    rows = [row for row in map(json.loads, log_path.read_text().splitlines())
+            if "async/trainer_wait_s" in row]
+    total = {key: sum(row[f"async/{key}"] for row in rows)
+             for key in ("trainer_wait_s", "sampler_idle_s", "sampler_s")}
     return {"steps": len(rows), "trainer_wait_s_total": total["trainer_wait_s"],
             "sampler_idle_s_total": total["sampler_idle_s"], "sampler_s_total": total["sampler_s"],
             "step_seconds_total": sum(row["step_seconds"] for row in rows),
@@ -433,8 +478,8 @@ def async_summary(log_path: Path) -> dict:
 
 
 def demo_rewards() -> list:
-    """The demo's rewards, weighted [1, format_weight]: the arithmetic task's own reward (its grader on the final
-    answer, the grader the evaluation uses), and the tag format."""
+    """The demo's rewards, weighted [1, format_weight]: the arithmetic task's own reward (its grader on the
+    final answer, the grader the evaluation uses), and the tag format."""
     return [ARITHMETIC_TASK.reward, TagFormatReward()]
 
 
@@ -443,8 +488,8 @@ def _screened_rows(settings: DemoSettings, run: DemoRun, model, tokenizer, candi
     """The candidates whose samples are mixed (some right, some wrong), topped up to one step's prompts."""
     seed_everything(settings.seed)
     run.say(
-        f"screening {settings.screen_candidates} training prompts ({settings.screen_group_size} samples each) "
-        f"for mixed correctness"
+        f"screening {settings.screen_candidates} training prompts ({settings.screen_group_size} samples "
+        "each) for mixed correctness"
     )
     screened = screen_prompts(model, tokenizer, candidates[: settings.screen_candidates],
                               group_size=settings.screen_group_size, max_new_tokens=settings.max_new_tokens,
@@ -460,7 +505,8 @@ def _screened_rows(settings: DemoSettings, run: DemoRun, model, tokenizer, candi
 
 
 class HeldoutCurve:
-    """The demo's evaluator for GRPOTrainer(evaluator=...): greedy metrics of the held-out subset during training.
+    """The demo's evaluator for GRPOTrainer(evaluator=...): greedy metrics of the held-out
+    subset during training.
 
     Step 0 is not generated again: it is the first `subset` problems of the base model's full evaluation
     (the same greedy decode). At the last step the whole held-out set is evaluated once (the subset comes
@@ -505,7 +551,8 @@ class HeldoutCurve:
 HELDOUT_KEYS = ("strict_accuracy", "soft_accuracy", "format_rate", "mean_completion_length", "n")
 
 
-def _measure_ceiling(settings: DemoSettings, run: DemoRun, model, tokenizer, heldout, precision: Precision) -> dict:
+def _measure_ceiling(settings: DemoSettings, run: DemoRun, model, tokenizer, heldout,
+                     precision: Precision) -> dict:
     """pass@group_size of the base model at the training temperature: what sharpening alone can reach."""
     k = settings.group_size
     run.say(f"measuring the ceiling: {k} samples per problem at temperature {settings.temperature} on "

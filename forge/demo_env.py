@@ -1,13 +1,14 @@
 """`forge demo --env`: GRPO teaches the packaged SmolLM2-135M-Instruct to act on what an environment tells it.
 
-The environment is guess-the-number (forge/envs/guess.py): a hidden number from 1 to `high`, a few guesses, each
-wrong one answered with the direction, the numbers left and their middle. The prompt states the rules and shows
-one worked game. The game is won by reading the answers: a policy that ignores them finds the number at most
-turns/high of the time. So every policy is measured twice on the same held-out episodes (greedy): with the real
-answers, and with answers about a decoy number. Success with real answers above success with the decoy's is
-success *because of* the answers. Training: LoRA GRPO, one GuessNumber per completion, its `get_reward` as the
-reward (1 when found; otherwise up to 0.5 for the share of the range the answers ruled out); the answers are
-fed to the model and masked out of the loss. Held-out episodes are ranges the training never sees.
+The environment is guess-the-number (forge/envs/guess.py): a hidden number from 1 to `high`, a few guesses,
+each wrong one answered with the direction, the numbers left and their middle. The prompt states the rules and
+shows one worked game. The game is won by reading the answers: a policy that ignores them finds the number at
+most turns/high of the time. So every policy is measured twice on the same held-out episodes (greedy): with
+the real answers, and with answers about a decoy number. Success with real answers above success with the
+decoy's is success *because of* the answers. Training: LoRA GRPO, one GuessNumber per completion, its
+`get_reward` as the reward (1 when found; otherwise up to 0.5 for the share of the range the answers ruled
+out); the answers are fed to the model and masked out of the loss. Held-out episodes are ranges the
+training never sees.
 """
 
 from __future__ import annotations

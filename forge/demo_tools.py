@@ -1,7 +1,8 @@
 """`forge demo --tools`: LoRA GRPO with a calculator tool on arithmetic a 135M model cannot do in its head.
 
-The calculator task (its problems, prompt and grader) and its demo; the run around it, the model, its precision
-and the GRPOConfig are the plain demo's (forge/demo.py, whose docstring describes this demo's recipe).
+The calculator task (its problems, prompt and grader) and its demo; the run around it, the model, its
+precision and the GRPOConfig are the plain demo's (forge/demo.py, whose docstring describes
+this demo's recipe).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def tool_problems(n: int, seed: int) -> list[dict]:
 
 
 def tool_prompt(question: str, with_tool: bool = True) -> list[dict]:
-    system, example = (SYSTEM_WITH_TOOL, EXAMPLE_WITH_TOOL) if with_tool else (SYSTEM_NO_TOOL, EXAMPLE_NO_TOOL)
+    system, example = ((SYSTEM_WITH_TOOL, EXAMPLE_WITH_TOOL) if with_tool
+                       else (SYSTEM_NO_TOOL, EXAMPLE_NO_TOOL))
     return [{"role": "system", "content": system}, {"role": "user", "content": EXAMPLE_QUESTION},
             {"role": "assistant", "content": example}, {"role": "user", "content": question}]
 
@@ -82,17 +84,20 @@ def answer_format(prompts, completions, **kwargs) -> list[float]:
 
 
 def calculator_settings() -> ToolSettings:
-    """The calculator as the demo's rollouts use it, in training and evaluation: text protocol, 3 calls, 5 s."""
+    """The calculator as the demo's rollouts use it, in training and evaluation: text
+    protocol, 3 calls, 5 s."""
     return ToolSettings(as_tools([calculator]), "text", max_calls=3, timeout=5.0)
 
 
 @torch.no_grad()
 def evaluate_with_tools(model, tokenizer, rows: list[dict], *, with_tool: bool, max_new_tokens: int,
                         batch_size: int = 60) -> dict:
-    """Greedy accuracy on rows (tool_rows, graded by `answer_correct`), the share that used the tool, and per kind."""
+    """Greedy accuracy on rows (tool_rows, graded by `answer_correct`), the share that used the
+    tool, and per kind."""
     was_training = model.training
     model.eval()
-    sampling, tools = SamplingSettings(max_new_tokens, do_sample=False), calculator_settings() if with_tool else None
+    sampling = SamplingSettings(max_new_tokens, do_sample=False)
+    tools = calculator_settings() if with_tool else None
     texts, calls = [], []
     for start in range(0, len(rows), batch_size):
         rollout = generate(

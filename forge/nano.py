@@ -48,7 +48,7 @@ What it leaves out, and where Forge has it:
       computed once for all prompts
     bf16/fp16 autocast, fp32 master weights, loss scale  forge/model/precision.py, forge/run/optim.py
     skipping a step with a NaN/inf loss or weight        forge/run/optim.py (GuardedStep)
-    checkpoints, resume, signals                         forge/run/checkpoint.py, forge/run/lifecycle.py
+    checkpoints, resume, signals                         forge/run/checkpoint.py, lifecycle.py, signals.py
     data parallel and FSDP2                              forge/parallel/
     vLLM as the sampler                                  forge/model/vllm_engine.py, core/engine_rollout.py
     metrics, logs, evaluation, the preflight             forge/run/step_stats.py, forge/logging/, forge/eval/,

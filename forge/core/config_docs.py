@@ -3,8 +3,8 @@
     python -m forge.core.config_docs > docs/config.md
     python -m forge.core.config_docs trl      the name tables of docs/from-trl.md (core/trl_names.py)
 
-tests/math/test_config.py fails when docs/config.md differs from what this prints, tests/units/test_trl_table.py
-when docs/from-trl.md does not hold the name tables.
+tests/math/test_config.py fails when docs/config.md differs from what this prints,
+tests/units/test_trl_table.py when docs/from-trl.md does not hold the name tables.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def reference_markdown() -> str:
         "# GRPOConfig reference",
         "",
         (
-            "Generated from the field docstrings of `forge/core/config.py` by `python -m forge.core.config_docs > "
-            "docs/config.md`; tests/math/test_config.py fails when the two differ. Every field is also a `forge train` "
-            "flag (`--name value`) and a key of a `--config` YAML file."
+            "Generated from the field docstrings of `forge/core/config.py` by `python -m "
+            "forge.core.config_docs > docs/config.md`; tests/math/test_config.py fails when the two differ. "
+            "Every field is also a `forge train` flag (`--name value`) and a key of a `--config` YAML file."
         ),
     ]
     for line in inspect.getsource(GRPOConfig).splitlines():
@@ -48,7 +48,8 @@ def reference_markdown() -> str:
         field = re.fullmatch(r"\s*(\w+): (.+?) = .*", line)
         if block:
             title = block.group(1)
-            out += ["", f"## {title[0].upper()}{title[1:]}", "", "| field | type | default | |", "|---|---|---|---|"]
+            out += ["", f"## {title[0].upper()}{title[1:]}", "", "| field | type | default | |",
+                    "|---|---|---|---|"]
         elif field and field.group(1) in defaults:
             name, kind = field.groups()
             text = " ".join(docs.get(name, "").split()).replace("|", "\\|")
@@ -57,8 +58,8 @@ def reference_markdown() -> str:
 
 
 def trl_tables_markdown() -> str:
-    """docs/from-trl.md's tables: every field of transformers' TrainingArguments and of TRL's GRPOConfig, with its
-    class (mapped, ignored, refused) and what it is in Forge, from forge/core/trl_names.py."""
+    """docs/from-trl.md's tables: every field of transformers' TrainingArguments and of TRL's GRPOConfig, with
+    its class (mapped, ignored, refused) and what it is in Forge, from forge/core/trl_names.py."""
     forge_fields = {f.name for f in fields(GRPOConfig)}
     out = []
     for title, names in (("transformers' `TrainingArguments` (5.24)", TRAINING_ARGUMENTS_FIELDS),

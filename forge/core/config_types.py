@@ -1,5 +1,5 @@
-"""Each field of a config dataclass checked against its annotation, and every number for being finite: the first
-check of GRPOConfig.validate(), so its range checks only ever see values of the right kind."""
+"""Each field of a config dataclass checked against its annotation, and every number for being finite: the
+first check of GRPOConfig.validate(), so its range checks only ever see values of the right kind."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ piece of this, each one small function plus one entry in a dict below; adding a 
 
 plus the token entropy (from the same chunked log-softmax as the log-probs), its top-quantile mask and bonus.
 grpo_loss comes first and reads as plain GRPO; it takes the variant as one LossSettings
-(GRPOConfig.loss_settings derives it from a run's config) and looks each piece up in the tables after it.
+(LossSettings.from_config derives it from a run's config) and looks each piece up in the tables after it.
 
 This module imports only torch, the standard library and core/advantages.py (pure tensor math too): everything
 comes in as tensors and numbers, so every formula is tested with hand-built tensors.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -46,7 +46,7 @@ from forge.core.advantages import (ADVANTAGE_SCALES, MULTI_REWARD_AGGREGATIONS, 
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The loss variant in GRPOConfig's names: all grpo_loss needs besides tensors (config.loss_settings)."""
+    """The loss variant in GRPOConfig's names: all grpo_loss needs besides tensors (`from_config`)."""
 
     clip_epsilon: float = 0.2
     clip_epsilon_high: float | None = None  # None = clip_epsilon
@@ -63,6 +63,14 @@ class LossSettings:
     rollout_is_threshold: float = 3.0
     kl_bias_correction: bool = False  # the KL term weighted by the importance ratio (DeepSeek-V3.2)
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask; None = off
+
+    @classmethod
+    def from_config(cls, config) -> LossSettings:
+        """The loss variant a run's GRPOConfig describes: its fields of the same names, and delta and
+        clip_ratio_c as one cap (the smaller of those set)."""
+        caps = [c for c in (config.delta, config.clip_ratio_c) if c is not None]
+        named = {f.name: getattr(config, f.name) for f in fields(cls) if f.name != "negative_ratio_cap"}
+        return cls(**named, negative_ratio_cap=min(caps) if caps else None)
 
     @property
     def epsilon_high(self) -> float:

@@ -3,9 +3,10 @@
 `check_before_training(trainer, rows)` runs when the rows are loaded:
     every prompt fits the model (core/rollout.py check_prompt_lengths)
     every reward gets the arguments it needs (core/scoring.py check_reward_columns)
-`run_preflight(trainer, rows, total_steps)` runs once the output directory is the run's, before step 1 of a new run
-    (GRPOConfig.preflight: 'warn' prints, 'strict' also stops, 'off' skips): a few prompts x G
-    sampled with the run's own model, precision, sampling settings and rewards, and one table of what they show:
+`run_preflight(trainer, rows, total_steps)` runs once the output directory is the run's, before step 1 of a
+    new run (GRPOConfig.preflight: 'warn' prints, 'strict' also stops, 'off' skips): a few prompts x G
+    sampled with the run's own model, precision, sampling settings and rewards, and one table of what they
+    show:
         truncation at max_new_tokens and the lengths of the finished completions
         each reward's mean and spread, and the share of samples where it raised, returned None or NaN/inf
         flat groups (every completion scored the same: no learning signal), at the low or the high end
@@ -25,6 +26,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -35,10 +37,9 @@ from forge.core.reward import TrainerState
 from forge.core.rollout import check_prompt_lengths, render_prompt
 from forge.core.scoring import check_reward_columns, per_completion, rollout_inputs, score_completions
 from forge.run import memory
-from forge.run.lifecycle import note_user_interrupt
 from forge.run.rng import capture_rng_state, restore_rng_state
+from forge.run.signals import note_user_interrupt
 
-PREFLIGHT_MODES = ("warn", "strict", "off")
 MOST = 0.5  # "most" samples, for the strict checks
 
 
@@ -68,7 +69,8 @@ class PreflightReport:
     truncated: float  # share of completions cut at max_new_tokens
     finished_lengths: dict[int, float]  # percentile -> tokens, over the completions that ended by themselves
     rewards: list[RewardCheck]
-    flat_low: float  # share of groups scored all alike at or below the mean reward (too hard, or a stuck reward)
+    # share of groups scored all alike at or below the mean reward (too hard, or a stuck reward)
+    flat_low: float
     flat_high: float  # share of groups scored all alike above it (too easy)
     tokens_per_second: float
     step_seconds: float  # projected for one optimizer step of this run
@@ -90,8 +92,8 @@ def check_before_training(trainer, rows: list[dict]) -> None:
 
 
 def run_preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport | None:
-    """The preflight as GRPOConfig.preflight says: print its table (main process), stop a strict run that cannot
-    learn (PreflightFailed), or skip it ('off'). Returns the report."""
+    """The preflight as GRPOConfig.preflight says: print its table (main process), stop a strict run that
+    cannot learn (PreflightFailed), or skip it ('off'). Returns the report."""
     mode = trainer.config.preflight
     if mode == "off" or not rows:
         return None
@@ -110,8 +112,8 @@ def run_preflight(trainer, rows: list[dict], total_steps: int) -> PreflightRepor
 
 @contextmanager
 def ctrl_c_marked_as_the_users():
-    """Ctrl-C raises KeyboardInterrupt marked as the user's (`note_user_interrupt`), as during training, so the
-    scoring tells it from a KeyboardInterrupt a reward raises itself, which is the reward's failure."""
+    """Ctrl-C raises KeyboardInterrupt marked as the user's (`note_user_interrupt`), as during training, so
+    the scoring tells it from a KeyboardInterrupt a reward raises itself, which is the reward's failure."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -131,13 +133,70 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     """Sample preflight_prompts prompts x G and score them as the run will, leaving the run unchanged."""
     config, group = trainer.config, trainer.config.group_size
     started, rng_state = time.perf_counter(), capture_rng_state()
-    mine = rows[:: max(1, len(rows) // config.preflight_prompts)][:config.preflight_prompts]  # spread over the data
+    # spread over the data
+    mine = rows[:: max(1, len(rows) // config.preflight_prompts)][:config.preflight_prompts]
     trainer.model.eval()
+    measured = measure(trainer, mine, total_steps)
+    restore_rng_state(rng_state)
+
+    rollout = measured.rollout
+    lengths = rollout.completion_lengths.float()  # (N,)
+    finished = lengths[~rollout.truncated]
+    flat, low = flat_groups(measured.scores, group)  # (P,) each
+    rollouts_per_step = config.gradient_accumulation_steps * config.prompts_per_step / len(mine)
+    step_seconds = projected_step_seconds(config, measured, flat, rollouts_per_step)
+    report = PreflightReport(
+        prompts=len(mine),
+        group_size=group,
+        max_new_tokens=config.max_new_tokens,
+        truncated=float(rollout.truncated.float().mean()),
+        finished_lengths={q: float(torch.quantile(finished, q / 100)) for q in (50, 90, 99)}
+        if finished.numel()
+        else {},
+        rewards=measured.checks,
+        flat_low=float(low.float().mean()),
+        flat_high=float((flat & ~low).float().mean()),
+        tokens_per_second=float(lengths.sum()) / max(measured.generation_seconds, 1e-9),
+        step_seconds=step_seconds,
+        generation_step_seconds=rollouts_per_step * measured.generation_seconds,
+        max_staleness=config.max_staleness,
+        run_seconds=step_seconds * total_steps,
+        seconds=time.perf_counter() - started,
+        prompt_as_seen=render_prompt(trainer.tokenizer, mine[0]["prompt"]),
+        memory=None
+        if trainer.dist.fsdp
+        else projected_memory(trainer, rollout, measured.held, measured.generation_rise, measured.loss_rise),
+    )
+    judge(report, string_prompts=isinstance(mine[0]["prompt"], str),
+          chat_model=bool(getattr(trainer.tokenizer, "chat_template", None)),
+          rewards_teach=getattr(trainer, "rewards_teach", True))
+    return report
+
+
+@dataclass
+class Measured:
+    """What the preflight's prompts cost and scored: the rollout, the total scores and each reward's check,
+    the seconds of each phase (scoring: per reward pass) and the MB the memory peak rose above `held`."""
+
+    rollout: Any
+    scores: Any
+    checks: list[RewardCheck]
+    generation_seconds: float
+    scoring_seconds: float
+    update_seconds: float
+    held: float
+    generation_rise: float
+    loss_rise: float
+
+
+def measure(trainer, mine: list[dict], total_steps: int) -> Measured:
+    """Sample `mine` x G, score them with every reward together and each alone, and time one loss pass."""
     generation_started, held = time.perf_counter(), memory.reset_peak(trainer.device)
     rollout = trainer.sample_completions([row["prompt"] for row in mine], mine)
-    generation_seconds, generation_rise = time.perf_counter() - generation_started, memory.peak_mb(trainer.device) - held
-    prompts, columns, _ = per_completion(mine, group)
-    score = {"on_error": "score", "error_value": 0.0, "timeout": config.reward_timeout,
+    generation_seconds = time.perf_counter() - generation_started
+    generation_rise = memory.peak_mb(trainer.device) - held
+    prompts, columns, _ = per_completion(mine, trainer.config.group_size)
+    score = {"on_error": "score", "error_value": 0.0, "timeout": trainer.config.reward_timeout,
              "trainer_state": TrainerState(0, total_steps, trainer.device), **rollout_inputs(rollout)}
     scoring_started = time.perf_counter()
     total = score_completions(trainer.rewards, prompts, rollout.completions, columns, **score)
@@ -149,10 +208,13 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
     ]
     scoring_seconds = (time.perf_counter() - scoring_started) / (len(trainer.rewards) + 1)
     update_seconds, loss_rise = loss_pass(trainer, rollout)
-    restore_rng_state(rng_state)
+    return Measured(rollout, total, checks, generation_seconds, scoring_seconds, update_seconds, held,
+                    generation_rise, loss_rise)
 
-    lengths = rollout.completion_lengths.float()  # (N,)
-    finished = lengths[~rollout.truncated]
+
+def flat_groups(total, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat, low), (P,) each: the groups whose kept samples all scored alike, and those of them at or below
+    the mean reward."""
     kept = total.valid & total.scored  # (N,)
     flat = group_reward_std(total.total, group, kept) == 0  # (P,)
     level = torch.stack(
@@ -160,43 +222,22 @@ def preflight(trainer, rows: list[dict], total_steps: int) -> PreflightReport:
             total.total[i * group : (i + 1) * group][kept[i * group : (i + 1) * group]].mean()
             if kept[i * group : (i + 1) * group].any()
             else torch.tensor(0.0)
-            for i in range(len(mine))
+            for i in range(len(flat))
         ]
     )
     middle = float(total.total[kept].mean()) if kept.any() else 0.0
     spread = float(total.total[kept].max() - total.total[kept].min()) if kept.any() else 0.0
-    low = flat & ((level <= middle) if spread > 0 else (level <= 0))  # one value everywhere: judged by its sign
-    rollouts_per_step = config.gradient_accumulation_steps * config.prompts_per_step / len(mine)
+    # one value everywhere: judged by its sign
+    low = flat & ((level <= middle) if spread > 0 else (level <= 0))
+    return flat, low
+
+
+def projected_step_seconds(config, measured: Measured, flat: torch.Tensor, rollouts_per_step: float) -> float:
+    """The seconds of one optimizer step: its rollouts' generation, scoring and loss passes."""
     carrying = 1.0 - float(flat.float().mean()) if config.drop_zero_std_groups else 1.0  # flat: no loss pass
-    step_seconds = rollouts_per_step * (generation_seconds + scoring_seconds
-                                        + update_seconds * carrying * config.num_iterations)
-    step_seconds /= config.num_iterations  # an optimizer step of a rollout reused num_iterations times
-    report = PreflightReport(
-        prompts=len(mine),
-        group_size=group,
-        max_new_tokens=config.max_new_tokens,
-        truncated=float(rollout.truncated.float().mean()),
-        finished_lengths={q: float(torch.quantile(finished, q / 100)) for q in (50, 90, 99)}
-        if finished.numel()
-        else {},
-        rewards=checks,
-        flat_low=float(low.float().mean()),
-        flat_high=float((flat & ~low).float().mean()),
-        tokens_per_second=float(lengths.sum()) / max(generation_seconds, 1e-9),
-        step_seconds=step_seconds,
-        generation_step_seconds=rollouts_per_step * generation_seconds,
-        max_staleness=config.max_staleness,
-        run_seconds=step_seconds * total_steps,
-        seconds=time.perf_counter() - started,
-        prompt_as_seen=render_prompt(trainer.tokenizer, mine[0]["prompt"]),
-        memory=None
-        if trainer.dist.fsdp
-        else projected_memory(trainer, rollout, held, generation_rise, loss_rise),
-    )
-    judge(report, string_prompts=isinstance(mine[0]["prompt"], str),
-          chat_model=bool(getattr(trainer.tokenizer, "chat_template", None)),
-          rewards_teach=getattr(trainer, "rewards_teach", True))
-    return report
+    step_seconds = rollouts_per_step * (measured.generation_seconds + measured.scoring_seconds
+                                        + measured.update_seconds * carrying * config.num_iterations)
+    return step_seconds / config.num_iterations  # an optimizer step of a rollout reused num_iterations times
 
 
 def reward_check(name: str, scores) -> RewardCheck:
@@ -215,9 +256,9 @@ def reward_check(name: str, scores) -> RewardCheck:
 
 
 def loss_pass(trainer, rollout) -> tuple[float, float]:
-    """(seconds, MB the memory peak rose) of one forward and backward over the preflight's completions, micro-batch
-    by micro-batch as the loss pass runs them; the gradients are dropped again (no weight and no optimizer state
-    changes). Not measured under FSDP2."""
+    """(seconds, MB the memory peak rose) of one forward and backward over the preflight's completions,
+    micro-batch by micro-batch as the loss pass runs them; the gradients are dropped again (no weight and no
+    optimizer state changes). Not measured under FSDP2."""
     if trainer.dist.fsdp:
         return 0.0, 0.0
     started, held = time.perf_counter(), memory.reset_peak(trainer.device)
@@ -254,10 +295,10 @@ def rollout_rows(trainer) -> int:
 
 
 def fit_memory(trainer, report: PreflightReport) -> str | None:
-    """Check the projected peak against max_memory_mb (default: 90% of what this process holds plus its share of
-    what the machine has free): micro_batch_size='auto' takes the largest micro-batch that fits; a run that still
-    does not fit stops (the returned message, raised after the report prints), naming what to turn, instead of
-    being killed for memory later."""
+    """Check the projected peak against max_memory_mb (default: 90% of what this process holds plus its share
+    of what the machine has free): micro_batch_size='auto' takes the largest micro-batch that fits; a run that
+    still does not fit stops (the returned message, raised after the report prints), naming what to turn,
+    instead of being killed for memory later."""
     config, projection = trainer.config, report.memory
     if projection is None:
         return None
@@ -278,21 +319,24 @@ def fit_memory(trainer, report: PreflightReport) -> str | None:
     return (
         f"this run's memory is projected to peak at {projection.peak:.0f} MB (held {projection.held:.0f}, "
         f"generation +{projection.generation:.0f}, loss pass +{projection.loss_pass:.0f} per micro-batch of "
-        f"{projection.micro_batch_size}), over its budget of {budget:.0f} MB (max_memory_mb; default 90% of what "
-        f"is free): set micro_batch_size='auto' or lower it, turn on gradient_checkpointing, or lower "
-        f"max_new_tokens or prompts_per_step; raise max_memory_mb only if that memory is there"
+        f"{projection.micro_batch_size}), over its budget of {budget:.0f} MB (max_memory_mb; default 90% of "
+        "what is free): set micro_batch_size='auto' or lower it, turn on gradient_checkpointing, or lower "
+        "max_new_tokens or prompts_per_step; raise max_memory_mb only if that memory is there"
     )
 
 
-def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool, rewards_teach: bool = True) -> None:
-    """Fill `problems` (what stops a strict run) and `advice` (what is worth a look), each naming the fix. Flat
-    groups are judged only where the rewards enter the loss (not in pure on-policy distillation)."""
+def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool,
+          rewards_teach: bool = True) -> None:
+    """Fill `problems` (what stops a strict run) and `advice` (what is worth a look), each naming the fix.
+    Flat groups are judged only where the rewards enter the loss (not in pure on-policy distillation)."""
     flat = (report.flat_low + report.flat_high) if rewards_teach else 0.0
     if flat >= 1.0:
+        scored = ("every group scored low (too hard, or a reward that never pays)" if report.flat_low
+                  else "every group scored high (too easy)")
         report.problems.append(
             f"no group of {report.group_size} completions got different rewards, so no step can learn: "
-            f"{'every group scored low (too hard, or a reward that never pays)' if report.flat_low else 'every group scored high (too easy)'}; "
-            f"screen the prompts (`forge screen`), raise group_size, or use a reward with partial credit."
+            f"{scored}; screen the prompts (`forge screen`), raise group_size, or use a reward with partial "
+            "credit."
         )
     elif flat > MOST:
         report.advice.append(
@@ -303,9 +347,9 @@ def judge(report: PreflightReport, *, string_prompts: bool, chat_model: bool, re
         p90 = report.finished_lengths.get(90)
         hint = f"; the finished ones needed up to {p90:.0f} tokens (p90)" if p90 else ""
         report.problems.append(
-            f"{report.truncated:.0%} of completions were cut at max_new_tokens={report.max_new_tokens}{hint}: "
-            f"raise max_new_tokens (e.g. {max(2 * report.max_new_tokens, int(2 * (p90 or 0)))}) or ask for "
-            f"shorter answers."
+            f"{report.truncated:.0%} of completions were cut at "
+            f"max_new_tokens={report.max_new_tokens}{hint}: raise max_new_tokens (e.g. "
+            f"{max(2 * report.max_new_tokens, int(2 * (p90 or 0)))}) or ask for shorter answers."
         )
     for check in report.rewards:
         failed = check.raised + check.nonfinite
@@ -329,7 +373,10 @@ def format_report(report: PreflightReport) -> str:
     """The preflight as one compact block for the console."""
     lengths = " ".join(f"p{q} {v:.0f}" for q, v in report.finished_lengths.items()) or "none finished"
     lines = [
-        f"forge preflight: {report.prompts} prompts x {report.group_size} completions, {report.seconds:.1f} s",
+        (
+            f"forge preflight: {report.prompts} prompts x {report.group_size} completions, "
+            f"{report.seconds:.1f} s"
+        ),
         (
             f"  completions   {report.truncated:.0%} cut at max_new_tokens={report.max_new_tokens}; finished "
             f"lengths (tokens): {lengths}"
@@ -344,8 +391,10 @@ def format_report(report: PreflightReport) -> str:
         f"per step, ~{report.run_seconds / 60:.1f} min for the run (projected)"
     )
     if report.max_staleness is not None:  # async: each side's share of a step, who waits for whom
-        sampling, learning = report.generation_step_seconds, report.step_seconds - report.generation_step_seconds
-        waits = "the trainer waits for the worker" if sampling > learning else "the worker waits for the trainer"
+        sampling = report.generation_step_seconds
+        learning = report.step_seconds - report.generation_step_seconds
+        waits = ("the trainer waits for the worker" if sampling > learning
+                 else "the worker waits for the trainer")
         lines.append(
             f"  async         sampling ~{sampling:.1f} s and learning ~{learning:.1f} s a step, measured "
             f"on this process's threads: {waits} (max_staleness={report.max_staleness})"

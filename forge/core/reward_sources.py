@@ -1,5 +1,5 @@
-"""Rewards from whatever the user passes: a function, a BaseReward, a built-in's name, an import path, a reward
-model (a loaded sequence-classification model, its hub id or its folder), or a weighted list of them.
+"""Rewards from whatever the user passes: a function, a BaseReward, a built-in's name, an import path, a
+reward model (a loaded sequence-classification model, its hub id or its folder), or a weighted list of them.
 
     as_reward(x)                  any one of them as a BaseReward (what GRPOTrainer and CompositeReward call)
     CompositeReward([(r, w), ..]) a weighted average of rewards
@@ -36,10 +36,11 @@ from forge.core.reward import (
 
 
 def as_reward(fn_or_reward: Any, convention: str = "forge") -> BaseReward:
-    """A BaseReward for a BaseReward (returned unchanged), a plain callable (wrapped in a `FunctionReward` that is
-    called by `convention`: 'forge' or 'trl', see forge.core.reward.CONVENTIONS), a sequence-classification model,
-    or a string: a built-in reward's name, a ``module:function`` path, or else a reward model's hub id or folder.
-    A BaseReward subclass passed by mistake instead of an instance is an error."""
+    """A BaseReward for a BaseReward (returned unchanged), a plain callable (wrapped in a `FunctionReward`
+    that is called by `convention`: 'forge' or 'trl', see forge.core.reward.CONVENTIONS), a
+    sequence-classification model, or a string: a built-in reward's name, a ``module:function`` path, or else
+    a reward model's hub id or folder. A BaseReward subclass passed by mistake instead of an
+    instance is an error."""
     if isinstance(fn_or_reward, BaseReward):
         return fn_or_reward
     if isinstance(fn_or_reward, (str, os.PathLike)):
@@ -85,8 +86,8 @@ def is_model_and_tokenizer(obj: Any) -> bool:
 
 
 class SequenceClassificationReward(BaseReward):
-    """A reward model: a HuggingFace sequence-classification model scores prompt + completion, and the score is
-    its logit ``label_index`` (0: the usual single-output reward model, as TRL uses).
+    """A reward model: a HuggingFace sequence-classification model scores prompt + completion, and the score
+    is its logit ``label_index`` (0: the usual single-output reward model, as TRL uses).
 
     ``model`` is a loaded ``*ForSequenceClassification`` model, a hub id or a local folder; ``tokenizer`` is
     read from the same place when not given. Scoring runs batched (``batch_size`` texts a forward), without
@@ -127,7 +128,8 @@ class SequenceClassificationReward(BaseReward):
         model.eval()
         model.requires_grad_(False)
         self.model, self.tokenizer = model, tokenizer
-        self.batch_size, self.max_length, self.label_index, self.device = batch_size, max_length, label_index, device
+        self.batch_size, self.max_length = batch_size, max_length
+        self.label_index, self.device = label_index, device
         if name:
             self.name = name
 
@@ -157,7 +159,8 @@ class SequenceClassificationReward(BaseReward):
                 encoded = self.tokenizer([t for t, _ in chunk], padding=True, padding_side="right",
                                          truncation=self.max_length is not None, max_length=self.max_length,
                                          add_special_tokens=special, return_tensors="pt").to(device)
-                logits = self.model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
+                logits = self.model(input_ids=encoded["input_ids"],
+                                    attention_mask=encoded["attention_mask"]).logits
                 scores.extend(logits[:, self.label_index].float().cpu().tolist())  # (b,)
         return RewardOutput(scores=scores)
 
@@ -294,7 +297,8 @@ def load_reward_from_path(path: str, convention: str = "forge") -> BaseReward:
             f"module '{module_name}' has no attribute '{attribute}' (from reward path '{path}')"
         )
     target = getattr(module, attribute)
-    if isinstance(target, type):  # a reward class (BaseReward or a plain callable class): its default instance
+    # a reward class (BaseReward or a plain callable class): its default instance
+    if isinstance(target, type):
         try:
             target = target()
         except Exception as error:  # noqa: BLE001 - the user's __init__: said in one line, with its own words

@@ -42,10 +42,16 @@ import torch
 import torch.multiprocessing as mp
 
 from forge.core.engine_rollout import generate_on_engine, open_engine
-from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
-                                sampling_seed)
-from forge.model.lora import merged_adapters
+from forge.core.rollout import (
+    Rollout,
+    SamplingSettings,
+    generate,
+    prompt_budget,
+    sampling_noise,
+    sampling_seed,
+)
 from forge.model.decode_plan import DecodePlan
+from forge.model.lora import merged_adapters
 from forge.run.loop import StepFailed
 
 POLL_SECONDS = 0.5  # how often a waiting side looks whether the other is still there
@@ -93,7 +99,8 @@ class WorkerSpec:
 
 
 def flat_weights(params: list[torch.Tensor]) -> torch.Tensor:
-    """(sum of numels,) float32 CPU copy of the parameters, one tensor: one shared-memory block per publish."""
+    """(sum of numels,) float32 CPU copy of the parameters, one tensor: one shared-memory
+    block per publish."""
     return torch.cat([p.detach().float().reshape(-1).cpu() for p in params])
 
 
@@ -149,8 +156,10 @@ def _get(q, what: str):
 
 def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
     """The sampling process: serve requests in order until None, each with the weights its step needs."""
-    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a terminal's or a job's stop reaches the whole
-        signal.signal(stop, signal.SIG_IGN)  # group: the trainer finishes its step, saves it and stops us
+    # a terminal's or a job's stop reaches the whole group: the trainer finishes its step, saves it and
+    # stops us
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, signal.SIG_IGN)
     _die_with_parent()
     try:
         torch.set_num_threads(spec.threads)
@@ -158,7 +167,8 @@ def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
         model.eval()
         named = dict(model.named_parameters())
         trainable = [named[name] for name in spec.trainable_names]
-        engine = open_engine(config, model, spec.tokenizer, spec.precision.compute, worker=True)  # vLLM or None
+        # vLLM or None
+        engine = open_engine(config, model, spec.tokenizer, spec.precision.compute, worker=True)
         with spec.precision.autocast(model):
             plan = None if engine else DecodePlan.of(model, config.generation_backend, False)
         version, k = spec.version, config.max_staleness
@@ -173,7 +183,8 @@ def sample_forever(spec: WorkerSpec, requests, weights, results) -> None:
             idle = time.perf_counter() - waited
             started = time.perf_counter()
             rollouts = sample(spec, model, engine, plan, request, version)
-            results.put(_portable(Sampled(request.step, version, rollouts, idle, time.perf_counter() - started)))
+            results.put(_portable(Sampled(request.step, version, rollouts, idle,
+                                          time.perf_counter() - started)))
     except SystemExit:
         raise
     except BaseException as error:  # noqa: BLE001 - every failure reaches the trainer, with its traceback
@@ -195,7 +206,8 @@ def sample(spec: WorkerSpec, model, engine, plan, request: SamplingRequest, vers
             )
             for prompts, noise in request.rounds
         ]
-    with torch.no_grad(), spec.precision.autocast(model), merged_adapters(model, config.merge_lora_for_generation):
+    with (torch.no_grad(), spec.precision.autocast(model),
+          merged_adapters(model, config.merge_lora_for_generation)):
         return [generate(model, spec.tokenizer, prompts, group, request.settings, budget, truncate,
                          config.share_prompt_prefix, noise, plan=plan) for prompts, noise in request.rounds]
 
@@ -237,8 +249,8 @@ class AsyncRollouts:
 
     @classmethod
     def of_run(cls, config, world_size: int, tool_settings) -> AsyncRollouts | None:
-        """The rollout worker of a run with this GRPOConfig; None when max_staleness is None (the run samples in
-        its own process)."""
+        """The rollout worker of a run with this GRPOConfig; None when max_staleness is None (the run samples
+        in its own process)."""
         if config.max_staleness is None:
             return None
         if world_size > 1:
@@ -247,7 +259,8 @@ class AsyncRollouts:
         if tool_settings is not None:
             raise ValueError("max_staleness (async GRPO) does not sample tool or environment rollouts yet; "
                              "leave max_staleness=None with tools= or environment_factory=")
-        return cls(config.max_staleness, config.sampler_threads, config.sampler_device, config.rollout_timeout)
+        return cls(config.max_staleness, config.sampler_threads, config.sampler_device,
+                   config.rollout_timeout)
 
     @property
     def running(self) -> bool:
@@ -267,7 +280,8 @@ class AsyncRollouts:
         spec = WorkerSpec(_copy_for_worker(model), tokenizer, precision, [names[id(p)] for p in trainable],
                           version, config, self.threads, device)
         own_loop = config.generation_backend != "vllm"  # on vLLM the server samples; the worker only asks
-        if own_loop and self.device is None and precision.device_type == "cpu":  # the processes split the cores
+        # the processes split the cores
+        if own_loop and self.device is None and precision.device_type == "cpu":
             self.trainer_threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self.trainer_threads - self.threads))
         self.process = ctx.Process(
@@ -280,12 +294,14 @@ class AsyncRollouts:
             self.process.start()
 
     def schedule(self, steps: Iterator, trainer) -> Iterator:
-        """The run's steps (rows, epoch, position) as the loop walks them (forge/run/loop.py), each step's rows
-        sent to the worker max_staleness steps before the step. The worker starts from the trainer's weights as
-        they are when the loop asks for the first step, and stops when the steps end or the loop leaves."""
+        """The run's steps (rows, epoch, position) as the loop walks them (forge/run/loop.py), each step's
+        rows sent to the worker max_staleness steps before the step. The worker starts from the trainer's
+        weights as they are when the loop asks for the first step, and stops when the steps end or
+        the loop leaves."""
         window: list = []
         step = first = trainer.global_step
-        self.start(trainer.model, trainer.tokenizer, trainer.precision, trainer.config, trainer.trainable, first)
+        self.start(trainer.model, trainer.tokenizer, trainer.precision, trainer.config, trainer.trainable,
+                   first)
         try:
             for item in steps:
                 if step < trainer.total_steps:
@@ -378,9 +394,9 @@ class AsyncRollouts:
 
 
 def _portable(sampled: Sampled) -> Sampled:
-    """The worker's answer with its tensors as numpy arrays, which a queue sends by value: tensors would be sent
-    as shared memory whose file descriptors the trainer fetches from the worker, so a worker that dies after
-    sending would take its answer with it."""
+    """The worker's answer with its tensors as numpy arrays, which a queue sends by value: tensors would be
+    sent as shared memory whose file descriptors the trainer fetches from the worker, so a worker that dies
+    after sending would take its answer with it."""
     return dataclasses.replace(sampled, rollouts=[_with_fields(r, torch.Tensor, torch.Tensor.numpy)
                                                   for r in sampled.rollouts])
 
@@ -388,7 +404,8 @@ def _portable(sampled: Sampled) -> Sampled:
 def _with_fields(rollout: Rollout, kind: type, convert) -> Rollout:
     """`rollout` with each field of type `kind` converted (tensors to numpy arrays, and back)."""
     values = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
-    return dataclasses.replace(rollout, **{name: convert(v) for name, v in values.items() if isinstance(v, kind)})
+    return dataclasses.replace(rollout,
+                               **{name: convert(v) for name, v in values.items() if isinstance(v, kind)})
 
 
 @contextlib.contextmanager

@@ -48,9 +48,9 @@ from forge.core.reward import BaseReward, RewardInputs, call_problem, is_async_r
 from forge.core.reward_sources import SequenceClassificationReward, as_reward, is_model_and_tokenizer
 from forge.core.rollout import SamplingSettings, generate
 from forge.data.dataset import dataset_columns
-from forge.run.lifecycle import reraise_user_interrupt
 from forge.run.loop import StepFailed
 from forge.run.rng import capture_rng_state, restore_rng_state
+from forge.run.signals import reraise_user_interrupt
 from forge.tools.calls import ToolSettings
 
 
@@ -392,10 +392,6 @@ def _describe_failure(name, error, prompts, completions, index, where, row_index
     return (f"reward '{name}' raised {detail}{where}, on completion {index}{row} "
             f"({completions[index][:200]!r}) of prompt {str(prompts[index])[:120]!r}. Fix the reward, or "
             f"set on_reward_error='score' to give failing samples reward_error_value and go on.")
-
-
-Evaluator = Callable[..., dict]
-"""evaluator(model, tokenizer, rows, *, max_new_tokens, max_prompt_length) -> {metric name: value}."""
 
 
 def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: list[dict]) -> None:

@@ -20,16 +20,16 @@ TRUNCATION_MARKER = " [truncated: token budget]"  # ends a fed result cut to the
 
 
 class ToolTurns:
-    """Tools or an environment in a decode loop. When a completion's text ends a call (CallFormat), the calls of
-    that decode step run together, each with its timeout; each result is rendered, tokenized and *fed* to its
-    completion in the next forward, all its tokens in that one pass, while the others go on sampling (inputs of
-    unequal length are left-padded within the step). A completion is then one interleaved sequence (model text,
-    result, model text, ...); `Rollout.action_mask` marks the sampled tokens, and only those count towards
-    max_new_tokens. Sampled and fed tokens together count towards `tools.max_episode_tokens`, and prompt +
-    completion never pass the model's context: a result that does not fit is cut, ends with TRUNCATION_MARKER,
-    and ends the completion. A completion also ends at a call beyond `tools.max_calls` (left unanswered), and
-    when its environment ends the episode. With no call made and no opening observation, the tokens are those
-    sampled without tools (the noise is indexed by sampled tokens).
+    """Tools or an environment in a decode loop. When a completion's text ends a call (CallFormat), the calls
+    of that decode step run together, each with its timeout; each result is rendered, tokenized and *fed* to
+    its completion in the next forward, all its tokens in that one pass, while the others go on sampling
+    (inputs of unequal length are left-padded within the step). A completion is then one interleaved sequence
+    (model text, result, model text, ...); `Rollout.action_mask` marks the sampled tokens, and only those
+    count towards max_new_tokens. Sampled and fed tokens together count towards `tools.max_episode_tokens`,
+    and prompt + completion never pass the model's context: a result that does not fit is cut, ends with
+    TRUNCATION_MARKER, and ends the completion. A completion also ends at a call beyond `tools.max_calls`
+    (left unanswered), and when its environment ends the episode. With no call made and no opening
+    observation, the tokens are those sampled without tools (the noise is indexed by sampled tokens).
 
     An environment (EnvironmentSettings) gives one episode per completion, reset with its prompt's dataset row
     (`rows`), and the prompts open with its first observation (`self.prompts`)."""
@@ -38,8 +38,10 @@ class ToolTurns:
                  rows: Sequence[dict] | None, group_size: int, tokenizer, fmt: CallFormat | None = None):
         self.tools, self.episodes, self.prompts = start_episodes(tools, prompts, rows, group_size)
         self.fmt = fmt or call_format(self.tools.format, self.tools.tools, tokenizer)
-        self.schemas = [t.schema for t in self.tools.tools] if self.fmt.kind == "template" else None  # templates'
-        self.closing = closing_token_ids(tokenizer, self.fmt.closers)  # (V,) tokens after which a call may end
+        # templates' schemas
+        self.schemas = [t.schema for t in self.tools.tools] if self.fmt.kind == "template" else None
+        # (V,) tokens after which a call may end
+        self.closing = closing_token_ids(tokenizer, self.fmt.closers)
         self.budget = self.tools.max_episode_tokens or 10**9
         self.tokenizer = tokenizer
 
@@ -47,8 +49,8 @@ class ToolTurns:
         return None if self.episodes is None else self.episodes[n]
 
     def ended_call(self, decoding, tokens: list[int], max_new_tokens: int) -> tuple | None:
-        """(call, overflow) when the tokens just taken end a call the model can still read the result of; a call
-        past tools.max_calls ends the completion unanswered."""
+        """(call, overflow) when the tokens just taken end a call the model can still read the result of; a
+        call past tools.max_calls ends the completion unanswered."""
         last = tokens[-1] if tokens else None
         if decoding.eos or last is None or last >= self.closing.numel() or not bool(self.closing[last]):
             return None
@@ -72,16 +74,19 @@ class ToolTurns:
 
     def forward(self, model, cache, decodings: list, active: torch.Tensor, tokens: torch.Tensor,
                 mask: torch.Tensor, next_position: torch.Tensor):
-        """One forward of every running completion's sampled token and, where a call was answered, its result's
-        tokens, left-padded to the widest: (next-token logits (n, V), mask (n, L + width), next positions (n,))."""
+        """One forward of every running completion's sampled token and, where a call was answered, its
+        result's tokens, left-padded to the widest: (next-token logits (n, V), mask (n, L + width), next
+        positions (n,))."""
         device = tokens.device
         inputs = [[token] + decodings[i].fed for i, token in zip(active.tolist(), tokens.tolist())]
         width = max(len(ids) for ids in inputs)
         lengths = torch.tensor([len(ids) for ids in inputs], device=device)  # (n,)
-        step_ids = torch.full((len(inputs), width), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
+        step_ids = torch.full((len(inputs), width), self.tokenizer.pad_token_id, dtype=torch.long,
+                              device=device)
         for j, ids in enumerate(inputs):
             step_ids[j, width - len(ids):] = torch.tensor(ids, device=device)
-        offsets = torch.arange(width, device=device)[None, :] - (width - lengths[:, None])  # (n, width), <0 = pad
+        # (n, width), <0 = pad
+        offsets = torch.arange(width, device=device)[None, :] - (width - lengths[:, None])
         mask = torch.cat([mask, (offsets >= 0).long()], dim=1)  # (n, L + width)
         out = model(
             input_ids=step_ids,
@@ -100,7 +105,8 @@ def start_episodes(tools, prompts: Sequence[str | list[dict]], rows: Sequence[di
     if not isinstance(tools, EnvironmentSettings):
         return tools, None, prompts
     episodes = tools.start(rows if rows is not None else [{"prompt": p} for p in prompts], group_size)
-    return tools.tools, episodes, [with_opening(p, episodes[i * group_size].opening) for i, p in enumerate(prompts)]
+    opened = [with_opening(p, episodes[i * group_size].opening) for i, p in enumerate(prompts)]
+    return tools.tools, episodes, opened
 
 
 def answer_calls(round_calls: list, decodings: list, tools: ToolSettings, fmt: CallFormat,

@@ -29,7 +29,7 @@ from forge.core.batch import Batch
 from forge.core.config import GRPOConfig
 from forge.core.dynamic_sampling import SamplingRounds
 from forge.core.engine_rollout import generate_on_engine, open_engine
-from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
+from forge.core.grpo import LossNormaliser, LossSettings, grpo_loss, logprob_gap
 from forge.core.logprobs import PolicyLogprobs, checkpointed_layers, micro_batches
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
@@ -49,10 +49,10 @@ from forge.model import prepare_policy
 from forge.model.decode_plan import DecodePlan
 from forge.parallel.distributed import DataParallel
 from forge.run import step_stats
-from forge.run.lifecycle import StopSignals, TrainingInterrupted
 from forge.run.loop import TrainingRun
 from forge.run.optim import GuardedStep, advance_schedule
 from forge.run.rng import seed_everything
+from forge.run.signals import StopSignals, TrainingInterrupted
 from forge.run.trainer_surface import RunEvents, TrainerSurface, with_resume
 
 
@@ -246,7 +246,8 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
                           totals: step_stats.UpdateTotals) -> None:
         """The loss of one micro-batch (rollout r's rows `indices`) and its backward; gradients accumulate."""
         config, rollout, mask = self.config, batch.rollouts[r], batch.loss_mask[r][indices]
-        settings = dataclasses.replace(config.loss_settings, entropy_coef=self.entropy_control.applied)
+        settings = LossSettings.from_config(config)
+        settings = dataclasses.replace(settings, entropy_coef=self.entropy_control.applied)
         with checkpointed_layers(self.model, config.gradient_checkpointing):  # layers recomputed in backward
             logprobs, entropy, *divergence = self.logprobs(  # (n, T') each; divergence: distill_loss='full'
                 self.model, rollout, indices, with_entropy=True, entropy_grad=settings.entropy_coef != 0,

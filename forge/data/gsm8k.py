@@ -11,8 +11,8 @@ Rows returned by the loaders have the shape Forge trains on:
 ``{"prompt": str | list[message], "reference": str, "question": str}``.
 
 Two prompt styles. ``chat=False`` (the loaders' default) is `format_prompt`, a
-plain-text prompt for base models (the original Forge API's). ``chat=True`` is `chat_prompt`: chat messages with a
-system prompt and worked examples as user/assistant turns, answering in
+plain-text prompt for base models (the original Forge API's). ``chat=True`` is `chat_prompt`: chat messages
+with a system prompt and worked examples as user/assistant turns, answering in
 ``<think>...</think><answer>N</answer>``, the format the default rewards (``math_correctness``,
 ``tag_format``) and the evaluation's strict grader read. Every answer is graded by the math tasks' grader
 (`forge.data.task.grade_math`), in training and in evaluation. Instruct models need it: on the plain prompt
@@ -394,7 +394,8 @@ GSM8K_CHAT_SYSTEM_PROMPT = (
 """The system message of `chat_prompt`. It asks for the ``<answer>`` tag that the strict grader and the
 default rewards read (``math_correctness`` also accepts ``#### N`` and ``Answer: N``)."""
 
-GSM8K_CHAT_REMINDER = "\n\nReason inside <think> </think>, then write only the final number inside <answer> </answer>."
+GSM8K_CHAT_REMINDER = ("\n\nReason inside <think> </think>, then write only the final number inside "
+                       "<answer> </answer>.")
 """Appended to every user turn of `chat_prompt`: the format request next to the problem."""
 
 CHAT_FEW_SHOT = 2
@@ -412,7 +413,8 @@ def chat_prompt(question: str, n_shots: int = CHAT_FEW_SHOT) -> list[dict[str, s
     messages = [{"role": "system", "content": GSM8K_CHAT_SYSTEM_PROMPT}]
     for example_question, solution, answer in FEW_SHOT_EXAMPLES[:n_shots]:
         messages.append({"role": "user", "content": example_question + GSM8K_CHAT_REMINDER})
-        messages.append({"role": "assistant", "content": f"<think>{solution}</think>\n<answer>{answer}</answer>"})
+        messages.append({"role": "assistant",
+                         "content": f"<think>{solution}</think>\n<answer>{answer}</answer>"})
     messages.append({"role": "user", "content": question + GSM8K_CHAT_REMINDER})
     return messages
 

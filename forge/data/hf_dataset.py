@@ -42,7 +42,8 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str | None]:
     -> ``("/data/my_set", None, "train")``.
     """
     if not spec.startswith(HF_PREFIX):
-        raise ValueError(f"a Hugging Face dataset name looks like 'hf:ORG/NAME[:CONFIG][@SPLIT]', got '{spec}'")
+        raise ValueError("a Hugging Face dataset name looks like "
+                         f"'hf:ORG/NAME[:CONFIG][@SPLIT]', got '{spec}'")
     rest = spec[len(HF_PREFIX):]
     rest, _, split = rest.rpartition("@") if "@" in rest else (rest, "", "")
     path, _, config = rest.partition(":")
@@ -84,7 +85,8 @@ def _load_split(path: str, config: str | None, split: str):
 
 
 def _not_loaded(spec: str, path: str, error: OSError) -> str:
-    """The message for a dataset `datasets` could not find or fetch: the missing folder, or the hub's reason."""
+    """The message for a dataset `datasets` could not find or fetch: the missing folder, or
+    the hub's reason."""
     if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
         return (f"{spec}: no such folder or file {path}; pass an existing folder or data file, or a hub name "
                 f"(hf:ORG/NAME[:CONFIG][@SPLIT])")
@@ -130,7 +132,8 @@ def rows_from_records(records: Sequence[Mapping[str, Any]] | Any, prompt_column:
             continue
         if _is_messages(text):
             prompt: Any = [dict(message) for message in text]
-            question = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), prompt[-1]["content"])
+            question = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"),
+                            prompt[-1]["content"])
         elif isinstance(text, str) and text.strip():
             question = text
             prompt = (
@@ -148,8 +151,8 @@ def rows_from_records(records: Sequence[Mapping[str, Any]] | Any, prompt_column:
         why = (
             "it has no rows"
             if total == 0
-            else f"of its {total} rows, {empty_prompt} have an empty or non-text '{prompt_column}' and {no_reference} "
-            f"have no '{reference_column}'"
+            else f"of its {total} rows, {empty_prompt} have an empty or non-text '{prompt_column}' and "
+            f"{no_reference} have no '{reference_column}'"
         )
         raise ValueError(f"{name} gives zero usable rows: {why}")
     return rows

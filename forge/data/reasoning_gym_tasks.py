@@ -101,8 +101,10 @@ def check_task(name: str) -> None:
     if name in tasks:
         return
     close = difflib.get_close_matches(name, tasks, n=5, cutoff=0.5)
-    hint = f"did you mean {', '.join(close)}?" if close else f"there are {len(tasks)} tasks, e.g. {', '.join(tasks[:8])}"
-    raise ValueError(f"unknown reasoning-gym task '{name}'; {hint} (all names: reasoning_gym.factory.DATASETS)")
+    hint = (f"did you mean {', '.join(close)}?" if close
+            else f"there are {len(tasks)} tasks, e.g. {', '.join(tasks[:8])}")
+    raise ValueError(f"unknown reasoning-gym task '{name}'; {hint} (all names: "
+                     "reasoning_gym.factory.DATASETS)")
 
 
 def _config_text(config: Mapping[str, Any] | None) -> str:
@@ -157,8 +159,8 @@ def grade_reasoning_gym(
     rg_config: str | Mapping | None = None,
     **columns: Any,
 ) -> float:
-    """The grader of reasoning-gym rows: the task's own ``score_answer`` on ``answer`` (`score_answer_for`). It
-    reads the row's entry and config, not its reference; other columns are not read."""
+    """The grader of reasoning-gym rows: the task's own ``score_answer`` on ``answer`` (`score_answer_for`).
+    It reads the row's entry and config, not its reference; other columns are not read."""
     return score_answer_for(answer, rg_task, rg_entry, rg_config)
 
 
@@ -265,9 +267,9 @@ def reasoning_gym_dataset(name: str, size: int = 200, seed: int = 0, chat: bool 
             break
     if len(entries) < size:
         raise ValueError(
-            f"reasoning-gym task '{name}' gave only {len(entries)} training problems disjoint from its held-out "
-            f"set in {budget} draws ({skipped} were held-out questions): the task has few distinct problems "
-            f"with this config; ask for fewer rows or widen the task's config"
+            f"reasoning-gym task '{name}' gave only {len(entries)} training problems disjoint from its "
+            f"held-out set in {budget} draws ({skipped} were held-out questions): the task has few distinct "
+            "problems with this config; ask for fewer rows or widen the task's config"
         )
     return _rows(name, config_text, entries, chat, few_shot)
 
@@ -338,7 +340,8 @@ def load_reasoning_gym_spec(spec: str, *, split: str | None = None, n: int | Non
             return reasoning_gym_heldout(name, n=50 if n is None else n, **kwargs)
         return reasoning_gym_dataset(name, size=200 if n is None else n, **kwargs)
     except TypeError as error:  # an unknown config key: the task's config dataclass refuses it
-        raise ValueError(f"'{spec}': {error}; see the task's config class in reasoning_gym.factory.DATASETS") from None
+        raise ValueError(f"'{spec}': {error}; see the task's config class in "
+                         "reasoning_gym.factory.DATASETS") from None
     except AssertionError as error:  # the task's config validate() asserts its settings
         raise ValueError(
             f"'{spec}': the task refuses these settings ({error or 'a check failed'}); change the "
@@ -358,8 +361,8 @@ class ReasoningGymReward:
     eval's strict grade); the default reads `extract_final_answer` (the eval's soft grade).
 
     A plain callable returning one float per response, as Forge takes any function reward; it is logged as
-    ``rewards/reasoning_gym``. It is the default reward of ``forge train --dataset reasoning-gym:NAME``, next to
-    ``tag_format:0.1``.
+    ``rewards/reasoning_gym``. It is the default reward of ``forge train --dataset reasoning-gym:NAME``, next
+    to ``tag_format:0.1``.
     """
 
     name = "reasoning_gym"
@@ -395,7 +398,8 @@ class ReasoningGymReward:
 
 def _heldout_rows(spec: str, n: int | None = None, chat: bool | None = None, split: str = "heldout"
                   ) -> list[dict]:
-    """The held-out rows of ``spec`` (50 unless n), chat prompts unless told otherwise; ``split`` is ignored."""
+    """The held-out rows of ``spec`` (50 unless n), chat prompts unless told otherwise;
+    ``split`` is ignored."""
     return load_reasoning_gym_spec(spec, split="heldout", n=n, chat=True if chat is None else chat)
 
 

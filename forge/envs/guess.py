@@ -3,10 +3,10 @@
 The model looks for a hidden number from 1 to `high` in `turns` guesses. A wrong guess is answered with the
 direction, the numbers the answers so far leave and their middle ("higher, from 6 to 10 (middle 8)"); a right
 one with "correct". A policy that ignores the answers finds the number with probability turns / high at best;
-one that guesses the middle it is told always finds it (high <= 2**turns - 1). `feedback="noise"` answers as if the
-hidden number were a decoy (another number of the range, drawn from the row): the answers read the same and stay
-consistent, but carry no information about the number that wins, which measures how much of a policy's success
-comes from reading them.
+one that guesses the middle it is told always finds it (high <= 2**turns - 1). `feedback="noise"` answers as
+if the hidden number were a decoy (another number of the range, drawn from the row): the answers read the same
+and stay consistent, but carry no information about the number that wins, which measures how much of a
+policy's success comes from reading them.
 """
 
 from __future__ import annotations
@@ -30,15 +30,17 @@ RULES = (
 
 def guess_prompt(high: int, turns: int) -> list[dict]:
     """The chat prompt: the rules and one worked game as an earlier exchange (a bisection for the number 9 in
-    1..10), then the new game. (Measured on SmolLM2-135M-Instruct: with the example inside one user message, or
-    in a system message, the model does not play at all; as an earlier exchange it makes its first guess.)"""
+    1..10), then the new game. (Measured on SmolLM2-135M-Instruct: with the example inside one user message,
+    or in a system message, the model does not play at all; as an earlier exchange it makes
+    its first guess.)"""
     return [{"role": "user", "content": RULES.format(turns=turns) + " My number is from 1 to 10."},
             {"role": "assistant", "content": EXAMPLE},
             {"role": "user", "content": f"Correct! New game: my number is from 1 to {high}."}]
 
 
 def guess_rows(highs: list[int], turns: int, repeats: int = 1, seed: int = 0) -> list[dict]:
-    """Rows {prompt, secret, high, episode}: every secret of every range `repeats` times, in a seeded order."""
+    """Rows {prompt, secret, high, episode}: every secret of every range `repeats` times,
+    in a seeded order."""
     rows = [{"prompt": guess_prompt(high, turns), "secret": secret, "high": high, "episode": k}
             for high in highs for secret in range(1, high + 1) for k in range(repeats)]
     random.Random(seed).shuffle(rows)
@@ -62,7 +64,8 @@ class GuessNumber:
         self.secret, self.high, self.found, self.guesses = int(secret), int(high), False, []
         self.low_bound, self.high_bound = 1, int(high)  # what the answers so far leave
         others = [n for n in range(1, self.high + 1) if n != self.secret] or [self.secret]
-        # The number the answers are about: the secret, or a decoy drawn from the row (so a resume redraws it).
+        # The number the answers are about: the secret, or a decoy drawn from the row (so a resume redraws
+        # it).
         self.answered = self.secret if self.feedback == "real" else random.Random(
             f"{secret}:{high}:{episode}").choice(others)
 
@@ -88,8 +91,8 @@ class GuessNumber:
         return Observation(f"{direction}, from {self.low_bound} to {self.high_bound} (middle {middle})")
 
     def get_reward(self) -> float:
-        """1 when found; otherwise NARROWING_WEIGHT x the share of the range the answers ruled out. Guessing the
-        middle of what is left rules out the most; a guess at an edge rules out one number."""
+        """1 when found; otherwise NARROWING_WEIGHT x the share of the range the answers ruled out. Guessing
+        the middle of what is left rules out the most; a guess at an edge rules out one number."""
         if self.found:
             return 1.0
         left = max(0, self.high_bound - self.low_bound + 1)

@@ -1,9 +1,11 @@
-"""Environments: per-episode state that the model's actions change, so what it reads next depends on what it did.
+"""Environments: per-episode state that the model's actions change, so what it reads next
+depends on what it did.
 
 An environment is a class; Forge makes one instance per completion (G per prompt, never shared), so a group's
 episodes are independent. The protocol is TRL's `environment_factory`, accepted as it is:
 
-    class Guess:                                    # any class, or a factory: a callable returning an instance
+    class Guess:                                    # any class, or a factory: a callable
+                                                    # returning an instance
         def reset(self, **row) -> str | None:       # the dataset row; may return the opening observation
             self.secret = int(row["secret"])
         def guess(self, number: int) -> str:        # public, typed, docstringed methods are the tools
@@ -35,8 +37,9 @@ statistics. Failed episodes are counted each step (env/failed_episodes, env/time
 samples.jsonl (`episode_failure`), and the run-health alarm `episodes_failing` goes off when most of a step's
 episodes failed. Text from an environment reaches the tokenizer with lone surrogates replaced (U+FFFD). Before
 the run, one instance is built to read its tools, under the same timeout (tool_timeout) and error handling; a
-factory that fails there stops the run with one line. Environments are built from the rows at every step, never saved: a resumed run rebuilds
-them, so an environment whose state depends only on its row resumes bitwise.
+factory that fails there stops the run with one line. Environments are built from the rows at every step,
+never saved: a resumed run rebuilds them, so an environment whose state depends only on its
+row resumes bitwise.
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ class Episode:
     failure: str | None = None  # why the episode could not run (factory or reset raised, hung, ...), one line
     timed_out: bool = False  # the failure: building or resetting the instance took longer than tool_timeout
     toolbox: dict[str, Tool] = field(default_factory=dict, repr=False)  # this instance's methods, as tools
-    outbox: dict[int, dict] = field(default_factory=dict, repr=False)  # turn -> its Observation's reward, done
+    # turn -> its Observation's reward, done
+    outbox: dict[int, dict] = field(default_factory=dict, repr=False)
 
     @property
     def total_reward(self) -> float | None:
@@ -86,16 +90,16 @@ class Episode:
 
 
 def environment_methods(environment: Any) -> list[str]:
-    """The public methods of an environment's class that are tools (TRL's rule: functions defined on the class,
-    not starting with '_', other than reset and get_reward)."""
+    """The public methods of an environment's class that are tools (TRL's rule: functions defined on the
+    class, not starting with '_', other than reset and get_reward)."""
     names = [name for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
              if not name.startswith("_") and name not in RESERVED]
     return sorted(names)
 
 
 def as_text(value: Any) -> str:
-    """What a method returned, as the text fed to the model (inside the call's isolation: a value that cannot be
-    turned into text raises here, in the call's thread, and is the model's error to read)."""
+    """What a method returned, as the text fed to the model (inside the call's isolation: a value that cannot
+    be turned into text raises here, in the call's thread, and is the model's error to read)."""
     if isinstance(value, str):
         return value
     try:
@@ -105,7 +109,8 @@ def as_text(value: Any) -> str:
 
 
 def _resolved(value: Any) -> Any:
-    return asyncio.run(value) if inspect.isawaitable(value) else value  # an async method: run in the call's thread
+    # an async method: run in the call's thread
+    return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
 @dataclass
@@ -156,11 +161,12 @@ class EnvironmentSettings:
                 f"environment {type(probe).__name__} has no public method for the model to call; "
                 f"give it a typed, docstringed method (its tools)"
             )
-        return cls(factory, dataclasses.replace(settings, tools=settings.tools + methods), list(settings.tools))
+        return cls(factory, dataclasses.replace(settings, tools=settings.tools + methods),
+                   list(settings.tools))
 
     def start(self, rows: Sequence[dict], group_size: int) -> list[Episode]:
-        """One episode per completion (rows[i] opens episodes i*G..(i+1)*G-1): build each instance and reset it
-        with its row, all in parallel under the tool timeout; a failure marks the episode, never raises."""
+        """One episode per completion (rows[i] opens episodes i*G..(i+1)*G-1): build each instance and reset
+        it with its row, all in parallel under the tool timeout; a failure marks the episode, never raises."""
         episodes = [Episode() for _ in range(len(rows) * group_size)]
         calls, boxes, built = [], [], [{} for _ in episodes]  # built[n]: what episode n's call got to
         for n, episode in enumerate(episodes):
@@ -169,13 +175,15 @@ class EnvironmentSettings:
             boxes.append({"reset": Tool(self._opener(built[n]), "reset", {}, "reset")})
         _, builder = _factory_name(self.factory)
         for episode, result, got in zip(episodes, run_calls(calls, self.tools, toolboxes=boxes), built):
-            if result.failure is not None:  # a call abandoned at its timeout writes on in `got`, no one reads it
+            # a call abandoned at its timeout writes on in `got`, no one reads it
+            if result.failure is not None:
                 method = f"{type(got['instance']).__name__}.reset" if "instance" in got else builder
                 episode.failure = f"{method}: {result.output}"
                 episode.timed_out = result.failure == "timeout"
                 continue
             episode.environment = got["instance"]
-            episode.opening = None if got["opening"] is None else result.output  # as read: cut, no lone surrogate
+            # as read: cut, no lone surrogate
+            episode.opening = None if got["opening"] is None else result.output
             if episode.failure is None:
                 episode.toolbox = {t.name: t for t in self.standalone} | {
                     t.name: Tool(self._method(episode, t.name), t.name, t.schema, t.text_tag)
@@ -210,7 +218,8 @@ class EnvironmentSettings:
 
     @staticmethod
     def _method(episode: Episode, name: str) -> Callable[..., str]:
-        method = getattr(type(episode.environment), name)  # the class's: an instance attribute cannot shadow it
+        # the class's: an instance attribute cannot shadow it
+        method = getattr(type(episode.environment), name)
         where = f"{type(episode.environment).__name__}.{name}"
 
         def call(**arguments) -> str:
@@ -253,8 +262,8 @@ def _factory_name(factory: Callable[[], Any]) -> tuple[str, str]:
 
 
 def _reward_of(observation: Observation, where: str) -> dict:
-    """{'reward': float or None} for an Observation's reward, or {'problem': the episode's failure} when it is not
-    a number (run inside the call's isolation: a __float__ that raises or hangs costs the call)."""
+    """{'reward': float or None} for an Observation's reward, or {'problem': the episode's failure} when it is
+    not a number (run inside the call's isolation: a __float__ that raises or hangs costs the call)."""
     reward = observation.reward
     if reward is None:
         return {"reward": None}
@@ -277,7 +286,8 @@ def with_opening(prompt: Any, opening: str | None) -> Any:
     return [*prompt[:-1], {**last, "content": last["content"] + opening}]
 
 
-def episode_return(prompts: list, completions: list, episodes: list[Episode] | None = None, **kwargs) -> list[float | None]:
+def episode_return(prompts: list, completions: list, episodes: list[Episode] | None = None,
+                   **kwargs) -> list[float | None]:
     """A reward: the sum of each episode's per-turn rewards (None where the episode gave none)."""
     if episodes is None:
         raise ValueError("episode_return needs a run with an environment (environment_factory=...)")
@@ -302,7 +312,8 @@ def environment_reward(factory: Callable[[], Any]) -> Callable[..., list[float |
 
 
 def load_environment(spec: str) -> Callable[[], Any]:
-    """`module:Class` or `path/to/file.py:Class` -> the class (any factory), for `forge train --environment`."""
+    """`module:Class` or `path/to/file.py:Class` -> the class (any factory), for `forge train
+    --environment`."""
     return load_object(spec, f"--environment {spec!r}", kind="Class")
 
 
@@ -312,8 +323,8 @@ def rollout_tools(
     config,
     tokenizer,
 ) -> ToolSettings | EnvironmentSettings | None:
-    """What a run's rollouts use: its tools under GRPOConfig's tool block, or its environment (with those tools
-    too); None for a run with neither."""
+    """What a run's rollouts use: its tools under GRPOConfig's tool block, or its environment (with those
+    tools too); None for a run with neither."""
     if environment_factory is None:
         return ToolSettings.of_run(tools, config, tokenizer) if tools else None
     return EnvironmentSettings.of(environment_factory, ToolSettings.of_run(tools or [], config, tokenizer))
@@ -326,7 +337,8 @@ def env_rewards(reward_fn: Any, environment_factory: Callable[[], Any] | None,
     own = None if environment_factory is None else environment_reward(environment_factory)
     if own is None:
         return reward_fn, None if weights is None else list(weights)
-    rewards = [*(reward_fn if isinstance(reward_fn, list) else [reward_fn]), own]  # (a tuple may be a reward model)
+    # (a tuple may be a reward model)
+    rewards = [*(reward_fn if isinstance(reward_fn, list) else [reward_fn]), own]
     return rewards, None if weights is None else [*weights, 1.0]
 
 

@@ -1,14 +1,16 @@
-"""TextArena's games (https://github.com/LeonGuertler/TextArena, `pip install textarena`) as Forge environments.
+"""TextArena's games (https://github.com/LeonGuertler/TextArena, `pip install textarena`) as
+Forge environments.
 
 The game runs unchanged: `textarena.make(env_id)`, `reset(num_players=1, seed=...)`, `get_observation()`,
 `step(action)`, `close()`. What the adapter does, and why:
 - the game's turn is one method, `act(action)`, whose text goes to `step` as it is (TextArena parses it: e.g.
-  "[5]" in GuessTheNumber); the answer is what the game added to its observation since the model's last action,
-  and the end of the game ends the episode (Observation.done) with the game's reward as the turn's reward;
+  "[5]" in GuessTheNumber); the answer is what the game added to its observation since the model's last
+  action, and the end of the game ends the episode (Observation.done) with the game's reward
+  as the turn's reward;
 - `reset(**row)` draws the game with the row's `seed` (so the G episodes of a row play the same game, and a
   resumed run replays it), and returns the game's opening text, appended to the prompt;
-- TextArena seeds Python's global `random` in `reset`, which is not safe when Forge resets episodes in parallel
-  threads: resets are serialised by a lock, and the global random state is restored afterwards;
+- TextArena seeds Python's global `random` in `reset`, which is not safe when Forge resets episodes in
+  parallel threads: resets are serialised by a lock, and the global random state is restored afterwards;
 - single-player games only (a second player would be another policy).
 """
 

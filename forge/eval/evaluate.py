@@ -26,7 +26,7 @@ from forge.core.engine_rollout import colocated_engine, generate_on_engine
 from forge.core.rollout import SamplingSettings, generate, sampling_noise
 from forge.core.scoring import build_reward_list, greedy_reward_evaluator
 from forge.data.answers import answers_match, readable_reference
-from forge.data.dataset import TASKS, as_chat_rows, load_rows, pick_chat, task_for, warn_if_raw_prompts
+from forge.data.dataset import as_chat_rows, load_rows, pick_chat, task_for, warn_if_raw_prompts
 from forge.data.hf_dataset import load_hf_rows
 from forge.data.reasoning_gym_tasks import task_scorer
 from forge.eval.metrics import (
@@ -41,10 +41,6 @@ from forge.eval.metrics import (
     pass_at_k,
 )
 from forge.model import load_for_eval, merged_adapters
-
-EVAL_DATASETS = tuple(name for name in TASKS if name != "reasoning-gym")
-"""Names `load_eval_rows` understands (the built-in tasks' held-out rows), besides ``reasoning-gym:NAME``,
-``hf:``, JSONL paths and the built-in names of `load_rows`."""
 
 
 @dataclass

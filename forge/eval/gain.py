@@ -2,9 +2,9 @@
 
 A run's held-out curve (the demo's `eval_curve`: greedy strict accuracy at some steps, each point on the first
 `n` held-out problems) is compared with the teacher on the same problems: the threshold is
-base + fraction x (teacher - base), with base the curve's own step-0 point (the same base model) and teacher the
-teacher's accuracy on those `n` problems (its full held-out result, or its own curve's last point). The first
-point at or past it gives the steps and the training CPU seconds to get there.
+base + fraction x (teacher - base), with base the curve's own step-0 point (the same base model) and teacher
+the teacher's accuracy on those `n` problems (its full held-out result, or its own curve's last point). The
+first point at or past it gives the steps and the training CPU seconds to get there.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from forge.logging.logger import log_rows
 
 
 def teacher_accuracy(teacher: dict, n: int) -> float | None:
-    """The teacher run's strict accuracy on the first n held-out problems (a demo_result.json dict), or None when
-    it was not measured on exactly those."""
+    """The teacher run's strict accuracy on the first n held-out problems (a demo_result.json dict), or None
+    when it was not measured on exactly those."""
     if n == teacher["heldout_size"]:
         return teacher["after"]["strict_accuracy"]
     last = teacher["eval_curve"][-1] if teacher.get("eval_curve") else None
@@ -24,8 +24,8 @@ def teacher_accuracy(teacher: dict, n: int) -> float | None:
 
 
 def step_seconds(log_path: Path) -> dict[int, float]:
-    """step -> training seconds up to and including it, summed from training_log.jsonl's step_seconds (for a run
-    whose curve points do not carry train_cpu_seconds; wall seconds, one thread)."""
+    """step -> training seconds up to and including it, summed from training_log.jsonl's step_seconds (for a
+    run whose curve points do not carry train_cpu_seconds; wall seconds, one thread)."""
     total, out = 0.0, {0: 0.0}
     for _, row in log_rows(Path(log_path)):
         if "step_seconds" in row and row.get("step") is not None:
@@ -42,11 +42,13 @@ def time_to_gain(run: dict, teacher: dict, fraction: float = 0.9, log_path: Path
     n, base = points[0]["n"], points[0]["strict_accuracy"]
     target = teacher_accuracy(teacher, n)
     threshold = None if target is None else base + fraction * (target - base)
-    hit = next((p for p in points[1:] if threshold is not None and p["strict_accuracy"] >= threshold - 1e-9), None)
+    hit = next((p for p in points[1:] if threshold is not None and p["strict_accuracy"] >= threshold - 1e-9),
+               None)
     seconds = None if hit is None else hit.get("train_cpu_seconds")
     if hit is not None and seconds is None and log_path is not None and Path(log_path).is_file():
         seconds = step_seconds(log_path).get(hit["step"])
-    return {"threshold": threshold, "n": n, "step": None if hit is None else hit["step"], "train_cpu_seconds": seconds}
+    return {"threshold": threshold, "n": n, "step": None if hit is None else hit["step"],
+            "train_cpu_seconds": seconds}
 
 
 def gain_table(rows: list[tuple[str, dict, dict]]) -> str:

@@ -130,10 +130,10 @@ def extract_formatted_answer(text: str | None, answer_format: str) -> str | None
 def grade(response: str, reference: str | float, answer_format: str) -> Grade:
     """Grade one response against the reference answer, strictly and softly. Never raises on odd text.
 
-    Both verdicts are the math tasks' grader, `forge.data.task.grade_math`: the soft one on the final answer is
-    what their training reward (`math_correctness`, as `MathCorrectnessReward()`) pays, and for "tag" prompts
-    the strict one is what `MathCorrectnessReward(strict=True)` pays. Rows of a task with its own grader
-    (reasoning-gym) are graded again with it by `forge.eval.evaluate`.
+    Both verdicts are the math tasks' grader, `forge.data.task.grade_math`: the soft one on the final answer
+    is what their training reward (`math_correctness`, as `MathCorrectnessReward()`) pays, and for "tag"
+    prompts the strict one is what `MathCorrectnessReward(strict=True)` pays. Rows of a task with its own
+    grader (reasoning-gym) are graded again with it by `forge.eval.evaluate`.
     """
     answer = extract_formatted_answer(response, answer_format)
     soft_answer = extract_final_answer(response)

@@ -1,4 +1,5 @@
-"""Training curves from `training_log.jsonl` as one PNG: reward, held-out accuracy, KL, length, zero-std groups.
+"""Training curves from `training_log.jsonl` as one PNG: reward, held-out accuracy, KL,
+length, zero-std groups.
 
 Each panel shows the raw per-step values faintly and an exponential moving average on top, since
 GRPO rewards are noisy from step to step. Panels without data, or whose values are all 0 (the KL of a run
@@ -62,7 +63,8 @@ def resolve_log_path(output_dir_or_log_path: str | os.PathLike) -> Path:
 
 
 def read_log(log_path: Path) -> list[dict]:
-    """The rows of training_log.jsonl that have a step (`log_rows`: a line that is no row is left out, said)."""
+    """The rows of training_log.jsonl that have a step (`log_rows`: a line that is no row is
+    left out, said)."""
     return [row for _, row in log_rows(log_path) if row.get("step") is not None]
 
 
@@ -104,12 +106,14 @@ def build_panels(rows: list[dict]) -> list[Panel]:
 
 
 def alarm_starts(rows: list[dict]) -> list[tuple[int, str]]:
-    """(step, rule) where a run-health alarm started: `health/<rule>` is 1 there and was not at the row before."""
+    """(step, rule) where a run-health alarm started: `health/<rule>` is 1 there and was not
+    at the row before."""
     starts, before = [], set()
     for row in rows:
         if not any(key.startswith("health/") for key in row):
             continue  # an evaluation row
-        now = {key.removeprefix("health/") for key, value in row.items() if key.startswith("health/") and value}
+        now = {key.removeprefix("health/") for key, value in row.items()
+               if key.startswith("health/") and value}
         starts += [(int(row["step"]), rule) for rule in sorted(now - before)]
         before = now
     return starts
@@ -126,7 +130,8 @@ def _heldout_title(rows: list[dict]) -> str:
 def plot_training_curves(
     output_dir_or_log_path: str | os.PathLike, out_path: str | os.PathLike | None = None
 ) -> Path:
-    """Draw the training curves of a run into a PNG; returns its path (default `{run}/training_curves.png`)."""
+    """Draw the training curves of a run into a PNG; returns its path (default
+    `{run}/training_curves.png`)."""
     log_path = resolve_log_path(output_dir_or_log_path)
     rows = read_log(log_path)
     panels = build_panels(rows)

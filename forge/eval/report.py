@@ -1,4 +1,5 @@
-"""Before/after reports: evaluate two models with the same decoding and show, problem by problem, what changed.
+"""Before/after reports: evaluate two models with the same decoding and show, problem by
+problem, what changed.
 
 `compare` evaluates both models on the same rows; `build_comparison` pairs two existing `EvalResult`s;
 `write_comparison` writes the pairing as JSON (everything) and Markdown (for reading): the summary table
@@ -236,7 +237,8 @@ def comparison_markdown(report: ComparisonReport) -> str:
     lines = [f"# {before_label} vs {after_label}", ""]
     if report.notes:
         lines += [report.notes, ""]
-    lines += [_decoding_line(report.settings, len(report.problems)), "", "## Summary", "", report.summary_markdown()]
+    lines += [_decoding_line(report.settings, len(report.problems)), "", "## Summary", "",
+              report.summary_markdown()]
     headings = {"fixed": f"Fixed: wrong for {before_label}, right for {after_label}",
                 "broken": f"Broken: right for {before_label}, wrong for {after_label}",
                 "changed": "New text, same verdict",
@@ -253,8 +255,10 @@ def comparison_markdown(report: ComparisonReport) -> str:
 
 def _decoding_line(settings: dict, count: int) -> str:
     samples, temperature = settings.get("num_samples", 1), settings.get("temperature", 0.0)
-    decoding = "greedy" if samples == 1 and temperature == 0 else f"{samples} samples at temperature {temperature}"
-    return f"{count} problems, {decoding}, max_new_tokens {settings.get('max_new_tokens')}, seed {settings.get('seed')}."
+    decoding = ("greedy" if samples == 1 and temperature == 0
+                else f"{samples} samples at temperature {temperature}")
+    return (f"{count} problems, {decoding}, max_new_tokens {settings.get('max_new_tokens')}, "
+            f"seed {settings.get('seed')}.")
 
 
 def _problem_markdown(problem: dict, labels: tuple[str, str]) -> list[str]:

@@ -48,7 +48,8 @@ class ScreenResult:
     keep: str
     correct_by: str
     seconds: float = 0.0
-    candidates: list[dict] = field(default_factory=list)  # per candidate: index, question, reference, correct, kept
+    # per candidate: index, question, reference, correct, kept
+    candidates: list[dict] = field(default_factory=list)
 
     @property
     def num_candidates(self) -> int:
@@ -113,6 +114,32 @@ def screen_prompts(
         ``.completions`` laid out prompt by prompt); for tests.
     """
     rows = load_rows(rows)
+    _check_screen_arguments(rows, keep, correct_by, group_size, temperature, heldout_rows)
+    settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=0,
+                                do_sample=True)
+    started = time.perf_counter()
+    correct_counts = count_correct(model, tokenizer, rows, group_size, settings, seed=seed,
+                                   batch_size=batch_size, correct_by=correct_by,
+                                   max_prompt_length=max_prompt_length, generate_fn=generate_fn or generate)
+    rule = KEEP_RULES[keep]
+    kept_flags = [rule(count, group_size) for count in correct_counts]
+    candidates = [{"index": index, "question": question_text(row), "reference": str(row["reference"]),
+                   "correct": count, "kept": flag}
+                  for index, (row, count, flag) in enumerate(zip(rows, correct_counts, kept_flags))]
+    return ScreenResult(
+        kept=[row for row, flag in zip(rows, kept_flags) if flag],
+        correct_counts=correct_counts,
+        group_size=group_size,
+        keep=keep,
+        correct_by=correct_by,
+        seconds=time.perf_counter() - started,
+        candidates=candidates,
+    )
+
+
+def _check_screen_arguments(rows: list[dict], keep: str, correct_by: str, group_size: int, temperature: float,
+                            heldout_rows: Sequence[dict] | None) -> None:
+    """screen_prompts' arguments that cannot screen, refused before any sampling."""
     if keep not in KEEP_RULES:
         raise ValueError(f"keep must be one of {sorted(KEEP_RULES)}, got {keep!r}")
     if correct_by not in ("soft", "strict"):
@@ -128,13 +155,15 @@ def screen_prompts(
     if heldout_rows is not None:
         check_disjoint(rows, heldout_rows)
 
-    generate_fn = generate_fn or generate
-    settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=0,
-                                do_sample=True)
+
+def count_correct(model, tokenizer, rows: list[dict], group_size: int, settings: SamplingSettings, *,
+                  seed: int, batch_size: int, correct_by: str, max_prompt_length: int | None,
+                  generate_fn: Callable[..., Any]) -> list[int]:
+    """How many of each row's `group_size` samples are right (graded `correct_by`), sampled in eval mode
+    under a seed that leaves the global random state as it was."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    started = time.perf_counter()
     correct_counts: list[int] = []
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
@@ -157,26 +186,13 @@ def screen_prompts(
                                               for g in grades))
     finally:
         model.train(was_training)
-
-    rule = KEEP_RULES[keep]
-    kept_flags = [rule(count, group_size) for count in correct_counts]
-    candidates = [{"index": index, "question": question_text(row), "reference": str(row["reference"]),
-                   "correct": count, "kept": flag}
-                  for index, (row, count, flag) in enumerate(zip(rows, correct_counts, kept_flags))]
-    return ScreenResult(
-        kept=[row for row, flag in zip(rows, kept_flags) if flag],
-        correct_counts=correct_counts,
-        group_size=group_size,
-        keep=keep,
-        correct_by=correct_by,
-        seconds=time.perf_counter() - started,
-        candidates=candidates,
-    )
+    return correct_counts
 
 
 def check_disjoint(candidate_rows: Sequence[dict], heldout_rows: Sequence[dict]) -> None:
     """Raise ValueError when a candidate shares its prompt or its question with a held-out row."""
-    heldout = {_prompt_key(row["prompt"]) for row in heldout_rows} | {question_text(row) for row in heldout_rows}
+    heldout = ({_prompt_key(row["prompt"]) for row in heldout_rows}
+               | {question_text(row) for row in heldout_rows})
     overlap = [index for index, row in enumerate(candidate_rows)
                if _prompt_key(row["prompt"]) in heldout or question_text(row) in heldout]
     if overlap:

@@ -1,4 +1,5 @@
-"""The model side room: loading, precision, LoRA, the reference policy, export (the names of these modules)."""
+"""The model side room: loading, precision, LoRA, the reference policy, export (the names
+of these modules)."""
 
 from forge.logging.logger import note
 from forge.model.export import load_for_eval, merge_and_export

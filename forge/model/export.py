@@ -1,9 +1,9 @@
 """Trained adapters after the run: merge them into a plain model, or load them for evaluation.
 
-An export never replaces what it was not asked to: its folder must be new or empty, or hold only an earlier export
-of the same adapter and base (`forge_export.json` says which); `overwrite` replaces anything else, but never a
-folder the export reads from, or a training run's output_dir (its checkpoints and logs). It is written into a
-temporary sibling and renamed into place, so a failed export leaves the folder as it was.
+An export never replaces what it was not asked to: its folder must be new or empty, or hold only an earlier
+export of the same adapter and base (`forge_export.json` says which); `overwrite` replaces anything else, but
+never a folder the export reads from, or a training run's output_dir (its checkpoints and logs). It is written
+into a temporary sibling and renamed into place, so a failed export leaves the folder as it was.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from forge.safe_json import read_json
 # --------------------------------------------------------------------------------------------------
 
 
-EXPORT_RECORD = "forge_export.json"  # in an exported folder: its adapter, its base, the files the export wrote
+# in an exported folder: its adapter, its base, the files the export wrote
+EXPORT_RECORD = "forge_export.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")  # named first in what a refused folder holds
 
 
@@ -53,9 +54,9 @@ def _source_name(source: str | os.PathLike | None) -> str | None:
 
 def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike | None,
                         base: str | os.PathLike | None, overwrite: bool = False) -> None:
-    """Raise ExportRefused unless exporting `adapter` (a folder, or None for a live model) merged into `base` may
-    write `out_dir`: new or empty, or only an earlier export of the same adapter and base; with `overwrite`,
-    anything but a folder the export reads from (or one holding it)."""
+    """Raise ExportRefused unless exporting `adapter` (a folder, or None for a live model) merged into `base`
+    may write `out_dir`: new or empty, or only an earlier export of the same adapter and base; with
+    `overwrite`, anything but a folder the export reads from (or one holding it)."""
     out = Path(out_dir).expanduser()
     for flag, source in (("--adapter", adapter), ("--base", base)):
         path = Path(source).expanduser() if source is not None else None
@@ -102,8 +103,9 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
 
 
 def training_run(folder: Path) -> str | None:
-    """'3/, final/, training_log.jsonl': what of a training run `folder` holds (checkpoints, numbered or final/, that
-    hold COMPLETE; its training log), when it is a run's output_dir; else None. An export never replaces one."""
+    """'3/, final/, training_log.jsonl': what of a training run `folder` holds (checkpoints, numbered or
+    final/, that hold COMPLETE; its training log), when it is a run's output_dir; else None. An export never
+    replaces one."""
     if not folder.is_dir():
         return None
     held = [f"{child.name}/" for child in folder.iterdir()
@@ -114,9 +116,9 @@ def training_run(folder: Path) -> str | None:
 
 
 def forge_checkpoint(folder: Path) -> str | None:
-    """'a Forge checkpoint (model.safetensors, COMPLETE, ...)' when `folder` is one (it holds COMPLETE), else None.
-    An export writes over one only when told to (overwrite), and `save_model` never: its files would no longer match
-    the sha256 that COMPLETE records, so it would neither load nor resume."""
+    """'a Forge checkpoint (model.safetensors, COMPLETE, ...)' when `folder` is one (it holds COMPLETE), else
+    None. An export writes over one only when told to (overwrite), and `save_model` never: its files would no
+    longer match the sha256 that COMPLETE records, so it would neither load nor resume."""
     if not (folder / "COMPLETE").is_file():
         return None
     return f"a Forge checkpoint ({_listed(_contents(folder))})"
@@ -124,7 +126,8 @@ def forge_checkpoint(folder: Path) -> str | None:
 
 def _contents(folder: Path) -> list[str]:
     """The names in `folder`, weight files first."""
-    return sorted((p.name for p in folder.iterdir()), key=lambda name: (not name.endswith(WEIGHT_SUFFIXES), name))
+    return sorted((p.name for p in folder.iterdir()),
+                  key=lambda name: (not name.endswith(WEIGHT_SUFFIXES), name))
 
 
 def _export_record(out: Path) -> dict | None:
@@ -140,8 +143,8 @@ def _listed(names: list[str], shown: int = 4) -> str:
 
 
 def _load_adapter(base_model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
-    """The PeftModel of `adapter_dir` on `base_model`; adapter weights that its adapter_config.json does not make
-    (a rank that lies) or a pickle torch refuses are a ValueError naming the folder and the files."""
+    """The PeftModel of `adapter_dir` on `base_model`; adapter weights that its adapter_config.json does not
+    make (a rank that lies) or a pickle torch refuses are a ValueError naming the folder and the files."""
     try:
         from peft import PeftModel
     except ImportError as error:
@@ -226,9 +229,10 @@ def merge_and_export(
 
 
 def _write_export(out: Path, merged: nn.Module, tokenizer: PreTrainedTokenizerBase, sources: dict) -> Path:
-    """Save into `{out}.tmp-{pid}`, record what was written, then put it in place of `out` (moved aside first and
-    deleted once the new one is in place)."""
-    staging, aside = out.with_name(f"{out.name}.tmp-{os.getpid()}"), out.with_name(f"{out.name}.old-{os.getpid()}")
+    """Save into `{out}.tmp-{pid}`, record what was written, then put it in place of `out` (moved aside first
+    and deleted once the new one is in place)."""
+    staging = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    aside = out.with_name(f"{out.name}.old-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
         merged.save_pretrained(staging, safe_serialization=True)

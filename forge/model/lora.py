@@ -217,14 +217,3 @@ def merged_adapters(model: nn.Module, enabled: bool = True, rounded: bool = Fals
     finally:
         for m, weight in zip(layers, originals):
             m.get_base_layer().weight.data = weight
-
-
-def enable_checkpointing(model: nn.Module) -> None:
-    """Turn on transformers' per-layer activation checkpointing (non-reentrant, so frozen inputs need no
-    grad). The earlier API's switch (`forge.model.enable_checkpointing`); the trainer checkpoints its own way,
-    `forge.core.logprobs.checkpointed_layers`, which keeps the prompt's KV cache."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

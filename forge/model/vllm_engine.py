@@ -4,16 +4,17 @@
     engine.sample(prompts, group_size, sampling, seeds) -> group_size Samples per prompt, token in / token out
     engine.sync(model, version)                          -> the policy's current weights, pushed when changed
 
-The engine never sees text: prompts go in as the token ids Forge rendered, completions come back as the sampled
-ids with their log-probs under the sampling softmax (vLLM's `processed_logprobs`: logits / temperature, and with
-top_k / top_p the renormalised truncated distribution), so the trainer's log-probs and the rollout importance
-weights compare the same tokens. Each prompt's group is one request with its own seed, so a step's samples are
-a function of the weights, the prompts and (seed, step): a resumed run draws what the uninterrupted one drew.
+The engine never sees text: prompts go in as the token ids Forge rendered, completions come back as the
+sampled ids with their log-probs under the sampling softmax (vLLM's `processed_logprobs`: logits /
+temperature, and with top_k / top_p the renormalised truncated distribution), so the trainer's log-probs and
+the rollout importance weights compare the same tokens. Each prompt's group is one request with its own seed,
+so a step's samples are a function of the weights, the prompts and (seed, step): a resumed run draws what the
+uninterrupted one drew.
 
 Weights: the engine starts from the policy's weights as they are (a model Forge loaded from a GGUF file has no
-folder: they are written once to a temporary one), and after each optimizer step it receives the policy's named
-weights in the checkpoint's names (LoRA: W + s B A formed in fp32, cast to the engine's dtype), then drops its
-prefix cache, which holds keys and values of the old weights.
+folder: they are written once to a temporary one), and after each optimizer step it receives the policy's
+named weights in the checkpoint's names (LoRA: W + s B A formed in fp32, cast to the engine's dtype), then
+drops its prefix cache, which holds keys and values of the old weights.
 
 vLLM is optional: GRPOConfig.validate() refuses generation_backend='vllm' without it, with the line to install
 it, before any model loads.
@@ -130,7 +131,8 @@ class PushTimer:
 
 
 class ColocatedEngine(PushTimer):
-    """vLLM's LLM in this process, started from the policy's weights; pushes go straight into its model runner."""
+    """vLLM's LLM in this process, started from the policy's weights; pushes go straight into
+    its model runner."""
 
     def __init__(self, model: nn.Module, compute: torch.dtype, stop_ids: list[int], *, max_rows: int,
                  max_new_tokens: int, context: int, enforce_eager: bool = False,
@@ -138,7 +140,8 @@ class ColocatedEngine(PushTimer):
         # The engine in this process (not vLLM's engine-core subprocess), so its model runner takes the pushed
         # tensors directly; on a CPU its KV cache is sized for this run unless VLLM_CPU_KVCACHE_SPACE says.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO and per-push warnings would fill a console
+        # its INFO and per-push warnings would fill a console
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         device = next(model.parameters()).device
         dtype = engine_dtype(compute)
         if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -197,8 +200,9 @@ class ColocatedEngine(PushTimer):
         max_tokens: list[int] | None = None,
         stop_ids: list[int] | None = None,
     ) -> list[list[Sample]]:
-        """group_size Samples for each prompt (token ids); max_tokens and stop_ids per call override sampling's
-        max_new_tokens and the run's stop tokens (a tool rollout stops where a call may end, too)."""
+        """group_size Samples for each prompt (token ids); max_tokens and stop_ids per call override
+        sampling's max_new_tokens and the run's stop tokens (a tool rollout stops where a
+        call may end, too)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -214,7 +218,8 @@ class ColocatedEngine(PushTimer):
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                    use_tqdm=False)
         return [
             [
                 as_sample(c.token_ids, c.logprobs, c.finish_reason)
@@ -226,7 +231,8 @@ class ColocatedEngine(PushTimer):
 
 def request_params(sampling: EngineSampling, group_size: int, stop_ids: list[int], seed: int | None,
                    max_tokens: int | None = None) -> dict:
-    """vLLM SamplingParams for one prompt's group: n completions, the sampled token's log-prob, Forge's stops."""
+    """vLLM SamplingParams for one prompt's group: n completions, the sampled token's
+    log-prob, Forge's stops."""
     return {"n": group_size, "max_tokens": sampling.max_new_tokens if max_tokens is None else max_tokens,
             "seed": seed, "logprobs": 0, "stop_token_ids": stop_ids, "detokenize": False,
             "skip_special_tokens": False, "temperature": 0.0 if sampling.greedy else sampling.temperature,
@@ -249,9 +255,10 @@ def as_sample(token_ids, logprobs, finish_reason: str | None) -> Sample:
 
 
 class ServerEngine(PushTimer):
-    """A client of `forge vllm-serve` (vLLM's OpenAI-compatible server in development mode): token-in/token-out
-    generation on /inference/v1/generate, weights pushed as a safetensors file its workers reload from
-    (`reload_weights`), so the server must see `weights_dir` (the same machine, or a shared folder)."""
+    """A client of `forge vllm-serve` (vLLM's OpenAI-compatible server in development mode):
+    token-in/token-out generation on /inference/v1/generate, weights pushed as a safetensors file its workers
+    reload from (`reload_weights`), so the server must see `weights_dir` (the same machine, or
+    a shared folder)."""
 
     def __init__(
         self,
@@ -278,8 +285,9 @@ class ServerEngine(PushTimer):
             except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
                 if time.monotonic() > deadline:
                     raise ConnectionError(
-                        f"no vLLM server answered at {self.base_url} within {timeout:.0f} s ({error}); start one "
-                        f"with `forge vllm-serve --model MODEL --port PORT` and set vllm_server_base_url"
+                        f"no vLLM server answered at {self.base_url} within {timeout:.0f} s ({error}); "
+                        "start one with `forge vllm-serve --model MODEL --port PORT` and set "
+                        "vllm_server_base_url"
                     ) from None
                 time.sleep(1.0)
 
@@ -366,9 +374,9 @@ def serve(
 ) -> None:
     """Replace this process with vLLM's OpenAI-compatible server for `forge train --vllm_mode server`: the
     token-in/token-out endpoint on, log-probs of the sampling softmax, and the development endpoints through
-    which a trainer has the workers reload its weights (`/collective_rpc`) and drop stale prefixes. Serve only on
-    a network you trust: those endpoints take no key. On a CPU the KV cache takes VLLM_CPU_KVCACHE_SPACE GiB
-    (4 unless set)."""
+    which a trainer has the workers reload its weights (`/collective_rpc`) and drop stale prefixes. Serve only
+    on a network you trust: those endpoints take no key. On a CPU the KV cache takes VLLM_CPU_KVCACHE_SPACE
+    GiB (4 unless set)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),

@@ -3,8 +3,8 @@ forge/parallel/sharding.py).
 
 Only the trainer uses this module. With several processes (torchrun, `accelerate launch`, `forge train --nproc
 N`), `DataParallel` sets up the process group from the launcher's environment and sums, gathers and broadcasts
-what the trainer hands it; with one, `DataParallel()` is a `OneProcess`, whose calls return what they are given
-(no torch.distributed at all).
+what the trainer hands it; with one, `DataParallel()` is a `OneProcess`, whose calls return what they are
+given (no torch.distributed at all).
 """
 
 from __future__ import annotations
@@ -200,8 +200,8 @@ class DataParallel:
 
 class OneProcess(DataParallel):
     """One process: the whole model and every prompt here, nothing to sum, gather or shard. Each collective of
-    DataParallel is the value it was given (its docstring says what it does with several), so the trainer calls
-    them alike for one process and for N, and a one-process step enters no process-group code."""
+    DataParallel is the value it was given (its docstring says what it does with several), so the trainer
+    calls them alike for one process and for N, and a one-process step enters no process-group code."""
 
     def sum_shards(self, values: list[float]) -> list[float]:
         return values

@@ -1,1 +1,2 @@
-"""The run machinery below the trainer: the run loop, lifecycle, checkpoints, the optimizer step, step metrics."""
+"""The run machinery below the trainer: the run loop, lifecycle, checkpoints, the optimizer
+step, step metrics."""

@@ -1,10 +1,11 @@
 """What a checkpoint's files say, checked against what the resuming run expects, before any of it is used.
 
 COMPLETE's sha256s (forge/run/integrity.py) prove that the files are those written when the save finished: no
-truncation, no bit rot, no half-written save. They do not prove who wrote them: whoever hands a checkpoint over
-can change a file and rehash. Nothing in a checkpoint can run code (safetensors and JSON only); what a changed
-field can do is change the run, so each one resuming uses is checked here, and a field that does not fit is
-refused with one line naming the checkpoint and the file (a CheckpointError: exit code 1 on the command line):
+truncation, no bit rot, no half-written save. They do not prove who wrote them: whoever hands a checkpoint
+over can change a file and rehash. Nothing in a checkpoint can run code (safetensors and JSON only); what a
+changed field can do is change the run, so each one resuming uses is checked here, and a field that does not
+fit is refused with one line naming the checkpoint and the file (a CheckpointError: exit code 1
+on the command line):
 
     check_trainer_state      trainer_state.json: an object; global_step the folder's step; counters in range
     check_tensors            weights: each tensor the model's shape and dtype (never cast on the way in)
@@ -53,8 +54,8 @@ def refused(path: Path, name: str, problem: str) -> CheckpointError:
 
 @contextmanager
 def loading(path: Path, name: str) -> Iterator[None]:
-    """Whatever loading `name` into the run raises (a torch or Python error on a value that does not fit) as one
-    line naming the checkpoint and the file."""
+    """Whatever loading `name` into the run raises (a torch or Python error on a value that does not fit) as
+    one line naming the checkpoint and the file."""
     try:
         yield
     except CheckpointError:
@@ -114,14 +115,16 @@ def check_trainer_state(path: Path, state: Any, dataset_size: int | None = None)
     }
     for field, (fits, should_be) in bounds.items():
         if not fits:
-            raise refused(path, TRAINER_STATE_NAME, f"has {field}={state.get(field)!r:.60}; it must be {should_be}")
+            raise refused(path, TRAINER_STATE_NAME,
+                          f"has {field}={state.get(field)!r:.60}; it must be {should_be}")
     if folder is not None and int(folder.group(1)) != step:
         raise refused(path, TRAINER_STATE_NAME, f"has global_step={step}, but the checkpoint is of step "
                                                 f"{int(folder.group(1))} (its folder's name)")
     return state
 
 
-def check_tensors(path: Path, name: str, saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+def check_tensors(path: Path, name: str, saved: dict[str, torch.Tensor],
+                  expected: dict[str, torch.Tensor]) -> None:
     """Each tensor of the file `name` that the model has: of the model's shape and dtype (names are checked by
     the load: missing or unexpected keys)."""
     for key, tensor in saved.items():
@@ -143,12 +146,13 @@ def _described(tensor: torch.Tensor) -> str:
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
     """The run's own optimizer settings, per parameter group (what check_hyperparameters compares against)."""
-    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    return [{key: value for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups]
 
 
 def check_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -> None:
-    """optimizer.safetensors before it is loaded: the run's groups and parameters, and each parameter's moments
-    of its shape and dtype (torch would cast them silently)."""
+    """optimizer.safetensors before it is loaded: the run's groups and parameters, and each parameter's
+    moments of its shape and dtype (torch would cast them silently)."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list) or not isinstance(saved.get("state"), dict) or not all(
             isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
@@ -191,10 +195,12 @@ def check_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimiz
                 )
 
 
-def check_hyperparameters(path: Path, name: str, optimizer: torch.optim.Optimizer, expected: list[dict]) -> None:
+def check_hyperparameters(path: Path, name: str, optimizer: torch.optim.Optimizer,
+                          expected: list[dict]) -> None:
     """After loading `name` into `optimizer` (whose settings were `expected` before): lr, initial_lr and
-    weight_decay are finite numbers >= 0 (this run's values then apply, and are announced); every other setting
-    is the run's own AdamW's, or the resume is refused (AdamW maximize=True would be gradient ascent)."""
+    weight_decay are finite numbers >= 0 (this run's values then apply, and are announced); every other
+    setting is the run's own AdamW's, or the resume is refused (AdamW maximize=True would be
+    gradient ascent)."""
     for index, (group, own) in enumerate(zip(optimizer.param_groups, expected)):
         for key in sorted(set(group) - {"params"} | set(own)):
             value, want = group.get(key, "<absent>"), own.get(key, "<absent>")
@@ -204,7 +210,8 @@ def check_hyperparameters(path: Path, name: str, optimizer: torch.optim.Optimize
                     raise refused(path, name, f"has {where}={value!r:.60}; it must be a finite number >= 0")
             elif not _same(value, want):
                 why = " (a resumed run would do gradient ascent)" if key == "maximize" else ""
-                raise refused(path, name, f"has {where}={value!r:.60} where this run's AdamW has {want!r}{why}")
+                raise refused(path, name,
+                              f"has {where}={value!r:.60} where this run's AdamW has {want!r}{why}")
 
 
 def _same(value: Any, want: Any) -> bool:

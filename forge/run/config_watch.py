@@ -1,11 +1,12 @@
 """A config that a callback changes between steps, checked again as at start-up.
 
 TRL's callbacks get the config as `args` and may change it between steps (anneal the temperature, shorten
-max_new_tokens): the next step reads the new values. The run loop (forge/run/loop.py) asks `ConfigWatch.problem()`
-wherever a callback may have changed it, before the changed values are used: after the callbacks of a step's end
-and of its log row, and before the next step. A change is refused with the words GRPOConfig.validate() says at
-start-up, and so is a change of what the run built from the config when it started and never builds again
-(`BUILT_AT_START`), and kl_beta > 0 for a full fine-tune that started without a reference model.
+max_new_tokens): the next step reads the new values. The run loop (forge/run/loop.py) asks
+`ConfigWatch.problem()` wherever a callback may have changed it, before the changed values are used: after the
+callbacks of a step's end and of its log row, and before the next step. A change is refused with the words
+GRPOConfig.validate() says at start-up, and so is a change of what the run built from the config when it
+started and never builds again (`BUILT_AT_START`), and kl_beta > 0 for a full fine-tune that started without a
+reference model.
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ BUILT_AT_START = {
 
 
 class ConfigWatch:
-    """The config as the run started (`config`: the live object the callbacks change), and whether the run has a
-    reference model to compute a KL term against (`has_reference`: LoRA, or a full fine-tune's frozen copy)."""
+    """The config as the run started (`config`: the live object the callbacks change), and whether the run has
+    a reference model to compute a KL term against (`has_reference`: LoRA, or a full
+    fine-tune's frozen copy)."""
 
     def __init__(self, config: Any, has_reference: bool):
         self.config, self.has_reference = config, has_reference
         self.started = self.checked = _plain(config.to_dict())
 
     def problem(self) -> str | None:
-        """Why the run cannot go on with the config as it is now, or None (also when nothing changed since the last
-        check): validate()'s problems, a setting of BUILT_AT_START changed, or a KL term without a reference."""
+        """Why the run cannot go on with the config as it is now, or None (also when nothing changed since the
+        last check): validate()'s problems, a setting of BUILT_AT_START changed, or a KL term
+        without a reference."""
         now = _plain(self.config.to_dict())
         if now == self.checked:
             return None

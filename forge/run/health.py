@@ -2,10 +2,10 @@
 
 Each rule is one small function of the recent steps' metrics and a threshold, plus the message that names the
 likely cause and the knob, in one table (`HEALTH_RULES`; docs/reliability.md explains each). After every step
-`HealthMonitor.check` adds `health/<rule>` = 1.0 to the logged metrics for each rule that fires (0.0 otherwise),
-and returns the alarms that just started: a rule that keeps firing is said once, and again only after a step
-without it (an episode). GRPOConfig.stop_on_health names the rules that stop the run (the run loop saves the
-last finished step and says how to resume).
+`HealthMonitor.check` adds `health/<rule>` = 1.0 to the logged metrics for each rule that fires (0.0
+otherwise), and returns the alarms that just started: a rule that keeps firing is said once, and again only
+after a step without it (an episode). GRPOConfig.stop_on_health names the rules that stop the run (the run
+loop saves the last finished step and says how to resume).
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def _latest(key: str, test: Callable[[float, float], bool]) -> Callable[[Window,
 
 
 def _spike(key: str, floor: float) -> Callable[[Window, float], bool]:
-    """Fires when the newest `key` is over threshold x the median of the steps before it (and over `floor`). A 0
-    is no measurement (a step with no token in the loss, e.g. every group dropped as flat) and is left out."""
+    """Fires when the newest `key` is over threshold x the median of the steps before it (and over `floor`). A
+    0 is no measurement (a step with no token in the loss, e.g. every group dropped as flat)
+    and is left out."""
     def fires(window: Window, threshold: float) -> bool:
         before = [v for v in (_value(m, key) for m in list(window)[:-1]) if v]
         value = _value(window[-1], key)
@@ -61,8 +62,8 @@ def _spike(key: str, floor: float) -> Callable[[Window, float], bool]:
 
 
 def _entropy_collapsed(window: Window, threshold: float) -> bool:
-    """Fires when the window is full and every step that measured an entropy (not 0: a step with no token in the
-    loss measures none) measured less than `threshold`, at least two of them."""
+    """Fires when the window is full and every step that measured an entropy (not 0: a step with no token in
+    the loss measures none) measured less than `threshold`, at least two of them."""
     values = [v for v in (_value(m, "entropy") for m in window) if v]
     return len(window) == window.maxlen and len(values) >= 2 and all(v < threshold for v in values)
 
@@ -175,8 +176,9 @@ class HealthMonitor:
 
 
     def resume(self, training_log: Path) -> None:
-        """Refill the window (and which rules fire) from the training rows of a resumed run's training_log.jsonl,
-        so the alarms after a resume are those of the uninterrupted run (exactly so with logging_steps=1)."""
+        """Refill the window (and which rules fire) from the training rows of a resumed run's
+        training_log.jsonl, so the alarms after a resume are those of the uninterrupted run (exactly so with
+        logging_steps=1)."""
         if not training_log.exists():
             return
         rows = [row for _, row in log_rows(training_log)]  # a line that is no row is left out, said
@@ -185,12 +187,14 @@ class HealthMonitor:
 
 
 def parse_thresholds(entries: Sequence[str] | None) -> dict[str, float]:
-    """GRPOConfig.health_thresholds, ["kl_spike=5", ...], as {rule: threshold}; a ValueError names a bad entry."""
+    """GRPOConfig.health_thresholds, ["kl_spike=5", ...], as {rule: threshold}; a ValueError
+    names a bad entry."""
     out = {}
     for entry in entries or ():
         name, _, value = entry.partition("=")
         if name not in HEALTH_RULES:
-            raise ValueError(f"health_thresholds: unknown rule {name!r}; the rules are {sorted(HEALTH_RULES)}")
+            raise ValueError(f"health_thresholds: unknown rule {name!r}; the rules are "
+                             f"{sorted(HEALTH_RULES)}")
         try:
             out[name] = float(value)
         except ValueError:

@@ -1,5 +1,5 @@
-"""Whether a checkpoint directory is whole: its layout, the sha256 manifest written last, verification, and which
-checkpoints of a run exist, verify, or are left over from a killed save.
+"""Whether a checkpoint directory is whole: its layout, the sha256 manifest written last, verification, and
+which checkpoints of a run exist, verify, or are left over from a killed save.
 
     {checkpoint}/COMPLETE      written last: {"format": ..., "sha256": {file: digest}} of every other file
     verify_checkpoint(path)    re-hash every file against COMPLETE (a checkpoint from before checksums: check
@@ -11,8 +11,9 @@ checkpoints of a run exist, verify, or are left over from a killed save.
     check_saved_model          a folder Forge saved verifies before `forge eval` / `forge export` load it
     prune_checkpoints          keep the newest N
 
-A checkpoint is read as someone else may have left it: its JSON (COMPLETE, the shard index, a safetensors header)
-through forge/safe_json.py's limits, a link followed only when it stays inside the folder and ends (`inside`).
+A checkpoint is read as someone else may have left it: its JSON (COMPLETE, the shard index, a safetensors
+header) through forge/safe_json.py's limits, a link followed only when it stays inside the folder
+and ends (`inside`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ FULL_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 SHARDED_DIR = "sharded"  # an FSDP2 run's shards of the weights and AdamW state (forge/parallel/sharding.py)
 SHARDED_LAYOUT = "sharded/layout.json"  # what of the sharded state is not a tensor, and the format: Forge's
-# What an older Forge wrote with pickle (torch.save, torch.distributed.checkpoint's .metadata), and what replaced
-# each: a checkpoint holding one of these without its replacement is refused, never unpickled.
+# What an older Forge wrote with pickle (torch.save, torch.distributed.checkpoint's .metadata), and what
+# replaced each: a checkpoint holding one of these without its replacement is refused, never unpickled.
 PICKLED_NAMES = {
     "optimizer.pt": OPTIMIZER_NAME,
     "scheduler.pt": SCHEDULER_NAME,
@@ -54,7 +55,8 @@ PICKLED_NAMES = {
 
 # Numbered checkpoints are `{output_dir}/{step}`; `checkpoint-{step}` is accepted when reading.
 _STEP_DIR_PATTERN = re.compile(r"^(?:checkpoint-)?(\d+)$")
-# The temporaries of a save in progress: `{name}.tmp-{pid}` (being written), `{name}.old-{pid}` (being replaced).
+# The temporaries of a save in progress: `{name}.tmp-{pid}` (being written), `{name}.old-{pid}` (being
+# replaced).
 _TEMPORARY_DIR_PATTERN = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
 # What resuming needs besides the weights; load_checkpoint(require_training_state=True) insists on them.
 TRAINING_STATE_NAMES = (OPTIMIZER_NAME, SCHEDULER_NAME, RNG_STATE_NAME)
@@ -85,8 +87,8 @@ def _checkpoint_files(directory: Path) -> list[str]:
 
 
 def nonfinite_tensors(state_dict: dict[str, Any]) -> list[str]:
-    """Names of the floating-point tensors that hold a NaN or inf (`all_finite`: the sum first, 0.07 s instead of
-    1.3 s for SmolLM2-135M on one CPU thread)."""
+    """Names of the floating-point tensors that hold a NaN or inf (`all_finite`: the sum first, 0.07 s instead
+    of 1.3 s for SmolLM2-135M on one CPU thread)."""
     return [name for name, tensor in state_dict.items()
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not all_finite(tensor)]
 
@@ -117,8 +119,8 @@ def is_sharded(path: str | os.PathLike) -> bool:
 
 
 def has_forge_manifest(path: str | os.PathLike) -> bool:
-    """Whether `path` holds a COMPLETE that Forge wrote (its sha256 manifest, or the "ok" of a Forge from before
-    checksums): how Forge tells its own checkpoint folders from anything else with a step's name."""
+    """Whether `path` holds a COMPLETE that Forge wrote (its sha256 manifest, or the "ok" of a Forge from
+    before checksums): how Forge tells its own checkpoint folders from anything else with a step's name."""
     marker = Path(path) / COMPLETE_MARKER
     try:
         if not marker.is_file():
@@ -134,7 +136,8 @@ def _is_old_marker(marker: Path) -> bool:
 
 
 def pickled_file(path: Path) -> str | None:
-    """The first file of a checkpoint in an older Forge's pickle format whose replacement is absent, or None."""
+    """The first file of a checkpoint in an older Forge's pickle format whose replacement is
+    absent, or None."""
     for name, replacement in PICKLED_NAMES.items():
         if (path / name).is_file() and not (path / replacement).is_file():
             return name
@@ -142,7 +145,8 @@ def pickled_file(path: Path) -> str | None:
 
 
 def refuse_pickled(path: Path, name: str) -> CheckpointError:
-    """The error for a checkpoint whose state needs unpickling (see PICKLED_NAMES): what it is, and what to do."""
+    """The error for a checkpoint whose state needs unpickling (see PICKLED_NAMES): what it
+    is, and what to do."""
     if name.startswith(SHARDED_DIR):
         way_out = (
             f"start a new run from the whole weights of that run's final/ (--model {path.parent / 'final'}), "
@@ -151,14 +155,16 @@ def refuse_pickled(path: Path, name: str) -> CheckpointError:
     else:
         way_out = f"start a new run from its weights, which are safetensors (--model {path})"
     return CheckpointError(
-        f"checkpoint {path} cannot be loaded: {name} is in torch's pickle format, written by an older Forge, and "
-        f"Forge never unpickles a checkpoint (unpickling runs whatever code the file names). To go on, {way_out}; "
-        f"or resume it with the Forge version that wrote it, if you trust where the checkpoint came from."
+        f"checkpoint {path} cannot be loaded: {name} is in torch's pickle format, written by an older "
+        "Forge, and Forge never unpickles a checkpoint (unpickling runs whatever code the file names). To "
+        f"go on, {way_out}; or resume it with the Forge version that wrote it, if you trust where the "
+        "checkpoint came from."
     )
 
 
 def _has_whole_weights(path: Path) -> bool:
-    return any((path / name).exists() for name in (ADAPTER_WEIGHTS_NAME, FULL_WEIGHTS_NAME, FULL_WEIGHTS_INDEX_NAME))
+    return any((path / name).exists() for name in (ADAPTER_WEIGHTS_NAME, FULL_WEIGHTS_NAME,
+                                                   FULL_WEIGHTS_INDEX_NAME))
 
 
 class Damaged(Exception):
@@ -218,11 +224,12 @@ def index_problem(index: dict) -> str | None:
 
 
 def inside(path: Path, name: Any, named_by: str | None = None) -> str:
-    """`name`, a file of the checkpoint `path`: a relative path without `..` that, links followed, stays inside
-    the folder; Damaged otherwise (a checkpoint's files are read from the checkpoint only), and for a link that
-    loops (following it never ends)."""
+    """`name`, a file of the checkpoint `path`: a relative path without `..` that, links followed, stays
+    inside the folder; Damaged otherwise (a checkpoint's files are read from the checkpoint only), and for a
+    link that loops (following it never ends)."""
     if isinstance(name, str) and name and link_loops(path / name):
-        raise Damaged(name, "is a symlink loop (a link that leads back to itself, never to a file); remove it")
+        raise Damaged(name,
+                      "is a symlink loop (a link that leads back to itself, never to a file); remove it")
     outside = (not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts
                or not Path(os.path.realpath(path / name)).is_relative_to(os.path.realpath(path)))
     if not outside:
@@ -258,7 +265,8 @@ def _links_out(path: Path) -> None:
 
 
 def safetensors_problem(file: Path) -> str | None:
-    """Why `file` is not a whole safetensors file (empty, truncated, bad header), or None; reads only the header.
+    """Why `file` is not a whole safetensors file (empty, truncated, bad header), or None;
+    reads only the header.
 
     Layout: an 8-byte little-endian header length n, n bytes of JSON header, then the tensor bytes, whose
     extent the header's data_offsets give."""
@@ -271,7 +279,8 @@ def safetensors_problem(file: Path) -> str | None:
         if 8 + header_size > size:
             return f"is truncated ({size} bytes; its header alone needs {8 + header_size})"
         if header_size > MAX_JSON_BYTES:  # safetensors' own limit
-            return f"has a header of {header_size:,} bytes, more than the {MAX_JSON_BYTES:,} safetensors reads"
+            return (f"has a header of {header_size:,} bytes, more than the {MAX_JSON_BYTES:,} "
+                    "safetensors reads")
         try:
             header = parse_json(f.read(header_size), file.name)
         except JSONFileError as error:
@@ -279,7 +288,8 @@ def safetensors_problem(file: Path) -> str | None:
     problem = header_problem(header)
     if problem is not None:
         return problem
-    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                   default=0)
     if 8 + header_size + data_end > size:
         return f"is truncated ({size} bytes of the {8 + header_size + data_end} its header describes)"
     return None
@@ -292,8 +302,8 @@ def read_header(file: Path) -> dict:
 
 
 def header_problem(header: dict) -> str | None:
-    """Why a safetensors header is not one (each entry a tensor's dtype, shape and data_offsets; __metadata__ an
-    object of strings), or None."""
+    """Why a safetensors header is not one (each entry a tensor's dtype, shape and data_offsets; __metadata__
+    an object of strings), or None."""
     for name, entry in header.items():
         if name == "__metadata__":
             if not isinstance(entry, dict) or not all(isinstance(value, str) for value in entry.values()):
@@ -324,13 +334,15 @@ def _verify(path: Path, require_training_state: bool) -> bool:
     _links_out(path)
     for name in manifest or ():
         inside(path, name, named_by=COMPLETE_MARKER)
-    sharded = is_sharded(path)  # an FSDP2 run's: weights and optimizer in sharded/, whole weights only in final/
+    # an FSDP2 run's: weights and optimizer in sharded/, whole weights only in final/
+    sharded = is_sharded(path)
     weights = weight_files(path) if not sharded or _has_whole_weights(path) else []
     required = [*weights, TRAINER_STATE_NAME, CONFIG_NAME]
     if sharded:
         required.append(SHARDED_LAYOUT)
     if require_training_state:  # final/ holds none of these (forge/run/checkpoint.py)
-        required += [SCHEDULER_NAME, RNG_STATE_NAME] if sharded else [OPTIMIZER_NAME, SCHEDULER_NAME, RNG_STATE_NAME]
+        required += ([SCHEDULER_NAME, RNG_STATE_NAME] if sharded
+                     else [OPTIMIZER_NAME, SCHEDULER_NAME, RNG_STATE_NAME])
     for name in required:
         if not (path / name).is_file():
             if manifest is not None and name not in manifest:
@@ -375,7 +387,8 @@ def verify_checkpoint(path: str | os.PathLike, *, require_training_state: bool =
     try:
         return _verify(path, require_training_state)
     except Damaged as damaged:
-        raise CheckpointError(f"checkpoint {path} {damaged.verdict}: {damaged}. {offer_previous(path)}") from None
+        raise CheckpointError(f"checkpoint {path} {damaged.verdict}: {damaged}. "
+                              f"{offer_previous(path)}") from None
     except OSError as error:
         raise CheckpointError(f"checkpoint {path} cannot be read: {error}. {offer_previous(path)}") from None
 
@@ -397,22 +410,24 @@ def offer_previous(path: Path) -> str:
 
 
 class UnverifiedSave(ValueError):
-    """A folder Forge saved, given to `forge eval` or `forge export`, does not verify: bad input (exit code 2)."""
+    """A folder Forge saved, given to `forge eval` or `forge export`, does not verify: bad
+    input (exit code 2)."""
 
 
 def is_forge_save(path: str | os.PathLike) -> bool:
     """Whether `path` is a folder Forge saved or was saving: it holds Forge's COMPLETE or forge_config.json (a
-    name only Forge writes), or has the name of a save's temporary. A plain transformers folder or a hub id is not."""
+    name only Forge writes), or has the name of a save's temporary. A plain transformers folder or
+    a hub id is not."""
     path = Path(path)
     return path.is_dir() and (has_forge_manifest(path) or (path / CONFIG_NAME).is_file()
                               or _TEMPORARY_DIR_PATTERN.match(path.name) is not None)
 
 
 def check_saved_model(path: str | os.PathLike, given_as: str) -> None:
-    """Before a command loads a model or adapter folder (`forge eval --model/--adapter`, `forge export --adapter`):
-    a folder Forge saved must be complete and verify as final/ does (`_verify`, no training state needed); anything
-    else loads unchecked. Raises UnverifiedSave naming the folder (`given_as` is the flag), the file, and what to
-    load instead."""
+    """Before a command loads a model or adapter folder (`forge eval --model/--adapter`, `forge export
+    --adapter`): a folder Forge saved must be complete and verify as final/ does (`_verify`, no training state
+    needed); anything else loads unchecked. Raises UnverifiedSave naming the folder (`given_as` is the flag),
+    the file, and what to load instead."""
     path = Path(path)
     if not is_forge_save(path):
         return
@@ -434,7 +449,8 @@ def check_saved_model(path: str | os.PathLike, given_as: str) -> None:
     previous = latest_verified_checkpoint(path.parent, before_step=int(step.group(1)) if step else None)
     way_out = (f"Use {previous} instead (the newest earlier checkpoint that verifies), or re-run the save"
                if previous else f"No earlier checkpoint in {path.parent} verifies: re-run the save")
-    raise UnverifiedSave(f"{given_as} {path} (a Forge checkpoint) {problem}. {way_out} (the training that wrote it).")
+    raise UnverifiedSave(f"{given_as} {path} (a Forge checkpoint) {problem}. {way_out} (the "
+                         "training that wrote it).")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -443,8 +459,8 @@ def check_saved_model(path: str | os.PathLike, given_as: str) -> None:
 
 
 def _complete_numbered_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every numbered checkpoint with Forge's COMPLETE, oldest first. Skips final/, temporaries,
-    partial folders and folders with a step's name that Forge did not write."""
+    """(step, path) of every numbered checkpoint with Forge's COMPLETE, oldest first. Skips final/,
+    temporaries, partial folders and folders with a step's name that Forge did not write."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
@@ -468,7 +484,8 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
 
 def latest_verified_checkpoint(output_dir: str | os.PathLike, before_step: int | None = None) -> Path | None:
-    """The newest complete numbered checkpoint that passes `verify_checkpoint` (and can resume a run), or None.
+    """The newest complete numbered checkpoint that passes `verify_checkpoint` (and can
+    resume a run), or None.
 
     `before_step` only considers checkpoints of earlier steps. Checks newest first and stops at the
     first that verifies, so it usually hashes one checkpoint. Unlike `latest_checkpoint` it skips a
@@ -483,7 +500,8 @@ def latest_verified_checkpoint(output_dir: str | os.PathLike, before_step: int |
 
 
 def verifies(path: Path, require_training_state: bool = True) -> bool:
-    """Whether `path` passes `verify_checkpoint`, without raising: every file whole, none in the pickle format."""
+    """Whether `path` passes `verify_checkpoint`, without raising: every file whole, none in
+    the pickle format."""
     if not is_complete(path) or pickled_file(path) is not None:
         return False
     try:
@@ -510,7 +528,8 @@ def _process_is_alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[tuple[Path, str]]:
-    """Clean up after saves that were killed; returns (directory, what was done: "deleted", "restored" or "kept").
+    """Clean up after saves that were killed; returns (directory, what was done: "deleted",
+    "restored" or "kept").
 
     `{name}.tmp-{pid}` (a checkpoint being written) whose process is gone is deleted. `{name}.old-{pid}`
     (a checkpoint being replaced, killed between the two renames) is renamed back to `{name}` when nothing
@@ -538,7 +557,8 @@ def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[tuple[Path, 
 
 
 def stale_old_checkpoint(path: Path) -> Path | None:
-    """For `{name}.old-{pid}` of a process that is gone: the checkpoint `{name}` it would be put back as; else None."""
+    """For `{name}.old-{pid}` of a process that is gone: the checkpoint `{name}` it would be put
+    back as; else None."""
     match = _TEMPORARY_DIR_PATTERN.match(path.name)
     if not match or match.group("kind") != "old" or _process_is_alive(int(match.group("pid"))):
         return None
@@ -546,13 +566,15 @@ def stale_old_checkpoint(path: Path) -> Path | None:
 
 
 def restorable(old: Path) -> bool:
-    """Whether `{name}.old-{pid}` is a whole Forge checkpoint: its COMPLETE is Forge's and every file verifies."""
+    """Whether `{name}.old-{pid}` is a whole Forge checkpoint: its COMPLETE is Forge's and
+    every file verifies."""
     name = _TEMPORARY_DIR_PATTERN.match(old.name).group("name")
     return has_forge_manifest(old) and verifies(old, require_training_state=name != "final")
 
 
 def prune_checkpoints(output_dir: str | os.PathLike, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` complete numbered checkpoints (None keeps all); returns the deleted."""
+    """Delete all but the newest `keep` complete numbered checkpoints (None keeps all);
+    returns the deleted."""
     if keep is None:
         return []
     if keep < 0:

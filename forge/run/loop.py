@@ -5,9 +5,10 @@
         resume (weights, optimizer, schedule, RNG, data position)     -> forge/run/lifecycle.py
         a new run: preflight(rows, total_steps)                        -> core/preflight.py
         for each step's rows:  trainer.step(rows)                      -> the GRPO step (core/trainer.py)
-            log every logging_steps (with the run-health keys, forge/run/health.py), evaluate every eval_steps,
-            save every save_steps; a run-health alarm in stop_on_health stops the run
-            the callbacks hear each event and may ask to log, evaluate, save or stop  -> run/trainer_surface.py
+            log every logging_steps (with the run-health keys, forge/run/health.py), evaluate every
+            eval_steps, save every save_steps; a run-health alarm in stop_on_health stops the run
+            the callbacks hear each event and may ask to log, evaluate, save or stop
+                                                                                -> run/trainer_surface.py
             a config a callback changed is checked as at start-up before it is used   -> run/config_watch.py
             a signal: finish the step, save it, raise TrainingInterrupted
         a failed step (StepFailed: a reward, non-finite losses, a config a callback broke): say where the last
@@ -15,9 +16,9 @@
         save final/, evaluate, close the logs
 
 The trainer is given, not imported: anything with the attributes read below runs here (`config`, `dist`,
-`model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `reference_model`, `guard`, `signals`, `global_step`,
-`events` (a RunEvents), and the methods `step(rows) -> metrics`, `evaluate(rows) -> metrics`), and `ahead`: None,
-or async GRPO's rollout worker, which `ahead.schedule(steps, trainer)` starts and feeds
+`model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `reference_model`, `guard`, `signals`,
+`global_step`, `events` (a RunEvents), and the methods `step(rows) -> metrics`, `evaluate(rows) -> metrics`),
+and `ahead`: None, or async GRPO's rollout worker, which `ahead.schedule(steps, trainer)` starts and feeds
 (forge/core/rollout_worker.py).
 """
 
@@ -34,16 +35,11 @@ from forge.logging.logger import ForgeLogger, install_warning_format
 from forge.run import memory
 from forge.run.config_watch import ConfigWatch
 from forge.run.health import HEALTH_RULES, REWARD_RULES, HealthMonitor, parse_thresholds
-from forge.run.lifecycle import (
-    CheckpointParts,
-    FinishedStep,
-    RunLifecycle,
-    TrainingInterrupted,
-    claim_output_dir,
-)
-from forge.run.step_stats import warn_if_mostly_flat, warn_if_tools_unused
+from forge.run.lifecycle import CheckpointParts, FinishedStep, RunLifecycle, claim_output_dir
 from forge.run.optim import make_scheduler
 from forge.run.rng import capture_rng_state, seed_everything
+from forge.run.signals import TrainingInterrupted
+from forge.run.step_stats import warn_if_mostly_flat, warn_if_tools_unused
 
 
 class StepFailed(RuntimeError):
@@ -56,8 +52,8 @@ class HealthStop(StepFailed):
 
 
 class ConfigRefused(StepFailed):
-    """A callback changed the config between steps to what the run refuses (forge/run/config_watch.py); the last
-    finished step is saved."""
+    """A callback changed the config between steps to what the run refuses (forge/run/config_watch.py); the
+    last finished step is saved."""
 
 
 def reached(step: int, every: int, stride: int) -> bool:
@@ -68,7 +64,8 @@ def reached(step: int, every: int, stride: int) -> bool:
 
 def run_config(trainer) -> dict:
     """The config as saved with checkpoints and compared on resume: GRPOConfig plus the model's name."""
-    return {**trainer.config.to_dict(), "model_name": getattr(trainer.model.config, "_name_or_path", "") or ""}
+    return {**trainer.config.to_dict(),
+            "model_name": getattr(trainer.model.config, "_name_or_path", "") or ""}
 
 
 class TrainingRun:
@@ -89,17 +86,20 @@ class TrainingRun:
         check_rows(self.rows)
         self.preflight = preflight
         steps_per_epoch = len(self.rows) // trainer.rows_per_step * config.num_iterations  # optimizer steps
-        self.total_steps = config.max_steps if config.max_steps > 0 else steps_per_epoch * config.num_train_epochs
+        self.total_steps = (config.max_steps if config.max_steps > 0
+                            else steps_per_epoch * config.num_train_epochs)
         self.lifecycle: RunLifecycle | None = None
         self.logger: ForgeLogger | None = None
-        rewards_teach = getattr(trainer, "rewards_teach", True)  # False: pure distillation (no flat-group alarms)
+        # False: pure distillation (no flat-group alarms)
+        rewards_teach = getattr(trainer, "rewards_teach", True)
         self.warned_flat = not rewards_teach  # "most groups carry no signal" is said once per run
         self.health = HealthMonitor(config.health_window, parse_thresholds(config.health_thresholds),
                                     off=() if rewards_teach else REWARD_RULES)
         self.alarms: list[str] = []  # the alarms of the last step that stop the run (stop_on_health)
-        self.rollouts_without_calls: int | None = 0  # steps with tools in which no completion called one; None:
-        # a call was seen, or the warning was given
-        self.config_watch = ConfigWatch(config, has_reference=trainer.is_lora or trainer.reference_model is not None)
+        # steps with tools in which no completion called one; None: a call was seen, or the warning was given
+        self.rollouts_without_calls: int | None = 0
+        self.config_watch = ConfigWatch(config,
+                                        has_reference=trainer.is_lora or trainer.reference_model is not None)
 
     def run(self) -> dict:
         """Claim output_dir (its lock is held until the run ends), then train."""
@@ -114,6 +114,21 @@ class TrainingRun:
                 lock.release()
 
     def train(self) -> dict:
+        epoch, position = self.begin()
+        epoch, position = self.run_steps(epoch, position)
+        self.lifecycle.save(self.finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
+        self.dist.barrier()
+        if self.eval_rows is not None and not reached(self.trainer.global_step, self.config.eval_steps,
+                                                      self.config.num_iterations):
+            self.evaluate(epoch)
+        self.events.train_end()
+        self.logger.close()
+        return {"global_step": self.trainer.global_step}
+
+    def begin(self) -> tuple[int, int]:
+        """Before the first step: the schedule, the checkpoints, the seed, then resume (or a new run's
+        preflight), the logs, and the callbacks' train_begin. Returns where the data starts: (epoch,
+        position)."""
         config, trainer = self.config, self.trainer
         trainer.total_steps = self.total_steps  # rewards see it through TrainerState
         memory.return_freed_memory()  # a loss pass's freed logit chunks go back to the system
@@ -127,15 +142,10 @@ class TrainingRun:
         seed_everything(config.seed)
         epoch, position = 0, 0
         if config.resume_from:
-            resumed = self.lifecycle.resume(config.resume_from)
-            epoch, position, trainer.global_step = resumed.epoch, resumed.position, resumed.step
-            trainer.guard.restore(resumed.nonfinite_in_a_row, resumed.skipped_steps, resumed.loss_scale)
-            if resumed.entropy_control:  # adaptive entropy control goes on from where it was
-                trainer.entropy_control = dataclasses.replace(trainer.entropy_control, **resumed.entropy_control)
-            if resumed.micro_batch_size and config.micro_batch_size == "auto":  # as the preflight fitted it
-                trainer.micro_batch_size = resumed.micro_batch_size
+            epoch, position = self.resume()
         elif self.preflight is not None:
-            self.preflight(self.rows, self.total_steps)  # leaves the weights and the random state as they were
+            # leaves the weights and the random state as they were
+            self.preflight(self.rows, self.total_steps)
         self.logger = ForgeLogger(
             config.output_dir,
             use_wandb=config.use_wandb,
@@ -153,7 +163,28 @@ class TrainingRun:
         self.events.train_begin(config, self.total_steps, trainer.global_step, trainer.scheduler)
         if self.eval_rows is not None and config.eval_before_training and trainer.global_step == 0:
             self.evaluate(epoch)
+        return epoch, position
 
+    def resume(self) -> tuple[int, int]:
+        """The checkpoint of config.resume_from back in place (weights, optimizer, schedule, RNG), with the
+        step count, the guarded step's state, adaptive entropy and an auto micro-batch as they were. Returns
+        the data position it had reached: (epoch, position)."""
+        config, trainer = self.config, self.trainer
+        resumed = self.lifecycle.resume(config.resume_from)
+        trainer.global_step = resumed.step
+        trainer.guard.restore(resumed.nonfinite_in_a_row, resumed.skipped_steps, resumed.loss_scale)
+        if resumed.entropy_control:  # adaptive entropy control goes on from where it was
+            trainer.entropy_control = dataclasses.replace(trainer.entropy_control,
+                                                          **resumed.entropy_control)
+        if resumed.micro_batch_size and config.micro_batch_size == "auto":  # as the preflight fitted it
+            trainer.micro_batch_size = resumed.micro_batch_size
+        return resumed.epoch, resumed.position
+
+    def run_steps(self, start_epoch: int, start_position: int) -> tuple[int, int]:
+        """The steps, from (start_epoch, start_position) until total_steps, a stop or a failure (said with
+        where the last finished step is saved). Returns the (epoch, position) of the last step."""
+        config, trainer = self.config, self.trainer
+        epoch, position = start_epoch, start_position
         self.lifecycle.finished(self.finished(epoch, position))
         bar = tqdm(total=self.total_steps, initial=trainer.global_step, desc="forge",
                    disable=not self.dist.is_main, dynamic_ncols=True)
@@ -200,13 +231,7 @@ class TrainingRun:
         finally:
             bar.close()
             steps.close()  # async GRPO: stops the rollout worker
-        self.lifecycle.save(self.finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
-        self.dist.barrier()
-        if self.eval_rows is not None and not reached(trainer.global_step, config.eval_steps, config.num_iterations):
-            self.evaluate(epoch)
-        self.events.train_end()
-        self.logger.close()
-        return {"global_step": trainer.global_step}
+        return epoch, position
 
     def after_step(self, metrics: dict, epoch: int, position: int, bar) -> None:
         """Log, evaluate and save after an optimizer step."""
@@ -222,14 +247,17 @@ class TrainingRun:
                 self.rollouts_without_calls = None
         health, started = self.health.check(metrics)
         metrics.update(health)
-        failures = [sample["episode_failure"] for sample in metrics.get("_samples", ()) if "episode_failure" in sample]
+        failures = [sample["episode_failure"] for sample in metrics.get("_samples", ())
+                    if "episode_failure" in sample]
         for name in started if self.dist.is_main else ():
             example = f" (e.g. {failures[0]})" if name == "episodes_failing" and failures else ""
             tqdm.write(f"forge: health: step {step}: {name}: {HEALTH_RULES[name].says}{example}")
-        if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps or asked.should_log:
+        if (reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps
+                or asked.should_log):
             self.log(metrics, step, round(metrics["epoch"], 4))
             self.logger.log_samples(metrics.pop("_samples"), step=step)
-        self.check_config(finished_at=(epoch, position))  # on_step_end's and on_log's changes, before they are used
+        # on_step_end's and on_log's changes, before they are used
+        self.check_config(finished_at=(epoch, position))
         if self.eval_rows is not None and (reached(step, config.eval_steps, config.num_iterations)
                                            or asked.should_evaluate):
             self.evaluate(epoch)
@@ -243,9 +271,10 @@ class TrainingRun:
         self.alarms = [n for n in started if {n, "any"} & set(config.stop_on_health or ())]
 
     def check_config(self, finished_at: tuple[int, int] | None = None) -> None:
-        """A callback's change of the config, checked as at start-up: ConfigRefused (a StepFailed: the last finished
-        step is saved and named) for one the run refuses, on every rank when any refuses it. `finished_at`: the
-        (epoch, position) of the step that just finished, when the lifecycle has not been told of it yet."""
+        """A callback's change of the config, checked as at start-up: ConfigRefused (a StepFailed: the last
+        finished step is saved and named) for one the run refuses, on every rank when any refuses it.
+        `finished_at`: the (epoch, position) of the step that just finished, when the lifecycle has not been
+        told of it yet."""
         problem = self.config_watch.problem()
         if not self.dist.any(problem is not None):
             return
@@ -262,8 +291,10 @@ class TrainingRun:
         signals = self.trainer.signals
         signals.committing = False
         if self.dist.any(signals.requested is not None):
-            message = f"{signals.describe(self.trainer.global_step, self.total_steps)} {self.where_to_resume()}"
-            self.dist.barrier()  # no rank exits (and makes the launcher kill the rest) before the save is done
+            described = signals.describe(self.trainer.global_step, self.total_steps)
+            message = f"{described} {self.where_to_resume()}"
+            # no rank exits (and makes the launcher kill the rest) before the save is done
+            self.dist.barrier()
             raise TrainingInterrupted(message)
 
     def stop_on_alarm(self) -> None:
@@ -305,7 +336,8 @@ class TrainingRun:
         self.events.evaluated(metrics)
 
     def log(self, metrics: dict, step: int, epoch: float) -> None:
-        """A row of training_log.jsonl (and the trackers); the callbacks' on_log and state.log_history get it too."""
+        """A row of training_log.jsonl (and the trackers); the callbacks' on_log and
+        state.log_history get it too."""
         self.logger.log(metrics, step=step, epoch=epoch)
         self.events.log(metrics, step, epoch)
 

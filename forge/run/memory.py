@@ -6,11 +6,11 @@ On a CPU the figures are the resident set (Linux /proc/self/status: VmRSS now, V
 shapes; `fitting_micro_batch` is the largest loss-pass micro-batch a budget leaves room for.
 
 glibc's allocator raises its mmap threshold each time a large block is freed, after which blocks of that size
-come from a heap it rarely gives back: the loss pass's per-chunk logits (16 MiB each in fp32) then pile up in the
-resident set, the more the more chunks (tests/units/test_chunked_logprobs.py). `return_freed_memory` fixes the
-threshold at 8 MiB, so a chunk's blocks are mapped fresh and given back when freed; smaller blocks stay on the
-heap, where reusing them is faster (1 MiB cost 4-7% of the demo's step time for 6% of its peak, 8 MiB nothing
-measurable; bench/memory_phases.py on the AVX512-BF16 EPYC).
+come from a heap it rarely gives back: the loss pass's per-chunk logits (16 MiB each in fp32) then pile up in
+the resident set, the more the more chunks (tests/units/test_chunked_logprobs.py). `return_freed_memory` fixes
+the threshold at 8 MiB, so a chunk's blocks are mapped fresh and given back when freed; smaller blocks stay on
+the heap, where reusing them is faster (1 MiB cost 4-7% of the demo's step time for 6% of its peak, 8 MiB
+nothing measurable; bench/memory_phases.py on the AVX512-BF16 EPYC).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ MMAP_THRESHOLD_BYTES = 8 << 20  # blocks of 8 MiB and more are mapped and unmapp
 
 
 def return_freed_memory() -> bool:
-    """Have glibc hand blocks of >= 8 MiB back to the system when freed (unless the user set MALLOC_MMAP_THRESHOLD_).
-    Returns whether the setting took effect (False off glibc)."""
+    """Have glibc hand blocks of >= 8 MiB back to the system when freed (unless the user set
+    MALLOC_MMAP_THRESHOLD_). Returns whether the setting took effect (False off glibc)."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
         return False
     try:
@@ -62,7 +62,8 @@ def peak_mb(device: torch.device | None = None) -> float:
     if device is not None and device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     peak = _status_mb("VmHWM")
-    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    # Linux: KiB
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def reset_peak(device: torch.device | None = None) -> float:
@@ -126,16 +127,18 @@ def project(
     run_micro_batch: int,
     run_tokens: int,
 ) -> MemoryProjection:
-    """Scale the preflight's measured rises to the run's shapes, linearly (activations, KV cache and logit chunks
-    all grow with the tokens in flight): generation by the rollout's rows, the loss pass by the micro-batch's
-    rows times its longest completion plus the prompt (`*_tokens`: per row, prompt + completion)."""
+    """Scale the preflight's measured rises to the run's shapes, linearly (activations, KV cache and logit
+    chunks all grow with the tokens in flight): generation by the rollout's rows, the loss pass by the
+    micro-batch's rows times its longest completion plus the prompt (`*_tokens`: per row, prompt +
+    completion)."""
     generation = measured_generation * run_rows / max(sampled_rows, 1)
     per_row_token = measured_loss_pass / max(measured_micro_batch * measured_tokens, 1)
     return MemoryProjection(held, generation, per_row_token * run_micro_batch * run_tokens, run_micro_batch)
 
 
 def fitting_micro_batch(projection: MemoryProjection, budget: float, rows: int) -> int:
-    """The largest micro-batch (<= rows) whose loss pass fits the budget next to what is held; 0 if none does."""
+    """The largest micro-batch (<= rows) whose loss pass fits the budget next to what is
+    held; 0 if none does."""
     room = budget - projection.held
     if room <= 0:
         return 0
@@ -143,5 +146,6 @@ def fitting_micro_batch(projection: MemoryProjection, budget: float, rows: int) 
 
 
 def optimizer_state_mb(parameters, optimizer) -> float:
-    """AdamW's two moments for the trainable parameters that do not have them yet (it makes them at step 1)."""
+    """AdamW's two moments for the trainable parameters that do not have them yet (it makes
+    them at step 1)."""
     return sum(2 * p.numel() * 4 for p in parameters if p not in optimizer.state) / 2**20

@@ -5,15 +5,16 @@ folder has none, and a manifest can be rewritten together with the damage. `chec
 loaders will read, before they do, and refuses with one line naming the folder and the file (ValueError, exit
 code 2 on the command line):
 
-    config.json, adapter_config.json, tokenizer files, the shard index   a JSON object each, within the size and
-                                         nesting limits of forge/safe_json.py; the index's weight_map an object
-                                         of tensor name -> shard file
-    every safetensors weight file        a safetensors file (not a pickle, a zip of torch.save, or a link to
-                                         anything else), whole, each tensor's bytes matching its shape and dtype
-                                         in the header, every float finite (`nonfinite_tensors`, as resuming does)
+    config.json, adapter_config.json, tokenizer files, the shard index
+                                     a JSON object each, within the size and nesting limits of
+                                     forge/safe_json.py; the index's weight_map an object of tensor name ->
+                                     shard file
+    every safetensors weight file    a safetensors file (not a pickle, a zip of torch.save, or a link to
+                                     anything else), whole, each tensor's bytes matching its shape and dtype
+                                     in the header, every float finite (`nonfinite_tensors`, as resuming does)
 
-What only loading can tell (a config.json or adapter_config.json that does not describe the weights) is refused by
-the loaders themselves (forge/model/loading.py `load_model`, forge/model/export.py).
+What only loading can tell (a config.json or adapter_config.json that does not describe the weights) is
+refused by the loaders themselves (forge/model/loading.py `load_model`, forge/model/export.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from forge.run.integrity import (
 )
 from forge.safe_json import JSONFileError, read_json
 
-# The JSON files transformers and peft read from a model or adapter folder (the others are not read by a load).
+# The JSON files transformers and peft read from a model or adapter folder (the others are not read by a
+# load).
 LOADED_JSON = (
     "config.json",
     "generation_config.json",
@@ -73,7 +75,8 @@ class DamagedModelFolder(ValueError):
 
 def check_model_files(path: str | os.PathLike, given_as: str) -> None:
     """Raise DamagedModelFolder unless every file a load reads from the local folder `path` is whole and
-    finite; a hub id or a file (.gguf) is left to its loader. `given_as` is the flag it came with (--model)."""
+    finite; a hub id or a file (.gguf) is left to its loader. `given_as` is the flag it
+    came with (--model)."""
     path = Path(path).expanduser()
     if not path.is_dir():
         return
@@ -96,7 +99,8 @@ def _read(check, file: Path) -> str | None:
 
 
 def _restore(path: Path) -> str:
-    return f"The folder is damaged: load another, or restore {path} from where it came from (or re-run its save)"
+    return (f"The folder is damaged: load another, or restore {path} from where it came from "
+            "(or re-run its save)")
 
 
 def _json_problem(file: Path) -> str | None:
@@ -108,14 +112,15 @@ def _json_problem(file: Path) -> str | None:
 
 
 def _weight_files(path: Path, given_as: str) -> list[str]:
-    """The safetensors files a load of `path` reads: the adapter's, the single file, the shards of the index (its
-    weight_map checked as transformers reads it)."""
+    """The safetensors files a load of `path` reads: the adapter's, the single file, the shards of the index
+    (its weight_map checked as transformers reads it)."""
     names = [name for name in (ADAPTER_WEIGHTS_NAME, FULL_WEIGHTS_NAME) if os.path.lexists(path / name)]
     if (path / FULL_WEIGHTS_INDEX_NAME).is_file():  # parsed above
         index = read_json(path / FULL_WEIGHTS_INDEX_NAME)
         problem = index_problem(index)
         if problem is not None:
-            raise DamagedModelFolder(f"{given_as} {path}: {FULL_WEIGHTS_INDEX_NAME} {problem}. {_restore(path)}")
+            raise DamagedModelFolder(f"{given_as} {path}: {FULL_WEIGHTS_INDEX_NAME} {problem}. "
+                                     f"{_restore(path)}")
         names += sorted(set(index["weight_map"].values()) - set(names))
     return names
 
@@ -125,8 +130,8 @@ def _link_note(file: Path) -> str:
 
 
 def weights_problem(file: Path) -> str | None:
-    """Why the safetensors file `file` cannot be loaded as weights (not safetensors, truncated, a header that lies
-    about a tensor, NaN/inf), or None."""
+    """Why the safetensors file `file` cannot be loaded as weights (not safetensors, truncated, a header that
+    lies about a tensor, NaN/inf), or None."""
     if link_loops(file):
         return "is a symlink loop (a link that leads back to itself, never to a file)"
     if not file.exists():
@@ -143,7 +148,8 @@ def weights_problem(file: Path) -> str | None:
                 "(unpickling runs whatever code the file names)"
             )
         if "its header alone needs" in problem:  # its first 8 bytes ask for more than the file holds
-            return f"is not a safetensors file, or is truncated: {problem.removeprefix('is truncated (')[:-1]}"
+            return ("is not a safetensors file, or is truncated: "
+                    f"{problem.removeprefix('is truncated (')[:-1]}")
         return problem
     problem = _tensor_extent_problem(file)
     if problem is not None:
@@ -167,7 +173,7 @@ def _tensor_extent_problem(file: Path) -> str | None:
             return f"has a header entry for {name!r} that is not a tensor's ({entry!r})"
         if end - start != needed:
             return (
-                f"has a header that lies about {name!r}: shape {entry['shape']} of {entry['dtype']} is {needed} "
-                f"bytes, the file gives it {end - start}"
+                f"has a header that lies about {name!r}: shape {entry['shape']} of {entry['dtype']} is "
+                f"{needed} bytes, the file gives it {end - start}"
             )
     return None

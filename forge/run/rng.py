@@ -1,5 +1,5 @@
-"""Every random generator a run draws from: seeded once at the start, captured with each finished step, restored
-on resume, so a resumed run repeats the uninterrupted one bit for bit."""
+"""Every random generator a run draws from: seeded once at the start, captured with each finished step,
+restored on resume, so a resumed run repeats the uninterrupted one bit for bit."""
 
 from __future__ import annotations
 

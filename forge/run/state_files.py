@@ -103,7 +103,8 @@ def load_state(path: str | Path) -> Any:
             raise ValueError(f"not a Forge state file (its header has no {STATE_FORMAT} layout)")
         tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open has no iteration
     try:
-        layout = parse_json(metadata[_LAYOUT_KEY], str(path), expect=object)  # any JSON value: `decode` checks it
+        # any JSON value: `decode` checks it
+        layout = parse_json(metadata[_LAYOUT_KEY], str(path), expect=object)
     except JSONFileError as error:
         raise ValueError(f"its {_LAYOUT_KEY} layout {error.problem}") from None
     return decode(layout, tensors)

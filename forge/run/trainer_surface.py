@@ -12,8 +12,8 @@ transformers:
     on_init_end       the trainer is built
     on_train_begin    after resuming and the preflight, before the first step
     on_epoch_begin / on_epoch_end    around each pass over the dataset
-    on_step_begin / on_step_end      around each optimizer step; on_step_end before the step is logged, evaluated
-                                     and saved, so a callback can ask for those
+    on_step_begin / on_step_end      around each optimizer step; on_step_end before the step is logged,
+                                     evaluated and saved, so a callback can ask for those
     on_log            each row written to training_log.jsonl (training and eval/ rows), after it joins
                       state.log_history
     on_evaluate       after an evaluation, with its eval/ metrics
@@ -22,8 +22,9 @@ transformers:
 
 A callback that sets `control.should_training_stop` ends the run after that step as reaching max_steps does:
 the step is logged, final/ is saved, on_train_end is called. `should_save`, `should_evaluate` and `should_log`
-add a numbered checkpoint, an evaluation or a log row at that step; `should_epoch_stop` is not read. `args` is the
-GRPOConfig: a callback reads `args.output_dir`, `args.logging_steps`, ... (Forge's field names, docs/config.md).
+add a numbered checkpoint, an evaluation or a log row at that step; `should_epoch_stop` is not read. `args` is
+the GRPOConfig: a callback reads `args.output_dir`, `args.logging_steps`, ... (Forge's field names,
+docs/config.md).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ from forge.model.lora import merged_adapters
 
 
 class RunEvents:
-    """transformers' callback machinery for one trainer: `handler` calls the callbacks, `state` and `control` are
-    what they see and set. The loop calls one method per event; each returns nothing and keeps `control`."""
+    """transformers' callback machinery for one trainer: `handler` calls the callbacks, `state` and `control`
+    are what they see and set. The loop calls one method per event; each returns nothing and
+    keeps `control`."""
 
     def __init__(self, callbacks: list | None, args: Any, model: Any, tokenizer: Any, optimizer: Any,
                  is_main: bool = True):
@@ -73,8 +75,10 @@ class RunEvents:
         self.args = args
         self.handler.lr_scheduler = scheduler
         state = self.state
-        state.max_steps, state.global_step, state.num_train_epochs = total_steps, global_step, args.num_train_epochs
-        state.logging_steps, state.eval_steps, state.save_steps = args.logging_steps, args.eval_steps, args.save_steps
+        state.max_steps, state.global_step = total_steps, global_step
+        state.num_train_epochs = args.num_train_epochs
+        state.logging_steps, state.eval_steps = args.logging_steps, args.eval_steps
+        state.save_steps = args.save_steps
         state.train_batch_size = args.prompts_per_step * args.group_size  # completions per rollout batch
         self.epoch_seen = None
         self.call("on_train_begin")
@@ -92,7 +96,8 @@ class RunEvents:
         self.call("on_step_end")
 
     def log(self, metrics: dict, step: int, epoch: float) -> None:
-        """A row of training_log.jsonl: its numbers, with step and epoch, join state.log_history; on_log gets them."""
+        """A row of training_log.jsonl: its numbers, with step and epoch, join state.log_history;
+        on_log gets them."""
         row = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         row |= {"epoch": epoch, "step": step}
         self.state.log_history.append(row)
@@ -111,8 +116,8 @@ class RunEvents:
 
 
 def with_resume(config: Any, resume_from_checkpoint: bool | str | None) -> Any:
-    """The config with TRL's train(resume_from_checkpoint=) applied: True = the newest checkpoint in output_dir
-    (resume_from='latest'), a path = that checkpoint; None or False leave it as it is."""
+    """The config with TRL's train(resume_from_checkpoint=) applied: True = the newest checkpoint in
+    output_dir (resume_from='latest'), a path = that checkpoint; None or False leave it as it is."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return config
     where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
@@ -120,8 +125,8 @@ def with_resume(config: Any, resume_from_checkpoint: bool | str | None) -> Any:
 
 
 def taking_quantization_config(init):
-    """A trainer's __init__ that also takes TRL's quantization_config: None, which TRL's scripts pass unless asked to
-    quantize (--load_in_4bit / --load_in_8bit), is accepted; a value is refused."""
+    """A trainer's __init__ that also takes TRL's quantization_config: None, which TRL's scripts pass unless
+    asked to quantize (--load_in_4bit / --load_in_8bit), is accepted; a value is refused."""
 
     @functools.wraps(init)
     def wrapped(self, *args: Any, quantization_config: Any = None, **kwargs: Any) -> None:
@@ -136,15 +141,16 @@ def taking_quantization_config(init):
     signature = inspect.signature(init)
     parameters = list(signature.parameters.values())
     at = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_KEYWORD), len(parameters))
-    parameters.insert(at, inspect.Parameter("quantization_config", inspect.Parameter.KEYWORD_ONLY, default=None))
+    parameters.insert(at, inspect.Parameter("quantization_config", inspect.Parameter.KEYWORD_ONLY,
+                                            default=None))
     wrapped.__signature__ = signature.replace(parameters=parameters)
     return wrapped
 
 
 class TrainerSurface:
     """Mixed into GRPOTrainer: transformers Trainer's names for what Forge's trainer has (`events` is its
-    RunEvents, `config` its GRPOConfig, `tokenizer`, `model`, `dist`, `eval_dataset`), and TRL's trainer keyword
-    quantization_config on the __init__ of every trainer class (taking_quantization_config)."""
+    RunEvents, `config` its GRPOConfig, `tokenizer`, `model`, `dist`, `eval_dataset`), and TRL's trainer
+    keyword quantization_config on the __init__ of every trainer class (taking_quantization_config)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -207,9 +213,10 @@ class TrainerSurface:
         return checked_rows(self.eval_dataset)
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
-        """Write the model as it is now (the adapter alone under LoRA, as peft saves it) and its tokenizer into
-        `output_dir` (default: the config's output_dir), next to what the folder holds; returns the folder. A Forge
-        checkpoint (a numbered one, final/) is refused as `forge export` refuses it: writing into it would break it."""
+        """Write the model as it is now (the adapter alone under LoRA, as peft saves it) and its tokenizer
+        into `output_dir` (default: the config's output_dir), next to what the folder holds; returns the
+        folder. A Forge checkpoint (a numbered one, final/) is refused as `forge export` refuses it: writing
+        into it would break it."""
         path = Path(self.config.output_dir if output_dir is None else output_dir)
         if self.dist.fsdp:
             raise ValueError(

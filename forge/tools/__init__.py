@@ -1,6 +1,6 @@
-"""Tools the policy may call during rollouts: schemas, call formats and running the calls (calls.py), in threads
-or worker processes (worker.py), each outcome as text (outcome.py), the built-in calculator (calculator.py);
-a namespace sandbox for untrusted Python (sandbox.py, sandbox_init.py)."""
+"""Tools the policy may call during rollouts: schemas, call formats and running the calls (calls.py), in
+threads or worker processes (worker.py), each outcome as text (outcome.py), the built-in calculator
+(calculator.py); a namespace sandbox for untrusted Python (sandbox.py, sandbox_init.py)."""
 
 from forge.tools.calls import (
     CallFormat,

@@ -22,7 +22,8 @@ def _evaluate(node: ast.AST) -> int | float:
         value = _UNARY[type(node.op)](_evaluate(node.operand))
     elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or (abs(left) > 1 and right * math.log10(abs(left)) > 30)):
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64
+                                             or (abs(left) > 1 and right * math.log10(abs(left)) > 30)):
             raise ValueError("power too large")
         value = _BINARY[type(node.op)](left, right)
     else:

@@ -139,7 +139,8 @@ class ToolSettings:
     @classmethod
     def of_run(cls, tools: Sequence[Callable[..., Any] | Tool], config, tokenizer) -> ToolSettings:
         """A run's tools under its GRPOConfig's tool block ('auto' format resolved for this tokenizer). With
-        tool_isolation='process' one worker starts now, so tools it cannot load stop the run before it starts."""
+        tool_isolation='process' one worker starts now, so tools it cannot load stop the run
+        before it starts."""
         settings = cls(as_tools(tools), resolve_format(config.tool_format, tokenizer),
                        config.max_tool_calling_iterations, config.tool_timeout, config.max_tool_output_chars,
                        config.max_episode_tokens, config.tool_isolation, config.tool_memory_mb)
@@ -159,15 +160,17 @@ def _bind(tool: Tool, arguments: dict) -> str | None:
 
 def run_calls(calls: Sequence[ToolCall], settings: ToolSettings,
               toolboxes: Sequence[dict[str, Tool]] | None = None) -> list[ToolResult]:
-    """Run a round of calls in parallel, each with `settings.timeout` seconds; never raises for what a tool does.
+    """Run a round of calls in parallel, each with `settings.timeout` seconds; never raises
+    for what a tool does.
 
     The tool runs, and its value (or exception) is turned into text (`outcome.call_tool`), inside the call's
-    isolation: with settings.isolation='thread' a daemon thread of this process, abandoned when it outlives its
-    timeout (Python cannot kill a thread; as a daemon it does not keep the process alive, but it keeps running
-    and holding the GIL); with 'process' a worker process (forge/tools/worker.py) under a memory limit, killed
-    and replaced when it outlives its timeout. toolboxes: each call's own tools by name (an environment's
-    methods, bound to that completion's instance); default `settings.tools` for every call. A toolbox tool that
-    is not one of `settings.tools` runs in a thread in either mode (its state lives in this process)."""
+    isolation: with settings.isolation='thread' a daemon thread of this process, abandoned when it outlives
+    its timeout (Python cannot kill a thread; as a daemon it does not keep the process alive, but it keeps
+    running and holding the GIL); with 'process' a worker process (forge/tools/worker.py) under a memory
+    limit, killed and replaced when it outlives its timeout. toolboxes: each call's own tools by name (an
+    environment's methods, bound to that completion's instance); default `settings.tools` for every call. A
+    toolbox tool that is not one of `settings.tools` runs in a thread in either mode (its state lives
+    in this process)."""
     results: list[ToolResult | None] = [None] * len(calls)
     boxes: list[dict] = [{} for _ in calls]
     threads: list[tuple[int, threading.Thread, float]] = []
@@ -201,30 +204,31 @@ def run_calls(calls: Sequence[ToolCall], settings: ToolSettings,
             results[i] = ToolResult(calls[i], text, failure, cut, seconds)
     for i, thread, started in threads:
         thread.join(max(0.0, deadline - time.perf_counter()))
-        seconds, outcome = time.perf_counter() - started, boxes[i].get("outcome")
-        if thread.is_alive():
-            results[i] = ToolResult(
-                calls[i],
-                f"error: the call took longer than {settings.timeout:g} s and was abandoned",
-                "timeout",
-                seconds=seconds,
-            )
-            stateful = toolboxes is not None and toolboxes[i].get(calls[i].name) not in settings.tools
-            _say_abandoned(calls[i].name, settings.timeout, stateful)
-        elif outcome is None:  # the thread died outside the tool's own error handling
-            results[i] = ToolResult(calls[i], "error: the call ended without a result", "error", seconds=seconds)
-        else:
-            text, failure, cut = outcome
-            results[i] = ToolResult(calls[i], text, failure, cut, seconds)
+        stateful = toolboxes is not None and toolboxes[i].get(calls[i].name) not in settings.tools
+        results[i] = _thread_result(calls[i], thread, boxes[i].get("outcome"), time.perf_counter() - started,
+                                    settings.timeout, stateful)
     return results  # type: ignore[return-value]
+
+
+def _thread_result(call: ToolCall, thread: threading.Thread, outcome: tuple | None, seconds: float,
+                   timeout: float, stateful: bool) -> ToolResult:
+    """A thread's call once its deadline has passed: its outcome, or abandoned (said once per tool)."""
+    if thread.is_alive():
+        _say_abandoned(call.name, timeout, stateful)
+        return ToolResult(call, f"error: the call took longer than {timeout:g} s and was abandoned",
+                          "timeout", seconds=seconds)
+    if outcome is None:  # the thread died outside the tool's own error handling
+        return ToolResult(call, "error: the call ended without a result", "error", seconds=seconds)
+    text, failure, cut = outcome
+    return ToolResult(call, text, failure, cut, seconds)
 
 
 _abandoned: set[str] = set()  # tools whose abandoned thread was announced (once per tool and process)
 
 
 def _say_abandoned(name: str, timeout: float, stateful: bool) -> None:
-    """Warn, once per tool, that a call abandoned at its timeout runs on in its thread; `stateful`: an environment's
-    method (its state lives in the trainer, so it always runs in a thread)."""
+    """Warn, once per tool, that a call abandoned at its timeout runs on in its thread; `stateful`: an
+    environment's method (its state lives in the trainer, so it always runs in a thread)."""
     if name in _abandoned:
         return
     _abandoned.add(name)
@@ -264,8 +268,8 @@ MAX_CALL_DEPTH = 64  # the most nested JSON arrays and objects a call may hold (
 
 
 def _too_deep(text: str) -> str | None:
-    """Why the JSON `text` is refused before parsing (it nests deeper than MAX_CALL_DEPTH, where json.loads would
-    recurse to a RecursionError and the tools, the logs and rewards after it too), else None."""
+    """Why the JSON `text` is refused before parsing (it nests deeper than MAX_CALL_DEPTH, where json.loads
+    would recurse to a RecursionError and the tools, the logs and rewards after it too), else None."""
     depth, in_string, escaped = 0, False, False
     for char in text:
         if in_string:
@@ -323,7 +327,8 @@ def _parse_template_call(segment: str) -> ToolCall | None:
         return None
     start = segment.rfind("<tool_call>")
     if start < 0:
-        return ToolCall(segment[-len("</tool_call>"):], None, None, "</tool_call> without an opening <tool_call>")
+        return ToolCall(segment[-len("</tool_call>"):], None, None,
+                        "</tool_call> without an opening <tool_call>")
     text = segment[start:]
     body = text[len("<tool_call>"):-len("</tool_call>")].strip()
     payload, problem = _json(body)
@@ -447,7 +452,8 @@ def load_object(item: str, what: str, kind: str = "function") -> Any:
 
 
 def load_tools(spec: str) -> list[Callable[..., Any]]:
-    """`module:function,module:function` (or a bare `calculator`) -> the functions, for `forge train --tools`."""
+    """`module:function,module:function` (or a bare `calculator`) -> the functions, for
+    `forge train --tools`."""
     return [calculator if item == "calculator" else load_object(item, f"--tools entry {item!r}")
             for item in (part.strip() for part in spec.split(",") if part.strip())]
 

@@ -20,9 +20,10 @@ What it stops:
       its memory and vanish with it; /run is replaced by an empty read-only directory;
     - reading well-known credential files (`hide`, default DEFAULT_HIDDEN: ~/.ssh, ~/.aws, ~/.netrc, the
       Hugging Face token, ...): they appear empty;
-    - fork bombs: at most `max_processes` processes and threads (RLIMIT_NPROC in its user namespace; the kernel
-      exempts the real root user from it, so there a watchdog polling every 10 ms kills the whole program past
-      the limit, and on Linux >= 6.14 the namespace's pid_max is a hard ceiling of 300 + max_processes);
+    - fork bombs: at most `max_processes` processes and threads (RLIMIT_NPROC in its user namespace; the
+      kernel exempts the real root user from it, so there a watchdog polling every 10 ms kills the whole
+      program past the limit, and on Linux >= 6.14 the namespace's pid_max is a hard ceiling of 300 +
+      max_processes);
     - memory: `memory_mb` for the whole program, all its processes and its tmpfs files together (a watchdog
       polling every 10 ms kills them all past it; each process is also capped by RLIMIT_AS, so one allocation
       past it fails at once with MemoryError), and the kernel's OOM killer prefers the sandbox to the trainer;
@@ -40,15 +41,15 @@ What it does not stop:
 For code that may be actively hostile beyond that, run the trainer (or this helper) inside a VM.
 
 The sandbox fails closed: where it cannot be set up (user namespaces unavailable, a mount refused, the
-interpreter not found inside) `run_python` raises RuntimeError with the cause, and runs nothing. The interpreter is
-found through symlinks (a virtualenv reached as /tmp/x/venv -> /tmp/y/.venv runs as /tmp/y/.venv/bin/python), and
-whatever of it lives under /tmp (its prefix, base prefix and import path) is bound back, read-only, inside.
-Running unisolated takes an explicit opt-in: `namespaces=False` never uses namespaces; `allow_unisolated=True`
-uses them when they can be set up and otherwise warns (once) and falls back. The fallback runs the program with
-rlimits in a plain child process that is a child subreaper (its daemonised descendants are still found and
-killed, and the watchdog still counts processes and memory): then the program CAN read your processes'
-/proc/<pid>/environ, signal them, use the network and write your files. `SandboxResult.isolated` says which ran.
-Linux only.
+interpreter not found inside) `run_python` raises RuntimeError with the cause, and runs nothing. The
+interpreter is found through symlinks (a virtualenv reached as /tmp/x/venv -> /tmp/y/.venv runs as
+/tmp/y/.venv/bin/python), and whatever of it lives under /tmp (its prefix, base prefix and import path) is
+bound back, read-only, inside. Running unisolated takes an explicit opt-in: `namespaces=False` never uses
+namespaces; `allow_unisolated=True` uses them when they can be set up and otherwise warns (once) and falls
+back. The fallback runs the program with rlimits in a plain child process that is a child subreaper (its
+daemonised descendants are still found and killed, and the watchdog still counts processes and memory): then
+the program CAN read your processes' /proc/<pid>/environ, signal them, use the network and write your files.
+`SandboxResult.isolated` says which ran. Linux only.
 
 Using it in a reward (the completion holds a solution, the dataset row holds the tests):
 
@@ -62,7 +63,8 @@ Using it in a reward (the completion holds a solution, the dataset row holds the
         return scores
 
 Programs are independent, so a reward may run several at once with a ThreadPoolExecutor (nothing here uses a
-`preexec_fn`, so this is thread-safe). Keep GRPOConfig.reward_timeout above the total time the reward may spend.
+`preexec_fn`, so this is thread-safe). Keep GRPOConfig.reward_timeout above the total time
+the reward may spend.
 """
 
 from __future__ import annotations
@@ -149,12 +151,13 @@ def run_python(
     allow_unisolated: bool = False,
 ) -> SandboxResult:
     """Run `code` as a Python program in the sandbox; see the module docstring. Never raises for anything the
-    program does; raises RuntimeError, having run nothing, when the sandbox cannot isolate it (the cause said),
-    unless `allow_unisolated` or `namespaces=False` opts in to running it unisolated.
+    program does; raises RuntimeError, having run nothing, when the sandbox cannot isolate it (the cause
+    said), unless `allow_unisolated` or `namespaces=False` opts in to running it unisolated.
 
     timeout:          wall-clock seconds before the whole program is killed (CPU time is capped too)
     memory_mb:        memory of the whole program (0 = none); also each process's address-space limit
-    output_limit_kb:  the most stdout (and, separately, stderr) it may write, and the largest file it may write
+    output_limit_kb:  the most stdout (and, separately, stderr) it may write, and the largest file it may
+                      write
     stdin:            text fed to the program's standard input
     python:           the interpreter to run (default: this one)
     max_processes:    processes and threads it may run at once
@@ -169,7 +172,8 @@ def run_python(
         raise ValueError("memory_mb must be >= 0, output_limit_kb >= 1 and max_processes >= 1")
     interpreter = os.path.abspath(python or sys.executable)
     if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
-        return SandboxResult("", f"could not start {interpreter}: not an executable file", None, False, False, 0.0)
+        return SandboxResult("", f"could not start {interpreter}: not an executable file", None, False, False,
+                             0.0)
     limits = {
         "memory": memory_mb * 2**20,
         "cpu_seconds": int(timeout) + 1,
@@ -188,16 +192,22 @@ def run_python(
         except SetupError as error:
             problem = str(error)
     if not allow_unisolated:
-        raise RuntimeError(
-            f"run_python: cannot isolate the program, so it was not run ({problem}). Fix the cause; where Linux "
-            f"user namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
-            f"kernel.apparmor_restrict_unprivileged_userns=0) or run the trainer in a VM. To run programs NOT "
-            f"isolated (they can read your processes' secrets, use the network and write your files), pass "
-            f"allow_unisolated=True, or namespaces=False."
-        )
+        raise _cannot_isolate(problem)
     _warn_once(problem)
     return _run(code, stdin, timeout, {**limits, "interpreter": interpreter, "keep": []}, output_limit_kb,
                 namespace=False)
+
+
+def _cannot_isolate(problem: str) -> RuntimeError:
+    """The error of run_python when the namespaces cannot be set up and running unisolated was not asked
+    for: the cause, how to fix it, and how to opt in."""
+    return RuntimeError(
+        f"run_python: cannot isolate the program, so it was not run ({problem}). Fix the cause; where "
+        "Linux user namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on "
+        "Ubuntu also kernel.apparmor_restrict_unprivileged_userns=0) or run the trainer in a VM. To run "
+        "programs NOT isolated (they can read your processes' secrets, use the network and write your "
+        "files), pass allow_unisolated=True, or namespaces=False."
+    )
 
 
 class SetupError(RuntimeError):
@@ -226,9 +236,9 @@ def namespace_problem() -> str | None:
 @functools.lru_cache(maxsize=16)
 def _visible_inside(interpreter: str) -> dict:
     """How a namespace sandbox reaches `interpreter`: the path to run it by, with every directory on the way
-    resolved (inside, /tmp is a fresh tmpfs, so a symlink there leads nowhere; the file itself stays as named, so
-    a virtualenv's python still finds its pyvenv.cfg), and the directories under /tmp to bind back read-only: each
-    hop of its symlinks, its prefix, base prefix and import path."""
+    resolved (inside, /tmp is a fresh tmpfs, so a symlink there leads nowhere; the file itself stays as named,
+    so a virtualenv's python still finds its pyvenv.cfg), and the directories under /tmp to bind back
+    read-only: each hop of its symlinks, its prefix, base prefix and import path."""
     hops = [os.path.join(os.path.realpath(os.path.dirname(interpreter)), os.path.basename(interpreter))]
     while os.path.islink(hops[-1]) and len(hops) < 40:
         target = os.path.join(os.path.dirname(hops[-1]), os.readlink(hops[-1]))
@@ -254,11 +264,12 @@ def _warn_once(problem: str) -> None:
     if not _warned:
         _warned = True
         warnings.warn(
-            f"forge.tools.sandbox: the sandbox cannot isolate programs here ({problem}), so run_python("
-            f"allow_unisolated=True) runs them NOT ISOLATED, with rlimits only: a program can read your processes' "
-            f"secrets (/proc/<pid>/environ), signal them, use the network and write your files. Where Linux user "
-            f"namespaces are off, allow them (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
-            f"kernel.apparmor_restrict_unprivileged_userns=0), or run the trainer in a VM.",
+            f"forge.tools.sandbox: the sandbox cannot isolate programs here ({problem}), so "
+            "run_python(allow_unisolated=True) runs them NOT ISOLATED, with rlimits only: a program can "
+            "read your processes' secrets (/proc/<pid>/environ), signal them, use the network and write "
+            "your files. Where Linux user namespaces are off, allow them (sysctl "
+            "kernel.unprivileged_userns_clone=1; on Ubuntu also "
+            "kernel.apparmor_restrict_unprivileged_userns=0), or run the trainer in a VM.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -269,7 +280,8 @@ def _expand(paths: Sequence[str]) -> list[str]:
     return sorted({os.path.abspath(p) for p in expanded if "$" not in p and os.path.lexists(p)})
 
 
-def _run(code: str, stdin: str, timeout: float, limits: dict, output_limit_kb: int, namespace: bool) -> SandboxResult:
+def _run(code: str, stdin: str, timeout: float, limits: dict, output_limit_kb: int,
+         namespace: bool) -> SandboxResult:
     with tempfile.TemporaryDirectory(prefix="forge-sandbox-") as workdir:
         work = Path(workdir)
         (work / "main.py").write_text(code, encoding="utf-8")

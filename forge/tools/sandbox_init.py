@@ -1,13 +1,13 @@
-"""The first process of a sandbox (forge/tools/sandbox.py): it sets the sandbox up, starts the program, watches
-it, and takes every process the program started down with it. Run as a script (`python -I -S -B
+"""The first process of a sandbox (forge/tools/sandbox.py): it sets the sandbox up, starts the program,
+watches it, and takes every process the program started down with it. Run as a script (`python -I -S -B
 sandbox_init.py CONFIG_JSON`); it imports only the standard library.
 
 In a namespace sandbox it is PID 1 of the new PID namespace, root of the new user namespace (mapped to the
 caller's own user) and alone in new mount, network, IPC and UTS namespaces:
-    1. it makes every mount read-only (mount_setattr, recursively), then mounts a private, size-limited tmpfs on
-       /tmp (the program's working directory lives there; a Python installed under /tmp is bound back, read-only)
-       and on /dev/shm, an empty read-only tmpfs on /run, and hides the credential paths it is given (an empty
-       read-only tmpfs on a directory, /dev/null on a file);
+    1. it makes every mount read-only (mount_setattr, recursively), then mounts a private, size-limited tmpfs
+       on /tmp (the program's working directory lives there; a Python installed under /tmp is bound back,
+       read-only) and on /dev/shm, an empty read-only tmpfs on /run, and hides the credential paths it is
+       given (an empty read-only tmpfs on a directory, /dev/null on a file);
     2. it caps the namespace's PIDs (pid_max, kernels >= 6.14) and starts the program with its rlimits, all
        capabilities dropped and no_new_privs set, so the program cannot undo any of the above;
     3. until the program exits it reaps orphans and polls every process in the namespace: more than
@@ -55,7 +55,8 @@ def _mount(source: str | None, target: str, kind: str | None, flags: int, data: 
 
 
 def _everything_read_only() -> None:
-    attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)  # struct mount_attr: set, clear, propagation, userns
+    # struct mount_attr: set, clear, propagation, userns
+    attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)
     _check(_libc.syscall(_SYS_MOUNT_SETATTR, -100, b"/", _AT_RECURSIVE, attr, ctypes.sizeof(attr)),
            "mount_setattr(/, read-only, recursive)")
 
@@ -86,7 +87,8 @@ def set_up_namespace(config: dict, program: bytes) -> str:
         os.close(fd)
     for path, data in (("/dev/shm", scratch), ("/run", "size=4k,mode=755")):
         if os.path.isdir(path):
-            _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV | (_MS_RDONLY if path == "/run" else 0), data)
+            _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV | (_MS_RDONLY if path == "/run" else 0),
+                   data)
     for path in config["hide"]:
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "size=4k,mode=755")
@@ -143,7 +145,8 @@ def _start_program(config: dict, workdir: str, status_fd: int) -> tuple[int, str
 
 
 def _processes() -> list[int]:
-    """Every process of the sandbox but this one: the namespace's (as PID 1), else this process's descendants."""
+    """Every process of the sandbox but this one: the namespace's (as PID 1), else this process's
+    descendants."""
     if os.getpid() == 1:
         return [int(name) for name in os.listdir("/proc") if name.isdigit() and name != "1"]
     found, frontier = [], [os.getpid()]
@@ -161,7 +164,8 @@ def _processes() -> list[int]:
 
 def _over_memory(processes: list[int], scratch: list[str], limit: int) -> bool:
     """Whether the program holds more than `limit` bytes: the tmpfs mounts' contents plus resident anonymous
-    memory (a quick upper bound), confirmed with PSS (a page shared after fork counts once) when it is over."""
+    memory (a quick upper bound), confirmed with PSS (a page shared after fork counts once)
+    when it is over."""
     held = 0
     for path in scratch:
         stat = os.statvfs(path)

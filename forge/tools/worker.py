@@ -1,14 +1,15 @@
 """Tool calls in worker processes (GRPOConfig.tool_isolation='process'): both sides of the pipe.
 
-The trainer keeps a small pool of worker processes (`ToolWorkers`, at most `MAX_WORKERS`, started on first use,
-reused across calls). A call is sent to an idle worker as one JSON line; the worker runs the tool, turns its
-value into text (`outcome.call_tool`) and answers with one JSON line. Only JSON crosses back: the trainer never
-unpickles anything a worker sends.
+The trainer keeps a small pool of worker processes (`ToolWorkers`, at most `MAX_WORKERS`, started on first
+use, reused across calls). A call is sent to an idle worker as one JSON line; the worker runs the tool, turns
+its value into text (`outcome.call_tool`) and answers with one JSON line. Only JSON crosses back: the trainer
+never unpickles anything a worker sends.
 
 What a worker bounds:
-    - memory: RLIMIT_DATA of `memory_mb` (the heap and every private writable mapping), so a tool that allocates
-      from model input gets MemoryError, recorded as that call's error, instead of the kernel's OOM killer
-      taking the trainer; the worker also volunteers as the OOM killer's first choice (oom_score_adj 1000);
+    - memory: RLIMIT_DATA of `memory_mb` (the heap and every private writable mapping), so a tool that
+      allocates from model input gets MemoryError, recorded as that call's error, instead of the kernel's OOM
+      killer taking the trainer; the worker also volunteers as the OOM killer's first choice (oom_score_adj
+      1000);
     - time and CPU: a call past its timeout gets its worker (and the worker's process group) SIGKILLed and
       replaced, so a spinning tool never holds the trainer's GIL or a CPU after its timeout;
     - the trainer's life: a worker dies with the trainer (PR_SET_PDEATHSIG) and exits when its pipe closes.
@@ -47,7 +48,8 @@ from forge.tools.outcome import call_tool, describe_error
 
 __all__ = ["MAX_WORKERS", "ToolWorkers", "portable_reference", "serve"]
 
-MAX_WORKERS = 8  # calls beyond this many at once wait for a free worker (each call's timeout starts when it runs)
+# calls beyond this many at once wait for a free worker (each call's timeout starts when it runs)
+MAX_WORKERS = 8
 START_TIMEOUT = 120.0  # seconds a new worker may take to import its tools (not counted in any call's timeout)
 _REPLY_SLACK = 65536  # bytes a reply may hold beyond its text (escapes are counted separately)
 _POOLS: weakref.WeakSet = weakref.WeakSet()
@@ -62,9 +64,11 @@ def portable_reference(function: Callable[..., Any]) -> dict:
     qualname = getattr(function, "__qualname__", None) or ""
     if isinstance(function, types.FunctionType):
         if "<lambda>" in qualname or "<locals>" in qualname:
-            raise ValueError(_not_portable(function, "a lambda or a function defined inside another function"))
+            raise ValueError(_not_portable(function,
+                                           "a lambda or a function defined inside another function"))
         module = sys.modules.get(function.__module__)
-        if function.__module__ != "__main__" and module is not None and _resolve(module, qualname) is function:
+        if (function.__module__ != "__main__" and module is not None
+                and _resolve(module, qualname) is function):
             return {"kind": "import", "module": function.__module__, "qualname": qualname}
         path = function.__code__.co_filename
         if os.path.isfile(path):
@@ -80,8 +84,8 @@ def portable_reference(function: Callable[..., Any]) -> dict:
 def _not_portable(function: Any, why: str) -> str:
     name = getattr(function, "__name__", type(function).__name__)
     return (
-        f"tool {name!r} cannot run in a worker process (tool_isolation='process'): {why}. Define it at the top "
-        f"level of a module (or pass a picklable callable), or set tool_isolation='thread'"
+        f"tool {name!r} cannot run in a worker process (tool_isolation='process'): {why}. Define it at the "
+        "top level of a module (or pass a picklable callable), or set tool_isolation='thread'"
     )
 
 
@@ -136,7 +140,8 @@ class _Worker:
 
     def kill(self) -> None:
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the worker and anything its tools started in its group
+            # the worker and anything its tools started in its group
+            os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         try:
@@ -154,7 +159,8 @@ class ToolWorkers:
     """The worker processes of one run's tools. `run` is what run_calls uses; `check` starts one worker and
     raises ValueError when it cannot load the tools (so a run fails at its start, not at its first call)."""
 
-    def __init__(self, functions: dict[str, Callable[..., Any]], memory_mb: int, max_workers: int = MAX_WORKERS):
+    def __init__(self, functions: dict[str, Callable[..., Any]], memory_mb: int,
+                 max_workers: int = MAX_WORKERS):
         if os.environ.get("FORGE_TOOL_WORKER"):
             raise RuntimeError(
                 "a tool worker process is starting tool workers of its own: the script that defines "
@@ -169,7 +175,8 @@ class ToolWorkers:
         self.lock = threading.Lock()
         _POOLS.add(self)
 
-    def __deepcopy__(self, memo) -> ToolWorkers:  # a copy of the settings gets its own (not yet started) workers
+    # a copy of the settings gets its own (not yet started) workers
+    def __deepcopy__(self, memo) -> ToolWorkers:
         copy = ToolWorkers.__new__(ToolWorkers)
         copy.setup, copy.memory_mb, copy.max_workers = self.setup, self.memory_mb, self.max_workers
         copy.idle, copy.lock = [], threading.Lock()
@@ -223,28 +230,7 @@ class ToolWorkers:
                                 0.0,
                             )
                         waiting = []
-                while waiting and self.idle and len(busy) < self.max_workers:
-                    job, worker = waiting.pop(0), self.idle.pop()
-                    name, arguments = jobs[job]
-                    try:
-                        request = {"tool": name, "arguments": arguments, "max_output_chars": max_output_chars}
-                        sent = worker.send(request)
-                    except (TypeError, ValueError) as error:  # arguments JSON cannot carry
-                        self.idle.append(worker)
-                        text = f"error: the arguments cannot be sent to a worker process: {describe_error(error)}"
-                        outcomes[job] = (text, "error", False, 0.0)
-                        continue
-                    if not sent:
-                        worker.kill()
-                        outcomes[job] = (
-                            "error: the tool's worker process ended before the call",
-                            "error",
-                            False,
-                            0.0,
-                        )
-                        continue
-                    busy[job] = (worker, time.perf_counter())
-                    selector.register(worker.result_read, selectors.EVENT_READ, job)
+                self._send_waiting(jobs, waiting, busy, outcomes, selector, max_output_chars)
                 if not busy:
                     continue
                 first_deadline = min(started for _, started in busy.values()) + timeout
@@ -256,18 +242,7 @@ class ToolWorkers:
                         continue
                     selector.unregister(worker.result_read)
                     del busy[job]
-                    seconds = time.perf_counter() - started
-                    if isinstance(reply, dict) and isinstance(reply.get("text"), str):
-                        outcomes[job] = (reply["text"], "error" if reply.get("failure") else None,
-                                         bool(reply.get("truncated")), seconds)
-                        self.idle.append(worker)
-                    else:
-                        worker.kill()
-                        why = reply if isinstance(reply, str) else "it sent an unreadable reply"
-                        text = f"error: the tool's worker process failed: {why}"
-                        if "exit status -" in why:  # killed by a signal: the kernel, short of memory?
-                            text += f" (a tool may use at most tool_memory_mb={self.memory_mb} MB)"
-                        outcomes[job] = (text, "error", False, seconds)
+                    outcomes[job] = self._outcome(worker, reply, time.perf_counter() - started)
                 now = time.perf_counter()
                 for job, (worker, started) in list(busy.items()):
                     if now - started >= timeout:
@@ -277,6 +252,43 @@ class ToolWorkers:
                         outcomes[job] = (f"error: the call took longer than {timeout:g} s and was stopped",
                                          "timeout", False, now - started)
         return outcomes
+
+    def _send_waiting(self, jobs: list[tuple[str, dict]], waiting: list[int], busy: dict, outcomes: list,
+                      selector: selectors.BaseSelector, max_output_chars: int) -> None:
+        """Hand waiting jobs to idle workers while there are both and room under max_workers; a job that
+        cannot be sent gets its error outcome at once."""
+        while waiting and self.idle and len(busy) < self.max_workers:
+            job, worker = waiting.pop(0), self.idle.pop()
+            name, arguments = jobs[job]
+            try:
+                request = {"tool": name, "arguments": arguments, "max_output_chars": max_output_chars}
+                sent = worker.send(request)
+            except (TypeError, ValueError) as error:  # arguments JSON cannot carry
+                self.idle.append(worker)
+                text = f"error: the arguments cannot be sent to a worker process: {describe_error(error)}"
+                outcomes[job] = (text, "error", False, 0.0)
+                continue
+            if not sent:
+                worker.kill()
+                ended = "error: the tool's worker process ended before the call"
+                outcomes[job] = (ended, "error", False, 0.0)
+                continue
+            busy[job] = (worker, time.perf_counter())
+            selector.register(worker.result_read, selectors.EVENT_READ, job)
+
+    def _outcome(self, worker: _Worker, reply: Any, seconds: float) -> tuple[str, str | None, bool, float]:
+        """A call's outcome from its worker's reply; the worker goes back to the idle ones, or is killed when
+        the reply is not one."""
+        if isinstance(reply, dict) and isinstance(reply.get("text"), str):
+            self.idle.append(worker)
+            return (reply["text"], "error" if reply.get("failure") else None, bool(reply.get("truncated")),
+                    seconds)
+        worker.kill()
+        why = reply if isinstance(reply, str) else "it sent an unreadable reply"
+        text = f"error: the tool's worker process failed: {why}"
+        if "exit status -" in why:  # killed by a signal: the kernel, short of memory?
+            text += f" (a tool may use at most tool_memory_mb={self.memory_mb} MB)"
+        return (text, "error", False, seconds)
 
     def _start(self, count: int) -> tuple[list[_Worker], list[str]]:
         """Start `count` workers at once and wait until each has loaded the tools: (ready ones, problems)."""
@@ -362,7 +374,8 @@ def _load(reference: dict) -> Callable[..., Any]:
     if reference["kind"] == "pickle":
         return pickle.loads(base64.b64decode(reference["data"]))  # written by the trainer, not by a tool
     if reference["kind"] == "import":
-        return _found(_resolve(importlib.import_module(reference["module"]), reference["qualname"]), reference)
+        return _found(_resolve(importlib.import_module(reference["module"]), reference["qualname"]),
+                      reference)
     path = reference["path"]
     name = "__mp_main__" if reference["main"] else f"forge_tool_file_{abs(hash(path))}"
     module = sys.modules.get(name)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from forge.cli import main
-from forge.core.config import VLLM_INSTALL
+from forge.core.config_checks import VLLM_INSTALL
 from forge.model.tiny import build_tiny_model
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]

@@ -132,10 +132,10 @@ def test_negative_advantage_ratio_cap():
 
 def test_delta_and_clip_ratio_c_are_the_same_bound():
     # TRL's delta: -min(min(r, delta) A, clip(r) A); for r = 5, A = -1, delta = 3: -min(-3, -1.2) = 3, as dual-clip
-    assert GRPOConfig(delta=3.0).loss_settings.negative_ratio_cap == 3.0
-    assert GRPOConfig(clip_ratio_c=3.0).loss_settings.negative_ratio_cap == 3.0
-    assert GRPOConfig(delta=4.0, clip_ratio_c=3.0).loss_settings.negative_ratio_cap == 3.0
-    assert GRPOConfig().loss_settings.negative_ratio_cap is None
+    assert LossSettings.from_config(GRPOConfig(delta=3.0)).negative_ratio_cap == 3.0
+    assert LossSettings.from_config(GRPOConfig(clip_ratio_c=3.0)).negative_ratio_cap == 3.0
+    assert LossSettings.from_config(GRPOConfig(delta=4.0, clip_ratio_c=3.0)).negative_ratio_cap == 3.0
+    assert LossSettings.from_config(GRPOConfig()).negative_ratio_cap is None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -365,7 +365,8 @@ def test_default_settings_reproduce_the_legacy_keywords_exactly():
     advantages, mask = torch.randn(4, generator=generator), torch.ones(4, 5)
     config = GRPOConfig()
     legacy, _ = variant_loss(logprobs, old, ref, advantages, mask, clip_epsilon=0.2, clip_epsilon_high=0.2, kl_beta=0.01)
-    settings, _ = variant_loss(logprobs, old, ref, advantages, mask, settings=config.loss_settings)
+    from_config = LossSettings.from_config(config)
+    settings, _ = variant_loss(logprobs, old, ref, advantages, mask, settings=from_config)
     assert torch.equal(legacy, settings)
 
 
@@ -438,6 +439,7 @@ def test_off_policy_sequence_mask_drops_stale_negative_completions():
 
 
 def test_the_config_carries_both_knobs_and_trls_name():
-    settings = GRPOConfig(use_bias_correction_kl=True, off_policy_mask_threshold=0.5).loss_settings
+    config = GRPOConfig(use_bias_correction_kl=True, off_policy_mask_threshold=0.5)
+    settings = LossSettings.from_config(config)
     assert settings.kl_bias_correction and settings.off_policy_mask_threshold == 0.5
-    assert not GRPOConfig().loss_settings.kl_bias_correction
+    assert not LossSettings.from_config(GRPOConfig()).kl_bias_correction

@@ -71,7 +71,7 @@ def test_engine_samples_carry_the_policys_log_probs_and_end_at_the_first_stop(tm
     model, tokenizer = tiny()
     trainer = GRPOTrainer(model, tokenizer, reward_fn=text_length, config=config(tmp_path, temperature=0.8))
     trainer.sampling_rng.manual_seed(7)
-    rollout = trainer.generate(PROMPTS)
+    rollout = trainer.sample_completions(PROMPTS)
     mask = rollout.completion_mask.bool()  # (N, T)
     assert rollout.completion_ids.shape[0] == len(PROMPTS) * 4
     trainer_logprobs = trainer.rollout_logprobs(trainer.model, rollout)  # (N, T)
@@ -87,9 +87,9 @@ def test_engine_samples_carry_the_policys_log_probs_and_end_at_the_first_stop(tm
         assert len(ids) == 16 or ended[row]
     # the same step's noise (its seeds) draws the same completions again; another step's draws others
     trainer.sampling_rng.manual_seed(7)
-    assert torch.equal(trainer.generate(PROMPTS).completion_ids, rollout.completion_ids)
+    assert torch.equal(trainer.sample_completions(PROMPTS).completion_ids, rollout.completion_ids)
     trainer.sampling_rng.manual_seed(8)
-    assert not torch.equal(trainer.generate(PROMPTS).completion_ids, rollout.completion_ids)
+    assert not torch.equal(trainer.sample_completions(PROMPTS).completion_ids, rollout.completion_ids)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -122,7 +122,7 @@ def test_a_tool_rollout_on_vllm_continues_each_completion_token_for_token(tmp_pa
     trainer = GRPOTrainer(model, tokenizer, reward_fn=text_length, config=config(tmp_path, max_new_tokens=24),
                           tools=[calculator])
     trainer.sampling_rng.manual_seed(3)
-    rollout = trainer.generate(PROMPTS)
+    rollout = trainer.sample_completions(PROMPTS)
     assert rollout.action_mask is not None and len(rollout.tool_calls) == len(PROMPTS) * 4
     sampled = rollout.sampled_mask.bool()
     gap = (trainer.rollout_logprobs(trainer.model, rollout) - rollout.sampler_logprobs).abs()[sampled]
@@ -225,7 +225,7 @@ def test_server_mode_trains_and_syncs_the_weights(workspace, tmp_path):
         on_engine, own = greedy_both(trainer)
         assert torch.equal(on_engine.completion_ids, own.completion_ids)
         assert trainer.engine.pushes == 3  # the start (the server's weights may be anyone's), steps 1 and 2
-        rollout = trainer.generate(PROMPTS)
+        rollout = trainer.sample_completions(PROMPTS)
         gap = (trainer.rollout_logprobs(trainer.model, rollout) - rollout.sampler_logprobs).abs()
         assert float(gap[rollout.completion_mask.bool()].max()) < 1e-4
     finally:

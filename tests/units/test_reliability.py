@@ -190,7 +190,7 @@ def test_sys_exit_or_keyboard_interrupt_in_a_reward_is_a_reward_failure(error, s
 
 
 def test_the_users_ctrl_c_goes_through_the_scoring(forge_sigint_handler):
-    from forge.run.lifecycle import note_user_interrupt
+    from forge.run.signals import note_user_interrupt
 
     def interrupted(prompts, completions, **kwargs):  # what Forge's signal handler does inside a reward call
         note_user_interrupt()
@@ -394,8 +394,8 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, capsys
 
 
 def test_a_signal_that_came_both_ways_counts_once_and_nohups_sighup_stays_ignored():
-    from forge.run import lifecycle
-    from forge.run.lifecycle import StopSignals, relayed_as
+    from forge.run import signals as stop_signals
+    from forge.run.signals import StopSignals, relayed_as
 
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
     try:
@@ -410,7 +410,7 @@ def test_a_signal_that_came_both_ways_counts_once_and_nohups_sighup_stays_ignore
                 os.kill(os.getpid(), signal.SIGTERM)
     finally:
         signal.signal(signal.SIGHUP, previous)
-        lifecycle._user_interrupt.clear()  # the abandon marked the interrupt as the user's
+        stop_signals._user_interrupt.clear()  # the abandon marked the interrupt as the user's
 
 
 def test_a_signal_between_steps_stops_at_the_step_that_finished(tmp_path, capsys):

@@ -54,7 +54,7 @@ def test_sys_exit_or_keyboard_interrupt_is_the_same_reward_failure_plain_or_asyn
 
 
 def test_the_users_ctrl_c_goes_through_an_async_reward(forge_sigint_handler):
-    from forge.run.lifecycle import note_user_interrupt
+    from forge.run.signals import note_user_interrupt
 
     async def interrupted(prompts, completions, **kwargs):  # what Forge's signal handler does inside a reward
         note_user_interrupt()
