@@ -184,7 +184,8 @@ class TrainingRun:
                     signals.under_way = trainer.global_step + config.num_iterations
             self.check_config()  # before the final evaluation uses it
         except (StepFailed, FloatingPointError) as error:  # the weights are still those of the last step
-            error.args = (f"{error.args[0]}\n{self.where_to_resume()}",)
+            if trainer.global_step > 0:  # before step 1 nothing can resume: the error stays the last line
+                error.args = (f"{error.args[0]}\n{self.where_to_resume()}",)
             self.dist.barrier()  # raised on every rank at once: none exits before rank 0 has saved
             self.logger.close()
             raise
