@@ -74,6 +74,8 @@ class Scores:
     nonfinite: int = 0  # samples masked from the loss because a reward returned NaN/inf
     metadata: dict[str, Any] = field(default_factory=dict)
     applies: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (N,) bool, False: returned None
+    logged: dict[str, list[float]] = field(default_factory=dict)  # name -> values the rewards' log_metric gave
+    extra: dict[str, list] = field(default_factory=dict)  # column -> (N,) values the rewards' log_extra gave
 
     @property
     def scored(self) -> torch.Tensor:
@@ -290,7 +292,8 @@ def score_batch(rewards: list[tuple[str, BaseReward, float]], inputs: RewardInpu
         if meta:
             metadata[name] = meta
     nonfinite = int((~valid).sum())
-    scores = Scores(torch.zeros(n), components, valid, errors, timeouts, nonfinite, metadata, applies)
+    scores = Scores(torch.zeros(n), components, valid, errors, timeouts, nonfinite, metadata, applies,
+                    inputs.logged, inputs.extra)
     scores.total = weighted_reward_sum(*scores.stacked(), [weight for _, _, weight in rewards])  # (N,)
     return scores
 

@@ -227,9 +227,7 @@ class TrainingRun:
         for name in started if self.dist.is_main else ():
             example = f" (e.g. {failures[0]})" if name == "episodes_failing" and failures else ""
             tqdm.write(f"forge: health: step {step}: {name}: {HEALTH_RULES[name].says}{example}")
-        if reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps or asked.should_log:
-            self.log(metrics, step, round(metrics["epoch"], 4))
-            self.logger.log_samples(metrics.pop("_samples"), step=step)
+        self.log_rows(metrics, asked.should_log)
         self.check_config(finished_at=(epoch, position))  # on_step_end's and on_log's changes, before they are used
         if self.eval_rows is not None and (reached(step, config.eval_steps, config.num_iterations)
                                            or asked.should_evaluate):
@@ -304,6 +302,20 @@ class TrainingRun:
         metrics = {f"eval/{k}": v for k, v in self.trainer.evaluate(self.eval_rows).items()}
         self.log(metrics, self.trainer.global_step, epoch)
         self.events.evaluated(metrics)
+
+    def log_rows(self, metrics: dict, asked: bool) -> None:
+        """One row per optimizer step on the logging cadence (the last step and a callback's ask too), as in TRL:
+        with num_iterations > 1 the rollout's metrics and its first update's, then each later update's own."""
+        later, epoch = metrics.pop("_later_updates", []), round(metrics["epoch"], 4)
+        first = self.trainer.global_step - len(later)  # the optimizer step of the rollout's first update
+        logged = False
+        for step, row in enumerate([metrics, *later], start=first):
+            if reached(step, self.config.logging_steps, 1) or step == self.total_steps or (
+                    asked and step == self.trainer.global_step):
+                self.log(row, step, epoch)
+                logged = True
+        if logged:
+            self.logger.log_samples(metrics.pop("_samples"), step=first)
 
     def log(self, metrics: dict, step: int, epoch: float) -> None:
         """A row of training_log.jsonl (and the trackers); the callbacks' on_log and state.log_history get it too."""

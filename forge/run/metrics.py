@@ -52,6 +52,8 @@ class RolloutStats:
     distill_kl: list[torch.Tensor] = field(default_factory=list, metadata=CAT)
     distill_tokens: list[torch.Tensor] = field(default_factory=list, metadata=CAT)
     teacher_seconds: float = field(default=0.0, metadata=MAX)
+    # what the rewards logged with TRL's log_metric: name -> one tensor of values per rollout batch
+    reward_logged: dict[str, list[torch.Tensor]] = field(default_factory=dict, metadata=CAT)
     # sampling/*: the step's rounds (the same on every rank; core/dynamic_sampling.py)
     sampling: dict[str, float] = field(default_factory=dict, metadata=MAX)
     samples: list[dict] = field(default_factory=list)  # one logged sample per prompt (this rank's)
@@ -59,7 +61,9 @@ class RolloutStats:
     def add(self, rollout, scores, rows: list[dict]) -> None:
         """One rollout batch (core/rollout.py Rollout) of these dataset rows and its scores
         (core/scoring.py)."""
-        self.samples += rollout_samples(rows, rollout, scores.total, rollout.group_size)
+        self.samples += rollout_samples(rows, rollout, scores.total, rollout.group_size, scores.extra)
+        for name, values in scores.logged.items():
+            self.reward_logged.setdefault(name, []).append(torch.tensor(values))
         self.scores.append(scores.total)
         self.valid.append(scores.valid & scores.scored)
         self.lengths.append(rollout.completion_lengths.float())
@@ -182,6 +186,8 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
             values = values[torch.cat(stats.applies[name])]
         metrics[f"rewards/{name}"] = float(values.mean()) if values.numel() else 0.0
         metrics[f"rewards/{name}/std"] = float(values.std()) if values.numel() > 1 else 0.0
+    for name, parts in stats.reward_logged.items():  # TRL's log_metric: the mean of the step's values
+        metrics[name] = float(torch.cat(parts).mean())
     return metrics
 
 
@@ -255,15 +261,17 @@ def warn_if_tools_unused(steps_without_calls: int, announce: bool = True) -> boo
     return True
 
 
-def rollout_samples(rows: list[dict], rollout, rewards: torch.Tensor, group_size: int) -> list[dict]:
+def rollout_samples(rows: list[dict], rollout, rewards: torch.Tensor, group_size: int,
+                    extra: dict[str, list] | None = None) -> list[dict]:
     """One logged sample per prompt of a rollout: its prompt (last chat message), reference, completion,
-    reward."""
+    reward, and the columns rewards logged for it (TRL's log_extra: `extra`, column -> (N,) values)."""
     out = []
     for i in range(0, len(rollout.completions), group_size):
         row = rows[i // group_size]
         prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
         sample = {"prompt": prompt, "reference": row.get("reference"), "completion": rollout.completions[i],
                   "reward": float(rewards[i])}
+        sample |= {column: values[i] for column, values in (extra or {}).items() if i < len(values)}
         if rollout.tool_calls is not None:  # the calls and the results fed back, in order
             sample["tool_calls"] = [result.as_dict() for result in rollout.tool_calls[i]]
         if rollout.episodes is not None and rollout.episodes[i].failure is not None:

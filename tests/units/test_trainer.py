@@ -275,7 +275,8 @@ def test_several_updates_per_rollout_compute_pi_old_once(tmp_path, monkeypatch, 
     # per rollout of 4 completions in micro-batches of 2: 2 pi_old forwards + mu x 2 loss forwards
     assert logprob_calls[0] == 2 * (2 + mu * 2)
     log = read_jsonl(tmp_path / "run" / "training_log.jsonl")
-    assert [row["step"] for row in log] == [3, 6]  # one logged row per rollout: its last update
+    assert [row["step"] for row in log] == [1, 2, 3, 4, 5, 6]  # one row per optimizer step, as in TRL
+    assert [row["step"] for row in log if "reward" in row] == [1, 4]  # the rollout's with its first update
     assert max(row["clip_frac"] for row in log) > 0  # later updates move off pi_old and get clipped
 
 
@@ -315,7 +316,7 @@ def test_several_updates_per_rollout_still_cover_the_dataset(tmp_path, tiny_mode
     trainer.step = lambda rows: seen.extend(r["prompt"] for r in rows) or real_step(rows)
     assert trainer.train(ROWS[:4])["global_step"] == 8
     assert sorted(seen) == sorted(row["prompt"] for row in ROWS[:4])
-    assert [row["step"] for row in read_jsonl(tmp_path / "run" / "training_log.jsonl")] == [4, 6, 8]
+    assert [row["step"] for row in read_jsonl(tmp_path / "run" / "training_log.jsonl")] == [3, 6, 8]
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.isdigit()) == ["4", "6"]
 
 
