@@ -116,7 +116,7 @@ def _train(args: argparse.Namespace, config) -> int:
         None,
         rewards,
         config,
-        evaluator=heldout_metrics,  # eval/strict_accuracy, ...
+        evaluator=heldout_metrics,  # eval_strict_accuracy, ...
         tools=tools,
         environment_factory=environment,
     )
@@ -126,7 +126,7 @@ def _train(args: argparse.Namespace, config) -> int:
         if trainer.dist.is_main:
             print(
                 f"forge: --eval_dataset {args.eval_dataset}: most references are not numbers the math grader "
-                f"reads, so evaluation reports the mean reward of greedy completions under --reward (eval/reward)",
+                f"reads, so evaluation reports the mean reward of greedy completions under --reward (eval_reward)",
                 file=sys.stderr,
             )
     try:

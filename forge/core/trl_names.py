@@ -394,7 +394,7 @@ TRL_REFUSED = {
     "eval_delay": "Forge evaluates every eval_steps from the first step; set eval_steps",
     "push_to_hub": _NO_HUB,
     "log_completions_hub_repo": _NO_HUB,
-    "load_best_model_at_end": "Forge keeps the last weights; pick a checkpoint by its eval/ rows in "
+    "load_best_model_at_end": "Forge keeps the last weights; pick a checkpoint by its eval_ rows in "
     "training_log.jsonl",
     "restore_callback_states_from_checkpoint": "Forge's checkpoints do not hold callbacks' state",
     "full_determinism": "call torch.use_deterministic_algorithms(True) before training; Forge seeds python, "

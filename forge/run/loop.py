@@ -24,6 +24,8 @@ or async GRPO's rollout worker, which `ahead.schedule(steps, trainer)` starts an
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -100,6 +102,7 @@ class TrainingRun:
         self.rollouts_without_calls: int | None = 0  # steps with tools in which no completion called one; None:
         # a call was seen, or the warning was given
         self.config_watch = ConfigWatch(config, has_reference=trainer.is_lora or trainer.reference_model is not None)
+        self.losses: list[float] = []  # each optimizer step's loss in this run, for the last row's train_loss
 
     def run(self) -> dict:
         """Claim output_dir (its lock is held until the run ends), then train."""
@@ -114,7 +117,7 @@ class TrainingRun:
                 lock.release()
 
     def train(self) -> dict:
-        config, trainer = self.config, self.trainer
+        config, trainer, started = self.config, self.trainer, time.perf_counter()
         trainer.total_steps = self.total_steps  # rewards see it through TrainerState
         memory.return_freed_memory()  # a loss pass's freed logit chunks go back to the system
         trainer.scheduler = make_scheduler(trainer.optimizer, config.lr_scheduler, config.warmup_ratio,
@@ -134,6 +137,7 @@ class TrainingRun:
                 trainer.entropy_control = dataclasses.replace(trainer.entropy_control, **resumed.entropy_control)
             if resumed.micro_batch_size and config.micro_batch_size == "auto":  # as the preflight fitted it
                 trainer.micro_batch_size = resumed.micro_batch_size
+            self.events.state.num_input_tokens_seen = resumed.num_input_tokens_seen
         elif self.preflight is not None:
             self.preflight(self.rows, self.total_steps)  # leaves the weights and the random state as they were
         self.logger = ForgeLogger(
@@ -205,6 +209,9 @@ class TrainingRun:
         self.dist.barrier()
         if self.eval_rows is not None and not reached(trainer.global_step, config.eval_steps, config.num_iterations):
             self.evaluate(epoch)
+        summary, epoch = self.train_summary(started), self.events.state.epoch or 0
+        self.logger.log(summary, trainer.global_step, epoch, to_file=False)  # the console, the trackers
+        self.events.log(summary, trainer.global_step, epoch)  # state.log_history, on_log
         self.events.train_end()
         self.logger.close()
         return {"global_step": trainer.global_step}
@@ -212,6 +219,10 @@ class TrainingRun:
     def after_step(self, metrics: dict, epoch: int, position: int, bar) -> None:
         """Log, evaluate and save after an optimizer step."""
         config, step, asked = self.config, self.trainer.global_step, self.events.control
+        state = self.events.state  # TRL's num_tokens: prompt and completion tokens of the run so far
+        state.num_input_tokens_seen += int(metrics.pop("_tokens", 0))
+        metrics["num_tokens"] = state.num_input_tokens_seen
+        self.losses += [row["loss"] for row in (metrics, *metrics.get("_later_updates", ()))]
         bar.update(step - bar.n)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
         if not self.warned_flat and self.dist.is_main:
@@ -296,10 +307,22 @@ class TrainingRun:
             guard.loss_scale,
             {"coef": control.coef, "last_entropy": control.last_entropy} if control.adaptive else None,
             self.trainer.micro_batch_size if self.config.micro_batch_size == "auto" else None,
+            self.events.state.num_input_tokens_seen,
         )
 
+    def train_summary(self, started: float) -> dict:
+        """The last row of state.log_history, as transformers' Trainer logs it: this run's seconds, its
+        completions and optimizer steps per second, and its mean loss per optimizer step."""
+        runtime, config = time.perf_counter() - started, self.config
+        steps = len(self.losses)
+        completions = steps * config.prompts_per_step * config.gradient_accumulation_steps * config.group_size
+        finite = [loss for loss in self.losses if math.isfinite(loss)]
+        return {"train_runtime": runtime, "train_samples_per_second": completions / max(runtime, 1e-9),
+                "train_steps_per_second": steps / max(runtime, 1e-9),
+                "train_loss": sum(finite) / len(finite) if finite else float("nan")}
+
     def evaluate(self, epoch: int) -> None:
-        metrics = {f"eval/{k}": v for k, v in self.trainer.evaluate(self.eval_rows).items()}
+        metrics = self.trainer.evaluate(self.eval_rows)  # TRL's names: eval_reward, eval_runtime, ...
         self.log(metrics, self.trainer.global_step, epoch)
         self.events.evaluated(metrics)
 

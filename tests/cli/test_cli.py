@@ -169,7 +169,7 @@ def test_train_end_to_end(workspace, commands):
     out = workspace / "out"
     log = read_jsonl(out / "training_log.jsonl")
     assert [row["step"] for row in log] == [1, 2]
-    assert all("rewards/vowel_count" in row and "kl" in row for row in log)
+    assert all("rewards/vowel_count/mean" in row and "kl" in row for row in log)
     assert read_jsonl(out / "samples.jsonl")
     for name in ("1", "2", "final"):
         for file in ("COMPLETE", "model.safetensors", "config.json", "tokenizer.json", "trainer_state.json"):
@@ -417,4 +417,4 @@ def test_custom_reward_example_trains_two_steps(tmp_path, capsys):
     assert example["main"](["--output_dir", str(tmp_path / "custom_out")]) == 0
     assert "trained 2 steps" in capsys.readouterr().out
     log = read_jsonl(tmp_path / "custom_out" / "training_log.jsonl")
-    assert [row["step"] for row in log] == [1, 2] and all("rewards/composite" in row for row in log)
+    assert [row["step"] for row in log] == [1, 2] and all("rewards/composite/mean" in row for row in log)

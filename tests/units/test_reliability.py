@@ -362,7 +362,7 @@ def test_flat_rewards_warn_once(tmp_path):
     with pytest.warns(UserWarning, match="100% of groups have identical rewards") as caught:
         trainer.train(ROWS)
     assert sum("identical rewards" in str(w.message) for w in caught) == 1
-    assert [row["frac_zero_std_groups"] for row in read_log(tmp_path / "run")] == [1.0, 1.0]
+    assert [row["frac_reward_zero_std"] for row in read_log(tmp_path / "run")] == [1.0, 1.0]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ generation hold the loss's metrics but no reward.
 
 from __future__ import annotations
 
+import pytest
 from datasets import Dataset
 from trl_scripts import PROMPTS, trl_args
 
@@ -72,3 +73,60 @@ def test_num_iterations_logs_one_row_per_optimizer_step(model_folder, tmp_path):
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert [row["step"] for row in rows if "reward" in row] == [1, 3]  # a generation every 2 optimizer steps
     assert all("grad_norm" in row and "learning_rate" in row for row in rows)
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluate() and log_history under TRL's names
+
+
+def test_evaluate_returns_trls_keys(model_folder, tmp_path):
+    trainer = GRPOTrainer(model=model_folder, reward_funcs=reward_len, args=trl_args(tmp_path),
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                          eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:3]}))
+    metrics = trainer.evaluate()
+    for key in ("eval_reward", "eval_reward_std", "eval_rewards/reward_len/mean", "eval_rewards/reward_len/std",
+                "eval_completions/mean_length", "eval_completions/min_length", "eval_completions/max_length",
+                "eval_completions/clipped_ratio", "eval_completions/mean_terminated_length", "eval_runtime",
+                "eval_samples_per_second"):
+        assert isinstance(metrics[key], float), key
+    assert metrics["eval_reward"] == metrics["eval_rewards/reward_len/mean"]  # one reward of weight 1
+    assert metrics["eval_n"] == 3  # Forge's own: the rows evaluated, one greedy completion each
+    assert metrics["eval_samples_per_second"] == pytest.approx(3 / metrics["eval_runtime"])
+    assert 1 <= metrics["eval_completions/min_length"] <= metrics["eval_completions/max_length"] <= 8
+    assert not any(key.startswith("eval/") for key in metrics)
+
+
+TRL_TRAIN_KEYS = ["loss", "grad_norm", "learning_rate", "num_tokens", "completions/mean_length",
+                  "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+                  "completions/mean_terminated_length", "completions/min_terminated_length",
+                  "completions/max_terminated_length", "rewards/{f}/mean", "rewards/{f}/std", "reward",
+                  "reward_std", "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min",
+                  "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean", "step_time"]
+"""TRL 1.16's GRPOTrainer logs these every logging step (_generate_and_score_completions, _compute_loss, log;
+`{f}`: a reward function's name)."""
+
+
+def test_a_plotting_loop_over_trls_metric_names_in_log_history(model_folder, tmp_path):
+    completion_tokens = []
+
+    def reward_len_counting(completions, completion_ids, **kwargs):
+        completion_tokens.append(sum(len(ids) for ids in completion_ids))
+        return reward_len(completions)
+
+    trainer = GRPOTrainer(model=model_folder, reward_funcs=reward_len_counting, args=trl_args(tmp_path, beta=0.04),
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    trainer.train()
+    history = trainer.state.log_history
+    curves = {}
+    for key in (key.format(f="reward_len_counting") for key in TRL_TRAIN_KEYS):  # a TRL user's plotting code
+        curves[key] = ([row["step"] for row in history if key in row], [row[key] for row in history if key in row])
+    assert all(steps == [1, 2] for steps, _ in curves.values())
+    assert "rewards/reward_len_counting" not in history[0]
+    assert "frac_zero_std_groups" not in history[0] and "step_seconds" not in history[0]  # each number once
+    # num_tokens counts every completion's prompt and completion tokens so far, as TRL's num_input_tokens_seen
+    first, second = curves["num_tokens"][1]
+    assert first > completion_tokens[0] and second - first > completion_tokens[1]
+    summary = history[-1]  # transformers' last row: this run's time, speed and mean loss
+    assert summary["step"] == 2 and summary["train_loss"] == pytest.approx(sum(curves["loss"][1]) / 2)
+    assert summary["train_steps_per_second"] * summary["train_runtime"] == pytest.approx(2)
+    assert summary["train_samples_per_second"] * summary["train_runtime"] == pytest.approx(2 * 8)  # 8 per step
