@@ -3,7 +3,7 @@
 The packaged SmolLM2-135M in the run's precision (bf16 on a CPU with bf16 units), a batch of ROWS rows whose
 prompt of PROMPT tokens is already in the cache, then decode steps:
 
-- `eager`: Forge's decode step (forge/model/static_decode.py's eager step over forge/model/kv_cache.py's
+- `eager`: Forge's decode step (forge/model/decode_plan.py's eager step over forge/model/kv_cache.py's
   preallocated cache, whose filled part grows by one column per step; each row's own prompt, as the decode runs
   with tools), its linear layers as torch runs them;
 - `eager_packed`: the same, its linear layers on weights packed once (forge/model/packed_linear.py), as
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from forge.model.kv_cache import CACHE_ARG, preallocated, returned_cache
     from forge.model.packed_linear import packed_linears
     from forge.model.precision import choose_precision
-    from forge.model.static_decode import DecodePlan, decoder
+    from forge.model.decode_plan import DecodePlan
     from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
     device = torch.device(args.device)
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
     def eager_steps(n: int, packed: bool = False) -> list[float]:
         cache, times = prefilled(False), []
-        cache, step = decoder(model, cache, DecodePlan.of(model, "eager"))  # the step generation runs (its mask)
+        step = DecodePlan.of(model, "eager").decode_step(model, cache)  # the step generation runs (its mask)
         with torch.no_grad(), packed_linears(model, enabled=packed):
             for k in range(n):
                 start = now()

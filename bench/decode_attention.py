@@ -1,4 +1,4 @@
-"""The decode's attention over each group's prompt stored once (forge/model/shared_prefix.py) against the prompt
+"""The decode's attention over each group's prompt stored once (forge/model/kv_cache.py) against the prompt
 repeated per row (the cache layout Forge used before), on the demo's generation, alternating in one process.
 
 The demo's workload: the packaged SmolLM2-135M-Instruct, the demo's chat prompts (4 arithmetic problems x 8
@@ -37,7 +37,7 @@ def one_layer_attention(dtype: torch.dtype, calls: int = 200) -> list[dict]:
     repeated prompt (as transformers runs it: GQA heads packed, a boolean mask) against SharedPrefixLayer.attend."""
     import torch.nn.functional as F
 
-    from forge.model.shared_prefix import SharedPrefixLayer
+    from forge.model.kv_cache import SharedPrefixLayer
 
     prompts, group, kv_heads, per_kv, dim, length = 4, 8, 3, 3, 64, 157
     rows = prompts * group
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     from forge.core.rollout import SamplingSettings, generate, sampling_noise
     from forge.data.arithmetic import ARITHMETIC_TASK
     from forge.model import choose_precision, load_model
-    from forge.model.static_decode import DecodePlan
+    from forge.model.decode_plan import DecodePlan
 
     attention = one_layer_attention(getattr(torch, args.dtype))
     model, tokenizer = load_model("default", dtype="float32")

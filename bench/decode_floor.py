@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     from forge.data.arithmetic import arithmetic_dataset
     from forge.demo import DemoSettings, demo_config, demo_rewards
     from forge.model import load_model, merged_adapters
-    from forge.model.static_decode import DecodePlan
+    from forge.model.decode_plan import DecodePlan
 
     settings = DemoSettings(seed=0, dtype=args.dtype, max_new_tokens=args.max_new_tokens)
     base, tokenizer = load_model("default")

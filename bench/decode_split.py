@@ -63,19 +63,18 @@ def main() -> None:
     from workloads import demo_trainer, machine_info
 
     from forge.core import rollout
-    from forge.model import packed_linear, shared_prefix, static_decode
+    from forge.model import decode_plan, kv_cache, packed_linear
 
     timers = Timers()
     timers.wrap(packed_linear, "_packed_forward", "linear products (packed)")
     timers.wrap(packed_linear, "_packed", "packing the weights")
-    timers.wrap(shared_prefix.SharedPrefixLayer, "attend", "attention over the shared prompt")
+    timers.wrap(kv_cache.SharedPrefixLayer, "attend", "attention over the shared prompt")
     timers.wrap(modeling_llama.LlamaRMSNorm, "forward", "RMS norms")
     timers.wrap(modeling_llama, "apply_rotary_pos_emb", "rotary embedding")
     timers.wrap(rollout, "sample_with_logprobs", "sampler")
-    timers.wrap(rollout, "prefill_groups", "prefill")
+    timers.wrap(decode_plan, "prefill_groups", "prefill")
     timers.wrap(rollout, "still_running", "finished rows leaving")
-    decode_step = static_decode._eager_step
-    static_decode._eager_step = lambda model, cache, plan: timers.timed(decode_step(model, cache, plan), "decode step")
+    timers.wrap(decode_plan.EagerStep, "__call__", "decode step")
 
     with tempfile.TemporaryDirectory() as output_dir:
         trainer, prompts = demo_trainer(output_dir)

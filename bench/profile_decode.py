@@ -30,14 +30,13 @@ PHASES = ("prefill", "decode forward", "sampler")
 def install_labels(rollout_module) -> None:
     from profile_forge import labelled
 
-    from forge.model import static_decode
+    from forge.model import decode_plan
 
     rollout_module.sample_next_token = labelled(rollout_module.sample_next_token, "sampler")
-    rollout_module.prefill_groups = labelled(rollout_module.prefill_groups, "prefill")
-    if not hasattr(static_decode, "_unlabelled_eager_step"):
-        static_decode._unlabelled_eager_step = static_decode._eager_step
-        static_decode._eager_step = lambda model, cache, plan: labelled(
-            static_decode._unlabelled_eager_step(model, cache, plan), "decode forward")
+    if not hasattr(decode_plan, "_unlabelled"):
+        decode_plan._unlabelled = decode_plan.prefill_groups, decode_plan.EagerStep.__call__
+        decode_plan.prefill_groups = labelled(decode_plan._unlabelled[0], "prefill")
+        decode_plan.EagerStep.__call__ = labelled(decode_plan._unlabelled[1], "decode forward")
 
 
 def phase_table(profiler, steps: int, top: int) -> dict:

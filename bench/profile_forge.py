@@ -27,10 +27,10 @@ from workloads import WORKLOADS, dataset_rows, load_model, suppress_eos
 # (module, function name, label): wrapped in torch.profiler.record_function for the phase table.
 PHASES = [
     ("forge.core.trainer", "generate", "generate (whole rollout)"),
-    ("forge.core.rollout", "prefill", "  prompt prefill (generation and loss)"),
+    ("forge.core.logprobs", "prefill", "  prompt prefill (the loss pass)"),
     ("forge.core.rollout", "sample_next_token", "  sampling"),
     ("forge.core.trainer", "completion_logprobs", "loss forward: completion_logprobs"),
-    ("forge.core.rollout", "token_logprobs_from_logits", "  chunked log-softmax"),
+    ("forge.core.logprobs", "token_logprobs_from_logits", "  chunked log-softmax"),
     ("forge.core.trainer", "grpo_loss", "  grpo_loss"),
     ("forge.core.trainer", "score_completions", "score rewards"),
 ]

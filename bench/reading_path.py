@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import forge
@@ -33,6 +33,7 @@ from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 from forge.run.optim import make_scheduler
 
 PACKAGE = Path(forge.__file__).resolve().parent
+RECIPE = "core/trainer.py"  # the file whose step is the recipe
 ROWS = [{"prompt": "What is 2 + 3?", "reference": "5"}, {"prompt": "What is 4 + 1?", "reference": "5"}]
 
 
@@ -73,31 +74,63 @@ def spans(path: Path) -> dict[int, tuple[int, int, str]]:
 
 
 def is_import_hook(frame) -> bool:
-    """Called by Python's import system (forge/_moved.py's finder, on a module the step imports first), not
-    by the step's code: not on the reading path."""
+    """Called by Python's import system (on a module the step imports first), not by the step's code: not on
+    the reading path."""
     caller = frame.f_back
     return caller is not None and caller.f_code.co_filename.startswith("<frozen importlib")
 
 
-def record_step(trainer: GRPOTrainer, rows: list[dict]) -> list:
-    """The code objects of the package that run during trainer.step(rows), in first-call order."""
-    seen: dict = {}
-    package = str(PACKAGE)
+@dataclass
+class Trace:
+    """What running the step records: the package's code objects in first-call order, the lines that ran,
+    and each first call from one file into another (an entry; a function's consecutive calls into one other
+    file are one), as (caller's file, callee's file, callee)."""
+
+    codes: list = field(default_factory=list)
+    executed: set = field(default_factory=set)  # (file, line)
+    entries: list = field(default_factory=list)  # (caller's file, callee's file, callee's name)
+    inside_generate: set = field(default_factory=set)  # the code objects first called within `generate`
+
+
+def record_step(trainer: GRPOTrainer, rows: list[dict]) -> Trace:
+    """Trace trainer.step(rows): every call, line and return of the package's functions."""
+    trace, seen, stack, package = Trace(), set(), [], str(PACKAGE)
+    last_entered: dict[int, str] = {}  # id(frame) -> the file its last call went into
+
+    def local(frame, event, arg):
+        if event == "line":
+            trace.executed.add((frame.f_code.co_filename, frame.f_lineno))
+        elif event == "return" and stack and stack[-1][0] is frame:
+            stack.pop()
+        return local
 
     def hook(frame, event, arg):
-        if event == "call":
-            code = frame.f_code
-            if code not in seen and code.co_filename.startswith(package) and not is_import_hook(frame):
-                seen[code] = None
+        code = frame.f_code
+        if event != "call" or not code.co_filename.startswith(package) or is_import_hook(frame):
+            return None
+        file = code.co_filename
+        if code not in seen:
+            seen.add(code)
+            trace.codes.append(code)
+            caller = stack[-1] if stack else None
+            # one function's calls into one other file, one after another, are one entry
+            if caller is not None and caller[1] != file and last_entered.get(id(caller[0])) != file:
+                trace.entries.append((caller[1], file, code.co_qualname))
+        if stack:
+            last_entered[id(stack[-1][0])] = file
+            if any(name == "GRPOTrainer.generate" for _, _, name in stack):
+                trace.inside_generate.add(code)
+        stack.append((frame, file, code.co_qualname))
+        return local
 
-    threading.setprofile(hook)
-    sys.setprofile(hook)
+    threading.settrace(hook)
+    sys.settrace(hook)
     try:
         trainer.step(rows)
     finally:
-        sys.setprofile(None)
-        threading.setprofile(None)
-    return list(seen)
+        sys.settrace(None)
+        threading.settrace(None)
+    return trace
 
 
 def reading_path(codes: list) -> list[Function]:
@@ -135,7 +168,31 @@ def plain_lora_trainer(output_dir: str) -> GRPOTrainer:
     return trainer
 
 
-def report(path: list[Function], max_lines: int, functions: bool) -> str:
+def walk(path: list[Function]) -> list[str]:
+    """The files in the order met, a file named again only after another one."""
+    files = [f.file for f in path]
+    return [file for i, file in enumerate(files) if i == 0 or files[i - 1] != file]
+
+
+def returns(trace: Trace) -> list[tuple[str, str, str]]:
+    """The entries into a file already entered, made from a file other than the trainer's: the trainer's
+    step calls each phase in turn (the recipe), so coming back to it, or going from it to a file it called
+    before, is the recipe read in order; a phase that sends the reader into a file met earlier is not."""
+    entered: set[str] = set()
+    found = []
+    for caller, callee, name in trace.entries:
+        if callee in entered and not caller.endswith(RECIPE):
+            found.append((caller, callee, name))
+        entered.add(callee)
+    return found
+
+
+def relative(filename: str) -> str:
+    return str(Path(filename).resolve().relative_to(PACKAGE))
+
+
+def report(trace: Trace, max_lines: int, functions: bool) -> str:
+    path = reading_path(trace.codes)
     per_file: dict[str, int] = {}
     for f in path:
         per_file[f.file] = per_file.get(f.file, 0) + f.lines
@@ -143,12 +200,17 @@ def report(path: list[Function], max_lines: int, functions: bool) -> str:
     lines = [f"{'file':<32} {'lines':>6}"]
     lines += [f"{file:<32} {count:>6}" for file, count in per_file.items()]  # in the order first met
     lines.append(f"{len(per_file)} files, {len(path)} functions, {switches} switches: "
-                 f"{sum(per_file.values())} lines")
+                 f"{sum(per_file.values())} lines in their spans, {len(trace.executed)} executed")
+    lines.append(f"{len(trace.entries)} entries into another file; returns to a file already left:")
+    lines += [f"  {relative(caller)} -> {relative(callee)} ({name})" for caller, callee, name in returns(trace)]
     longest = max(path, key=lambda f: f.lines)
     lines.append(f"longest: {longest.file} {longest.name} ({longest.lines} lines)")
     over = [f for f in path if f.lines > max_lines]
     lines.append(f"over {max_lines} lines: " + (", ".join(f"{f.file} {f.name} ({f.lines})" for f in over)
                                                 or "none"))
+    generate = reading_path([code for code in trace.codes if code in trace.inside_generate])
+    lines.append("walk of the step: " + " -> ".join(walk(path)))
+    lines.append("walk of generate: " + " -> ".join(walk(generate)))
     if functions:
         lines.append("")
         lines += [f"{f.file}:{f.first}-{f.last} {f.name} ({f.lines})" for f in path]
@@ -162,9 +224,8 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = plain_lora_trainer(output_dir)
-        path = reading_path(record_step(trainer, ROWS))
-    print(report(path, args.max_lines, args.functions))
+        trace = record_step(plain_lora_trainer(output_dir), ROWS)
+    print(report(trace, args.max_lines, args.functions))
 
 
 if __name__ == "__main__":

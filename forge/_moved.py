@@ -20,7 +20,7 @@ MOVED_MODULES = {
     "forge.checkpoint": "forge.run.checkpoint",
     "forge.core.distributed": "forge.parallel.distributed",
     "forge.core.lifecycle": "forge.run.lifecycle",
-    "forge.core.metrics": "forge.run.metrics",
+    "forge.core.metrics": "forge.run.step_stats",
     "forge.core.optim": "forge.run.optim",
     "forge.core.policy": "forge.model",
     "forge.core.sharding": "forge.parallel.sharding",

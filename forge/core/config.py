@@ -240,7 +240,7 @@ class GRPOConfig(TRLAttributes):
     share_prompt_prefix: bool = True
     """Compute each prompt once per group (in generation and in the loss) instead of G times."""
     generation_backend: str = "auto"
-    """The decode step (forge/model/static_decode.py): 'eager' (the model's forward per token), 'compiled' (a
+    """The decode step (forge/model/decode_plan.py): 'eager' (the model's forward per token), 'compiled' (a
     static KV cache and torch.compile, once per batch/length bucket: inductor's C++ kernels on a CPU, CUDA
     graphs on a GPU; the first steps pay the compile), or 'auto': what measured faster on this device and
     dtype, eager where unmeasured (logged with its reason). On an AMX Xeon the compiled step is 1.28x slower

@@ -92,7 +92,7 @@ def divergence_loss(divergence: torch.Tensor, mask: torch.Tensor, num_tokens: fl
 
 
 class ReverseKL(NamedTuple):
-    """Sums of the reverse-KL estimate over one rollout, for the metrics (forge/run/metrics.py)."""
+    """Sums of the reverse-KL estimate over one rollout, for the metrics (forge/run/step_stats.py)."""
 
     per_sequence: torch.Tensor  # (B,) sum over each completion's tokens of log p_student - log p_teacher
     tokens: torch.Tensor  # (B,) the completion's tokens counted (its mask's sum)

@@ -238,41 +238,6 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, acting: torch.Tenso
 
 
 # ----------------------------------------------------------------------------------------------------
-# Log-probabilities
-
-
-def token_logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024,
-    with_entropy: bool = False, entropy_grad: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """log p(target_t) for each position. logits: (B, T, V), targets: (B, T) -> (B, T) float32.
-
-    The log-softmax runs over chunks of positions, so the float32 (B*T, V) matrix is never all alive.
-    Logits are divided by the sampling temperature so the ratio is taken against the policy that sampled.
-    with_entropy also returns each position's entropy H = logsumexp(z) - sum_v softmax(z)_v z_v, (B, T), from
-    the same chunk (no second pass); it carries a gradient only with entropy_grad (for an entropy bonus), so
-    logging it keeps no extra (c, V) tensor alive for backward.
-    """
-    batch, length, vocab = logits.shape
-    flat_logits = logits.reshape(-1, vocab)  # (B*T, V)
-    flat_targets = targets.reshape(-1)  # (B*T,)
-    out = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device)
-    entropy = torch.empty_like(out) if with_entropy else None
-    for start in range(0, flat_targets.numel(), chunk_size):
-        chunk = flat_logits[start:start + chunk_size].float() / temperature  # (c, V)
-        picked = chunk.gather(1, flat_targets[start:start + chunk_size, None]).squeeze(1)  # (c,)
-        normaliser = torch.logsumexp(chunk, dim=-1)  # (c,)
-        out[start:start + chunk_size] = picked - normaliser
-        if entropy is not None:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                probs = (chunk - normaliser[:, None]).exp_()  # (c, V), in place: one (c, V) buffer
-                entropy[start:start + chunk_size] = normaliser - torch.linalg.vecdot(probs, chunk)
-    if entropy is None:
-        return out.view(batch, length)
-    return out.view(batch, length), entropy.view(batch, length)
-
-
-# ----------------------------------------------------------------------------------------------------
 # KL
 
 
@@ -601,6 +566,5 @@ __all__ = [
     "multi_reward_advantages",
     "off_policy_sequence_mask",
     "rollout_importance_weights",
-    "token_logprobs_from_logits",
     "weighted_reward_sum",
 ]

@@ -21,10 +21,82 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from forge.core.distill import token_divergence
-from forge.core.grpo import token_logprobs_from_logits
-from forge.core.rollout import padded_positions, prefill
-from forge.model.kv_cache import CACHE_ARG
-from forge.model.shared_prefix import holds_full_attention, shared_attention_configs
+from forge.core.rollout import Rollout
+from forge.model.decode_plan import padded_positions, prefill
+from forge.model.kv_cache import CACHE_ARG, holds_full_attention, shared_attention_configs
+
+
+def token_logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024,
+    with_entropy: bool = False, entropy_grad: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log p(target_t) for each position. logits: (B, T, V), targets: (B, T) -> (B, T) float32.
+
+    The log-softmax runs over chunks of positions, so the float32 (B*T, V) matrix is never all alive.
+    Logits are divided by the sampling temperature so the ratio is taken against the policy that sampled.
+    with_entropy also returns each position's entropy H = logsumexp(z) - sum_v softmax(z)_v z_v, (B, T), from
+    the same chunk (no second pass); it carries a gradient only with entropy_grad (for an entropy bonus), so
+    logging it keeps no extra (c, V) tensor alive for backward.
+    """
+    batch, length, vocab = logits.shape
+    flat_logits = logits.reshape(-1, vocab)  # (B*T, V)
+    flat_targets = targets.reshape(-1)  # (B*T,)
+    out = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(out) if with_entropy else None
+    for start in range(0, flat_targets.numel(), chunk_size):
+        chunk = flat_logits[start:start + chunk_size].float() / temperature  # (c, V)
+        picked = chunk.gather(1, flat_targets[start:start + chunk_size, None]).squeeze(1)  # (c,)
+        normaliser = torch.logsumexp(chunk, dim=-1)  # (c,)
+        out[start:start + chunk_size] = picked - normaliser
+        if entropy is not None:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                probs = (chunk - normaliser[:, None]).exp_()  # (c, V), in place: one (c, V) buffer
+                entropy[start:start + chunk_size] = normaliser - torch.linalg.vecdot(probs, chunk)
+    if entropy is None:
+        return out.view(batch, length)
+    return out.view(batch, length), entropy.view(batch, length)
+
+
+class PolicyLogprobs:
+    """The trainer's log-prob passes (mixed into GRPOTrainer, whose model, reference, precision, processes and
+    config they read): the policy's under the loss (`logprobs`), pi_old and the reference's before the update,
+    micro-batch by micro-batch."""
+
+    def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, **extras):
+        """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion, and the
+        extras asked for (completion_logprobs)."""
+        completions, index = rollout.completions_of(indices)
+        with self.precision.autocast(model):  # the same numerics as generation: pi_old = stopgrad(pi) holds
+            return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, completions,
+                                       index, self.config.temperature, self.config.logprob_chunk_size,
+                                       self.config.share_prompt_prefix, share_template=not self.dist.fsdp,
+                                       lengths=rollout.completion_lengths[indices], **extras)
+
+    @torch.no_grad()
+    def old_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
+        """pi_old (docs/algorithm.md): None = stopgrad(pi_theta); a stale (async) rollout's sampler's; or
+        recomputed."""
+        stale = rollout.policy_version is not None and rollout.policy_version < self.global_step
+        if self.config.num_iterations > 1 or (stale and self.config.rollout_is != "none"):
+            return self.rollout_logprobs(self.model, rollout, indices)
+        return rollout.sampler_logprobs if stale else None
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
+        if self.config.kl_beta == 0:
+            return None
+        if self.is_lora:  # the reference is the adapter-disabled model
+            with self.model.disable_adapter():
+                return self.rollout_logprobs(self.model, rollout, indices)
+        return self.rollout_logprobs(self.reference_model, rollout, indices)
+
+    def rollout_logprobs(self, model, rollout: Rollout, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, T) log-probs of a rollout's completions under `model`, micro-batch by micro-batch, on CPU: of
+        the completions `indices` only (0 elsewhere) when given."""
+        with self.dist.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
+            batches = micro_batches(rollout, self.micro_batch_size, indices)
+            parts = [self.logprobs(model, rollout, batch) for batch in batches]
+        return padded_rows(parts, rollout.completion_ids, batches)
 
 
 def completion_logprobs(

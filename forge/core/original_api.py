@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from forge.core.grpo import masked_mean, token_logprobs_from_logits
+from forge.core.grpo import masked_mean
+from forge.core.logprobs import token_logprobs_from_logits
 from forge.core.reward import FunctionReward, names_parameter
 
 

@@ -1,18 +1,16 @@
 """Rollouts: `group_size` completions for each of many prompts, in one batched decode loop (`generate`).
 
-The completions of a prompt all start from the same prompt, so the prompt is run through the model once per
-group; its key/value cache is kept once per group, and each decode step's attention reads it once for all the
-group's rows (forge/model/shared_prefix.py), or, where the model's attention does not allow that and with
-tools, it is expanded to the group. Finished completions leave the decode batch, so the tail of generation
-costs only what the still-running completions need; the cache is allocated once for max_new_tokens more and
-written in place (forge/model/kv_cache.py). Tools and environments are the loop's hook (ToolTurns, after the
-loop): a completion that ends a call is fed the result's tokens while the others go on sampling. The log-probs
-of the sampled tokens under the policy are computed by core/logprobs.py.
+Each step of the loop samples one token for every running completion and runs one forward; finished
+completions leave the decode batch, so the tail of generation costs only what the still-running completions
+need. How the prompts are prefilled and how a step runs on this model (each group's prompt run and attended
+once, a cache written in place, a compiled step) is the decode plan's (forge/model/decode_plan.py): the loop
+calls `plan.prefill` once and the step it returns once per token. Tools and environments are the loop's hook
+(ToolTurns, after the loop): a completion that ends a call is fed the result's tokens while the others go on
+sampling. The log-probs of the sampled tokens under the policy are computed by core/logprobs.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -21,10 +19,7 @@ import torch
 
 from forge.core.tool_turns import ToolTurns
 from forge.envs.protocol import EnvironmentSettings, Episode
-from forge.model import shared_prefix
-from forge.model.kv_cache import CACHE_ARG, LAST_POSITION, preallocated, returned_cache
-from forge.model.packed_linear import packed_linears
-from forge.model.static_decode import DecodePlan, decoder
+from forge.model.decode_plan import DecodePlan
 from forge.tools.calls import CallFormat, ToolResult, ToolSettings
 
 Prompt = str | list[dict]  # plain text, or chat messages rendered with the tokenizer's chat template
@@ -37,7 +32,7 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0
     do_sample: bool = True
-    backend: str = "eager"  # the decode step (forge/model/static_decode.py): "eager", "compiled" or "auto"
+    backend: str = "eager"  # the decode step (forge/model/decode_plan.py): "eager", "compiled" or "auto"
 
     @classmethod
     def from_config(cls, config) -> SamplingSettings:
@@ -97,7 +92,8 @@ class Rollout:
         return self.completion_mask if self.action_mask is None else self.completion_mask * self.action_mask
 
     def completions_of(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(completion ids (n, T'), their prompts' rows (n,)) of the completions `indices`, T' their longest."""
+        """(completion ids (n, T'), their prompts' rows (n,)) of the completions `indices`, T' their
+        longest."""
         length = int(self.completion_mask[indices].sum(dim=1).max().clamp(min=1))
         return self.completion_ids[indices, :length], self.prompt_index[indices]
 
@@ -246,64 +242,6 @@ def sample_next_token(
     return torch.minimum(tokens, last_possible)
 
 
-def padded_positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that skip left padding: (n, L) -> (n, L)."""
-    return (mask.cumsum(dim=1) - 1).clamp(min=0)
-
-
-MIN_SHARED_PREFIX = 8  # below this many tokens, a separate prefix pass costs more than it saves
-
-
-def prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool = True,
-            last_position: int | torch.Tensor = 1):
-    """Run prompts (n, L) through the model; return (cache, logits of the last position (n, V)).
-    last_position: the model's logits_to_keep; generation passes LAST_POSITION, the loss pass the slice (1).
-
-    Leading columns that are the same real token in every row (a shared template) are computed once and
-    their cache expanded to all rows; gradients, when enabled, flow back through the expansion. That takes a
-    second forward only for some batches; share_template=False always runs one (a sharded model needs the
-    same number of forwards on every rank).
-    """
-    same = (ids == ids[:1]).all(dim=0) & mask.bool().all(dim=0)  # (L,)
-    shared = int(same.long().cumprod(0).sum()) if ids.shape[0] > 1 else 0
-    shared = min(shared, ids.shape[1] - 1)
-    if shared < MIN_SHARED_PREFIX or not share_template:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), use_cache=True,
-                    logits_to_keep=last_position)
-        return returned_cache(out), out.logits[:, -1]
-    prefix = model(input_ids=ids[:1, :shared], attention_mask=mask[:1, :shared], use_cache=True,
-                   logits_to_keep=last_position)
-    cache = returned_cache(prefix)
-    cache.batch_repeat_interleave(ids.shape[0])
-    out = model(input_ids=ids[:, shared:], attention_mask=mask,
-                position_ids=padded_positions(mask)[:, shared:], use_cache=True, logits_to_keep=last_position,
-                **{CACHE_ARG: cache})
-    return returned_cache(out), out.logits[:, -1]
-
-
-def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-                   share_prompt_prefix: bool, max_new_tokens: int, attend_shared: bool = False):
-    """Prefill P prompts (P, Lp) for P * group_size completions, ready to decode: the prompt runs once and its
-    cache is expanded to the group (share_prompt_prefix), or runs once per completion. attend_shared (the
-    model's attention allows it, DecodePlan.shared_prompt): keep the prompt's cache once per group, for decode
-    steps that attend over it (forge/model/shared_prefix.py).
-    Returns (a cache with room for max_new_tokens more, next-token logits (N, V), the attention mask
-    (N, Lp))."""
-    device = next(model.parameters()).device
-    ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
-    if not share_prompt_prefix:
-        ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    cache, next_logits = prefill(model, ids, mask, last_position=LAST_POSITION)  # (P or N, V)
-    if not share_prompt_prefix:
-        return preallocated(cache, mask.shape[1] + max_new_tokens), next_logits, mask  # the cache: N rows
-    next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
-    rows_mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
-    if attend_shared and shared_prefix.holds_full_attention(cache):
-        cache = shared_prefix.shared(cache, mask, group_size, max_new_tokens)  # the prompt P rows, the rest N
-        return cache, next_logits, rows_mask
-    return preallocated(cache, mask.shape[1] + max_new_tokens, group_size), next_logits, rows_mask  # N rows
-
-
 class Decoding:
     """One completion being decoded: its tokens so far and why it ended."""
 
@@ -374,7 +312,7 @@ def generate(
     tools: the tools the policy may call (forge/tools), or an environment (forge/envs: one instance per
     completion, reset with its dataset row from `rows`, whose methods are the tools), run by the decode loop's
     hook, ToolTurns (below the loop: what a call, its result and the token budgets do).
-    plan: how the decode runs on this model (forge/model/static_decode.py), decided once by a trainer; None
+    plan: how the decode runs on this model (forge/model/decode_plan.py), decided once by a trainer; None
     decides it here, from settings.backend, under the autocast the call runs in.
     """
     turns = None if tools is None else ToolTurns(tools, prompts, rows, group_size, tokenizer, call_format_)
@@ -384,12 +322,13 @@ def generate(
     plan = plan or DecodePlan.of(model, settings.backend, with_tools=turns is not None)
     # The loop's tensors never meet autograd and it returns plain lists: inference mode skips autograd's
     # version counting and view tracking on each of its operators (the same values; 1.05x the tokens per
-    # CPU-second of the demo's generation on an AMX Xeon, bench/decode_switch.py inference_mode). Under autocast
-    # with unpacked weights (bf16 on a CPU without bf16 units) it would also turn off autocast's cache of each
-    # weight's bf16 copy, casting every weight again at every decode step: there the loop runs under no_grad.
+    # CPU-second of the demo's generation on an AMX Xeon, bench/decode_switch.py inference_mode). Under
+    # autocast with unpacked weights (bf16 on a CPU without bf16 units) it would also turn off autocast's
+    # cache of each weight's bf16 copy, casting every weight again at every decode step: there the loop runs
+    # under no_grad.
     recast = torch.is_autocast_enabled(next(model.parameters()).device.type) and not plan.pack
     inference = torch.inference_mode() if INFERENCE_MODE and not recast else torch.no_grad()
-    with packed_linears(model) if plan.pack else contextlib.nullcontext(), inference:
+    with plan.sampling_weights(model), inference:
         decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings, plan,
                            share_prompt_prefix, noise, turns)
     return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
@@ -405,9 +344,9 @@ def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     device = next(model.parameters()).device
     stop_ids, max_new_tokens = eos_ids(tokenizer, model), settings.max_new_tokens
     stops_at_eos = turns is None or turns.fmt.stops_at_eos
-    cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size, share_prompt_prefix,
-                                              max_new_tokens, bool(plan.shared_prompt))
-    cache, decode_step = decoder(model, cache, plan)  # (N, V) next-token logits, (N, Lp) mask
+    # (N, V) next-token logits, (N, Lp) mask
+    step, next_logits, mask = plan.prefill(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
+                                           share_prompt_prefix)
     noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
     budget = 10**9 if turns is None else turns.budget
@@ -416,7 +355,7 @@ def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     active = torch.arange(len(decodings), device=device)  # (n,) the completions still decoding
     next_position = mask.sum(dim=1)  # (N,)
     # failed episodes leave before the first step
-    running = still_running(decodings, cache, active, next_logits, mask, next_position)
+    running = still_running(decodings, step, active, next_logits, mask, next_position)
     cdf = next_logits.new_empty(next_logits.shape, dtype=torch.float64)  # (N, V) the sampler's, every step
     while running is not None:
         active, next_logits, mask, next_position = running
@@ -428,16 +367,16 @@ def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
         if turns is not None:  # the calls that just ended run; their results are fed in the next forward
             turns.answer(decodings, [(i, [token]) for i, token in zip(active.tolist(), tokens.tolist())],
                          max_new_tokens)
-        running = still_running(decodings, cache, active, tokens, mask, next_position)
+        running = still_running(decodings, step, active, tokens, mask, next_position)
         if running is None:
             break
         active, tokens, mask, next_position = running
         if turns is not None and any(decodings[i].fed for i in active.tolist()):  # results join this forward
-            next_logits, mask, next_position = turns.forward(model, cache, decodings, active, tokens, mask,
-                                                             next_position)
+            next_logits, mask, next_position = turns.forward(model, step.cache, decodings, active, tokens,
+                                                             mask, next_position)
         else:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (n, L + 1)
-            next_logits, next_position = decode_step(tokens, mask, next_position), next_position + 1  # (n, V)
+            next_logits, next_position = step(tokens, mask, next_position), next_position + 1  # (n, V)
         running = active, next_logits, mask, next_position
     return decodings
 
@@ -453,16 +392,16 @@ def sample_with_logprobs(logits: torch.Tensor, settings: SamplingSettings, draws
     return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)  # (n,) each
 
 
-def still_running(decodings: list[Decoding], cache, active: torch.Tensor, *per_row: torch.Tensor):
-    """The decode batch without its finished completions: (active, *per_row) of the running ones, their cache
-    rows kept; None when none is running."""
+def still_running(decodings: list[Decoding], step, active: torch.Tensor, *per_row: torch.Tensor):
+    """The decode batch without its finished completions: (active, *per_row) of the running ones, the step
+    keeping their rows; None when none is running."""
     running = torch.tensor([not decodings[i].done for i in active.tolist()], device=active.device)  # (n,)
     if not running.any():
         return None
     if running.all():
         return (active, *per_row)
     keep = running.nonzero().squeeze(1)
-    cache.batch_select_indices(keep)
+    step.keep(keep)
     return tuple(t[keep] for t in (active, *per_row))
 
 

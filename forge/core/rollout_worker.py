@@ -45,7 +45,7 @@ from forge.core.engine_rollout import generate_on_engine, open_engine
 from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
                                 sampling_seed)
 from forge.model.lora import merged_adapters
-from forge.model.static_decode import DecodePlan
+from forge.model.decode_plan import DecodePlan
 from forge.run.loop import StepFailed
 
 POLL_SECONDS = 0.5  # how often a waiting side looks whether the other is still there

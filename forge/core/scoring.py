@@ -50,8 +50,8 @@ from forge.core.rollout import SamplingSettings, generate
 from forge.data.dataset import dataset_columns
 from forge.run.lifecycle import reraise_user_interrupt
 from forge.run.loop import StepFailed
-from forge.run.metrics import completion_metrics
 from forge.run.rng import capture_rng_state, restore_rng_state
+from forge.run.step_stats import completion_metrics
 from forge.tools.calls import ToolSettings
 
 

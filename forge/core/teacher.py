@@ -68,7 +68,7 @@ class Teacher:
         """(N, T) per-token advantages of each rollout of the batch (core/distill.py): its reward advantages
         (N,) combined with the teacher's sampled signal. The student's log-probs are those that sampled:
         pi_old when the batch has them, else the sampler's, else a pass of the student. The reverse KL and
-        the teacher pass's seconds go into `stats` (forge/run/metrics.py RolloutStats); the passes are the
+        the teacher pass's seconds go into `stats` (forge/run/step_stats.py RolloutStats); the passes are the
         GRPOTrainer `trainer`'s. With distill_loss='full' the advantages are the reward's alone and the
         teacher's pass keeps its hidden states for the loss pass instead (batch.teacher_hidden)."""
         student, rollout_logprobs = trainer.model, trainer.rollout_logprobs
@@ -111,7 +111,7 @@ class Teacher:
 
     def loss(self, divergence: torch.Tensor, mask: torch.Tensor, num_tokens: float, totals) -> torch.Tensor:
         """distill_coef x the micro-batch's share of the mean divergence (n, T) over the step's loss tokens
-        (mask (n, T)); the divergence is logged through `totals` (forge/run/metrics.py UpdateTotals)."""
+        (mask (n, T)); the divergence is logged through `totals` (forge/run/step_stats.py UpdateTotals)."""
         totals.add_divergence(divergence, mask)
         return self.distill_coef * divergence_loss(divergence, mask, num_tokens)
 

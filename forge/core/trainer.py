@@ -4,7 +4,7 @@
       collect(rows)    generate G completions per prompt (dynamic_sampling: in rounds) -> score -> advantages
                        -> loss mask -> pi_old and reference log-probs -> a teacher's per-token advantages
       update(batch)    clipped-ratio loss + KL over micro-batches, backward -> clip, AdamW, schedule
-      metrics          forge/run/metrics.py, from statistics combined over the processes
+      metrics          forge/run/step_stats.py, from statistics combined over the processes
     train(dataset)     the loop around the steps (forge/run/loop.py): schedule, logs, evaluation, checkpoints
 
 The only module that talks to the processes (`self.dist`): each rank generates and scores whole groups of its
@@ -30,19 +30,25 @@ from forge.core.config import GRPOConfig
 from forge.core.dynamic_sampling import SamplingRounds
 from forge.core.engine_rollout import generate_on_engine, open_engine
 from forge.core.grpo import LossNormaliser, grpo_loss, logprob_gap
-from forge.core.logprobs import checkpointed_layers, completion_logprobs, micro_batches, padded_rows
+from forge.core.logprobs import PolicyLogprobs, checkpointed_layers, micro_batches
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
-from forge.core.rollout import (Rollout, SamplingSettings, generate, prompt_budget, sampling_noise,
-                                sampling_seed)
+from forge.core.rollout import (
+    Rollout,
+    SamplingSettings,
+    generate,
+    prompt_budget,
+    sampling_noise,
+    sampling_seed,
+)
 from forge.core.rollout_worker import AsyncRollouts
 from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
 from forge.core.teacher import open_teacher
 from forge.envs import env_rewards, rollout_tools
 from forge.model import prepare_policy
-from forge.model.static_decode import DecodePlan
+from forge.model.decode_plan import DecodePlan
 from forge.parallel.distributed import DataParallel
-from forge.run import metrics as step_metrics
+from forge.run import step_stats
 from forge.run.lifecycle import StopSignals, TrainingInterrupted
 from forge.run.loop import TrainingRun
 from forge.run.optim import GuardedStep, advance_schedule
@@ -50,7 +56,7 @@ from forge.run.rng import seed_everything
 from forge.run.trainer_surface import RunEvents, TrainerSurface, with_resume
 
 
-class GRPOTrainer(TrainerSurface):
+class GRPOTrainer(TrainerSurface, PolicyLogprobs):
     """GRPO fine-tuning of a HuggingFace causal LM.
 
     model:     a PreTrainedModel (or PeftModel), or a hub id / local path / "default" that Forge loads
@@ -108,8 +114,10 @@ class GRPOTrainer(TrainerSurface):
         self.scheduler = self.prompt_pool = None  # set by train(): the schedule, the rows (dynamic sampling)
         auto = config.micro_batch_size == "auto"  # one group per pass until the preflight fits max_memory_mb
         self.micro_batch_size = config.group_size if auto else config.micro_batch_size
-        self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer, is_main=self.dist.is_main)
-        self.ahead = AsyncRollouts.of_run(config, self.dist.world_size, self.tool_settings)  # async GRPO, or None
+        self.events = RunEvents(callbacks, config, model, self.tokenizer, self.optimizer,
+                                is_main=self.dist.is_main)
+        # async GRPO's rollout worker, or None
+        self.ahead = AsyncRollouts.of_run(config, self.dist.world_size, self.tool_settings)
 
     def train(self, dataset: Any = None, eval_dataset: Any = None,
               resume_from_checkpoint: bool | str | None = None):
@@ -130,25 +138,27 @@ class GRPOTrainer(TrainerSurface):
         batch, stats = self.collect(rows)
         updates = [self.update(batch) for _ in range(self.config.num_iterations)]  # one per optimizer step
         stats = self.dist.combined(stats)  # every rank's share: the metrics are of the whole batch
-        delta_norm = step_metrics.param_delta_norm(self.dist.local_shards(self.trainable),
-                                                   self.initial_params, self.dist.sum_shards)
-        metrics = step_metrics.step_metrics(
+        delta_norm = step_stats.param_delta_norm(self.dist.local_shards(self.trainable), self.initial_params,
+                                                 self.dist.sum_shards)
+        metrics = step_stats.step_metrics(
             stats, updates[0], group_std=group_reward_std(torch.cat(stats.scores), self.config.group_size,
-                                                      torch.cat(stats.valid)),
+                                                          torch.cat(stats.valid)),
             seconds=time.perf_counter() - started, skipped_steps=self.guard.skipped_steps,
             param_delta_norm=delta_norm, engine=self.engine, ahead=self.ahead)
         metrics["_later_updates"] = updates[1:]  # num_iterations > 1: each later optimizer step's own row
-        metrics["_samples"] = step_metrics.ordered_samples(self.dist.gather_objects(stats.samples),
-                                                           len(batch.rollouts), self.config.log_completions)
+        metrics["_samples"] = step_stats.ordered_samples(self.dist.gather_objects(stats.samples),
+                                                         len(batch.rollouts), self.config.log_completions)
         return metrics
 
-    def collect(self, rows: list[dict]) -> tuple[Batch, step_metrics.RolloutStats]:
+    def collect(self, rows: list[dict]) -> tuple[Batch, step_stats.RolloutStats]:
         """Generate, score and compute advantages for every rollout of this step (this rank's share)."""
         config, dist = self.config, self.dist
         group, per = config.group_size, config.prompts_per_step
-        batch, stats = Batch(), step_metrics.RolloutStats()
+        batch, stats = Batch(), step_stats.RolloutStats()
         self.sampling_rng.manual_seed(sampling_seed(config.seed, self.global_step))
-        rounds = SamplingRounds.of_step(config, rows, self.prompt_pool, self.sampling_rng, stats.sampling)
+        selects = config.drop_zero_std_groups or config.dynamic_sampling  # flat groups leave the loss
+        rounds = SamplingRounds.of_step(config, rows, self.prompt_pool, self.sampling_rng, stats.sampling) \
+            if selects else [rows[start:start + per] for start in range(0, len(rows), per)]
         for round_rows in rounds:  # the step's rows (dynamic_sampling: more, until enough groups differ)
             mine = dist.my_share(round_rows, per)  # each rank: whole groups
             started = time.perf_counter()
@@ -164,7 +174,7 @@ class GRPOTrainer(TrainerSurface):
                 valid=dist.gather(scores.valid))  # (all ranks' N,)
             advantages = dist.my_share(advantages, per, group)  # (N,)
             keep = scores.valid & ~(rollout.truncated & config.mask_truncated_completions)  # (N,)
-            if config.drop_zero_std_groups or config.dynamic_sampling:  # flat groups leave the loss
+            if selects:
                 informative = group_reward_std(scores.total, group, scores.valid & scores.scored) > 0  # (P,)
                 taken = rounds.take(dist.gather(informative)).repeat_interleave(group)  # (all ranks' N,)
                 keep &= dist.my_share(taken, per, group)
@@ -184,7 +194,7 @@ class GRPOTrainer(TrainerSurface):
     def generate(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
         """G completions per prompt, with this step's sampling noise (and the run's tools, or its environments
         reset with the prompts' dataset `rows`)."""
-        if self.ahead is not None and self.ahead.running:  # async GRPO: sampled earlier, by the rollout worker
+        if self.ahead is not None and self.ahead.running:  # async GRPO: sampled earlier, by the worker
             return self.ahead.take(self.global_step, prompts)
         config, settings = self.config, SamplingSettings.from_config(self.config)  # as the config stands
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, settings.max_new_tokens,
@@ -206,47 +216,12 @@ class GRPOTrainer(TrainerSurface):
         return score_rollout(self.rewards, rows, rollout, self.config, step=self.global_step + 1,
                              trainer_state=state, any_rank=self.dist.any)
 
-    def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, **extras):
-        """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion, and the
-        extras asked for (completion_logprobs)."""
-        completions, index = rollout.completions_of(indices)
-        with self.precision.autocast(model):  # the same numerics as generation: pi_old = stopgrad(pi) holds
-            return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, completions,
-                                       index, self.config.temperature, self.config.logprob_chunk_size,
-                                       self.config.share_prompt_prefix, share_template=not self.dist.fsdp,
-                                       lengths=rollout.completion_lengths[indices], **extras)
-
-    @torch.no_grad()
-    def old_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
-        """pi_old (docs/algorithm.md): None = stopgrad(pi_theta); a stale (async) rollout's sampler's; recomputed."""
-        stale = rollout.policy_version is not None and rollout.policy_version < self.global_step
-        if self.config.num_iterations > 1 or (stale and self.config.rollout_is != "none"):
-            return self.rollout_logprobs(self.model, rollout, indices)
-        return rollout.sampler_logprobs if stale else None
-
-    @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout, indices=None) -> torch.Tensor | None:
-        if self.config.kl_beta == 0:
-            return None
-        if self.is_lora:  # the reference is the adapter-disabled model
-            with self.model.disable_adapter():
-                return self.rollout_logprobs(self.model, rollout, indices)
-        return self.rollout_logprobs(self.reference_model, rollout, indices)
-
-    def rollout_logprobs(self, model, rollout: Rollout, indices: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, T) log-probs of a rollout's completions under `model`, micro-batch by micro-batch, on CPU: of
-        the completions `indices` only (0 elsewhere) when given."""
-        with self.dist.whole_weights(model):  # FSDP2: gathered once per rollout, not per micro-batch
-            batches = micro_batches(rollout, self.micro_batch_size, indices)
-            parts = [self.logprobs(model, rollout, batch) for batch in batches]
-        return padded_rows(parts, rollout.completion_ids, batches)
-
     def update(self, batch: Batch) -> dict:
         """Loss and backward over all micro-batches of all rollouts, then one optimizer step."""
         config = self.config
         # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
         normaliser = LossNormaliser.count(batch.loss_mask, config.max_new_tokens, total=self.dist.sum)
-        totals = step_metrics.UpdateTotals()
+        totals = step_stats.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
             for r, rollout in enumerate(batch.rollouts):
@@ -268,7 +243,7 @@ class GRPOTrainer(TrainerSurface):
         return update
 
     def loss_and_backward(self, batch: Batch, r: int, indices: torch.Tensor, normaliser: LossNormaliser,
-                          totals: step_metrics.UpdateTotals) -> None:
+                          totals: step_stats.UpdateTotals) -> None:
         """The loss of one micro-batch (rollout r's rows `indices`) and its backward; gradients accumulate."""
         config, rollout, mask = self.config, batch.rollouts[r], batch.loss_mask[r][indices]
         settings = dataclasses.replace(config.loss_settings, entropy_coef=self.entropy_control.applied)

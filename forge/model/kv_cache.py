@@ -1,13 +1,33 @@
-"""A key/value cache for batched decoding that is allocated once and written in place.
+"""The key/value caches of Forge's decode: written in place, and holding each group's prompt once.
 
-transformers' DynamicLayer.update concatenates, which copies a layer's whole cache at every decode step; here
-the cache of a generation is sized for prompt + max_new_tokens up front, so a step writes one column. Also the
-one place that speaks transformers' cache argument by the name this version knows.
+- `PreallocatedLayer` (`preallocated`): transformers' DynamicLayer.update concatenates, which copies a layer's
+  whole cache at every decode step; here the cache of a generation is sized for prompt + max_new_tokens up
+  front, so a step writes one column.
+- `SharedPrefixLayer` (`shared`, `attending`): the completions of a group share their prompt, so after the
+  prefill the cache holds the prompt's keys/values once per prompt, (P, H_kv, Lp, D), and each completion's
+  own keys/values in a preallocated buffer, (N, H_kv, T, D). A decode step's query of row n (group g = n //
+  group_size) attends to the concatenation [prompt of g | own tokens of n]: the scores of both segments go
+  through one softmax, as over the concatenated keys, and the output is the sum of the two segments' weighted
+  values. The prompt segment is one matrix product per prompt for all its rows (the rows' queries stacked as
+  the product's rows), so its keys are read once per step instead of once per row; the own segment is one
+  batched product per row, as before. Scores and softmax are computed in fp32 over fp32 copies of the
+  keys/values (bf16 values held exactly), as the CPU's fused attention kernel does internally, and the output
+  is returned in the query's dtype: the same values as scaled_dot_product_attention over the repeated cache up
+  to summation order (tests/units/test_shared_prefix.py). While `attending(configs, cache)` is active the
+  model's attention implementation is "forge_shared_prefix", whose function finds its layer's prompt through
+  the active cache; it is registered with transformers' AttentionInterface. The decode plan
+  (forge/model/decode_plan.py) uses it when a group's prompt is shared, no tool results are fed, and the
+  model's attention is plain full attention (`shared_attention_configs`).
+
+Also the one place that speaks transformers' cache argument by the name this version knows (`CACHE_ARG`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
+from collections.abc import Iterator
 
 import torch
 from transformers import LlamaForCausalLM
@@ -121,3 +141,192 @@ def grow(cache, needed: int) -> None:
             new[:, :, :layer.length] = old[:, :, :layer.length]
             setattr(layer, name, new)
         layer._expose()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Each group's prompt once: the cache layer and the attention that reads it
+
+try:
+    from transformers import AttentionInterface
+except ImportError:  # older transformers: no attention registry; the decode repeats prompts
+    AttentionInterface = None
+
+NAME = "forge_shared_prefix"
+_active: contextvars.ContextVar = contextvars.ContextVar("forge_shared_prefix_cache", default=None)
+
+
+class SharedPrefixLayer(DynamicLayer or object):
+    """One layer's cache: the prompt once per group, each row's own keys/values after it.
+
+    prompt_keys (P, H_kv, Lp, D) and prompt_bias (P, 1, 1, Lp) (0 on real prompt tokens, -inf on left padding)
+    stay as they are for the whole generation; `own` (a PreallocatedLayer, fp32) holds
+    each row's own keys/values, (N, H_kv, capacity, D), written one column per step; rows (n,) is the original
+    row of each row still decoding (its group: rows // group_size).
+    """
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        group_size: int,
+        capacity: int,
+    ):
+        super().__init__()
+        prompts, heads, length, dim = keys.shape
+        self.prompt_keys = keys.float()  # (P, H_kv, Lp, D)
+        self.prompt_values = values.float()  # (P, H_kv, Lp, Dv)
+        self.prompt_bias = torch.zeros(prompts, 1, 1, length, device=keys.device)  # (P, 1, 1, Lp)
+        self.prompt_bias.masked_fill_(~prompt_mask.bool().to(keys.device)[:, None, None, :], float("-inf"))
+        rows = prompts * group_size
+        # (N, H_kv, capacity, D): each row's own tokens, written in place
+        self.own = PreallocatedLayer(self.prompt_keys.new_empty(rows, heads, 0, dim),
+                                     self.prompt_values.new_empty(rows, heads, 0, values.shape[-1]),
+                                     capacity)
+        self.rows = torch.arange(rows, device=keys.device)  # (n,)
+        self.group_size, self.prompt_length = group_size, length
+        self.dtype = keys.dtype
+        self.device, self.is_initialized = keys.device, True
+        self.keys, self.values = self.own.keys, self.own.values  # (n, H_kv, t, D) views
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Write the step's column (n, H_kv, 1, D) after the own tokens; return the own keys/values so far."""
+        self.keys, self.values = self.own.update(key_states, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.prompt_length + self.own.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.prompt_length + self.own.length + query_length, 0
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.own.batch_select_indices(indices)
+        self.keys, self.values = self.own.keys, self.own.values
+        self.rows = self.rows[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("a shared-prefix cache holds its groups already")
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query (n, H, 1, D) of the rows decoding -> (n, 1, H, Dv): attention
+        over [own prompt | own tokens]."""
+        n, heads, _, dim = query.shape
+        prompts, kv_heads, length, _ = self.prompt_keys.shape
+        per_kv, group = heads // kv_heads, self.group_size
+        q = query.float().reshape(n, kv_heads, per_kv, dim)  # (n, H_kv, R, D): a key head's R query heads
+        own = torch.matmul(q, self.keys.transpose(-1, -2)) * scaling  # (n, H_kv, R, t)
+        slots = (
+            q
+            if n == prompts * group
+            else q.new_zeros(prompts * group, kv_heads, per_kv, dim).index_copy_(0, self.rows, q)
+        )  # (N, H_kv, R, D): the rows in their group's slots
+        stacked = (
+            slots.view(prompts, group, kv_heads, per_kv, dim)
+            .transpose(1, 2)
+            .reshape(prompts, kv_heads, group * per_kv, dim)
+        )  # (P, H_kv, G R, D)
+        prompt = torch.matmul(stacked, self.prompt_keys.transpose(-1, -2)) * scaling  # (P, H_kv, G R, Lp)
+        prompt = (prompt + self.prompt_bias).view(prompts, kv_heads, group, per_kv, length).transpose(1, 2)
+        prompt = prompt.reshape(prompts * group, kv_heads, per_kv, length)  # (N, H_kv, R, Lp)
+        if n != prompts * group:
+            prompt = prompt.index_select(0, self.rows)  # (n, H_kv, R, Lp)
+        weights = torch.softmax(torch.cat([prompt, own], dim=-1), dim=-1)  # (n, H_kv, R, Lp + t)
+        out = torch.matmul(weights[..., length:], self.values)  # (n, H_kv, R, Dv)
+        prompt_weights = weights[..., :length]  # (n, H_kv, R, Lp)
+        if n != prompts * group:
+            prompt_weights = prompt_weights.new_zeros(prompts * group, kv_heads, per_kv, length).index_copy_(
+                0, self.rows, prompt_weights
+            )
+        prompt_weights = (
+            prompt_weights.reshape(prompts, group, kv_heads, per_kv, length)
+            .transpose(1, 2)
+            .reshape(prompts, kv_heads, group * per_kv, length)
+        )  # (P, H_kv, G R, Lp)
+        from_prompt = torch.matmul(prompt_weights, self.prompt_values)  # (P, H_kv, G R, Dv)
+        from_prompt = (
+            from_prompt.view(prompts, kv_heads, group, per_kv, -1)
+            .transpose(1, 2)
+            .reshape(prompts * group, kv_heads, per_kv, -1)
+        )  # (N, H_kv, R, Dv)
+        if n != prompts * group:
+            from_prompt = from_prompt.index_select(0, self.rows)
+        out = (out + from_prompt).reshape(n, heads, -1)  # (n, H, Dv)
+        return out.to(query.dtype)[:, None]  # (n, 1, H, Dv)
+
+
+def _attention(
+    module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs
+):
+    """transformers' attention-function signature: the active cache's layer attends for a one-token query."""
+    cache = _active.get()
+    if cache is None or query.shape[2] != 1:
+        raise RuntimeError(f"attention implementation {NAME!r} is for Forge's decode steps only")
+    if any(kwargs.get(name) is not None for name in ("softcap", "sliding_window", "s_aux", "sinks")):
+        raise RuntimeError(
+            f"{type(module).__name__} attends with {sorted(k for k in kwargs if kwargs[k] is not None)}, "
+            "which the shared-prompt decode does not implement; generate with share_prompt_prefix=False"
+        )
+    scaling = module.scaling if scaling is None else scaling
+    with torch.autocast(query.device.type, enabled=False):
+        return cache.layers[module.layer_idx].attend(query, scaling), None
+
+
+if AttentionInterface is not None:
+    AttentionInterface.register(NAME, _attention)
+
+
+def shared_attention_configs(model) -> tuple:
+    """The configs the model's attention modules read their implementation from (one object for most
+    models), where its decode can attend over a shared prompt: sdpa or eager full attention, no logit
+    soft-capping, every attention module knowing its layer; () where it cannot."""
+    configs = {
+        id(m.config): m.config
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and hasattr(m, "scaling") and hasattr(m, "config")
+    }
+    if AttentionInterface is None or not configs or any(
+        getattr(c, "_attn_implementation", None) not in ("sdpa", "eager")
+        or getattr(c, "attn_logit_softcapping", None)
+        for c in configs.values()
+    ):
+        return ()
+    return tuple(configs.values())
+
+
+def holds_full_attention(cache) -> bool:
+    """Whether a prefilled cache is DynamicLayers of full attention (a sliding window has its own layer
+    type)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+
+
+def is_shared(cache) -> bool:
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and isinstance(layers[0], SharedPrefixLayer)
+
+
+def shared(cache, prompt_mask: torch.Tensor, group_size: int, capacity: int):
+    """The prefilled cache of P prompts as SharedPrefixLayers for P * group_size rows with `capacity` new
+    tokens."""
+    cache.layers = [
+        SharedPrefixLayer(layer.keys, layer.values, prompt_mask, group_size, capacity)
+        for layer in cache.layers
+    ]
+    return cache
+
+
+@contextlib.contextmanager
+def attending(configs: tuple, cache) -> Iterator[None]:
+    """While inside, the attention of the model whose `shared_attention_configs` these are reads `cache`'s
+    shared prompts (the configs name NAME)."""
+    before = [c._attn_implementation for c in configs]
+    token = _active.set(cache)
+    for config in configs:
+        config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        for config, implementation in zip(configs, before):
+            config._attn_implementation = implementation
+        _active.reset(token)

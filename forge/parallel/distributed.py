@@ -178,7 +178,7 @@ class DataParallel:
     def combined(self, stats: Any) -> Any:
         """A per-rank statistics dataclass combined over the ranks, each field as its metadata says
         (`over_ranks`): "cat" a list of tensors into one tensor in rank order, "sum" a number over the ranks,
-        "max" the largest; a dict field combines each of its values so (forge/run/metrics.py)."""
+        "max" the largest; a dict field combines each of its values so (forge/run/step_stats.py)."""
         values = {}
         for f in dataclasses.fields(stats):
             how, value = f.metadata.get("over_ranks"), getattr(stats, f.name)

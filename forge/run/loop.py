@@ -43,9 +43,9 @@ from forge.run.lifecycle import (
     TrainingInterrupted,
     claim_output_dir,
 )
-from forge.run.metrics import warn_if_mostly_flat, warn_if_tools_unused
 from forge.run.optim import make_scheduler
 from forge.run.rng import capture_rng_state, seed_everything
+from forge.run.step_stats import warn_if_mostly_flat, warn_if_tools_unused
 
 
 class StepFailed(RuntimeError):

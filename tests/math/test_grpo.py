@@ -18,8 +18,8 @@ from forge.core.grpo import (
     group_reward_std,
     k3_kl,
     masked_mean,
-    token_logprobs_from_logits,
 )
+from forge.core.logprobs import token_logprobs_from_logits
 
 LOSS_TYPES = sorted(LOSS_AGGREGATIONS)  # bnpo, dapo, dr_grpo, grpo
 LN2 = math.log(2.0)

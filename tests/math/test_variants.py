@@ -20,9 +20,9 @@ from forge.core.grpo import (
     logprob_gap,
     multi_reward_advantages,
     rollout_importance_weights,
-    token_logprobs_from_logits,
     weighted_reward_sum,
 )
+from forge.core.logprobs import token_logprobs_from_logits
 
 LN = math.log
 

@@ -16,7 +16,7 @@ from forge import GRPOConfig, GRPOTrainer
 from forge.core.batch import Batch
 from forge.core.grpo import LossNormaliser
 from forge.core.rollout_worker import RolloutWorkerError, needed_version
-from forge.run import metrics as step_metrics
+from forge.run import step_stats
 
 ROWS = [{"prompt": f"{i} {i + 1} {i + 2}"} for i in range(8)]
 
@@ -100,7 +100,7 @@ def test_a_stale_rollouts_ratio_is_taken_against_its_samplers_logprobs(tmp_path,
         batch.loss_indices = [indices]
         batch.old_logprobs = [trainer.old_logprobs(rollout, indices)]
         batch.ref_logprobs = [None]
-        totals = step_metrics.UpdateTotals()
+        totals = step_stats.UpdateTotals()
         normaliser = LossNormaliser.count(batch.loss_mask, config.max_new_tokens)
         trainer.loss_and_backward(batch, 0, indices, normaliser, totals)
         return totals.as_metrics(), batch.old_logprobs[0]

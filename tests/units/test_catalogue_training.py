@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from forge import GRPOConfig, GRPOTrainer
-from forge.core.grpo import token_logprobs_from_logits
+from forge.core.logprobs import token_logprobs_from_logits
 from forge.core.logprobs import completion_logprobs
 from forge.core.rollout import SamplingSettings, generate
 

@@ -17,7 +17,7 @@ from forge.core.grpo import LossSettings, grpo_loss
 from forge.core.logprobs import TeacherStates, completion_logprobs, completion_states
 from forge.core.teacher import TEACHER_ADAPTER, rollout_states
 from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
-from forge.run.metrics import RolloutStats, distill_metrics, step_metrics
+from forge.run.step_stats import RolloutStats, distill_metrics, step_metrics
 
 STUDENT = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])  # (B=2, T=2) log p_student of the sampled tokens
 TEACHER = torch.tensor([[-0.5, -2.5], [-1.0, -3.0]])  # (B, T) log p_teacher of the same tokens

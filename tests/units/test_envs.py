@@ -294,7 +294,7 @@ def test_an_environment_that_never_answers_samples_what_a_plain_run_samples(tiny
     assert torch.equal(with_env.completion_mask, plain.completion_mask[:, :width])
     assert torch.equal(with_env.completion_ids[mask[:, :width]], plain.completion_ids[mask])
     # the plain decode attends over each group's prompt stored once, the environment's over the prompt repeated
-    # per row (forge/model/shared_prefix.py): the same values up to the order of fp32 sums
+    # per row (forge/model/kv_cache.py): the same values up to the order of fp32 sums
     torch.testing.assert_close(with_env.sampler_logprobs[:, :width], plain.sampler_logprobs[:, :width],
                                atol=1e-5, rtol=0)
 

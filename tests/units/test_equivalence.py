@@ -284,7 +284,7 @@ def test_the_batch_exercises_what_it_claims(tiny_tokenizer):
 
 
 def test_preallocated_decode_cache_samples_the_same_tokens(monkeypatch, tiny_model, tiny_tokenizer):
-    import forge.core.rollout as rollout_module
+    import forge.model.decode_plan as decode_plan_module
     from forge.core.rollout import SamplingSettings, generate
 
     # +3 on the EOS logit: rows of one group stop at different steps, so finished rows leave the cache
@@ -295,7 +295,7 @@ def test_preallocated_decode_cache_samples_the_same_tokens(monkeypatch, tiny_mod
     results = {}
     for preallocate in (True, False):
         if not preallocate:
-            monkeypatch.setattr(rollout_module, "preallocated",  # the growing cache, repeated for the groups
+            monkeypatch.setattr(decode_plan_module, "preallocated",  # the growing cache, repeated for the groups
                                 lambda cache, capacity, repeats=1: cache.batch_repeat_interleave(repeats) or cache)
         for share in (True, False):
             torch.manual_seed(5)

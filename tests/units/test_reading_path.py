@@ -20,7 +20,7 @@ def load_bench():
 def test_no_function_on_the_step_path_is_over_60_lines():
     bench = load_bench()
     with tempfile.TemporaryDirectory() as output_dir:
-        path = bench.reading_path(bench.record_step(bench.plain_lora_trainer(output_dir), bench.ROWS))
+        path = bench.reading_path(bench.record_step(bench.plain_lora_trainer(output_dir), bench.ROWS).codes)
     names = {f.name for f in path}
     assert {"GRPOTrainer.step", "grpo_loss", "decode", "score_batch"} <= names  # the hook saw the step
     over = [f"{f.file} {f.name} ({f.lines} lines)" for f in path if f.lines > 60]

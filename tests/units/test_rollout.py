@@ -463,7 +463,8 @@ def test_generation_prefill_gathers_the_last_position_the_loss_pass_slices(tiny_
     """Generation's prefill keeps the last position by index (LAST_POSITION: one contiguous row into the output
     layer), the loss pass by slice (logits_to_keep=1): both give the last position's logits, with and without a
     shared template prefix."""
-    from forge.core.rollout import LAST_POSITION, padded_positions, prefill
+    from forge.model.decode_plan import padded_positions, prefill
+    from forge.model.kv_cache import LAST_POSITION
 
     template = "You are a math reasoning assistant. Solve the problem step by step. Problem: "
     tiny_model.eval()
@@ -481,7 +482,8 @@ def test_generation_prefill_gathers_the_last_position_the_loss_pass_slices(tiny_
 def test_shared_template_prefix_is_computed_once_and_changes_nothing(tiny_model, tiny_tokenizer):
     """Prompts built from one long template: the common prefix is laid out first and computed once;
     greedy ids and log-probs (values and gradients) equal the one-prompt-at-a-time computation."""
-    from forge.core.rollout import MIN_SHARED_PREFIX, tokenize_prompts
+    from forge.core.rollout import tokenize_prompts
+    from forge.model.decode_plan import MIN_SHARED_PREFIX
 
     template = "You are a math reasoning assistant. Solve the problem step by step. Problem: "
     prompts = [template + "What is 12 + 7?", template + "Tom has 5 apples and buys 3 more?"]

@@ -1,4 +1,4 @@
-"""The decode's shared-prompt attention (forge/model/shared_prefix.py) against torch's own attention over the
+"""The decode's shared-prompt attention (forge/model/kv_cache.py) against torch's own attention over the
 repeated cache, and the decode loop with it against the decode loop that repeats each prompt per row."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from forge.core import rollout as rollout_module
 from forge.core.rollout import SamplingSettings, generate
-from forge.model import shared_prefix
-from forge.model.shared_prefix import SharedPrefixLayer
-from forge.model.static_decode import DecodePlan
+from forge.model import kv_cache
+from forge.model.kv_cache import SharedPrefixLayer
+from forge.model.decode_plan import DecodePlan
 
 
 def reference_attention(
@@ -106,7 +106,7 @@ def test_decode_with_the_shared_prompt_equals_the_repeated_prompt(
     calls = counting_attend(monkeypatch)
     shared = generate(tiny_model, tiny_tokenizer, PROMPTS, 3, settings, noise=noise)
     assert calls and calls[0] == len(PROMPTS) * 3  # every decode step attended over the shared prompts
-    assert tiny_model.config._attn_implementation != shared_prefix.NAME  # the model's attention is given back
+    assert tiny_model.config._attn_implementation != kv_cache.NAME  # the model's attention is given back
     repeated = generate(tiny_model, tiny_tokenizer, PROMPTS, 3, settings, noise=noise, plan=REPEATED)
     assert torch.equal(shared.completion_ids, repeated.completion_ids)
     assert torch.equal(shared.completion_mask, repeated.completion_mask)

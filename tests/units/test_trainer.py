@@ -18,6 +18,7 @@ import torch
 from completion_masks import completion_mask_from_ids
 from safetensors.torch import load_file
 
+import forge.core.logprobs as logprobs_module
 import forge.core.trainer as trainer_module
 from forge import ExactMatchReward, GRPOConfig, GRPOTrainer
 from forge.core.logprobs import completion_logprobs
@@ -255,7 +256,7 @@ def test_several_updates_per_rollout_compute_pi_old_once(tmp_path, monkeypatch, 
                          learning_rate=5e-2, micro_batch_size=2)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, vowel_count, config)
     old_results, logprob_calls = [], [0]
-    real_old, real_logprobs = trainer.old_logprobs, trainer_module.completion_logprobs
+    real_old, real_logprobs = trainer.old_logprobs, logprobs_module.completion_logprobs
 
     def spy_old(rollout, indices=None):
         old_results.append((real_old(rollout, indices), rollout.completion_ids.shape))
@@ -266,7 +267,7 @@ def test_several_updates_per_rollout_compute_pi_old_once(tmp_path, monkeypatch, 
         return real_logprobs(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "old_logprobs", spy_old)
-    monkeypatch.setattr(trainer_module, "completion_logprobs", spy_logprobs)
+    monkeypatch.setattr(logprobs_module, "completion_logprobs", spy_logprobs)
     optimizer_steps = count_optimizer_steps(trainer)
     trainer.train([{"prompt": "the a an is"}, {"prompt": "What is 12 + 7?"}])
 
@@ -284,13 +285,13 @@ def test_several_updates_per_rollout_compute_pi_old_once(tmp_path, monkeypatch, 
 
 def test_one_update_per_rollout_needs_no_pi_old_forward(tmp_path, monkeypatch, tiny_model, tiny_tokenizer):
     calls = [0]
-    real_logprobs = trainer_module.completion_logprobs
+    real_logprobs = logprobs_module.completion_logprobs
 
     def spy_logprobs(*args, **kwargs):
         calls[0] += 1
         return real_logprobs(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "completion_logprobs", spy_logprobs)
+    monkeypatch.setattr(logprobs_module, "completion_logprobs", spy_logprobs)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, alternating, fast_config(tmp_path, kl_beta=0.0, max_steps=2))
     optimizer_steps = count_optimizer_steps(trainer)
     trainer.train(ROWS)

@@ -1,11 +1,21 @@
-"""The decode step of generation: eager (the reference), or compiled over a static KV cache
-(`generation_backend`).
+"""How generation runs on one model: the decode loop's one seam, `DecodePlan`.
 
-`decoder(model, cache, plan)` gives the step the decode loop (forge/core/rollout.py `generate`) calls once per
-token: `step(tokens (n,), mask (n, L), positions (n,)) -> next-token logits (n, V)`, plus the cache the loop
-drops finished rows from.
+The decode loop (forge/core/rollout.py `decode`) asks the plan for three things and reads nothing else:
 
-- `eager`: the model's forward over Forge's preallocated cache (forge/model/kv_cache.py), the reference path.
+- `plan.sampling_weights(model)`: the weights as the loop multiplies with them (linear layers packed once per
+  generation where that measured faster, forge/model/packed_linear.py);
+- `plan.prefill(model, prompt_ids, prompt_mask, group_size, max_new_tokens)`: the prompts run through the
+  model (once per group, and a chat template every prompt starts with once for all), giving the first
+  next-token logits and the decode step;
+- `step(tokens (n,), mask (n, L), positions (n,)) -> next-token logits (n, V)` once per token, and
+  `step.keep(rows)` when completions finish and leave the batch.
+
+What the plan decides once, when a trainer is built (or a `generate` call is given none), under the autocast
+generation runs in: the decode step, `generation_backend`:
+
+- `eager`: the model's forward over Forge's cache written in place (forge/model/kv_cache.py), the reference
+  path; where the model's attention allows it, the cache holds each group's prompt once and a step's attention
+  reads it once for all the group's rows (kv_cache.SharedPrefixLayer); SDPA with grouped heads gets a 4D mask.
 - `compiled`: transformers' StaticCache, whose shapes never change, and one `torch.compile`d forward per
   (batch, capacity) bucket: the batch rounded up to a power of two (rows that finished stay in their slot
   until the live rows fit half the bucket, then the cache is compacted), the capacity
@@ -17,7 +27,8 @@ drops finished rows from.
   where nothing was measured. The choice and its reason are logged once.
 
 The compiled step differs from the eager one by floating-point summation order only (the same weights, the
-same masked attention), so greedy tokens agree but for near-ties (tests/units/test_static_decode.py).
+same masked attention), so greedy tokens agree but for near-ties (tests/units/test_decode_plan.py). The
+plain reading of generation needs none of this room: forge/nano.py decodes with the model's own cache.
 """
 
 from __future__ import annotations
@@ -30,10 +41,20 @@ from dataclasses import dataclass
 import torch
 
 from forge.logging.logger import note
-from forge.model.kv_cache import CACHE_ARG, grow
-from forge.model.packed_linear import may_pack
+from forge.model.kv_cache import (
+    CACHE_ARG,
+    LAST_POSITION,
+    attending,
+    grow,
+    holds_full_attention,
+    is_shared,
+    preallocated,
+    returned_cache,
+    shared,
+    shared_attention_configs,
+)
+from forge.model.packed_linear import may_pack, packed_linears
 from forge.model.precision import _bf16_units
-from forge.model.shared_prefix import attending, is_shared, shared_attention_configs
 
 BACKENDS = ("eager", "compiled", "auto")
 LENGTH_BUCKET = 64
@@ -80,7 +101,7 @@ class DecodePlan:
     backend: str = "eager"  # the decode step: "eager" or "compiled" ("auto" resolved, resolve_backend)
     pack: bool = False  # linear layers on weights packed once per generation (forge/model/packed_linear.py)
     shared_prompt: tuple = ()  # the attention configs a decode over each group's prompt once switches (the
-    # model's attention allows it, forge/model/shared_prefix.py); () = each row's own copy of its prompt
+    # model's attention allows it, forge/model/kv_cache.py); () = each row's own copy of its prompt
     grouped_mask: bool = False  # the repeated-prompt step passes a 4D mask (_sdpa_with_grouped_heads)
 
     @classmethod
@@ -93,31 +114,116 @@ class DecodePlan:
         shared = shared_attention_configs(model) if eager and not with_tools else ()
         return cls(backend, eager and may_pack(model), shared, _sdpa_with_grouped_heads(model))
 
+    def sampling_weights(self, model) -> contextlib.AbstractContextManager:
+        """The weights as the decode multiplies with them: linear layers packed for the generation, or as
+        they are."""
+        return packed_linears(model) if self.pack else contextlib.nullcontext()
 
-def decoder(model, cache, plan: DecodePlan):
-    """(cache, step): the cache the loop selects rows of (`cache.batch_select_indices(keep)`) and the decode
-    step."""
-    layers = getattr(cache, "layers", None)
-    # only Forge's preallocated cache says its capacity
-    if plan.backend == "eager" or not layers or not all(hasattr(layer, "key_buffer") for layer in layers):
-        return cache, _eager_step(model, cache, plan)
-    static = StaticDecoder(model, cache)
-    return static, static
+    def prefill(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+                max_new_tokens: int, share_prompt_prefix: bool = True):
+        """Prefill P prompts (P, Lp) for P * group_size completions: (the decode step, next-token logits
+        (N, V), the attention mask (N, Lp)). The prompt runs once and its cache serves its group
+        (share_prompt_prefix), or runs once per completion."""
+        cache, next_logits, mask = prefill_groups(model, prompt_ids, prompt_mask, group_size,
+                                                  share_prompt_prefix, max_new_tokens,
+                                                  attend_shared=bool(self.shared_prompt))
+        return self.decode_step(model, cache), next_logits, mask
+
+    def decode_step(self, model, cache) -> EagerStep | StaticDecoder:
+        """The step over a prefilled cache: the compiled one where the plan says so and the cache is Forge's
+        preallocated one (only it says its capacity), else the eager one."""
+        layers = getattr(cache, "layers", None)
+        if self.backend == "eager" or not layers or not all(hasattr(layer, "key_buffer") for layer in layers):
+            return EagerStep(model, cache, self)
+        return StaticDecoder(model, cache)
 
 
-def _eager_step(model, cache, plan: DecodePlan) -> Callable:
-    configs = plan.shared_prompt if is_shared(cache) else ()
-    attention = (lambda: attending(configs, cache)) if configs else contextlib.nullcontext
-    as_4d = not configs and plan.grouped_mask
+class EagerStep:
+    """The eager decode step: the model's forward over the prefilled cache, one token per live row."""
 
-    def step(tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        grow(cache, mask.shape[1])
-        with attention():  # a cache that holds each group's prompt once is read by its own attention
-            out = model(input_ids=tokens[:, None],
-                        attention_mask=mask[:, None, None].bool() if as_4d else mask,
-                        position_ids=positions[:, None], use_cache=True, **{CACHE_ARG: cache})
+    def __init__(self, model, cache, plan: DecodePlan):
+        self.model, self.cache = model, cache
+        self.shared_prompt = plan.shared_prompt if is_shared(cache) else ()
+        self.as_4d = not self.shared_prompt and plan.grouped_mask
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep the live rows `rows` (indices into the current live rows)."""
+        self.cache.batch_select_indices(rows)
+
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens (n,), mask (n, L), positions (n,) of the live rows -> their next-token logits (n, V)."""
+        grow(self.cache, mask.shape[1])
+        # a cache that holds each group's prompt once is read by its own attention
+        with attending(self.shared_prompt, self.cache) if self.shared_prompt else contextlib.nullcontext():
+            out = self.model(input_ids=tokens[:, None],
+                             attention_mask=mask[:, None, None].bool() if self.as_4d else mask,
+                             position_ids=positions[:, None], use_cache=True, **{CACHE_ARG: self.cache})
         return out.logits[:, -1]  # (n, V)
-    return step
+
+
+# ----------------------------------------------------------------------------------------------------
+# The prefill: prompts through the model once per group, a shared template once for all
+
+MIN_SHARED_PREFIX = 8  # below this many tokens, a separate prefix pass costs more than it saves
+
+
+def padded_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: (n, L) -> (n, L)."""
+    return (mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def prefill(model, ids: torch.Tensor, mask: torch.Tensor, share_template: bool = True,
+            last_position: int | torch.Tensor = 1):
+    """Run prompts (n, L) through the model; return (cache, logits of the last position (n, V)).
+    last_position: the model's logits_to_keep; generation passes LAST_POSITION, the loss pass the slice (1).
+
+    Leading columns that are the same real token in every row (a chat template every prompt starts with) are
+    computed once and their cache expanded to all rows; gradients, when enabled, flow back through the
+    expansion. That takes a second forward only for some batches; share_template=False always runs one (a
+    sharded model needs the same number of forwards on every rank).
+    """
+    same = (ids == ids[:1]).all(dim=0) & mask.bool().all(dim=0)  # (L,)
+    template = int(same.long().cumprod(0).sum()) if ids.shape[0] > 1 else 0
+    template = min(template, ids.shape[1] - 1)
+    if template < MIN_SHARED_PREFIX or not share_template:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), use_cache=True,
+                    logits_to_keep=last_position)
+        return returned_cache(out), out.logits[:, -1]
+    prefix = model(input_ids=ids[:1, :template], attention_mask=mask[:1, :template], use_cache=True,
+                   logits_to_keep=last_position)
+    cache = returned_cache(prefix)
+    cache.batch_repeat_interleave(ids.shape[0])
+    out = model(input_ids=ids[:, template:], attention_mask=mask,
+                position_ids=padded_positions(mask)[:, template:], use_cache=True,
+                logits_to_keep=last_position, **{CACHE_ARG: cache})
+    return returned_cache(out), out.logits[:, -1]
+
+
+def prefill_groups(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+                   share_prompt_prefix: bool, max_new_tokens: int, attend_shared: bool = False):
+    """Prefill P prompts (P, Lp) for P * group_size completions, ready to decode: the prompt runs once and its
+    cache is expanded to the group (share_prompt_prefix), or runs once per completion. attend_shared (the
+    model's attention allows it, DecodePlan.shared_prompt): keep the prompt's cache once per group, for decode
+    steps that attend over it (forge/model/kv_cache.py SharedPrefixLayer).
+    Returns (a cache with room for max_new_tokens more, next-token logits (N, V), the attention mask
+    (N, Lp))."""
+    device = next(model.parameters()).device
+    ids, mask = prompt_ids.to(device), prompt_mask.to(device)  # (P, Lp)
+    if not share_prompt_prefix:
+        ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)  # (N, Lp)
+    cache, next_logits = prefill(model, ids, mask, last_position=LAST_POSITION)  # (P or N, V)
+    if not share_prompt_prefix:
+        return preallocated(cache, mask.shape[1] + max_new_tokens), next_logits, mask  # the cache: N rows
+    next_logits = next_logits.repeat_interleave(group_size, 0)  # (N, V)
+    rows_mask = mask.repeat_interleave(group_size, 0)  # (N, Lp)
+    if attend_shared and holds_full_attention(cache):
+        cache = shared(cache, mask, group_size, max_new_tokens)  # the prompt P rows, the rest N
+        return cache, next_logits, rows_mask
+    return preallocated(cache, mask.shape[1] + max_new_tokens, group_size), next_logits, rows_mask  # N rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# The compiled step over a static cache
 
 
 def _sdpa_with_grouped_heads(model) -> bool:
@@ -199,10 +305,10 @@ class StaticDecoder:
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # (B, 1)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # (B, 1)
 
-    def batch_select_indices(self, keep: torch.Tensor) -> None:
-        """Keep the live rows `keep` (indices into the current live rows); compact when they fit half the
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep the live rows `rows` (indices into the current live rows); compact when they fit half the
         bucket."""
-        self.slots = self.slots[keep.to(self.device)]
+        self.slots = self.slots[rows.to(self.device)]
         if self.batch > 1 and len(self.slots) <= self.batch // 2:
             contents = [(layer.keys[self.slots], layer.values[self.slots]) for layer in self.static.layers]
             old_mask = self.mask[self.slots]

@@ -1,4 +1,4 @@
-"""The compiled static-cache decode step (forge/model/static_decode.py) against the eager reference on the tiny model.
+"""The compiled static-cache decode step (forge/model/decode_plan.py) against the eager reference on the tiny model.
 
 Both run the same weights on the same tokens; they differ only in floating-point summation order (compiled C++
 kernels, attention over the masked static capacity instead of the filled length). In fp32 that moves a
@@ -11,9 +11,9 @@ import torch
 
 from forge import GRPOConfig
 from forge.core.rollout import SamplingSettings, generate
-from forge.model import static_decode
+from forge.model import decode_plan
 from forge.model.kv_cache import preallocated, returned_cache
-from forge.model.static_decode import DecodePlan, resolve_backend
+from forge.model.decode_plan import DecodePlan, resolve_backend
 
 PROMPTS = ["What is 2 + 3?", "Name a color:", "Count to five:"]
 
@@ -28,8 +28,8 @@ def _rollout(model, tokenizer, backend: str, do_sample: bool):
 @pytest.mark.slow
 def test_compiled_decode_gives_the_eager_tokens_and_logprobs(tiny_model, tiny_tokenizer, monkeypatch):
     tiny_model.eval()
-    steps, real_call = [], static_decode.StaticDecoder.__call__
-    monkeypatch.setattr(static_decode.StaticDecoder, "__call__", lambda self, *a: steps.append(self.batch) or
+    steps, real_call = [], decode_plan.StaticDecoder.__call__
+    monkeypatch.setattr(decode_plan.StaticDecoder, "__call__", lambda self, *a: steps.append(self.batch) or
                         real_call(self, *a))
     # a sixth of the vocabulary ends a row: the random model's rows end at different steps
     tiny_model.generation_config.eos_token_id = [tiny_tokenizer.eos_token_id, *range(10, 10 + len(tiny_tokenizer) // 6)]
@@ -48,19 +48,19 @@ def test_static_decoder_compacts_to_the_live_rows_and_steps_like_eager(tiny_mode
     """Rows leave; when the live ones fit half the bucket the static cache shrinks to the next power of two, keeping
     each live row's keys, and the next step's logits are the eager step's. The forward runs uncompiled here (the
     compile is the slow test's)."""
-    monkeypatch.setattr(static_decode, "_compiled_forward", lambda device_type: static_decode._forward)
+    monkeypatch.setattr(decode_plan, "_compiled_forward", lambda device_type: decode_plan._forward)
     tiny_model.eval()
     ids = torch.randint(3, len(tiny_tokenizer), (6, 5), generator=torch.Generator().manual_seed(0))
     mask, keep = torch.ones(6, 6, dtype=torch.long), torch.tensor([1, 4, 5])
     tokens, positions = torch.tensor([7, 8, 9]), torch.full((3,), 5)
     with torch.no_grad():
         caches = [preallocated(returned_cache(tiny_model(input_ids=ids, use_cache=True)), 5 + 8) for _ in range(2)]
-        eager_cache, eager_step = static_decode.decoder(tiny_model, caches[0], DecodePlan("eager"))
-        static, step = static_decode.decoder(tiny_model, caches[1], DecodePlan("compiled"))
-        assert static is step and step.batch == 8 and step.capacity == 64
+        eager_step = DecodePlan("eager").decode_step(tiny_model, caches[0])
+        step = DecodePlan("compiled").decode_step(tiny_model, caches[1])
+        assert isinstance(step, decode_plan.StaticDecoder) and step.batch == 8 and step.capacity == 64
         keys_of_row_4 = step.static.layers[0].keys[4, :, :5].clone()
-        static.batch_select_indices(keep)
-        eager_cache.batch_select_indices(keep)
+        step.keep(keep)
+        eager_step.keep(keep)
         assert step.batch == 4 and step.slots.tolist() == [0, 1, 2]  # 3 live rows fit half of 8
         assert torch.equal(step.static.layers[0].keys[1, :, :5], keys_of_row_4)
         torch.testing.assert_close(step(tokens, mask[keep], positions), eager_step(tokens, mask[keep], positions),
@@ -73,9 +73,9 @@ def test_static_decoder_compacts_to_the_live_rows_and_steps_like_eager(tiny_mode
 def test_auto_decodes_eagerly_unless_measured_faster(monkeypatch, units, measured, measured_fp32):
     """Whatever CPU runs the test, each kind gets the decision measured on that kind, and its note names it."""
     notes = []
-    monkeypatch.setattr(static_decode, "note", notes.append)
-    monkeypatch.setattr(static_decode, "_announced", set())
-    monkeypatch.setattr(static_decode, "_bf16_units", lambda: units)
+    monkeypatch.setattr(decode_plan, "note", notes.append)
+    monkeypatch.setattr(decode_plan, "_announced", set())
+    monkeypatch.setattr(decode_plan, "_bf16_units", lambda: units)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert resolve_backend("auto", "cpu") == "eager"
     assert resolve_backend("auto", "cpu") == "eager"  # fp32
@@ -87,8 +87,8 @@ def test_auto_decodes_eagerly_unless_measured_faster(monkeypatch, units, measure
         assert measured_fp32 in notes[1] and "fp32" in notes[1]
     else:
         assert "not measured on cpu float32" in notes[1]
-    monkeypatch.setitem(static_decode.GENERATION_BACKEND_MEASURED, ("cpu", torch.float32, units), ("compiled", "test"))
-    monkeypatch.setattr(static_decode, "_announced", set())
+    monkeypatch.setitem(decode_plan.GENERATION_BACKEND_MEASURED, ("cpu", torch.float32, units), ("compiled", "test"))
+    monkeypatch.setattr(decode_plan, "_announced", set())
     assert resolve_backend("auto", "cpu") == "compiled"
     assert resolve_backend("eager", "cpu") == "eager"
     with pytest.raises(ValueError, match="generation_backend='fast'"):
@@ -105,8 +105,8 @@ def test_a_trainer_decides_how_it_decodes_once_and_its_steps_use_that_plan(tiny_
     from forge.core import trainer as trainer_module
 
     resolved, plans = [], []
-    real_resolve, real_generate = static_decode.resolve_backend, trainer_module.generate
-    monkeypatch.setattr(static_decode, "resolve_backend", lambda *a: resolved.append(a) or real_resolve(*a))
+    real_resolve, real_generate = decode_plan.resolve_backend, trainer_module.generate
+    monkeypatch.setattr(decode_plan, "resolve_backend", lambda *a: resolved.append(a) or real_resolve(*a))
     monkeypatch.setattr(trainer_module, "generate", lambda *a, plan=None, **k: plans.append(plan) or real_generate(
         *a, plan=plan, **k))
     config = GRPOConfig(group_size=2, prompts_per_step=2, gradient_accumulation_steps=1, max_new_tokens=4,
