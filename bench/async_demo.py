@@ -7,7 +7,7 @@
 (the rollout worker on one core, the trainer on the rest), `--pairs` times (A B A B, so drift in the machine's
 speed hits both alike). The two-core bound is each side's one-core seconds a step, summed and halved: the best a
 step can be with both cores always busy. The async run measures both sides on one core each (the worker's
-async/sampler_s; the trainer's step_seconds less async/trainer_wait_s); with --bound, `forge demo --seed S
+async/sampler_s; the trainer's step_time less async/trainer_wait_s); with --bound, `forge demo --seed S
 --threads 1` measures them once more on one thread alone (its generation, and the rest of its step). Each run's folder keeps its demo_result.json and training_log.jsonl; `report`
 prints, for each pair, the end-to-end and training wall seconds, the ratio async / synchronous, the seconds a
 step against the bound, who waited how long (async/trainer_wait_s, async/sampler_idle_s), and the held-out
@@ -61,18 +61,19 @@ def run(args: argparse.Namespace) -> None:
 
 
 def log_rows(command: str) -> list[dict]:
-    """The training rows of a run's training_log.jsonl (its folder under bench/results/async_demo/)."""
+    """The training rows of a run's training_log.jsonl (its folder under bench/results/async_demo/); a log written
+    before step_time took TRL's name has step_seconds."""
     folder = RAW / Path(shlex.split(command)[shlex.split(command).index("--output_dir") + 1]).name
-    return [json.loads(line) for line in (folder / "training_log.jsonl").read_text().splitlines()
-            if line.strip() and "reward" in json.loads(line)]
+    rows = [json.loads(line) for line in (folder / "training_log.jsonl").read_text().splitlines() if line.strip()]
+    return [{"step_time": row.get("step_seconds"), **row} for row in rows if "reward" in row]
 
 
 def bound_per_step(one_thread: dict) -> dict:
     """Each side's one-core seconds a step (the one-thread run's generation, and the rest of its step), their
     sum halved: a step when both cores are always busy."""
     rows = log_rows(one_thread["command"])
-    generation = statistics.fmean(r["generation_share"] * r["step_seconds"] for r in rows)
-    rest = statistics.fmean(r["step_seconds"] for r in rows) - generation
+    generation = statistics.fmean(r["generation_share"] * r["step_time"] for r in rows)
+    rest = statistics.fmean(r["step_time"] for r in rows) - generation
     return {"sampling_one_core_s": generation, "learning_one_core_s": rest, "bound_s": (generation + rest) / 2}
 
 
@@ -92,13 +93,13 @@ def report(_: argparse.Namespace) -> None:
             sync = next(r for r in group + seed_group if r.get("pair") == pair and r["kind"] == "sync")
             asyn = next(r for r in group if r.get("pair") == pair and r["kind"] == "async")
             steps = [log_rows(r["command"]) for r in (sync, asyn)]
-            per_step = [statistics.fmean(row["step_seconds"] for row in rows[1:]) for rows in steps]  # step 1: start
+            per_step = [statistics.fmean(row["step_time"] for row in rows[1:]) for rows in steps]  # step 1: start
             waits = {key: sum(row.get(f"async/{key}", 0.0) for row in steps[1])
                      for key in ("trainer_wait_s", "sampler_idle_s", "sampler_s")}
             # each side's one-core seconds a step as the async run measured them (each process on its own core):
             # the worker's sampling, the trainer's step less its wait
             sampling = statistics.fmean(row["async/sampler_s"] for row in steps[1][1:])
-            learning = statistics.fmean(row["step_seconds"] - row["async/trainer_wait_s"] for row in steps[1][1:])
+            learning = statistics.fmean(row["step_time"] - row["async/trainer_wait_s"] for row in steps[1][1:])
             on_cores = {"sampling_one_core_s": sampling, "learning_one_core_s": learning,
                         "bound_s": (sampling + learning) / 2}
             pairs.append({

@@ -124,7 +124,7 @@ def run(model: str, fsdp: bool, work: Path, steps: int, tag: str) -> dict:
     ranks = sorted((json.loads(line) for line in report.read_text().splitlines()), key=lambda r: r["rank"])
     log = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
     return {"fsdp": fsdp, "ranks": ranks, "wall_seconds": time.perf_counter() - started,
-            "step_seconds": [row["step_seconds"] for row in log]}
+            "step_seconds": [row["step_time"] for row in log]}
 
 
 def main() -> None:

@@ -83,8 +83,8 @@ def forge_step(args, tokenizer, backend: str) -> dict:
         if args.device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        generation = metrics["generation_share"] * metrics["step_seconds"]
-        tokens = metrics["completion_length/mean"] * args.prompts * config.group_size
+        generation = metrics["generation_share"] * metrics["step_time"]
+        tokens = metrics["completions/mean_length"] * args.prompts * config.group_size
         results.append({"step_s": seconds, "generation_s": generation, "generated_tokens": tokens,
                         "tokens_per_s": tokens / generation, "peak_gib": peak_memory(args.device),
                         "precision": str(trainer.precision.compute)})

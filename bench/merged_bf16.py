@@ -5,7 +5,7 @@ the adapter path (three matmuls per adapted layer), on the packaged SmolLM2-135M
    case where rounding W + s B A to bf16 loses most of it).
 2. Exactness: samples one rollout of the demo's shape with each variant (the same noise), then computes the
    trainer's log-probs of those tokens (bf16 autocast, adapter path: what the loss sees) and the exact policy's
-   (the same weights in fp32, no autocast). Reports |sampler - trainer| (`sampling/logp_diff_mean/max`, what the
+   (the same weights in fp32, no autocast). Reports |sampler - trainer| (`sampling/sampling_logp_difference/mean`, `/max`, what the
    run logs), |sampler - exact|, the share of adapted weight elements whose update rounds away, and how much of
    the update's effect on the sampled tokens' log-probs (exact trained - exact base) the sampler shows (the slope
    of sampler - exact base on it: 1 = all, 0 = a sampler that lags at the base model).
@@ -62,7 +62,7 @@ def main(steps: int, heldout_size: int, rounds: int) -> None:
     for i in range(steps):
         metrics = trainer.step(rows[per_step * i: per_step * (i + 1)])
         print(f"step {i + 1}: reward {metrics.get('reward', float('nan')):.3f} "
-              f"logp_diff_mean {metrics.get('sampling/logp_diff_mean', float('nan')):.4f}", flush=True)
+              f"logp_diff_mean {metrics.get('sampling/sampling_logp_difference/mean', float('nan')):.4f}", flush=True)
     model, precision = trainer.model, trainer.precision
 
     # 2. exactness: the same noise through each variant

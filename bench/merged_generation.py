@@ -55,9 +55,9 @@ def main(threads: int, steps: int, heldout_size: int) -> None:
         for merge in (SIDES if i % 2 == 0 else SIDES[::-1]):
             cpu0, wall0 = time.process_time(), time.perf_counter()
             metrics = trainers[merge].step(rows[per_step * i: per_step * (i + 1)])
-            tokens = metrics["completion_length/mean"] * per_step * settings.group_size
+            tokens = metrics["completions/mean_length"] * per_step * settings.group_size
             steps_log[merge].append({"cpu": time.process_time() - cpu0, "wall": time.perf_counter() - wall0,
-                                     "generation": metrics["generation_share"] * metrics["step_seconds"],
+                                     "generation": metrics["generation_share"] * metrics["step_time"],
                                      "tokens": tokens})
         print(i, {merge: {k: round(v, 2) for k, v in steps_log[merge][-1].items()} for merge in SIDES}, flush=True)
     evals = {merge: [] for merge in SIDES}

@@ -44,7 +44,7 @@ def main(threads: int, steps: int) -> None:
             metrics = trainers[size].step(rows[per_step * i: per_step * (i + 1)])
             results[size].append({"cpu": time.process_time() - cpu0, "wall": time.perf_counter() - wall0,
                                   "gen": metrics.get("generation_share"), "loss": metrics["loss"],
-                                  "kept": 1 - metrics.get("frac_zero_std_groups", 0)})
+                                  "kept": 1 - metrics.get("frac_reward_zero_std", 0)})
         print(i, {size: {k: round(v, 4) if isinstance(v, float) else v for k, v in results[size][-1].items()}
                   for size in SIZES}, flush=True)
     cpu = {size: sum(r["cpu"] for r in results[size]) for size in SIZES}

@@ -119,7 +119,7 @@ def _train(args: argparse.Namespace, config) -> int:
         None,
         rewards,
         config,
-        evaluator=heldout_metrics,  # eval/strict_accuracy, ...
+        evaluator=heldout_metrics,  # eval_strict_accuracy, ...
         tools=tools,
         environment_factory=environment,
     )
@@ -131,7 +131,7 @@ def _train(args: argparse.Namespace, config) -> int:
             print(
                 f"forge: --eval_dataset {args.eval_dataset}: most references are not numbers the math "
                 "grader reads, so evaluation reports the mean reward of greedy completions under "
-                "--reward (eval/reward)",
+                "--reward (eval_reward)",
                 file=sys.stderr,
             )
     try:

@@ -473,7 +473,7 @@ def async_summary(log_path: Path) -> dict:
              for key in ("trainer_wait_s", "sampler_idle_s", "sampler_s")}
     return {"steps": len(rows), "trainer_wait_s_total": total["trainer_wait_s"],
             "sampler_idle_s_total": total["sampler_idle_s"], "sampler_s_total": total["sampler_s"],
-            "step_seconds_total": sum(row["step_seconds"] for row in rows),
+            "step_seconds_total": sum(row["step_time"] for row in rows),
             "staleness_max": max((row["async/staleness_max"] for row in rows), default=0.0)}
 
 

@@ -17,7 +17,8 @@ import textwrap
 from dataclasses import fields
 
 from forge.core.config import GRPOConfig
-from forge.core.trl_names import TRAINING_ARGUMENTS_FIELDS, TRL_ASYNC_GRPO_FIELDS, TRL_GRPO_FIELDS, classify
+from forge.core.trl_fields import TRAINING_ARGUMENTS_FIELDS, TRL_ASYNC_GRPO_FIELDS, TRL_GRPO_FIELDS
+from forge.core.trl_names import classify
 
 
 def field_docs() -> dict[str, str]:

@@ -81,8 +81,8 @@ class SamplingRounds:
         return chosen
 
     def metrics(self) -> dict:
-        return {"sampling/rounds": float(self.rounds), "sampling/prompts": float(self.prompts),
-                "sampling/groups_with_signal": float(self.taken)}
+        return {"dynamic_sampling/rounds": float(self.rounds), "dynamic_sampling/prompts": float(self.prompts),
+                "dynamic_sampling/groups_with_signal": float(self.taken)}
 
 
 def pool_rows(pool: Sequence[dict], count: int, generator: torch.Generator | None) -> list[dict]:

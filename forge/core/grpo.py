@@ -101,6 +101,8 @@ class LossStats(NamedTuple):
     entropy: torch.Tensor | None = None  # mean token entropy; 0 when grpo_loss was given no entropy
     rollout_is_weight_mean: torch.Tensor | None = None  # mean pi_old / pi_sampler weight; 1 when off
     rollout_is_dropped_frac: torch.Tensor | None = None  # tokens a mask mode set to weight 0
+    clip_frac_low_min: torch.Tensor | None = None  # the smallest clip_frac_low of one completion (with tokens)
+    clip_frac_high_max: torch.Tensor | None = None  # the largest clip_frac_high of one completion
 
 
 def grpo_loss(
@@ -177,6 +179,8 @@ def loss_stats(term: PolicyTerm, ratio: torch.Tensor, kl: torch.Tensor, pg_loss:
     """The loss's statistics (detached): token means over the completion mask."""
     with torch.no_grad():
         low, high = term.clipped_low.to(mask.dtype), term.clipped_high.to(mask.dtype)
+        low, high = (torch.broadcast_to(t, mask.shape) for t in (low, high))  # (B, T): sequence-level too
+        counted = mask.sum(dim=-1) > 0  # (B,) completions with loss tokens
         nothing = torch.zeros((), device=mask.device)
         return LossStats(
             policy_loss=aggregate(pg_loss.detach(), mask, normaliser),
@@ -190,6 +194,8 @@ def loss_stats(term: PolicyTerm, ratio: torch.Tensor, kl: torch.Tensor, pg_loss:
             rollout_is_weight_mean=nothing.add(1.0) if is_weight is None else masked_mean(is_weight, mask),
             rollout_is_dropped_frac=(nothing if is_weight is None
                                      else masked_mean((is_weight == 0).to(mask.dtype), mask)),
+            clip_frac_low_min=masked_mean(low, mask, dim=-1)[counted].min() if counted.any() else nothing,
+            clip_frac_high_max=masked_mean(high, mask, dim=-1)[counted].max() if counted.any() else nothing,
         )
 
 

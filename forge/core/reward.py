@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -118,7 +118,7 @@ class BaseReward(ABC):
         """Score a batch as the trainer does, Forge's way: ``self(prompts, completions, **keywords it
         names)``."""
         return call_with_accepted_kwargs(self, inputs.prompts, inputs.completions,
-                                         inputs.forge_keywords(names_parameter(self, "trainer_state")))
+                                         inputs.forge_keywords(named_extras(self)))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -140,35 +140,49 @@ class RewardInputs:
     tool_calls: list[list[dict]] | None = None  # (N,) each completion's tool calls and results (with tools)
     environments: list | None = None  # (N,) each completion's finished environment instance (forge/envs)
     episodes: list | None = None  # (N,) Forge's record of each episode (forge/envs Episode: turns, rewards)
+    logged: dict[str, list[float]] = field(default_factory=dict)  # name -> the values rewards logged (log_metric)
+    extra: dict[str, list] = field(default_factory=dict)  # column -> (N,) values rewards logged (log_extra)
 
     def select(self, indices: Sequence[int]) -> RewardInputs:
-        """The same inputs for the completions `indices` only."""
+        """The same inputs for the completions `indices` only (what rewards log goes to the same place)."""
         pick = (lambda values: None if values is None else [values[i] for i in indices])
         return RewardInputs(pick(self.prompts), pick(self.completions),
                             {k: pick(v) for k, v in self.columns.items()}, pick(self.completion_ids),
                             self.trainer_state, pick(self.tool_calls), pick(self.environments),
-                            pick(self.episodes))
+                            pick(self.episodes), self.logged, self.extra)
 
-    def forge_keywords(self, with_trainer_state: bool = False) -> dict[str, Any]:
-        """Forge's keywords: the columns (``reference`` as ``references``), ``tool_calls``, and
-        ``trainer_state`` for a reward that names it."""
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric` keyword: a number the step's log shows under `name`, the mean of the values the
+        step's rewards logged under it."""
+        self.logged.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """TRL's `log_extra` keyword: one value per completion of the call, shown with the samples
+        (samples.jsonl) as `column`."""
+        self.extra.setdefault(column, []).extend(values)
+
+    def forge_keywords(self, named: Collection[str] = ()) -> dict[str, Any]:
+        """Forge's keywords: the columns (``reference`` as ``references``), ``tool_calls``, and those of
+        ``trainer_state``, ``completion_ids``, ``log_metric`` and ``log_extra`` the reward names (`named`: a
+        ``**kwargs`` reward gets the columns, not these)."""
         keywords = {COLUMN_ALIASES.get(k, k): v for k, v in self.columns.items()}
         keywords |= self.rollout_keywords()
-        if with_trainer_state and self.trainer_state is not None:
-            keywords["trainer_state"] = self.trainer_state
-        return keywords
+        extras = {"trainer_state": self.trainer_state, "completion_ids": self.completion_ids,
+                  "log_metric": self.log_metric, "log_extra": self.log_extra}
+        return keywords | {k: v for k, v in extras.items() if k in named and v is not None}
 
     def trl_keywords(self, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
         """TRL's keywords: ``prompts``, ``completions`` (for chat prompts each one a list holding the
         assistant message, as TRL gives them), ``completion_ids``, every column by its own name,
-        ``trainer_state`` (and ``tool_calls`` with tools); a column also under Forge's name (``references``)
-        when `fn` names that."""
+        ``trainer_state``, ``log_metric`` and ``log_extra`` (and ``tool_calls`` with tools); a column also under
+        Forge's name (``references``) when `fn` names that."""
         chat = bool(self.prompts) and not isinstance(self.prompts[0], str)
         completions = [[{"role": "assistant", "content": text}] for text in self.completions] if chat \
             else self.completions
         keywords = {"prompts": self.prompts, "completions": completions,
                     "completion_ids": self.completion_ids, **self.columns,
-                    "trainer_state": self.trainer_state}
+                    "trainer_state": self.trainer_state, "log_metric": self.log_metric,
+                    "log_extra": self.log_extra}
         for column, alias in COLUMN_ALIASES.items():
             if column in keywords and fn is not None and names_parameter(fn, alias):
                 keywords[alias] = keywords[column]
@@ -190,12 +204,14 @@ class Convention(NamedTuple):
 
 CONVENTIONS = {
     "forge": Convention(
-        frozenset({*COLUMN_ALIASES.values(), "trainer_state", "tool_calls", "environments", "episodes"}),
+        frozenset({*COLUMN_ALIASES.values(), "completion_ids", "trainer_state", "log_metric", "log_extra",
+                   "tool_calls", "environments", "episodes"}),
         "reward(prompts, completions, **columns) with text completions, `reference` as `references`, and "
-        "trainer_state= if it names it (Forge's convention: reward_fn=)"),
+        "trainer_state=, completion_ids=, log_metric=, log_extra= if it names them (Forge's convention: "
+        "reward_fn=)"),
     "trl": Convention(
-        frozenset({"prompts", "completions", "completion_ids", "trainer_state", "tool_calls", "environments",
-                   "episodes"}),
+        frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
+                   "tool_calls", "environments", "episodes"}),
         "reward(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns), every "
         "argument by keyword, chat completions as [{'role': 'assistant', 'content': ...}] (TRL's "
         "convention: reward_funcs=)"),
@@ -203,6 +219,32 @@ CONVENTIONS = {
 """The two ways Forge calls a reward, chosen once per reward, never per call: a BaseReward, and a function
 passed as ``reward_fn=`` (or by `forge train --reward`), Forge's way; a function passed as ``reward_funcs=``,
 TRL's way."""
+
+
+FORGE_POSITIONS = ("prompts", "completions")
+"""What Forge's call passes by position, in this order."""
+
+
+def binds_by_name(fn: Callable[..., Any]) -> bool:
+    """Whether Forge's call passes prompts and completions to `fn` by name rather than by position: one of its
+    first two parameters is named for another argument of the call (``def f(completions, completion_ids,
+    **kwargs)``), so by position each would get the wrong one, as text where ids were meant."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    kinds = inspect.Parameter
+    names = [p.name for p in parameters if p.kind is kinds.POSITIONAL_OR_KEYWORD][:2]
+    named_for = CONVENTIONS["trl"].supplies | CONVENTIONS["forge"].supplies  # every name a call gives
+    return len(names) == 2 and any(name in named_for and name != FORGE_POSITIONS[i]
+                                   for i, name in enumerate(names))
+
+
+def named_extras(fn: Callable[..., Any]) -> frozenset[str]:
+    """Which of ``trainer_state``, ``completion_ids``, ``log_metric`` and ``log_extra`` Forge's call gives `fn`:
+    those its signature names."""
+    return frozenset(name for name in ("trainer_state", "completion_ids", "log_metric", "log_extra")
+                     if names_parameter(fn, name))
 
 
 def names_parameter(fn: Callable[..., Any], name: str) -> bool:
@@ -228,7 +270,11 @@ def call_problem(reward: BaseReward, columns: Sequence[str] | None = None) -> st
     kinds = inspect.Parameter
     positional = [p for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
     takes_more = any(p.kind is kinds.VAR_POSITIONAL for p in parameters)
-    if reward.convention == "forge":
+    if getattr(reward, "by_name", False):  # Forge's call, prompts and completions by name too
+        convention = Convention(convention.supplies | set(FORGE_POSITIONS), convention.says)
+        required = [p.name for p in parameters if p.default is kinds.empty
+                    and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
+    elif reward.convention == "forge":
         if len(positional) < 2 and not takes_more:
             return (f"it takes {len(positional)} positional argument(s), but Forge calls {convention.says}; "
                     f"pass it as reward_funcs= to have it called as TRL calls rewards, every argument by "
@@ -302,17 +348,20 @@ def _callable_name(fn: Callable[..., Any]) -> str:
 
 class FunctionReward(BaseReward):
     """Adapts a plain function that returns a list of floats (or a RewardOutput) to the BaseReward interface,
-    called as its `convention` says: 'forge' ``f(prompts, completions, **columns)``, 'trl' every argument by
-    keyword as TRL calls it. Usually built by `as_reward`."""
+    called as its `convention` says: 'forge' ``f(prompts, completions, **columns)`` (prompts and completions by
+    name to a function whose first parameters are named for other arguments: `binds_by_name`), 'trl' every
+    argument by keyword as TRL calls it. Usually built by `as_reward`."""
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None, convention: str = "forge") -> None:
         if convention not in CONVENTIONS:
             raise ValueError(f"convention={convention!r}; choose one of {sorted(CONVENTIONS)}")
         self.fn, self.convention = fn, convention
         self.name = name or _callable_name(fn)
-        # the call's shape, read from the signature once: the keywords it takes, whether it gets trainer_state
-        self.accepts = accepted_names(fn, positional=0 if convention == "trl" else 2)
-        self.wants_state = names_parameter(fn, "trainer_state")
+        # the call's shape, read from the signature once: prompts and completions by position or by name
+        # (binds_by_name), the keywords it takes, whether it gets trainer_state and completion_ids
+        self.by_name = convention == "forge" and binds_by_name(fn)
+        self.accepts = accepted_names(fn, positional=0 if convention == "trl" or self.by_name else 2)
+        self.named = named_extras(fn)
 
     def __call__(self, prompts: list, responses: list[str], **kwargs: Any) -> RewardOutput:
         return self.score_inputs(RewardInputs(list(prompts), list(responses), kwargs))
@@ -320,8 +369,12 @@ class FunctionReward(BaseReward):
     def score_inputs(self, inputs: RewardInputs) -> Any:
         if self.convention == "trl":  # every argument by keyword
             result = self.fn(**_named(inputs.trl_keywords(self.fn), self.accepts))
+        elif self.by_name:  # Forge's keywords, and prompts and completions (text) under their names
+            keywords = {"prompts": inputs.prompts, "completions": inputs.completions,
+                        **inputs.forge_keywords(self.named)}
+            result = self.fn(**_named(keywords, self.accepts))
         else:
-            keywords = _named(inputs.forge_keywords(self.wants_state), self.accepts)
+            keywords = _named(inputs.forge_keywords(self.named), self.accepts)
             result = self.fn(inputs.prompts, inputs.completions, **keywords)
         if inspect.isawaitable(result):  # an async def reward: the caller awaits it with the other async ones
             return _awaited_output(result)

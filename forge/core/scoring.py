@@ -51,6 +51,7 @@ from forge.data.dataset import dataset_columns
 from forge.run.loop import StepFailed
 from forge.run.rng import capture_rng_state, restore_rng_state
 from forge.run.signals import reraise_user_interrupt
+from forge.run.step_stats import completion_metrics
 from forge.tools.calls import ToolSettings
 
 
@@ -74,6 +75,8 @@ class Scores:
     nonfinite: int = 0  # samples masked from the loss because a reward returned NaN/inf
     metadata: dict[str, Any] = field(default_factory=dict)
     applies: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (N,) bool, False: returned None
+    logged: dict[str, list[float]] = field(default_factory=dict)  # name -> values the rewards' log_metric gave
+    extra: dict[str, list] = field(default_factory=dict)  # column -> (N,) values the rewards' log_extra gave
 
     @property
     def scored(self) -> torch.Tensor:
@@ -290,7 +293,8 @@ def score_batch(rewards: list[tuple[str, BaseReward, float]], inputs: RewardInpu
         if meta:
             metadata[name] = meta
     nonfinite = int((~valid).sum())
-    scores = Scores(torch.zeros(n), components, valid, errors, timeouts, nonfinite, metadata, applies)
+    scores = Scores(torch.zeros(n), components, valid, errors, timeouts, nonfinite, metadata, applies,
+                    inputs.logged, inputs.extra)
     scores.total = weighted_reward_sum(*scores.stacked(), [weight for _, _, weight in rewards])  # (N,)
     return scores
 
@@ -457,9 +461,24 @@ def rollout_tool_calls(rollout) -> list[list[dict]] | None:
     return [[result.as_dict() for result in calls] for calls in rollout.tool_calls]
 
 
+def reward_metrics(scores: Scores) -> dict:
+    """reward, reward_std and each reward's rewards/<name>/mean and /std (TRL's names) over the valid samples
+    (a reward's own over those it applies to), NaN where there are none."""
+    def mean_std(values: torch.Tensor) -> tuple[float, float]:
+        return (float(values.mean()) if values.numel() else float("nan"),
+                float(values.std()) if values.numel() > 1 else 0.0)
+
+    metrics = dict(zip(("reward", "reward_std"), mean_std(scores.total[scores.valid])))
+    for name, values in scores.components.items():
+        applies = scores.valid & scores.applies.get(name, torch.ones_like(scores.valid))
+        metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = mean_std(values[applies])
+    return metrics
+
+
 def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = None, engine=None):
     """The trainer's default evaluator: one greedy completion per held-out row, scored by the run's own
-    rewards (eval/reward, eval/rewards/<name>, eval/n), with the run's tools when it has them, on the run's
+    rewards, in TRL's names (reward, reward_std, rewards/<name>/mean and /std, completions/*; n: the rows;
+    GRPOTrainer.evaluate adds the eval_ prefix), with the run's tools when it has them, on the run's
     vLLM `engine` when it has one (forge/core/engine_rollout.py). The global RNG state is restored afterwards,
     so evaluating mid-run does not change later samples."""
 
@@ -468,7 +487,7 @@ def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = 
         rng_state, was_training = capture_rng_state(), model.training
         model.eval()
         settings, prompts = SamplingSettings(max_new_tokens, do_sample=False), [row["prompt"] for row in rows]
-        completions, ids, calls, episodes = [], [], [], []
+        completions, ids, calls, episodes, truncated = [], [], [], [], []
         for start in range(0, len(rows), 32):
             chunk, chunk_rows = prompts[start:start + 32], rows[start:start + 32]
             rollout = generate(model, tokenizer, chunk, 1, settings, max_prompt_length,
@@ -478,6 +497,7 @@ def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = 
                                         config.truncate_prompts, tools=tools, rows=chunk_rows)
             completions += rollout.completions
             ids += completion_token_ids(rollout)
+            truncated.append(rollout.truncated.float())
             calls += rollout_tool_calls(rollout) or []
             episodes += rollout.episodes or []
         scores = score_completions(rewards, prompts, completions, dataset_columns(rows),
@@ -488,10 +508,7 @@ def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = 
                                    episodes=episodes or None)
         restore_rng_state(rng_state)
         model.train(was_training)
-        kept = scores.valid
-        if not kept.any():
-            return {"reward": float("nan"), "n": len(rows)}
-        return {"reward": float(scores.total[kept].mean()), "n": len(rows),
-                **{f"rewards/{name}": float(v[kept].mean()) for name, v in scores.components.items()}}
+        lengths = torch.tensor([float(len(one)) for one in ids])  # (N,)
+        return {**reward_metrics(scores), **completion_metrics(lengths, torch.cat(truncated)), "n": len(rows)}
 
     return evaluate

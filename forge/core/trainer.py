@@ -136,16 +136,16 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         self.model.eval()  # dropout off: sampling, pi_old, pi_theta and the reference see the same network
         started = time.perf_counter()
         batch, stats = self.collect(rows)
-        for _ in range(self.config.num_iterations):
-            update = self.update(batch)
+        updates = [self.update(batch) for _ in range(self.config.num_iterations)]  # one per optimizer step
         stats = self.dist.combined(stats)  # every rank's share: the metrics are of the whole batch
         delta_norm = step_stats.param_delta_norm(self.dist.local_shards(self.trainable), self.initial_params,
                                                  self.dist.sum_shards)
         metrics = step_stats.step_metrics(
-            stats, update, group_std=group_reward_std(torch.cat(stats.scores), self.config.group_size,
-                                                      torch.cat(stats.valid)),
+            stats, updates[0], group_std=group_reward_std(torch.cat(stats.scores), self.config.group_size,
+                                                          torch.cat(stats.valid)),
             seconds=time.perf_counter() - started, skipped_steps=self.guard.skipped_steps,
             param_delta_norm=delta_norm, engine=self.engine, ahead=self.ahead)
+        metrics["_later_updates"] = updates[1:]  # num_iterations > 1: each later optimizer step's own row
         metrics["_samples"] = step_stats.ordered_samples(self.dist.gather_objects(stats.samples),
                                                          len(batch.rollouts), self.config.log_completions)
         return metrics

@@ -49,6 +49,9 @@ BATCH_NAMES = ("per_device_train_batch_size", "generation_batch_size", "steps_pe
 """TRL's names whose values make Forge's batch fields together (with num_generations and
 gradient_accumulation_steps)."""
 
+MAPPING = "docs/from-trl.md#the-batch"
+"""Where the mapping of TRL's batch names is described, for the refusals to point at."""
+
 TRL_PER_DEVICE, TRL_ACCUMULATION = 8, 1
 """TRL's defaults for per_device_train_batch_size and gradient_accumulation_steps (transformers' TrainingArguments)."""
 
@@ -94,7 +97,7 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
         raise TypeError(
             f"generation_batch_size={generation} (per_device_train_batch_size x processes x "
             f"steps_per_generation) must be a multiple of num_generations={group_size}: whole groups, "
-            f"as in TRL"
+            f"as in TRL ({MAPPING})"
         )
     per_step = per_pass * accumulation  # completions of one optimizer step
     if accumulation % steps == 0:  # whole generations per optimizer step
@@ -113,11 +116,13 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
                  f"num_generations={group_size}) into {generation // per_step} optimizer steps of {per_step} "
                  f"completions" if generation % per_step == 0 else
                  f"trains each optimizer step on {per_step} completions of its generations of {generation}")
+        given = next((name for name in ("steps_per_generation", "generation_batch_size") if name in values),
+                     "per_device_train_batch_size")
         raise TypeError(
             f"TRL {split} (per_device_train_batch_size x gradient_accumulation_steps x processes), part "
-            f"of a group each; a Forge optimizer step trains on whole groups. Make that product a "
-            f"multiple of num_generations={group_size}, e.g. gradient_accumulation_steps={steps} (one "
-            f"whole generation per optimizer step)"
+            f"of a group each; a Forge optimizer step trains on whole groups ({given} is mapped so: "
+            f"{MAPPING}). Make that product a multiple of num_generations={group_size}, e.g. "
+            f"gradient_accumulation_steps={steps} (one whole generation per optimizer step)"
         )
     share = batch["prompts_per_step"] * group_size // world  # this process's completions of a rollout batch
     if not values.get("auto_find_batch_size"):

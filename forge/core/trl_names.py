@@ -1,21 +1,25 @@
-"""TRL's GRPOConfig names, and every field of transformers' TrainingArguments it inherits: one table of what each
-means in Forge (docs/from-trl.md, generated from it by forge/core/config_docs.py).
+"""TRL's GRPOConfig names, and every field of transformers' TrainingArguments it inherits: one table of what
+each means in Forge (docs/from-trl.md, generated from it by forge/core/config_docs.py).
 
 Every name is in one class:
 
     a GRPOConfig field     the same name, the same meaning (learning_rate, max_steps, seed, ...)
     TRL_NAMES              mapped: another name for a Forge field (num_generations -> group_size)
-    TRL_CONVERTED          mapped: a value Forge states another way (bf16=True -> dtype='bfloat16'); a converter
-                           refuses, with the reason, a value Forge cannot honour (save_strategy='epoch')
-    TRL_IGNORED            accepted, no effect, with the one-line reason (dataloader_num_workers: no DataLoader)
-    TRL_REFUSED            refused with the reason and what to set instead, unless given its "off" value (None,
-                           False, 0, empty, or TRL_NEUTRAL's): honouring it silently would mislead (push_to_hub)
+    TRL_CONVERTED          mapped: a value Forge states another way (bf16=True -> dtype='bfloat16'); a
+                           converter refuses, with the reason, a value Forge cannot honour
+                           (save_strategy='epoch')
+    TRL_IGNORED            accepted, no effect, with the one-line reason (dataloader_num_workers: no
+                           DataLoader)
+    TRL_REFUSED            refused with the reason and what to set instead, unless given its "off" value
+                           (None, False, 0, empty, or TRL_NEUTRAL's): honouring it silently would mislead
+                           (push_to_hub)
 
 `convert_names` turns keyword values given in these names into Forge's fields; GRPOConfig applies it to every
-construction and reads the names back (trl_attributes.py), and the command line takes the mapped names as flags
-(cli_config.py). TRL's batch names are converted together, by TRL's arithmetic (trl_batch.py).
-TRAINING_ARGUMENTS_FIELDS and TRL_GRPO_FIELDS record the names the table covers (transformers 5.24, TRL 1.16);
-tests/units/test_trl_table.py fails when an installed transformers or TRL has a field the table does not classify.
+construction and reads the names back (trl_attributes.py), and the command line takes the mapped names as
+flags (cli_config.py). TRL's batch names are converted together, by TRL's arithmetic (trl_batch.py). The names
+the table covers are recorded in forge/core/trl_fields.py (transformers 5.24, TRL 1.16);
+tests/units/test_trl_table.py fails when an installed transformers or TRL has a field the table does not
+classify.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ Converter = Callable[[Any, dict], dict]
 
 
 def _batch(doc: str) -> Converter:
-    """A converter for one of TRL's batch names (the table's entry); convert_names converts them together, with
-    forge_batch (forge/core/trl_batch.py)."""
+    """A converter for one of TRL's batch names (the table's entry); convert_names converts them together,
+    with forge_batch (forge/core/trl_batch.py)."""
 
     def convert(value: Any, values: dict) -> dict:
         return forge_batch(values, values.get("num_generations", values["group_size"]))
@@ -59,7 +63,8 @@ def _batch(doc: str) -> Converter:
 
 
 def _report_to(value: Any, values: dict) -> dict:
-    """use_wandb, use_tensorboard, use_trackio from "wandb", "tensorboard", "trackio", "none", "all" or a list."""
+    """use_wandb, use_tensorboard, use_trackio from "wandb", "tensorboard", "trackio", "none", "all" or a
+    list."""
     wanted = {value} if isinstance(value, str) else set(value or ())
     known = {"wandb", "tensorboard", "trackio"}
     if wanted - known - {"none", "all"}:
@@ -75,7 +80,8 @@ def _precision(dtype: str) -> Converter:
     def convert(value: Any, values: dict) -> dict:
         return {"dtype": dtype} if value else {}
 
-    convert.__doc__ = f"dtype='{dtype}' when true (Forge's default 'auto' picks bf16 where the hardware runs it fast)"
+    convert.__doc__ = (f"dtype='{dtype}' when true (Forge's default 'auto' picks bf16 where the hardware "
+                       f"runs it fast)")
     return convert
 
 
@@ -119,19 +125,21 @@ def _steps_strategy(name: str, every: str, off: dict | None, default_every: str 
     'best' are refused (Forge counts in optimizer steps)."""
 
     def convert(value: Any, values: dict) -> dict:
-        if value == "steps":  # eval_strategy='steps' without eval_steps evaluates every logging_steps, as in TRL
+        if value == "steps":  # eval_strategy='steps' without eval_steps: every logging_steps, as in TRL
             return {every: values[default_every]} if default_every and values[every] == 0 else {}
         if value in ("no", False) and off is not None:  # False: the command line reads `no` as a bool
             return off
         if value in ("no", False):
-            raise TypeError(f"{name}='no': Forge always writes training_log.jsonl; set {every} to log less often")
+            raise TypeError(f"{name}='no': Forge always writes training_log.jsonl; set {every} to log less "
+                            f"often")
         raise TypeError(
             f"{name}={value!r}: Forge counts {every} in optimizer steps; use 'steps' with {every} (one "
             f"epoch is rows / (prompts_per_step x gradient_accumulation_steps) x num_iterations steps)"
         )
 
     said = "refused" if off is None else "= " + ", ".join(f"{k}={v}" for k, v in off.items())
-    convert.__doc__ = f"{every}: 'steps' as given, 'no' {said}; 'epoch' refused (Forge counts in optimizer steps)"
+    convert.__doc__ = (f"{every}: 'steps' as given, 'no' {said}; 'epoch' refused (Forge counts in optimizer "
+                       f"steps)")
     return convert
 
 
@@ -153,14 +161,16 @@ def _project(value: Any, values: dict) -> dict:
     return {"wandb_project": str(value), "trackio_project": str(value)}
 
 
-_LOADING_AS_FORGE_DOES = {"revision": ("main",), "trust_remote_code": (False,), "low_cpu_mem_usage": (True, False)}
-"""from_pretrained keywords Forge's own loading honours with these values; TRL's scripts pass them (and others as
-None: attn_implementation, device_map, quantization_config)."""
+_LOADING_AS_FORGE_DOES = {"revision": ("main",), "trust_remote_code": (False,),
+                          "low_cpu_mem_usage": (True, False)}
+"""from_pretrained keywords Forge's own loading honours with these values; TRL's scripts pass them (and others
+as None: attn_implementation, device_map, quantization_config)."""
 
 
 def _model_init_kwargs(value: Any, values: dict) -> dict:
-    """dtype: a torch_dtype / dtype of bfloat16 or float16 (weights TRL trains in that dtype; Forge keeps float32
-    masters and computes in it); float32 and auto change nothing (Forge's masters are float32, its compute dtype
+    """dtype: a torch_dtype / dtype of bfloat16 or float16 (weights TRL trains in that dtype; Forge keeps
+    float32 masters and computes in it); float32 and auto change nothing (Forge's masters are float32, its
+    compute dtype
     is bf16 / fp16 / dtype's). revision='main', trust_remote_code=False and None values are accepted."""
     kwargs = dict(value or {})
     dtype = str(kwargs.pop("dtype", kwargs.pop("torch_dtype", None))).removeprefix("torch.")
@@ -174,7 +184,8 @@ def _model_init_kwargs(value: Any, values: dict) -> dict:
 
 
 def _checkpointing_kwargs(value: Any, values: dict) -> dict:
-    """gradient_checkpointing's arguments: Forge's checkpointing is non-reentrant ({'use_reentrant': False})."""
+    """gradient_checkpointing's arguments: Forge's checkpointing is non-reentrant ({'use_reentrant':
+    False})."""
     if dict(value or {}) not in ({}, {"use_reentrant": False}):
         raise TypeError(
             f"gradient_checkpointing_kwargs={value!r}: Forge checkpoints non-reentrantly and takes no "
@@ -198,8 +209,9 @@ def _fixed(name: str, what_forge_does: str, *accepted: Any) -> Converter:
 
 TRL_CONVERTED: dict[str, Converter] = {
     "per_device_train_batch_size": _batch(
-        "TRL's arithmetic with gradient_accumulation_steps, generation_batch_size or steps_per_generation and "
-        "num_generations (forge/core/trl_batch.py): the same prompts and completions per optimizer step as in TRL. "
+        "TRL's arithmetic with gradient_accumulation_steps, generation_batch_size or steps_per_generation "
+        "and num_generations (forge/core/trl_batch.py): the same prompts and completions per optimizer step "
+        "as in TRL. "
         "micro_batch_size = it (completions per forward/backward on a process) when it is smaller than the "
         "process's share of a rollout batch"
     ),
@@ -207,8 +219,9 @@ TRL_CONVERTED: dict[str, Converter] = {
         "prompts_per_step = it / num_generations: a rollout batch is a generation (forge/core/trl_batch.py)"
     ),
     "steps_per_generation": _batch(
-        "generation_batch_size = per_device_train_batch_size x processes x it; gradient_accumulation_steps = the "
-        "generations of an optimizer step. More optimizer steps than one per generation: Forge generates each "
+        "generation_batch_size = per_device_train_batch_size x processes x it; gradient_accumulation_steps = "
+        "the generations of an optimizer step. More optimizer steps than one per generation: Forge generates "
+        "each "
         "step's prompts for it (not num_iterations, which trains each step on the whole rollout; "
         "forge/core/trl_batch.py)"
     ),
@@ -253,9 +266,11 @@ _NO_DDP = "Forge sums the gradients of its processes itself, without Distributed
 _PREDICTION_LOOP = "a setting of the Trainer's prediction loop; Forge's evaluation scores greedy completions"
 _HUB_ONLY = "used only by push_to_hub, which Forge refuses"
 _VLLM_OWN = "Forge's vLLM engine sets it for the run (forge/model/vllm_engine.py)"
+_PLAIN_PROCESSES = "Forge's processes are plain data parallel, or FSDP2 with fsdp=True (docs/scaling.md)"
 
 TRL_IGNORED = {
-    "label_smoothing_factor": "a supervised-loss setting; the GRPO loss has no labels (TRL's GRPO ignores it too)",
+    "label_smoothing_factor": "a supervised-loss setting; the GRPO loss has no labels (TRL's GRPO ignores it "
+    "too)",
     "bf16_full_eval": "evaluation runs in the run's precision (dtype)",
     "fp16_full_eval": "evaluation runs in the run's precision (dtype)",
     "tf32": "torch's own setting (torch.backends.cuda.matmul.allow_tf32); Forge leaves it as torch has it",
@@ -263,7 +278,8 @@ TRL_IGNORED = {
     "torch_empty_cache_steps": "Forge does not empty the CUDA cache on a schedule",
     "logging_first_step": "Forge logs every logging_steps and the last step",
     "log_on_each_node": "only the main process logs",
-    "logging_nan_inf_filter": "a NaN/inf loss skips the step (max_consecutive_nonfinite); the log shows it as null",
+    "logging_nan_inf_filter": "a NaN/inf loss skips the step (max_consecutive_nonfinite); the log shows it "
+    "as null",
     "include_num_input_tokens_seen": "Forge logs its own token counts (docs/metrics.md)",
     "log_level": "Forge prints its own one-line messages",
     "log_level_replica": "Forge prints its own one-line messages, on the main process",
@@ -275,7 +291,8 @@ TRL_IGNORED = {
     "eval_accumulation_steps": _PREDICTION_LOOP,
     "include_for_metrics": _PREDICTION_LOOP,
     "batch_eval_metrics": _PREDICTION_LOOP,
-    "save_only_model": "numbered checkpoints always hold the optimizer, schedule and RNG (resumable); final/ the "
+    "save_only_model": "numbered checkpoints always hold the optimizer, schedule and RNG (resumable); final/ "
+    "the "
     "model only",
     "save_on_each_node": "the main process writes the checkpoints",
     "enable_jit_checkpoint": "Forge always saves the finished step on SIGTERM, SIGINT and SIGHUP",
@@ -311,7 +328,8 @@ TRL_IGNORED = {
     "do_predict": "a flag for your script; the Trainer does not read it either",
     "local_rank": "Forge reads LOCAL_RANK from the launcher's environment",
     "disable_dropout": "Forge always runs the policy without dropout",
-    "cast_lm_head_to_fp32": "Forge computes the log-softmax in float32 (logprob_chunk_size positions at a time)",
+    "cast_lm_head_to_fp32": "Forge computes the log-softmax in float32 (logprob_chunk_size positions at a "
+    "time)",
     "num_generations_eval": "evaluation scores one greedy completion per prompt",
     "ds3_gather_for_generation": "no DeepSpeed; under fsdp rollouts gather the whole weights",
     "pad_to_multiple_of": "Forge pads each batch to its longest sequence",
@@ -329,7 +347,8 @@ TRL_IGNORED = {
     "vllm_importance_sampling_mode": "used only by vllm_importance_sampling_correction (Forge's: rollout_is)",
     "vllm_importance_sampling_clip_max": "used only by vllm_importance_sampling_correction (Forge's: "
     "rollout_is_threshold)",
-    "vllm_importance_sampling_clip_min": "used only by vllm_importance_sampling_correction (Forge's: rollout_is)",
+    "vllm_importance_sampling_clip_min": "used only by vllm_importance_sampling_correction (Forge's: "
+    "rollout_is)",
     "vllm_importance_sampling_cap": "used only by vllm_importance_sampling_correction (Forge's: "
     "rollout_is_threshold)",
     "log_multimodal": "Forge's prompts are text",
@@ -339,22 +358,27 @@ TRL_IGNORED = {
     "use_transformers_paged": "Forge decodes with its own loop or vLLM (generation_backend)",
     "fork_threshold_tokens": "Forge keeps one token sequence per completion, never re-tokenized, so there is "
     "nothing to reconcile",
-    "request_timeout": "Forge's async worker samples with the own decode loop; rollout_timeout bounds a step's wait",
-    "weight_sync_timeout": "the weights reach the async worker through shared memory; rollout_timeout bounds a "
+    "request_timeout": "Forge's async worker samples with the own decode loop; rollout_timeout bounds a "
     "step's wait",
-    "token_budget": "Forge sizes the loss pass's micro-batches itself (micro_batch_size='auto' fits max_memory_mb)",
+    "weight_sync_timeout": "the weights reach the async worker through shared memory; rollout_timeout bounds "
+    "a "
+    "step's wait",
+    "token_budget": "Forge sizes the loss pass's micro-batches itself (micro_batch_size='auto' fits "
+    "max_memory_mb)",
     "max_inflight_tasks": "Forge's worker samples whole steps, at most max_staleness steps ahead",
     "queue_maxsize": "Forge's queue holds at most max_staleness + 1 sampled steps",
 }
 """TRL or TrainingArguments name -> why it changes nothing in a Forge run. Accepted with any value."""
 
-_NO_HUB = "Forge reaches no hub: after the run, upload output_dir's final/ folder with `huggingface-cli upload`"
+_NO_HUB = ("Forge reaches no hub: after the run, upload output_dir's final/ folder with `huggingface-cli "
+           "upload`")
 
 TRL_REFUSED = {
     "num_completions_to_print": "set log_completions: how many samples per logged step go to samples.jsonl",
     "use_liger_loss": "Forge computes the loss in chunks itself (logprob_chunk_size)",
     "vllm_importance_sampling_correction": "set rollout_is ('token_truncate', ...) and rollout_is_threshold",
-    "peft_config": "pass it to GRPOTrainer(..., peft_config=LoraConfig(...)), or set use_lora and lora_r, ...",
+    "peft_config": "pass it to GRPOTrainer(..., peft_config=LoraConfig(...)), or set use_lora and lora_r, "
+    "...",
     "lr_scheduler_kwargs": "Forge's schedules take no arguments (lr_scheduler: cosine and linear decay to 0)",
     "optim_args": "Forge's optimizer is torch's AdamW with its defaults (learning_rate, weight_decay)",
     "optim_target_modules": "Forge's optimizer is torch's AdamW over every trainable weight",
@@ -370,17 +394,20 @@ TRL_REFUSED = {
     "eval_delay": "Forge evaluates every eval_steps from the first step; set eval_steps",
     "push_to_hub": _NO_HUB,
     "log_completions_hub_repo": _NO_HUB,
-    "load_best_model_at_end": "Forge keeps the last weights; pick a checkpoint by its eval/ rows in training_log.jsonl",
+    "load_best_model_at_end": "Forge keeps the last weights; pick a checkpoint by its eval_ rows in "
+    "training_log.jsonl",
     "restore_callback_states_from_checkpoint": "Forge's checkpoints do not hold callbacks' state",
-    "full_determinism": "call torch.use_deterministic_algorithms(True) before training; Forge seeds python, numpy "
+    "full_determinism": "call torch.use_deterministic_algorithms(True) before training; Forge seeds python, "
+    "numpy "
     "and torch with seed",
     "data_seed": "Forge shuffles the rows with seed; set seed",
     "use_cpu": "hide the GPUs instead: CUDA_VISIBLE_DEVICES= python train.py",
-    "accelerator_config": "Forge's processes are plain data parallel, or FSDP2 with fsdp=True (docs/scaling.md)",
-    "parallelism_config": "Forge's processes are plain data parallel, or FSDP2 with fsdp=True (docs/scaling.md)",
+    "accelerator_config": _PLAIN_PROCESSES,
+    "parallelism_config": _PLAIN_PROCESSES,
     "fsdp_config": "Forge's FSDP2 shards each decoder layer and takes no config; set fsdp=True",
     "deepspeed": "Forge shards with FSDP2 instead: fsdp=True (docs/scaling.md)",
-    "trust_remote_code": "Forge loads architectures transformers has; load the model yourself and pass the object",
+    "trust_remote_code": "Forge loads architectures transformers has; load the model yourself and pass the "
+    "object",
     "router_aux_loss_coef": "Forge's loss adds no router auxiliary loss",
     "min_p": "Forge samples with temperature, top_p and top_k",
     "generation_kwargs": "Forge samples with temperature, top_p and top_k; no other generation arguments",
@@ -396,245 +423,9 @@ value (None, False, 0, '', empty, or the value in TRL_NEUTRAL) it is accepted, a
 TRL_NEUTRAL = {"repetition_penalty": 1.0, "vllm_tensor_parallel_size": 1}
 """Refused names whose "off" value is not falsy."""
 
-TRAINING_ARGUMENTS_FIELDS = (
-    "output_dir",
-    "per_device_train_batch_size",
-    "num_train_epochs",
-    "max_steps",
-    "learning_rate",
-    "lr_scheduler_type",
-    "lr_scheduler_kwargs",
-    "warmup_steps",
-    "optim",
-    "optim_args",
-    "weight_decay",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_epsilon",
-    "optim_target_modules",
-    "gradient_accumulation_steps",
-    "average_tokens_across_devices",
-    "max_grad_norm",
-    "label_smoothing_factor",
-    "bf16",
-    "fp16",
-    "bf16_full_eval",
-    "fp16_full_eval",
-    "tf32",
-    "activation_checkpointing",
-    "activation_checkpointing_kwargs",
-    "gradient_checkpointing",
-    "gradient_checkpointing_kwargs",
-    "torch_compile",
-    "torch_compile_backend",
-    "torch_compile_mode",
-    "use_liger_kernel",
-    "liger_kernel_config",
-    "use_cache",
-    "neftune_noise_alpha",
-    "torch_empty_cache_steps",
-    "auto_find_batch_size",
-    "logging_strategy",
-    "logging_steps",
-    "logging_first_step",
-    "log_on_each_node",
-    "logging_nan_inf_filter",
-    "include_num_input_tokens_seen",
-    "log_level",
-    "log_level_replica",
-    "disable_tqdm",
-    "report_to",
-    "run_name",
-    "project",
-    "trackio_space_id",
-    "trackio_bucket_id",
-    "trackio_static_space_id",
-    "eval_strategy",
-    "eval_steps",
-    "eval_delay",
-    "per_device_eval_batch_size",
-    "prediction_loss_only",
-    "eval_on_start",
-    "eval_do_concat_batches",
-    "eval_use_gather_object",
-    "eval_accumulation_steps",
-    "include_for_metrics",
-    "batch_eval_metrics",
-    "save_only_model",
-    "save_strategy",
-    "save_steps",
-    "save_on_each_node",
-    "save_total_limit",
-    "enable_jit_checkpoint",
-    "push_to_hub",
-    "hub_token",
-    "hub_private_repo",
-    "hub_model_id",
-    "hub_strategy",
-    "hub_always_push",
-    "hub_revision",
-    "load_best_model_at_end",
-    "metric_for_best_model",
-    "greater_is_better",
-    "ignore_data_skip",
-    "restore_callback_states_from_checkpoint",
-    "full_determinism",
-    "seed",
-    "data_seed",
-    "use_cpu",
-    "accelerator_config",
-    "parallelism_config",
-    "dataloader_drop_last",
-    "dataloader_num_workers",
-    "dataloader_pin_memory",
-    "dataloader_persistent_workers",
-    "dataloader_prefetch_factor",
-    "dataloader_multiprocessing_context",
-    "dataloader_in_order",
-    "remove_unused_columns",
-    "label_names",
-    "train_sampling_strategy",
-    "length_column_name",
-    "ddp_find_unused_parameters",
-    "ddp_bucket_cap_mb",
-    "ddp_broadcast_buffers",
-    "ddp_static_graph",
-    "ddp_backend",
-    "ddp_timeout",
-    "fsdp",
-    "fsdp_config",
-    "deepspeed",
-    "debug",
-    "skip_memory_metrics",
-    "do_train",
-    "do_eval",
-    "do_predict",
-    "resume_from_checkpoint",
-    "local_rank",
-)
-"""transformers 5.24's TrainingArguments fields, in its order."""
-
-TRL_GRPO_FIELDS = (
-    "model_init_kwargs",
-    "trust_remote_code",
-    "router_aux_loss_coef",
-    "disable_dropout",
-    "cast_lm_head_to_fp32",
-    "num_generations",
-    "num_generations_eval",
-    "max_completion_length",
-    "ds3_gather_for_generation",
-    "shuffle_dataset",
-    "pad_to_multiple_of",
-    "generation_batch_size",
-    "steps_per_generation",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "generation_kwargs",
-    "chat_template_kwargs",
-    "repetition_penalty",
-    "cache_implementation",
-    "use_vllm",
-    "vllm_mode",
-    "vllm_model_impl",
-    "vllm_enable_sleep_mode",
-    "vllm_structured_outputs_regex",
-    "vllm_server_base_url",
-    "vllm_server_host",
-    "vllm_server_port",
-    "vllm_server_timeout",
-    "vllm_group_port",
-    "vllm_gpu_memory_utilization",
-    "vllm_max_model_length",
-    "vllm_tensor_parallel_size",
-    "beta",
-    "num_iterations",
-    "epsilon",
-    "delta",
-    "epsilon_high",
-    "sapo_temperature_neg",
-    "sapo_temperature_pos",
-    "vespo_k_pos",
-    "vespo_lambda_pos",
-    "vespo_k_neg",
-    "vespo_lambda_neg",
-    "importance_sampling_level",
-    "reward_weights",
-    "multi_objective_aggregation",
-    "scale_rewards",
-    "loss_type",
-    "mask_truncated_completions",
-    "sync_ref_model",
-    "ref_model_mixup_alpha",
-    "ref_model_sync_steps",
-    "top_entropy_quantile",
-    "entropy_coef",
-    "use_adaptive_entropy",
-    "entropy_coef_min",
-    "entropy_coef_max",
-    "entropy_coef_delta",
-    "entropy_target",
-    "max_tool_calling_iterations",
-    "vllm_importance_sampling_correction",
-    "vllm_importance_sampling_mode",
-    "vllm_importance_sampling_clip_max",
-    "vllm_importance_sampling_clip_min",
-    "off_policy_mask_threshold",
-    "use_bias_correction_kl",
-    "log_completions",
-    "log_multimodal",
-    "num_completions_to_print",
-    "log_unique_prompts",
-    "log_completions_hub_repo",
-    "use_transformers_continuous_batching",
-    "transformers_continuous_batching_config",
-    "use_transformers_paged",
-    "vllm_importance_sampling_cap",
-)
-"""TRL 1.16's GRPOConfig fields besides those of TrainingArguments, in its order."""
-
-TRL_ASYNC_GRPO_FIELDS = (
-    "model_init_kwargs",
-    "dtype",
-    "trust_remote_code",
-    "router_aux_loss_coef",
-    "learning_rate",
-    "logging_steps",
-    "lr_scheduler_type",
-    "ignore_data_skip",
-    "num_generations",
-    "max_completion_length",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "chat_template_kwargs",
-    "max_tool_calling_iterations",
-    "fork_threshold_tokens",
-    "vllm_server_base_url",
-    "vllm_server_timeout",
-    "request_timeout",
-    "weight_sync_timeout",
-    "epsilon",
-    "epsilon_high",
-    "token_budget",
-    "max_inflight_tasks",
-    "max_staleness",
-    "queue_maxsize",
-    "weight_sync_steps",
-    "heartbeat_stale_after_s",
-    "log_completions",
-    "num_completions_to_print",
-)
-"""TRL 1.16's AsyncGRPOConfig fields (trl.experimental.async_grpo) besides those of TrainingArguments, in its
-order (forge/core/async_grpo.py)."""
-
-
 SAME_NAME_NOTES = {
-    "gradient_accumulation_steps": "`gradient_accumulation_steps`: rollout batches per optimizer step. Given with "
+    "gradient_accumulation_steps": "`gradient_accumulation_steps`: rollout batches per optimizer step. Given "
+    "with "
     "TRL's batch names (per_device_train_batch_size, num_generations, ...) it is TRL's "
     "forward/backward passes per step, and Forge's becomes the generations per step "
     "(1 by default; forge/core/trl_batch.py)",
@@ -670,7 +461,8 @@ WHOLE_COUNTS = {
     "save_steps": "optimizer steps",
     "eval_steps": "optimizer steps",
 }
-"""Forge's int fields that transformers' TrainingArguments types float: a whole number given as a float is taken."""
+"""Forge's int fields that transformers' TrainingArguments types float: a whole number given as a float is
+taken."""
 
 
 def _whole(name: str, value: Any) -> Any:
@@ -682,15 +474,17 @@ def _whole(name: str, value: Any) -> Any:
 
 
 def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[str, dict]]:
-    """(Forge's fields, and the fields each TRL name given set) from keyword values in Forge's or TRL's names (the
-    tables above); `defaults` maps every Forge field to its default. An unknown name, a refused one that asks for
-    something, a value a converter cannot honour, a TRL name given with its Forge field, or two TRL names that ask
-    for two values of one field (bf16=True, fp16=True) raises TypeError naming what to use. TRL's batch names are
+    """(Forge's fields, and the fields each TRL name given set) from keyword values in Forge's or TRL's names
+    (the tables above); `defaults` maps every Forge field to its default. An unknown name, a refused one that
+    asks for something, a value a converter cannot honour, a TRL name given with its Forge field, or two TRL
+    names that ask for two values of one field (bf16=True, fp16=True) raises TypeError naming what to use.
+    TRL's batch names are
     converted together (forge/core/trl_batch.py), gradient_accumulation_steps then in TRL's meaning."""
     known = set(defaults)
     unknown = sorted(k for k in values if k not in known and classify(k, known)[0] == "unclassified")
     if unknown:
-        guesses = {k: get_close_matches(k, sorted(known | set(TRL_NAMES) | set(TRL_CONVERTED)), n=2) for k in unknown}
+        candidates = sorted(known | set(TRL_NAMES) | set(TRL_CONVERTED))
+        guesses = {k: get_close_matches(k, candidates, n=2) for k in unknown}
         hint = "; ".join(f"{k}: did you mean {' or '.join(g)}?" for k, g in guesses.items() if g)
         raise TypeError(f"unknown GRPOConfig fields {unknown}{'; ' + hint if hint else ''} (every field: "
                         f"docs/config.md, `forge train --help`)")
@@ -698,7 +492,8 @@ def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[st
     produced: dict[str, dict] = {}
     set_by: dict[str, str] = {}  # Forge field -> the TRL name that set it
     if speaks_trl_batch(values):
-        batch = forge_batch(values, values.get("num_generations", values.get("group_size", defaults["group_size"])))
+        group_size = values.get("num_generations", values.get("group_size", defaults["group_size"]))
+        batch = forge_batch(values, group_size)
         said = next((name for name in BATCH_NAMES if name in values), "num_generations")
         if "prompts_per_step" in values:
             raise TypeError(f"GRPOConfig got both {said!r} (TRL's batch) and 'prompts_per_step'; give one")

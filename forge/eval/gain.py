@@ -24,12 +24,14 @@ def teacher_accuracy(teacher: dict, n: int) -> float | None:
 
 
 def step_seconds(log_path: Path) -> dict[int, float]:
-    """step -> training seconds up to and including it, summed from training_log.jsonl's step_seconds (for a
-    run whose curve points do not carry train_cpu_seconds; wall seconds, one thread)."""
+    """step -> training seconds up to and including it, summed from training_log.jsonl's step_time (for a
+    run whose curve points do not carry train_cpu_seconds; wall seconds, one thread). A log written before
+    the metric took TRL's name has step_seconds instead."""
     total, out = 0.0, {0: 0.0}
     for _, row in log_rows(Path(log_path)):
-        if "step_seconds" in row and row.get("step") is not None:
-            total += row["step_seconds"]
+        seconds = row.get("step_time", row.get("step_seconds"))
+        if seconds is not None and row.get("step") is not None:
+            total += seconds
             out[row["step"]] = total
     return out
 

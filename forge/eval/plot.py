@@ -84,17 +84,17 @@ def build_panels(rows: list[dict]) -> list[Panel]:
     keys = sorted({key for row in rows for key in row})
     reward_keys = ["reward"] + [k for k in keys if k.startswith("rewards/") and not k.endswith("/std")
                                 and k not in REWARD_COUNTERS]
-    accuracy_keys = [k for k in keys if k.startswith("eval/") and "accuracy" in k]
-    length_key = "completion_length/mean" if "completion_length/mean" in keys else "completion_length"
+    accuracy_keys = [k for k in keys if k.startswith("eval_") and "accuracy" in k]
     candidates = [
         Panel("Reward", "mean reward", [extract_series(rows, k) for k in reward_keys]),
         Panel(_heldout_title(rows), "accuracy", [extract_series(rows, k) for k in accuracy_keys]),
         Panel("KL to reference", "KL", [extract_series(rows, "kl")]),
-        Panel("Completion length", "tokens", [extract_series(rows, length_key, "completion length")]),
+        Panel("Completion length", "tokens",
+              [extract_series(rows, "completions/mean_length", "completion length")]),
         Panel(
             "Groups with zero reward std",
             "fraction of groups",
-            [extract_series(rows, "frac_zero_std_groups")],
+            [extract_series(rows, "frac_reward_zero_std")],
         ),
     ]
     panels = []
@@ -120,8 +120,8 @@ def alarm_starts(rows: list[dict]) -> list[tuple[int, str]]:
 
 
 def _heldout_title(rows: list[dict]) -> str:
-    """'Held-out accuracy', with the number of problems when the evaluator logged it (eval/n)."""
-    sizes = sorted({int(row["eval/n"]) for row in rows if isinstance(row.get("eval/n"), (int, float))})
+    """'Held-out accuracy', with the number of problems when the evaluator logged it (eval_n)."""
+    sizes = sorted({int(row["eval_n"]) for row in rows if isinstance(row.get("eval_n"), (int, float))})
     if not sizes:
         return "Held-out accuracy"
     return f"Held-out accuracy ({'/'.join(map(str, sizes))} problems)"

@@ -99,15 +99,21 @@ def _format_metric(metrics: dict[str, Any], key: str) -> str:
 
 
 EVAL_HEADLINE = ("strict_accuracy", "soft_accuracy", "task_score", "accuracy", "reward", "n")
-"""The eval/* metrics an evaluation's console line shows, when present (else its first six numeric ones)."""
+"""The eval_* metrics an evaluation's console line shows, when present (else its first six numeric ones)."""
+
+SUMMARY = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss")
+"""The last row of a run (transformers' Trainer's names), which its console line shows alone."""
 
 
 def format_console_line(metrics: dict[str, Any], step: int, epoch: float) -> str:
     """`step N | epoch E | loss L | reward R | kl K`, with "n/a" for a missing value; a row of evaluation
-    metrics only (eval/*) reads `step N | eval | strict_accuracy 0.2500 | ... | n 60` instead."""
-    evaluation = {key.removeprefix("eval/"): value for key, value in _numeric_metrics(metrics).items()
-                  if key.startswith("eval/")}
-    if evaluation and all(key.startswith("eval/") for key in metrics):
+    metrics only (eval_*) reads `step N | eval | strict_accuracy 0.2500 | ... | n 60` instead, and the run's
+    last row `step N | train_runtime 12.3000 | ... | train_loss 0.0001`."""
+    numeric = _numeric_metrics(metrics)
+    if set(metrics) == set(SUMMARY):
+        return " | ".join([f"step {step}", *(f"{key} {_format_value(numeric[key])}" for key in SUMMARY)])
+    evaluation = {key.removeprefix("eval_"): value for key, value in numeric.items() if key.startswith("eval_")}
+    if evaluation and all(key.startswith("eval_") for key in metrics):
         shown = [key for key in EVAL_HEADLINE if key in evaluation] or list(evaluation)[:6]
         values = (f"{key} {_format_value(evaluation[key])}" for key in shown)
         return " | ".join([f"step {step}", "eval", *values])
@@ -332,15 +338,18 @@ class ForgeLogger:
 
     # -- writing ------------------------------------------------------------------------------------
 
-    def log(self, metrics: dict[str, Any], step: int, epoch: float) -> None:
-        """Print one console line and append one JSON row; forward the numeric metrics to the sinks."""
+    def log(self, metrics: dict[str, Any], step: int, epoch: float, to_file: bool = True) -> None:
+        """Print one console line and append one JSON row (not with to_file=False: the run's summary, which
+        training_log.jsonl, a log of the steps and evaluations, leaves out); forward the numeric metrics to the
+        sinks."""
         if not self.enabled:
             return
         if self.console:
             tqdm.write(format_console_line(metrics, step, epoch))
         numeric = _numeric_metrics(metrics)
         row = {"step": step, "epoch": _json_number(epoch), "time": time.time(), **numeric}
-        self._log_file = self._append_row(self._log_file, self.log_path, row)
+        if to_file:
+            self._log_file = self._append_row(self._log_file, self.log_path, row)
         for sink in self.sinks:
             sink.log(numeric, step)
 

@@ -22,6 +22,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from forge.logging.logger import note
 from forge.model.precision import resolve_device, resolve_dtype
 
+
+class _NoUnshardedLayersLine(logging.Filter):
+    """Drops transformers' "The following layers were not sharded: ..." line, which its tensor-parallel plan
+    check prints at every load of a model with a plan (SmolLM2, Llama, Qwen); Forge loads without tensor
+    parallelism, so it says nothing about the run. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("The following layers were not sharded")
+
+
+logging.getLogger("transformers.distributed.tensor_parallel").addFilter(_NoUnshardedLayersLine())
+
 logger = logging.getLogger("forge")
 DEFAULT_MODEL = "packaged:smollm2-135m-instruct"
 _DEFAULT_ALIASES = {DEFAULT_MODEL, "default", "smollm2"}

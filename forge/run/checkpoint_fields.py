@@ -107,6 +107,10 @@ def check_trainer_state(path: Path, state: Any, dataset_size: int | None = None)
             state.get("micro_batch_size") is None or _is_count(state.get("micro_batch_size"), 1),
             "a whole number >= 1 or null",
         ),
+        "num_input_tokens_seen": (
+            _is_count(state.get("num_input_tokens_seen", 0), 0),
+            "a whole number from 0 to 10**12",
+        ),
         "log_history": (
             isinstance(state.get("log_history", []), list)
             and all(isinstance(row, dict) for row in state.get("log_history", [])),

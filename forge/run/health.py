@@ -85,12 +85,12 @@ HEALTH_RULES: dict[str, Rule] = {
         1e-6,
         _reward_stuck,
         "the mean reward has not moved over the last health_window steps: every group scores alike "
-        "or training has stalled; check frac_zero_std_groups, screen the prompts (`forge screen`), "
+        "or training has stalled; check frac_reward_zero_std, screen the prompts (`forge screen`), "
         "or give partial credit",
     ),
     "groups_flat": Rule(
         0.9,
-        _every("frac_zero_std_groups", lambda v, t: v >= t),
+        _every("frac_reward_zero_std", lambda v, t: v >= t),
         "most groups scored all alike for health_window steps in a row and carry no signal: the task "
         "is too hard or too easy; `forge screen`, a larger group_size, or a softer reward",
     ),
@@ -107,25 +107,25 @@ HEALTH_RULES: dict[str, Rule] = {
     ),
     "clip_spike": Rule(
         0.3,
-        _latest("clip_frac", lambda v, t: v > t),
+        _latest("clip_ratio/region_mean", lambda v, t: v > t),
         "over 30% of tokens were clipped: the updates move the policy too far from the one that "
         "sampled; lower learning_rate or num_iterations",
     ),
     "length_collapsed": Rule(
         2.0,
-        _latest("completion_length/mean", lambda v, t: v <= t),
+        _latest("completions/mean_length", lambda v, t: v <= t),
         "completions have collapsed to a token or two: a reward that pays for short answers, or "
         "a diverging policy; check the samples (samples.jsonl) and the rewards",
     ),
     "length_pinned": Rule(
         0.9,
-        _every("frac_truncated", lambda v, t: v >= t),
+        _every("completions/clipped_ratio", lambda v, t: v >= t),
         "almost every completion hits max_new_tokens: raise max_new_tokens, ask for shorter "
         "answers, or set mask_truncated_completions",
     ),
     "logprob_gap": Rule(
         0.1,
-        _latest("sampling/logp_diff_mean", lambda v, t: v > t),
+        _latest("sampling/sampling_logp_difference/mean", lambda v, t: v > t),
         "the sampler's and the trainer's log-probs of the sampled tokens differ by over 0.1 nat on "
         "average (the samples come from another policy than the one trained): check the precision "
         "(dtype) and merge_lora_for_generation, or set rollout_is",

@@ -51,6 +51,7 @@ class FinishedStep:
     # (None: fixed)
     micro_batch_size: int | None = None  # the loss-pass micro-batch micro_batch_size='auto' chose
     # (None: fixed)
+    num_input_tokens_seen: int = 0  # prompt and completion tokens of every step so far (TRL's num_tokens)
 
 
 @dataclass
@@ -270,6 +271,7 @@ class RunLifecycle:
                  "nonfinite_in_a_row": finished.nonfinite_in_a_row, "skipped_steps": finished.skipped_steps,
                  "loss_scale": finished.loss_scale, "entropy_control": finished.entropy_control,
                  "micro_batch_size": finished.micro_batch_size, "model_name": parts.run_config["model_name"],
+                 "num_input_tokens_seen": finished.num_input_tokens_seen,
                  "is_lora": parts.is_lora, **parts.dataset_identity,
                  "log_history": [{k: v if not isinstance(v, float) or math.isfinite(v) else None  # NaN: null
                                   for k, v in row.items()}
@@ -364,7 +366,7 @@ class RunLifecycle:
         return FinishedStep(step, int(saved["epoch"]), int(saved["position"]), state.rng_state,
                             int(saved.get("nonfinite_in_a_row", 0)), int(saved.get("skipped_steps", 0)),
                             float(saved.get("loss_scale", 1.0)), saved.get("entropy_control"),
-                            saved.get("micro_batch_size"))
+                            saved.get("micro_batch_size"), int(saved.get("num_input_tokens_seen", 0)))
 
 
 def load_weights_and_optimizer(path: Path, state: ckpt.CheckpointState, model, optimizer,

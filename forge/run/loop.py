@@ -25,6 +25,8 @@ and `ahead`: None, or async GRPO's rollout worker, which `ahead.schedule(steps, 
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -100,6 +102,7 @@ class TrainingRun:
         self.rollouts_without_calls: int | None = 0
         self.config_watch = ConfigWatch(config,
                                         has_reference=trainer.is_lora or trainer.reference_model is not None)
+        self.losses: list[float] = []  # each optimizer step's loss in this run, for train_loss
 
     def run(self) -> dict:
         """Claim output_dir (its lock is held until the run ends), then train."""
@@ -114,6 +117,7 @@ class TrainingRun:
                 lock.release()
 
     def train(self) -> dict:
+        started = time.perf_counter()
         epoch, position = self.begin()
         epoch, position = self.run_steps(epoch, position)
         self.lifecycle.save(self.finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
@@ -121,6 +125,9 @@ class TrainingRun:
         if self.eval_rows is not None and not reached(self.trainer.global_step, self.config.eval_steps,
                                                       self.config.num_iterations):
             self.evaluate(epoch)
+        summary, epoch = self.train_summary(started), self.events.state.epoch or 0
+        self.logger.log(summary, self.trainer.global_step, epoch, to_file=False)  # the console, the trackers
+        self.events.log(summary, self.trainer.global_step, epoch)  # state.log_history, on_log
         self.events.train_end()
         self.logger.close()
         return {"global_step": self.trainer.global_step}
@@ -178,6 +185,7 @@ class TrainingRun:
                                                           **resumed.entropy_control)
         if resumed.micro_batch_size and config.micro_batch_size == "auto":  # as the preflight fitted it
             trainer.micro_batch_size = resumed.micro_batch_size
+        self.events.state.num_input_tokens_seen = resumed.num_input_tokens_seen
         return resumed.epoch, resumed.position
 
     def run_steps(self, start_epoch: int, start_position: int) -> tuple[int, int]:
@@ -215,7 +223,8 @@ class TrainingRun:
                     signals.under_way = trainer.global_step + config.num_iterations
             self.check_config()  # before the final evaluation uses it
         except (StepFailed, FloatingPointError) as error:  # the weights are still those of the last step
-            error.args = (f"{error.args[0]}\n{self.where_to_resume()}",)
+            if trainer.global_step > 0:  # before step 1 nothing can resume: the error stays the last line
+                error.args = (f"{error.args[0]}\n{self.where_to_resume()}",)
             self.dist.barrier()  # raised on every rank at once: none exits before rank 0 has saved
             self.logger.close()
             raise
@@ -236,6 +245,10 @@ class TrainingRun:
     def after_step(self, metrics: dict, epoch: int, position: int, bar) -> None:
         """Log, evaluate and save after an optimizer step."""
         config, step, asked = self.config, self.trainer.global_step, self.events.control
+        state = self.events.state  # TRL's num_tokens: prompt and completion tokens of the run so far
+        state.num_input_tokens_seen += int(metrics.pop("_tokens", 0))
+        metrics["num_tokens"] = state.num_input_tokens_seen
+        self.losses += [row["loss"] for row in (metrics, *metrics.get("_later_updates", ()))]
         bar.update(step - bar.n)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
         if not self.warned_flat and self.dist.is_main:
@@ -252,10 +265,7 @@ class TrainingRun:
         for name in started if self.dist.is_main else ():
             example = f" (e.g. {failures[0]})" if name == "episodes_failing" and failures else ""
             tqdm.write(f"forge: health: step {step}: {name}: {HEALTH_RULES[name].says}{example}")
-        if (reached(step, config.logging_steps, config.num_iterations) or step == self.total_steps
-                or asked.should_log):
-            self.log(metrics, step, round(metrics["epoch"], 4))
-            self.logger.log_samples(metrics.pop("_samples"), step=step)
+        self.log_rows(metrics, asked.should_log)
         # on_step_end's and on_log's changes, before they are used
         self.check_config(finished_at=(epoch, position))
         if self.eval_rows is not None and (reached(step, config.eval_steps, config.num_iterations)
@@ -328,12 +338,38 @@ class TrainingRun:
             guard.loss_scale,
             {"coef": control.coef, "last_entropy": control.last_entropy} if control.adaptive else None,
             self.trainer.micro_batch_size if self.config.micro_batch_size == "auto" else None,
+            self.events.state.num_input_tokens_seen,
         )
 
+    def train_summary(self, started: float) -> dict:
+        """The last row of state.log_history, as transformers' Trainer logs it: this run's seconds, its
+        completions and optimizer steps per second, and its mean loss per optimizer step."""
+        runtime, config = time.perf_counter() - started, self.config
+        steps = len(self.losses)
+        completions = steps * config.prompts_per_step * config.gradient_accumulation_steps * config.group_size
+        finite = [loss for loss in self.losses if math.isfinite(loss)]
+        return {"train_runtime": runtime, "train_samples_per_second": completions / max(runtime, 1e-9),
+                "train_steps_per_second": steps / max(runtime, 1e-9),
+                "train_loss": sum(finite) / len(finite) if finite else float("nan")}
+
     def evaluate(self, epoch: int) -> None:
-        metrics = {f"eval/{k}": v for k, v in self.trainer.evaluate(self.eval_rows).items()}
+        metrics = self.trainer.evaluate(self.eval_rows)  # TRL's names: eval_reward, eval_runtime, ...
         self.log(metrics, self.trainer.global_step, epoch)
         self.events.evaluated(metrics)
+
+    def log_rows(self, metrics: dict, asked: bool) -> None:
+        """One row per optimizer step on the logging cadence (the last step and a callback's ask too), as in TRL:
+        with num_iterations > 1 the rollout's metrics and its first update's, then each later update's own."""
+        later, epoch = metrics.pop("_later_updates", []), round(metrics["epoch"], 4)
+        first = self.trainer.global_step - len(later)  # the optimizer step of the rollout's first update
+        logged = False
+        for step, row in enumerate([metrics, *later], start=first):
+            if reached(step, self.config.logging_steps, 1) or step == self.total_steps or (
+                    asked and step == self.trainer.global_step):
+                self.log(row, step, epoch)
+                logged = True
+        if logged:
+            self.logger.log_samples(metrics.pop("_samples"), step=first)
 
     def log(self, metrics: dict, step: int, epoch: float) -> None:
         """A row of training_log.jsonl (and the trackers); the callbacks' on_log and

@@ -52,17 +52,24 @@ class RolloutStats:
     distill_kl: list[torch.Tensor] = field(default_factory=list, metadata=CAT)
     distill_tokens: list[torch.Tensor] = field(default_factory=list, metadata=CAT)
     teacher_seconds: float = field(default=0.0, metadata=MAX)
-    # sampling/*: the step's rounds (the same on every rank; core/dynamic_sampling.py)
+    # what the rewards logged with TRL's log_metric: name -> one tensor of values per rollout batch
+    reward_logged: dict[str, list[torch.Tensor]] = field(default_factory=dict, metadata=CAT)
+    # dynamic_sampling/*: the step's rounds (the same on every rank; core/dynamic_sampling.py)
     sampling: dict[str, float] = field(default_factory=dict, metadata=MAX)
+    prompt_tokens: float = field(default=0.0, metadata=SUM)  # each completion's prompt tokens, summed
     samples: list[dict] = field(default_factory=list)  # one logged sample per prompt (this rank's)
 
     def add(self, rollout, scores, rows: list[dict]) -> None:
         """One rollout batch (core/rollout.py Rollout) of these dataset rows and its scores
         (core/scoring.py)."""
-        self.samples += rollout_samples(rows, rollout, scores.total, rollout.group_size)
+        self.samples += rollout_samples(rows, rollout, scores.total, rollout.group_size, scores.extra)
+        for name, values in scores.logged.items():
+            self.reward_logged.setdefault(name, []).append(torch.tensor(values))
         self.scores.append(scores.total)
         self.valid.append(scores.valid & scores.scored)
         self.lengths.append(rollout.completion_lengths.float())
+        prompt_lengths = rollout.prompt_mask.sum(dim=1).repeat_interleave(rollout.group_size)  # (N,)
+        self.prompt_tokens += float(prompt_lengths.sum())
         self.truncated.append(rollout.truncated.float())
         for name, values in scores.components.items():
             self.components.setdefault(name, []).append(values)
@@ -95,30 +102,40 @@ class RolloutStats:
         self.tool_truncated += sum(result.truncated for result in results)
 
 
+GAP = "sampling/sampling_logp_difference"  # TRL's name for the sampler's and the trainer's log-prob gap
+LOSS_STATS = {"kl": "kl", "clip_frac": "clip_ratio/region_mean", "clip_frac_low": "clip_ratio/low_mean",
+              "clip_frac_high": "clip_ratio/high_mean", "ratio_mean": "ratio_mean",
+              "clip_frac_capped": "clip_frac_capped", "entropy": "entropy",
+              "rollout_is_weight_mean": "sampling/importance_sampling_ratio/mean"}
+"""LossStats field -> its logged name (TRL's, where TRL logs the same number)."""
+
+
 @dataclass
 class UpdateTotals:
     """The statistics of one update, accumulated over its micro-batches: the loss is the sum of the shares;
     every other statistic a token-weighted mean (`as_metrics`)."""
 
-    KEYS = ("kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "clip_frac_capped", "entropy",
-            "rollout_is_weight_mean")
-
     loss: float = field(default=0.0, metadata=SUM)
     tokens: float = field(default=0.0, metadata=SUM)
     weighted: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys((*UpdateTotals.KEYS, "sampling/logp_diff_mean"), 0.0),
-        metadata=SUM)
+        default_factory=lambda: dict.fromkeys((*LOSS_STATS.values(), f"{GAP}/mean"), 0.0), metadata=SUM)
     gap_max: float = field(default=0.0, metadata=MAX)
+    # each micro-batch's smallest / largest share of one completion's tokens held by the lower / upper bound
+    clip_low_min: list[torch.Tensor] = field(default_factory=list, metadata=CAT)
+    clip_high_max: list[torch.Tensor] = field(default_factory=list, metadata=CAT)
 
     def add(self, loss: torch.Tensor, stats, tokens: float, gap: tuple[float, float] | None = None) -> None:
         """One micro-batch: its loss, LossStats, token count and (mean, max) sampler/trainer log-prob gap."""
         self.loss += float(loss.detach())
         self.tokens += tokens
-        for key in self.KEYS:
-            self.weighted[key] += float(getattr(stats, key)) * tokens
+        for field_name, key in LOSS_STATS.items():
+            self.weighted[key] += float(getattr(stats, field_name)) * tokens
         gap_mean, gap_max = gap or (0.0, 0.0)
-        self.weighted["sampling/logp_diff_mean"] += gap_mean * tokens
+        self.weighted[f"{GAP}/mean"] += gap_mean * tokens
         self.gap_max = max(self.gap_max, gap_max)
+        if stats.clip_frac_low_min is not None:
+            self.clip_low_min.append(stats.clip_frac_low_min.detach().float().cpu().reshape(1))
+            self.clip_high_max.append(stats.clip_frac_high_max.detach().float().cpu().reshape(1))
 
     def add_divergence(self, divergence: torch.Tensor, mask: torch.Tensor) -> None:
         """One micro-batch's full-vocabulary distillation divergence (n, T) over its loss tokens (mask
@@ -127,10 +144,15 @@ class UpdateTotals:
         self.weighted[key] = self.weighted.get(key, 0.0) + float((divergence.detach() * mask).sum())
 
     def as_metrics(self, with_rollout_is: bool = True) -> dict:
+        """The update's metrics; clip_ratio/low_min and /high_max (TRL's) are the smallest and the largest
+        share of one completion's tokens held by each bound."""
         totals = {"loss": self.loss, **{k: v / max(self.tokens, 1.0) for k, v in self.weighted.items()},
-                  "sampling/logp_diff_max": self.gap_max}
+                  f"{GAP}/max": self.gap_max}
+        low, high = (torch.cat(parts) if parts else torch.zeros(1)
+                     for parts in (self.clip_low_min, self.clip_high_max))
+        totals |= {"clip_ratio/low_min": float(low.min()), "clip_ratio/high_max": float(high.max())}
         if not with_rollout_is:
-            del totals["rollout_is_weight_mean"]
+            del totals[LOSS_STATS["rollout_is_weight_mean"]]
         return totals
 
 
@@ -142,24 +164,19 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
     tokens_per_second is the worker's (generation_share: the share of the step the trainer waited for it)."""
     rewards = torch.cat(stats.scores)  # (N_total,)
     lengths, truncated = torch.cat(stats.lengths), torch.cat(stats.truncated)  # (N_total,) each
-    terminated = lengths[truncated == 0]  # (n_eos,) completions that ended with EOS
     worker = {} if ahead is None or not ahead.running else ahead.stats.as_metrics()
     sampling_seconds = worker.get("async/sampler_s", stats.gen_seconds)
     metrics = {
         "loss": update["loss"],
         "reward": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        **update,  # the update's (core/trainer.py): kl, clip fractions, grad_norm, learning_rate, entropy, ...
+        **update,  # the update's (core/trainer.py): kl, clip ratios, grad_norm, learning_rate, entropy, ...
         "group_reward_std_mean": float(group_std.mean()),
-        "frac_zero_std_groups": float((group_std == 0).float().mean()),
-        "frac_reward_zero_std": float((group_std == 0).float().mean()),  # TRL's name for frac_zero_std_groups
-        "completion_length/mean": float(lengths.mean()),
-        "completion_length/min": float(lengths.min()),
-        "completion_length/max": float(lengths.max()),
-        "completion_length/mean_terminated": float(terminated.mean()) if terminated.numel() else 0.0,
-        "frac_truncated": float(truncated.mean()),
+        "frac_reward_zero_std": float((group_std == 0).float().mean()),
+        **completion_metrics(lengths, truncated),
+        "_tokens": stats.prompt_tokens + float(lengths.sum()),  # the run's loop sums them as num_tokens
         "tokens_per_second": float(lengths.sum()) / max(sampling_seconds, 1e-9),
-        "step_seconds": seconds,
+        "step_time": seconds,
         "generation_share": stats.gen_seconds / max(seconds, 1e-9),
         "rewards/errors": int(stats.errors),
         "rewards/timeouts": int(stats.timeouts),
@@ -180,9 +197,23 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
         values = torch.cat(parts)  # (N_total,)
         if name in stats.applies:  # over the samples the reward applies to (it returned a number)
             values = values[torch.cat(stats.applies[name])]
-        metrics[f"rewards/{name}"] = float(values.mean()) if values.numel() else 0.0
+        metrics[f"rewards/{name}/mean"] = float(values.mean()) if values.numel() else 0.0
         metrics[f"rewards/{name}/std"] = float(values.std()) if values.numel() > 1 else 0.0
+    for name, parts in stats.reward_logged.items():  # TRL's log_metric: the mean of the step's values
+        metrics[name] = float(torch.cat(parts).mean())
     return metrics
+
+
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
+    """completions/*, TRL's names: lengths (N,) in tokens, over every completion and over those that ended with
+    EOS (0 when none did), and the share truncated (N,) at max_new_tokens."""
+    terminated = lengths[truncated == 0]  # (n_eos,)
+    terminated = terminated if terminated.numel() else torch.zeros(1)
+    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
+            "completions/mean_terminated_length": float(terminated.mean()),
+            "completions/min_terminated_length": float(terminated.min()),
+            "completions/max_terminated_length": float(terminated.max())}
 
 
 def env_metrics(stats: RolloutStats) -> dict:
@@ -226,10 +257,10 @@ def tool_metrics(stats: RolloutStats) -> dict:
 def warn_if_mostly_flat(metrics: dict) -> bool:
     """Warn (once per run: the caller keeps the flag) when most groups carry no GRPO signal; True if it
     warned."""
-    if metrics["frac_zero_std_groups"] <= 0.75:
+    if metrics["frac_reward_zero_std"] <= 0.75:
         return False
     warnings.warn(
-        f"{metrics['frac_zero_std_groups']:.0%} of groups have identical rewards, so they carry no "
+        f"{metrics['frac_reward_zero_std']:.0%} of groups have identical rewards, so they carry no "
         "learning signal. Likely causes: the task is too hard or too easy for the model (screen the "
         "prompts: `forge screen`), max_new_tokens cuts answers off, or the reward is too coarse.",
         stacklevel=3)
@@ -255,15 +286,17 @@ def warn_if_tools_unused(steps_without_calls: int, announce: bool = True) -> boo
     return True
 
 
-def rollout_samples(rows: list[dict], rollout, rewards: torch.Tensor, group_size: int) -> list[dict]:
+def rollout_samples(rows: list[dict], rollout, rewards: torch.Tensor, group_size: int,
+                    extra: dict[str, list] | None = None) -> list[dict]:
     """One logged sample per prompt of a rollout: its prompt (last chat message), reference, completion,
-    reward."""
+    reward, and the columns rewards logged for it (TRL's log_extra: `extra`, column -> (N,) values)."""
     out = []
     for i in range(0, len(rollout.completions), group_size):
         row = rows[i // group_size]
         prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
         sample = {"prompt": prompt, "reference": row.get("reference"), "completion": rollout.completions[i],
                   "reward": float(rewards[i])}
+        sample |= {column: values[i] for column, values in (extra or {}).items() if i < len(values)}
         if rollout.tool_calls is not None:  # the calls and the results fed back, in order
             sample["tool_calls"] = [result.as_dict() for result in rollout.tool_calls[i]]
         if rollout.episodes is not None and rollout.episodes[i].failure is not None:
@@ -292,6 +325,7 @@ def param_delta_norm(parameters: list[torch.Tensor], initial: list[torch.Tensor]
 __all__ = [
     "RolloutStats",
     "UpdateTotals",
+    "completion_metrics",
     "distill_metrics",
     "env_metrics",
     "ordered_samples",

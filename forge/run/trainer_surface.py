@@ -14,9 +14,9 @@ transformers:
     on_epoch_begin / on_epoch_end    around each pass over the dataset
     on_step_begin / on_step_end      around each optimizer step; on_step_end before the step is logged,
                                      evaluated and saved, so a callback can ask for those
-    on_log            each row written to training_log.jsonl (training and eval/ rows), after it joins
+    on_log            each row written to training_log.jsonl (training and eval_ rows), after it joins
                       state.log_history
-    on_evaluate       after an evaluation, with its eval/ metrics
+    on_evaluate       after an evaluation, with its eval_ metrics
     on_save           after a numbered checkpoint is written
     on_train_end      after final/ is written
 
@@ -33,6 +33,7 @@ import contextlib
 import functools
 import inspect
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -197,11 +198,16 @@ class TrainerSurface:
 
     def evaluate(self, rows: list[dict] | None = None) -> dict:
         """The evaluator's metrics on `rows` (default: eval_dataset) in the run's precision, whole merged
-        weights."""
+        weights, named as transformers' Trainer.evaluate names them: eval_<metric>, eval_runtime (seconds) and
+        eval_samples_per_second (rows)."""
         rows = self.eval_rows() if rows is None else rows
+        started = time.perf_counter()
         with self.sampling():
-            return self.evaluator(self.model, self.tokenizer, rows, max_new_tokens=self.config.max_new_tokens,
-                                  max_prompt_length=self.max_prompt_length)
+            metrics = self.evaluator(self.model, self.tokenizer, rows, max_new_tokens=self.config.max_new_tokens,
+                                     max_prompt_length=self.max_prompt_length)
+        runtime = time.perf_counter() - started
+        return {**{f"eval_{key}": value for key, value in metrics.items()}, "eval_runtime": runtime,
+                "eval_samples_per_second": len(rows) / max(runtime, 1e-9)}
 
     def eval_rows(self) -> list[dict]:
         """The rows of eval_dataset, checked, for evaluate() without rows."""

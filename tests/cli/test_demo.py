@@ -31,7 +31,7 @@ def test_demo_writes_the_report_curves_logs_and_adapter(model_folder, tmp_path, 
     log = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in log if "reward" in row] == [1, 2]
     # the held-out curve during training: the first 3 problems at steps 0 (the base eval's share), 1 and 2
-    assert sorted({row["step"] for row in log if "eval/strict_accuracy" in row}) == [0, 1, 2]
+    assert sorted({row["step"] for row in log if "eval_strict_accuracy" in row}) == [0, 1, 2]
     assert result["heldout_size"] == 6 and result["eval_curve_size"] == 3
     assert [point["step"] for point in result["eval_curve"]] == [0, 1, 2]
     assert all(point["n"] == 3 for point in result["eval_curve"])

@@ -46,7 +46,7 @@ from forge.model.tiny import build_tiny_model
 
 STEPS = 3
 NPROC = 2
-WALL_CLOCK_FIELDS = {"time", "step_seconds", "tokens_per_second", "generation_share"}
+WALL_CLOCK_FIELDS = {"time", "step_time", "tokens_per_second", "generation_share"}
 
 REWARD_FILE = '''
 def text_length(prompts, completions, **kwargs):

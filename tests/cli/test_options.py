@@ -173,8 +173,8 @@ def test_forge_eval_reward_reports_the_mean_reward_of_greedy_completions(workspa
                           f"{workspace / 'rewards.py'}:vowels:0.5", "--max_new_tokens", "4", "--chat", "true",
                           "--out", tmp_path) == 0
     metrics = json.loads((tmp_path / "eval.json").read_text())["metrics"]
-    assert metrics["n"] == 4 and metrics["reward"] == pytest.approx(0.5 * metrics["rewards/vowels"])
-    assert '"rewards/vowels"' in capsys.readouterr().out
+    assert metrics["n"] == 4 and metrics["reward"] == pytest.approx(0.5 * metrics["rewards/vowels/mean"])
+    assert '"rewards/vowels/mean"' in capsys.readouterr().out
     assert forge_main("eval", "--compare", "a", "b", "--reward", "number") == 2
     assert "--reward scores one model's greedy completions: use it with --model, not --compare" in error_of(capsys)
 
@@ -184,11 +184,11 @@ def test_training_evaluates_text_references_with_the_run_rewards(workspace, tmp_
         assert forge_main("train", *train_flags(workspace, out), "--eval_dataset", workspace / data, "--max_steps",
                           "1", "--eval_steps", "1", "--chat", "true") == 0
     printed = capsys.readouterr()
-    words = [row for row in map(json.loads, (tmp_path / "words" / "training_log.jsonl").open()) if "eval/n" in row]
+    words = [row for row in map(json.loads, (tmp_path / "words" / "training_log.jsonl").open()) if "eval_n" in row]
     numbers = [row for row in map(json.loads, (tmp_path / "numbers" / "training_log.jsonl").open())
-               if "eval/n" in row]
-    assert words and all("eval/reward" in row and "eval/strict_accuracy" not in row for row in words)
-    assert numbers and all("eval/strict_accuracy" in row for row in numbers)
+               if "eval_n" in row]
+    assert words and all("eval_reward" in row and "eval_strict_accuracy" not in row for row in words)
+    assert numbers and all("eval_strict_accuracy" in row for row in numbers)
     assert printed.err.count("most references are not numbers the math grader reads, so evaluation reports the "
                              "mean reward of greedy completions under --reward") == 1
     assert "step 1 | eval | reward " in printed.out and "step 1 | eval | strict_accuracy " in printed.out

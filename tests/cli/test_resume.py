@@ -27,7 +27,7 @@ from forge.cli import main as forge_main
 from forge.model.tiny import build_tiny_model
 
 STEPS = 6
-WALL_CLOCK_FIELDS = {"time", "step_seconds", "tokens_per_second", "generation_share"}
+WALL_CLOCK_FIELDS = {"time", "step_time", "tokens_per_second", "generation_share"}
 
 REWARD_FILE = '''
 import os, pathlib, time

@@ -298,7 +298,7 @@ def test_packaged_smollm2_trains_a_lora_step_on_vllm(tmp_path):
     trainer.train([{"prompt": p} for p in prompts])
     metrics = json.loads((tmp_path / "out" / "training_log.jsonl").read_text().splitlines()[0])
     assert all(torch.isfinite(torch.tensor(metrics[k])) for k in ("loss", "grad_norm"))
-    assert metrics["sampling/logp_diff_mean"] < 1e-3, metrics["sampling/logp_diff_mean"]
+    assert metrics["sampling/sampling_logp_difference/mean"] < 1e-3, metrics["sampling/sampling_logp_difference/mean"]
     assert metrics["vllm/push_seconds"] == 0.0  # step 1 samples from the weights the engine started with
 
 

@@ -108,7 +108,7 @@ def test_a_stale_rollouts_ratio_is_taken_against_its_samplers_logprobs(tmp_path,
     stale, old = loss_of(policy_version=0)
     assert old is rollout.sampler_logprobs
     assert stale["ratio_mean"] == pytest.approx(1.25, abs=1e-5)
-    assert stale["clip_frac"] == pytest.approx(1.0)
+    assert stale["clip_ratio/region_mean"] == pytest.approx(1.0)
     assert stale["loss"] == pytest.approx(-1.2 * advantage, abs=1e-5)
     fresh_metrics, old = loss_of(policy_version=None)
     assert old is None

@@ -63,8 +63,8 @@ def plain_step_metrics(stats: RolloutStats) -> dict:
     """step_metrics of one rollout batch of two completions without a teacher (or tools)."""
     stats.scores, stats.valid = [torch.tensor([1.0, 0.0])], [torch.tensor([True, True])]
     stats.lengths, stats.truncated = [torch.tensor([2.0, 3.0])], [torch.tensor([0.0, 0.0])]
-    update = dict.fromkeys(("loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
-                            "grad_norm", "learning_rate"), 0.0)
+    update = dict.fromkeys(("loss", "kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                            "ratio_mean", "grad_norm", "learning_rate"), 0.0)
     return step_metrics(stats, update, group_std=torch.tensor([0.5]), seconds=1.0, skipped_steps=0,
                         param_delta_norm=0.0)
 
@@ -158,9 +158,9 @@ def test_a_teacher_that_is_the_student_has_zero_reverse_kl_and_another_one_does_
     # a one-sample estimate per token: of either sign on near-uniform random models, but not 0
     assert len(rows) == 2 and all(abs(row["distill/reverse_kl"]) > 1e-3 for row in rows)
     for row in rows:  # every completion has max_new_tokens tokens here: per sequence = per token x length
-        assert row["completion_length/min"] == row["completion_length/max"]
+        assert row["completions/min_length"] == row["completions/max_length"]
         assert row["distill/reverse_kl_sequence"] == pytest.approx(row["distill/reverse_kl"]
-                                                                   * row["completion_length/mean"], rel=1e-4)
+                                                                   * row["completions/mean_length"], rel=1e-4)
     assert all(row["distill/teacher_seconds"] > 0 for row in rows)
 
 
@@ -382,7 +382,7 @@ def test_one_completion_per_prompt_is_for_pure_distillation(tmp_path):
     assert not trainer.rewards_teach
     trainer.train(ROWS * 3)
     rows = logged(tmp_path)
-    assert len(rows) == 3 and all(row["frac_zero_std_groups"] == 1.0 for row in rows)
+    assert len(rows) == 3 and all(row["frac_reward_zero_std"] == 1.0 for row in rows)
     assert all(row["loss"] == pytest.approx(row["distill/divergence"], rel=1e-4) and row["loss"] > 0 for row in rows)
     assert all(row["health/groups_flat"] == 0.0 and row["health/reward_stuck"] == 0.0 for row in rows)
 

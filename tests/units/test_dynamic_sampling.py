@@ -33,7 +33,7 @@ def test_a_step_whose_groups_all_carry_signal_takes_one_round():
     _rounds, seen, chosen, report = scripted_rounds([[True] * 4], wanted=4, max_rounds=3)
     assert len(seen) == 1 and seen[0] == POOL[:4]
     assert chosen == [[True] * 4]
-    assert report == {"sampling/rounds": 1.0, "sampling/prompts": 4.0, "sampling/groups_with_signal": 4.0}
+    assert report == {"dynamic_sampling/rounds": 1.0, "dynamic_sampling/prompts": 4.0, "dynamic_sampling/groups_with_signal": 4.0}
 
 
 def test_rounds_go_on_until_the_step_has_its_groups_and_take_the_first_in_order():
@@ -42,7 +42,7 @@ def test_rounds_go_on_until_the_step_has_its_groups_and_take_the_first_in_order(
     rounds, seen, chosen, report = scripted_rounds(script, wanted=4, max_rounds=5)
     assert len(seen) == 3
     assert chosen == [[False, True, False, False], [True, False, True, False], [False, True, False, False]]
-    assert report == {"sampling/rounds": 3.0, "sampling/prompts": 12.0, "sampling/groups_with_signal": 4.0}
+    assert report == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/prompts": 12.0, "dynamic_sampling/groups_with_signal": 4.0}
     assert rounds.flat == 1 * 3 + 2 + 1  # flat groups seen over the rounds: 3 + 2 + 1
 
 
@@ -51,15 +51,15 @@ def test_the_cap_stops_the_rounds_with_fewer_groups():
     _rounds, seen, chosen, report = scripted_rounds(script, wanted=4, max_rounds=2)
     assert len(seen) == 2  # the step's rows and one more round: the cap
     assert chosen[1] == [False, False, True, False]
-    assert report["sampling/rounds"] == 2.0 and report["sampling/groups_with_signal"] == 1.0
+    assert report["dynamic_sampling/rounds"] == 2.0 and report["dynamic_sampling/groups_with_signal"] == 1.0
 
 
 def test_a_step_of_two_rollout_batches_counts_both_before_another_round():
     script = [[True, False], [False, False], [True, True]]
     _rounds, seen, _chosen, report = scripted_rounds(script, wanted=4, max_rounds=2, per_round=2)
     # the step's 4 rows come as two rollout batches (round 1), then one more round of 2 prompts
-    assert [len(s) for s in seen] == [2, 2, 2] and report["sampling/rounds"] == 2.0
-    assert report["sampling/prompts"] == 6.0 and report["sampling/groups_with_signal"] == 3.0
+    assert [len(s) for s in seen] == [2, 2, 2] and report["dynamic_sampling/rounds"] == 2.0
+    assert report["dynamic_sampling/prompts"] == 6.0 and report["dynamic_sampling/groups_with_signal"] == 3.0
 
 
 def test_without_dynamic_sampling_one_round_keeps_every_group_with_signal():
@@ -109,12 +109,12 @@ def run(tmp_path, name, **overrides):
 def test_the_trainer_samples_more_rounds_and_logs_them(tmp_path):
     log, _ = run(tmp_path, "dyn")
     for row in log:
-        assert 1 <= row["sampling/rounds"] <= 3
-        assert row["sampling/prompts"] == 4 * row["sampling/rounds"]
+        assert 1 <= row["dynamic_sampling/rounds"] <= 3
+        assert row["dynamic_sampling/prompts"] == 4 * row["dynamic_sampling/rounds"]
         # half the prompts carry a signal: 4 groups need about two rounds, never more than 3
-        assert row["sampling/groups_with_signal"] <= 4
-        assert row["sampling/rounds"] == 3 or row["sampling/groups_with_signal"] == 4
-    assert any(row["sampling/rounds"] > 1 for row in log)
+        assert row["dynamic_sampling/groups_with_signal"] <= 4
+        assert row["dynamic_sampling/rounds"] == 3 or row["dynamic_sampling/groups_with_signal"] == 4
+    assert any(row["dynamic_sampling/rounds"] > 1 for row in log)
 
 
 def test_a_resumed_dynamic_sampling_run_is_the_uninterrupted_one(tmp_path):
@@ -122,5 +122,5 @@ def test_a_resumed_dynamic_sampling_run_is_the_uninterrupted_one(tmp_path):
     run(tmp_path, "resumed", max_steps=2)
     resumed_log, resumed = run(tmp_path, "resumed", resume_from="latest")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    keys = ("sampling/rounds", "sampling/prompts", "sampling/groups_with_signal", "reward")
+    keys = ("dynamic_sampling/rounds", "dynamic_sampling/prompts", "dynamic_sampling/groups_with_signal", "reward")
     assert [[r[k] for k in keys] for r in resumed_log] == [[r[k] for k in keys] for r in straight_log]

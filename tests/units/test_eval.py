@@ -307,8 +307,8 @@ def test_evaluate_model_with_rewards_adds_their_mean_on_greedy_completions(tiny_
         result = evaluate_model((tiny_model, tiny_tokenizer), data=rows, max_new_tokens=3, rewards=[length],
                                 reward_weights=[0.5])
     texts = [record["responses"][0] for record in result.records]  # evaluate's greedy completions: the same ones
-    assert result.metrics["rewards/length"] == pytest.approx(sum(map(len, texts)) / 2)
-    assert result.metrics["reward"] == pytest.approx(0.5 * result.metrics["rewards/length"])
+    assert result.metrics["rewards/length/mean"] == pytest.approx(sum(map(len, texts)) / 2)
+    assert result.metrics["reward"] == pytest.approx(0.5 * result.metrics["rewards/length/mean"])
 
 
 def test_load_eval_rows_by_name(tmp_path):

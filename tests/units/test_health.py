@@ -15,21 +15,21 @@ from forge.run.loop import HealthStop
 
 def healthy(step: int) -> dict:
     """One step of a run that learns: moving reward, mixed groups, steady KL and gradient norm."""
-    return {"reward": 0.2 + 0.03 * step, "frac_zero_std_groups": 0.3, "entropy": 1.1, "kl": 0.01 + 0.001 * step,
-            "clip_frac": 0.02, "completion_length/mean": 30.0, "frac_truncated": 0.1,
-            "sampling/logp_diff_mean": 0.03, "sampling/logp_diff_max": 2.8 if step % 7 == 3 else 0.6,  # bf16's tail
+    return {"reward": 0.2 + 0.03 * step, "frac_reward_zero_std": 0.3, "entropy": 1.1, "kl": 0.01 + 0.001 * step,
+            "clip_ratio/region_mean": 0.02, "completions/mean_length": 30.0, "completions/clipped_ratio": 0.1,
+            "sampling/sampling_logp_difference/mean": 0.03, "sampling/sampling_logp_difference/max": 2.8 if step % 7 == 3 else 0.6,  # bf16's tail
             "grad_norm": 1.0 + 0.05 * step, "skipped_steps": 0}
 
 
 BROKEN = {  # rule -> how the last steps of an otherwise healthy stream go bad
     "reward_stuck": lambda m, i: m | {"reward": 0.5},
-    "groups_flat": lambda m, i: m | {"frac_zero_std_groups": 1.0},
+    "groups_flat": lambda m, i: m | {"frac_reward_zero_std": 1.0},
     "entropy_collapsed": lambda m, i: m | {"entropy": 0.001},
     "kl_spike": lambda m, i: m | {"kl": 0.5} if i == 9 else m,
-    "clip_spike": lambda m, i: m | {"clip_frac": 0.6} if i == 9 else m,
-    "length_collapsed": lambda m, i: m | {"completion_length/mean": 1.0} if i == 9 else m,
-    "length_pinned": lambda m, i: m | {"frac_truncated": 1.0},
-    "logprob_gap": lambda m, i: m | {"sampling/logp_diff_mean": 0.4} if i == 9 else m,
+    "clip_spike": lambda m, i: m | {"clip_ratio/region_mean": 0.6} if i == 9 else m,
+    "length_collapsed": lambda m, i: m | {"completions/mean_length": 1.0} if i == 9 else m,
+    "length_pinned": lambda m, i: m | {"completions/clipped_ratio": 1.0},
+    "logprob_gap": lambda m, i: m | {"sampling/sampling_logp_difference/mean": 0.4} if i == 9 else m,
     "grad_norm_exploding": lambda m, i: m | {"grad_norm": 40.0} if i == 9 else m,
     "skipped_steps": lambda m, i: m | {"skipped_steps": 1} if i == 9 else m,
     "episodes_failing": lambda m, i: m | {"env/frac_failed_episodes": 0.75 if i == 9 else 0.25},
@@ -63,7 +63,7 @@ def test_steps_that_measured_nothing_raise_no_alarm():
 
 def test_an_alarm_is_said_once_per_episode_and_logged_every_step():
     health = HealthMonitor(3)
-    flat = [healthy(i) | {"frac_zero_std_groups": 1.0} for i in range(5)]
+    flat = [healthy(i) | {"frac_reward_zero_std": 1.0} for i in range(5)]
     said = [health.check(m) for m in [*flat, healthy(6), *flat]]
     started = [alarms for _, alarms in said]
     assert started[2] == ["groups_flat"] and started[3:5] == [[], []]  # said once while it lasts

@@ -29,10 +29,10 @@ def test_console_line_format(tmp_path, capsys):
 
 def test_an_evaluation_row_prints_its_evaluation_metrics(tmp_path, capsys):
     with ForgeLogger(tmp_path) as logger:
-        logger.log({"eval/strict_accuracy": 0.25, "eval/soft_accuracy": 0.5, "eval/format_rate": 1.0, "eval/n": 60,
-                    "eval/seconds": 3.2}, step=3, epoch=0)
-        logger.log({"eval/reward": 0.4, "eval/rewards/vowels": 0.4, "eval/n": 8}, step=4, epoch=0)
-        logger.log({"eval/bleu": 0.125}, step=5, epoch=0)  # an evaluator of the user's: its own metrics
+        logger.log({"eval_strict_accuracy": 0.25, "eval_soft_accuracy": 0.5, "eval_format_rate": 1.0, "eval_n": 60,
+                    "eval_seconds": 3.2}, step=3, epoch=0)
+        logger.log({"eval_reward": 0.4, "eval_rewards/vowels/mean": 0.4, "eval_n": 8}, step=4, epoch=0)
+        logger.log({"eval_bleu": 0.125}, step=5, epoch=0)  # an evaluator of the user's: its own metrics
     assert capsys.readouterr().out.splitlines() == [
         "step 3 | eval | strict_accuracy 0.2500 | soft_accuracy 0.5000 | n 60",
         "step 4 | eval | reward 0.4000 | n 8",
@@ -90,7 +90,7 @@ def test_jsonl_rows_keep_numeric_metrics(tmp_path):
                 "loss": torch.tensor(0.25),
                 "reward": np.float32(0.5),
                 "rewards/format": 1,
-                "eval/gsm8k/accuracy": 0.75,
+                "eval_gsm8k/accuracy": 0.75,
                 "clipped": True,
                 "completions": ["a", "b"],  # not a number: skipped
                 "note": "text",  # not a number: skipped
@@ -109,12 +109,12 @@ def test_jsonl_rows_keep_numeric_metrics(tmp_path):
         "loss",
         "reward",
         "rewards/format",
-        "eval/gsm8k/accuracy",
+        "eval_gsm8k/accuracy",
         "clipped",
     }
     assert first["epoch"] == 0.5
     assert first["loss"] == 0.25 and first["reward"] == 0.5 and first["clipped"] == 1
-    assert first["eval/gsm8k/accuracy"] == 0.75
+    assert first["eval_gsm8k/accuracy"] == 0.75
 
 
 def test_nan_and_inf_become_null(tmp_path):

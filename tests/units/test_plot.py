@@ -24,15 +24,15 @@ def synthetic_rows(n_steps=30):
                 "time": 1000.0 + step,
                 "loss": 0.1,
                 "reward": step / n_steps + 0.1 * math.sin(step),
-                "rewards/correctness": step / n_steps,
-                "rewards/format": 1.0,
+                "rewards/correctness/mean": step / n_steps,
+                "rewards/format/mean": 1.0,
                 "kl": 0.001 * step if step != 5 else None,  # a NaN logged as null
-                "completion_length/mean": 100 - step,
-                "frac_zero_std_groups": 0.5,
+                "completions/mean_length": 100 - step,
+                "frac_reward_zero_std": 0.5,
             }
         )
         if step % 10 == 0:
-            rows.append({"step": step, "epoch": step / 10, "eval/gsm8k/accuracy": step / 40})
+            rows.append({"step": step, "epoch": step / 10, "eval_gsm8k/accuracy": step / 40})
     return rows
 
 
@@ -66,7 +66,7 @@ def test_panels_from_full_log():
         "Completion length",
         "Groups with zero reward std",
     ]
-    assert [s.label for s in panels["Reward"].series] == ["reward", "rewards/correctness", "rewards/format"]
+    assert [s.label for s in panels["Reward"].series] == ["reward", "rewards/correctness/mean", "rewards/format/mean"]
     assert panels["Held-out accuracy"].series[0].steps == [10, 20, 30]
     assert 5 not in panels["KL to reference"].series[0].steps
 
@@ -100,8 +100,8 @@ def test_default_smoothing_leaves_few_points_raw():
 
 
 def test_heldout_panel_names_the_number_of_problems():
-    rows = [{"step": 1, "reward": 0.5}, {"step": 0, "eval/strict_accuracy": 0.1, "eval/n": 60},
-            {"step": 10, "eval/strict_accuracy": 0.2, "eval/n": 60}]
+    rows = [{"step": 1, "reward": 0.5}, {"step": 0, "eval_strict_accuracy": 0.1, "eval_n": 60},
+            {"step": 10, "eval_strict_accuracy": 0.2, "eval_n": 60}]
     panels = {panel.title: panel for panel in build_panels(rows)}
     assert "Held-out accuracy (60 problems)" in panels
     assert panels["Held-out accuracy (60 problems)"].series[0].steps == [0, 10]
@@ -111,11 +111,11 @@ def test_heldout_panel_names_the_number_of_problems():
 def test_panels_leave_out_all_zero_series_and_reward_counters():
     from forge.eval.plot import build_panels
 
-    rows = [{"step": s, "reward": 0.1 * s, "kl": 0.0, "rewards/math": 0.2, "rewards/errors": 3,
-             "rewards/timeouts": 1, "rewards/nonfinite": 0, "completion_length/mean": 20.0} for s in range(1, 6)]
+    rows = [{"step": s, "reward": 0.1 * s, "kl": 0.0, "rewards/math/mean": 0.2, "rewards/errors": 3,
+             "rewards/timeouts": 1, "rewards/nonfinite": 0, "completions/mean_length": 20.0} for s in range(1, 6)]
     panels = {panel.title: [series.label for series in panel.series] for panel in build_panels(rows)}
     assert "KL to reference" not in panels  # kl_beta = 0: a flat-zero panel says nothing
-    assert panels["Reward"] == ["reward", "rewards/math"]  # the counters are not rewards
+    assert panels["Reward"] == ["reward", "rewards/math/mean"]  # the counters are not rewards
 
 
 def test_alarms_are_marked_where_they_start_and_steps_are_whole_numbers():
@@ -123,7 +123,7 @@ def test_alarms_are_marked_where_they_start_and_steps_are_whole_numbers():
 
     rows = [{"step": s, "reward": 0.1 * s, "health/groups_flat": float(s in (3, 4, 7)), "health/kl_spike": 0.0}
             for s in range(1, 9)]
-    rows.insert(4, {"step": 4, "eval/strict_accuracy": 0.5})  # an evaluation row carries no health keys
+    rows.insert(4, {"step": 4, "eval_strict_accuracy": 0.5})  # an evaluation row carries no health keys
     assert alarm_starts(rows) == [(3, "groups_flat"), (7, "groups_flat")]
     figure = render(build_panels(rows), alarm_starts(rows))
     first = figure.axes[0]

@@ -139,6 +139,24 @@ def test_wrapping_and_loading_adapters_hides_only_the_checkpointing_deprecation(
     assert len(deprecations) == 1  # the last line's
 
 
+def test_loading_drops_only_transformers_unsharded_layers_line():
+    """transformers' tensor-parallel plan check prints "The following layers were not sharded" at every load of a
+    model with a plan (the packaged SmolLM2 too); Forge's loading drops that line, and nothing else."""
+    import forge.model.loading  # noqa: F401 - where Forge loads models, and installs the filter
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers.distributed.tensor_parallel")
+    logger.addHandler(handler)
+    try:
+        logger.warning("The following layers were not sharded: model.norm.weight")
+        logger.warning("The following rules were not applied: model.layers.*.mlp")
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in records] == ["The following rules were not applied: model.layers.*.mlp"]
+
+
 # --- reference policy --------------------------------------------------------------------------------
 
 

@@ -61,7 +61,7 @@ def test_bf16_compute_keeps_the_first_update_ratio_at_one(tmp_path, tiny_model, 
     assert trainer.precision.compute == torch.bfloat16
     trainer.train(ROWS[:2])
     # pi_old is computed by the same bf16 forward as pi_theta on unchanged weights: ratio exactly 1
-    assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and updates[0]["clip_frac"] == 0
+    assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and updates[0]["clip_ratio/region_mean"] == 0
     assert abs(updates[1]["ratio_mean"] - 1.0) > 1e-5  # the second update moved
 
 

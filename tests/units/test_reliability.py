@@ -111,11 +111,14 @@ def test_raising_reward_names_reward_step_row_and_text_and_leaves_a_resumable_ch
     assert [row["reward"] for row in resumed_log] == [row["reward"] for row in clean_log]
 
 
-def test_raising_reward_before_any_step_says_there_is_no_checkpoint(tmp_path):
+def test_raising_reward_before_any_step_ends_with_the_rewards_own_error(tmp_path):
     rows = [{"prompt": POISON, "reference": "0"}, *ROWS[:3]]
     trainer = trainer_for(tmp_path, PoisonedReward())
-    with pytest.raises(RewardError, match="at step 1.*\n.*No optimizer step had finished"):
+    with pytest.raises(RewardError) as caught:
         trainer.train(rows)
+    message = str(caught.value)  # nothing to resume: no note after the reward's own error
+    assert message.startswith("reward 'PoisonedReward' raised ZeroDivisionError: cannot score poison at step 1")
+    assert message.endswith("to give failing samples reward_error_value and go on.")
     assert latest_checkpoint(tmp_path / "run") is None
 
 
@@ -359,7 +362,7 @@ def test_flat_rewards_warn_once(tmp_path):
     with pytest.warns(UserWarning, match="100% of groups have identical rewards") as caught:
         trainer.train(ROWS)
     assert sum("identical rewards" in str(w.message) for w in caught) == 1
-    assert [row["frac_zero_std_groups"] for row in read_log(tmp_path / "run")] == [1.0, 1.0]
+    assert [row["frac_reward_zero_std"] for row in read_log(tmp_path / "run")] == [1.0, 1.0]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def test_use_trackio_in_the_config_reaches_the_trackio_sink(tmp_path, monkeypatc
 
     monkeypatch.setitem(sys.modules, "trackio", FakeTrackio)
     run(tmp_path, max_steps=2, use_trackio=True, trackio_project="mine").train(ROWS)
-    assert logged == ["mine", 1, 2, "finish"]
+    assert logged == ["mine", 1, 2, 2, "finish"]  # the steps, then the run's summary (train_runtime, ...)
 
 
 def test_the_default_evaluator_of_a_tool_run_generates_with_the_tools(tmp_path):
@@ -197,4 +197,4 @@ def test_the_default_evaluator_of_a_tool_run_generates_with_the_tools(tmp_path):
                         kl_beta=0.0, output_dir=str(tmp_path / "run"))
     trainer = GRPOTrainer(model, tokenizer, [text_length, calls_made], config, tools=[calculator])
     metrics = trainer.evaluator(trainer.model, tokenizer, ROWS, max_new_tokens=6, max_prompt_length=512)
-    assert metrics["n"] == 4 and metrics["rewards/calls_made"] == 0.0  # the random model calls nothing
+    assert metrics["n"] == 4 and metrics["rewards/calls_made/mean"] == 0.0  # the random model calls nothing

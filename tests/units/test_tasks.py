@@ -394,8 +394,8 @@ def test_grpo_trains_on_a_reasoning_gym_task_with_its_own_reward(tiny_model, tin
                           evaluator=heldout_metrics)
     trainer.train(rows, eval_dataset=rgt.reasoning_gym_heldout("chain_sum", n=2, few_shot=False))
     log = [json.loads(line) for line in (tmp_path / "run" / "training_log.jsonl").read_text().splitlines()]
-    assert any("rewards/reasoning_gym" in row for row in log)
-    assert any("eval/task_score" in row for row in log)
+    assert any("rewards/reasoning_gym/mean" in row for row in log)
+    assert any("eval_task_score" in row for row in log)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -423,7 +423,7 @@ def test_forge_train_on_a_reasoning_gym_task_uses_its_scorer(model_folder, tmp_p
                  "--output_dir", str(out)]) == 0
     assert "ReasoningGymReward" in capsys.readouterr().err
     log = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
-    assert any("rewards/reasoning_gym" in row for row in log) and any("eval/task_score" in row for row in log)
+    assert any("rewards/reasoning_gym/mean" in row for row in log) and any("eval_task_score" in row for row in log)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -31,10 +31,12 @@ ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)}
         for a, b in [(2, 3), (4, 1), (7, 5), (6, 6), (3, 9), (8, 2), (1, 1), (5, 4)]]
 
 REQUIRED_LOG_KEYS = [
-    "step", "epoch", "loss", "reward", "reward_std", "kl", "clip_frac", "clip_frac_low", "clip_frac_high",
-    "grad_norm", "learning_rate", "completion_length/mean", "completion_length/min", "completion_length/max",
-    "frac_truncated", "tokens_per_second", "step_seconds", "generation_share", "param_delta_norm",
-    "frac_zero_std_groups", "group_reward_std_mean",
+    "step", "epoch", "loss", "reward", "reward_std", "kl", "clip_ratio/region_mean", "clip_ratio/low_mean",
+    "clip_ratio/high_mean", "clip_ratio/low_min", "clip_ratio/high_max", "grad_norm", "learning_rate",
+    "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+    "completions/mean_terminated_length", "completions/min_terminated_length", "completions/max_terminated_length",
+    "num_tokens", "tokens_per_second", "step_time", "generation_share", "param_delta_norm", "frac_reward_zero_std",
+    "group_reward_std_mean",
 ]
 
 
@@ -87,14 +89,14 @@ def test_training_moves_weights_and_writes_logs_samples_checkpoints(tmp_path, ti
     log = read_jsonl(run / "training_log.jsonl")
     assert [row["step"] for row in log] == [1, 2, 3, 4]
     for row in log:
-        missing = [key for key in REQUIRED_LOG_KEYS + ["rewards/alternating", "rewards/vowel_count"]
+        missing = [key for key in REQUIRED_LOG_KEYS + ["rewards/alternating/mean", "rewards/vowel_count/mean"]
                    if key not in row]
         assert not missing, f"log row lacks {missing}"
         assert all(value is not None and math.isfinite(value) for value in row.values())
-        assert row["reward"] == pytest.approx(row["rewards/alternating"] + row["rewards/vowel_count"], abs=1e-5)
-        assert 1 <= row["completion_length/min"] <= row["completion_length/mean"] <= row["completion_length/max"] <= 6
-        assert 0 <= row["frac_truncated"] <= 1 and 0 < row["generation_share"] < 1
-        assert row["frac_zero_std_groups"] == 0 and row["group_reward_std_mean"] > 0
+        assert row["reward"] == pytest.approx(row["rewards/alternating/mean"] + row["rewards/vowel_count/mean"], abs=1e-5)
+        assert 1 <= row["completions/min_length"] <= row["completions/mean_length"] <= row["completions/max_length"] <= 6
+        assert 0 <= row["completions/clipped_ratio"] <= 1 and 0 < row["generation_share"] < 1
+        assert row["frac_reward_zero_std"] == 0 and row["group_reward_std_mean"] > 0
     assert log[-1]["param_delta_norm"] > log[0]["param_delta_norm"] > 0
     assert [row["epoch"] for row in log] == [0.25, 0.5, 0.75, 1.0]
 
@@ -134,7 +136,7 @@ def test_the_original_quickstart_runs_unchanged(tmp_path, monkeypatch, tiny_mode
     assert result["global_step"] == 1
     log = read_jsonl(tmp_path / "forge_output" / "training_log.jsonl")
     assert [row["step"] for row in log] == [1]
-    assert "rewards/exact_match" in log[0]
+    assert "rewards/exact_match/mean" in log[0]
     assert (tmp_path / "forge_output" / "final" / "model.safetensors").is_file()
 
 
@@ -276,8 +278,9 @@ def test_several_updates_per_rollout_compute_pi_old_once(tmp_path, monkeypatch, 
     # per rollout of 4 completions in micro-batches of 2: 2 pi_old forwards + mu x 2 loss forwards
     assert logprob_calls[0] == 2 * (2 + mu * 2)
     log = read_jsonl(tmp_path / "run" / "training_log.jsonl")
-    assert [row["step"] for row in log] == [3, 6]  # one logged row per rollout: its last update
-    assert max(row["clip_frac"] for row in log) > 0  # later updates move off pi_old and get clipped
+    assert [row["step"] for row in log] == [1, 2, 3, 4, 5, 6]  # one row per optimizer step, as in TRL
+    assert [row["step"] for row in log if "reward" in row] == [1, 4]  # the rollout's with its first update
+    assert max(row["clip_ratio/region_mean"] for row in log) > 0  # later updates move off pi_old and get clipped
 
 
 def test_one_update_per_rollout_needs_no_pi_old_forward(tmp_path, monkeypatch, tiny_model, tiny_tokenizer):
@@ -296,7 +299,7 @@ def test_one_update_per_rollout_needs_no_pi_old_forward(tmp_path, monkeypatch, t
     assert optimizer_steps[0] == 2
     batch, _ = trainer.collect(ROWS[:1])
     assert batch.old_logprobs == [None]
-    assert all(row["ratio_mean"] == pytest.approx(1.0) and row["clip_frac"] == 0
+    assert all(row["ratio_mean"] == pytest.approx(1.0) and row["clip_ratio/region_mean"] == 0
                for row in read_jsonl(tmp_path / "run" / "training_log.jsonl"))
 
     calls[0] = 0  # with a KL term, one reference forward per step is added
@@ -316,7 +319,7 @@ def test_several_updates_per_rollout_still_cover_the_dataset(tmp_path, tiny_mode
     trainer.step = lambda rows: seen.extend(r["prompt"] for r in rows) or real_step(rows)
     assert trainer.train(ROWS[:4])["global_step"] == 8
     assert sorted(seen) == sorted(row["prompt"] for row in ROWS[:4])
-    assert [row["step"] for row in read_jsonl(tmp_path / "run" / "training_log.jsonl")] == [4, 6, 8]
+    assert [row["step"] for row in read_jsonl(tmp_path / "run" / "training_log.jsonl")] == [3, 6, 8]
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.isdigit()) == ["4", "6"]
 
 
@@ -394,7 +397,7 @@ def test_plain_function_reward(tmp_path, tiny_model, tiny_tokenizer):
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, references_in_completion, fast_config(tmp_path, max_steps=1))
     trainer.train(ROWS)
     (row,) = read_jsonl(tmp_path / "run" / "training_log.jsonl")
-    assert row["rewards/references_in_completion"] == row["reward"]
+    assert row["rewards/references_in_completion/mean"] == row["reward"]
     assert len(seen["prompts"]) == 4 and len(set(seen["prompts"])) == 1  # one prompt, group_size copies
     assert len(set(seen["references"])) == 1
 
@@ -404,8 +407,8 @@ def test_list_of_rewards_with_weights(tmp_path, tiny_model, tiny_tokenizer):
     config = fast_config(tmp_path, max_steps=2, reward_weights=[2.0, 0.5, 1.0], prompts_per_step=2)
     GRPOTrainer(tiny_model, tiny_tokenizer, rewards, config).train(ROWS)
     for row in read_jsonl(tmp_path / "run" / "training_log.jsonl"):
-        assert row["rewards/alternating"] == pytest.approx(0.5)
-        expected = 2.0 * row["rewards/alternating"] + 0.5 * row["rewards/vowel_count"] + row["rewards/exact_match"]
+        assert row["rewards/alternating/mean"] == pytest.approx(0.5)
+        expected = 2.0 * row["rewards/alternating/mean"] + 0.5 * row["rewards/vowel_count/mean"] + row["rewards/exact_match/mean"]
         assert row["reward"] == pytest.approx(expected, abs=1e-5)
 
     with pytest.raises(ValueError, match="reward_weights has 2 entries for 3 reward functions"):
@@ -449,7 +452,7 @@ def test_mask_truncated_completions(tmp_path, monkeypatch, tiny_model, tiny_toke
     trainer.train(ROWS)
     log = read_jsonl(tmp_path / "run" / "training_log.jsonl")
     assert len(log) == 2
-    assert all(0 < row["frac_truncated"] <= 0.5 and row["completion_length/min"] <= 2 for row in log)
+    assert all(0 < row["completions/clipped_ratio"] <= 0.5 and row["completions/min_length"] <= 2 for row in log)
 
 
 def test_everything_masked_is_a_no_op_step(tmp_path, tiny_model, tiny_tokenizer):
@@ -459,7 +462,7 @@ def test_everything_masked_is_a_no_op_step(tmp_path, tiny_model, tiny_tokenizer)
     trainer = GRPOTrainer(tiny_model, tiny_tokenizer, alternating, config)
     trainer.train([{"prompt": "0 1 2 3 4 5 6 7 8 9"}])
     (row,) = read_jsonl(tmp_path / "run" / "training_log.jsonl")
-    assert row["frac_truncated"] == 1.0  # the seeded tiny model samples no EOS in 2 tokens here
+    assert row["completions/clipped_ratio"] == 1.0  # the seeded tiny model samples no EOS in 2 tokens here
     assert row["loss"] == 0 and row["grad_norm"] == 0 and row["param_delta_norm"] == 0
     assert all(torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
 
@@ -480,9 +483,9 @@ def test_a_config_changed_between_steps_changes_sampling_and_the_loss_pass_toget
     trainer.train([{"prompt": "0 1 2 3 4 5 6 7 8 9"}])
     assert trainer.max_prompt_length == 512 - 3
     first, second = read_jsonl(tmp_path / "run" / "training_log.jsonl")
-    assert first["completion_length/max"] == 6 and second["completion_length/max"] == 3  # the new budget
+    assert first["completions/max_length"] == 6 and second["completions/max_length"] == 3  # the new budget
     # the sampler's log-probs (temperature 2.5) are the loss pass's: at the build's 0.9 they would differ by ~1
-    assert second["sampling/logp_diff_max"] < 1e-4
+    assert second["sampling/sampling_logp_difference/max"] < 1e-4
 
 
 def test_drop_zero_std_groups(tmp_path, tiny_model, tiny_tokenizer):
@@ -503,7 +506,7 @@ def test_drop_zero_std_groups(tmp_path, tiny_model, tiny_tokenizer):
         trainer.train(rows)
     assert not [w for w in caught if "identical rewards" in str(w.message)]  # half flat: under the 75% bar
     log = read_jsonl(tmp_path / "run" / "training_log.jsonl")
-    assert all(row["frac_zero_std_groups"] == 0.5 for row in log)
+    assert all(row["frac_reward_zero_std"] == 0.5 for row in log)
 
 
 def test_the_loss_pass_runs_no_forward_on_rows_without_loss(tmp_path, tiny_model, tiny_tokenizer):
@@ -541,7 +544,7 @@ def test_drop_zero_std_groups_drops_groups_of_equal_inexact_rewards(value, tmp_p
     assert torch.equal(advantages[:8], torch.zeros(8))
     trainer.train(rows)
     (row,) = read_jsonl(tmp_path / "run" / "training_log.jsonl")
-    assert row["frac_zero_std_groups"] == 0.5
+    assert row["frac_reward_zero_std"] == 0.5
 
 
 def test_a_nonfinite_reward_sample_is_left_out_of_its_group_statistics(tmp_path, tiny_model, tiny_tokenizer):
@@ -581,7 +584,7 @@ def test_pi_old_is_the_sampling_policy_and_the_first_update_has_ratio_one(tmp_pa
     mask = rollout.completion_mask.bool()
     torch.testing.assert_close(old[mask], expected[mask], atol=1e-5, rtol=1e-5)
     assert len(updates) == 3
-    assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and updates[0]["clip_frac"] == 0
+    assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and updates[0]["clip_ratio/region_mean"] == 0
     assert abs(updates[2]["ratio_mean"] - 1.0) > 1e-4  # later updates do move off pi_old
 
 

@@ -323,3 +323,23 @@ def test_refusals_name_what_to_do():
     assert "{" not in str(refused.value) and "huggingface-cli upload" in str(refused.value)
     with pytest.raises(ValueError, match=r"generation_backend='vllm' \(TRL's use_vllm=True\) needs vLLM"):
         GRPOConfig(use_vllm=True).validate()  # vLLM is not installed with the test suite
+
+
+def test_a_refused_steps_per_generation_points_at_its_mapping():
+    # TRL trains each of 4 optimizer steps on 2 of one prompt's 8 completions (B = 2, generation = 8)
+    with pytest.raises(TypeError, match=r"4 optimizer steps of 2 completions.*steps_per_generation is mapped so: "
+                                        r"docs/from-trl.md#the-batch.*gradient_accumulation_steps=4"):
+        GRPOConfig(per_device_train_batch_size=2, steps_per_generation=4, num_generations=8)
+
+
+def test_a_reward_failing_on_conversational_completions_ends_with_its_own_error(model_folder, tmp_path):
+    def words(completions, **kwargs):  # written for text; a conversational dataset's completions are messages
+        return [float(len(completion.split())) for completion in completions]
+
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt}] for prompt in PROMPTS]})
+    trainer = GRPOTrainer(model=model_folder, reward_funcs=words, args=trl_args(tmp_path), train_dataset=dataset)
+    with pytest.raises(Exception) as failed:
+        trainer.train()
+    message = str(failed.value)  # no step finished: nothing to resume, so no note hides the error
+    assert message.startswith("reward 'words' raised AttributeError: 'list' object has no attribute 'split'")
+    assert message.endswith("to give failing samples reward_error_value and go on.")

@@ -13,15 +13,8 @@ import transformers
 
 from forge import GRPOConfig
 from forge.core.config_docs import trl_tables_markdown
-from forge.core.trl_names import (
-    TRAINING_ARGUMENTS_FIELDS,
-    TRL_CONVERTED,
-    TRL_GRPO_FIELDS,
-    TRL_IGNORED,
-    TRL_NAMES,
-    TRL_REFUSED,
-    classify,
-)
+from forge.core.trl_fields import TRAINING_ARGUMENTS_FIELDS, TRL_GRPO_FIELDS
+from forge.core.trl_names import TRL_CONVERTED, TRL_IGNORED, TRL_NAMES, TRL_REFUSED, classify
 
 FORGE_FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)}
 DEFAULT = GRPOConfig()

@@ -143,16 +143,17 @@ def test_a_script_with_eval_dataset_eval_strategy_and_a_logging_callback(model_f
     history = trainer.state.log_history
     assert recorder.logs == history  # every on_log row is a log_history row
     train_rows = [row for row in history if "reward" in row]
-    eval_rows = [row for row in history if "eval/reward" in row]
+    eval_rows = [row for row in history if "eval_reward" in row]
     assert [row["step"] for row in train_rows] == [1, 2] and [row["step"] for row in eval_rows] == [1, 2]
     assert all(isinstance(row["loss"], float) for row in train_rows)
-    assert [m["eval/n"] for m in recorder.evaluations] == [2, 2]
+    assert [m["eval_n"] for m in recorder.evaluations] == [2, 2]
     logged = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in logged] == [row["step"] for row in history]
+    assert logged == [row | {"time": logged_row["time"]} for row, logged_row in zip(history, logged)]
+    assert "train_runtime" in history[-1] and len(history) == len(logged) + 1  # the summary: log_history only
     assert trainer.state.global_step == 2 and trainer.state.epoch == 1.0
 
     metrics = trainer.evaluate()  # TRL's call: eval_dataset, a metrics dict
-    assert metrics["n"] == 2 and isinstance(metrics["reward"], float)
+    assert metrics["eval_n"] == 2 and isinstance(metrics["eval_reward"], float)
 
 
 class StopAfter(TrainerCallback):
@@ -176,7 +177,7 @@ def test_a_callback_that_stops_training_ends_the_run_as_max_steps_would(model_fo
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
     assert not (tmp_path / "out" / "2").exists()  # save_strategy="no": final/ only, as at max_steps
     assert recorder.events[-1] == ("train_end", 2)
-    assert [row["step"] for row in trainer.state.log_history] == [1, 2]
+    assert [row["step"] for row in trainer.state.log_history] == [1, 2, 2]  # the steps', then the run's summary
 
 
 class SaveAt(TrainerCallback):
@@ -192,13 +193,14 @@ def test_a_callback_asks_for_a_checkpoint_and_train_resumes_from_it(model_folder
     first.train()
     assert (tmp_path / "out" / "1").is_dir()
     saved = json.loads((tmp_path / "out" / "1" / "trainer_state.json").read_text())
-    assert saved["log_history"] == first.state.log_history and [row["step"] for row in saved["log_history"]] == [1]
+    assert saved["log_history"] == first.state.log_history[:1] and [row["step"] for row in saved["log_history"]] == [1]
+    assert "train_runtime" in first.state.log_history[1]  # the run's summary, logged after its last checkpoint
 
     second = GRPOTrainer(model=model_folder, reward_funcs=reward_len,
                          args=trl_args(tmp_path, max_steps=2, save_strategy="no"), train_dataset=dataset)
     second.train(resume_from_checkpoint=True)
     assert second.global_step == 2 and second.config.resume_from == "latest"
-    assert [row["step"] for row in second.state.log_history] == [1, 2]  # the checkpoint's rows, then this run's
+    assert [row["step"] for row in second.state.log_history] == [1, 2, 2]  # the checkpoint's rows, then this run's
     final = json.loads((tmp_path / "out" / "final" / "trainer_state.json").read_text())
     assert [row["step"] for row in final["log_history"]] == [1, 2]
 
