@@ -75,6 +75,36 @@ def _reward_stuck(window: Window, threshold: float) -> bool:
             and max(rewards) - min(rewards) <= threshold)
 
 
+COLLAPSE_MIN_FALL = 0.5
+"""nats per token an entropy must fall by to count as a collapse: `forge demo`'s entropy (temperature 0.7, measured
+on the tokens in the loss only) wanders between 0.0 and 0.46 from step to step on seed 0 without collapsing."""
+
+
+def _entropy_collapsing(window: Window, threshold: float) -> bool:
+    """Fires when the newest step's entropy is under `threshold` x the highest entropy measured in the window
+    (0 is no measurement: a step with no token in the loss), at least COLLAPSE_MIN_FALL below it, while the
+    reward has not risen: the mean reward of the window's later half is no higher than that of its earlier
+    half. A policy that sharpens as it learns (falling entropy, rising reward) does not fire it."""
+    entropies = [v for v in (_value(m, "entropy") for m in window) if v]
+    rewards = [_value(m, "reward") for m in window]
+    newest = _value(window[-1], "entropy")
+    if not newest or len(entropies) < 2 or None in rewards or len(rewards) < 2:
+        return False
+    half = len(rewards) // 2
+    earlier, later = rewards[:half], rewards[len(rewards) - half:]
+    highest = max(entropies)
+    fell = newest < threshold * highest and highest - newest >= COLLAPSE_MIN_FALL
+    return fell and sum(later) / half <= sum(earlier) / half
+
+
+def _zero_signal_steps(window: Window, threshold: float) -> bool:
+    """Fires when the last `threshold` steps in a row each had every group flat (`frac_reward_zero_std` 1: no
+    group-relative advantage anywhere, so the step trained on nothing)."""
+    count = int(threshold)
+    latest = [_value(m, "frac_reward_zero_std") for m in list(window)[-count:]]
+    return count >= 1 and len(latest) == count and all(v is not None and v >= 1.0 for v in latest)
+
+
 def _skipped(window: Window, threshold: float) -> bool:
     counts = [_value(m, "skipped_steps") or 0.0 for m in window]
     return len(counts) > 1 and counts[-1] - counts[-2] >= threshold
@@ -99,6 +129,21 @@ HEALTH_RULES: dict[str, Rule] = {
         _entropy_collapsed,
         "the policy's token entropy stayed under 0.01 over health_window steps (it samples "
         "nearly one answer): lower learning_rate, raise temperature, or add entropy_coef",
+    ),
+    "entropy_collapsing": Rule(
+        0.2,
+        _entropy_collapsing,
+        "the policy's token entropy fell under 20% of its level a few steps ago while the mean reward did "
+        "not rise: it is settling on one answer without learning the task (a collapse); raise temperature, "
+        "hold an entropy floor (adaptive_entropy with entropy_target), add kl_beta, lower learning_rate, "
+        "or sample more prompts_per_step",
+    ),
+    "zero_signal_steps": Rule(
+        3,
+        _zero_signal_steps,
+        "every group scored all alike on the last 3 steps in a row, so they trained on nothing: the task "
+        "is too hard or too easy for the policy now; `forge screen` the prompts, dynamic_sampling, a larger "
+        "group_size, or a softer reward",
     ),
     "kl_spike": Rule(
         10.0,
@@ -151,7 +196,7 @@ HEALTH_RULES: dict[str, Rule] = {
 }
 
 
-REWARD_RULES = ("reward_stuck", "groups_flat")
+REWARD_RULES = ("reward_stuck", "groups_flat", "zero_signal_steps", "entropy_collapsing")
 """The rules about the rewards' learning signal: off when the rewards do not enter the loss (pure on-policy
 distillation, whose signal is the teacher's)."""
 
