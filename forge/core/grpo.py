@@ -37,8 +37,14 @@ from typing import NamedTuple
 import torch
 
 # re-exported: the original API had them here
-from forge.core.advantages import (ADVANTAGE_SCALES, MULTI_REWARD_AGGREGATIONS, compute_group_advantages,
-                                   group_reward_std, multi_reward_advantages, weighted_reward_sum)
+from forge.core.advantages import (
+    ADVANTAGE_SCALES,
+    MULTI_REWARD_AGGREGATIONS,
+    compute_group_advantages,
+    group_reward_std,
+    multi_reward_advantages,
+    weighted_reward_sum,
+)
 
 # ----------------------------------------------------------------------------------------------------
 # The loss: plain GRPO first; each variant is one entry in a table further down
