@@ -143,9 +143,7 @@ def evaluate(
     _check_references(rows)
     _check_decoding(num_samples, temperature, k_values, batch_size, answer_format)
     warn_if_references_unreadable(rows)
-    greedy = temperature == 0
-    settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature if not greedy else 1.0,
-                                top_p=top_p, top_k=0, do_sample=not greedy, backend=generation_backend)
+    settings = _sampling_settings(max_new_tokens, temperature, top_p, generation_backend)
     formats = [answer_format or detect_answer_format(row["prompt"]) for row in rows]
 
     device = next(model.parameters()).device
@@ -163,6 +161,15 @@ def evaluate(
                 "top_p": top_p, "k_values": list(k_values), "batch_size": batch_size, "seed": seed,
                 "answer_format": answer_format, "max_prompt_length": max_prompt_length}
     return EvalResult(metrics=metrics, records=records, settings=decoding)
+
+
+def _sampling_settings(max_new_tokens: int, temperature: float, top_p: float,
+                       backend: str) -> SamplingSettings:
+    """Greedy decoding at temperature 0 (argmax, the temperature left at 1.0), else sampling at
+    `temperature`."""
+    greedy = temperature == 0
+    return SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature if not greedy else 1.0,
+                            top_p=top_p, top_k=0, do_sample=not greedy, backend=backend)
 
 
 def _check_references(rows: Sequence[dict]) -> None:
