@@ -4,8 +4,8 @@
 Underneath there is one engine: AsyncGRPOConfig is GRPOConfig with max_staleness=1 (one step off) by default,
 and AsyncGRPOTrainer is GRPOTrainer, whose steps take their groups from the rollout worker
 (forge/core/rollout_worker.py) instead of sampling them in the step. TRL's AsyncGRPOConfig fields are recorded
-in forge/core/trl_fields.py (TRL_ASYNC_GRPO_FIELDS) and classified in forge/core/trl_names.py like GRPOConfig's:
-mapped, ignored or refused.
+in forge/core/trl_fields.py (TRL_ASYNC_GRPO_FIELDS) and classified in forge/core/trl_names.py like
+GRPOConfig's: mapped, ignored or refused.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ class SamplingRounds:
         return chosen
 
     def metrics(self) -> dict:
-        return {"dynamic_sampling/rounds": float(self.rounds), "dynamic_sampling/prompts": float(self.prompts),
+        return {"dynamic_sampling/rounds": float(self.rounds),
+                "dynamic_sampling/prompts": float(self.prompts),
                 "dynamic_sampling/groups_with_signal": float(self.taken)}
 
 

@@ -4,12 +4,12 @@ Forge's own decode loop: the same prompts rendered and tokenized by Forge, the s
 A step's sampling noise (forge/core/rollout.py `sampling_noise`, drawn from (seed, step)) gives each prompt's
 request its seed, so the engine's draws depend on the run's seed and step only, on 1 or N processes alike.
 
-With tools or an environment, each completion is its own request and stops at a stop token or at a token that may
-close a call (the own loop's `closing_token_ids`); a completed call is answered as the own loop answers it
-(`answer_calls`: timeouts, budgets, truncation marker, the environment's end), its result's tokens appended, and the
-completion so far is sent back as token ids, so nothing the model sampled is ever re-tokenized. The masks and
-budgets are the own loop's: `action_mask` marks the sampled tokens, only they count towards max_new_tokens, and
-sampled and fed tokens together towards max_episode_tokens and the model's context.
+With tools or an environment, each completion is its own request and stops at a stop token or at a token that
+may close a call (the own loop's `closing_token_ids`); a completed call is answered as the own loop answers it
+(`answer_calls`: timeouts, budgets, truncation marker, the environment's end), its result's tokens appended,
+and the completion so far is sent back as token ids, so nothing the model sampled is ever re-tokenized. The
+masks and budgets are the own loop's: `action_mask` marks the sampled tokens, only they count towards
+max_new_tokens, and sampled and fed tokens together towards max_episode_tokens and the model's context.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from forge.tools.calls import ToolSettings
 
 
 def open_engine(config, model, tokenizer, compute: torch.dtype, dist=None, worker: bool = False):
-    """The run's engine (GRPOConfig.vllm_mode), or None when the run samples with the own loop: started from the
-    policy's weights, or a running server that the processes of the run (`dist`, forge/parallel) share: the first
-    pushes each step's weights, the others wait. Async GRPO (max_staleness set): the rollout worker's server
-    (`worker`), and None in the trainer, which evaluates with the own loop (forge/core/rollout_worker.py)."""
+    """The run's engine (GRPOConfig.vllm_mode), or None when the run samples with the own loop: started from
+    the policy's weights, or a running server that the processes of the run (`dist`, forge/parallel) share:
+    the first pushes each step's weights, the others wait. Async GRPO (max_staleness set): the rollout
+    worker's server (`worker`), and None in the trainer, which evaluates with the own loop
+    (forge/core/rollout_worker.py)."""
     if config.generation_backend != "vllm" or (config.max_staleness is not None and not worker):
         return None
     if config.vllm_mode not in MODES:
@@ -71,8 +72,8 @@ def open_engine(config, model, tokenizer, compute: torch.dtype, dist=None, worke
 
 def colocated_engine(model, tokenizer, compute: torch.dtype, max_rows: int, max_new_tokens: int,
                      **options) -> ColocatedEngine:
-    """An engine in this process started from `model`'s weights, stopping where Forge's own loop stops; options:
-    enforce_eager, gpu_memory_utilization, seed (ColocatedEngine)."""
+    """An engine in this process started from `model`'s weights, stopping where Forge's own loop stops;
+    options: enforce_eager, gpu_memory_utilization, seed (ColocatedEngine)."""
     require_vllm()
     return ColocatedEngine(model, compute, eos_ids(tokenizer, model), max_rows=max_rows,
                            max_new_tokens=max_new_tokens, context=context_of(model), **options)
@@ -90,7 +91,8 @@ def engine_sampling(settings: SamplingSettings) -> EngineSampling:
 
 
 def request_seeds(noise: torch.Tensor, group_size: int) -> list[int]:
-    """(P,) seeds from a step's (P * G, T) uniforms: the first draw of each group's first row, as an integer."""
+    """(P,) seeds from a step's (P * G, T) uniforms: the first draw of each group's first row, as an
+    integer."""
     return [int(u * 2**62) for u in noise[::group_size, 0].tolist()]
 
 
@@ -108,7 +110,8 @@ def generate_on_engine(
 ) -> Rollout:
     """`group_size` completions for every prompt from the engine, as a Rollout (rollout.generate's contract:
     completions end at the first stop token, sampler log-probs of the sampled tokens, `truncated` when none;
-    with tools or an environment, reset with the prompts' dataset `rows`: calls answered as the own loop does)."""
+    with tools or an environment, reset with the prompts' dataset `rows`: calls answered as the own loop
+    does)."""
     if tools is not None:
         return _with_tools(
             engine,
@@ -122,7 +125,8 @@ def generate_on_engine(
             tools,
             rows,
         )
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncate_prompts)  # (P, Lp)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length,
+                                               truncate_prompts)  # (P, Lp)
     own_tokens = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]  # padding dropped
     groups = engine.sample(own_tokens, group_size, engine_sampling(settings),
                            None if noise is None else request_seeds(noise, group_size))
@@ -144,7 +148,8 @@ def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_len
         for n in range(len(turns.prompts) * group_size)
     ]
     sampling = engine_sampling(settings)
-    for turn in range(10**9):  # each round: every running completion samples up to its next stop; calls answered
+    # each round: every running completion samples up to its next stop; calls answered
+    for turn in range(10**9):
         active = [n for n, decoding in enumerate(decodings) if not decoding.done]
         if not active:
             break
@@ -168,4 +173,5 @@ def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_len
                               turns.fmt.stops_at_eos)
         turns.answer(decodings, [(n, sample.token_ids) for n, (sample,) in zip(active, samples)],
                      settings.max_new_tokens)
-    return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer, True)
+    return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
+                      True)

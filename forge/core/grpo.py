@@ -37,8 +37,14 @@ from typing import NamedTuple
 import torch
 
 # re-exported: the original API had them here
-from forge.core.advantages import (ADVANTAGE_SCALES, MULTI_REWARD_AGGREGATIONS, compute_group_advantages,
-                                   group_reward_std, multi_reward_advantages, weighted_reward_sum)
+from forge.core.advantages import (
+    ADVANTAGE_SCALES,
+    MULTI_REWARD_AGGREGATIONS,
+    compute_group_advantages,
+    group_reward_std,
+    multi_reward_advantages,
+    weighted_reward_sum,
+)
 
 # ----------------------------------------------------------------------------------------------------
 # The loss: plain GRPO first; each variant is one entry in a table further down
@@ -101,7 +107,8 @@ class LossStats(NamedTuple):
     entropy: torch.Tensor | None = None  # mean token entropy; 0 when grpo_loss was given no entropy
     rollout_is_weight_mean: torch.Tensor | None = None  # mean pi_old / pi_sampler weight; 1 when off
     rollout_is_dropped_frac: torch.Tensor | None = None  # tokens a mask mode set to weight 0
-    clip_frac_low_min: torch.Tensor | None = None  # the smallest clip_frac_low of one completion (with tokens)
+    # the smallest clip_frac_low of one completion (with tokens)
+    clip_frac_low_min: torch.Tensor | None = None
     clip_frac_high_max: torch.Tensor | None = None  # the largest clip_frac_high of one completion
 
 

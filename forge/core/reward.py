@@ -140,7 +140,8 @@ class RewardInputs:
     tool_calls: list[list[dict]] | None = None  # (N,) each completion's tool calls and results (with tools)
     environments: list | None = None  # (N,) each completion's finished environment instance (forge/envs)
     episodes: list | None = None  # (N,) Forge's record of each episode (forge/envs Episode: turns, rewards)
-    logged: dict[str, list[float]] = field(default_factory=dict)  # name -> the values rewards logged (log_metric)
+    # name -> the values rewards logged (log_metric)
+    logged: dict[str, list[float]] = field(default_factory=dict)
     extra: dict[str, list] = field(default_factory=dict)  # column -> (N,) values rewards logged (log_extra)
 
     def select(self, indices: Sequence[int]) -> RewardInputs:
@@ -174,8 +175,8 @@ class RewardInputs:
     def trl_keywords(self, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
         """TRL's keywords: ``prompts``, ``completions`` (for chat prompts each one a list holding the
         assistant message, as TRL gives them), ``completion_ids``, every column by its own name,
-        ``trainer_state``, ``log_metric`` and ``log_extra`` (and ``tool_calls`` with tools); a column also under
-        Forge's name (``references``) when `fn` names that."""
+        ``trainer_state``, ``log_metric`` and ``log_extra`` (and ``tool_calls`` with tools); a column also
+        under Forge's name (``references``) when `fn` names that."""
         chat = bool(self.prompts) and not isinstance(self.prompts[0], str)
         completions = [[{"role": "assistant", "content": text}] for text in self.completions] if chat \
             else self.completions
@@ -241,8 +242,8 @@ def binds_by_name(fn: Callable[..., Any]) -> bool:
 
 
 def named_extras(fn: Callable[..., Any]) -> frozenset[str]:
-    """Which of ``trainer_state``, ``completion_ids``, ``log_metric`` and ``log_extra`` Forge's call gives `fn`:
-    those its signature names."""
+    """Which of ``trainer_state``, ``completion_ids``, ``log_metric`` and ``log_extra`` Forge's call gives
+    `fn`: those its signature names."""
     return frozenset(name for name in ("trainer_state", "completion_ids", "log_metric", "log_extra")
                      if names_parameter(fn, name))
 
@@ -348,8 +349,8 @@ def _callable_name(fn: Callable[..., Any]) -> str:
 
 class FunctionReward(BaseReward):
     """Adapts a plain function that returns a list of floats (or a RewardOutput) to the BaseReward interface,
-    called as its `convention` says: 'forge' ``f(prompts, completions, **columns)`` (prompts and completions by
-    name to a function whose first parameters are named for other arguments: `binds_by_name`), 'trl' every
+    called as its `convention` says: 'forge' ``f(prompts, completions, **columns)`` (prompts and completions
+    by name to a function whose first parameters are named for other arguments: `binds_by_name`), 'trl' every
     argument by keyword as TRL calls it. Usually built by `as_reward`."""
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None, convention: str = "forge") -> None:

@@ -75,7 +75,8 @@ class Scores:
     nonfinite: int = 0  # samples masked from the loss because a reward returned NaN/inf
     metadata: dict[str, Any] = field(default_factory=dict)
     applies: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (N,) bool, False: returned None
-    logged: dict[str, list[float]] = field(default_factory=dict)  # name -> values the rewards' log_metric gave
+    # name -> values the rewards' log_metric gave
+    logged: dict[str, list[float]] = field(default_factory=dict)
     extra: dict[str, list] = field(default_factory=dict)  # column -> (N,) values the rewards' log_extra gave
 
     @property
@@ -272,7 +273,8 @@ def score_batch(rewards: list[tuple[str, BaseReward, float]], inputs: RewardInpu
     its scores checked, the samples it does not apply to and the non-finite ones marked."""
     n = len(inputs.completions)
     asynchronous = [(name, reward) for name, reward, _ in rewards if is_async_reward(reward)]
-    settled = _settle_async_rewards(asynchronous, inputs, rules.timeout) if asynchronous else {}  # started first
+    # started first
+    settled = _settle_async_rewards(asynchronous, inputs, rules.timeout) if asynchronous else {}
     valid = torch.ones(n, dtype=torch.bool)
     components, metadata, applies = {}, {}, {}
     errors = timeouts = 0
@@ -339,7 +341,8 @@ def _under_failure_rules(name: str, error: BaseException, call: Callable, n: int
     return values, {}, errors, 0
 
 
-def _sample_by_sample(name: str, call: Callable, n: int, rules: FailureRules) -> tuple[list[float | None], int]:
+def _sample_by_sample(name: str, call: Callable, n: int,
+                      rules: FailureRules) -> tuple[list[float | None], int]:
     """(values (N,), errors): the reward on each completion alone, the failing ones scoring error_value."""
     values, errors = [], 0
     for i in range(n):

@@ -1,22 +1,24 @@
-"""TRL's names as attributes of a GRPOConfig, and its construction from Forge's names or TRL's: what a TRL script
-does with its config after building it (docs/from-trl.md).
+"""TRL's names as attributes of a GRPOConfig, and its construction from Forge's names or TRL's: what a TRL
+script does with its config after building it (docs/from-trl.md).
 
-    args.num_generations                   a mapped name: the Forge field it stands for (group_size), as it is now
-    args.bf16, args.eval_strategy, ...     a converted name: the value given while the Forge fields it set still hold
-                                           what it set, else what those fields say now (dtype == 'bfloat16')
+    args.num_generations                   a mapped name: the Forge field it stands for (group_size), as it
+                                           is now
+    args.bf16, args.eval_strategy, ...     a converted name: the value given while the Forge fields it set
+                                           still hold what it set, else what those fields say now (dtype ==
+                                           'bfloat16')
     args.dataloader_num_workers, ...       an ignored or refused name: the value given, else TRL's default
-    args.beta = 0.1                        sets kl_beta; a converted name sets the fields it converts to (the batch
-                                           names: TRL's arithmetic over the config as TRL sees it); an ignored name is
-                                           kept; a refused one is refused unless off
+    args.beta = 0.1                        sets kl_beta; a converted name sets the fields it converts to (the
+                                           batch names: TRL's arithmetic over the config as TRL sees it); an
+                                           ignored name is kept; a refused one is refused unless off
 
-dataclasses.fields(GRPOConfig), to_dict() and == stay Forge's fields only, so checkpoints and docs/config.md do not
-change; the TRL values given are kept beside them.
+dataclasses.fields(GRPOConfig), to_dict() and == stay Forge's fields only, so checkpoints and docs/config.md
+do not change; the TRL values given are kept beside them.
 
 GRPOConfig declares dtype, lora_r, lora_alpha, lora_dropout and lora_target_modules init=False: transformers'
-HfArgumentParser, which TRL's TrlParser extends, makes flags of the init fields only, and TRL's scripts parse the
-GRPOConfig in one parser with TRL's ModelConfig, which has those names too (a script passes ModelConfig's dtype as
-model_init_kwargs, its lora_* as peft_config). Forge's __init__ takes them all the same, and an instance shows
-dataclasses.replace every field as an init field, so replace() keeps them.
+HfArgumentParser, which TRL's TrlParser extends, makes flags of the init fields only, and TRL's scripts parse
+the GRPOConfig in one parser with TRL's ModelConfig, which has those names too (a script passes ModelConfig's
+dtype as model_init_kwargs, its lora_* as peft_config). Forge's __init__ takes them all the same, and an
+instance shows dataclasses.replace every field as an init field, so replace() keeps them.
 """
 
 from __future__ import annotations
@@ -156,10 +158,11 @@ TRL_DEFAULTS = {
     "vllm_tensor_parallel_size": 1,
     "weight_sync_timeout": 1800,
 }
-"""TRL 1.16's GRPOConfig / AsyncGRPOConfig defaults (transformers 5.24's TrainingArguments where TRL keeps them) of
-the names that read back no Forge field: the ignored and refused ones, and the checkpointing kwargs. A refused name
-reads its "off" value (vllm_importance_sampling_correction: False, though TRL's default is True), as Forge does not
-do it. tests/units/test_trl_surface.py compares them with the installed transformers (and TRL, when installed)."""
+"""TRL 1.16's GRPOConfig / AsyncGRPOConfig defaults (transformers 5.24's TrainingArguments where TRL keeps
+them) of the names that read back no Forge field: the ignored and refused ones, and the checkpointing kwargs.
+A refused name reads its "off" value (vllm_importance_sampling_correction: False, though TRL's default is
+True), as Forge does not do it. tests/units/test_trl_surface.py compares them with the installed transformers
+(and TRL, when installed)."""
 
 
 def _strategy(steps_field: str) -> Callable[[Any], str]:
@@ -192,11 +195,12 @@ READERS: dict[str, Callable[[Any], Any]] = {
     "project": lambda c: c.wandb_project,
     "model_init_kwargs": lambda c: {"dtype": c.dtype} if c.dtype in ("bfloat16", "float16") else None,
 }
-"""A converted TRL name -> its value from the Forge fields it converts to (a `_fixed` one reads the setting Forge
-uses, the checkpointing kwargs TRL's default)."""
+"""A converted TRL name -> its value from the Forge fields it converts to (a `_fixed` one reads the setting
+Forge uses, the checkpointing kwargs TRL's default)."""
 
 ALWAYS_READ = {"report_to"}
-"""Names TRL normalises after construction (report_to='wandb' reads ['wandb']): read from the fields, given or not."""
+"""Names TRL normalises after construction (report_to='wandb' reads ['wandb']): read from the fields, given or
+not."""
 
 
 def is_trl_name(name: str) -> bool:
@@ -250,7 +254,8 @@ class TRLAttributes:
     def __init__(self, *args: Any, **values: Any) -> None:
         names = [f.name for f in dataclasses.fields(self)]
         if len(args) > len(names):
-            raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional arguments, got {len(args)}")
+            raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional arguments, "
+                            f"got {len(args)}")
         for name, value in zip(names, args):
             if name in values:
                 raise TypeError(f"{type(self).__name__} got two values for {name!r}")
@@ -262,7 +267,8 @@ class TRLAttributes:
         object.__setattr__(self, "_trl_made", made)
 
     def __getattribute__(self, name: str) -> Any:
-        if name == "__dataclass_fields__":  # what dataclasses.replace reads: every field goes through __init__
+        # what dataclasses.replace reads: every field goes through __init__
+        if name == "__dataclass_fields__":
             return _init_fields(type(self))
         return object.__getattribute__(self, name)
 

@@ -1,7 +1,8 @@
-"""TRL's batch arithmetic in Forge's terms: the prompts of one rollout batch (prompts_per_step), the rollout batches
-of one optimizer step (gradient_accumulation_steps) and the completions of one loss pass (micro_batch_size), from
-TRL's per_device_train_batch_size, gradient_accumulation_steps, generation_batch_size, steps_per_generation and
-num_generations, so that a TRL config trains on as many prompts and completions per optimizer step as in TRL.
+"""TRL's batch arithmetic in Forge's terms: the prompts of one rollout batch (prompts_per_step), the rollout
+batches of one optimizer step (gradient_accumulation_steps) and the completions of one loss pass
+(micro_batch_size), from TRL's per_device_train_batch_size, gradient_accumulation_steps,
+generation_batch_size, steps_per_generation and num_generations, so that a TRL config trains on as many
+prompts and completions per optimizer step as in TRL.
 
 TRL 1.16, GRPOConfig.__post_init__ (trl/trainer/grpo_config.py) and GRPOTrainer._prepare_inputs /
 _get_train_sampler (trl/trainer/grpo_trainer.py):
@@ -10,33 +11,34 @@ _get_train_sampler (trl/trainer/grpo_trainer.py):
     steps_per_generation                                default gradient_accumulation_steps; or
                                                         generation_batch_size / B (which must divide)
     generation_batch_size = B x steps_per_generation    generated at once, advantages over it; a multiple of
-                                                        num_generations (whole groups); then shuffled and cut into
-                                                        steps_per_generation slices of B, one per forward/backward
+                                                        num_generations (whole groups); then shuffled and cut
+                                                        into steps_per_generation slices of B, one per
+                                                        forward/backward
     optimizer step = B x gradient_accumulation_steps completions (transformers' gradient accumulation); a new
     generation every steps_per_generation x num_iterations forward/backward passes
 
 Forge generates a rollout batch (prompts_per_step prompts x group_size) at once, with advantages over it;
-gradient_accumulation_steps rollout batches make an optimizer step, and num_iterations optimizer steps train on
-them. So:
+gradient_accumulation_steps rollout batches make an optimizer step, and num_iterations optimizer steps train
+on them. So:
 
     steps_per_generation divides TRL's gradient_accumulation_steps (equal by default): whole generations per
         optimizer step, exactly: prompts_per_step = generation_batch_size / num_generations, Forge's
         gradient_accumulation_steps = TRL's / steps_per_generation (1 by default).
-    otherwise one generation feeds several optimizer steps, each a slice of it (or a step straddles two): Forge
-        generates each optimizer step's B x gradient_accumulation_steps completions for that step: the same prompts
-        and completions per step, sampled by the weights of that step rather than of up to steps_per_generation /
-        gradient_accumulation_steps - 1 steps before. Refused when a step would hold part of a group (Forge's
-        optimizer step trains on whole groups).
+    otherwise one generation feeds several optimizer steps, each a slice of it (or a step straddles two):
+        Forge generates each optimizer step's B x gradient_accumulation_steps completions for that step: the
+        same prompts and completions per step, sampled by the weights of that step rather than of up to
+        steps_per_generation / gradient_accumulation_steps - 1 steps before. Refused when a step would hold
+        part of a group (Forge's optimizer step trains on whole groups).
 
 TRL's optimizer steps per generation (steps_per_generation / gradient_accumulation_steps) are not Forge's
-num_iterations: TRL's steps of one generation train on disjoint slices of it, each completion once, while Forge's
-num_iterations steps each train on every completion of the step. TRL's num_iterations is Forge's when one generation
-is one optimizer step; with several generations per step TRL reuses each of them num_iterations times inside one
-optimizer step, which Forge does not do (refused).
+num_iterations: TRL's steps of one generation train on disjoint slices of it, each completion once, while
+Forge's num_iterations steps each train on every completion of the step. TRL's num_iterations is Forge's when
+one generation is one optimizer step; with several generations per step TRL reuses each of them num_iterations
+times inside one optimizer step, which Forge does not do (refused).
 
-micro_batch_size = per_device_train_batch_size (completions per forward/backward on a process, TRL's memory knob)
-when it is smaller than a process's share of the rollout batch, else 0 (the whole share in one pass); the loss is
-the same either way, normalised over the whole step.
+micro_batch_size = per_device_train_batch_size (completions per forward/backward on a process, TRL's memory
+knob) when it is smaller than a process's share of the rollout batch, else 0 (the whole share in one pass);
+the loss is the same either way, normalised over the whole step.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ MAPPING = "docs/from-trl.md#the-batch"
 """Where the mapping of TRL's batch names is described, for the refusals to point at."""
 
 TRL_PER_DEVICE, TRL_ACCUMULATION = 8, 1
-"""TRL's defaults for per_device_train_batch_size and gradient_accumulation_steps (transformers' TrainingArguments)."""
+"""TRL's defaults for per_device_train_batch_size and gradient_accumulation_steps (transformers'
+TrainingArguments)."""
 
 
 def processes() -> int:
@@ -74,12 +77,14 @@ def _count(name: str, value: Any) -> int:
 
 
 def forge_batch(values: dict, group_size: int, world_size: int | None = None) -> dict:
-    """Forge's prompts_per_step, gradient_accumulation_steps and micro_batch_size for keyword values in TRL's names
-    (TRL's defaults for those not given; `group_size` is num_generations); TypeError, as TRL's __post_init__ or
-    naming what to set, for a batch TRL refuses or Forge cannot train."""
+    """Forge's prompts_per_step, gradient_accumulation_steps and micro_batch_size for keyword values in TRL's
+    names (TRL's defaults for those not given; `group_size` is num_generations); TypeError, as TRL's
+    __post_init__ or naming what to set, for a batch TRL refuses or Forge cannot train."""
     world = processes() if world_size is None else world_size
-    per_device = _count("per_device_train_batch_size", values.get("per_device_train_batch_size", TRL_PER_DEVICE))
-    accumulation = _count("gradient_accumulation_steps", values.get("gradient_accumulation_steps", TRL_ACCUMULATION))
+    per_device = _count("per_device_train_batch_size",
+                        values.get("per_device_train_batch_size", TRL_PER_DEVICE))
+    accumulation = _count("gradient_accumulation_steps",
+                          values.get("gradient_accumulation_steps", TRL_ACCUMULATION))
     generation, steps = values.get("generation_batch_size"), values.get("steps_per_generation")
     per_pass = per_device * world  # B
     if generation is not None and steps is not None:
@@ -108,8 +113,10 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
                 f"times inside one optimizer step, which is not Forge's num_iterations (optimizer steps "
                 f"over the same rollouts); leave steps_per_generation and generation_batch_size out"
             )
-        batch = {"prompts_per_step": generation // group_size, "gradient_accumulation_steps": accumulation // steps}
-    elif per_step % group_size == 0:  # a generation spans optimizer steps: each step's own prompts, for that step
+        batch = {"prompts_per_step": generation // group_size,
+                 "gradient_accumulation_steps": accumulation // steps}
+    elif per_step % group_size == 0:
+        # a generation spans optimizer steps: each step's own prompts, for that step
         batch = {"prompts_per_step": per_step // group_size, "gradient_accumulation_steps": 1}
     else:
         split = (f"cuts each generation of {generation} completions ({generation // group_size} prompt(s) x "
@@ -134,7 +141,8 @@ def per_device_of(config: Any, world_size: int | None = None) -> int:
     """TRL's per_device_train_batch_size of a config: completions per forward/backward on a process."""
     world = processes() if world_size is None else world_size
     micro = config.micro_batch_size
-    return micro if isinstance(micro, int) and micro > 0 else config.prompts_per_step * config.group_size // world
+    return (micro if isinstance(micro, int) and micro > 0
+            else config.prompts_per_step * config.group_size // world)
 
 
 def generation_batch_of(config: Any) -> int:

@@ -1,4 +1,5 @@
-"""Evaluate a model on held-out problems: batched generation, strict/soft accuracy, format rate, pass@k, maj@k.
+"""Evaluate a model on held-out problems: batched generation, strict/soft accuracy, format rate, pass@k,
+maj@k.
 
 Problems are generated in chunks of `batch_size` prompts with `forge.core.rollout.generate`, the same batched
 decoder the trainer samples with, and each response is graded by `forge.eval.metrics.grade`, which uses the
@@ -23,7 +24,7 @@ import torch
 
 from forge.core.config import GRPOConfig, require_vllm
 from forge.core.engine_rollout import colocated_engine, generate_on_engine
-from forge.core.rollout import SamplingSettings, generate, sampling_noise
+from forge.core.rollout import Rollout, SamplingSettings, generate, sampling_noise
 from forge.core.scoring import build_reward_list, greedy_reward_evaluator
 from forge.data.answers import answers_match, readable_reference
 from forge.data.dataset import as_chat_rows, load_rows, pick_chat, task_for, warn_if_raw_prompts
@@ -67,7 +68,8 @@ class EvalResult:
         m = self.metrics
         decoding = "greedy" if m["num_samples"] == 1 and self.settings.get("temperature", 0) == 0 else (
             f"{m['num_samples']} samples at T={self.settings.get('temperature')}")
-        extra = "".join(f"  {key} {value:.1%}" for key, value in m.items() if key.startswith(("pass@", "maj@")))
+        extra = "".join(f"  {key} {value:.1%}" for key, value in m.items()
+                        if key.startswith(("pass@", "maj@")))
         return (
             f"strict {m['strict_accuracy']:.1%}  soft {m['soft_accuracy']:.1%}  format {m['format_rate']:.1%}"
             f"{extra}  ({m['n']} problems, {decoding}, {m['seconds']:.1f} s)"
@@ -88,8 +90,8 @@ def heldout_metrics(
     max_prompt_length: int | None = None,
     **evaluate_kwargs: Any,
 ) -> dict[str, float]:
-    """Greedy strict/soft accuracy and format rate of `rows`: the evaluator `forge train --eval_dataset` and the
-    demo hand to GRPOTrainer(..., evaluator=heldout_metrics), logged as eval/<metric> during training.
+    """Greedy strict/soft accuracy and format rate of `rows`: the evaluator `forge train --eval_dataset` and
+    the demo hand to GRPOTrainer(..., evaluator=heldout_metrics), logged as eval/<metric> during training.
     evaluate_kwargs go to `evaluate` (e.g. batch_size)."""
     return evaluate(
         model,
@@ -130,31 +132,77 @@ def evaluate(
     answer_format: "tag" or "answer_line" for every row; None decides per row from its prompt
         (`detect_answer_format`).
     merge_adapters: a LoRA model generates with its adapters folded into a temporary copy of the weights
-        (forge.model.merged_adapters: faster, the same outputs up to rounding; in bf16 the sum is formed in fp32
-        and rounded once, and the evaluation takes the base model's time; the model is left as it was).
-    generation_backend: the decode step, 'eager', 'compiled' or 'auto' (GRPOConfig.generation_backend), or 'vllm':
-        an engine started from the model's (merged) weights for this evaluation (forge/model/vllm_engine.py), in
-        the autocast dtype when autocast is on, else fp32; samples seeded from `seed`.
+        (forge.model.merged_adapters: faster, the same outputs up to rounding; in bf16 the sum is formed in
+        fp32 and rounded once, and the evaluation takes the base model's time; the model is left as it was).
+    generation_backend: the decode step, 'eager', 'compiled' or 'auto' (GRPOConfig.generation_backend), or
+        'vllm': an engine started from the model's (merged) weights for this evaluation
+        (forge/model/vllm_engine.py), in the autocast dtype when autocast is on, else fp32; samples seeded
+        from `seed`.
     """
     rows = load_rows(rows)
-    for index, row in enumerate(rows):
-        if (row.get("reference") is None or not str(row["reference"]).strip()) and task_scorer(row) is None:
-            raise ValueError(f"evaluation row {index} has no 'reference' answer; every row needs "
-                             "{'prompt': ..., 'reference': '42'}")
+    _check_references(rows)
     _check_decoding(num_samples, temperature, k_values, batch_size, answer_format)
     warn_if_references_unreadable(rows)
-    greedy = temperature == 0
-    settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature if not greedy else 1.0,
-                                top_p=top_p, top_k=0, do_sample=not greedy, backend=generation_backend)
+    settings = _sampling_settings(max_new_tokens, temperature, top_p, generation_backend)
     formats = [answer_format or detect_answer_format(row["prompt"]) for row in rows]
 
     device = next(model.parameters()).device
     engine = None if generation_backend != "vllm" else colocated_engine(
         model, tokenizer, autocast_dtype(device.type), batch_size * num_samples, max_new_tokens, seed=seed)
-    request_rng = torch.Generator().manual_seed(seed)  # the vLLM requests' seeds (the own loop: torch's global RNG)
+    started = time.perf_counter()
+    records = _generate_records(model, tokenizer, rows, formats, settings, engine, num_samples=num_samples,
+                                batch_size=batch_size, max_prompt_length=max_prompt_length, seed=seed,
+                                merge_adapters=merge_adapters)
+    seconds = time.perf_counter() - started
+
+    metrics = aggregate_metrics(records, num_samples, k_values)
+    metrics["seconds"] = seconds
+    decoding = {"max_new_tokens": max_new_tokens, "num_samples": num_samples, "temperature": temperature,
+                "top_p": top_p, "k_values": list(k_values), "batch_size": batch_size, "seed": seed,
+                "answer_format": answer_format, "max_prompt_length": max_prompt_length}
+    return EvalResult(metrics=metrics, records=records, settings=decoding)
+
+
+def _sampling_settings(max_new_tokens: int, temperature: float, top_p: float,
+                       backend: str) -> SamplingSettings:
+    """Greedy decoding at temperature 0 (argmax, the temperature left at 1.0), else sampling at
+    `temperature`."""
+    greedy = temperature == 0
+    return SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature if not greedy else 1.0,
+                            top_p=top_p, top_k=0, do_sample=not greedy, backend=backend)
+
+
+def _check_references(rows: Sequence[dict]) -> None:
+    """A row with neither a reference answer nor a task scorer of its own is an error before any
+    generation."""
+    for index, row in enumerate(rows):
+        if (row.get("reference") is None or not str(row["reference"]).strip()) and task_scorer(row) is None:
+            raise ValueError(f"evaluation row {index} has no 'reference' answer; every row needs "
+                             "{'prompt': ..., 'reference': '42'}")
+
+
+def _generate_records(
+    model,
+    tokenizer,
+    rows: list[dict],
+    formats: list[str],
+    settings: SamplingSettings,
+    engine: Any,
+    *,
+    num_samples: int,
+    batch_size: int,
+    max_prompt_length: int | None,
+    seed: int,
+    merge_adapters: bool,
+) -> list[dict]:
+    """One graded record per row, generated `batch_size` prompts at a time in eval mode, without gradients,
+    with the adapters merged when `merge_adapters`, from the global RNG seeded with `seed`; the RNG state and
+    the model's train/eval mode are restored afterwards."""
+    device = next(model.parameters()).device
+    # the vLLM requests' seeds (the own loop: torch's global RNG)
+    request_rng = torch.Generator().manual_seed(seed)
     was_training = model.training
     model.eval()
-    started = time.perf_counter()
     records = []
     try:
         # fork_rng restores the global CPU (and this GPU's) RNG state afterwards
@@ -164,49 +212,37 @@ def evaluate(
             for start in range(0, len(rows), batch_size):
                 chunk = rows[start:start + batch_size]
                 prompts = [row["prompt"] for row in chunk]
-                rollout = (
-                    generate(
-                        model,
-                        tokenizer,
-                        prompts,
-                        num_samples,
-                        settings,
-                        max_prompt_length=max_prompt_length or 10**9,
-                    )
-                    if engine is None
-                    else generate_on_engine(
-                        engine,
-                        tokenizer,
-                        prompts,
-                        num_samples,
-                        settings,
-                        max_prompt_length or 10**9,
-                        noise=sampling_noise(request_rng, len(prompts) * num_samples, max_new_tokens),
-                    )
-                )
-                lengths, truncated = rollout.completion_lengths.tolist(), rollout.truncated.tolist()
-                for offset, row in enumerate(chunk):
-                    samples = slice(offset * num_samples, (offset + 1) * num_samples)  # this prompt's group
-                    records.append(
-                        _record(
-                            start + offset,
-                            row,
-                            formats[start + offset],
-                            rollout.completions[samples],
-                            lengths[samples],
-                            truncated[samples],
-                        )
-                    )
+                rollout = _generate_chunk(model, tokenizer, prompts, num_samples, settings, max_prompt_length,
+                                          engine, request_rng)
+                records.extend(_chunk_records(start, chunk, formats, rollout, num_samples))
     finally:
         model.train(was_training)
-    seconds = time.perf_counter() - started
+    return records
 
-    metrics = aggregate_metrics(records, num_samples, k_values)
-    metrics["seconds"] = seconds
-    decoding = {"max_new_tokens": max_new_tokens, "num_samples": num_samples, "temperature": temperature,
-                "top_p": top_p, "k_values": list(k_values), "batch_size": batch_size, "seed": seed,
-                "answer_format": answer_format, "max_prompt_length": max_prompt_length}
-    return EvalResult(metrics=metrics, records=records, settings=decoding)
+
+def _generate_chunk(model, tokenizer, prompts: list, num_samples: int, settings: SamplingSettings,
+                    max_prompt_length: int | None, engine: Any, request_rng: torch.Generator) -> Rollout:
+    """`num_samples` completions of each prompt: Forge's own decode loop, or the vLLM `engine` when there is
+    one, its requests seeded from `request_rng`."""
+    if engine is None:
+        return generate(model, tokenizer, prompts, num_samples, settings,
+                        max_prompt_length=max_prompt_length or 10**9)
+    noise = sampling_noise(request_rng, len(prompts) * num_samples, settings.max_new_tokens)
+    return generate_on_engine(engine, tokenizer, prompts, num_samples, settings, max_prompt_length or 10**9,
+                              noise=noise)
+
+
+def _chunk_records(start: int, chunk: list[dict], formats: list[str], rollout: Rollout,
+                   num_samples: int) -> list[dict]:
+    """The graded records of a chunk of rows that starts at row `start`, each from its group of
+    `num_samples` completions in `rollout`."""
+    lengths, truncated = rollout.completion_lengths.tolist(), rollout.truncated.tolist()
+    records = []
+    for offset, row in enumerate(chunk):
+        samples = slice(offset * num_samples, (offset + 1) * num_samples)  # this prompt's group
+        records.append(_record(start + offset, row, formats[start + offset], rollout.completions[samples],
+                               lengths[samples], truncated[samples]))
+    return records
 
 
 def autocast_dtype(device_type: str) -> torch.dtype:
@@ -250,9 +286,9 @@ def reward_metrics(
     max_new_tokens: int = 256,
     max_prompt_length: int | None = None,
 ) -> dict[str, float]:
-    """The mean reward of one greedy completion per row under `rewards` (anything GRPOTrainer's reward_fn takes,
-    weighted by reward_weights): `forge.core.scoring.greedy_reward_evaluator`, the trainer's default evaluator, with
-    GRPOConfig's defaults for failing rewards. Returns reward, rewards/<name>, n."""
+    """The mean reward of one greedy completion per row under `rewards` (anything GRPOTrainer's reward_fn
+    takes, weighted by reward_weights): `forge.core.scoring.greedy_reward_evaluator`, the trainer's default
+    evaluator, with GRPOConfig's defaults for failing rewards. Returns reward, rewards/<name>, n."""
     config = GRPOConfig()
     evaluator = greedy_reward_evaluator(build_reward_list(rewards, reward_weights), config)
     return evaluator(model, tokenizer, rows, max_new_tokens=max_new_tokens,
@@ -280,7 +316,8 @@ def _check_decoding(num_samples, temperature, k_values, batch_size, answer_forma
 
 
 def question_text(row: dict) -> str:
-    """The problem as a person would read it: the row's "question", else the last user message, else the prompt."""
+    """The problem as a person would read it: the row's "question", else the last user message, else the
+    prompt."""
     if row.get("question"):
         return str(row["question"])
     prompt = row["prompt"]
@@ -330,7 +367,8 @@ def _record(index: int, row: dict, answer_format: str, responses: list[str], len
         "num_soft_correct": sum(g.soft_correct for g in grades),
     }
     if task_scores is not None:
-        record["task_scores"] = task_scores  # the task scorer's value of each soft answer (the default reward)
+        # the task scorer's value of each soft answer (the default reward)
+        record["task_scores"] = task_scores
     return record
 
 
@@ -360,7 +398,8 @@ def aggregate_metrics(records: Sequence[dict], num_samples: int, k_values: Seque
             metrics[f"pass@{k}"] = _mean(pass_at_k(num_samples, r["num_strict_correct"], k) for r in records)
             metrics[f"maj@{k}"] = _mean(answers_match(majority_vote(r["answers"][:k]), r["reference"])
                                         for r in records)
-            metrics[f"soft_pass@{k}"] = _mean(pass_at_k(num_samples, r["num_soft_correct"], k) for r in records)
+            metrics[f"soft_pass@{k}"] = _mean(pass_at_k(num_samples, r["num_soft_correct"], k)
+                                              for r in records)
             metrics[f"soft_maj@{k}"] = _mean(
                 answers_match(majority_vote(r["soft_answers"][:k]), r["reference"]) for r in records
             )
@@ -423,10 +462,10 @@ def evaluate_model(
     **eval_kw: Any,
 ) -> EvalResult:
     """Load a model (hub id, local folder, .gguf, "default", or a loaded (model, tokenizer) pair) with an
-    optional LoRA adapter, load held-out rows by name (`load_eval_rows`), and `evaluate` it.
-    ``chat`` None: chat-message prompts when the tokenizer has a chat template (said on stderr for the sets
-    whose prompts Forge writes; string prompts of other sources are warned about, `warn_if_raw_prompts`); True also
-    wraps the string prompts of any source as one user message. ``rewards`` (weighted by ``reward_weights``) adds
+    optional LoRA adapter, load held-out rows by name (`load_eval_rows`), and `evaluate` it. ``chat`` None:
+    chat-message prompts when the tokenizer has a chat template (said on stderr for the sets whose prompts
+    Forge writes; string prompts of other sources are warned about, `warn_if_raw_prompts`); True also wraps
+    the string prompts of any source as one user message. ``rewards`` (weighted by ``reward_weights``) adds
     the mean reward of greedy completions under them (`reward_metrics`). ``eval_kw`` go to `evaluate`."""
     if eval_kw.get("generation_backend") == "vllm":
         require_vllm()  # before the model loads

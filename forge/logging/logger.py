@@ -112,7 +112,8 @@ def format_console_line(metrics: dict[str, Any], step: int, epoch: float) -> str
     numeric = _numeric_metrics(metrics)
     if set(metrics) == set(SUMMARY):
         return " | ".join([f"step {step}", *(f"{key} {_format_value(numeric[key])}" for key in SUMMARY)])
-    evaluation = {key.removeprefix("eval_"): value for key, value in numeric.items() if key.startswith("eval_")}
+    evaluation = {key.removeprefix("eval_"): value for key, value in numeric.items()
+                  if key.startswith("eval_")}
     if evaluation and all(key.startswith("eval_") for key in metrics):
         shown = [key for key in EVAL_HEADLINE if key in evaluation] or list(evaluation)[:6]
         values = (f"{key} {_format_value(evaluation[key])}" for key in shown)
@@ -156,8 +157,9 @@ def is_forge_source(filename: str) -> bool:
 
 def log_rows(path: Path) -> Iterator[tuple[str, dict]]:
     """(line, row) of each row of a JSONL log (training_log.jsonl, samples.jsonl) as Forge writes them: a JSON
-    object whose "step", if any, is a number. Any other line is left out with a one-line warning naming the file and
-    the line, but for a last line cut short by a crash (no newline: the run died writing it), left out silently."""
+    object whose "step", if any, is a number. Any other line is left out with a one-line warning naming the
+    file and the line, but for a last line cut short by a crash (no newline: the run died writing it), left
+    out silently."""
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -340,8 +342,8 @@ class ForgeLogger:
 
     def log(self, metrics: dict[str, Any], step: int, epoch: float, to_file: bool = True) -> None:
         """Print one console line and append one JSON row (not with to_file=False: the run's summary, which
-        training_log.jsonl, a log of the steps and evaluations, leaves out); forward the numeric metrics to the
-        sinks."""
+        training_log.jsonl, a log of the steps and evaluations, leaves out); forward the numeric metrics to
+        the sinks."""
         if not self.enabled:
             return
         if self.console:

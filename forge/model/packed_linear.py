@@ -97,7 +97,8 @@ def _packed(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # columns of it are the bits of its own product (tests/units/test_packed_linear.py), with one call instead of
 # up to six and no adapter wrapper per layer.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-FUSED = True  # False: every layer packed on its own, adapters through PEFT's layer (bench/decode_switch.py fused)
+# False: every layer packed on its own, adapters through PEFT's layer (bench/decode_switch.py fused)
+FUSED = True
 
 
 class _Parts(NamedTuple):

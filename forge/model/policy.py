@@ -51,7 +51,8 @@ def reference_context(model: nn.Module, reference_model: nn.Module | None = None
 
 
 def make_reference_model(model: nn.Module) -> nn.Module:
-    """A frozen deep copy of ``model`` for full fine-tuning (doubles the weight memory; LoRA needs no copy)."""
+    """A frozen deep copy of ``model`` for full fine-tuning (doubles the weight memory; LoRA needs no
+    copy)."""
     reference = copy.deepcopy(model)
     reference.eval()
     reference.requires_grad_(False)
@@ -84,17 +85,18 @@ def prepare_policy(model, tokenizer, config, *, device: torch.device | None = No
                    seed=lambda seed: torch.manual_seed(seed), sync=lambda params: None,
                    announce: bool = True, shard=None, peft_config=None) -> Policy:
     """What GRPOTrainer does to the model it is given (a model object, or a name `load_model` understands):
-    choose the precision, load, prepare the tokenizer (a model object's own checkpoint's when none is given, as in
-    TRL), add LoRA (its random init seeded by `seed(config.seed)`), make the trainable weights float32 masters,
-    move to `device`, `sync(trainable parameters)` (every process starts from the same weights), enable
-    checkpointing, build the reference; `announce` logs the precision.
-    `shard` (FSDP2, forge/parallel/sharding.py): shards the model and the reference over the processes, which also puts
-    each rank's shards on its device, instead of moving the whole model there. `peft_config`: a peft LoraConfig
-    that apply_lora hands to peft as it is (config's lora_* fields are then its record)."""
+    choose the precision, load, prepare the tokenizer (a model object's own checkpoint's when none is given,
+    as in TRL), add LoRA (its random init seeded by `seed(config.seed)`), make the trainable weights float32
+    masters, move to `device`, `sync(trainable parameters)` (every process starts from the same weights),
+    enable checkpointing, build the reference; `announce` logs the precision.
+    `shard` (FSDP2, forge/parallel/sharding.py): shards the model and the reference over the processes, which
+    also puts each rank's shards on its device, instead of moving the whole model there. `peft_config`: a peft
+    LoraConfig that apply_lora hands to peft as it is (config's lora_* fields are then its record)."""
     named = isinstance(model, (str, os.PathLike))
     precision = choose_precision(config.dtype, device or (None if named else next(model.parameters()).device))
     if named:  # LoRA: the frozen base in the compute dtype; full fine-tuning: fp32 master weights
-        model, tokenizer = load_model(str(model), dtype=precision.compute if config.use_lora else torch.float32)
+        model, tokenizer = load_model(str(model),
+                                      dtype=precision.compute if config.use_lora else torch.float32)
     tokenizer = prepare_tokenizer(tokenizer_of(model) if tokenizer is None else tokenizer)
     if config.use_lora or is_peft_model(model):
         seed(config.seed)  # the adapters' random init is part of the seeded run

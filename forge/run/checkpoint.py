@@ -20,10 +20,10 @@ shards of both as safetensors, written and read by torch.distributed.checkpoint'
 (`save_sharded_checkpoint`, called on every rank), and `sharded/layout.json`, the rest of the state (AdamW's
 settings) as JSON; its final/ holds the whole gathered weights instead, so final/ loads with from_pretrained.
 
-Everything is first written to a temporary sibling `{path}.tmp-<pid>` and renamed into place, so a
-crash mid-save never leaves a directory that looks like a checkpoint, and a save that fails (a full disk)
-leaves the checkpoints already there as they were. Loading a checkpoint never unpickles: every file is
-safetensors or JSON (a checkpoint of an older Forge that holds pickled state is refused, `integrity.refuse_pickled`).
+Everything is first written to a temporary sibling `{path}.tmp-<pid>` and renamed into place, so a crash
+mid-save never leaves a directory that looks like a checkpoint, and a save that fails (a full disk) leaves the
+checkpoints already there as they were. Loading a checkpoint never unpickles: every file is safetensors or
+JSON (a checkpoint of an older Forge that holds pickled state is refused, `integrity.refuse_pickled`).
 
 What a checkpoint guarantees, and where it is checked (the manifest and verification: forge/run/integrity.py):
 - `save_checkpoint` refuses weights that hold NaN/inf, so a checkpoint never stores non-finite weights.
@@ -32,8 +32,8 @@ What a checkpoint guarantees, and where it is checked (the manifest and verifica
   checksums (`COMPLETE` holds just "ok") still loads, with a warning; its weight files are then checked
   for a truncated safetensors layout and for NaN/inf instead.
 - `remove_stale_temporaries` deletes the `.tmp-<pid>` leftovers of saves whose process is gone.
-- A save that cannot write (a full disk, a read-only folder) raises a CheckpointError in one line that names the
-  folder and what to do; nothing of the checkpoints already saved is touched.
+- A save that cannot write (a full disk, a read-only folder) raises a CheckpointError in one line that names
+  the folder and what to do; nothing of the checkpoints already saved is touched.
 """
 
 from __future__ import annotations
@@ -228,8 +228,8 @@ def _write_failed(path: Path, error: BaseException) -> CheckpointError | None:
         return None
     newest = latest_checkpoint(path.parent)
     kept = (
-        f"the checkpoints already there are untouched (the newest is {newest}: continue from it with the same "
-        f"command plus --resume)"
+        f"the checkpoints already there are untouched (the newest is {newest}: continue from it with the "
+        f"same command plus --resume)"
         if newest is not None
         else "nothing already there was touched"
     )
@@ -266,7 +266,8 @@ def _write_run_files(tmp_path: Path, tokenizer, scheduler, trainer_state: dict, 
         state_files.save_state(tmp_path / SCHEDULER_NAME, scheduler.state_dict())
     _write_json(tmp_path / TRAINER_STATE_NAME, trainer_state)
     if training_state:
-        state_files.save_state(tmp_path / RNG_STATE_NAME, rng_state if rng_state is not None else capture_rng_state())
+        state_files.save_state(tmp_path / RNG_STATE_NAME,
+                               rng_state if rng_state is not None else capture_rng_state())
     _write_json(tmp_path / CONFIG_NAME, config)
     write_manifest(tmp_path)
 
@@ -304,21 +305,23 @@ def save_sharded_checkpoint(
     full_weights: bool = False,
     training_state: bool = True,
 ) -> Path:
-    """The checkpoint of an FSDP2 run (forge/parallel/sharding.py); every rank calls it, rank 0 writes all but the shards.
+    """The checkpoint of an FSDP2 run (forge/parallel/sharding.py); every rank calls it, rank 0 writes all but
+    the shards.
 
     `{path}/sharded/` holds every rank's shards of the weights and AdamW state (safetensors, through
-    torch.distributed.checkpoint's Hugging Face storage) and layout.json (the rest of that state, as JSON); the
-    other files are those of `save_checkpoint`, and COMPLETE hashes the shards too. `full_weights` also
-    gathers the whole weights into model.safetensors / adapter_model.safetensors (a folder that from_pretrained
-    loads); `training_state=False` (final/: with full_weights) leaves out the shards, the scheduler and the RNG.
+    torch.distributed.checkpoint's Hugging Face storage) and layout.json (the rest of that state, as JSON);
+    the other files are those of `save_checkpoint`, and COMPLETE hashes the shards too. `full_weights` also
+    gathers the whole weights into model.safetensors / adapter_model.safetensors (a folder that
+    from_pretrained loads); `training_state=False` (final/: with full_weights) leaves out the shards, the
+    scheduler and the RNG.
     `ranks`: is_main, main_pid, barrier() and any(flag) of the run's processes.
     Atomic like save_checkpoint: the ranks write into rank 0's `{path}.tmp-<pid>`, which rank 0 renames."""
     path = Path(path)
     if ranks.any(not all(all_finite(sharding.local(p.detach())) for p in model.parameters()
                          if p.is_floating_point())):
         raise CheckpointError(
-            f"refusing to write checkpoint {path}: some weight shards hold NaN/inf. The weights are garbage, so "
-            "there is nothing worth saving; resume from an earlier checkpoint with a lower learning_rate."
+            f"refusing to write checkpoint {path}: some weight shards hold NaN/inf. The weights are garbage, "
+            "so there is nothing worth saving; resume from an earlier checkpoint with a lower learning_rate."
         )
     tmp_path = _temporary(path, ranks.main_pid)  # rank 0's: every rank writes its shards there
     try:
@@ -352,7 +355,8 @@ _SHARDED_FORMAT = "forge-sharded-v1"
 
 def _save_shards(checkpoint: Path, model, optimizer, is_main: bool) -> None:
     """Every rank writes its shards of the weights and AdamW state into {checkpoint}/sharded/ as safetensors;
-    rank 0 writes sharded/layout.json: where each tensor sits in the state, and every value that is not one."""
+    rank 0 writes sharded/layout.json: where each tensor sits in the state, and every value that is not
+    one."""
     tensors, layout = state_files.encode(sharding.state_dicts(model, optimizer))
     sharding.save_tensors(checkpoint / SHARDED_DIR, tensors)  # collective
     if is_main:
@@ -368,7 +372,8 @@ def load_sharded_state(path: str | os.PathLike, model, optimizer) -> None:
         if not isinstance(saved, dict) or saved.get("format") != _SHARDED_FORMAT:
             raise ValueError(f"its format is not {_SHARDED_FORMAT}")
         tensors, _ = state_files.encode(sharding.state_dicts(model, optimizer))  # this run's shards, to fill
-        state = state_files.decode(saved["layout"], tensors)  # a tensor it names that this run lacks: ValueError
+        # a tensor it names that this run lacks: ValueError
+        state = state_files.decode(saved["layout"], tensors)
         sharding.load_tensors(path / SHARDED_DIR, tensors)  # in place, into `state` too
     except Exception as error:  # noqa: BLE001 - a wrong layout or shard, said with the checkpoint named
         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
@@ -388,7 +393,8 @@ def _read_state_file(path: Path, name: str, reader) -> Any:
     try:
         return reader(path / name)
     except JSONFileError as error:  # too big, nested too deep, no JSON, not an object
-        raise CheckpointError(f"checkpoint {path} is damaged: {name} {error.problem}. {offer_previous(path)}") from None
+        raise CheckpointError(f"checkpoint {path} is damaged: {name} {error.problem}. "
+                              f"{offer_previous(path)}") from None
     except Exception as error:  # noqa: BLE001 - any failure to parse is a damaged file, named
         raise CheckpointError(f"checkpoint {path} is damaged: {name} cannot be read "
                               f"({type(error).__name__}: {error}). {offer_previous(path)}") from None
@@ -459,8 +465,8 @@ def _load_full_state_dict(path: Path, expected: dict[str, torch.Tensor]) -> dict
 
 
 def _raise_on_key_mismatch(path: Path, name: str, missing: list[str], unexpected: list[str]) -> None:
-    """A CheckpointError (the checkpoint's fault, exit code 1) naming the file when its tensor names are not the
-    model's."""
+    """A CheckpointError (the checkpoint's fault, exit code 1) naming the file when its tensor names are not
+    the model's."""
     if not missing and not unexpected:
         return
     details = []
@@ -473,8 +479,8 @@ def _raise_on_key_mismatch(path: Path, name: str, missing: list[str], unexpected
 
 
 def _own_adapter(model: Any) -> dict:
-    """save_pretrained's arguments that keep a PeftModel's checkpoint to the adapter it trains: a teacher adapter
-    loaded next to it (on-policy distillation, core/teacher.py) is not saved."""
+    """save_pretrained's arguments that keep a PeftModel's checkpoint to the adapter it trains: a teacher
+    adapter loaded next to it (on-policy distillation, core/teacher.py) is not saved."""
     return {"selected_adapters": [model.active_adapter]} if _is_peft_model(model) else {}
 
 

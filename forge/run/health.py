@@ -76,8 +76,9 @@ def _reward_stuck(window: Window, threshold: float) -> bool:
 
 
 COLLAPSE_MIN_FALL = 0.5
-"""nats per token an entropy must fall by to count as a collapse: `forge demo`'s entropy (temperature 0.7, measured
-on the tokens in the loss only) wanders between 0.0 and 0.46 from step to step on seed 0 without collapsing."""
+"""nats per token an entropy must fall by to count as a collapse: `forge demo`'s entropy (temperature 0.7,
+measured on the tokens in the loss only) wanders between 0.0 and 0.46 from step to step on seed 0 without
+collapsing."""
 
 
 def _entropy_collapsing(window: Window, threshold: float) -> bool:

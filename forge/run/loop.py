@@ -358,8 +358,9 @@ class TrainingRun:
         self.events.evaluated(metrics)
 
     def log_rows(self, metrics: dict, asked: bool) -> None:
-        """One row per optimizer step on the logging cadence (the last step and a callback's ask too), as in TRL:
-        with num_iterations > 1 the rollout's metrics and its first update's, then each later update's own."""
+        """One row per optimizer step on the logging cadence (the last step and a callback's ask too), as in
+        TRL: with num_iterations > 1 the rollout's metrics and its first update's, then each later update's
+        own."""
         later, epoch = metrics.pop("_later_updates", []), round(metrics["epoch"], 4)
         first = self.trainer.global_step - len(later)  # the optimizer step of the rollout's first update
         logged = False

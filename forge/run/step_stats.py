@@ -205,12 +205,13 @@ def step_metrics(stats: RolloutStats, update: dict, *, group_std: torch.Tensor, 
 
 
 def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
-    """completions/*, TRL's names: lengths (N,) in tokens, over every completion and over those that ended with
-    EOS (0 when none did), and the share truncated (N,) at max_new_tokens."""
+    """completions/*, TRL's names: lengths (N,) in tokens, over every completion and over those that ended
+    with EOS (0 when none did), and the share truncated (N,) at max_new_tokens."""
     terminated = lengths[truncated == 0]  # (n_eos,)
     terminated = terminated if terminated.numel() else torch.zeros(1)
     return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(truncated.mean()),
             "completions/mean_terminated_length": float(terminated.mean()),
             "completions/min_terminated_length": float(terminated.min()),
             "completions/max_terminated_length": float(terminated.max())}

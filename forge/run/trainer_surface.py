@@ -203,7 +203,8 @@ class TrainerSurface:
         rows = self.eval_rows() if rows is None else rows
         started = time.perf_counter()
         with self.sampling():
-            metrics = self.evaluator(self.model, self.tokenizer, rows, max_new_tokens=self.config.max_new_tokens,
+            metrics = self.evaluator(self.model, self.tokenizer, rows,
+                                     max_new_tokens=self.config.max_new_tokens,
                                      max_prompt_length=self.max_prompt_length)
         runtime = time.perf_counter() - started
         return {**{f"eval_{key}": value for key, value in metrics.items()}, "eval_runtime": runtime,
