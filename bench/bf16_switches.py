@@ -11,7 +11,7 @@ every configuration below is measured on:
 - the reference: the same weights in fp32 (an fp32 copy of the model with the same adapters), one plain
   forward over each prompt + completion: its next-token distribution at every completion position (at the
   sampling temperature) and its log-prob of each sampled token (what an fp32 trainer computes);
-- the sampler: the decode loop as `GRPOTrainer.generate` runs it, fed the same tokens instead of sampling (its
+- the sampler: the decode loop as `GRPOTrainer.sample_completions` runs it, fed the same tokens instead of sampling (its
   sampling function replaced by one that takes the recorded token), once per combination of the decode's
   switches: `pack` (linear layers on packed oneDNN weights, forge/model/packed_linear.py), `fused` (q/k/v and
   gate/up and the LoRA A matrices as one product: packed_linear.FUSED), `shared_attention` (the decode attends
@@ -193,7 +193,7 @@ def forced_sampler(
 
     rollout_module.sample_with_logprobs = take_recorded
     try:
-        again = trainer.generate(prompts)
+        again = trainer.sample_completions(prompts)
     finally:
         rollout_module.sample_with_logprobs = original
     assert torch.equal(again.completion_ids, rollout.completion_ids), "the forced decode took other tokens"
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
     rows = ARITHMETIC_TASK.rows(n=args.prompts, seed=args.seed, chat=True)
     prompts = [row["prompt"] for row in rows]
     seed_everything(args.seed)
-    rollout = trainer.generate(prompts)  # every switch as shipped
+    rollout = trainer.sample_completions(prompts)  # every switch as shipped
     ref, ref_tokens = reference(trainer32, rollout, temperature)
     print(
         f"rollout: {len(rollout.completion_ids)} completions, {int(rollout.completion_lengths.sum())} tokens; "

@@ -150,8 +150,10 @@ def child(workload: str, overrides: dict, steps: int, threads: int, train: bool 
     trainer, rows = build(workload, overrides)
     load_mb = status_mb("VmHWM") - start
     trainer.scheduler = make_scheduler(trainer.optimizer, "constant", 0.0, steps)
-    for name in ("generate", "reference_logprobs", "old_logprobs", "update"):
-        setattr(trainer, name, meter.wrap(name, getattr(trainer, name)))
+    methods = {"generate": "sample_completions", "reference_logprobs": "reference_logprobs",
+               "old_logprobs": "old_logprobs", "update": "update"}  # the phase's label: the trainer's method
+    for name, method in methods.items():
+        setattr(trainer, method, meter.wrap(name, getattr(trainer, method)))
     per = trainer.config.prompts_per_step
     step_cpu, batch = [], None
     original_collect = trainer.collect

@@ -26,7 +26,7 @@ from workloads import WORKLOADS, dataset_rows, load_model, suppress_eos
 
 # (module, function name, label): wrapped in torch.profiler.record_function for the phase table.
 PHASES = [
-    ("forge.core.trainer", "generate", "generate (whole rollout)"),
+    ("forge.core.trainer", "generate", "generate (the decode loop)"),
     ("forge.core.logprobs", "prefill", "  prompt prefill (the loss pass)"),
     ("forge.core.rollout", "sample_next_token", "  sampling"),
     ("forge.core.trainer", "completion_logprobs", "loss forward: completion_logprobs"),

@@ -78,7 +78,7 @@ def install_recorder(record_dir: str, rank: int, patch) -> None:
         with log_path.open("a") as f:
             f.write(json.dumps({"rank": rank, **record}) + "\n")
 
-    real_generate, real_step, real_save = GRPOTrainer.generate, GRPOTrainer.step, checkpoint.save_checkpoint
+    real_generate, real_step, real_save = GRPOTrainer.sample_completions, GRPOTrainer.step, checkpoint.save_checkpoint
 
     def recorded_generate(self, prompts, rows=None):
         write({"kind": "prompts", "step": self.global_step + 1, "prompts": list(prompts)})
@@ -96,7 +96,7 @@ def install_recorder(record_dir: str, rank: int, patch) -> None:
         write({"kind": "save", "path": Path(path).name})
         return real_save(path, **kwargs)
 
-    patch(GRPOTrainer, "generate", recorded_generate)
+    patch(GRPOTrainer, "sample_completions", recorded_generate)
     patch(GRPOTrainer, "step", recorded_step)
     patch(checkpoint, "save_checkpoint", recorded_save)
 
