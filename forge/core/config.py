@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 from forge.core.config_checks import VLLM_INSTALL, range_problems
 from forge.core.config_types import field_type_problems
-from forge.core.grpo import EntropyControl, LossSettings
+from forge.core.grpo import EntropyControl
 from forge.core.trl_attributes import TRLAttributes
 
 
@@ -372,11 +372,6 @@ class GRPOConfig(TRLAttributes):
     stop_on_health: list[str] | None = None
     """Run-health rules whose alarm stops the run, the last finished step saved; ['any'] = all; None =
     none."""
-
-    @property
-    def epsilon_high(self) -> float:
-        """The upper clip range, as the loss takes it (LossSettings.epsilon_high)."""
-        return LossSettings.from_config(self).epsilon_high
 
     @property
     def completions_per_step(self) -> int:

@@ -51,7 +51,8 @@ def check_algorithm(config, need: Need) -> None:
     need(-2**63 <= config.seed < 2**64,
          f"seed={config.seed} is out of range; torch takes -2**63 .. 2**64-1 (e.g. 42)")
     need(config.clip_epsilon > 0, f"clip_epsilon={config.clip_epsilon} must be > 0")
-    need(config.epsilon_high > 0, f"clip_epsilon_high={config.clip_epsilon_high} must be > 0")
+    need(config.clip_epsilon_high is None or config.clip_epsilon_high > 0,
+         f"clip_epsilon_high={config.clip_epsilon_high} must be > 0")
     need(config.kl_beta >= 0, f"kl_beta={config.kl_beta} must be >= 0 (0 disables the KL term)")
     need(config.temperature > 0, f"temperature={config.temperature} must be > 0")
 
@@ -121,8 +122,9 @@ def check_loss(config, need: Need) -> None:
     need(config.reward_weights is None or all(math.isfinite(w) for w in config.reward_weights),
          "reward_weights must be finite numbers")
     clipped = LOSS_TYPES.get(config.loss_type, LossType("clip", "")).objective == "clip"
-    need(config.delta is None or config.delta > 1 + config.epsilon_high,
-         f"delta={config.delta} must be > 1 + clip_epsilon_high = {1 + config.epsilon_high} (e.g. 4.0), "
+    upper = config.clip_epsilon if config.clip_epsilon_high is None else config.clip_epsilon_high
+    need(config.delta is None or config.delta > 1 + upper,
+         f"delta={config.delta} must be > 1 + clip_epsilon_high = {1 + upper} (e.g. 4.0), "
          f"or None")
     need(config.clip_ratio_c is None or config.clip_ratio_c > 1,
          f"clip_ratio_c={config.clip_ratio_c} must be > 1 (verl uses 3.0), or None")

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from forge.core.config import GRPOConfig
+from forge.core.grpo import LossSettings
 
 ORIGINAL_DEFAULTS = {
     "group_size": 8,
@@ -52,8 +53,17 @@ def test_derived_values():
     config = GRPOConfig(group_size=4, prompts_per_step=3, gradient_accumulation_steps=2)
     assert config.completions_per_step == 12  # 3 prompts x 4 completions
     assert config.prompts_per_optimizer_step == 6  # 3 prompts x 2 accumulated batches
-    assert config.epsilon_high == 0.2  # clip_epsilon_high None -> clip_epsilon
-    assert GRPOConfig(clip_epsilon_high=0.28).epsilon_high == 0.28
+    assert LossSettings.from_config(config).epsilon_high == 0.2  # clip_epsilon_high None -> clip_epsilon
+    assert LossSettings.from_config(GRPOConfig(clip_epsilon_high=0.28)).epsilon_high == 0.28
+
+
+def test_epsilon_high_reads_back_as_trl_has_it():
+    """TRL's epsilon_high: None when not given (TRL's default), and for cispo the cap TRL was given (5.0),
+    which Forge stores as clip_epsilon_high = 4.0 (its cap is 1 + clip_epsilon_high)."""
+    assert GRPOConfig().epsilon_high is None
+    assert GRPOConfig(epsilon_high=0.28).epsilon_high == 0.28
+    cispo = GRPOConfig(loss_type="cispo", epsilon_high=5.0)
+    assert cispo.clip_epsilon_high == 4.0 and cispo.epsilon_high == 5.0
 
 
 @pytest.mark.parametrize("overrides, field", [
