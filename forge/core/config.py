@@ -54,7 +54,7 @@ class GRPOConfig(TRLAttributes):
     num_train_epochs: int = 3
     """Passes over the dataset (ignored when max_steps > 0)."""
     save_steps: int = 100
-    """Write a checkpoint to {output_dir}/{step}/ every N optimizer steps (0 disables)."""
+    """Write a checkpoint to {output_dir}/checkpoint-{step}/ every N optimizer steps (0 disables)."""
     logging_steps: int = 10
     """Log metrics every N optimizer steps."""
     output_dir: str = "forge_output"
@@ -315,7 +315,8 @@ class GRPOConfig(TRLAttributes):
     save_total_limit: int | None = None
     """Keep only the newest N numbered checkpoints."""
     resume_from: str | None = None
-    """Checkpoint directory to resume from, or 'latest' for the newest one in output_dir."""
+    """Checkpoint directory to resume from (e.g. out/checkpoint-40), or 'latest' for the newest one in
+    output_dir."""
     overwrite_output_dir: bool = False
     """Let a new run (not resuming) delete the checkpoints and logs another run left in output_dir; without it
     such a directory is refused."""

@@ -103,9 +103,9 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
 
 
 def training_run(folder: Path) -> str | None:
-    """'3/, final/, training_log.jsonl': what of a training run `folder` holds (checkpoints, numbered or
-    final/, that hold COMPLETE; its training log), when it is a run's output_dir; else None. An export never
-    replaces one."""
+    """'checkpoint-3/, final/, training_log.jsonl': what of a training run `folder` holds (checkpoints,
+    numbered (`checkpoint-3`, or an earlier Forge's `3`) or final/, that hold COMPLETE; its training log),
+    when it is a run's output_dir; else None. An export never replaces one."""
     if not folder.is_dir():
         return None
     held = [f"{child.name}/" for child in folder.iterdir()

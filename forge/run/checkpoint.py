@@ -1,8 +1,9 @@
 """Checkpoints that are atomic, complete and resumable.
 
-A checkpoint directory holds everything needed to continue a run exactly where it stopped:
+A checkpoint directory holds everything needed to continue a run exactly where it stopped (its name,
+`checkpoint-{step}` as transformers names it: forge/run/checkpoint_names.py):
 
-    {output_dir}/{step}/
+    {output_dir}/checkpoint-{step}/
         model.safetensors | adapter_model.safetensors   full weights, or only the LoRA adapter
         config.json, tokenizer files                      so the directory also loads with from_pretrained
         optimizer.safetensors, scheduler.safetensors      state_dicts (forge/run/state_files.py: no pickle)
@@ -114,14 +115,9 @@ class CheckpointState:
         return int(self.trainer_state.get("global_step", 0))
 
     def describe(self) -> str:
-        """'step 3 from out/3 (sha256 verified)': what a resumed run says it loaded."""
+        """'step 3 from out/checkpoint-3 (sha256 verified)': what a resumed run says it loaded."""
         how = "sha256 verified" if self.verified else "no checksums: saved by an older Forge"
         return f"step {self.step} from {self.path} ({how})"
-
-
-def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
-    """Where the checkpoint for optimizer step `step` lives."""
-    return Path(output_dir) / str(step)
 
 
 # ---------------------------------------------------------------------------------------------------

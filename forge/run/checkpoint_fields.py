@@ -23,7 +23,6 @@ with the hashes, in integrity.verify_checkpoint.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from forge.run.checkpoint_names import step_of
 from forge.run.integrity import (
     OPTIMIZER_NAME,
     SCHEDULER_NAME,
@@ -40,7 +40,6 @@ from forge.run.integrity import (
 )
 
 MAX_COUNT = 10**12  # no step, epoch or row counter of a real run comes near it
-_STEP_FOLDER = re.compile(r"^(?:checkpoint-)?(\d+)$")
 _APPLIED_FROM_THE_RUN = ("lr", "initial_lr", "weight_decay")  # resuming applies this run's (optim.py)
 
 
@@ -79,7 +78,7 @@ def check_trainer_state(path: Path, state: Any, dataset_size: int | None = None)
     if not isinstance(state, dict):
         raise refused(path, TRAINER_STATE_NAME, f"is a JSON {type(state).__name__}, not an object")
     step = state.get("global_step")
-    folder = _STEP_FOLDER.match(path.name)
+    folder_step = step_of(path.name)
     bounds = {
         "global_step": (_is_count(step), "a whole number from 0 to 10**12"),
         "epoch": (_is_count(state.get("epoch")), "a whole number from 0 to 10**12"),
@@ -121,9 +120,9 @@ def check_trainer_state(path: Path, state: Any, dataset_size: int | None = None)
         if not fits:
             raise refused(path, TRAINER_STATE_NAME,
                           f"has {field}={state.get(field)!r:.60}; it must be {should_be}")
-    if folder is not None and int(folder.group(1)) != step:
+    if folder_step is not None and folder_step != step:
         raise refused(path, TRAINER_STATE_NAME, f"has global_step={step}, but the checkpoint is of step "
-                                                f"{int(folder.group(1))} (its folder's name)")
+                                                f"{folder_step} (its folder's name)")
     return state
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from forge.run.checkpoint_names import newest_last, step_of
 from forge.run.optim import all_finite
 from forge.safe_json import MAX_JSON_BYTES, JSONFileError, json_type, parse_json, read_json
 
@@ -53,8 +54,6 @@ PICKLED_NAMES = {
     "sharded/.metadata": SHARDED_LAYOUT,
 }
 
-# Numbered checkpoints are `{output_dir}/{step}`; `checkpoint-{step}` is accepted when reading.
-_STEP_DIR_PATTERN = re.compile(r"^(?:checkpoint-)?(\d+)$")
 # The temporaries of a save in progress: `{name}.tmp-{pid}` (being written), `{name}.old-{pid}` (being
 # replaced).
 _TEMPORARY_DIR_PATTERN = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
@@ -395,8 +394,7 @@ def verify_checkpoint(path: str | os.PathLike, *, require_training_state: bool =
 
 def offer_previous(path: Path) -> str:
     """Advice naming the newest checkpoint older than `path` that verifies, if there is one."""
-    match = _STEP_DIR_PATTERN.match(path.name)
-    previous = latest_verified_checkpoint(path.parent, before_step=int(match.group(1)) if match else None)
+    previous = latest_verified_checkpoint(path.parent, before_step=step_of(path.name))
     if previous is None:
         return f"No other checkpoint in {path.parent} verifies: start the run again in a new output_dir."
     return (f"The newest older checkpoint that verifies is {previous}: resume from it with "
@@ -445,8 +443,8 @@ def check_saved_model(path: str | os.PathLike, given_as: str) -> None:
         except OSError as error:
             problem = f"cannot be read: {error}"
     temporary = _TEMPORARY_DIR_PATTERN.match(path.name)
-    step = _STEP_DIR_PATTERN.match(temporary.group("name") if temporary else path.name)
-    previous = latest_verified_checkpoint(path.parent, before_step=int(step.group(1)) if step else None)
+    step = step_of(temporary.group("name") if temporary else path.name)
+    previous = latest_verified_checkpoint(path.parent, before_step=step)
     way_out = (f"Use {previous} instead (the newest earlier checkpoint that verifies), or re-run the save"
                if previous else f"No earlier checkpoint in {path.parent} verifies: re-run the save")
     raise UnverifiedSave(f"{given_as} {path} (a Forge checkpoint) {problem}. {way_out} (the "
@@ -459,17 +457,15 @@ def check_saved_model(path: str | os.PathLike, given_as: str) -> None:
 
 
 def _complete_numbered_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every numbered checkpoint with Forge's COMPLETE, oldest first. Skips final/,
-    temporaries, partial folders and folders with a step's name that Forge did not write."""
+    """(step, path) of every numbered checkpoint with Forge's COMPLETE (`checkpoint-{step}`, or an earlier
+    Forge's `{step}`: forge/run/checkpoint_names.py), oldest first. Skips final/, temporaries, partial folders
+    and folders with a step's name that Forge did not write."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
-    found = []
-    for child in output_dir.iterdir():
-        match = _STEP_DIR_PATTERN.match(child.name)
-        if match and child.is_dir() and has_forge_manifest(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
+    found = [child for child in output_dir.iterdir()
+             if step_of(child.name) is not None and child.is_dir() and has_forge_manifest(child)]
+    return [(step_of(path.name), path) for path in sorted(found, key=lambda path: newest_last(path.name))]
 
 
 def numbered_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:

@@ -8,7 +8,8 @@ non-finite abort), that step can still be saved, and a resumed run repeats the u
 
     RunLifecycle(output_dir, parts)       what is saved: model, tokenizer, optimizer, schedule, config
       .finished(FinishedStep)             the trainer reports each finished step
-      .save(finished[, name])             {output_dir}/{step}/ (or final/: weights only), atomic, pruned
+      .save(finished[, name])             {output_dir}/checkpoint-{step}/ (or final/: weights only), atomic,
+                                          pruned
       .where_to_resume()                  saves the last finished step if needed; says where it is, how to
                                           resume
       .resume(where) -> FinishedStep      loads weights, optimizer, schedule and RNG; checks config and data
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 from forge.run import checkpoint as ckpt
 from forge.run import checkpoint_fields as fields
 from forge.run import integrity
+from forge.run.checkpoint_names import checkpoint_dir, step_of
 from forge.run.optim import apply_new_hyperparameters
 from forge.run.rng import restore_rng_state
 
@@ -105,8 +107,8 @@ class OutputDirInUse(ValueError):
 class RunLeft:
     """What is in an output_dir, sorted by who wrote it (names relative to it)."""
 
-    checkpoints: list[str]  # numbered folders and final/ that hold Forge's COMPLETE, and `.old-<pid>`
-    # leftovers that would be put back (`integrity.restorable`)
+    checkpoints: list[str]  # numbered folders (`checkpoint-{step}`, an earlier Forge's `{step}`) and final/
+    # that hold Forge's COMPLETE, and `.old-<pid>` leftovers that would be put back (`integrity.restorable`)
     logs: list[str]  # training_log.jsonl, samples.jsonl, tensorboard/
     foreign: list[str]  # folders with a step's name (or final/) that hold no Forge COMPLETE: not Forge's
 
@@ -120,7 +122,7 @@ def what_is_left(output_dir: Path) -> RunLeft:
         leftover = integrity.stale_old_checkpoint(child)
         if child.name in LOG_ARTIFACTS:
             left.logs.append(child.name)
-        elif (child.name.isdigit() or child.name == "final") and child.is_dir():
+        elif (step_of(child.name) is not None or child.name == "final") and child.is_dir():
             (left.checkpoints if integrity.has_forge_manifest(child) else left.foreign).append(child.name)
         elif leftover is not None and not leftover.exists() and integrity.restorable(child):
             left.checkpoints.append(child.name)
@@ -147,7 +149,7 @@ def check_output_dir_is_free(output_dir: Path, *, resuming: bool, overwrite: boo
     if left.foreign:
         raise OutputDirInUse(
             f"output_dir={str(output_dir)!r} holds {', '.join(f'{name}/' for name in left.foreign[:6])}, "
-            f"named like a checkpoint Forge would save there but not Forge's (no Forge COMPLETE in it: "
+            f"named like a Forge checkpoint but not Forge's (no Forge COMPLETE in it: "
             f"another program's folder, or a damaged checkpoint); Forge neither deletes nor saves over it. "
             f"Move it out of {str(output_dir)!r}, or choose another --output_dir.")
     if left.checkpoints and not resuming and not overwrite:
@@ -260,12 +262,12 @@ class RunLifecycle:
         self.last_finished = step
 
     def save(self, finished: FinishedStep, name: str | None = None) -> Path:
-        """Write the checkpoint of `finished` to {output_dir}/{name or step}/. Every process calls it: rank 0
-        writes, and under FSDP2 every rank writes its shards. name="final" writes the trained model only
-        (weights or adapter, tokenizer, configs; under FSDP2 the whole gathered weights): no optimizer,
-        scheduler or RNG state, which only the numbered checkpoints keep."""
+        """Write the checkpoint of `finished` to {output_dir}/checkpoint-{step}/ (or {output_dir}/{name}/).
+        Every process calls it: rank 0 writes, and under FSDP2 every rank writes its shards. name="final"
+        writes the trained model only (weights or adapter, tokenizer, configs; under FSDP2 the whole gathered
+        weights): no optimizer, scheduler or RNG state, which only the numbered checkpoints keep."""
         parts = self.parts
-        path = self.output_dir / (name or str(finished.step))
+        path = self.output_dir / name if name else checkpoint_dir(self.output_dir, finished.step)
         final = name == "final"
         state = {"global_step": finished.step, "epoch": finished.epoch, "position": finished.position,
                  "nonfinite_in_a_row": finished.nonfinite_in_a_row, "skipped_steps": finished.skipped_steps,

@@ -10,8 +10,8 @@ or interrupted: each says so itself), the parent prints one line, what ended it 
 `--resume`, and exits 1:
 
     forge: error: the training process exited with code 0 before the run ended (os._exit() in a reward or
-    tool ends a process without a word); the last finished step is saved in out/2: continue with the same
-    command plus --resume
+    tool ends a process without a word); the last finished step is saved in out/checkpoint-2: continue with
+    the same command plus --resume
 
 The child is a copy of the parent (fork, no second interpreter or torch import), so watching costs one fork
 (4.5 ms for fork, exit and wait with torch imported, on a 2-core Xeon with AMX-BF16) and a sleeping parent.

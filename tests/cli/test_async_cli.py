@@ -120,7 +120,7 @@ def test_kill_9_leaves_no_sampler_and_resume_trains_each_step_once(workspace):
     process.communicate(timeout=60)
     assert gone_within(worker, 10), "the rollout worker outlived its trainer"
     assert steps_logged(output_dir) == [1, 2, 3]
-    assert sorted(p.name for p in output_dir.iterdir() if p.is_dir()) == ["2"]
+    assert sorted(p.name for p in output_dir.iterdir() if p.is_dir()) == ["checkpoint-2"]
 
     assert forge_main([*train_args(workspace, output_dir), "--resume"]) == 0  # from 2: step 3 again, once
     assert steps_logged(output_dir) == list(range(1, STEPS + 1))
@@ -139,7 +139,7 @@ def test_sigterm_saves_the_step_and_stops_the_sampler_with_the_trainer(workspace
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
-    assert (output_dir / "3" / "COMPLETE").is_file()
+    assert (output_dir / "checkpoint-3" / "COMPLETE").is_file()
     assert gone_within(worker, 10)
 
 
@@ -154,5 +154,5 @@ def test_ctrl_c_to_the_process_group_stops_both_and_saves_the_step(workspace):
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
-    assert (output_dir / "3" / "COMPLETE").is_file()
+    assert (output_dir / "checkpoint-3" / "COMPLETE").is_file()
     assert gone_within(worker, 10)

@@ -171,7 +171,7 @@ def test_train_end_to_end(workspace, commands):
     assert [row["step"] for row in log] == [1, 2]
     assert all("rewards/vowel_count/mean" in row and "kl" in row for row in log)
     assert read_jsonl(out / "samples.jsonl")
-    for name in ("1", "2", "final"):
+    for name in ("checkpoint-1", "checkpoint-2", "final"):
         for file in ("COMPLETE", "model.safetensors", "config.json", "tokenizer.json", "trainer_state.json"):
             assert (out / name / file).is_file(), f"{name}/{file} missing"
 
@@ -353,8 +353,8 @@ def test_run_failures_are_one_message_that_points_to_the_newest_intact_checkpoin
     import forge.core.trainer
 
     out = tmp_path / "out"
-    intact = save_resumable_checkpoint(out / "2", step=2)
-    damaged = save_resumable_checkpoint(out / "3", step=3)
+    intact = save_resumable_checkpoint(out / "checkpoint-2", step=2)
+    damaged = save_resumable_checkpoint(out / "checkpoint-3", step=3)
     (damaged / "model.safetensors").write_bytes(b"")  # the newest is damaged: not the one to offer
 
     def fails(self, *args, **kwargs):
@@ -373,11 +373,11 @@ def test_run_failures_are_one_message_that_points_to_the_newest_intact_checkpoin
 
 def test_a_damaged_checkpoint_on_resume_is_one_message(workspace, tmp_path, capsys, reward_importable):
     out = tmp_path / "out"
-    save_resumable_checkpoint(out / "1", step=1)
-    (out / "1" / "optimizer.safetensors").unlink()
+    save_resumable_checkpoint(out / "checkpoint-1", step=1)
+    (out / "checkpoint-1" / "optimizer.safetensors").unlink()
     assert forge_main("train", *common_flags(workspace), "--output_dir", out, "--resume") == 1
     err = capsys.readouterr().err
-    assert f"forge: error: checkpoint {out / '1'} is damaged: optimizer.safetensors is missing" in err
+    assert f"forge: error: checkpoint {out / 'checkpoint-1'} is damaged: optimizer.safetensors is missing" in err
     assert "Traceback" not in err
 
 

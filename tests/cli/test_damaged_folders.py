@@ -381,14 +381,14 @@ def test_a_symlink_loop_in_a_checkpoint_stops_train_resume_in_one_line(saved, tm
             "--prompts_per_step", "2", "--max_new_tokens", "2", "--preflight", "off", "--save_steps", "1",
             "--output_dir", output_dir]
     assert forge_main(*argv, "--max_steps", "1") == 0
-    (output_dir / "1" / "loop").symlink_to("loop")
+    (output_dir / "checkpoint-1" / "loop").symlink_to("loop")
     capsys.readouterr()
 
     assert forge_main(*argv, "--max_steps", "2", "--resume") == 1  # a damaged checkpoint: a CheckpointError
     err = capsys.readouterr().err  # after the model's loading lines
     (message,) = [line for line in err.splitlines() if line.startswith("forge: error: ")]
     assert "Traceback" not in err
-    assert f"checkpoint {output_dir / '1'}" in message and "loop is a symlink loop" in message, message
+    assert f"checkpoint {output_dir / 'checkpoint-1'}" in message and "loop is a symlink loop" in message, message
 
 
 def deep_header(file: Path) -> None:
@@ -435,21 +435,21 @@ def test_json_a_load_would_choke_on_stops_eval_in_one_line_naming_the_file(saved
 
 def test_an_overwrite_over_a_step_folder_with_deep_json_in_complete_is_one_line(saved, tmp_path, capsys):
     output_dir = tmp_path / "run"
-    (output_dir / "7").mkdir(parents=True)
-    (output_dir / "7" / "COMPLETE").write_text(DEEP_JSON)  # not Forge's COMPLETE, so 7/ is not Forge's
+    (output_dir / "checkpoint-7").mkdir(parents=True)
+    (output_dir / "checkpoint-7" / "COMPLETE").write_text(DEEP_JSON)  # not Forge's COMPLETE: the folder is not Forge's
     argv = ["train", "--model", saved / "plain", "--dataset", saved / "data.jsonl", "--max_steps", "1",
             "--output_dir", output_dir, "--overwrite_output_dir"]
     assert forge_main(*argv) == 2
     message = error_line(capsys)
-    assert "7/" in message and "not Forge's" in message, message
-    assert (output_dir / "7" / "COMPLETE").read_text() == DEEP_JSON  # never deleted
+    assert "checkpoint-7/" in message and "not Forge's" in message, message
+    assert (output_dir / "checkpoint-7" / "COMPLETE").read_text() == DEEP_JSON  # never deleted
 
 
 @pytest.mark.parametrize("holds", ["a checkpoint", "a training log"])
 def test_export_never_replaces_a_training_runs_output_dir_not_with_overwrite_either(saved, tmp_path, capsys, holds):
     run = tmp_path / "run"
     if holds == "a checkpoint":
-        shutil.copytree(saved / "full" / "final", run / "3")
+        shutil.copytree(saved / "full" / "final", run / "checkpoint-3")
     else:
         run.mkdir()
         (run / "training_log.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
@@ -457,5 +457,5 @@ def test_export_never_replaces_a_training_runs_output_dir_not_with_overwrite_eit
     assert forge_main(*export_args(saved, run), "--overwrite") == 2
     message = error_line(capsys)
     assert f"--out {run} is a training run's output_dir" in message and "not with --overwrite" in message, message
-    assert ("3/" if holds == "a checkpoint" else "training_log.jsonl") in message, message
+    assert ("checkpoint-3/" if holds == "a checkpoint" else "training_log.jsonl") in message, message
     assert contents(run) == before

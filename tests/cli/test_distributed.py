@@ -212,11 +212,12 @@ def test_two_processes_train_like_one_with_the_same_global_batch(single, two):
 
 def test_rank_0_alone_logs_and_saves_each_checkpoint_once(two):
     two_dir, record, stdout = two
-    assert sorted(p.name for p in two_dir.iterdir()) == ["2", "final", "samples.jsonl", "training_log.jsonl"]
+    assert sorted(p.name for p in two_dir.iterdir()) == ["checkpoint-2", "final", "samples.jsonl",
+                                                         "training_log.jsonl"]
     assert [row["step"] for row in read_jsonl(two_dir / "training_log.jsonl")] == list(range(1, STEPS + 1))
     samples = read_jsonl(two_dir / "samples.jsonl")
     assert [s["step"] for s in samples] == [step for step in range(1, STEPS + 1) for _ in range(8)]
-    assert [(r["rank"], r["path"]) for r in records(record, "save")] == [(0, "2"), (0, "final")]
+    assert [(r["rank"], r["path"]) for r in records(record, "save")] == [(0, "checkpoint-2"), (0, "final")]
     assert stdout.count("done: 3 optimizer steps") == 1  # printed by rank 0 only
 
 
@@ -323,7 +324,7 @@ def test_a_reward_failing_on_another_rank_stops_this_one_at_the_same_point(tmp_p
     with pytest.raises(RewardError, match=r"step 2: a reward failed in another process(.|\n)*The last finished "
                                           r"step \(1\) is saved in"):
         trainer.train(ROWS)
-    assert (tmp_path / "1" / "COMPLETE").is_file()
+    assert (tmp_path / "checkpoint-1" / "COMPLETE").is_file()
 
 
 def test_a_signal_to_another_rank_stops_every_rank_after_the_same_step(tmp_path, tiny_model, tiny_tokenizer):
@@ -340,4 +341,4 @@ def test_a_signal_to_another_rank_stops_every_rank_after_the_same_step(tmp_path,
     with pytest.raises(TrainingInterrupted, match=r"stopped by a signal after step 2 of 3\. The last finished step "
                                                   r"\(2\) is saved in"):
         trainer.train(ROWS)
-    assert trainer.global_step == 2 and (tmp_path / "2" / "COMPLETE").is_file()
+    assert trainer.global_step == 2 and (tmp_path / "checkpoint-2" / "COMPLETE").is_file()

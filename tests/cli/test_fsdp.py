@@ -157,9 +157,10 @@ def test_sharded_checkpoints_hold_shards_and_final_loads_in_plain_transformers(s
     from transformers import AutoModelForCausalLM
 
     run, record = sharded
-    assert sorted(p.name for p in (run / "2" / "sharded").iterdir()) == [
+    assert sorted(p.name for p in (run / "checkpoint-2" / "sharded").iterdir()) == [
         "layout.json", "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
-    assert not (run / "2" / "model.safetensors").exists() and not (run / "2" / "optimizer.safetensors").exists()
+    assert not (run / "checkpoint-2" / "model.safetensors").exists()
+    assert not (run / "checkpoint-2" / "optimizer.safetensors").exists()
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     assert json.loads((run / "final" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     trained = torch.load(record / f"rank0-step{STEPS}.pt")["weights"]
@@ -174,7 +175,8 @@ def test_a_killed_sharded_run_resumes_bit_for_bit(workspace, sharded):
     run, _ = sharded
     killed = launch(workspace, "killed", "--fsdp", kill_at=5)  # 2 reward calls per step: the 5th is in step 3
     assert killed.returncode != 0
-    assert sorted(p.name for p in (workspace / "killed").iterdir() if p.name.isdigit()) == ["2"]
+    assert sorted(p.name for p in (workspace / "killed").iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR.parent)}
     resumed = subprocess.run([sys.executable, "-m", "forge", *train_args(workspace, workspace / "killed", "--fsdp"),
                               "--nproc", "2", "--resume"], check=False, env=env, capture_output=True, text=True,
@@ -234,7 +236,8 @@ def test_one_process_is_a_one_process_whose_collectives_return_what_they_are_giv
 
 
 def test_sharded_and_whole_checkpoints_refuse_to_resume_across(tmp_path):
-    sharded_checkpoint, whole_checkpoint = tmp_path / "sharded_run" / "2", tmp_path / "whole_run" / "2"
+    sharded_checkpoint = tmp_path / "sharded_run" / "checkpoint-2"
+    whole_checkpoint = tmp_path / "whole_run" / "checkpoint-2"
     (sharded_checkpoint / "sharded").mkdir(parents=True)
     (sharded_checkpoint / "sharded" / "layout.json").write_text("{}")
     whole_checkpoint.mkdir(parents=True)

@@ -226,8 +226,8 @@ def test_os_exit_in_a_reward_is_reported_exits_1_and_the_run_resumes(workspace, 
     assert run.returncode == 1, stderr
     assert stderr.strip().splitlines()[-1] == (
         f"forge: error: the training process exited with code {code} before the run ended (os._exit() in a reward "
-        f"or tool ends a process without a word); the last finished step is saved in {out / '1'}: continue with "
-        f"the same command plus --resume")
+        f"or tool ends a process without a word); the last finished step is saved in {out / 'checkpoint-1'}: "
+        f"continue with the same command plus --resume")
     resumed = forge_train(workspace, out, "--resume")
     _, stderr = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, stderr
@@ -261,7 +261,7 @@ def test_ctrl_c_reaches_the_training_once_and_exits_130(workspace, tmp_path):
     assert run.returncode == 130, stderr
     said = stdout + stderr
     assert said.count("SIGINT received") == 1 and "a second SIGINT" not in said  # one signal, not two
-    assert "forge: stopped by SIGINT after step 2 of 3" in stderr and (out / "2" / "COMPLETE").is_file()
+    assert "forge: stopped by SIGINT after step 2 of 3" in stderr and (out / "checkpoint-2" / "COMPLETE").is_file()
 
 
 def test_sigterm_to_forge_train_is_passed_on_and_kill_9_stops_the_training(workspace, tmp_path):
@@ -300,8 +300,9 @@ def test_a_stop_signal_to_either_process_finishes_the_step_saves_it_and_exits_13
     stdout, stderr = run.communicate(timeout=300)
     assert run.returncode == 130, stderr
     assert (stdout + stderr).count(f"{signum.name} received") == 1, stderr
-    assert f"forge: stopped by {signum.name} after step 2 of 3" in stderr and (out / "2" / "COMPLETE").is_file()
-    assert not (out / "3").exists()
+    assert f"forge: stopped by {signum.name} after step 2 of 3" in stderr
+    assert (out / "checkpoint-2" / "COMPLETE").is_file()
+    assert not (out / "checkpoint-3").exists()
 
 
 def test_a_stop_signal_to_the_process_group_counts_once(workspace, tmp_path):
@@ -312,7 +313,7 @@ def test_a_stop_signal_to_the_process_group_counts_once(workspace, tmp_path):
     os.killpg(run.pid, signal.SIGTERM)
     stdout, stderr = run.communicate(timeout=300)
     assert run.returncode == 130 and "a second SIGTERM" not in stdout + stderr, stderr
-    assert "forge: stopped by SIGTERM after step 2 of 3" in stderr and (out / "2" / "COMPLETE").is_file()
+    assert "forge: stopped by SIGTERM after step 2 of 3" in stderr and (out / "checkpoint-2" / "COMPLETE").is_file()
 
 
 @pytest.mark.parametrize("code, said", [
@@ -330,12 +331,12 @@ def test_how_the_training_process_ended_is_named(code, said, tmp_path):
 def test_the_resume_hint_never_points_back_to_the_checkpoint_a_run_stopped_on(tmp_path, monkeypatch):
     from forge.run import supervisor
 
-    saved = tmp_path / "2"  # what latest_verified_checkpoint finds (its checks: tests/units/test_checkpoint.py)
+    saved = tmp_path / "checkpoint-2"  # what latest_verified_checkpoint finds (checked: tests/units/test_checkpoint.py)
     monkeypatch.setattr(supervisor, "latest_verified_checkpoint", lambda d: saved if d == tmp_path else None)
     assert supervisor.resume_hint(tmp_path) == (
         f"the last finished step is saved in {saved}: continue with the same command plus --resume")
     assert supervisor.resume_hint(tmp_path, resumed_from=saved) == (
         f"it stopped before finishing a step after {saved}, which it resumed from: if the lines above refuse that "
         f"checkpoint, restore it or remove it to resume from an earlier one")
-    assert supervisor.resume_hint(tmp_path, resumed_from=tmp_path / "1").endswith("plus --resume")
+    assert supervisor.resume_hint(tmp_path, resumed_from=tmp_path / "checkpoint-1").endswith("plus --resume")
     assert supervisor.resume_hint(tmp_path / "empty").startswith("no finished step is saved")

@@ -55,8 +55,8 @@ def test_a_process_that_dies_is_named_and_the_saved_step_is_given(tmp_path):
     # process 0 is either stopped by the launcher or ends first on its lost collective (exit 1): both are named
     assert any(line.startswith("forge: error: ") and "process 1 of the run exited with code 3" in line
                for line in done.stderr.splitlines()), done.stderr[-3000:]
-    assert (f"forge: error: the 2-process run did not finish; the last finished step is saved in {out / '1'}: "
-            f"continue with the same command plus --resume") in done.stderr, done.stderr[-3000:]
+    assert (f"forge: error: the 2-process run did not finish; the last finished step is saved in "
+            f"{out / 'checkpoint-1'}: continue with the same command plus --resume") in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
 
 
@@ -107,4 +107,4 @@ def test_sigint_to_a_two_process_run_finishes_the_step_saves_it_and_exits_130(tm
     assert run.returncode == 130, stderr[-3000:]
     assert "forge: stopped by SIGINT after step 2 of 3" in stderr, stderr[-3000:]
     assert "a second SIGINT" not in stderr and "Traceback" not in stderr, stderr[-3000:]
-    assert (out / "2" / "COMPLETE").is_file() and not (out / "3").exists()
+    assert (out / "checkpoint-2" / "COMPLETE").is_file() and not (out / "checkpoint-3").exists()

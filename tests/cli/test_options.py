@@ -130,8 +130,8 @@ def test_an_unknown_or_refused_flag_is_one_message_with_exit_2(argv, message, ca
 
 def test_the_output_dir_is_checked_before_the_model_loads(workspace, tmp_path, capsys, no_model_loading):
     used = tmp_path / "used"
-    (used / "1").mkdir(parents=True)
-    (used / "1" / "COMPLETE").write_text("ok\n")  # a Forge checkpoint (from before checksums)
+    (used / "1").mkdir(parents=True)  # an earlier Forge's checkpoint: named `{step}`, from before checksums
+    (used / "1" / "COMPLETE").write_text("ok\n")
     (used / "training_log.jsonl").write_text('{"step": 1}\n')
     assert forge_main("train", *train_flags(workspace, used)) == 2
     assert f"output_dir={str(used)!r} already holds a run (1, training_log.jsonl). Continue it with --resume" in \

@@ -121,7 +121,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(workspace, baseline):
     assert [row["step"] for row in read_jsonl(output_dir / "training_log.jsonl")] == [1, 2, 3]
     os.kill(process.pid, signal.SIGKILL)
     process.communicate(timeout=60)
-    assert sorted(p.name for p in output_dir.iterdir() if p.is_dir()) == ["2"]  # step 3 logged, not saved
+    assert sorted(p.name for p in output_dir.iterdir() if p.is_dir()) == ["checkpoint-2"]  # step 3 logged, not saved
 
     assert forge_main([*train_args(workspace, output_dir), "--resume"]) == 0  # from 2: step 3 runs again
     assert_same_run(output_dir, baseline, resumed_from=2)
@@ -136,7 +136,7 @@ def test_sigterm_saves_the_step_exits_130_and_resumes_exactly(workspace, baselin
     assert "Traceback" not in stderr
     assert "forge: stopped by SIGTERM after step 3 of 6. The last finished step (3) is saved in" in stderr
     assert "--resume" in stderr
-    assert (output_dir / "3" / "COMPLETE").is_file()  # save_steps=2: this one exists because of the signal
+    assert (output_dir / "checkpoint-3" / "COMPLETE").is_file()  # save_steps=2: this one exists because of the signal
 
     assert forge_main([*train_args(workspace, output_dir), "--resume"]) == 0
     assert_same_run(output_dir, baseline, resumed_from=3)

@@ -52,7 +52,7 @@ def saved(tmp_path_factory):
         for name, parameter in lora.named_parameters():
             if "lora_B" in name:
                 parameter.fill_(0.01)
-    save(root / "lora" / "1", lora, tokenizer, training_state=True)
+    save(root / "lora" / "checkpoint-1", lora, tokenizer, training_state=True)
     save(root / "lora" / "final", lora, tokenizer, training_state=False)
     (root / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
     return root
@@ -65,10 +65,25 @@ def eval_args(saved: Path, *model_args) -> list:
 def test_a_good_checkpoint_evaluates_and_exports_as_before(saved, tmp_path, capsys):
     assert forge_main(*eval_args(saved, "--model", saved / "full" / "final")) == 0
     assert forge_main(*eval_args(saved, "--model", saved / "plain", "--adapter", saved / "lora" / "final")) == 0
-    assert forge_main("export", "--adapter", saved / "lora" / "1", "--base", saved / "plain",
+    assert forge_main("export", "--adapter", saved / "lora" / "checkpoint-1", "--base", saved / "plain",
                       "--out", tmp_path / "merged") == 0
     assert (tmp_path / "merged" / "model.safetensors").is_file()
     assert "strict_accuracy" in capsys.readouterr().out
+
+
+def test_an_earlier_forges_plain_numbered_checkpoint_still_evaluates_exports_and_is_named_as_the_way_out(
+        saved, tmp_path, capsys):
+    """An earlier Forge named its checkpoints `{step}` (`lora/1`): eval and export read it as before, and the
+    advice for a damaged later one names it."""
+    shutil.copytree(saved / "lora" / "checkpoint-1", tmp_path / "lora" / "1")
+    shutil.copytree(saved / "lora" / "checkpoint-1", tmp_path / "lora" / "2")
+    old = tmp_path / "lora" / "1"
+    assert forge_main(*eval_args(saved, "--model", saved / "plain", "--adapter", old)) == 0
+    assert forge_main("export", "--adapter", old, "--base", saved / "plain", "--out", tmp_path / "merged") == 0
+    flip(tmp_path / "lora" / "2" / "adapter_model.safetensors")
+    capsys.readouterr()
+    assert forge_main(*eval_args(saved, "--model", saved / "plain", "--adapter", tmp_path / "lora" / "2")) == 2
+    assert f"Use {old} instead" in capsys.readouterr().err.splitlines()[0]
 
 
 def test_a_plain_transformers_folder_or_hub_id_loads_unchecked(saved, tmp_path):
@@ -138,7 +153,7 @@ def test_a_damaged_or_unfinished_checkpoint_exits_2_naming_the_folder_the_file_a
     if spoil is not None:
         assert weights in message
     if run_dir == "lora":  # the run's numbered checkpoint still verifies: it is named as the way out
-        assert f"Use {tmp_path / 'lora' / '1'} instead" in message
+        assert f"Use {tmp_path / 'lora' / 'checkpoint-1'} instead" in message
     else:
         assert f"No earlier checkpoint in {tmp_path / 'full'} verifies" in message
     assert "re-run the save" in message
@@ -147,8 +162,9 @@ def test_a_damaged_or_unfinished_checkpoint_exits_2_naming_the_folder_the_file_a
 
 def test_a_damaged_numbered_checkpoint_is_refused_too_and_the_advice_names_no_newer_one(saved, tmp_path, capsys):
     shutil.copytree(saved / "lora", tmp_path / "lora")
-    flip(tmp_path / "lora" / "1" / "adapter_model.safetensors")
-    assert forge_main(*eval_args(saved, "--model", saved / "plain", "--adapter", tmp_path / "lora" / "1")) == 2
+    adapter = tmp_path / "lora" / "checkpoint-1"
+    flip(adapter / "adapter_model.safetensors")
+    assert forge_main(*eval_args(saved, "--model", saved / "plain", "--adapter", adapter)) == 2
     message = capsys.readouterr().err.splitlines()[0]
-    assert f"--adapter {tmp_path / 'lora' / '1'} (a Forge checkpoint)" in message
+    assert f"--adapter {adapter} (a Forge checkpoint)" in message
     assert f"No earlier checkpoint in {tmp_path / 'lora'} verifies" in message  # final/ is newer, not a way back

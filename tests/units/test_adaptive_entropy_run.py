@@ -41,7 +41,7 @@ def test_the_coefficient_rises_while_entropy_is_under_target_and_a_resumed_run_g
     coefs, resumed = train(tmp_path, "resumed", **ADAPTIVE, resume_from="latest")
     assert coefs == pytest.approx([0.0, 0.51, 1.0, 1.0])
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    state = json.loads((tmp_path / "resumed" / "2" / "trainer_state.json").read_text())["entropy_control"]
+    state = json.loads((tmp_path / "resumed" / "checkpoint-2" / "trainer_state.json").read_text())["entropy_control"]
     assert state["coef"] == pytest.approx(1.0) and 0 < state["last_entropy"] < 100
 
 

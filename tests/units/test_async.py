@@ -138,7 +138,7 @@ def test_a_worker_that_dies_stops_the_trainer_with_one_line_and_keeps_the_last_s
     assert "rollout worker (pid" in message and "killed by signal 9" in message
     assert "--resume" in message  # where the run goes on from
     assert trainer.global_step in (2, 3)  # the groups of step 3 may have been sampled before the kill
-    assert (tmp_path / "crash" / str(trainer.global_step) / "COMPLETE").is_file()
+    assert (tmp_path / "crash" / f"checkpoint-{trainer.global_step}" / "COMPLETE").is_file()
     assert trainer.ahead.process is None  # stopped with the run: no process left behind
 
 

@@ -15,15 +15,16 @@ import torch
 from forge.model.tiny import build_tiny_model
 from forge.run.checkpoint import (
     check_compatible,
-    checkpoint_dir,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
 )
+from forge.run.checkpoint_names import checkpoint_dir, step_of
 from forge.run.integrity import (
     CheckpointError,
     latest_checkpoint,
     latest_verified_checkpoint,
+    numbered_checkpoints,
     prune_checkpoints,
     remove_stale_temporaries,
 )
@@ -76,7 +77,7 @@ def test_round_trip_weights_optimizer_and_state(tmp_path, tiny_model, tiny_token
     path = save(
         checkpoint_dir(tmp_path, 1), tiny_model, tiny_tokenizer, optimizer=optimizer, scheduler=scheduler
     )
-    assert path == tmp_path / "1"
+    assert path == tmp_path / "checkpoint-1"
     assert {
         "model.safetensors",
         "optimizer.safetensors",
@@ -112,7 +113,7 @@ def test_rng_restore_reproduces_draws(tmp_path, tiny_model, tiny_tokenizer):
     np.random.seed(2)
     torch.manual_seed(3)
     np.random.normal()  # leaves a cached gaussian in numpy's state
-    path = save(tmp_path / "1", tiny_model, tiny_tokenizer)
+    path = save(tmp_path / "checkpoint-1", tiny_model, tiny_tokenizer)
 
     def draws():
         return (
@@ -150,7 +151,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, tiny_model, tiny_tok
 
     assert latest_checkpoint(tmp_path) == good
     assert load_checkpoint(good, require_training_state=False).trainer_state["global_step"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
 
 
 def test_latest_ignores_final_tmp_and_incomplete(tmp_path, tiny_model, tiny_tokenizer):
@@ -159,10 +160,10 @@ def test_latest_ignores_final_tmp_and_incomplete(tmp_path, tiny_model, tiny_toke
     save(checkpoint_dir(tmp_path, 2), tiny_model, tiny_tokenizer, step=2)
     save(checkpoint_dir(tmp_path, 10), tiny_model, tiny_tokenizer, step=10)
     save(tmp_path / "final", tiny_model, tiny_tokenizer, step=99)
-    (tmp_path / "30").mkdir()  # a save killed before it was renamed would not even be here
-    (tmp_path / "40.tmp-123").mkdir()
+    (tmp_path / "checkpoint-30").mkdir()  # a save killed before it was renamed would not even be here
+    (tmp_path / "checkpoint-40.tmp-123").mkdir()
     (tmp_path / "training_log.jsonl").write_text("")
-    assert latest_checkpoint(tmp_path) == tmp_path / "10"
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
 
 
 def test_overwrite_replaces_existing(tmp_path, tiny_model, tiny_tokenizer):
@@ -178,12 +179,30 @@ def test_prune_keeps_newest(tmp_path, tiny_model, tiny_tokenizer):
     save(tmp_path / "final", tiny_model, tiny_tokenizer)
     assert prune_checkpoints(tmp_path, None) == []
     deleted = prune_checkpoints(tmp_path, keep=2)
-    assert sorted(p.name for p in deleted) == ["10", "5"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["15", "20", "final"]
+    assert sorted(p.name for p in deleted) == ["checkpoint-10", "checkpoint-5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-15", "checkpoint-20", "final"]
+
+
+def test_an_earlier_forges_plain_numbered_folders_are_read_and_the_newest_step_wins(tmp_path, tiny_model,
+                                                                                    tiny_tokenizer):
+    """An earlier Forge wrote `{output_dir}/{step}`: such folders are listed, resumed and pruned with the
+    `checkpoint-{step}` ones, the newest step wins whatever its form, and `checkpoint-{step}` wins a tie."""
+    new_2 = save_resumable(checkpoint_dir(tmp_path, 2), tiny_model, tiny_tokenizer, step=2)
+    old_4 = save_resumable(tmp_path / "4", tiny_model, tiny_tokenizer, step=4)
+    assert latest_checkpoint(tmp_path) == old_4 and latest_verified_checkpoint(tmp_path) == old_4
+    old_6 = save_resumable(tmp_path / "6", tiny_model, tiny_tokenizer, step=6)
+    new_6 = save_resumable(checkpoint_dir(tmp_path, 6), tiny_model, tiny_tokenizer, step=6)
+    assert [(step, path.name) for step, path in numbered_checkpoints(tmp_path)] == [
+        (2, "checkpoint-2"), (4, "4"), (6, "6"), (6, "checkpoint-6")]
+    assert latest_checkpoint(tmp_path) == new_6 and latest_verified_checkpoint(tmp_path) == new_6
+    assert latest_verified_checkpoint(tmp_path, before_step=6) == old_4
+    assert prune_checkpoints(tmp_path, keep=2) == [new_2, old_4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["6", "checkpoint-6"]
+    assert step_of("checkpoint-12") == step_of("12") == 12 and step_of("checkpoint-12.tmp-5") is None
 
 
 def test_incomplete_checkpoint_raises(tmp_path, tiny_model, tiny_tokenizer):
-    path = save(tmp_path / "3", tiny_model, tiny_tokenizer)
+    path = save(tmp_path / "checkpoint-3", tiny_model, tiny_tokenizer)
     (path / "COMPLETE").unlink()
     with pytest.raises(
         ValueError, match=r"checkpoint .*3 is incomplete \(interrupted save\?\); use an earlier one"
@@ -195,7 +214,7 @@ def test_incomplete_checkpoint_raises(tmp_path, tiny_model, tiny_tokenizer):
 def test_load_weights_rejects_missing_keys(tmp_path, tiny_model, tiny_tokenizer):
     from safetensors.torch import load_file, save_file
 
-    path = save(tmp_path / "1", tiny_model, tiny_tokenizer)
+    path = save(tmp_path / "checkpoint-1", tiny_model, tiny_tokenizer)
     weights = load_file(path / "model.safetensors")
     weights.pop("model.layers.0.self_attn.q_proj.weight")
     save_file(weights, path / "model.safetensors")
@@ -213,7 +232,7 @@ def test_lora_saves_only_adapter_and_round_trips(tmp_path, tiny_model, tiny_toke
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
     )
     lora_model = peft.get_peft_model(tiny_model, lora_config)
-    path = save(tmp_path / "1", lora_model, tiny_tokenizer)
+    path = save(tmp_path / "checkpoint-1", lora_model, tiny_tokenizer)
     names = {p.name for p in path.iterdir()}
     assert "adapter_model.safetensors" in names and "model.safetensors" not in names
 
@@ -231,7 +250,7 @@ def test_lora_saves_only_adapter_and_round_trips(tmp_path, tiny_model, tiny_toke
 def test_lora_adapter_with_other_targets_is_rejected(tmp_path, tiny_model, tiny_tokenizer):
     peft = pytest.importorskip("peft")
     saved = peft.get_peft_model(tiny_model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
-    path = save(tmp_path / "1", saved, tiny_tokenizer)
+    path = save(tmp_path / "checkpoint-1", saved, tiny_tokenizer)
     other = peft.get_peft_model(
         build_tiny_model(tiny_tokenizer)[0], peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     )
@@ -243,16 +262,16 @@ def test_check_compatible():
     check_compatible(CONFIG, {**CONFIG, "learning_rate": 5e-4})  # other keys may change
     check_compatible({"lora_target_modules": ("q_proj",)}, {"lora_target_modules": ["q_proj"]})
     with pytest.raises(ValueError) as excinfo:
-        check_compatible(CONFIG, {**CONFIG, "group_size": 8, "use_lora": True}, checkpoint_path="out/10")
+        check_compatible(CONFIG, {**CONFIG, "group_size": 8, "use_lora": True}, checkpoint_path="out/checkpoint-10")
     message = str(excinfo.value)
-    assert "checkpoint out/10" in message
+    assert "checkpoint out/checkpoint-10" in message
     assert "group_size: saved 4, current 8" in message
     assert "use_lora: saved False, current True" in message
     assert "fresh run" in message
 
 
 def test_trainer_state_is_plain_json(tmp_path, tiny_model, tiny_tokenizer):
-    path = save(tmp_path / "1", tiny_model, tiny_tokenizer, step=7)
+    path = save(tmp_path / "checkpoint-1", tiny_model, tiny_tokenizer, step=7)
     assert json.loads((path / "trainer_state.json").read_text())["global_step"] == 7
 
 
@@ -273,7 +292,7 @@ def make_old_format(path):
 
 
 def test_complete_marker_holds_the_sha256_of_every_other_file(tmp_path, tiny_model, tiny_tokenizer):
-    path = save_resumable(tmp_path / "1", tiny_model, tiny_tokenizer, step=1)
+    path = save_resumable(tmp_path / "checkpoint-1", tiny_model, tiny_tokenizer, step=1)
     manifest = json.loads((path / "COMPLETE").read_text())
     files = sorted(p.name for p in path.iterdir() if p.name != "COMPLETE")
     assert sorted(manifest["sha256"]) == files
@@ -283,8 +302,8 @@ def test_complete_marker_holds_the_sha256_of_every_other_file(tmp_path, tiny_mod
 
 def test_a_bit_flip_in_the_weights_is_named_and_the_previous_checkpoint_offered(
         tmp_path, tiny_model, tiny_tokenizer):
-    first = save_resumable(tmp_path / "1", tiny_model, tiny_tokenizer, step=1)
-    second = save_resumable(tmp_path / "2", tiny_model, tiny_tokenizer, step=2)
+    first = save_resumable(tmp_path / "checkpoint-1", tiny_model, tiny_tokenizer, step=1)
+    second = save_resumable(tmp_path / "checkpoint-2", tiny_model, tiny_tokenizer, step=2)
     weights = second / "model.safetensors"
     data = bytearray(weights.read_bytes())
     middle = len(data) // 2
@@ -319,8 +338,8 @@ def _halve(file):
 ])
 def test_a_damaged_or_missing_file_next_to_complete_is_a_clear_error(
         name, damage, reason, old_format, tmp_path, tiny_model, tiny_tokenizer):
-    first = save_resumable(tmp_path / "1", tiny_model, tiny_tokenizer, step=1)
-    second = save_resumable(tmp_path / "2", tiny_model, tiny_tokenizer, step=2)
+    first = save_resumable(tmp_path / "checkpoint-1", tiny_model, tiny_tokenizer, step=1)
+    second = save_resumable(tmp_path / "checkpoint-2", tiny_model, tiny_tokenizer, step=2)
     if old_format:
         make_old_format(second)
     damage(second / name)
@@ -335,14 +354,14 @@ def test_a_damaged_or_missing_file_next_to_complete_is_a_clear_error(
 
 
 def test_a_checkpoint_saved_without_optimizer_state_cannot_resume(tmp_path, tiny_model, tiny_tokenizer):
-    path = save(tmp_path / "4", tiny_model, tiny_tokenizer, step=4)
+    path = save(tmp_path / "checkpoint-4", tiny_model, tiny_tokenizer, step=4)
     with pytest.raises(CheckpointError, match=r"4 cannot resume a run: optimizer.safetensors was not saved in it"):
         load_checkpoint(path)
     assert load_checkpoint(path, require_training_state=False).optimizer_state is None
 
 
 def test_an_old_checkpoint_without_checksums_loads_with_a_warning(tmp_path, tiny_model, tiny_tokenizer):
-    path = save_resumable(tmp_path / "3", tiny_model, tiny_tokenizer, step=3)
+    path = save_resumable(tmp_path / "checkpoint-3", tiny_model, tiny_tokenizer, step=3)
     make_old_format(path)
     with pytest.warns(UserWarning, match="has no checksums"):
         state = load_checkpoint(path)
@@ -354,7 +373,7 @@ def test_an_old_checkpoint_without_checksums_loads_with_a_warning(tmp_path, tiny
 
 
 def test_load_says_which_checkpoint_it_loaded(tmp_path, tiny_model, tiny_tokenizer):
-    path = save_resumable(tmp_path / "7", tiny_model, tiny_tokenizer, step=7)
+    path = save_resumable(tmp_path / "checkpoint-7", tiny_model, tiny_tokenizer, step=7)
     state = load_checkpoint(path)
     assert (state.step, state.path, state.verified) == (7, path, True)
     assert state.describe() == f"step 7 from {path} (sha256 verified)"
@@ -365,15 +384,15 @@ def test_save_refuses_nonfinite_weights_and_writes_nothing(tmp_path, tiny_model,
         tiny_model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
     with pytest.raises(CheckpointError, match=r"refusing to write checkpoint .*5: 1 weight tensors hold NaN/inf "
                                               r"\(e.g. \['model.layers.0.mlp.up_proj.weight'\]\)"):
-        save_resumable(tmp_path / "5", tiny_model, tiny_tokenizer, step=5)
+        save_resumable(tmp_path / "checkpoint-5", tiny_model, tiny_tokenizer, step=5)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_an_old_nonfinite_checkpoint_is_never_offered(tmp_path, tiny_model, tiny_tokenizer):
     from safetensors.torch import load_file, save_file
 
-    first = save_resumable(tmp_path / "1", tiny_model, tiny_tokenizer, step=1)
-    second = save_resumable(tmp_path / "2", tiny_model, tiny_tokenizer, step=2)
+    first = save_resumable(tmp_path / "checkpoint-1", tiny_model, tiny_tokenizer, step=1)
+    second = save_resumable(tmp_path / "checkpoint-2", tiny_model, tiny_tokenizer, step=2)
     make_old_format(second)  # an older Forge wrote NaN weights and no checksums
     weights = load_file(second / "model.safetensors")
     weights["model.norm.weight"][0] = float("inf")
@@ -394,30 +413,32 @@ def dead_pid() -> int:
 
 def test_stale_temporaries_are_cleaned_and_live_ones_kept(tmp_path, tiny_model, tiny_tokenizer):
     gone, alive = dead_pid(), os.getppid()  # the parent of this test process is running
-    kept = save_resumable(tmp_path / "3", tiny_model, tiny_tokenizer, step=3)
-    (tmp_path / f"4.tmp-{gone}").mkdir()  # killed while writing step 4
-    (tmp_path / f"4.tmp-{gone}" / "model.safetensors").write_bytes(b"partial")
-    (tmp_path / f"5.tmp-{alive}").mkdir()  # another process is writing step 5 right now
-    (tmp_path / f"3.old-{gone}").mkdir()  # killed after step 3 was replaced: the new 3 is in place
-    moved = save_resumable(tmp_path / f"6.old-{gone}", tiny_model, tiny_tokenizer, step=6)  # killed between renames
+    kept = save_resumable(tmp_path / "checkpoint-3", tiny_model, tiny_tokenizer, step=3)
+    (tmp_path / f"checkpoint-4.tmp-{gone}").mkdir()  # killed while writing step 4
+    (tmp_path / f"checkpoint-4.tmp-{gone}" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / f"checkpoint-5.tmp-{alive}").mkdir()  # another process is writing step 5 right now
+    (tmp_path / f"checkpoint-3.old-{gone}").mkdir()  # killed after step 3 was replaced: the new 3 is in place
+    moved = save_resumable(tmp_path / f"checkpoint-6.old-{gone}", tiny_model, tiny_tokenizer,
+                           step=6)  # killed between renames
     (tmp_path / f"final.tmp-{os.getpid()}").mkdir()  # an earlier process with this process's id
 
-    damaged = save_resumable(tmp_path / f"8.old-{gone}", tiny_model, tiny_tokenizer, step=8)
+    damaged = save_resumable(tmp_path / f"checkpoint-8.old-{gone}", tiny_model, tiny_tokenizer, step=8)
     (damaged / "model.safetensors").write_bytes(b"")  # its COMPLETE no longer verifies: not put back as 8
 
     cleaned = remove_stale_temporaries(tmp_path)
     assert sorted((p.name, action) for p, action in cleaned) == sorted(
-        [(f"4.tmp-{gone}", "deleted"), (f"3.old-{gone}", "deleted"), (moved.name, "restored"),
+        [(f"checkpoint-4.tmp-{gone}", "deleted"), (f"checkpoint-3.old-{gone}", "deleted"), (moved.name, "restored"),
          (f"final.tmp-{os.getpid()}", "deleted"), (damaged.name, "kept")])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["3", "6", f"5.tmp-{alive}", damaged.name])
-    assert load_checkpoint(tmp_path / "6").step == 6 and kept.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["checkpoint-3", "checkpoint-6",
+                                                                 f"checkpoint-5.tmp-{alive}", damaged.name])
+    assert load_checkpoint(tmp_path / "checkpoint-6").step == 6 and kept.is_dir()
     assert remove_stale_temporaries(tmp_path / "missing") == []
 
 
 def test_finite_weights_whose_sum_overflows_are_not_taken_for_nan(tmp_path, tiny_model, tiny_tokenizer):
     with torch.no_grad():  # 3e38 + 3e38 overflows float32 (max 3.4e38): the sum is inf, every value finite
         tiny_model.model.norm.weight[:2] = 3e38
-    path = save_resumable(tmp_path / "1", tiny_model, tiny_tokenizer, step=1)
+    path = save_resumable(tmp_path / "checkpoint-1", tiny_model, tiny_tokenizer, step=1)
     fresh = build_tiny_model(tiny_tokenizer, seed=1)[0]
     load_model_weights(fresh, path)
     assert fresh.model.norm.weight[0].item() == pytest.approx(3e38)

@@ -30,6 +30,7 @@ from forge.model.tiny import build_tiny_model
 from forge.run import checkpoint as ckpt
 from forge.run import integrity, state_files
 from forge.run.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
+from forge.run.checkpoint_names import checkpoint_dir
 from forge.run.integrity import CheckpointError
 from forge.run.lifecycle import OutputDirInUse, claim_output_dir
 
@@ -251,8 +252,8 @@ def whole(tensors):
 def test_sharded_checkpoints_are_safetensors_and_json_and_load_without_unpickling(
         tmp_path, tiny_tokenizer, one_rank_group, monkeypatch):
     model, optimizer, scheduler = sharded_model(tiny_tokenizer, seed=0)
-    checkpoint = ckpt.save_sharded_checkpoint(tmp_path / "run" / "1", model=model, tokenizer=tiny_tokenizer,
-                                              optimizer=optimizer, scheduler=scheduler,
+    checkpoint = ckpt.save_sharded_checkpoint(tmp_path / "run" / "checkpoint-1", model=model,
+                                              tokenizer=tiny_tokenizer, optimizer=optimizer, scheduler=scheduler,
                                               trainer_state={"global_step": 1}, config=CONFIG, rng_state=None,
                                               ranks=OneRank())
     assert sorted(p.name for p in (checkpoint / "sharded").iterdir()) == [
@@ -294,13 +295,14 @@ def test_a_full_disk_inside_the_sharded_write_is_one_line_and_the_previous_check
     model, optimizer, scheduler = sharded_model(tiny_tokenizer, seed=0)
     save = {"model": model, "tokenizer": tiny_tokenizer, "optimizer": optimizer, "scheduler": scheduler,
             "config": CONFIG, "rng_state": None, "ranks": OneRank()}
-    previous = ckpt.save_sharded_checkpoint(tmp_path / "1", trainer_state={"global_step": 1}, **save)
+    previous = ckpt.save_sharded_checkpoint(tmp_path / "checkpoint-1", trainer_state={"global_step": 1}, **save)
     monkeypatch.setattr(safetensors.torch, "save", safetensors_no_space)  # what DCP's writer calls
     with pytest.raises(CheckpointError) as caught:
-        ckpt.save_sharded_checkpoint(tmp_path / "2", trainer_state={"global_step": 2}, **save)
-    assert str(caught.value).startswith(f"cannot write checkpoint {tmp_path / '2'}: the disk holding {tmp_path} is "
-                                        f"full") and "\n" not in str(caught.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "rendezvous"] and integrity.verify_checkpoint(previous)
+        ckpt.save_sharded_checkpoint(tmp_path / "checkpoint-2", trainer_state={"global_step": 2}, **save)
+    assert str(caught.value).startswith(f"cannot write checkpoint {tmp_path / 'checkpoint-2'}: the disk holding "
+                                        f"{tmp_path} is full") and "\n" not in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "rendezvous"]
+    assert integrity.verify_checkpoint(previous)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,18 +331,19 @@ def test_a_full_disk_inside_a_save_is_one_line_and_the_previous_checkpoint_stays
     optimizer, scheduler = train_one_step(tiny_model, tiny_tokenizer)
     save = {"model": tiny_model, "tokenizer": tiny_tokenizer, "optimizer": optimizer, "scheduler": scheduler,
             "config": CONFIG}
-    previous = save_checkpoint(tmp_path / "1", trainer_state={"global_step": 1}, **save)
+    previous = save_checkpoint(tmp_path / "checkpoint-1", trainer_state={"global_step": 1}, **save)
     before = {p.name: p.read_bytes() for p in previous.iterdir()}
     monkeypatch.setattr(where, fails)
-    for step in ("2", "1"):  # a new step, and a checkpoint that replaces one
+    for step in (2, 1):  # a new step, and a checkpoint that replaces one
         with pytest.raises(CheckpointError) as caught:
-            save_checkpoint(tmp_path / step, trainer_state={"global_step": int(step)}, **save)
+            save_checkpoint(checkpoint_dir(tmp_path, step), trainer_state={"global_step": step}, **save)
         message = str(caught.value)
         assert "\n" not in message
-        assert message.startswith(f"cannot write checkpoint {tmp_path / step}: the disk holding {tmp_path} is full")
+        assert message.startswith(f"cannot write checkpoint {checkpoint_dir(tmp_path, step)}: the disk holding "
+                                  f"{tmp_path} is full")
         assert "Free space there, or choose an output_dir on another disk" in message
         assert f"the newest is {previous}: continue from it with the same command plus --resume" in message
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]  # no temporary, no half checkpoint
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]  # no temporary, no half checkpoint
         assert {p.name: p.read_bytes() for p in previous.iterdir()} == before
     assert integrity.verify_checkpoint(previous)
 
@@ -372,11 +375,11 @@ def test_a_full_disk_mid_run_exits_1_with_one_message_and_keeps_the_last_checkpo
     err = capsys.readouterr().err
     message = err[err.index("forge: error: "):].splitlines()
     assert code == 1 and "Traceback" not in err
-    assert message[0] == (f"forge: error: cannot write checkpoint {out / '2'}: the disk holding {out} is full (no "
-                          f"space left on device). Free space there, or choose an output_dir on another disk; the "
-                          f"checkpoints already there are untouched (the newest is {out / '1'}: continue from it "
-                          f"with the same command plus --resume).")
-    assert integrity.verify_checkpoint(out / "1") and not (out / "2").exists()
+    assert message[0] == (f"forge: error: cannot write checkpoint {out / 'checkpoint-2'}: the disk holding {out} is "
+                          f"full (no space left on device). Free space there, or choose an output_dir on another "
+                          f"disk; the checkpoints already there are untouched (the newest is {out / 'checkpoint-1'}: "
+                          f"continue from it with the same command plus --resume).")
+    assert integrity.verify_checkpoint(out / "checkpoint-1") and not (out / "checkpoint-2").exists()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -406,7 +409,7 @@ def killed_before_its_first_checkpoint(run: Path) -> None:
     run.mkdir(parents=True)
     (run / "training_log.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
     (run / "samples.jsonl").write_text('{"step": 1}\n')
-    (run / f"5.tmp-{dead_pid()}").mkdir()  # a save under way when it was killed
+    (run / f"checkpoint-5.tmp-{dead_pid()}").mkdir()  # a save under way when it was killed
     (run / "notes.txt").write_text("mine")
 
 
@@ -432,14 +435,15 @@ def test_a_plain_rerun_takes_over_a_directory_holding_only_a_killed_runs_logs(tm
     log = [json.loads(line) for line in (run / "training_log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in log] == [1] and log[0]["loss"] != 0.5  # this run's step 1 only
     assert (run / "notes.txt").read_text() == "mine"
-    assert sorted(p.name for p in run.iterdir()) == ["1", "final", "notes.txt", "samples.jsonl", "training_log.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-1", "final", "notes.txt", "samples.jsonl",
+                                                     "training_log.jsonl"]
 
 
 def forge_run_with_a_foreign_folder(tmp_path) -> Path:
     run = tmp_path / "run"
     trainer(tmp_path, max_steps=2).train(ROWS)
-    (run / "7").mkdir()
-    (run / "7" / "results.csv").write_text("not Forge's")
+    (run / "checkpoint-7").mkdir()
+    (run / "checkpoint-7" / "results.csv").write_text("not Forge's")
     (run / "data").mkdir()
     (run / "data" / "train.jsonl").write_text("{}")
     return run
@@ -450,46 +454,47 @@ def test_overwrite_output_dir_deletes_only_forges_files(tmp_path, capsys):
     trainer(tmp_path, max_steps=2).train(ROWS)
     (run / "data").mkdir()
     (run / "data" / "train.jsonl").write_text("{}")
-    (run / "1" / "COMPLETE").write_text("{}")  # not Forge's manifest any more: 1/ is not Forge's to delete
-    with pytest.raises(OutputDirInUse, match=r"holds 1/, named like a checkpoint Forge would save there but not "
+    (run / "checkpoint-1" / "COMPLETE").write_text("{}")  # not Forge's manifest any more: not Forge's to delete
+    with pytest.raises(OutputDirInUse, match=r"holds checkpoint-1/, named like a Forge checkpoint but not "
                                              r"Forge's .* Move it out of"):
         trainer(tmp_path, overwrite_output_dir=True).train(ROWS)
-    assert (run / "2").is_dir() and (run / "final").is_dir()  # refused before anything was deleted
-    (run / "1").rename(tmp_path / "kept-1")
+    assert (run / "checkpoint-2").is_dir() and (run / "final").is_dir()  # refused before anything was deleted
+    (run / "checkpoint-1").rename(tmp_path / "kept-1")
     capsys.readouterr()
     lock = claim_output_dir(run, resuming=False, overwrite=True, is_main=True)
     lock.release()
     said = capsys.readouterr()
-    assert f"--overwrite_output_dir: deleted the earlier run's 2, final, samples.jsonl, training_log.jsonl in {run}" \
-        in said.out + said.err
+    assert (f"--overwrite_output_dir: deleted the earlier run's checkpoint-2, final, samples.jsonl, training_log.jsonl "
+            f"in {run}") in said.out + said.err
     assert sorted(p.name for p in run.iterdir()) == ["data"] and (run / "data" / "train.jsonl").read_text() == "{}"
 
 
 def test_a_folder_with_a_steps_name_that_is_not_forges_is_never_deleted_or_saved_over(tmp_path):
     run = forge_run_with_a_foreign_folder(tmp_path)
     for flags in ({"overwrite_output_dir": True}, {"resume_from": "latest", "max_steps": 8}, {}):
-        with pytest.raises(OutputDirInUse, match=r"holds 7/, named like a checkpoint Forge would save there"):
+        with pytest.raises(OutputDirInUse, match=r"holds checkpoint-7/, named like a Forge checkpoint but not"):
             trainer(tmp_path, **flags).train(ROWS)
-        assert (run / "7" / "results.csv").read_text() == "not Forge's" and (run / "2").is_dir()
+        assert (run / "checkpoint-7" / "results.csv").read_text() == "not Forge's" and (run / "checkpoint-2").is_dir()
     model, tokenizer = build_tiny_model()
     with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*7: a folder that is not a Forge checkpoint"):
-        save_checkpoint(run / "7", model=model, tokenizer=tokenizer, trainer_state={}, config=CONFIG)
-    assert (run / "7" / "results.csv").read_text() == "not Forge's"
+        save_checkpoint(run / "checkpoint-7", model=model, tokenizer=tokenizer, trainer_state={}, config=CONFIG)
+    assert (run / "checkpoint-7" / "results.csv").read_text() == "not Forge's"
 
 
 def test_a_leftover_of_a_killed_replace_is_put_back_only_when_it_verifies_and_the_console_says_so(tmp_path, capsys):
     run = tmp_path / "run"
     trainer(tmp_path, max_steps=2).train(ROWS)
     gone = dead_pid()
-    (run / "2").rename(run / f"2.old-{gone}")  # killed between the two renames of a save that replaced 2/
-    (run / "1").rename(run / f"1.old-{gone}")
-    (run / f"1.old-{gone}" / "model.safetensors").write_bytes(b"damaged")  # no longer matches its COMPLETE
+    (run / "checkpoint-2").rename(run / f"checkpoint-2.old-{gone}")  # killed between the two renames of a save
+    (run / "checkpoint-1").rename(run / f"checkpoint-1.old-{gone}")
+    (run / f"checkpoint-1.old-{gone}" / "model.safetensors").write_bytes(b"damaged")  # no longer matches COMPLETE
     capsys.readouterr()
     trainer(tmp_path, max_steps=3, resume_from="latest").train(ROWS)
     said = capsys.readouterr()
     said = said.out + said.err
-    assert (f"forge: restored checkpoint {run / '2'} from 2.old-{gone}, left by a save that was killed while "
-            f"replacing it (every file verifies against its COMPLETE)") in said
-    assert f"forge: left {run / f'1.old-{gone}'} as it is: a leftover of a killed save that is not a whole" in said
-    assert f"resumed from step 2 ({run / '2'})" in said
-    assert not (run / "1").exists() and (run / f"1.old-{gone}").is_dir()
+    assert (f"forge: restored checkpoint {run / 'checkpoint-2'} from checkpoint-2.old-{gone}, left by a save that "
+            f"was killed while replacing it (every file verifies against its COMPLETE)") in said
+    assert (f"forge: left {run / f'checkpoint-1.old-{gone}'} as it is: a leftover of a killed save that is not a "
+            f"whole") in said
+    assert f"resumed from step 2 ({run / 'checkpoint-2'})" in said
+    assert not (run / "checkpoint-1").exists() and (run / f"checkpoint-1.old-{gone}").is_dir()

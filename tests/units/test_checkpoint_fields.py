@@ -49,11 +49,11 @@ def run(saved_run, tmp_path) -> Path:
 
 def resume(run: Path) -> str:
     """Resume `run` from its checkpoint 1 after the plant (COMPLETE rehashed); the one-line refusal."""
-    rehash(run / "1")
+    rehash(run / "checkpoint-1")
     with pytest.raises(CheckpointError) as caught:
         trainer(run, max_steps=2, resume_from="latest").train(ROWS)
     message = str(caught.value)
-    assert "\n" not in message and f"checkpoint {run / '1'}" in message, message
+    assert "\n" not in message and f"checkpoint {run / 'checkpoint-1'}" in message, message
     return message
 
 
@@ -77,10 +77,10 @@ def edit_weights(file: Path, change) -> None:
 def test_an_index_naming_a_weights_file_outside_the_checkpoint_is_refused(run, tmp_path, where):
     outside = tmp_path / "elsewhere" / "evil.safetensors"
     outside.parent.mkdir()
-    shutil.move(run / "1" / "model.safetensors", outside)
-    name = str(outside) if where == "absolute" else os.path.relpath(outside, run / "1")
+    shutil.move(run / "checkpoint-1" / "model.safetensors", outside)
+    name = str(outside) if where == "absolute" else os.path.relpath(outside, run / "checkpoint-1")
     keys = load_file(outside).keys()
-    (run / "1" / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+    (run / "checkpoint-1" / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
         key: name for key in keys}}))
     message = resume(run)
     assert "model.safetensors.index.json" in message and "outside the checkpoint" in message
@@ -88,8 +88,8 @@ def test_an_index_naming_a_weights_file_outside_the_checkpoint_is_refused(run, t
 
 def test_a_weights_file_linked_to_outside_the_checkpoint_is_refused(run, tmp_path):
     outside = tmp_path / "elsewhere.safetensors"
-    shutil.move(run / "1" / "model.safetensors", outside)
-    (run / "1" / "model.safetensors").symlink_to(outside)
+    shutil.move(run / "checkpoint-1" / "model.safetensors", outside)
+    (run / "checkpoint-1" / "model.safetensors").symlink_to(outside)
     message = resume(run)
     assert "model.safetensors" in message and "outside the checkpoint" in message
 
@@ -99,7 +99,7 @@ def test_a_weights_file_linked_to_outside_the_checkpoint_is_refused(run, tmp_pat
 
 
 def test_weights_of_another_dtype_are_refused_not_cast(run):
-    edit_weights(run / "1" / "model.safetensors", lambda t: t.update({k: v.half() for k, v in t.items()}))
+    edit_weights(run / "checkpoint-1" / "model.safetensors", lambda t: t.update({k: v.half() for k, v in t.items()}))
     message = resume(run)
     assert "model.safetensors" in message and "float16" in message and "float32" in message
 
@@ -109,7 +109,7 @@ def test_weights_of_another_shape_are_one_line(run):
         key = next(k for k in tensors if k.endswith("q_proj.weight"))
         tensors[key] = torch.zeros(tensors[key].shape[0] + 1, tensors[key].shape[1])
 
-    edit_weights(run / "1" / "model.safetensors", grow)
+    edit_weights(run / "checkpoint-1" / "model.safetensors", grow)
     message = resume(run)
     assert "model.safetensors" in message and "shape" in message
 
@@ -119,7 +119,7 @@ def test_weights_of_another_shape_are_one_line(run):
 
 
 def test_adamw_maximize_is_refused(run):
-    edit_state(run / "1" / "optimizer.safetensors", lambda s: s["param_groups"][0].update(maximize=True))
+    edit_state(run / "checkpoint-1" / "optimizer.safetensors", lambda s: s["param_groups"][0].update(maximize=True))
     message = resume(run)
     assert "optimizer.safetensors" in message and "maximize" in message
 
@@ -127,7 +127,7 @@ def test_adamw_maximize_is_refused(run):
 @pytest.mark.parametrize("field, value", [("lr", "0.1"), ("eps", "tiny"), ("betas", ("a", "b")),
                                           ("weight_decay", float("nan"))])
 def test_optimizer_hyperparameters_that_are_not_numbers_are_refused(run, field, value):
-    edit_state(run / "1" / "optimizer.safetensors", lambda s: s["param_groups"][0].update({field: value}))
+    edit_state(run / "checkpoint-1" / "optimizer.safetensors", lambda s: s["param_groups"][0].update({field: value}))
     message = resume(run)
     assert "optimizer.safetensors" in message and field in message
 
@@ -139,7 +139,7 @@ def test_optimizer_moments_of_another_shape_or_dtype_are_refused(run, plant):
         moments["exp_avg"] = (moments["exp_avg"].half() if plant == "dtype"
                               else torch.zeros(moments["exp_avg"].numel() + 1))
 
-    edit_state(run / "1" / "optimizer.safetensors", change)
+    edit_state(run / "checkpoint-1" / "optimizer.safetensors", change)
     message = resume(run)
     assert "optimizer.safetensors" in message and "exp_avg" in message
 
@@ -153,24 +153,24 @@ def test_optimizer_moments_of_another_shape_or_dtype_are_refused(run, plant):
                                           ("loss_scale", float("inf")), ("log_history", "rows"),
                                           ("log_history", [1, 2])])
 def test_trainer_state_values_out_of_range_are_refused(run, field, value):
-    file = run / "1" / "trainer_state.json"
+    file = run / "checkpoint-1" / "trainer_state.json"
     file.write_text(json.dumps(json.loads(file.read_text()) | {field: value}))
     message = resume(run)
     assert "trainer_state.json" in message and field in message
 
 
 def test_a_trainer_state_that_is_not_an_object_is_refused(run):
-    (run / "1" / "trainer_state.json").write_text("[1, 2]")
+    (run / "checkpoint-1" / "trainer_state.json").write_text("[1, 2]")
     assert "trainer_state.json" in resume(run)
 
 
 def test_a_short_rng_state_is_one_line(run):
-    edit_state(run / "1" / "rng_state.safetensors", lambda s: s.update(torch=s["torch"][:10]))
+    edit_state(run / "checkpoint-1" / "rng_state.safetensors", lambda s: s.update(torch=s["torch"][:10]))
     assert "rng_state.safetensors" in resume(run)
 
 
 def test_a_bad_scheduler_layout_is_one_line(run):
-    state_files.save_state(run / "1" / "scheduler.safetensors", {"last_epoch": "soon"})
+    state_files.save_state(run / "checkpoint-1" / "scheduler.safetensors", {"last_epoch": "soon"})
     assert "scheduler.safetensors" in resume(run)
 
 
@@ -179,7 +179,7 @@ def test_adamw_maximize_in_an_fsdp_layout_is_refused(tmp_path, tiny_tokenizer, o
     from forge.run.lifecycle import load_weights_and_optimizer
 
     model, optimizer, scheduler = sharded_model(tiny_tokenizer, seed=0)
-    checkpoint = save_sharded_checkpoint(tmp_path / "run" / "1", model=model, tokenizer=tiny_tokenizer,
+    checkpoint = save_sharded_checkpoint(tmp_path / "run" / "checkpoint-1", model=model, tokenizer=tiny_tokenizer,
                                          optimizer=optimizer, scheduler=scheduler, trainer_state={"global_step": 1},
                                          config=CONFIG, rng_state=None, ranks=OneRank())
     layout = checkpoint / "sharded" / "layout.json"
@@ -204,6 +204,7 @@ def test_adamw_maximize_in_an_fsdp_layout_is_refused(tmp_path, tiny_tokenizer, o
 
 
 def test_weights_missing_a_tensor_are_the_checkpoints_fault_exit_1_naming_the_file(run):
-    edit_weights(run / "1" / "model.safetensors", lambda t: t.pop(next(k for k in t if k.endswith("q_proj.weight"))))
+    edit_weights(run / "checkpoint-1" / "model.safetensors",
+                 lambda t: t.pop(next(k for k in t if k.endswith("q_proj.weight"))))
     message = resume(run)  # a CheckpointError (exit 1): the run's own file, not the user's input
     assert "model.safetensors does not fit the model: missing 1 keys" in message

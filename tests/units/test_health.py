@@ -114,7 +114,7 @@ def test_stop_on_health_stops_a_run_on_its_zero_signal_steps(tmp_path):
     trainer = GRPOTrainer(model, tokenizer, constant, config)
     with pytest.raises(HealthStop, match="step 3: stopped on the run-health alarm zero_signal_steps"):
         trainer.train([{"prompt": "What is 1 + 1?"}, {"prompt": "Name a color."}] * 4)
-    assert trainer.global_step == 3 and (tmp_path / "run" / "3" / "COMPLETE").is_file()
+    assert trainer.global_step == 3 and (tmp_path / "run" / "checkpoint-3" / "COMPLETE").is_file()
 
 
 def test_steps_that_measured_nothing_raise_no_alarm():
@@ -159,7 +159,7 @@ def test_stop_on_health_stops_at_the_alarm_and_saves_that_step(tmp_path, capsys)
     with pytest.raises(HealthStop, match=r"(?s)step 3: stopped on the run-health alarm groups_flat.*The last finished "
                                          r"step \(3\) is saved"):
         trainer.train([{"prompt": "What is 1 + 1?"}, {"prompt": "Name a color."}] * 4)
-    assert trainer.global_step == 3 and (tmp_path / "run" / "3" / "COMPLETE").is_file()
+    assert trainer.global_step == 3 and (tmp_path / "run" / "checkpoint-3" / "COMPLETE").is_file()
     printed = capsys.readouterr()
     assert "forge: health: step 3: groups_flat: most groups scored all alike" in printed.out + printed.err
     rows = [json.loads(line) for line in (tmp_path / "run" / "training_log.jsonl").read_text().splitlines()]

@@ -71,7 +71,7 @@ def test_bf16_lora_keeps_a_bf16_base_and_fp32_adapters_and_saves_fp32(tmp_path, 
     trainer.train(ROWS)
     frozen = {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
     assert frozen == {torch.bfloat16} and {p.dtype for p in trainer.trainable} == {torch.float32}
-    saved = load_file(tmp_path / "lora" / "3" / "adapter_model.safetensors")
+    saved = load_file(tmp_path / "lora" / "checkpoint-3" / "adapter_model.safetensors")
     assert saved and all(t.dtype == torch.float32 for t in saved.values())
 
 

@@ -94,7 +94,7 @@ def test_raising_reward_names_reward_step_row_and_text_and_leaves_a_resumable_ch
     with pytest.raises(RewardError) as caught:
         failing.train(rows)
     message = str(caught.value)
-    checkpoint = tmp_path / "failing" / "run" / "1"
+    checkpoint = tmp_path / "failing" / "run" / "checkpoint-1"
     assert "reward 'PoisonedReward' raised ZeroDivisionError: cannot score poison at step 2" in message
     assert "dataset row 2" in message and "What is poison?" in message and "on completion 0" in message
     assert f"The last finished step (1) is saved in {checkpoint}" in message and "--resume" in message
@@ -230,7 +230,7 @@ def test_a_reward_calling_sys_exit_stops_the_run_with_a_reward_error_and_a_check
     with pytest.raises(RewardError, match=r"raised SystemExit\(0\).* at step 2") as caught:
         trainer.train(rows)
     assert "The last finished step (1) is saved in" in str(caught.value)
-    assert (tmp_path / "run" / "1" / COMPLETE_MARKER).is_file()
+    assert (tmp_path / "run" / "checkpoint-1" / COMPLETE_MARKER).is_file()
 
 
 @pytest.mark.parametrize(
@@ -385,7 +385,7 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, capsys
     with pytest.raises(TrainingInterrupted) as caught:
         trainer.train(ROWS * 2)
     assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored
-    checkpoint = tmp_path / "run" / "2"
+    checkpoint = tmp_path / "run" / "checkpoint-2"
     assert str(caught.value).startswith("stopped by SIGTERM after step 2 of 4.")
     assert f"saved in {checkpoint}" in str(caught.value) and "--resume" in str(caught.value)
     assert (checkpoint / COMPLETE_MARKER).is_file() and trainer.global_step == 2
@@ -463,7 +463,7 @@ def test_second_signal_abandons_the_step_and_keeps_the_last_finished_one(tmp_pat
     with pytest.raises(TrainingInterrupted, match=r"stopped by a second SIGINT; step 2 was abandoned\. The last "
                                                   r"finished step \(1\) is saved in"):
         trainer.train(ROWS * 2)
-    saved = load_file(tmp_path / "run" / "1" / "model.safetensors")
+    saved = load_file(tmp_path / "run" / "checkpoint-1" / "model.safetensors")
     assert same_weights({k: saved[k] for k in after_step_1["weights"]}, after_step_1["weights"])
     assert same_weights(weights(trainer.model), after_step_1["weights"])  # step 2 never touched them
     printed = capsys.readouterr().out
@@ -479,24 +479,24 @@ def test_save_total_limit_keeps_the_newest_and_latest_skips_incomplete(tmp_path)
     trainer = trainer_for(tmp_path, max_steps=4, save_steps=1, save_total_limit=2)
     trainer.train(ROWS * 2)
     run = tmp_path / "run"
-    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["3", "4", "final"]
-    (run / "4" / COMPLETE_MARKER).unlink()  # as if the save of step 4 had been cut short
-    assert latest_checkpoint(run) == run / "3"
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoint-3", "checkpoint-4", "final"]
+    (run / "checkpoint-4" / COMPLETE_MARKER).unlink()  # as if the save of step 4 had been cut short
+    assert latest_checkpoint(run) == run / "checkpoint-3"
     resumed = trainer_for(tmp_path, max_steps=4, save_steps=1, resume_from="latest")
-    with pytest.raises(ValueError, match=r"holds 4/, named like a checkpoint Forge would save there but not Forge's"):
+    with pytest.raises(ValueError, match=r"holds checkpoint-4/, named like a Forge checkpoint but not Forge's"):
         resumed.train(ROWS * 2)  # step 4's save would replace a folder without Forge's COMPLETE: moved out first
-    (run / "4").rename(tmp_path / "4-cut-short")
+    (run / "checkpoint-4").rename(tmp_path / "4-cut-short")
     resumed.train(ROWS * 2)
     assert [row["step"] for row in read_log(run)] == [1, 2, 3, 4]  # step 4 logged once, not twice
 
 
 def test_resuming_before_later_checkpoints_warns_and_replaces_them(tmp_path):
     trainer_for(tmp_path, max_steps=3, save_steps=1).train(ROWS * 2)
-    stale = (tmp_path / "run" / "3" / "model.safetensors").stat().st_mtime_ns
-    resumed = trainer_for(tmp_path, max_steps=3, save_steps=1, resume_from=str(tmp_path / "run" / "1"))
+    stale = (tmp_path / "run" / "checkpoint-3" / "model.safetensors").stat().st_mtime_ns
+    resumed = trainer_for(tmp_path, max_steps=3, save_steps=1, resume_from=str(tmp_path / "run" / "checkpoint-1"))
     with pytest.warns(UserWarning, match=r"resuming from step 1 while .* holds later checkpoints"):
         resumed.train(ROWS * 2)
-    assert (tmp_path / "run" / "3" / "model.safetensors").stat().st_mtime_ns != stale
+    assert (tmp_path / "run" / "checkpoint-3" / "model.safetensors").stat().st_mtime_ns != stale
     assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2, 3]
 
 
@@ -514,10 +514,10 @@ def test_a_line_of_the_training_log_that_is_not_a_row_is_left_out_with_a_warning
 def test_save_model_refuses_a_checkpoint_of_the_run_which_still_verifies(tmp_path):
     trainer = trainer_for(tmp_path, max_steps=2, save_steps=1)
     trainer.train(ROWS)
-    checkpoint = tmp_path / "run" / "1"
+    checkpoint = tmp_path / "run" / "checkpoint-1"
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
     with pytest.raises(ValueError, match=rf"save_model\('{re.escape(str(checkpoint))}'\): .* holds a Forge checkpoint"):
-        trainer.save_model(str(tmp_path / "run") + "/1")
+        trainer.save_model(str(tmp_path / "run") + "/checkpoint-1")
     assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
     verify_checkpoint(checkpoint)
     assert (trainer.save_model(tmp_path / "saved") / "model.safetensors").is_file()  # a new folder: written
@@ -552,7 +552,7 @@ def test_a_config_a_callback_breaks_between_steps_stops_the_run_as_a_failed_step
     with pytest.raises(StepFailed) as caught:
         trainer.train(ROWS)
     message = str(caught.value)
-    checkpoint = tmp_path / "run" / "1"
+    checkpoint = tmp_path / "run" / "checkpoint-1"
     assert said in message and "a callback changed the config" in message, message
     assert f"The last finished step (1) is saved in {checkpoint}" in message, message
     assert trainer.global_step == 1 and [row["step"] for row in read_log(tmp_path / "run")] == [1]
@@ -576,8 +576,8 @@ def test_checkpoint_holds_the_model_name_and_dataset_identity(tmp_path):
     model, tokenizer = build_tiny_model()
     model.config._name_or_path = "my-org/tiny"
     trainer_for(tmp_path, model=(model, tokenizer), max_steps=1, save_steps=1).train(ROWS)
-    saved_config = json.loads((tmp_path / "run" / "1" / "forge_config.json").read_text())
-    state = json.loads((tmp_path / "run" / "1" / "trainer_state.json").read_text())
+    saved_config = json.loads((tmp_path / "run" / "checkpoint-1" / "forge_config.json").read_text())
+    state = json.loads((tmp_path / "run" / "checkpoint-1" / "trainer_state.json").read_text())
     assert saved_config["model_name"] == "my-org/tiny"
     assert state["dataset_size"] == 4 and re.fullmatch(r"[0-9a-f]{16}", state["dataset_fingerprint"])
     assert (state["global_step"], state["epoch"], state["position"], state["skipped_steps"]) == (1, 0, 2, 0)

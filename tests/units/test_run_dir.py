@@ -41,8 +41,8 @@ def read_log(run_dir: Path) -> list[dict]:
 def test_a_new_run_refuses_a_directory_that_holds_another_run(tmp_path):
     run(tmp_path, max_steps=3).train(ROWS)
     before = sorted(p.name for p in (tmp_path / "run").iterdir())
-    with pytest.raises(OutputDirInUse, match=r"already holds a run \(1, 2, 3, final, samples.jsonl, "
-                                             r"training_log.jsonl\)\. Continue it with --resume"):
+    with pytest.raises(OutputDirInUse, match=r"already holds a run \(checkpoint-1, checkpoint-2, checkpoint-3, "
+                                             r"final, samples.jsonl, training_log.jsonl\)\. Continue it with --resume"):
         run(tmp_path, max_steps=2).train(ROWS)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before  # nothing touched
     assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2, 3]
@@ -51,8 +51,8 @@ def test_a_new_run_refuses_a_directory_that_holds_another_run(tmp_path):
 def test_overwrite_output_dir_replaces_the_old_run_entirely(tmp_path):
     run(tmp_path, max_steps=3).train(ROWS)
     run(tmp_path, max_steps=2, overwrite_output_dir=True).train(ROWS)
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["1", "2", "final", "samples.jsonl",
-                                                                    "training_log.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-1", "checkpoint-2", "final",
+                                                                    "samples.jsonl", "training_log.jsonl"]
     assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2]  # no step 3 of the old run left
 
 
@@ -63,7 +63,7 @@ def test_final_holds_the_trained_model_only_and_a_run_resumes_from_its_numbered_
     from forge.run.integrity import CheckpointError, verify_checkpoint
 
     run(tmp_path, max_steps=2).train(ROWS)
-    final, last = tmp_path / "run" / "final", tmp_path / "run" / "2"
+    final, last = tmp_path / "run" / "final", tmp_path / "run" / "checkpoint-2"
     names = {p.name for p in final.iterdir()}
     assert not names & {"optimizer.safetensors", "scheduler.safetensors", "rng_state.safetensors"}  # the training state is in 1/ and 2/
     assert {"model.safetensors", "config.json", "tokenizer.json", "forge_config.json", "COMPLETE"} <= names
@@ -99,7 +99,7 @@ def test_a_second_run_into_a_locked_directory_stops_with_the_owners_pid(tmp_path
 
 
 def test_temporary_checkpoints_of_dead_processes_are_removed_at_start(tmp_path):
-    stale = tmp_path / "run" / "7.tmp-999999999"  # no such process
+    stale = tmp_path / "run" / "checkpoint-7.tmp-999999999"  # no such process
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"x" * 1000)
     run(tmp_path, max_steps=1).train(ROWS)
@@ -140,7 +140,7 @@ def test_weights_that_stay_non_finite_abort_with_finite_weights_and_a_checkpoint
                                                  r"\(2\) is saved in"):
         trainer.train(ROWS * 2)
     assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
-    assert (tmp_path / "run" / "2" / "COMPLETE").exists()
+    assert (tmp_path / "run" / "checkpoint-2" / "COMPLETE").exists()
 
 
 def test_resume_applies_a_changed_learning_rate_and_says_so(tmp_path, capsys):
@@ -148,7 +148,7 @@ def test_resume_applies_a_changed_learning_rate_and_says_so(tmp_path, capsys):
     capsys.readouterr()
     run(tmp_path, max_steps=3, learning_rate=3e-3, resume_from="latest").train(ROWS)
     out = capsys.readouterr()
-    assert f"resumed from step 2 ({tmp_path / 'run' / '2'})" in out.out + out.err
+    assert f"resumed from step 2 ({tmp_path / 'run' / 'checkpoint-2'})" in out.out + out.err
     assert "applying this run's learning_rate 0.01 -> 0.003 from step 3" in out.out + out.err
     log = read_log(tmp_path / "run")
     assert [row["step"] for row in log] == [1, 2, 3]

@@ -34,8 +34,8 @@ def test_json_nested_past_the_recursion_limit_is_refused_before_parsing(tmp_path
 ])
 def test_a_value_of_another_type_or_no_json_names_the_file(text, expect, problem):
     with pytest.raises(JSONFileError) as caught:
-        parse_json(text, "out/3/trainer_state.json", expect)
-    assert str(caught.value).startswith(f"out/3/trainer_state.json {problem}")
+        parse_json(text, "out/checkpoint-3/trainer_state.json", expect)
+    assert str(caught.value).startswith(f"out/checkpoint-3/trainer_state.json {problem}")
     assert caught.value.problem.startswith(problem)
 
 

@@ -473,7 +473,7 @@ def test_tool_metrics_samples_and_bitwise_resume(scripted, tmp_path):
     assert samples[0]["tool_calls"][0] == {"name": "calculator", "arguments": {"expression": "2+3"},
                                            "call": CALL, "output": "5", "failure": None, "truncated": False}
     expected = copy.deepcopy(straight)
-    resumed = run(resume_from=str(tmp_path / "run" / "1"))
+    resumed = run(resume_from=str(tmp_path / "run" / "checkpoint-1"))
     assert resumed.keys() == expected.keys() and all(torch.equal(resumed[k], expected[k]) for k in expected)
     assert any(not torch.equal(resumed[k], build_tiny_model(seed=0)[0].state_dict()[k]) for k in expected)
 

@@ -105,13 +105,13 @@ def test_training_moves_weights_and_writes_logs_samples_checkpoints(tmp_path, ti
     assert {"step", "prompt", "reference", "completion", "reward"} <= set(samples[0])
     assert {s["prompt"] for s in samples} <= {row["prompt"] for row in ROWS}
 
-    for name in ("2", "4", "final"):
+    for name in ("checkpoint-2", "checkpoint-4", "final"):
         assert (run / name / "COMPLETE").is_file() and (run / name / "model.safetensors").is_file()
-    assert not (run / "1").exists() and not (run / "3").exists()
+    assert not (run / "checkpoint-1").exists() and not (run / "checkpoint-3").exists()
     saved = load_file(run / "final" / "model.safetensors")
     for name, p in trainer.model.named_parameters():
         assert torch.equal(saved[name], p.detach())
-    assert json.loads((run / "2" / "trainer_state.json").read_text())["global_step"] == 2
+    assert json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
 
     console = capsys.readouterr().out
     assert re.search(r"^step 1 \| epoch 0\.25 \| loss -?\d+\.\d{4} \| reward \d+\.\d{4} \| kl -?\d+\.\d{4}$",
@@ -320,7 +320,8 @@ def test_several_updates_per_rollout_still_cover_the_dataset(tmp_path, tiny_mode
     assert trainer.train(ROWS[:4])["global_step"] == 8
     assert sorted(seen) == sorted(row["prompt"] for row in ROWS[:4])
     assert [row["step"] for row in read_jsonl(tmp_path / "run" / "training_log.jsonl")] == [3, 6, 8]
-    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.isdigit()) == ["4", "6"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-4", "checkpoint-6"]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -12,8 +12,12 @@ generation hold the loss's metrics but no reward.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 from datasets import Dataset
+from transformers.trainer_utils import get_last_checkpoint
 from trl_scripts import PROMPTS, trl_args
 
 from forge import GRPOTrainer  # the one line a TRL script changes
@@ -130,3 +134,53 @@ def test_a_plotting_loop_over_trls_metric_names_in_log_history(model_folder, tmp
     assert summary["step"] == 2 and summary["train_loss"] == pytest.approx(sum(curves["loss"][1]) / 2)
     assert summary["train_steps_per_second"] * summary["train_runtime"] == pytest.approx(2)
     assert summary["train_samples_per_second"] * summary["train_runtime"] == pytest.approx(2 * 8)  # 8 per step
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoints that transformers' get_last_checkpoint finds
+
+
+def logged_steps(output_dir) -> list[int]:
+    lines = (output_dir / "training_log.jsonl").read_text().splitlines()
+    return [row["step"] for row in map(json.loads, lines) if "loss" in row]
+
+
+def test_get_last_checkpoint_finds_the_newest_checkpoint_and_train_resumes_from_it(model_folder, tmp_path):
+    """The resume lines of transformers' examples and open-r1: `get_last_checkpoint(output_dir)` returns the
+    newest `checkpoint-N`, and `train(resume_from_checkpoint=...)` goes on from step N, each step logged once."""
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    args = trl_args(tmp_path, max_steps=2, save_steps=1)
+    GRPOTrainer(model=model_folder, reward_funcs=reward_len, args=args, train_dataset=dataset).train()
+    last_checkpoint = get_last_checkpoint(args.output_dir)
+    assert last_checkpoint == os.path.join(args.output_dir, "checkpoint-2")
+
+    args = trl_args(tmp_path, max_steps=4, save_steps=1)
+    trainer = GRPOTrainer(model=model_folder, reward_funcs=reward_len, args=args, train_dataset=dataset)
+    trainer.train(resume_from_checkpoint=last_checkpoint)
+    assert trainer.state.global_step == 4
+    assert [row["step"] for row in train_rows(trainer)] == [1, 2, 3, 4]
+    assert logged_steps(tmp_path / "out") == [1, 2, 3, 4]
+    assert get_last_checkpoint(args.output_dir) == os.path.join(args.output_dir, "checkpoint-4")
+
+
+def test_an_earlier_forges_plain_numbered_checkpoints_still_resume(model_folder, tmp_path, capsys):
+    """An earlier Forge named its checkpoints `{output_dir}/{step}`: `get_last_checkpoint` does not see them,
+    but `train(resume_from_checkpoint=True)` (`--resume`) still goes on from the newest, and writes
+    `checkpoint-N` from there."""
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    out = tmp_path / "out"
+    GRPOTrainer(model=model_folder, reward_funcs=reward_len, args=trl_args(tmp_path, max_steps=2, save_steps=1),
+                train_dataset=dataset).train()
+    for step in (1, 2):
+        (out / f"checkpoint-{step}").rename(out / str(step))
+    assert get_last_checkpoint(out) is None
+
+    trainer = GRPOTrainer(model=model_folder, reward_funcs=reward_len,
+                          args=trl_args(tmp_path, max_steps=3, save_steps=1), train_dataset=dataset)
+    capsys.readouterr()
+    trainer.train(resume_from_checkpoint=True)
+    said = capsys.readouterr()
+    assert f"forge: resumed from step 2 ({out / '2'})" in said.out + said.err
+    assert [row["step"] for row in train_rows(trainer)] == [1, 2, 3] and logged_steps(out) == [1, 2, 3]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["1", "2", "checkpoint-3", "final"]
+    assert get_last_checkpoint(out) == str(out / "checkpoint-3")

@@ -98,7 +98,7 @@ def test_converted_training_arguments():
         GRPOConfig(warmup_steps=5)
     assert GRPOConfig(lr_scheduler_type="constant_with_warmup").lr_scheduler == "constant"
     assert GRPOConfig(resume_from_checkpoint=True).resume_from == "latest"
-    assert GRPOConfig(resume_from_checkpoint="out/40").resume_from == "out/40"
+    assert GRPOConfig(resume_from_checkpoint="out/checkpoint-40").resume_from == "out/checkpoint-40"
     assert GRPOConfig(train_sampling_strategy="sequential").shuffle is False
     assert GRPOConfig(activation_checkpointing=True).gradient_checkpointing is True
     assert GRPOConfig(eval_on_start=True).eval_before_training is True

@@ -175,7 +175,7 @@ def test_a_callback_that_stops_training_ends_the_run_as_max_steps_would(model_fo
     trainer.train()
     assert trainer.global_step == 2 and trainer.state.global_step == 2
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
-    assert not (tmp_path / "out" / "2").exists()  # save_strategy="no": final/ only, as at max_steps
+    assert not (tmp_path / "out" / "checkpoint-2").exists()  # save_strategy="no": final/ only, as at max_steps
     assert recorder.events[-1] == ("train_end", 2)
     assert [row["step"] for row in trainer.state.log_history] == [1, 2, 2]  # the steps', then the run's summary
 
@@ -191,8 +191,8 @@ def test_a_callback_asks_for_a_checkpoint_and_train_resumes_from_it(model_folder
                         args=trl_args(tmp_path, max_steps=1, save_strategy="no"), train_dataset=dataset,
                         callbacks=[SaveAt])  # a class, as transformers takes it
     first.train()
-    assert (tmp_path / "out" / "1").is_dir()
-    saved = json.loads((tmp_path / "out" / "1" / "trainer_state.json").read_text())
+    assert (tmp_path / "out" / "checkpoint-1").is_dir()
+    saved = json.loads((tmp_path / "out" / "checkpoint-1" / "trainer_state.json").read_text())
     assert saved["log_history"] == first.state.log_history[:1] and [row["step"] for row in saved["log_history"]] == [1]
     assert "train_runtime" in first.state.log_history[1]  # the run's summary, logged after its last checkpoint
 
