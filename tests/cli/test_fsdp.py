@@ -99,7 +99,7 @@ def train_args(root: Path, output_dir: Path, *extra: str) -> list[str]:
 def launch(root: Path, name: str, *extra: str, kill_at: int = 0) -> subprocess.CompletedProcess:
     record = root / f"record-{name}"
     record.mkdir(exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR.parent),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR.parents[1]),
            "FORGE_TEST_RECORD": str(record), "FORGE_TEST_KILL_AT": str(kill_at)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(root / "driver.py"), *train_args(root, root / name, *extra)]
@@ -177,7 +177,7 @@ def test_a_killed_sharded_run_resumes_bit_for_bit(workspace, sharded):
     assert killed.returncode != 0
     assert sorted(p.name for p in (workspace / "killed").iterdir() if p.name.startswith("checkpoint-")) == [
         "checkpoint-2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR.parents[1])}
     resumed = subprocess.run([sys.executable, "-m", "forge", *train_args(workspace, workspace / "killed", "--fsdp"),
                               "--nproc", "2", "--resume"], check=False, env=env, capture_output=True, text=True,
                              timeout=600)
