@@ -9,6 +9,7 @@ into a temporary sibling and renamed into place, so a failed export leaves the f
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import re
@@ -57,7 +58,7 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
     """Raise ExportRefused unless exporting `adapter` (a folder, or None for a live model) merged into `base`
     may write `out_dir`: new or empty, or only an earlier export of the same adapter and base; with
     `overwrite`, anything but a folder the export reads from (or one holding it)."""
-    out = Path(out_dir).expanduser()
+    out = export_folder(out_dir)
     for flag, source in (("--adapter", adapter), ("--base", base)):
         path = Path(source).expanduser() if source is not None else None
         if path is not None and path.exists() and out.exists() and (
@@ -100,6 +101,23 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
         f"its own earlier export of the same adapter and base; choose another --out, or pass "
         f"--overwrite (overwrite=True) to replace what is there"
     )
+
+
+def export_folder(out_dir: str | os.PathLike) -> Path:
+    """The folder an export to `out_dir` writes: a link is the folder it leads to (or will lead to), so the
+    link stays and leads to the export; a link that leads back to itself is refused (ExportRefused)."""
+    out = Path(out_dir).expanduser()
+    if not out.is_symlink():
+        return out
+    try:
+        os.stat(out)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ExportRefused(
+                f"--out {out} is a symlink loop (a link that leads back to itself, never to a folder); "
+                f"remove the link or choose another --out"
+            ) from None
+    return Path(os.path.realpath(out))
 
 
 def training_run(folder: Path) -> str | None:
@@ -223,7 +241,7 @@ def merge_and_export(
             f"refusing to export: {len(bad)} merged weight tensors hold NaN/inf (e.g. {bad[:3]}); the "
             f"adapter or the base holds them, and a model of them computes nothing"
         )
-    return _write_export(Path(out_dir).expanduser(), merged, tokenizer,
+    return _write_export(export_folder(out_dir), merged, tokenizer,
                          {"adapter": None if live else _source_name(adapter_dir_or_model),
                           "base": None if live else _source_name(base_name_or_path)})
 
