@@ -20,10 +20,10 @@ from pickle import UnpicklingError  # only to name torch's refusal; nothing is u
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from forge.logging.logger import TRAINING_LOG_NAME
-from forge.model.loading import load_model, prepare_tokenizer
+from forge.model.loading import load_model, load_tokenizer, prepare_tokenizer
 from forge.model.lora import LORA_INSTALL_HINT, is_peft_model, quiet_checkpointing_deprecation
 from forge.safe_json import read_json
 
@@ -189,6 +189,13 @@ def _load_adapter(base_model: nn.Module, adapter_dir: str | os.PathLike) -> nn.M
             f"(torch refuses it, and Forge never unpickles it); load an adapter saved as "
             f"adapter_model.safetensors"
         ) from None
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as error:  # peft on bad JSON
+        said = (str(error).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"adapter folder {adapter_dir}: peft cannot load it ({type(error).__name__}: {said}); its "
+            f"adapter_config.json is damaged or not a LoRA adapter's: restore the folder from where it came "
+            f"from, or load another"
+        ) from None
 
 
 def _adapter_weights(adapter_dir: str | os.PathLike) -> str:
@@ -226,12 +233,12 @@ def merge_and_export(
         peft_model = _load_adapter(base_model, adapter_dir)
         if tokenizer is None:
             tokenizer = (
-                AutoTokenizer.from_pretrained(str(adapter_dir))
+                load_tokenizer(adapter_dir)
                 if _tokenizer_saved_in(adapter_dir)
                 else base_tokenizer
             )
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(str(base_name_or_path))
+        tokenizer = load_tokenizer(base_name_or_path)
 
     merged = peft_model.merge_and_unload()
     bad = [name for name, tensor in merged.state_dict().items()
@@ -260,11 +267,33 @@ def _write_export(out: Path, merged: nn.Module, tokenizer: PreTrainedTokenizerBa
         if out.exists():
             os.replace(out, aside)
         os.replace(staging, out)
+    except Exception as error:
+        if not out.exists() and aside.exists():
+            os.replace(aside, out)  # what was there stays
+        failed = _write_failed(out, error)
+        if failed is None:
+            raise
+        raise failed from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if aside.exists():
         shutil.rmtree(aside) if aside.is_dir() else aside.unlink()
     return out
+
+
+def _write_failed(out: Path, error: BaseException) -> OSError | None:
+    """An export that could not be written (a full disk, a folder it may not write), in one line naming --out
+    and what to do; None for any other failure."""
+    causes = [error, error.__cause__, error.__context__]
+    if not any(isinstance(e, OSError) or "os error 28" in str(e) for e in causes if e is not None):
+        return None
+    full = any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "os error 28" in str(e)
+               or "No space left on device" in str(e) for e in causes if e is not None)
+    reason = ("the disk holding it is full (no space left on device): free space there, or choose an "
+              "--out on another disk" if full else
+              f"{error} ({type(error).__name__}): make its folder writable, or choose another --out")
+    return OSError(f"cannot write the export to {out}: {reason}; {out} is as it was before the export, and "
+                   f"no temporary is left")
 
 
 def load_for_eval(
@@ -289,7 +318,7 @@ def load_for_eval(
     if adapter is not None:
         base_model = _load_adapter(base_model, adapter)
         if _tokenizer_saved_in(adapter):
-            tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+            tokenizer = load_tokenizer(adapter)
     return base_model.eval(), prepare_tokenizer(tokenizer)
 
 

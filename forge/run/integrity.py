@@ -1,7 +1,8 @@
 """Whether a checkpoint directory is whole: its layout, the sha256 manifest written last, verification, and
 which checkpoints of a run exist, verify, or are left over from a killed save.
 
-    {checkpoint}/COMPLETE      written last: {"format": ..., "sha256": {file: digest}} of every other file
+    {checkpoint}/COMPLETE      written last: {"format": ..., "sha256": {file: digest}, "bytes": {file: size}}
+                               of every other file
     verify_checkpoint(path)    re-hash every file against COMPLETE (a checkpoint from before checksums: check
                                its weight files for a truncated safetensors layout and NaN/inf instead)
     latest_verified_checkpoint the newest numbered checkpoint that verifies
@@ -95,8 +96,9 @@ def nonfinite_tensors(state_dict: dict[str, Any]) -> list[str]:
 
 def write_manifest(directory: Path) -> None:
     """Write COMPLETE last: the sha256 of every other file, so a load can tell a damaged file."""
-    manifest = {"format": _MANIFEST_FORMAT,
-                "sha256": {name: _sha256(directory / name) for name in _checkpoint_files(directory)}}
+    names = _checkpoint_files(directory)
+    manifest = {"format": _MANIFEST_FORMAT, "sha256": {name: _sha256(directory / name) for name in names},
+                "bytes": {name: (directory / name).stat().st_size for name in names}}
     with (directory / COMPLETE_MARKER).open("w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -175,8 +177,9 @@ class Damaged(Exception):
         self.name, self.reason, self.verdict = name, reason, verdict
 
 
-def _read_manifest(path: Path) -> dict[str, str] | None:
-    """{file: sha256} as COMPLETE records it; None for a checkpoint from before checksums ("ok")."""
+def _read_manifest(path: Path) -> tuple[dict[str, str], dict[str, int]] | None:
+    """({file: sha256}, {file: size in bytes}) as COMPLETE records them (no sizes in a COMPLETE of a Forge
+    before them); None for a checkpoint from before checksums ("ok")."""
     marker = path / COMPLETE_MARKER
     if _is_old_marker(marker):
         return None
@@ -187,7 +190,10 @@ def _read_manifest(path: Path) -> dict[str, str] | None:
     hashes = manifest.get("sha256")
     if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(hashes, dict):
         raise Damaged(COMPLETE_MARKER, "is unreadable (damaged, or written by a newer Forge)")
-    return hashes
+    sizes = manifest.get("bytes", {})
+    if not isinstance(sizes, dict):
+        raise Damaged(COMPLETE_MARKER, f'has a "bytes" that is {json_type(sizes)}, not an object of sizes')
+    return hashes, sizes
 
 
 def weight_files(path: Path) -> list[str]:
@@ -330,7 +336,7 @@ def _verify(path: Path, require_training_state: bool) -> bool:
 
     Raises Damaged for the first file that is missing, does not match its sha256, or (without checksums)
     is a truncated safetensors file or holds NaN/inf weights."""
-    manifest = _read_manifest(path)
+    manifest, sizes = _read_manifest(path) or (None, {})
     _links_out(path)
     for name in manifest or ():
         inside(path, name, named_by=COMPLETE_MARKER)
@@ -353,6 +359,9 @@ def _verify(path: Path, require_training_state: bool) -> bool:
             file = path / name
             if not file.is_file():
                 raise Damaged(name, "is missing (COMPLETE lists it)")
+            problem = _size_problem(file, sizes.get(name))  # a huge file is refused before it is hashed
+            if problem is not None:
+                raise Damaged(name, problem)
             if _sha256(file) != digest:
                 problem = safetensors_problem(file) if name.endswith(".safetensors") else None
                 raise Damaged(name, f"does not match the sha256 recorded in {COMPLETE_MARKER}"
@@ -366,6 +375,21 @@ def _verify(path: Path, require_training_state: bool) -> bool:
         if bad:
             raise Damaged(name, f"holds NaN/inf in {len(bad)} tensors (e.g. {bad[:3]})")
     return False
+
+
+def _size_problem(file: Path, recorded: Any) -> str | None:
+    """Why `file` cannot be what COMPLETE recorded, told from its size and (past MAX_JSON_BYTES) its header
+    alone, or None: another size than `recorded`, JSON past what Forge reads, a large safetensors file whose
+    header does not describe it."""
+    size = file.stat().st_size
+    if recorded is not None and size != recorded:
+        return (f"is {size:,} bytes, not the {recorded!r:.40} recorded in {COMPLETE_MARKER} (changed or "
+                "damaged on disk)")
+    if size <= MAX_JSON_BYTES:
+        return None
+    if file.suffix == ".json" or file.name == COMPLETE_MARKER:
+        return f"is {size:,} bytes, more than the {MAX_JSON_BYTES:,} Forge reads as JSON"
+    return safetensors_problem(file) if file.suffix == ".safetensors" else None
 
 
 def verify_checkpoint(path: str | os.PathLike, *, require_training_state: bool = True) -> bool:

@@ -223,7 +223,8 @@ class SetupError(RuntimeError):
 def namespace_problem() -> str | None:
     """None when the sandbox's namespaces work here, else why not. Tried with an empty program: a success is
     remembered for the process; a failure only for NAMESPACE_RETRY_SECONDS, then tried again, so a passing
-    cause (the user namespace limit reached for a moment by other programs) does not refuse every later call."""
+    cause (the user namespace limit reached for a moment by other programs) does not refuse every later
+    call."""
     global _namespace_verdict
     if _namespace_verdict is not None:
         tried_at, problem = _namespace_verdict
