@@ -359,9 +359,9 @@ def _verify(path: Path, require_training_state: bool) -> bool:
             file = path / name
             if not file.is_file():
                 raise Damaged(name, "is missing (COMPLETE lists it)")
-            problem = _size_problem(file, sizes.get(name))  # a huge file is refused before it is hashed
-            if problem is not None:
-                raise Damaged(name, problem)
+            if name in sizes and file.stat().st_size != sizes[name]:  # never hash a huge file
+                raise Damaged(name, f"is {file.stat().st_size:,} bytes, not the {sizes[name]!r:.40} "
+                                    f"recorded in {COMPLETE_MARKER} (changed or damaged on disk)")
             if _sha256(file) != digest:
                 problem = safetensors_problem(file) if name.endswith(".safetensors") else None
                 raise Damaged(name, f"does not match the sha256 recorded in {COMPLETE_MARKER}"
@@ -375,21 +375,6 @@ def _verify(path: Path, require_training_state: bool) -> bool:
         if bad:
             raise Damaged(name, f"holds NaN/inf in {len(bad)} tensors (e.g. {bad[:3]})")
     return False
-
-
-def _size_problem(file: Path, recorded: Any) -> str | None:
-    """Why `file` cannot be what COMPLETE recorded, told from its size and (past MAX_JSON_BYTES) its header
-    alone, or None: another size than `recorded`, JSON past what Forge reads, a large safetensors file whose
-    header does not describe it."""
-    size = file.stat().st_size
-    if recorded is not None and size != recorded:
-        return (f"is {size:,} bytes, not the {recorded!r:.40} recorded in {COMPLETE_MARKER} (changed or "
-                "damaged on disk)")
-    if size <= MAX_JSON_BYTES:
-        return None
-    if file.suffix == ".json" or file.name == COMPLETE_MARKER:
-        return f"is {size:,} bytes, more than the {MAX_JSON_BYTES:,} Forge reads as JSON"
-    return safetensors_problem(file) if file.suffix == ".safetensors" else None
 
 
 def verify_checkpoint(path: str | os.PathLike, *, require_training_state: bool = True) -> bool:

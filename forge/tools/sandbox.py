@@ -162,8 +162,7 @@ def run_python(
     memory_mb:        memory of the whole program (0 = none); also each process's address-space limit
     output_limit_kb:  the most stdout (and, separately, stderr) it may write, and the largest file it may
                       write
-    stdin:            text fed to the program's standard input
-                      (a lone surrogate in `code` or `stdin`, a str no UTF-8 can hold, is run as U+FFFD)
+    stdin:            text fed to the program's standard input (a lone surrogate in it or in `code` is U+FFFD)
     python:           the interpreter to run (default: this one)
     max_processes:    processes and threads it may run at once
     hide:             files and directories that appear empty to it ('~' and '$VAR' are expanded)
