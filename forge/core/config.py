@@ -365,7 +365,7 @@ class GRPOConfig(TRLAttributes):
     """The memory the run may use (the resident set on a CPU, allocated memory on a GPU); None = what the
     process holds plus what the machine has free when the preflight runs. The preflight projects the run's
     peak from its own samples and stops a run that would not fit, naming what to turn (micro_batch_size='auto'
-    fits the loss pass to it)."""
+    fits the loss pass to it). Refused with preflight='off', which would leave it unchecked."""
     health_window: int = 5
     """Steps the run-health rules look back over; an alarm is said once per episode (docs/reliability.md)."""
     health_thresholds: list[str] | None = None

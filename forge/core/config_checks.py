@@ -221,6 +221,10 @@ def check_run(config, need: Need) -> None:
     need(config.preflight_prompts >= 1, "preflight_prompts must be >= 1")
     need(config.max_memory_mb is None or config.max_memory_mb > 0,
          "max_memory_mb must be > 0 (None = what is free)")
+    need(config.max_memory_mb is None or config.preflight != "off",
+         f"max_memory_mb={config.max_memory_mb} is held against the peak the preflight projects, and "
+         "preflight='off' skips it, so nothing would check it: set preflight='warn', or leave "
+         "max_memory_mb unset")
     need(config.health_window >= 2, "health_window must be >= 2 steps")
     need(not set(config.stop_on_health or ()) - {"any", *HEALTH_RULES},
          f"stop_on_health={config.stop_on_health}; name rules of {sorted(HEALTH_RULES)}, or 'any'")

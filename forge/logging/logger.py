@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from forge.safe_json import JSONFileError, parse_json
+from forge.safe_json import MAX_JSON_BYTES, JSONFileError, parse_json
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -161,7 +161,11 @@ def log_rows(path: Path) -> Iterator[tuple[str, dict]]:
     file and the line, but for a last line cut short by a crash (no newline: the run died writing it), left
     out silently."""
     with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
+        for number, raw in enumerate(iter(lambda: f.readline(MAX_JSON_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_JSON_BYTES:  # a line no row makes (a huge damaged file): never read whole
+                raise JSONFileError(f"{path}, line {number}", (
+                    f"is over {MAX_JSON_BYTES:,} bytes without a line end, no row Forge writes (a damaged "
+                    f"file); move {path.name} out of {path.parent} and run again (a run starts a new one)"))
             if not raw.strip():
                 continue
             try:

@@ -9,6 +9,7 @@ into a temporary sibling and renamed into place, so a failed export leaves the f
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import re
@@ -19,10 +20,10 @@ from pickle import UnpicklingError  # only to name torch's refusal; nothing is u
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from forge.logging.logger import TRAINING_LOG_NAME
-from forge.model.loading import load_model, prepare_tokenizer
+from forge.model.loading import load_model, load_tokenizer, prepare_tokenizer
 from forge.model.lora import LORA_INSTALL_HINT, is_peft_model, quiet_checkpointing_deprecation
 from forge.safe_json import read_json
 
@@ -57,7 +58,7 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
     """Raise ExportRefused unless exporting `adapter` (a folder, or None for a live model) merged into `base`
     may write `out_dir`: new or empty, or only an earlier export of the same adapter and base; with
     `overwrite`, anything but a folder the export reads from (or one holding it)."""
-    out = Path(out_dir).expanduser()
+    out = export_folder(out_dir)
     for flag, source in (("--adapter", adapter), ("--base", base)):
         path = Path(source).expanduser() if source is not None else None
         if path is not None and path.exists() and out.exists() and (
@@ -100,6 +101,23 @@ def check_export_folder(out_dir: str | os.PathLike, adapter: str | os.PathLike |
         f"its own earlier export of the same adapter and base; choose another --out, or pass "
         f"--overwrite (overwrite=True) to replace what is there"
     )
+
+
+def export_folder(out_dir: str | os.PathLike) -> Path:
+    """The folder an export to `out_dir` writes: a link is the folder it leads to (or will lead to), so the
+    link stays and leads to the export; a link that leads back to itself is refused (ExportRefused)."""
+    out = Path(out_dir).expanduser()
+    if not out.is_symlink():
+        return out
+    try:
+        os.stat(out)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ExportRefused(
+                f"--out {out} is a symlink loop (a link that leads back to itself, never to a folder); "
+                f"remove the link or choose another --out"
+            ) from None
+    return Path(os.path.realpath(out))
 
 
 def training_run(folder: Path) -> str | None:
@@ -171,6 +189,13 @@ def _load_adapter(base_model: nn.Module, adapter_dir: str | os.PathLike) -> nn.M
             f"(torch refuses it, and Forge never unpickles it); load an adapter saved as "
             f"adapter_model.safetensors"
         ) from None
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as error:  # peft on bad JSON
+        said = (str(error).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"adapter folder {adapter_dir}: peft cannot load it ({type(error).__name__}: {said}); its "
+            f"adapter_config.json is damaged or not a LoRA adapter's: restore the folder from where it came "
+            f"from, or load another"
+        ) from None
 
 
 def _adapter_weights(adapter_dir: str | os.PathLike) -> str:
@@ -208,12 +233,12 @@ def merge_and_export(
         peft_model = _load_adapter(base_model, adapter_dir)
         if tokenizer is None:
             tokenizer = (
-                AutoTokenizer.from_pretrained(str(adapter_dir))
+                load_tokenizer(adapter_dir)
                 if _tokenizer_saved_in(adapter_dir)
                 else base_tokenizer
             )
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(str(base_name_or_path))
+        tokenizer = load_tokenizer(base_name_or_path)
 
     merged = peft_model.merge_and_unload()
     bad = [name for name, tensor in merged.state_dict().items()
@@ -223,7 +248,7 @@ def merge_and_export(
             f"refusing to export: {len(bad)} merged weight tensors hold NaN/inf (e.g. {bad[:3]}); the "
             f"adapter or the base holds them, and a model of them computes nothing"
         )
-    return _write_export(Path(out_dir).expanduser(), merged, tokenizer,
+    return _write_export(export_folder(out_dir), merged, tokenizer,
                          {"adapter": None if live else _source_name(adapter_dir_or_model),
                           "base": None if live else _source_name(base_name_or_path)})
 
@@ -242,11 +267,33 @@ def _write_export(out: Path, merged: nn.Module, tokenizer: PreTrainedTokenizerBa
         if out.exists():
             os.replace(out, aside)
         os.replace(staging, out)
+    except Exception as error:
+        if not out.exists() and aside.exists():
+            os.replace(aside, out)  # what was there stays
+        failed = _write_failed(out, error)
+        if failed is None:
+            raise
+        raise failed from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if aside.exists():
         shutil.rmtree(aside) if aside.is_dir() else aside.unlink()
     return out
+
+
+def _write_failed(out: Path, error: BaseException) -> OSError | None:
+    """An export that could not be written (a full disk, a folder it may not write), in one line naming --out
+    and what to do; None for any other failure."""
+    causes = [error, error.__cause__, error.__context__]
+    if not any(isinstance(e, OSError) or "os error 28" in str(e) for e in causes if e is not None):
+        return None
+    full = any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "os error 28" in str(e)
+               or "No space left on device" in str(e) for e in causes if e is not None)
+    reason = ("the disk holding it is full (no space left on device): free space there, or choose an "
+              "--out on another disk" if full else
+              f"{error} ({type(error).__name__}): make its folder writable, or choose another --out")
+    return OSError(f"cannot write the export to {out}: {reason}; {out} is as it was before the export, and "
+                   f"no temporary is left")
 
 
 def load_for_eval(
@@ -271,7 +318,7 @@ def load_for_eval(
     if adapter is not None:
         base_model = _load_adapter(base_model, adapter)
         if _tokenizer_saved_in(adapter):
-            tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+            tokenizer = load_tokenizer(adapter)
     return base_model.eval(), prepare_tokenizer(tokenizer)
 
 

@@ -113,13 +113,28 @@ def load_model(
         model = model.to(torch_dtype)
     else:
         model = _from_pretrained_whole(source, torch_dtype, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(
-        source, gguf_file=gguf_file, trust_remote_code=trust_remote_code
-    )
+    tokenizer = load_tokenizer(source, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
     tokenizer = prepare_tokenizer(tokenizer)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device), tokenizer
+
+
+def load_tokenizer(source: str | os.PathLike, **kwargs) -> PreTrainedTokenizerBase:
+    """AutoTokenizer.from_pretrained(source); from a local folder, whatever its tokenizer files make the
+    tokenizers fail with (a tokenizer.json of other keys, a tokenizer_config.json that is another file) is a
+    ValueError naming the folder, in one line."""
+    try:
+        return AutoTokenizer.from_pretrained(str(source), **kwargs)
+    except Exception as error:
+        if not Path(source).is_dir() or isinstance(error, (OSError, ImportError)):
+            raise
+        said = (str(error).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"folder {source}: its tokenizer cannot be loaded ({type(error).__name__}: {said}); its "
+            f"tokenizer files (tokenizer.json, tokenizer_config.json, ...) are damaged or are not a "
+            f"tokenizer's: restore them from where the folder came from, or load another"
+        ) from None
 
 
 def _from_pretrained_whole(source: str, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:

@@ -1,7 +1,8 @@
 """Whether a checkpoint directory is whole: its layout, the sha256 manifest written last, verification, and
 which checkpoints of a run exist, verify, or are left over from a killed save.
 
-    {checkpoint}/COMPLETE      written last: {"format": ..., "sha256": {file: digest}} of every other file
+    {checkpoint}/COMPLETE      written last: {"format": ..., "sha256": {file: digest}, "bytes": {file: size}}
+                               of every other file
     verify_checkpoint(path)    re-hash every file against COMPLETE (a checkpoint from before checksums: check
                                its weight files for a truncated safetensors layout and NaN/inf instead)
     latest_verified_checkpoint the newest numbered checkpoint that verifies
@@ -94,8 +95,9 @@ def nonfinite_tensors(state_dict: dict[str, Any]) -> list[str]:
 
 def write_manifest(directory: Path) -> None:
     """Write COMPLETE last: the sha256 of every other file, so a load can tell a damaged file."""
-    manifest = {"format": _MANIFEST_FORMAT,
-                "sha256": {name: _sha256(directory / name) for name in _checkpoint_files(directory)}}
+    names = _checkpoint_files(directory)
+    manifest = {"format": _MANIFEST_FORMAT, "sha256": {name: _sha256(directory / name) for name in names},
+                "bytes": {name: (directory / name).stat().st_size for name in names}}
     with (directory / COMPLETE_MARKER).open("w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -174,8 +176,9 @@ class Damaged(Exception):
         self.name, self.reason, self.verdict = name, reason, verdict
 
 
-def _read_manifest(path: Path) -> dict[str, str] | None:
-    """{file: sha256} as COMPLETE records it; None for a checkpoint from before checksums ("ok")."""
+def _read_manifest(path: Path) -> tuple[dict[str, str], dict[str, int]] | None:
+    """({file: sha256}, {file: size in bytes}) as COMPLETE records them (no sizes in a COMPLETE of a Forge
+    before them); None for a checkpoint from before checksums ("ok")."""
     marker = path / COMPLETE_MARKER
     if _is_old_marker(marker):
         return None
@@ -186,7 +189,10 @@ def _read_manifest(path: Path) -> dict[str, str] | None:
     hashes = manifest.get("sha256")
     if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(hashes, dict):
         raise Damaged(COMPLETE_MARKER, "is unreadable (damaged, or written by a newer Forge)")
-    return hashes
+    sizes = manifest.get("bytes", {})
+    if not isinstance(sizes, dict):
+        raise Damaged(COMPLETE_MARKER, f'has a "bytes" that is {json_type(sizes)}, not an object of sizes')
+    return hashes, sizes
 
 
 def weight_files(path: Path) -> list[str]:
@@ -329,7 +335,7 @@ def _verify(path: Path, require_training_state: bool) -> bool:
 
     Raises Damaged for the first file that is missing, does not match its sha256, or (without checksums)
     is a truncated safetensors file or holds NaN/inf weights."""
-    manifest = _read_manifest(path)
+    manifest, sizes = _read_manifest(path) or (None, {})
     _links_out(path)
     for name in manifest or ():
         inside(path, name, named_by=COMPLETE_MARKER)
@@ -352,6 +358,9 @@ def _verify(path: Path, require_training_state: bool) -> bool:
             file = path / name
             if not file.is_file():
                 raise Damaged(name, "is missing (COMPLETE lists it)")
+            if name in sizes and file.stat().st_size != sizes[name]:  # never hash a huge file
+                raise Damaged(name, f"is {file.stat().st_size:,} bytes, not the {sizes[name]!r:.40} "
+                                    f"recorded in {COMPLETE_MARKER} (changed or damaged on disk)")
             if _sha256(file) != digest:
                 problem = safetensors_problem(file) if name.endswith(".safetensors") else None
                 raise Damaged(name, f"does not match the sha256 recorded in {COMPLETE_MARKER}"

@@ -6,9 +6,10 @@ loaders will read, before they do, and refuses with one line naming the folder a
 code 2 on the command line):
 
     config.json, adapter_config.json, tokenizer files, the shard index
-                                     a JSON object each, within the size and nesting limits of
-                                     forge/safe_json.py; the index's weight_map an object of tensor name ->
-                                     shard file
+                                     a regular file each (not a link loop, a link to nothing, a folder or a
+                                     device), at most MAX_JSON_BYTES; the JSON ones a JSON object within the
+                                     nesting limit of forge/safe_json.py; the index's weight_map an object of
+                                     tensor name -> shard file
     every safetensors weight file    a safetensors file (not a pickle, a zip of torch.save, or a link to
                                      anything else), whole, each tensor's bytes matching its shape and dtype
                                      in the header, every float finite (`nonfinite_tensors`, as resuming does)
@@ -35,7 +36,7 @@ from forge.run.integrity import (
     read_header,
     safetensors_problem,
 )
-from forge.safe_json import JSONFileError, read_json
+from forge.safe_json import MAX_JSON_BYTES, JSONFileError, read_json
 
 # The JSON files transformers and peft read from a model or adapter folder (the others are not read by a
 # load).
@@ -49,6 +50,9 @@ LOADED_JSON = (
     "added_tokens.json",
     FULL_WEIGHTS_INDEX_NAME,
 )
+# The other files of a folder a load reads whole (the tokenizer's); at most MAX_JSON_BYTES each, as JSON.
+LOADED_TEXT = ("chat_template.jinja", "chat_template.json", "tokenizer.model", "spiece.model", "vocab.json",
+               "vocab.txt", "merges.txt")
 # Bytes per element of each safetensors dtype.
 DTYPE_BYTES = {
     "BOOL": 1,
@@ -80,10 +84,14 @@ def check_model_files(path: str | os.PathLike, given_as: str) -> None:
     path = Path(path).expanduser()
     if not path.is_dir():
         return
-    for name in LOADED_JSON:
-        problem = _read(_json_problem, path / name) if (path / name).is_file() else None
+    for name in (*LOADED_JSON, *LOADED_TEXT):
+        if not os.path.lexists(path / name):
+            continue
+        problem = _read(entry_problem, path / name) or (
+            _read(_json_problem, path / name) if name in LOADED_JSON else _read(_size_problem, path / name))
         if problem:
-            raise DamagedModelFolder(f"{given_as} {path}: {name} {problem}. {_restore(path)}")
+            raise DamagedModelFolder(f"{given_as} {path}: {name}{_link_note(path / name)} {problem}. "
+                                     f"{_restore(path)}")
     for name in _weight_files(path, given_as):
         problem = _read(weights_problem, path / name)
         if problem:
@@ -96,6 +104,27 @@ def _read(check, file: Path) -> str | None:
         return check(file)
     except OSError as error:
         return f"cannot be read ({error.strerror or error})"
+
+
+def entry_problem(file: Path) -> str | None:
+    """Why `file`, present in a folder, is not a regular file a load can read (a link loop, a link to nothing,
+    a folder, a device or pipe), or None."""
+    if link_loops(file):
+        return "is a symlink loop (a link that leads back to itself, never to a file)"
+    if not file.exists():
+        return "is a link that leads to nothing"
+    if file.is_dir():
+        return "is a folder, not a file"
+    if not file.is_file():
+        return "is not a regular file (a device, a pipe or a socket)"
+    return None
+
+
+def _size_problem(file: Path) -> str | None:
+    size = file.stat().st_size
+    if size > MAX_JSON_BYTES:
+        return f"is {size:,} bytes, more than the {MAX_JSON_BYTES:,} a load of a tokenizer file may read"
+    return None
 
 
 def _restore(path: Path) -> str:
@@ -126,7 +155,7 @@ def _weight_files(path: Path, given_as: str) -> list[str]:
 
 
 def _link_note(file: Path) -> str:
-    return f" (a link to {os.path.realpath(file)})" if file.is_symlink() else ""
+    return f" (a link to {os.path.realpath(file)})" if file.is_symlink() and not link_loops(file) else ""
 
 
 def weights_problem(file: Path) -> str | None:

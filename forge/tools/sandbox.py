@@ -83,6 +83,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from forge.tools.outcome import readable
+
 __all__ = ["DEFAULT_HIDDEN", "SandboxResult", "namespace_problem", "run_python"]
 
 INIT = str(Path(__file__).with_name("sandbox_init.py"))
@@ -116,6 +118,8 @@ DEFAULT_HIDDEN = (
     "$HF_TOKEN_PATH",
 )
 _warned = False
+NAMESPACE_RETRY_SECONDS = 10.0
+_namespace_verdict: tuple[float, str | None] | None = None  # (when tried, the problem or None)
 
 
 @dataclass
@@ -158,7 +162,7 @@ def run_python(
     memory_mb:        memory of the whole program (0 = none); also each process's address-space limit
     output_limit_kb:  the most stdout (and, separately, stderr) it may write, and the largest file it may
                       write
-    stdin:            text fed to the program's standard input
+    stdin:            text fed to the program's standard input (a lone surrogate in it or in `code` is U+FFFD)
     python:           the interpreter to run (default: this one)
     max_processes:    processes and threads it may run at once
     hide:             files and directories that appear empty to it ('~' and '$VAR' are expanded)
@@ -170,6 +174,7 @@ def run_python(
         raise ValueError(f"timeout={timeout} must be > 0 seconds")
     if memory_mb < 0 or output_limit_kb < 1 or max_processes < 1:
         raise ValueError("memory_mb must be >= 0, output_limit_kb >= 1 and max_processes >= 1")
+    code, stdin = readable(code), readable(stdin)
     interpreter = os.path.abspath(python or sys.executable)
     if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
         return SandboxResult("", f"could not start {interpreter}: not an executable file", None, False, False,
@@ -214,10 +219,22 @@ class SetupError(RuntimeError):
     """The namespace sandbox could not be set up for a program (it was not run)."""
 
 
-@functools.lru_cache(maxsize=1)
 def namespace_problem() -> str | None:
-    """None when the sandbox's namespaces work here (tried once per process, with an empty program), else why
-    not."""
+    """None when the sandbox's namespaces work here, else why not. Tried with an empty program: a success is
+    remembered for the process; a failure only for NAMESPACE_RETRY_SECONDS, then tried again, so a passing
+    cause (the user namespace limit reached for a moment by other programs) does not refuse every later
+    call."""
+    global _namespace_verdict
+    if _namespace_verdict is not None:
+        tried_at, problem = _namespace_verdict
+        if problem is None or time.monotonic() - tried_at < NAMESPACE_RETRY_SECONDS:
+            return problem
+    problem = _try_namespaces()
+    _namespace_verdict = (time.monotonic(), problem)
+    return problem
+
+
+def _try_namespaces() -> str | None:
     if sys.platform != "linux":
         return f"{sys.platform} is not Linux"
     if shutil.which("unshare") is None:

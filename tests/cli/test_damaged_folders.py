@@ -459,3 +459,23 @@ def test_export_never_replaces_a_training_runs_output_dir_not_with_overwrite_eit
     assert f"--out {run} is a training run's output_dir" in message and "not with --overwrite" in message, message
     assert ("checkpoint-3/" if holds == "a checkpoint" else "training_log.jsonl") in message, message
     assert contents(run) == before
+
+
+@pytest.mark.parametrize("leads_to", ["a folder", "a folder not made yet"])
+def test_export_onto_a_link_writes_the_folder_it_leads_to_and_keeps_the_link(saved, tmp_path, leads_to):
+    real = tmp_path / "real"
+    if leads_to == "a folder":
+        real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    for _ in range(2):  # the second time over its own export
+        assert forge_main(*export_args(saved, link)) == 0
+    assert link.is_symlink() and (real / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no temporary, nothing moved aside
+
+
+def test_export_onto_a_symlink_loop_is_one_line(saved, tmp_path, capsys):
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    assert forge_main(*export_args(saved, loop)) == 2
+    assert f"--out {loop} is a symlink loop" in error_line(capsys)

@@ -55,8 +55,10 @@ def payload_bytes(marker: Path) -> bytes:
 def rehash(checkpoint: Path) -> None:
     """Rewrite COMPLETE to match the files as they are now: what anyone handing over a checkpoint can do."""
     manifest = json.loads((checkpoint / "COMPLETE").read_text())
+    files = [p for p in sorted(checkpoint.rglob("*")) if p.is_file() and p.name != "COMPLETE"]
     manifest["sha256"] = {p.relative_to(checkpoint).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-                          for p in sorted(checkpoint.rglob("*")) if p.is_file() and p.name != "COMPLETE"}
+                          for p in files}
+    manifest["bytes"] = {p.relative_to(checkpoint).as_posix(): p.stat().st_size for p in files}
     (checkpoint / "COMPLETE").write_text(json.dumps(manifest))
 
 

@@ -118,3 +118,10 @@ def test_a_resumed_auto_run_keeps_the_micro_batch_its_preflight_chose(tmp_path, 
     assert resumed.micro_batch_size == 4  # one group until it knows better
     resumed.train(ROWS)
     assert resumed.global_step == 2 and resumed.micro_batch_size == 3
+
+
+def test_max_memory_mb_with_the_preflight_off_is_refused_since_nothing_would_check_it():
+    with pytest.raises(ValueError, match=r"max_memory_mb=500.*preflight='off' skips it.*preflight='warn'"):
+        GRPOConfig(max_memory_mb=500, preflight="off").validate()
+    GRPOConfig(max_memory_mb=500, preflight="warn").validate()
+    GRPOConfig(preflight="off").validate()

@@ -358,3 +358,32 @@ def test_running_unisolated_takes_an_explicit_opt_in(monkeypatch):
     assert result.ok and result.stdout == "42\n" and not result.isolated
     chosen = run_python("print(6 * 7)", namespaces=False)  # asked for by name: no isolation, no warning
     assert chosen.ok and not chosen.isolated
+
+
+@needs_namespaces
+def test_a_lone_surrogate_in_the_code_or_stdin_runs_as_u_fffd():
+    result = run_python("print('a\udcffb')")
+    assert result.ok and result.stdout == "a\ufffdb\n", result
+    echoed = run_python("import sys\nprint(sys.stdin.read())", stdin="x\ud800y")
+    assert echoed.ok and echoed.stdout == "x\ufffdy\n", echoed
+
+
+@needs_namespaces
+def test_a_passing_namespace_failure_does_not_refuse_the_later_calls(monkeypatch):
+    monkeypatch.setattr(sandbox, "_namespace_verdict", None)
+    real_run = sandbox._run
+
+    def fails_once(*args, namespace, **kwargs):
+        if namespace:
+            raise sandbox.SetupError("unshare: user namespace limit reached for a moment")
+        return real_run(*args, namespace=namespace, **kwargs)
+
+    monkeypatch.setattr(sandbox, "_run", fails_once)
+    with pytest.raises(RuntimeError, match="limit reached for a moment"):
+        run_python("print('ran')")
+    monkeypatch.setattr(sandbox, "_run", real_run)  # namespaces work again
+    with pytest.raises(RuntimeError, match="limit reached for a moment"):  # within the retry window: as said
+        run_python("print('ran')")
+    monkeypatch.setattr(sandbox, "NAMESPACE_RETRY_SECONDS", 0.0)  # the window has passed
+    result = run_python("print('ran')")
+    assert result.ok and result.isolated and result.stdout == "ran\n", result
