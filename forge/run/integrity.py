@@ -359,8 +359,11 @@ def _verify(path: Path, require_training_state: bool) -> bool:
             if not file.is_file():
                 raise Damaged(name, "is missing (COMPLETE lists it)")
             if name in sizes and file.stat().st_size != sizes[name]:  # never hash a huge file
-                raise Damaged(name, f"is {file.stat().st_size:,} bytes, not the {sizes[name]!r:.40} "
-                                    f"recorded in {COMPLETE_MARKER} (changed or damaged on disk)")
+                recorded = f"{sizes[name]:,}" if isinstance(sizes[name], int) else f"{sizes[name]!r:.40}"
+                problem = safetensors_problem(file) if name.endswith(".safetensors") else None
+                raise Damaged(name, f"is {file.stat().st_size:,} bytes, not the {recorded} recorded in "
+                                    f"{COMPLETE_MARKER}" + (f": it {problem}" if problem else
+                                                            " (changed or damaged on disk)"))
             if _sha256(file) != digest:
                 problem = safetensors_problem(file) if name.endswith(".safetensors") else None
                 raise Damaged(name, f"does not match the sha256 recorded in {COMPLETE_MARKER}"

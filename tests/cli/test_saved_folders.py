@@ -106,7 +106,7 @@ def flip(file: Path) -> None:
 
 
 DAMAGE = {
-    "truncated": (truncate, ["does not match the sha256 recorded in COMPLETE", "is truncated"]),
+    "truncated": (truncate, ["bytes, not the", "recorded in COMPLETE", "is truncated"]),
     "flipped": (flip, ["does not match the sha256 recorded in COMPLETE", "changed or damaged on disk"]),
     "no COMPLETE": (None, ["is incomplete", "no COMPLETE marker", "interrupted"]),
 }
