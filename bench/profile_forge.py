@@ -27,12 +27,11 @@ from workloads import WORKLOADS, dataset_rows, load_model, suppress_eos
 # (module, function name, label): wrapped in torch.profiler.record_function for the phase table.
 PHASES = [
     ("forge.core.trainer", "generate", "generate (the decode loop)"),
-    ("forge.core.logprobs", "prefill", "  prompt prefill (the loss pass)"),
     ("forge.core.rollout", "sample_next_token", "  sampling"),
-    ("forge.core.trainer", "completion_logprobs", "loss forward: completion_logprobs"),
-    ("forge.core.logprobs", "token_logprobs_from_logits", "  chunked log-softmax"),
+    ("forge.core.logprobs", "completion_logprobs", "loss forward: completion_logprobs"),
+    ("forge.core.logprobs", "logprobs_from_hidden", "  chunked log-softmax"),
     ("forge.core.trainer", "grpo_loss", "  grpo_loss"),
-    ("forge.core.trainer", "score_completions", "score rewards"),
+    ("forge.core.trainer", "score_rollout", "score rewards"),
 ]
 
 
@@ -49,14 +48,16 @@ def install_labels() -> None:
     import importlib
 
     from forge.core.trainer import GRPOTrainer
+    from forge.run.optim import GuardedStep
 
     for module_name, name, label in PHASES:
         module = importlib.import_module(module_name)
         setattr(module, name, labelled(getattr(module, name), label))
-    for method, label in [("step", "optimizer step"), ("_update", "update: loss forward + backward + optimizer"),
-                          ("_loss_pass", "  loss pass: forward + backward per micro-batch"),
-                          ("_clip_and_step", "  clip + AdamW step"), ("_collect", "collect: rollout + rewards")]:
+    for method, label in [("step", "optimizer step"), ("update", "update: loss forward + backward + optimizer"),
+                          ("loss_and_backward", "  loss pass: forward + backward per micro-batch"),
+                          ("collect", "collect: rollout + rewards")]:
         setattr(GRPOTrainer, method, labelled(getattr(GRPOTrainer, method), label))
+    GuardedStep.step = labelled(GuardedStep.step, "  clip + AdamW step")
     original_backward = torch.Tensor.backward  # everything autograd runs lands under this label
 
     def backward(self, *args, **kwargs):
