@@ -26,4 +26,4 @@ class Batch:
     teacher_hidden: list[torch.Tensor | None] = field(default_factory=list)  # (N, T, H) the teacher's states
     # before each completion token, distill_loss='full' only (core/teacher.py)
     normaliser: LossNormaliser | None = None  # a slice's, counted when its rollout was cut (rollout_slices
-    # > 1, core/rollout_slices.py); None: update() counts the loss masks
+    # > 1, core/rollout_slices.py), which its loss divides by; None: the one update() counts of the loss masks

@@ -77,8 +77,7 @@ class PolicyLogprobs:
         """pi_old (docs/algorithm.md): None = stopgrad(pi_theta); a stale (async) rollout's sampler's; or
         recomputed."""
         stale = rollout.policy_version is not None and rollout.policy_version < self.global_step
-        reused = self.config.num_iterations > 1 or self.config.rollout_slices > 1  # later updates: off-policy
-        if reused or (stale and self.config.rollout_is != "none"):
+        if self.config.num_iterations > 1 or (stale and self.config.rollout_is != "none"):
             return self.rollout_logprobs(self.model, rollout, indices)
         return rollout.sampler_logprobs if stale else None
 

@@ -195,8 +195,13 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
 
     def cut(self, batch: Batch) -> list[Batch]:
         """rollout_slices > 1: the rollout's optimizer steps, each on a slice of its completions, shuffled by
-        this rollout's seed over every rank's completions (core/rollout_slices.py)."""
+        this rollout's seed over every rank's completions (core/rollout_slices.py); the later slices' ratio is
+        taken against pi_old, the policy that sampled them."""
         config = self.config
+        if config.num_iterations == 1:  # (num_iterations > 1: collect has computed pi_old)
+            with torch.no_grad():
+                batch.old_logprobs = [self.rollout_logprobs(self.model, rollout, indices)
+                                      for rollout, indices in zip(batch.rollouts, batch.loss_indices)]
         shuffle = torch.Generator().manual_seed(slice_seed(config.seed, self.global_step))
         return cut_rollout(batch, config.rollout_slices, shuffle, config.max_new_tokens, total=self.dist.sum,
                            mine=lambda values: self.dist.my_share(values, config.prompts_per_step,
@@ -228,18 +233,16 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
                              trainer_state=state, any_rank=self.dist.any)
 
     def update(self, batch: Batch) -> dict:
-        """Loss and backward over all micro-batches of all rollouts, then one optimizer step."""
+        """Loss and backward over the micro-batches of all rollouts (a slice: its normaliser), then a step."""
         config = self.config
-        # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch (a
-        # slice's was counted when its rollout was cut).
-        normaliser = batch.normaliser or LossNormaliser.count(batch.loss_mask, config.max_new_tokens,
-                                                              total=self.dist.sum)
+        # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
+        normaliser = LossNormaliser.count(batch.loss_mask, config.max_new_tokens, total=self.dist.sum)
         totals = step_stats.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
             for r, rollout in enumerate(batch.rollouts):
                 for indices in micro_batches(rollout, self.micro_batch_size, batch.loss_indices[r]):
-                    self.loss_and_backward(batch, r, indices, normaliser, totals)
+                    self.loss_and_backward(batch, r, indices, batch.normaliser or normaliser, totals)
         self.dist.all_reduce_grads(self.trainable)
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")
         update["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
