@@ -3,7 +3,9 @@
     step(rows)
       collect(rows)    generate G completions per prompt (dynamic_sampling: in rounds) -> score -> advantages
                        -> loss mask -> pi_old and reference log-probs -> a teacher's per-token advantages
-      update(batch)    clipped-ratio loss + KL over micro-batches, backward -> clip, AdamW, schedule
+      cut(batch)       rollout_slices > 1: the rollout's optimizer steps, each on a slice of its completions
+      update(batch)    clipped-ratio loss + KL over micro-batches, backward -> clip, AdamW, schedule (once per
+                       slice, num_iterations times over)
       metrics          forge/run/step_stats.py, from statistics combined over the processes
     train(dataset)     the loop around the steps (forge/run/loop.py): schedule, logs, evaluation, checkpoints
 

@@ -111,6 +111,19 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
             f"as in TRL ({MAPPING})"
         )
     per_step = per_pass * accumulation  # completions of one optimizer step
+    batch = _generations_and_steps(values, generation, steps, accumulation, per_step, group_size)
+    share = batch["prompts_per_step"] * group_size // world  # this process's completions of a rollout batch
+    if not values.get("auto_find_batch_size"):
+        batch["micro_batch_size"] = per_device if per_device < share else 0
+    return batch
+
+
+def _generations_and_steps(values: dict, generation: int, steps: int, accumulation: int, per_step: int,
+                           group_size: int) -> dict:
+    """prompts_per_step, gradient_accumulation_steps and rollout_slices for a generation of `generation`
+    completions made every `steps` passes and an optimizer step of `accumulation` passes (`per_step`
+    completions): whole generations per optimizer step, one generation cut into several, or neither (the
+    module docstring); TypeError naming what to set where Forge cannot train it."""
     if accumulation % steps == 0:  # whole generations per optimizer step
         if values.get("num_iterations", 1) > 1 and steps != accumulation:
             raise TypeError(
@@ -119,30 +132,25 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
                 f"times inside one optimizer step, which is not Forge's num_iterations (optimizer steps "
                 f"over the same rollouts); leave steps_per_generation and generation_batch_size out"
             )
-        batch = {"prompts_per_step": generation // group_size,
-                 "gradient_accumulation_steps": accumulation // steps, "rollout_slices": 1}
-    elif steps % accumulation == 0:  # one generation, cut into steps / accumulation optimizer steps
-        batch = {"prompts_per_step": generation // group_size, "gradient_accumulation_steps": 1,
-                 "rollout_slices": steps // accumulation}
-    elif per_step % group_size == 0:
+        return {"prompts_per_step": generation // group_size,
+                "gradient_accumulation_steps": accumulation // steps, "rollout_slices": 1}
+    if steps % accumulation == 0:  # one generation, cut into steps / accumulation optimizer steps
+        return {"prompts_per_step": generation // group_size, "gradient_accumulation_steps": 1,
+                "rollout_slices": steps // accumulation}
+    if per_step % group_size == 0:
         # a generation spans optimizer steps: each step's own prompts, for that step
-        batch = {"prompts_per_step": per_step // group_size, "gradient_accumulation_steps": 1,
-                 "rollout_slices": 1}
-    else:
-        given = next((name for name in ("steps_per_generation", "generation_batch_size") if name in values),
-                     "per_device_train_batch_size")
-        raise TypeError(
-            f"TRL trains each optimizer step on {per_step} completions (per_device_train_batch_size x "
-            f"gradient_accumulation_steps x processes) of its generations of {generation}, which it "
-            f"straddles, part of a group; Forge cuts a generation into whole optimizer steps or trains whole "
-            f"groups ({given} is mapped so: {MAPPING}). Make steps_per_generation={steps} a multiple of "
-            f"gradient_accumulation_steps (e.g. gradient_accumulation_steps={steps}: one generation per "
-            f"optimizer step), or that product a multiple of num_generations={group_size}"
-        )
-    share = batch["prompts_per_step"] * group_size // world  # this process's completions of a rollout batch
-    if not values.get("auto_find_batch_size"):
-        batch["micro_batch_size"] = per_device if per_device < share else 0
-    return batch
+        return {"prompts_per_step": per_step // group_size, "gradient_accumulation_steps": 1,
+                "rollout_slices": 1}
+    given = next((name for name in ("steps_per_generation", "generation_batch_size") if name in values),
+                 "per_device_train_batch_size")
+    raise TypeError(
+        f"TRL trains each optimizer step on {per_step} completions (per_device_train_batch_size x "
+        f"gradient_accumulation_steps x processes) of its generations of {generation}, which it "
+        f"straddles, part of a group; Forge cuts a generation into whole optimizer steps or trains whole "
+        f"groups ({given} is mapped so: {MAPPING}). Make steps_per_generation={steps} a multiple of "
+        f"gradient_accumulation_steps (e.g. gradient_accumulation_steps={steps}: one generation per "
+        f"optimizer step), or that product a multiple of num_generations={group_size}"
+    )
 
 
 def per_device_of(config: Any, world_size: int | None = None) -> int:
