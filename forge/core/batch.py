@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from forge.core.grpo import LossNormaliser
 from forge.core.rollout import Rollout
 
 
@@ -24,3 +25,5 @@ class Batch:
     ref_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # (N, T); None when kl_beta == 0
     teacher_hidden: list[torch.Tensor | None] = field(default_factory=list)  # (N, T, H) the teacher's states
     # before each completion token, distill_loss='full' only (core/teacher.py)
+    normaliser: LossNormaliser | None = None  # a slice's, counted when its rollout was cut (rollout_slices
+    # > 1, core/rollout_slices.py), which its loss divides by; None: the one update() counts of the loss masks

@@ -83,6 +83,14 @@ class GRPOConfig(TRLAttributes):
     # --- algorithm variant ---
     num_iterations: int = 1
     """Optimizer passes over each rollout (mu). >1 computes pi_old once and reuses it."""
+    rollout_slices: int = 1
+    """Optimizer steps one rollout feeds, each on its own slice of the rollout's completions (TRL's
+    steps_per_generation / gradient_accumulation_steps; forge/core/rollout_slices.py): advantages over the
+    whole rollout, then each rollout batch's completions shuffled (seeded by seed and step) and cut into this
+    many equal slices, each slice one optimizer step with its own log row and learning-rate tick. With
+    num_iterations > 1 the slices are trained in order, num_iterations times over. Checkpoints land after a
+    rollout's last slice; max_steps must be a multiple of num_iterations x rollout_slices. 1 = every
+    completion in one optimizer step."""
     loss_type: str = "grpo"
     """grpo (per-sequence mean), bnpo / dapo (token mean), dr_grpo (sum / (B * max_new_tokens)): the clipped
     objective; cispo (MiniMax-M1: stop-gradient weight min(ratio, 1 + clip_epsilon_high) x A x logp, token
@@ -382,6 +390,11 @@ class GRPOConfig(TRLAttributes):
     @property
     def prompts_per_optimizer_step(self) -> int:
         return self.prompts_per_step * self.gradient_accumulation_steps
+
+    @property
+    def updates_per_rollout(self) -> int:
+        """Optimizer steps one rollout feeds: num_iterations passes over its rollout_slices slices."""
+        return self.num_iterations * self.rollout_slices
 
     @property
     def entropy_control(self) -> EntropyControl:

@@ -84,6 +84,30 @@ def check_step(config, need: Need) -> None:
     need(config.num_iterations >= 1, f"num_iterations={config.num_iterations} must be >= 1")
 
 
+def check_slices(config, need: Need) -> None:
+    """rollout_slices: one rollout cut into several optimizer steps (core/rollout_slices.py)."""
+    slices, completions = config.rollout_slices, config.prompts_per_step * config.group_size
+    need(slices >= 1, f"rollout_slices={slices} must be >= 1 (1: the whole rollout in one optimizer step)")
+    if slices <= 1:
+        return
+    need(completions % slices == 0,
+         f"rollout_slices={slices} must divide a rollout batch's {completions} completions "
+         f"(prompts_per_step x group_size), so that every slice holds as many")
+    steps = config.updates_per_rollout
+    need(config.max_steps <= 0 or config.max_steps % steps == 0,
+         f"max_steps={config.max_steps} must be a multiple of num_iterations x rollout_slices = {steps}: a "
+         f"rollout's slices all train (e.g. max_steps={max(steps, config.max_steps // steps * steps)})")
+    need(config.max_staleness is None,
+         "rollout_slices > 1 trains several optimizer steps on one rollout; async GRPO's worker samples one "
+         "rollout per optimizer step: set max_staleness=None or rollout_slices=1")
+    need(not config.dynamic_sampling,
+         "dynamic_sampling fills one optimizer step with groups that carry a signal; with rollout_slices > 1 "
+         "use drop_zero_std_groups=True, or set rollout_slices=1")
+    need(not config.fsdp,
+         "rollout_slices > 1 gives the processes slices of unequal size, which FSDP2's collective passes "
+         "cannot run: set rollout_slices=1 with fsdp=True")
+
+
 def check_async(config, need: Need) -> None:
     """Async GRPO (max_staleness) and what it cannot be combined with."""
     if config.max_staleness is None:
@@ -235,7 +259,7 @@ def check_run(config, need: Need) -> None:
     need(bool(config.output_dir), "output_dir must be a non-empty path")
 
 
-CHECKS = (check_algorithm, check_generation_backend, check_step, check_async, check_loss,
+CHECKS = (check_algorithm, check_generation_backend, check_step, check_slices, check_async, check_loss,
           check_rewards_and_tokens, check_distillation, check_sampling, check_optimizer_and_model,
           check_tools, check_run)
 """validate()'s checks, in the order it reports their problems."""

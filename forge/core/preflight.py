@@ -237,7 +237,8 @@ def projected_step_seconds(config, measured: Measured, flat: torch.Tensor, rollo
     carrying = 1.0 - float(flat.float().mean()) if config.drop_zero_std_groups else 1.0  # flat: no loss pass
     step_seconds = rollouts_per_step * (measured.generation_seconds + measured.scoring_seconds
                                         + measured.update_seconds * carrying * config.num_iterations)
-    return step_seconds / config.num_iterations  # an optimizer step of a rollout reused num_iterations times
+    # a rollout's optimizer steps: num_iterations passes over it, cut into rollout_slices steps each
+    return step_seconds / config.updates_per_rollout
 
 
 def reward_check(name: str, scores) -> RewardCheck:

@@ -3,7 +3,9 @@
     step(rows)
       collect(rows)    generate G completions per prompt (dynamic_sampling: in rounds) -> score -> advantages
                        -> loss mask -> pi_old and reference log-probs -> a teacher's per-token advantages
-      update(batch)    clipped-ratio loss + KL over micro-batches, backward -> clip, AdamW, schedule
+      cut(batch)       rollout_slices > 1: the rollout's optimizer steps, each on a slice of its completions
+      update(batch)    clipped-ratio loss + KL over micro-batches, backward -> clip, AdamW, schedule (once per
+                       slice, num_iterations times over)
       metrics          forge/run/step_stats.py, from statistics combined over the processes
     train(dataset)     the loop around the steps (forge/run/loop.py): schedule, logs, evaluation, checkpoints
 
@@ -41,6 +43,7 @@ from forge.core.rollout import (
     sampling_noise,
     sampling_seed,
 )
+from forge.core.rollout_slices import cut_rollout, slice_seed
 from forge.core.rollout_worker import AsyncRollouts
 from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
 from forge.core.teacher import open_teacher
@@ -132,11 +135,12 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         return run.run()
 
     def step(self, rows: list[dict]) -> dict:
-        """One optimizer step (num_iterations of them when num_iterations > 1) on these dataset rows."""
+        """One optimizer step on these dataset rows (num_iterations x rollout_slices of them when more)."""
         self.model.eval()  # dropout off: sampling, pi_old, pi_theta and the reference see the same network
         started = time.perf_counter()
         batch, stats = self.collect(rows)
-        updates = [self.update(batch) for _ in range(self.config.num_iterations)]  # one per optimizer step
+        slices = [batch] if self.config.rollout_slices == 1 else self.cut(batch)  # each an optimizer step's
+        updates = [self.update(part) for _ in range(self.config.num_iterations) for part in slices]
         stats = self.dist.combined(stats)  # every rank's share: the metrics are of the whole batch
         delta_norm = step_stats.param_delta_norm(self.dist.local_shards(self.trainable), self.initial_params,
                                                  self.dist.sum_shards)
@@ -145,7 +149,7 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
                                                           torch.cat(stats.valid)),
             seconds=time.perf_counter() - started, skipped_steps=self.guard.skipped_steps,
             param_delta_norm=delta_norm, engine=self.engine, ahead=self.ahead)
-        metrics["_later_updates"] = updates[1:]  # num_iterations > 1: each later optimizer step's own row
+        metrics["_later_updates"] = updates[1:]  # each later optimizer step's own row (iterations, slices)
         metrics["_samples"] = step_stats.ordered_samples(self.dist.gather_objects(stats.samples),
                                                          len(batch.rollouts), self.config.log_completions)
         return metrics
@@ -191,6 +195,20 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
             batch.advantages = self.teacher.advantages(batch, self, stats)
         return batch, stats
 
+    def cut(self, batch: Batch) -> list[Batch]:
+        """rollout_slices > 1: the rollout's optimizer steps, each on a slice of its completions, shuffled by
+        this rollout's seed over every rank's completions (core/rollout_slices.py); the later slices' ratio is
+        taken against pi_old, the policy that sampled them."""
+        config = self.config
+        if config.num_iterations == 1:  # (num_iterations > 1: collect has computed pi_old)
+            with torch.no_grad():
+                batch.old_logprobs = [self.rollout_logprobs(self.model, rollout, indices)
+                                      for rollout, indices in zip(batch.rollouts, batch.loss_indices)]
+        shuffle = torch.Generator().manual_seed(slice_seed(config.seed, self.global_step))
+        return cut_rollout(batch, config.rollout_slices, shuffle, config.max_new_tokens, total=self.dist.sum,
+                           mine=lambda values: self.dist.my_share(values, config.prompts_per_step,
+                                                                  config.group_size))
+
     def sample_completions(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
         """G completions per prompt, with this step's sampling noise (and the run's tools, or its environments
         reset with the prompts' dataset `rows`)."""
@@ -217,7 +235,7 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
                              trainer_state=state, any_rank=self.dist.any)
 
     def update(self, batch: Batch) -> dict:
-        """Loss and backward over all micro-batches of all rollouts, then one optimizer step."""
+        """Loss and backward over the micro-batches of all rollouts (a slice: its normaliser), then a step."""
         config = self.config
         # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
         normaliser = LossNormaliser.count(batch.loss_mask, config.max_new_tokens, total=self.dist.sum)
@@ -226,7 +244,7 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
             for r, rollout in enumerate(batch.rollouts):
                 for indices in micro_batches(rollout, self.micro_batch_size, batch.loss_indices[r]):
-                    self.loss_and_backward(batch, r, indices, normaliser, totals)
+                    self.loss_and_backward(batch, r, indices, batch.normaliser or normaliser, totals)
         self.dist.all_reduce_grads(self.trainable)
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")
         update["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses

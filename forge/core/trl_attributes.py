@@ -225,8 +225,9 @@ def trl_value(config: Any, name: str) -> Any:
 def trl_view(config: Any) -> dict:
     """The config's batch in TRL's names: the keyword values TRL would take for the same batch."""
     steps = steps_per_generation_of(config)
+    accumulation = steps * config.gradient_accumulation_steps // config.rollout_slices  # passes per step
     return {"per_device_train_batch_size": per_device_of(config), "steps_per_generation": steps,
-            "gradient_accumulation_steps": steps * config.gradient_accumulation_steps,
+            "gradient_accumulation_steps": accumulation,
             "num_generations": config.group_size, "num_iterations": config.num_iterations,
             "auto_find_batch_size": config.micro_batch_size == "auto"}
 

@@ -1,8 +1,8 @@
 """TRL's batch arithmetic in Forge's terms: the prompts of one rollout batch (prompts_per_step), the rollout
-batches of one optimizer step (gradient_accumulation_steps) and the completions of one loss pass
-(micro_batch_size), from TRL's per_device_train_batch_size, gradient_accumulation_steps,
-generation_batch_size, steps_per_generation and num_generations, so that a TRL config trains on as many
-prompts and completions per optimizer step as in TRL.
+batches of one optimizer step (gradient_accumulation_steps), the optimizer steps one rollout feeds
+(rollout_slices) and the completions of one loss pass (micro_batch_size), from TRL's
+per_device_train_batch_size, gradient_accumulation_steps, generation_batch_size, steps_per_generation and
+num_generations, so that a TRL config trains on as many prompts and completions per optimizer step as in TRL.
 
 TRL 1.16, GRPOConfig.__post_init__ (trl/trainer/grpo_config.py) and GRPOTrainer._prepare_inputs /
 _get_train_sampler (trl/trainer/grpo_trainer.py):
@@ -18,23 +18,29 @@ _get_train_sampler (trl/trainer/grpo_trainer.py):
     generation every steps_per_generation x num_iterations forward/backward passes
 
 Forge generates a rollout batch (prompts_per_step prompts x group_size) at once, with advantages over it;
-gradient_accumulation_steps rollout batches make an optimizer step, and num_iterations optimizer steps train
-on them. So:
+gradient_accumulation_steps rollout batches make an optimizer step, num_iterations passes train on them, and
+rollout_slices cuts each pass into that many optimizer steps, each on a slice of the completions
+(forge/core/rollout_slices.py). So:
 
     steps_per_generation divides TRL's gradient_accumulation_steps (equal by default): whole generations per
         optimizer step, exactly: prompts_per_step = generation_batch_size / num_generations, Forge's
-        gradient_accumulation_steps = TRL's / steps_per_generation (1 by default).
-    otherwise one generation feeds several optimizer steps, each a slice of it (or a step straddles two):
-        Forge generates each optimizer step's B x gradient_accumulation_steps completions for that step: the
-        same prompts and completions per step, sampled by the weights of that step rather than of up to
-        steps_per_generation / gradient_accumulation_steps - 1 steps before. Refused when a step would hold
-        part of a group (Forge's optimizer step trains on whole groups).
+        gradient_accumulation_steps = TRL's / steps_per_generation (1 by default), rollout_slices = 1.
+    steps_per_generation a multiple of gradient_accumulation_steps: one generation feeds several optimizer
+        steps, each a slice of it, as in TRL: prompts_per_step = generation_batch_size / num_generations,
+        Forge's gradient_accumulation_steps = 1, rollout_slices = steps_per_generation /
+        gradient_accumulation_steps.
+        A slice may hold part of a group; its advantages are the whole generation's. TRL's LoRA Without Regret
+        recipe (per_device_train_batch_size=1, gradient_accumulation_steps=4, num_generations=8,
+        generation_batch_size=8) is prompts_per_step=1, rollout_slices=2, micro_batch_size=1.
+    neither (an optimizer step straddles two generations): Forge generates each optimizer step's B x
+        gradient_accumulation_steps completions for that step when they are whole groups (the same prompts and
+        completions per step, sampled by the current weights); refused otherwise, saying what to set.
 
-TRL's optimizer steps per generation (steps_per_generation / gradient_accumulation_steps) are not Forge's
-num_iterations: TRL's steps of one generation train on disjoint slices of it, each completion once, while
-Forge's num_iterations steps each train on every completion of the step. TRL's num_iterations is Forge's when
-one generation is one optimizer step; with several generations per step TRL reuses each of them num_iterations
-times inside one optimizer step, which Forge does not do (refused).
+TRL's num_iterations is Forge's when one generation is one optimizer step, and when a generation is cut into
+slices: TRL then makes a generation every steps_per_generation x num_iterations passes and trains the slices
+in order, num_iterations times over (GRPOTrainer._prepare_inputs), as Forge does. With several generations
+per step TRL reuses each of them num_iterations times inside one optimizer step, which Forge does not do
+(refused).
 
 micro_batch_size = per_device_train_batch_size (completions per forward/backward on a process, TRL's memory
 knob) when it is smaller than a process's share of the rollout batch, else 0 (the whole share in one pass);
@@ -77,9 +83,9 @@ def _count(name: str, value: Any) -> int:
 
 
 def forge_batch(values: dict, group_size: int, world_size: int | None = None) -> dict:
-    """Forge's prompts_per_step, gradient_accumulation_steps and micro_batch_size for keyword values in TRL's
-    names (TRL's defaults for those not given; `group_size` is num_generations); TypeError, as TRL's
-    __post_init__ or naming what to set, for a batch TRL refuses or Forge cannot train."""
+    """Forge's prompts_per_step, gradient_accumulation_steps, rollout_slices and micro_batch_size for keyword
+    values in TRL's names (TRL's defaults for those not given; `group_size` is num_generations); TypeError, as
+    TRL's __post_init__ or naming what to set, for a batch TRL refuses or Forge cannot train."""
     world = processes() if world_size is None else world_size
     per_device = _count("per_device_train_batch_size",
                         values.get("per_device_train_batch_size", TRL_PER_DEVICE))
@@ -105,6 +111,19 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
             f"as in TRL ({MAPPING})"
         )
     per_step = per_pass * accumulation  # completions of one optimizer step
+    batch = _generations_and_steps(values, generation, steps, accumulation, per_step, group_size)
+    share = batch["prompts_per_step"] * group_size // world  # this process's completions of a rollout batch
+    if not values.get("auto_find_batch_size"):
+        batch["micro_batch_size"] = per_device if per_device < share else 0
+    return batch
+
+
+def _generations_and_steps(values: dict, generation: int, steps: int, accumulation: int, per_step: int,
+                           group_size: int) -> dict:
+    """prompts_per_step, gradient_accumulation_steps and rollout_slices for a generation of `generation`
+    completions made every `steps` passes and an optimizer step of `accumulation` passes (`per_step`
+    completions): whole generations per optimizer step, one generation cut into several, or neither (the
+    module docstring); TypeError naming what to set where Forge cannot train it."""
     if accumulation % steps == 0:  # whole generations per optimizer step
         if values.get("num_iterations", 1) > 1 and steps != accumulation:
             raise TypeError(
@@ -113,28 +132,25 @@ def forge_batch(values: dict, group_size: int, world_size: int | None = None) ->
                 f"times inside one optimizer step, which is not Forge's num_iterations (optimizer steps "
                 f"over the same rollouts); leave steps_per_generation and generation_batch_size out"
             )
-        batch = {"prompts_per_step": generation // group_size,
-                 "gradient_accumulation_steps": accumulation // steps}
-    elif per_step % group_size == 0:
+        return {"prompts_per_step": generation // group_size,
+                "gradient_accumulation_steps": accumulation // steps, "rollout_slices": 1}
+    if steps % accumulation == 0:  # one generation, cut into steps / accumulation optimizer steps
+        return {"prompts_per_step": generation // group_size, "gradient_accumulation_steps": 1,
+                "rollout_slices": steps // accumulation}
+    if per_step % group_size == 0:
         # a generation spans optimizer steps: each step's own prompts, for that step
-        batch = {"prompts_per_step": per_step // group_size, "gradient_accumulation_steps": 1}
-    else:
-        split = (f"cuts each generation of {generation} completions ({generation // group_size} prompt(s) x "
-                 f"num_generations={group_size}) into {generation // per_step} optimizer steps of {per_step} "
-                 f"completions" if generation % per_step == 0 else
-                 f"trains each optimizer step on {per_step} completions of its generations of {generation}")
-        given = next((name for name in ("steps_per_generation", "generation_batch_size") if name in values),
-                     "per_device_train_batch_size")
-        raise TypeError(
-            f"TRL {split} (per_device_train_batch_size x gradient_accumulation_steps x processes), part "
-            f"of a group each; a Forge optimizer step trains on whole groups ({given} is mapped so: "
-            f"{MAPPING}). Make that product a multiple of num_generations={group_size}, e.g. "
-            f"gradient_accumulation_steps={steps} (one whole generation per optimizer step)"
-        )
-    share = batch["prompts_per_step"] * group_size // world  # this process's completions of a rollout batch
-    if not values.get("auto_find_batch_size"):
-        batch["micro_batch_size"] = per_device if per_device < share else 0
-    return batch
+        return {"prompts_per_step": per_step // group_size, "gradient_accumulation_steps": 1,
+                "rollout_slices": 1}
+    given = next((name for name in ("steps_per_generation", "generation_batch_size") if name in values),
+                 "per_device_train_batch_size")
+    raise TypeError(
+        f"TRL trains each optimizer step on {per_step} completions (per_device_train_batch_size x "
+        f"gradient_accumulation_steps x processes) of its generations of {generation}, which it "
+        f"straddles, part of a group; Forge cuts a generation into whole optimizer steps or trains whole "
+        f"groups ({given} is mapped so: {MAPPING}). Make steps_per_generation={steps} a multiple of "
+        f"gradient_accumulation_steps (e.g. gradient_accumulation_steps={steps}: one generation per "
+        f"optimizer step), or that product a multiple of num_generations={group_size}"
+    )
 
 
 def per_device_of(config: Any, world_size: int | None = None) -> int:
@@ -142,7 +158,7 @@ def per_device_of(config: Any, world_size: int | None = None) -> int:
     world = processes() if world_size is None else world_size
     micro = config.micro_batch_size
     return (micro if isinstance(micro, int) and micro > 0
-            else config.prompts_per_step * config.group_size // world)
+            else config.prompts_per_step * config.group_size // world // config.rollout_slices)
 
 
 def generation_batch_of(config: Any) -> int:

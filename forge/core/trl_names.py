@@ -220,9 +220,9 @@ TRL_CONVERTED: dict[str, Converter] = {
     ),
     "steps_per_generation": _batch(
         "generation_batch_size = per_device_train_batch_size x processes x it; gradient_accumulation_steps = "
-        "the generations of an optimizer step. More optimizer steps than one per generation: Forge generates "
-        "each "
-        "step's prompts for it (not num_iterations, which trains each step on the whole rollout; "
+        "the generations of an optimizer step. Several optimizer steps per generation (it a multiple of "
+        "gradient_accumulation_steps): rollout_slices = it / gradient_accumulation_steps, each step on a "
+        "slice of the generation (not num_iterations, which trains each step on the whole rollout; "
         "forge/core/trl_batch.py)"
     ),
     "report_to": _report_to,
@@ -495,8 +495,9 @@ def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[st
         group_size = values.get("num_generations", values.get("group_size", defaults["group_size"]))
         batch = forge_batch(values, group_size)
         said = next((name for name in BATCH_NAMES if name in values), "num_generations")
-        if "prompts_per_step" in values:
-            raise TypeError(f"GRPOConfig got both {said!r} (TRL's batch) and 'prompts_per_step'; give one")
+        for own in ("prompts_per_step", "rollout_slices"):
+            if own in values:
+                raise TypeError(f"GRPOConfig got both {said!r} (TRL's batch) and {own!r}; give one")
         if "micro_batch_size" in values:  # the user's own loss-pass split
             batch.pop("micro_batch_size", None)
         out.update(batch)

@@ -59,8 +59,9 @@ class ConfigRefused(StepFailed):
 
 
 def reached(step: int, every: int, stride: int) -> bool:
-    """Whether the last `stride` optimizer steps (the updates of one rollout) reached or passed a multiple of
-    `every` (0 = never); with stride 1 this is step % every == 0."""
+    """Whether the last `stride` optimizer steps (the updates of one rollout: num_iterations x rollout_slices)
+    reached or passed a multiple of `every` (0 = never); with stride 1 this is step % every == 0. Checkpoints
+    and evaluations so land between rollouts, never between the slices of one."""
     return every > 0 and step // every > (step - stride) // every
 
 
@@ -87,7 +88,8 @@ class TrainingRun:
                              f"processes ({dist.world_size}) so every rank gets whole groups")
         check_rows(self.rows)
         self.preflight = preflight
-        steps_per_epoch = len(self.rows) // trainer.rows_per_step * config.num_iterations  # optimizer steps
+        # optimizer steps: num_iterations x rollout_slices per rollout
+        steps_per_epoch = len(self.rows) // trainer.rows_per_step * config.updates_per_rollout
         self.total_steps = (config.max_steps if config.max_steps > 0
                             else steps_per_epoch * config.num_train_epochs)
         self.lifecycle: RunLifecycle | None = None
@@ -123,7 +125,7 @@ class TrainingRun:
         self.lifecycle.save(self.finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
         self.dist.barrier()
         if self.eval_rows is not None and not reached(self.trainer.global_step, self.config.eval_steps,
-                                                      self.config.num_iterations):
+                                                      self.config.updates_per_rollout):
             self.evaluate(epoch)
         summary, epoch = self.train_summary(started), self.events.state.epoch or 0
         self.logger.log(summary, self.trainer.global_step, epoch, to_file=False)  # the console, the trackers
@@ -203,7 +205,7 @@ class TrainingRun:
             steps = trainer.ahead.schedule(steps, trainer)
         signals = trainer.signals
         signals.saves_on_abandon = not self.dist.fsdp  # a sharded save needs every rank (see where_to_resume)
-        signals.under_way = trainer.global_step + config.num_iterations  # what a signal's message names
+        signals.under_way = trainer.global_step + config.updates_per_rollout  # what a signal's message names
         try:
             with signals:
                 for batch_rows, epoch, position in steps:
@@ -220,7 +222,7 @@ class TrainingRun:
                     self.stop_on_alarm()
                     if self.events.control.should_training_stop:  # a callback ends the run as max_steps would
                         break
-                    signals.under_way = trainer.global_step + config.num_iterations
+                    signals.under_way = trainer.global_step + config.updates_per_rollout
             self.check_config()  # before the final evaluation uses it
         except (StepFailed, FloatingPointError) as error:  # the weights are still those of the last step
             if trainer.global_step > 0:  # before step 1 nothing can resume: the error stays the last line
@@ -268,12 +270,12 @@ class TrainingRun:
         self.log_rows(metrics, asked.should_log)
         # on_step_end's and on_log's changes, before they are used
         self.check_config(finished_at=(epoch, position))
-        if self.eval_rows is not None and (reached(step, config.eval_steps, config.num_iterations)
+        if self.eval_rows is not None and (reached(step, config.eval_steps, config.updates_per_rollout)
                                            or asked.should_evaluate):
             self.evaluate(epoch)
         # Nothing draws random numbers from here to the next step's sampling: this is the state it will use.
         finished = self.finished(epoch, position)
-        if reached(step, config.save_steps, config.num_iterations) or asked.should_save:
+        if reached(step, config.save_steps, config.updates_per_rollout) or asked.should_save:
             self.lifecycle.save(finished)
             self.dist.barrier()  # the other ranks wait until rank 0's checkpoint is complete
             self.events.saved()
@@ -346,7 +348,8 @@ class TrainingRun:
         completions and optimizer steps per second, and its mean loss per optimizer step."""
         runtime, config = time.perf_counter() - started, self.config
         steps = len(self.losses)
-        completions = steps * config.prompts_per_step * config.gradient_accumulation_steps * config.group_size
+        per_step = config.completions_per_step * config.gradient_accumulation_steps // config.rollout_slices
+        completions = steps * per_step  # those trained on: a slice's per optimizer step
         finite = [loss for loss in self.losses if math.isfinite(loss)]
         return {"train_runtime": runtime, "train_samples_per_second": completions / max(runtime, 1e-9),
                 "train_steps_per_second": steps / max(runtime, 1e-9),
@@ -359,8 +362,8 @@ class TrainingRun:
 
     def log_rows(self, metrics: dict, asked: bool) -> None:
         """One row per optimizer step on the logging cadence (the last step and a callback's ask too), as in
-        TRL: with num_iterations > 1 the rollout's metrics and its first update's, then each later update's
-        own."""
+        TRL: with num_iterations or rollout_slices > 1 the rollout's metrics and its first update's, then each
+        later update's own."""
         later, epoch = metrics.pop("_later_updates", []), round(metrics["epoch"], 4)
         first = self.trainer.global_step - len(later)  # the optimizer step of the rollout's first update
         logged = False

@@ -123,20 +123,26 @@ def test_the_trainer_takes_quantization_config_none_and_refuses_a_value(tmp_path
     # steps_per_generation 2 < accumulation 4: two generations of 16 completions per optimizer step
     ({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "steps_per_generation": 2,
       "num_generations": 8}, 1, (4, 32), {"prompts_per_step": 2, "gradient_accumulation_steps": 2}),
-    # steps_per_generation 4 > accumulation 1: one generation of 4 prompts feeds 4 optimizer steps of 1 prompt
-    ({"per_device_train_batch_size": 8, "steps_per_generation": 4, "num_generations": 8}, 1, (1, 8),
-     {"prompts_per_step": 1, "gradient_accumulation_steps": 1}),
+    # steps_per_generation 4 > accumulation 1: one generation of 4 prompts feeds 4 optimizer steps of 8
+    # completions, a shuffled quarter of it each
+    ({"per_device_train_batch_size": 8, "steps_per_generation": 4, "num_generations": 8}, 1, (4, 8),
+     {"prompts_per_step": 4, "gradient_accumulation_steps": 1, "rollout_slices": 4, "micro_batch_size": 8}),
+    # LoRA Without Regret (TRL docs): B = 1, generation 8 = 1 prompt, steps_per_generation 8 = 2 x accumulation 4:
+    # two optimizer steps of 4 of its 8 completions
+    ({"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4, "num_generations": 8,
+      "generation_batch_size": 8}, 1, (1, 4),
+     {"prompts_per_step": 1, "gradient_accumulation_steps": 1, "rollout_slices": 2, "micro_batch_size": 1}),
     # two processes: B = 8, generation 16 = 2 prompts, 8 completions on each process, 4 per forward/backward
     ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_generations": 8}, 2, (2, 16),
      {"prompts_per_step": 2, "gradient_accumulation_steps": 1, "micro_batch_size": 4}),
 ], ids=["oom-advice", "generation_batch_size", "trl-defaults", "accumulation", "two-generations-a-step",
-        "generation-for-four-steps", "two-processes"])
+        "generation-for-four-steps", "lora-without-regret", "two-processes"])
 def test_trl_batch_names_give_trls_prompts_and_completions_per_optimizer_step(trl, processes, per_optimizer_step,
                                                                               forge, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(processes))
     config = GRPOConfig(**trl).validate()
-    prompts = config.prompts_per_step * config.gradient_accumulation_steps
-    assert (prompts, prompts * config.group_size) == per_optimizer_step
+    prompts = config.prompts_per_step * config.gradient_accumulation_steps  # of the generations a step trains on
+    assert (prompts, prompts * config.group_size // config.rollout_slices) == per_optimizer_step
     assert {name: getattr(config, name) for name in forge} == forge
     for name in ("per_device_train_batch_size", "generation_batch_size", "steps_per_generation"):
         if name in trl:
@@ -144,11 +150,10 @@ def test_trl_batch_names_give_trls_prompts_and_completions_per_optimizer_step(tr
 
 
 def test_trl_batches_forge_cannot_train_are_refused_saying_why():
-    # LoRA Without Regret (TRL docs): B = 1, generation 8 = 1 prompt, steps_per_generation 8 > accumulation 4: each
-    # optimizer step trains on 4 completions, half a group
-    with pytest.raises(TypeError, match=r"2 optimizer steps of 4 completions.*whole groups.*"
-                                        r"gradient_accumulation_steps=8"):
-        GRPOConfig(per_device_train_batch_size=1, gradient_accumulation_steps=4, num_generations=8,
+    # steps_per_generation 4 > accumulation 3, not a multiple: a step of 6 completions straddles two generations
+    with pytest.raises(TypeError, match=r"6 completions .* generations of 8, which it straddles.*"
+                                        r"gradient_accumulation_steps=4"):
+        GRPOConfig(per_device_train_batch_size=2, gradient_accumulation_steps=3, num_generations=8,
                    generation_batch_size=8)
     with pytest.raises(TypeError, match=r"generation_batch_size=12 .*multiple of num_generations=8"):
         GRPOConfig(per_device_train_batch_size=4, generation_batch_size=12, num_generations=8)
@@ -263,8 +268,8 @@ def test_assigning_a_trl_batch_name_redoes_trls_arithmetic():
     assert args == GRPOConfig(num_generations=4, per_device_train_batch_size=16)
     assert (args.prompts_per_step, args.gradient_accumulation_steps, args.per_device_train_batch_size) == (4, 1, 16)
     args.steps_per_generation = 2  # TRL: a generation of 32 completions for two optimizer steps of 16
-    assert (args.prompts_per_step, args.steps_per_generation) == (4, 2)
-    assert args.generation_batch_size == 16  # Forge generates each step's 16 for that step
+    assert (args.prompts_per_step, args.steps_per_generation, args.rollout_slices) == (8, 2, 2)
+    assert args.generation_batch_size == 32 and args.gradient_accumulation_steps == 1  # one generation, 2 slices
     args.generation_batch_size = 16
     assert (args.prompts_per_step, args.gradient_accumulation_steps) == (4, 1)
 
@@ -326,10 +331,11 @@ def test_refusals_name_what_to_do():
 
 
 def test_a_refused_steps_per_generation_points_at_its_mapping():
-    # TRL trains each of 4 optimizer steps on 2 of one prompt's 8 completions (B = 2, generation = 8)
-    with pytest.raises(TypeError, match=r"4 optimizer steps of 2 completions.*steps_per_generation is mapped so: "
+    # TRL trains each optimizer step on 6 completions (B = 2 x 3 passes) of generations of 8, straddling two
+    with pytest.raises(TypeError, match=r"straddles.*steps_per_generation is mapped so: "
                                         r"docs/from-trl.md#the-batch.*gradient_accumulation_steps=4"):
-        GRPOConfig(per_device_train_batch_size=2, steps_per_generation=4, num_generations=8)
+        GRPOConfig(per_device_train_batch_size=2, gradient_accumulation_steps=3, steps_per_generation=4,
+                   num_generations=8)
 
 
 def test_a_reward_failing_on_conversational_completions_ends_with_its_own_error(model_folder, tmp_path):
