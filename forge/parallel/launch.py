@@ -5,7 +5,7 @@ the run fails, torch's launcher stops the others and raises ChildFailedError, wh
 as a Python traceback. Here it becomes one line naming the processes that failed and how each ended, and those
 the launcher stopped; the exit code is 1. (`forge train` then says which step is saved for --resume.) A stop
 signal passed on by `forge train` ends the launcher with 130, once the processes have finished their step and
-saved it.
+saved it; so does a stop signal sent to one process alone, which the processes agree on at the step's end.
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ def main(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as failed:
+        if all(f.exitcode == 130 for f in failed.failures.values()):  # a stop signal to one process: every
+            return 130  # process finished its step and stopped, and rank 0 said where it saved
         print(f"forge: error: {failures_line(failed.failures)}", file=sys.stderr)
         return 1
     except SignalException:  # a stop signal passed on: the processes finished their step, rank 0 saved it

@@ -108,3 +108,59 @@ def test_sigint_to_a_two_process_run_finishes_the_step_saves_it_and_exits_130(tm
     assert "forge: stopped by SIGINT after step 2 of 3" in stderr, stderr[-3000:]
     assert "a second SIGINT" not in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert (out / "checkpoint-2" / "COMPLETE").is_file() and not (out / "checkpoint-3").exists()
+
+
+SIGNALLED = '''
+import os, signal
+
+
+def signals_rank_1_at_step_2(prompts, completions, **kwargs):
+    path = os.path.join(os.environ["FORGE_TEST_DIR"], "calls-" + os.environ["RANK"])
+    calls = int(open(path).read()) + 1 if os.path.exists(path) else 1
+    open(path, "w").write(str(calls))
+    if os.environ["RANK"] == "1" and calls == 2:
+        os.kill(os.getpid(), getattr(signal, os.environ["FORGE_TEST_SIGNAL"]))
+    return [float(len(c) % 3) for c in completions]
+'''
+
+
+def orphans_of(tmp_path: Path) -> list[int]:
+    """Processes still running whose command line names this test's folder."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if str(tmp_path).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", pytest.param("SIGKILL", marks=pytest.mark.slow)])  # SIGKILL ends
+# a process as the os._exit case above does
+def test_a_signal_to_one_process_of_a_two_process_run_ends_the_run_in_lines_and_keeps_the_saved_step(tmp_path,
+                                                                                                     name):
+    """SIGTERM or SIGKILL to one rank alone (an operator's `kill PID`, a scheduler preempting one process, the
+    kernel's out-of-memory killer): the run ends, no process is left, the output names what happened, and the
+    last finished step is a checkpoint that --resume continues from."""
+    command, env, out = two_process_run(tmp_path, "signalled", SIGNALLED, "signals_rank_1_at_step_2")
+    command, env["FORGE_TEST_SIGNAL"] = [*command, "--logging_steps", "1"], name
+    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith(("forge: error", "forge: stopped"))]
+    assert done.returncode == (130 if name == "SIGTERM" else 1), done.stderr[-3000:]
+    if name == "SIGTERM":  # every process finishes step 2 and stops, as after a stop signal to the group
+        assert errors == [f"forge: stopped by a signal after step 2 of 3. The last finished step (2) is saved in "
+                          f"{out / 'checkpoint-2'}. Resume with the same command plus --resume (`forge train ... "
+                          f"--resume`), or in Python with GRPOConfig(..., resume_from='{out / 'checkpoint-2'}')."]
+    else:
+        assert any("process 1 of the run was killed by SIGKILL" in line for line in errors), errors
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr[-3000:]
+    assert errors, done.stderr[-3000:]
+    assert not orphans_of(tmp_path)
+    assert (out / "checkpoint-1" / "COMPLETE").is_file(), done.stderr[-3000:]
+    resumed = subprocess.run([*command, "--resume"], check=False, env={**env, "FORGE_TEST_SIGNAL": "SIGCONT"},
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    logged = [json.loads(line)["step"] for line in (out / "training_log.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3], logged  # each step once
