@@ -98,13 +98,19 @@ def train_args(root: Path, output_dir: Path, *extra: str) -> list[str]:
             "--preflight", "off", *extra]
 
 
+def sighup_at_its_default() -> None:
+    """As in a terminal's run, even when the tests themselves run under nohup (which Forge keeps ignoring)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def paused_run(root: Path, output_dir: Path, phase: str, pause_seconds: float) -> tuple[subprocess.Popen, Path]:
     ready = output_dir.parent / f"ready-{output_dir.name}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PAUSE_PHASE": phase, "PAUSE_STEP": "2",
            "READY_FILE": str(ready), "PAUSE_SECONDS": str(pause_seconds),
            "PYTHONPATH": os.pathsep.join([str(root), str(REPO), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.Popen([sys.executable, "-c", RUN_FORGE, *train_args(root, output_dir)], env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                           preexec_fn=sighup_at_its_default)
     deadline = time.monotonic() + 300
     while not ready.exists():
         assert run.poll() is None, run.communicate()[1][-3000:]

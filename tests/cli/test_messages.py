@@ -216,7 +216,13 @@ def forge_train(workspace, out, *extra, env=None, **popen) -> subprocess.Popen:
              "forge_test_rewards:exits_at_step", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(workspace), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "forge", "train", *map(str, flags)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sighup_at_its_default,
+                            **popen)
+
+
+def sighup_at_its_default() -> None:
+    """As in a terminal's run, even when the tests themselves run under nohup (which Forge keeps ignoring)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def test_os_exit_in_a_reward_is_reported_exits_1_and_the_run_resumes(workspace, tmp_path):
