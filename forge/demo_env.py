@@ -28,6 +28,12 @@ from forge.tools.calls import ToolSettings
 TRAIN_HIGHS = [8, 10, 12, 14]  # ranges of the training episodes
 HELDOUT_HIGHS = [9, 11, 13, 15]  # ranges of the held-out episodes (never trained on)
 TURNS = 4  # guesses per episode: bisection finds any number up to 15
+ENTROPY_FLOOR = {"adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 0.3,
+                 "entropy_coef_delta": 0.01}
+"""The recipe's entropy floor (GRPOConfig.adaptive_entropy, Skywork-OR1's control): while a step's mean token
+entropy is at or below 0.3 nats the loss adds an entropy bonus whose coefficient starts at 0.01 and rises by
+0.01 a step. Without it one seed of five (AMX Xeon) settled on a way of playing that skips middles it is told
+(45.8% of the held-out games); with it each of the five found at least 77% (docs/environments.md)."""
 
 
 def env_settings(factory) -> EnvironmentSettings:
@@ -77,7 +83,7 @@ def run_env_demo(settings: DemoSettings) -> dict:
     before = measured("base_eval", model)
     run.say(_line("base", before))
     config = demo_config(settings, run.out, reward_weights=None, max_tool_calling_iterations=TURNS,
-                         tool_format="text", tool_timeout=5.0)
+                         tool_format="text", tool_timeout=5.0, **ENTROPY_FLOOR)
     trainer = GRPOTrainer(model, tokenizer, [], config, environment_factory=GuessNumber)
     run.say(f"training: {settings.steps} steps x {settings.prompts_per_step} prompts x {settings.group_size} "
             f"episodes, LoRA r={settings.lora_r}, lr {settings.learning_rate}")
