@@ -293,9 +293,13 @@ def training_process(run: subprocess.Popen) -> int:
     return int(children[0])
 
 
+SLOW = pytest.mark.slow  # each signal reaches each process in the default suite; the other pairs run with -m slow
+
+
 @pytest.mark.parametrize("signum, target", [  # SIGTERM to forge train: test_sigterm_to_forge_train_is_passed_on_...
-    (signal.SIGINT, "forge train"), (signal.SIGHUP, "forge train"), (signal.SIGINT, "the training process"),
-    (signal.SIGTERM, "the training process"), (signal.SIGHUP, "the training process")],
+    (signal.SIGINT, "forge train"), pytest.param(signal.SIGHUP, "forge train", marks=SLOW),
+    pytest.param(signal.SIGINT, "the training process", marks=SLOW), (signal.SIGTERM, "the training process"),
+    (signal.SIGHUP, "the training process")],
     ids=lambda value: value.name if isinstance(value, signal.Signals) else value.replace(" ", "-"))
 def test_a_stop_signal_to_either_process_finishes_the_step_saves_it_and_exits_130(workspace, tmp_path, signum,
                                                                                   target):

@@ -89,7 +89,8 @@ def pauses_at_step_2(prompts, completions, **kwargs):
 '''
 
 
-@pytest.mark.parametrize("to_the_group", [False, True], ids=["kill-INT-forge-train", "ctrl-c"])
+@pytest.mark.parametrize("to_the_group", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["kill-INT-forge-train", "ctrl-c"])  # forge train alone passes it on as a group
 def test_sigint_to_a_two_process_run_finishes_the_step_saves_it_and_exits_130(tmp_path, to_the_group):
     command, env, out = two_process_run(tmp_path, "pausing", PAUSING, "pauses_at_step_2")
     run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
