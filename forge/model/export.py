@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from forge.logging.logger import TRAINING_LOG_NAME
-from forge.model.loading import load_model, load_tokenizer, prepare_tokenizer
+from forge.model.loading import first_line, load_model, load_tokenizer, prepare_tokenizer
 from forge.model.lora import LORA_INSTALL_HINT, is_peft_model, quiet_checkpointing_deprecation
 from forge.safe_json import read_json
 
@@ -190,9 +190,8 @@ def _load_adapter(base_model: nn.Module, adapter_dir: str | os.PathLike) -> nn.M
             f"adapter_model.safetensors"
         ) from None
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as error:  # peft on bad JSON
-        said = (str(error).strip().splitlines() or [""])[0][:200]
         raise ValueError(
-            f"adapter folder {adapter_dir}: peft cannot load it ({type(error).__name__}: {said}); its "
+            f"adapter folder {adapter_dir}: peft cannot load it ({first_line(error)}); its "
             f"adapter_config.json is damaged or not a LoRA adapter's: restore the folder from where it came "
             f"from, or load another"
         ) from None

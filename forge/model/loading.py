@@ -120,6 +120,11 @@ def load_model(
     return model.to(device), tokenizer
 
 
+def first_line(error: BaseException) -> str:
+    """'KeyError: ...': a library's error as the start of a line of Forge's (first line, 200 chars)."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+
+
 def load_tokenizer(source: str | os.PathLike, **kwargs) -> PreTrainedTokenizerBase:
     """AutoTokenizer.from_pretrained(source); from a local folder, whatever its tokenizer files make the
     tokenizers fail with (a tokenizer.json of other keys, a tokenizer_config.json that is another file) is a
@@ -129,9 +134,8 @@ def load_tokenizer(source: str | os.PathLike, **kwargs) -> PreTrainedTokenizerBa
     except Exception as error:
         if not Path(source).is_dir() or isinstance(error, (OSError, ImportError)):
             raise
-        said = (str(error).strip().splitlines() or [""])[0][:200]
         raise ValueError(
-            f"folder {source}: its tokenizer cannot be loaded ({type(error).__name__}: {said}); its "
+            f"folder {source}: its tokenizer cannot be loaded ({first_line(error)}); its "
             f"tokenizer files (tokenizer.json, tokenizer_config.json, ...) are damaged or are not a "
             f"tokenizer's: restore them from where the folder came from, or load another"
         ) from None

@@ -15,15 +15,19 @@ from forge.model.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 REWARD = '''
-import os
+import os, signal
 
 
 def dies_on_rank_1_at_step_2(prompts, completions, **kwargs):
+    """Rank 1's second call ends its process: os._exit(3), or the signal FORGE_TEST_SIGNAL names."""
     path = os.path.join(os.environ["FORGE_TEST_DIR"], "calls-" + os.environ["RANK"])
     calls = int(open(path).read()) + 1 if os.path.exists(path) else 1
     open(path, "w").write(str(calls))
     if os.environ["RANK"] == "1" and calls == 2:
-        os._exit(3)
+        if "FORGE_TEST_SIGNAL" in os.environ:
+            os.kill(os.getpid(), getattr(signal, os.environ["FORGE_TEST_SIGNAL"]))
+        else:
+            os._exit(3)
     return [float(len(c) % 3) for c in completions]
 '''
 
@@ -111,20 +115,6 @@ def test_sigint_to_a_two_process_run_finishes_the_step_saves_it_and_exits_130(tm
     assert (out / "checkpoint-2" / "COMPLETE").is_file() and not (out / "checkpoint-3").exists()
 
 
-SIGNALLED = '''
-import os, signal
-
-
-def signals_rank_1_at_step_2(prompts, completions, **kwargs):
-    path = os.path.join(os.environ["FORGE_TEST_DIR"], "calls-" + os.environ["RANK"])
-    calls = int(open(path).read()) + 1 if os.path.exists(path) else 1
-    open(path, "w").write(str(calls))
-    if os.environ["RANK"] == "1" and calls == 2:
-        os.kill(os.getpid(), getattr(signal, os.environ["FORGE_TEST_SIGNAL"]))
-    return [float(len(c) % 3) for c in completions]
-'''
-
-
 def orphans_of(tmp_path: Path) -> list[int]:
     """Processes still running whose command line names this test's folder."""
     found = []
@@ -145,7 +135,7 @@ def test_a_signal_to_one_process_of_a_two_process_run_ends_the_run_in_lines_and_
     """SIGTERM or SIGKILL to one rank alone (an operator's `kill PID`, a scheduler preempting one process, the
     kernel's out-of-memory killer): the run ends, no process is left, the output names what happened, and the
     last finished step is a checkpoint that --resume continues from."""
-    command, env, out = two_process_run(tmp_path, "signalled", SIGNALLED, "signals_rank_1_at_step_2")
+    command, env, out = two_process_run(tmp_path, "dying", REWARD, "dies_on_rank_1_at_step_2")
     command, env["FORGE_TEST_SIGNAL"] = [*command, "--logging_steps", "1"], name
     done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
     errors = [line for line in done.stderr.splitlines() if line.startswith(("forge: error", "forge: stopped"))]
@@ -160,7 +150,7 @@ def test_a_signal_to_one_process_of_a_two_process_run_ends_the_run_in_lines_and_
     assert errors, done.stderr[-3000:]
     assert not orphans_of(tmp_path)
     assert (out / "checkpoint-1" / "COMPLETE").is_file(), done.stderr[-3000:]
-    resumed = subprocess.run([*command, "--resume"], check=False, env={**env, "FORGE_TEST_SIGNAL": "SIGCONT"},
+    resumed = subprocess.run([*command, "--resume"], check=False, env=env,  # rank 1's calls go on from 3
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     logged = [json.loads(line)["step"] for line in (out / "training_log.jsonl").read_text().splitlines()]
