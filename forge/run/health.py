@@ -228,6 +228,7 @@ class HealthMonitor:
         if not training_log.exists():
             return
         rows = [row for _, row in log_rows(training_log)]  # a line that is no row is left out, said
+        rows = [{k: v for k, v in row.items() if isinstance(v, (int, float))} for row in rows]  # numbers only
         for row in [row for row in rows if "loss" in row][-(self.steps.maxlen or 0):]:
             self.check(row)
 
