@@ -192,7 +192,7 @@ def test_sigkill_then_resume_on_vllm_matches_the_uninterrupted_run(workspace):
         time.sleep(0.2)
     os.kill(process.pid, signal.SIGKILL)
     process.communicate(timeout=60)
-    assert sorted(p.name for p in killed.iterdir() if p.is_dir()) == ["2"]
+    assert sorted(p.name for p in killed.iterdir() if p.is_dir()) == ["checkpoint-2"]
     run([*train_argv(workspace, killed), "--resume"])
     final = load_file(killed / "final" / "model.safetensors")
     expected = load_file(workspace / "baseline" / "final" / "model.safetensors")
