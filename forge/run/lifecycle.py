@@ -153,7 +153,8 @@ def check_output_dir_is_free(output_dir: Path, *, resuming: bool, overwrite: boo
             f"another program's folder, or a damaged checkpoint); Forge neither deletes nor saves over it. "
             f"Move it out of {str(output_dir)!r}, or choose another --output_dir.")
     if left.checkpoints and not resuming and not overwrite:
-        names = sorted(left.checkpoints + left.logs)
+        names = sorted(left.checkpoints, key=lambda name: (step_of(name) is None, step_of(name) or 0, name))
+        names += sorted(left.logs)  # steps in step order (checkpoint-2 before checkpoint-10), then the rest
         raise OutputDirInUse(
             f"output_dir={str(output_dir)!r} already holds a run "
             f"({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}). Continue it with --resume "

@@ -48,6 +48,14 @@ def test_a_new_run_refuses_a_directory_that_holds_another_run(tmp_path):
     assert [row["step"] for row in read_log(tmp_path / "run")] == [1, 2, 3]
 
 
+def test_the_refusal_lists_the_checkpoints_in_step_order(tmp_path):
+    run(tmp_path, max_steps=3).train(ROWS)
+    (tmp_path / "run" / "checkpoint-3").rename(tmp_path / "run" / "checkpoint-10")  # text order puts 10 first
+    with pytest.raises(OutputDirInUse, match=r"already holds a run \(checkpoint-1, checkpoint-2, checkpoint-10, "
+                                             r"final, samples.jsonl"):
+        run(tmp_path, max_steps=2).train(ROWS)
+
+
 def test_overwrite_output_dir_replaces_the_old_run_entirely(tmp_path):
     run(tmp_path, max_steps=3).train(ROWS)
     run(tmp_path, max_steps=2, overwrite_output_dir=True).train(ROWS)
