@@ -137,8 +137,9 @@ def _train(args: argparse.Namespace, config) -> int:
     try:
         trainer.train(dataset, eval_dataset=eval_rows)
     except TrainingInterrupted as interrupted:  # SIGINT/SIGTERM: a checkpoint was saved; say how to go on
-        if trainer.dist.is_main:
-            print(f"forge: {interrupted}", file=sys.stderr)
+        if not trainer.dist.is_main:  # rank 0 speaks for the run: its 130, after its line, is the launcher's
+            return 0
+        print(f"forge: {interrupted}", file=sys.stderr)
         return 130
     if trainer.dist.is_main:
         print(f"done: {trainer.global_step} optimizer steps; checkpoints and logs in {config.output_dir}")

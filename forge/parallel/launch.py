@@ -5,7 +5,9 @@ the run fails, torch's launcher stops the others and raises ChildFailedError, wh
 as a Python traceback. Here it becomes one line naming the processes that failed and how each ended, and those
 the launcher stopped; the exit code is 1. (`forge train` then says which step is saved for --resume.) A stop
 signal passed on by `forge train` ends the launcher with 130, once the processes have finished their step and
-saved it; so does a stop signal sent to one process alone, which the processes agree on at the step's end.
+saved it; so does a stop signal sent to one process alone, which the processes agree on at the step's end
+(rank 0's exit is the run's: the other processes exit 0 then, so none is stopped before rank 0 has said where
+it saved).
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ def failures_line(failures: dict) -> str:
     return line
 
 
+def stopped_on_a_signal(failures: dict) -> bool:
+    """Whether the run stopped as asked, from the launcher's {rank: ProcessFailure}: rank 0 exited 130 (a stop
+    signal to any process: every process finished its step, rank 0 saved it and said where), and every other
+    process that ended did so too or was stopped by the launcher after rank 0 (the others exit 0 then)."""
+    return 0 in failures and failures[0].exitcode == 130 and all(
+        f.exitcode in (130, -signal.SIGTERM) for f in failures.values())
+
+
 def stop_with_parent() -> None:
     """Have Linux send this launcher SIGTERM when `forge train` (FORGE_PARENT_PID) dies (prctl
     PR_SET_PDEATHSIG): it runs in a session of its own, so nothing else would stop its processes then."""
@@ -69,8 +79,8 @@ def main(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as failed:
-        if all(f.exitcode == 130 for f in failed.failures.values()):  # a stop signal to one process: every
-            return 130  # process finished its step and stopped, and rank 0 said where it saved
+        if stopped_on_a_signal(failed.failures):
+            return 130
         print(f"forge: error: {failures_line(failed.failures)}", file=sys.stderr)
         return 1
     except SignalException:  # a stop signal passed on: the processes finished their step, rank 0 saved it

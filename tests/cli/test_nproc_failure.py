@@ -78,6 +78,22 @@ def test_the_failure_line_names_who_failed_and_who_was_stopped():
     assert failures_line({0: Failure(exitcode=-15)}) == "process 0 of the run was killed by SIGTERM (its own output is above)"
 
 
+def test_a_run_stopped_as_asked_is_told_from_a_failure_whichever_process_ended_first():
+    """A stop signal to one process: rank 0 exits 130 after saying where it saved, the others exit 0 or, when
+    rank 0 ended first, are stopped by the launcher (SIGTERM); anything else is a failure."""
+    from types import SimpleNamespace as Failure
+
+    from forge.parallel.launch import stopped_on_a_signal
+
+    assert stopped_on_a_signal({0: Failure(exitcode=130)})
+    assert stopped_on_a_signal({0: Failure(exitcode=130), 1: Failure(exitcode=-15)})
+    assert stopped_on_a_signal({0: Failure(exitcode=130), 1: Failure(exitcode=130)})
+    assert not stopped_on_a_signal({1: Failure(exitcode=130)})  # rank 0 never said where it saved
+    assert not stopped_on_a_signal({0: Failure(exitcode=-15), 1: Failure(exitcode=130)})
+    assert not stopped_on_a_signal({0: Failure(exitcode=130), 1: Failure(exitcode=1)})
+    assert not stopped_on_a_signal({0: Failure(exitcode=130), 1: Failure(exitcode=-9)})
+
+
 PAUSING = '''
 import os, pathlib, time
 
