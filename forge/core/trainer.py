@@ -97,8 +97,9 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)
         self.engine = open_engine(config, model, self.tokenizer, self.precision.compute, self.dist)  # or None
         with self.precision.autocast(model):  # how Forge's own decode runs, decided once
-            self.decode_plan = None if self.engine else DecodePlan.of(model, config.generation_backend,
-                                                                       self.tool_settings is not None)
+            self.decode_plan = None if self.engine else DecodePlan.of(
+                model, config.generation_backend, self.tool_settings is not None, self.precision,
+                merge_lora=config.merge_lora_for_generation and not self.dist.fsdp)
         self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings,
                                                               self.engine)
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.learning_rate,
@@ -222,7 +223,7 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
             return generate_on_engine(self.engine, self.tokenizer, prompts, config.group_size, settings,
                                       self.max_prompt_length, config.truncate_prompts, noise,
                                       self.tool_settings, rows)
-        with self.sampling():
+        with self.dist.whole_weights(self.model):  # FSDP2: gathered; the plan's precision and merged LoRA
             return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
                             self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix,
                             noise, self.tool_settings, rows=rows, plan=self.decode_plan)
