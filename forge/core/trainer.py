@@ -143,8 +143,8 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         slices = [batch] if self.config.rollout_slices == 1 else self.cut(batch)  # each an optimizer step's
         updates = [self.update(part) for _ in range(self.config.num_iterations) for part in slices]
         stats = self.dist.combined(stats)  # every rank's share: the metrics are of the whole batch
-        delta_norm = step_stats.param_delta_norm(self.dist.local_shards(self.trainable), self.initial_params,
-                                                 self.dist.sum_shards)
+        squared = step_stats.squared_param_delta(self.dist.local_shards(self.trainable), self.initial_params)
+        delta_norm = math.sqrt(self.dist.sum_shards([squared])[0])  # ||theta - theta_0||
         metrics = step_stats.step_metrics(
             stats, updates[0], group_std=group_reward_std(torch.cat(stats.scores), self.config.group_size,
                                                           torch.cat(stats.valid)),
@@ -231,15 +231,20 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
     def score(self, rows: list[dict], rollout: Rollout) -> Scores:
         """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so
         all of them stop at the same point and rank 0 can save the last finished step (forge/run/loop.py)."""
+        step = self.global_step + 1
         state = TrainerState(self.global_step, self.total_steps, self.device)
-        return score_rollout(self.rewards, rows, rollout, self.config, step=self.global_step + 1,
-                             trainer_state=state, any_rank=self.dist.any)
+        scores, failure = score_rollout(self.rewards, rows, rollout, self.config, step=step,
+                                        trainer_state=state)
+        if self.dist.any(failure is not None):
+            raise failure or RewardError(f"step {step}: a reward failed in another process; see its error")
+        return scores
 
     def update(self, batch: Batch) -> dict:
         """Loss and backward over the micro-batches of all rollouts (a slice: its normaliser), then a step."""
         config = self.config
         # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
-        normaliser = LossNormaliser.count(batch.loss_mask, config.max_new_tokens, total=self.dist.sum)
+        counts = self.dist.sum(LossNormaliser.counts(batch.loss_mask))
+        normaliser = LossNormaliser.of(counts, config.max_new_tokens)
         totals = step_stats.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
