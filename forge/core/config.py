@@ -279,10 +279,10 @@ class GRPOConfig(TRLAttributes):
     the rollout worker (TRL's heartbeat_stale_after_s); a worker that dies is noticed within a second."""
     merge_lora_for_generation: bool = True
     """With LoRA, generate and evaluate with the adapters folded into a temporary copy of the adapted weights
-    (policy.merged_adapters): one matmul per layer instead of three, 0.85-0.90x the generation time on a CPU
-    (bench/merged_generation.py). The training weights are untouched (put back bit for bit); the sampler then
-    differs from the trainer by fp32 rounding. In bf16/fp16 training's sampling keeps the adapters (rounding W
-    + s B A once to bf16 doubles the sampler/trainer log-prob gap), while evaluation merges
+    (decode_plan.merged_adapters): one matmul per layer instead of three, 0.85-0.90x the generation time on a
+    CPU (bench/merged_generation.py). The training weights are untouched (put back bit for bit); the sampler
+    then differs from the trainer by fp32 rounding. In bf16/fp16 training's sampling keeps the adapters
+    (rounding W + s B A once to bf16 doubles the sampler/trainer log-prob gap), while evaluation merges
     (bench/merged_bf16.py). Needs memory for one copy of the adapted weights during generation, and is skipped
     when that does not fit on the GPU, under FSDP2, and for DoRA or quantised layers."""
     logprob_chunk_size: int = 0

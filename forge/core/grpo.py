@@ -380,14 +380,23 @@ class LossNormaliser(NamedTuple):
     max_completion_length: int  # max_new_tokens
     num_sampled: float | None = None  # every completion sampled for this optimizer step; None = num_sequences
 
+    @staticmethod
+    def counts(loss_masks: list[torch.Tensor]) -> list[float]:
+        """[completions with a loss token, loss tokens, completions sampled] of loss masks, each (N, T)."""
+        return [sum(float((m.sum(dim=1) > 0).sum()) for m in loss_masks),
+                sum(float(m.sum()) for m in loss_masks),
+                sum(float(m.shape[0]) for m in loss_masks)]
+
     @classmethod
-    def count(cls, loss_masks: list[torch.Tensor], max_completion_length: int,
-              total: Callable[[list[float]], list[float]] = lambda counts: counts) -> LossNormaliser:
-        """Count the optimizer batch's loss masks, each (N, T); `total` sums the counts over processes."""
-        sequences, tokens, sampled = total([sum(float((m.sum(dim=1) > 0).sum()) for m in loss_masks),
-                                            sum(float(m.sum()) for m in loss_masks),
-                                            sum(float(m.shape[0]) for m in loss_masks)])
+    def of(cls, counts: list[float], max_completion_length: int) -> LossNormaliser:
+        """The normaliser of `counts` (LossNormaliser.counts, summed over the processes by the trainer)."""
+        sequences, tokens, sampled = counts
         return cls(max(sequences, 1.0), max(tokens, 1.0), max_completion_length, sampled)
+
+    @classmethod
+    def count(cls, loss_masks: list[torch.Tensor], max_completion_length: int) -> LossNormaliser:
+        """The normaliser of one process's loss masks, each (N, T)."""
+        return cls.of(cls.counts(loss_masks), max_completion_length)
 
 
 def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormaliser) -> torch.Tensor:

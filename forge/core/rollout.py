@@ -320,17 +320,17 @@ def generate(
                                                max_prompt_length, truncate_prompts,
                                                tools=None if turns is None else turns.schemas)  # (P, Lp)
     plan = plan or DecodePlan.of(model, settings.backend, with_tools=turns is not None)
-    # The loop's tensors never meet autograd and it returns plain lists: inference mode skips autograd's
-    # version counting and view tracking on each of its operators (the same values; 1.05x the tokens per
-    # CPU-second of the demo's generation on an AMX Xeon, bench/decode_switch.py inference_mode). Under
-    # autocast with unpacked weights (bf16 on a CPU without bf16 units) it would also turn off autocast's
-    # cache of each weight's bf16 copy, casting every weight again at every decode step: there the loop runs
-    # under no_grad.
-    recast = torch.is_autocast_enabled(next(model.parameters()).device.type) and not plan.pack
-    inference = torch.inference_mode() if INFERENCE_MODE and not recast else torch.no_grad()
-    with plan.sampling_weights(model), inference:
-        decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings, plan,
-                           share_prompt_prefix, noise, turns)
+    with plan.sampling_weights(model):  # the precision, merged LoRA and packing the plan says
+        # The loop's tensors never meet autograd and it returns plain lists: inference mode skips autograd's
+        # version counting and view tracking on each of its operators (the same values; 1.05x the tokens per
+        # CPU-second of the demo's generation on an AMX Xeon, bench/decode_switch.py inference_mode). Under
+        # autocast with unpacked weights (bf16 on a CPU without bf16 units) it would also turn off autocast's
+        # cache of each weight's bf16 copy, casting every weight again at every decode step: there the loop
+        # runs under no_grad.
+        recast = torch.is_autocast_enabled(next(model.parameters()).device.type) and not plan.pack
+        with torch.inference_mode() if INFERENCE_MODE and not recast else torch.no_grad():
+            decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings, plan,
+                               share_prompt_prefix, noise, turns)
     return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
                       with_tools=turns is not None)
 

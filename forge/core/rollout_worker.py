@@ -50,8 +50,7 @@ from forge.core.rollout import (
     sampling_noise,
     sampling_seed,
 )
-from forge.model.decode_plan import DecodePlan
-from forge.model.lora import merged_adapters
+from forge.model.decode_plan import DecodePlan, merged_adapters
 from forge.run.loop import StepFailed
 
 POLL_SECONDS = 0.5  # how often a waiting side looks whether the other is still there

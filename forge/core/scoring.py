@@ -411,27 +411,24 @@ def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: lis
             raise ValueError(f"reward '{name}': {problem}")
 
 
-def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int, trainer_state,
-                  any_rank: Callable[[bool], bool] = bool) -> Scores:
+def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int,
+                  trainer_state) -> tuple[Scores | None, RewardError | None]:
     """Score a rollout of these dataset rows (G completions each) under the run's failure settings: every
     row's other columns, each completion's token ids, with tools each completion's calls, and with an
     environment its instances and episodes reach the rewards. A completion whose environment could not run is
-    masked (not valid). When a reward fails (RewardError) here or, by `any_rank` (True if the flag is True in
-    any process), in another process, every process raises, so all of them stop at the same point."""
+    masked (not valid). Returns (scores, None), or (None, the RewardError) when a reward failed: the trainer
+    raises it once it knows whether a reward failed in any process, so all of them stop at the same point."""
     prompts, columns, row_ids = per_completion(rows, config.group_size)
     inputs = RewardInputs(prompts, list(rollout.completions), columns, trainer_state=trainer_state,
                           **rollout_inputs(rollout))
     rules = FailureRules(config.on_reward_error, config.reward_error_value, config.reward_timeout,
                          f" at step {step}", row_ids)
-    scores = failure = None
     try:
         scores = score_batch(rewards, inputs, rules)
     except RewardError as error:
-        failure = error
-    if any_rank(failure is not None):
-        raise failure or RewardError(f"step {step}: a reward failed in another process; see its error")
+        return None, error
     scores.valid &= ~rollout.failed
-    return scores
+    return scores, None
 
 
 def rollout_inputs(rollout) -> dict:

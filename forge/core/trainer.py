@@ -97,8 +97,9 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         self.tool_settings = rollout_tools(tools, environment_factory, config, self.tokenizer)
         self.engine = open_engine(config, model, self.tokenizer, self.precision.compute, self.dist)  # or None
         with self.precision.autocast(model):  # how Forge's own decode runs, decided once
-            self.decode_plan = None if self.engine else DecodePlan.of(model, config.generation_backend,
-                                                                       self.tool_settings is not None)
+            self.decode_plan = None if self.engine else DecodePlan.of(
+                model, config.generation_backend, self.tool_settings is not None, self.precision,
+                merge_lora=config.merge_lora_for_generation and not self.dist.fsdp)
         self.evaluator = evaluator or greedy_reward_evaluator(self.rewards, config, self.tool_settings,
                                                               self.engine)
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.learning_rate,
@@ -142,8 +143,8 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         slices = [batch] if self.config.rollout_slices == 1 else self.cut(batch)  # each an optimizer step's
         updates = [self.update(part) for _ in range(self.config.num_iterations) for part in slices]
         stats = self.dist.combined(stats)  # every rank's share: the metrics are of the whole batch
-        delta_norm = step_stats.param_delta_norm(self.dist.local_shards(self.trainable), self.initial_params,
-                                                 self.dist.sum_shards)
+        squared = step_stats.squared_param_delta(self.dist.local_shards(self.trainable), self.initial_params)
+        delta_norm = math.sqrt(self.dist.sum_shards([squared])[0])  # ||theta - theta_0||
         metrics = step_stats.step_metrics(
             stats, updates[0], group_std=group_reward_std(torch.cat(stats.scores), self.config.group_size,
                                                           torch.cat(stats.valid)),
@@ -222,7 +223,7 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
             return generate_on_engine(self.engine, self.tokenizer, prompts, config.group_size, settings,
                                       self.max_prompt_length, config.truncate_prompts, noise,
                                       self.tool_settings, rows)
-        with self.sampling():
+        with self.dist.whole_weights(self.model):  # FSDP2: gathered; the plan's precision and merged LoRA
             return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
                             self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix,
                             noise, self.tool_settings, rows=rows, plan=self.decode_plan)
@@ -230,15 +231,20 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
     def score(self, rows: list[dict], rollout: Rollout) -> Scores:
         """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so
         all of them stop at the same point and rank 0 can save the last finished step (forge/run/loop.py)."""
+        step = self.global_step + 1
         state = TrainerState(self.global_step, self.total_steps, self.device)
-        return score_rollout(self.rewards, rows, rollout, self.config, step=self.global_step + 1,
-                             trainer_state=state, any_rank=self.dist.any)
+        scores, failure = score_rollout(self.rewards, rows, rollout, self.config, step=step,
+                                        trainer_state=state)
+        if self.dist.any(failure is not None):
+            raise failure or RewardError(f"step {step}: a reward failed in another process; see its error")
+        return scores
 
     def update(self, batch: Batch) -> dict:
         """Loss and backward over the micro-batches of all rollouts (a slice: its normaliser), then a step."""
         config = self.config
         # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
-        normaliser = LossNormaliser.count(batch.loss_mask, config.max_new_tokens, total=self.dist.sum)
+        counts = self.dist.sum(LossNormaliser.counts(batch.loss_mask))
+        normaliser = LossNormaliser.of(counts, config.max_new_tokens)
         totals = step_stats.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit

@@ -18,7 +18,7 @@ GRPOConfig declares dtype, lora_r, lora_alpha, lora_dropout and lora_target_modu
 HfArgumentParser, which TRL's TrlParser extends, makes flags of the init fields only, and TRL's scripts parse
 the GRPOConfig in one parser with TRL's ModelConfig, which has those names too (a script passes ModelConfig's
 dtype as model_init_kwargs, its lora_* as peft_config). Forge's __init__ takes them all the same, and an
-instance shows dataclasses.replace every field as an init field, so replace() keeps them.
+instance shows dataclasses.replace every field as an init field (InitFields), so replace() keeps them.
 """
 
 from __future__ import annotations
@@ -232,13 +232,22 @@ def trl_view(config: Any) -> dict:
             "auto_find_batch_size": config.micro_batch_size == "auto"}
 
 
-def _init_fields(cls: type) -> dict:
-    """The class's dataclass fields with each init=False one (dtype, lora_*) shown as an init field."""
-    return _init_fields_cached(cls) if dataclasses.is_dataclass(cls) else {}
+class InitFields:
+    """A TRLAttributes dataclass's `__dataclass_fields__`: on the class its own fields (dataclasses.fields,
+    HfArgumentParser's flags, a subclass's dataclass decorator), on an instance the same fields with each
+    init=False one (dtype, lora_*) shown as an init field: what dataclasses.replace reads, so replace() keeps
+    them. Only reads of that one name come here."""
+
+    def __init__(self, fields: dict) -> None:
+        self.fields = fields
+
+    def __get__(self, instance: Any, owner: type) -> dict:
+        return self.fields if instance is None else _init_fields(owner)
 
 
 @functools.cache
-def _init_fields_cached(cls: type) -> dict:
+def _init_fields(cls: type) -> dict:
+    """The class's dataclass fields with each init=False one shown as an init field."""
     shown = {}
     for name, field in cls.__dataclass_fields__.items():
         if not field.init:
@@ -253,6 +262,9 @@ class TRLAttributes:
     attributes (the module docstring)."""
 
     def __init__(self, *args: Any, **values: Any) -> None:
+        cls = type(self)
+        if isinstance(cls.__dict__.get("__dataclass_fields__"), dict):  # once per dataclass (InitFields)
+            cls.__dataclass_fields__ = InitFields(cls.__dataclass_fields__)
         names = [f.name for f in dataclasses.fields(self)]
         if len(args) > len(names):
             raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional arguments, "
@@ -266,12 +278,6 @@ class TRLAttributes:
             object.__setattr__(self, f.name, fields.get(f.name, f.default))
         object.__setattr__(self, "_trl_given", {name: values[name] for name in made if name in values})
         object.__setattr__(self, "_trl_made", made)
-
-    def __getattribute__(self, name: str) -> Any:
-        # what dataclasses.replace reads: every field goes through __init__
-        if name == "__dataclass_fields__":
-            return _init_fields(type(self))
-        return object.__getattribute__(self, name)
 
     def __getattr__(self, name: str) -> Any:  # only names that are no attribute: TRL's
         if not name.startswith("_") and is_trl_name(name):

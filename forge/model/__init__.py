@@ -2,6 +2,7 @@
 of these modules)."""
 
 from forge.logging.logger import note
+from forge.model.decode_plan import merged_adapters
 from forge.model.export import load_for_eval, merge_and_export
 from forge.model.loading import (
     DEFAULT_MODEL,
@@ -17,7 +18,6 @@ from forge.model.lora import (
     apply_lora,
     default_lora_targets,
     is_peft_model,
-    merged_adapters,
 )
 from forge.model.policy import Policy, make_reference_model, prepare_policy, reference_context
 from forge.model.precision import (

@@ -2,8 +2,9 @@
 
 The decode loop (forge/core/rollout.py `decode`) asks the plan for three things and reads nothing else:
 
-- `plan.sampling_weights(model)`: the weights as the loop multiplies with them (linear layers packed once per
-  generation where that measured faster, forge/model/packed_linear.py);
+- `plan.sampling_weights(model)`: the weights and precision the loop runs with: a trainer's autocast, LoRA
+  folded into the weights (`merged_adapters`, below), linear layers packed once per generation where that
+  measured faster (forge/model/packed_linear.py);
 - `plan.prefill(model, prompt_ids, prompt_mask, group_size, max_new_tokens)`: the prompts run through the
   model (once per group, and a chat template every prompt starts with once for all), giving the first
   next-token logits and the decode step;
@@ -35,10 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from forge.logging.logger import note
 from forge.model.kv_cache import (
@@ -52,7 +54,7 @@ from forge.model.kv_cache import (
     shared_attention_configs,
 )
 from forge.model.packed_linear import may_pack, packed_linears
-from forge.model.precision import _bf16_units
+from forge.model.precision import Precision, _bf16_units
 
 BACKENDS = ("eager", "compiled", "auto")
 LENGTH_BUCKET = 64
@@ -101,21 +103,31 @@ class DecodePlan:
     shared_prompt: tuple = ()  # the attention configs a decode over each group's prompt once switches (the
     # model's attention allows it, forge/model/kv_cache.py); () = each row's own copy of its prompt
     grouped_mask: bool = False  # the repeated-prompt step passes a 4D mask (_sdpa_with_grouped_heads)
+    mixed: Precision | None = None  # a trainer's mixed precision: sampling runs in its autocast
+    merge_lora: bool = False  # LoRA folded into the weights while sampling (merged_adapters)
 
     @classmethod
-    def of(cls, model, backend: str = "auto", with_tools: bool = False) -> DecodePlan:
+    def of(cls, model, backend: str = "auto", with_tools: bool = False, precision: Precision | None = None,
+           merge_lora: bool = False) -> DecodePlan:
         """The plan for `model`; with tools (results are fed between tokens) the eager repeated-prompt
-        step."""
+        step. A trainer gives its precision and whether sampling merges LoRA (merge_lora_for_generation)."""
         backend = "auto" if backend == "vllm" else backend  # a run sampling on vLLM elsewhere (async GRPO)
         backend = "eager" if with_tools else resolve_backend(backend, next(model.parameters()).device.type)
         eager = backend == "eager"
         shared = shared_attention_configs(model) if eager and not with_tools else ()
-        return cls(backend, eager and may_pack(model), shared, _sdpa_with_grouped_heads(model))
+        mixed = precision if precision is not None and precision.mixed else None
+        return cls(backend, eager and may_pack(model), shared, _sdpa_with_grouped_heads(model), mixed,
+                   merge_lora)
 
-    def sampling_weights(self, model) -> contextlib.AbstractContextManager:
-        """The weights as the decode multiplies with them: linear layers packed for the generation, or as
-        they are."""
-        return packed_linears(model) if self.pack else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def sampling_weights(self, model) -> Iterator[None]:
+        """The weights and precision the decode runs with: the trainer's autocast (mixed precision), LoRA
+        folded into the weights (merge_lora), linear layers packed for the generation (pack); each only where
+        the plan says, else the model as it is."""
+        with self.mixed.autocast(model) if self.mixed else contextlib.nullcontext(), \
+                merged_adapters(model, self.merge_lora), \
+                packed_linears(model) if self.pack else contextlib.nullcontext():
+            yield
 
     def prefill(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
                 max_new_tokens: int, share_prompt_prefix: bool = True):
@@ -156,6 +168,103 @@ class EagerStep:
                              attention_mask=mask[:, None, None].bool() if self.as_4d else mask,
                              position_ids=positions[:, None], use_cache=True, **{CACHE_ARG: self.cache})
         return out.logits[:, -1]  # (n, V)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The weights for sampling: LoRA folded in
+
+_MERGEABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _mergeable_lora_layers(model: nn.Module) -> list | None:
+    """The LoRA linear layers of a PeftModel when every one can be merged by adding B @ A * scale to a weight
+    of its own (plain LoRA on nn.Linear, no DoRA, no modules_to_save, weight used by no other module) and its
+    adapters are on; None otherwise (adapters switched off, by the caller's `disable_adapter()` or an
+    enclosing merge, leave nothing to merge)."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:  # no peft: no adapters
+        return None
+    if not isinstance(model, PeftModel):
+        return None
+
+    adapted = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    if any(p.requires_grad and ".lora_A." not in n and ".lora_B." not in n
+           for n, p in model.named_parameters()):
+        return None  # modules_to_save and the like: switching the adapters off would switch them off too
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    for m in adapted:
+        weight = getattr(m.get_base_layer(), "weight", None)
+        if (type(m) is not LoraLinear or type(m.get_base_layer()) is not nn.Linear or m.merged
+                or m.fan_in_fan_out or m.disable_adapters
+                or any(m.use_dora.get(a, False) for a in m.active_adapters) or users.get(id(weight), 0) != 1
+                or type(weight.data) is not torch.Tensor  # DTensor (FSDP2), quantised
+                or weight.is_meta  # offloaded
+                or weight.dtype not in _MERGEABLE_DTYPES):
+            return None
+    return adapted or None
+
+
+def _room_for(layers: list) -> bool:
+    """Whether a merged copy of the adapted weights fits: on a GPU, in the free memory with a margin."""
+    weight = layers[0].get_base_layer().weight
+    if weight.device.type != "cuda":
+        return True
+    needed = sum(m.get_base_layer().weight.numel() * m.get_base_layer().weight.element_size() for m in layers)
+    free, _ = torch.cuda.mem_get_info(weight.device)
+    return needed * 1.25 < free
+
+
+def _merged_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a merged weight is stored in: the one its matmul runs in (autocast's when on, else the
+    weight's)."""
+    device_type = weight.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+@contextlib.contextmanager
+def merged_adapters(model: nn.Module, enabled: bool = True, rounded: bool = False) -> Iterator[bool]:
+    """Run a LoRA model with its adapters folded into a temporary copy of each adapted weight (no-grad use
+    only: generation, evaluation). Yields whether it merged.
+
+    A LoRA layer computes W x + s B A x, three matmuls where one would do. Inside, each adapted weight is
+    replaced by W + s B A (a new tensor, the sum formed in fp32) and the adapters are switched off; on exit
+    the original tensors are put back, so the trained weights are bit for bit what they were. Skipped (yields
+    False) when the copy does not fit on the GPU, for models that are not plain LoRA on linear layers (DoRA,
+    quantised or FSDP2-sharded weights, a weight shared by two modules), and when the adapters are off. Under
+    bf16/fp16 autocast the merged weight would be rounded once to that dtype, which widens the sampler/trainer
+    log-prob gap: only evaluation asks for that (`rounded=True`); training's sampling keeps the adapter path
+    there. Measurements: docs/performance.md, "LoRA generation with merged weights".
+    """
+    layers = _mergeable_lora_layers(model) if enabled else None
+    if layers and not rounded and _merged_dtype(layers[0].get_base_layer().weight) != torch.float32:
+        layers = None
+    if not layers or not _room_for(layers):
+        yield False
+        return
+    originals = [m.get_base_layer().weight.data for m in layers]
+    dtype = _merged_dtype(originals[0])
+    try:
+        # the sum in fp32 even under autocast (which would run addmm in bf16), rounded once at the end
+        with torch.no_grad(), torch.autocast(originals[0].device.type, enabled=False):
+            for m, weight in zip(layers, originals):
+                merged = weight.float()
+                for a in (a for a in m.active_adapters if a in m.lora_A):  # W + s B A in one op per adapter
+                    merged = torch.addmm(merged, m.lora_B[a].weight.float(), m.lora_A[a].weight.float(),
+                                         alpha=m.scaling[a])
+                m.get_base_layer().weight.data = merged.to(dtype)  # (out, in), a new tensor
+        with model.disable_adapter():
+            yield True
+    finally:
+        for m, weight in zip(layers, originals):
+            m.get_base_layer().weight.data = weight
 
 
 # ----------------------------------------------------------------------------------------------------

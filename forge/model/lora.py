@@ -1,5 +1,5 @@
-"""LoRA adapters (peft): default targets per architecture, applying them, and folding them into the weights
-for no-grad passes (`merged_adapters`)."""
+"""LoRA adapters (peft): default targets per architecture and applying them. Folding them into the weights for
+no-grad passes (`merged_adapters`) is the sampling weights' business: forge/model/decode_plan.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import copy
 import warnings
 from collections.abc import Iterator
 
-import torch
 from torch import nn
 
-_MERGEABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LORA_INSTALL_HINT = "LoRA needs peft: pip install forge-rl[lora]"
 
 # LoRA targets by architecture, checked in order: the first set whose names all occur in the model wins.
@@ -130,90 +128,3 @@ def apply_lora(
                                  target_modules=target_modules or default_lora_targets(model))
     with quiet_checkpointing_deprecation():
         return get_peft_model(model, lora_config)
-
-
-def _mergeable_lora_layers(model: nn.Module) -> list | None:
-    """The LoRA linear layers of a PeftModel when every one can be merged by adding B @ A * scale to a weight
-    of its own (plain LoRA on nn.Linear, no DoRA, no modules_to_save, weight used by no other module) and its
-    adapters are on; None otherwise (adapters switched off, by the caller's `disable_adapter()` or an
-    enclosing merge, leave nothing to merge)."""
-    if not is_peft_model(model):
-        return None
-    from peft.tuners.lora import LoraLayer
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
-    adapted = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    if any(p.requires_grad and ".lora_A." not in n and ".lora_B." not in n
-           for n, p in model.named_parameters()):
-        return None  # modules_to_save and the like: switching the adapters off would switch them off too
-    users: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            users[id(p)] = users.get(id(p), 0) + 1
-    for m in adapted:
-        weight = getattr(m.get_base_layer(), "weight", None)
-        if (type(m) is not LoraLinear or type(m.get_base_layer()) is not nn.Linear or m.merged
-                or m.fan_in_fan_out or m.disable_adapters
-                or any(m.use_dora.get(a, False) for a in m.active_adapters) or users.get(id(weight), 0) != 1
-                or type(weight.data) is not torch.Tensor  # DTensor (FSDP2), quantised
-                or weight.is_meta  # offloaded
-                or weight.dtype not in _MERGEABLE_DTYPES):
-            return None
-    return adapted or None
-
-
-def _room_for(layers: list) -> bool:
-    """Whether a merged copy of the adapted weights fits: on a GPU, in the free memory with a margin."""
-    weight = layers[0].get_base_layer().weight
-    if weight.device.type != "cuda":
-        return True
-    needed = sum(m.get_base_layer().weight.numel() * m.get_base_layer().weight.element_size() for m in layers)
-    free, _ = torch.cuda.mem_get_info(weight.device)
-    return needed * 1.25 < free
-
-
-def _merged_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype a merged weight is stored in: the one its matmul runs in (autocast's when on, else the
-    weight's)."""
-    device_type = weight.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return weight.dtype
-
-
-@contextlib.contextmanager
-def merged_adapters(model: nn.Module, enabled: bool = True, rounded: bool = False) -> Iterator[bool]:
-    """Run a LoRA model with its adapters folded into a temporary copy of each adapted weight (no-grad use
-    only: generation, evaluation). Yields whether it merged.
-
-    A LoRA layer computes W x + s B A x, three matmuls where one would do. Inside, each adapted weight is
-    replaced by W + s B A (a new tensor, the sum formed in fp32) and the adapters are switched off; on exit
-    the original tensors are put back, so the trained weights are bit for bit what they were. Skipped (yields
-    False) when the copy does not fit on the GPU, for models that are not plain LoRA on linear layers (DoRA,
-    quantised or FSDP2-sharded weights, a weight shared by two modules), and when the adapters are off. Under
-    bf16/fp16 autocast the merged weight would be rounded once to that dtype, which widens the sampler/trainer
-    log-prob gap: only evaluation asks for that (`rounded=True`); training's sampling keeps the adapter path
-    there. Measurements: docs/performance.md, "LoRA generation with merged weights".
-    """
-    layers = _mergeable_lora_layers(model) if enabled else None
-    if layers and not rounded and _merged_dtype(layers[0].get_base_layer().weight) != torch.float32:
-        layers = None
-    if not layers or not _room_for(layers):
-        yield False
-        return
-    originals = [m.get_base_layer().weight.data for m in layers]
-    dtype = _merged_dtype(originals[0])
-    try:
-        # the sum in fp32 even under autocast (which would run addmm in bf16), rounded once at the end
-        with torch.no_grad(), torch.autocast(originals[0].device.type, enabled=False):
-            for m, weight in zip(layers, originals):
-                merged = weight.float()
-                for a in (a for a in m.active_adapters if a in m.lora_A):  # W + s B A in one op per adapter
-                    merged = torch.addmm(merged, m.lora_B[a].weight.float(), m.lora_A[a].weight.float(),
-                                         alpha=m.scaling[a])
-                m.get_base_layer().weight.data = merged.to(dtype)  # (out, in), a new tensor
-        with model.disable_adapter():
-            yield True
-    finally:
-        for m, weight in zip(layers, originals):
-            m.get_base_layer().weight.data = weight

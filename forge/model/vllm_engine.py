@@ -40,7 +40,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from forge.logging.logger import note
-from forge.model.lora import is_peft_model, merged_adapters
+from forge.model.decode_plan import merged_adapters
+from forge.model.lora import is_peft_model
 
 MODES = ("colocate", "server")
 

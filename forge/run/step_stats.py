@@ -11,9 +11,7 @@ Every key is explained in docs/metrics.md.
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -315,12 +313,10 @@ def ordered_samples(every_rank: list[list[dict]], num_rollouts: int, limit: int)
 
 
 @torch.no_grad()
-def param_delta_norm(parameters: list[torch.Tensor], initial: list[torch.Tensor],
-                     sum_shards: Callable[[list[float]], list[float]]) -> float:
-    """||theta - theta_0|| over these tensors (FSDP2: this rank's shards; sum_shards sums over the ranks)."""
-    squared = sum(float((p.detach().cpu().float() - p0.float()).pow(2).sum())
-                  for p, p0 in zip(parameters, initial))
-    return math.sqrt(sum_shards([squared])[0])
+def squared_param_delta(parameters: list[torch.Tensor], initial: list[torch.Tensor]) -> float:
+    """||theta - theta_0||^2 over these tensors (FSDP2: this rank's shards, which the trainer sums)."""
+    return sum(float((p.detach().cpu().float() - p0.float()).pow(2).sum())
+               for p, p0 in zip(parameters, initial))
 
 
 __all__ = [
@@ -330,8 +326,8 @@ __all__ = [
     "distill_metrics",
     "env_metrics",
     "ordered_samples",
-    "param_delta_norm",
     "rollout_samples",
+    "squared_param_delta",
     "step_metrics",
     "tool_metrics",
     "warn_if_mostly_flat",

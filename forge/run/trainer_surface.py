@@ -42,8 +42,8 @@ from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging as transformers_logging
 
 from forge.data.dataset import checked_rows
+from forge.model.decode_plan import merged_adapters
 from forge.model.export import forge_checkpoint
-from forge.model.lora import merged_adapters
 
 
 class RunEvents:

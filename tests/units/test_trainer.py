@@ -19,6 +19,7 @@ from completion_masks import completion_mask_from_ids
 from safetensors.torch import load_file
 
 import forge.core.logprobs as logprobs_module
+import forge.core.rollout as rollout_module
 import forge.core.trainer as trainer_module
 from forge import ExactMatchReward, GRPOConfig, GRPOTrainer
 from forge.core.logprobs import completion_logprobs
@@ -219,15 +220,15 @@ def test_lora_generates_with_merged_adapters_and_trains_the_same(tmp_path, monke
     """merge_lora_for_generation: generation and evaluation run with the adapters folded into the weights; the
     run trains as it does without (same completions and weights up to fp32 rounding), and the base weights are
     the same tensors, unchanged, afterwards."""
-    seen, real_generate, original = [], trainer_module.generate, {}
+    seen, real_decode, original = [], rollout_module.decode, {}
 
     def spy(model, *args, **kwargs):  # (is q_proj's weight the merged copy?, are the adapters off?)
         layer = model.base_model.model.model.layers[0].self_attn.q_proj
         seen.append((layer.base_layer.weight.data_ptr() != original["q_proj"], layer.disable_adapters))
-        return real_generate(model, *args, **kwargs)
+        return real_decode(model, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "generate", spy)
-    monkeypatch.setattr("forge.core.scoring.generate", spy)  # the default evaluator's
+    # the decode loop, in the step's generation (the decode plan's sampling weights) and the evaluator's
+    monkeypatch.setattr(rollout_module, "decode", spy)
     runs = {}
     for merge in (True, False):
         seen.clear()
