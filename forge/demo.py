@@ -44,6 +44,7 @@ from forge.core.config import GRPOConfig
 from forge.core.reward import TagFormatReward
 from forge.core.trainer import GRPOTrainer, seed_everything
 from forge.data.arithmetic import ARITHMETIC_TASK
+from forge.demo_async import async_summary, sampling_server
 from forge.eval.evaluate import aggregate_metrics, evaluate
 from forge.eval.gain import gain_table, time_to_gain
 from forge.eval.plot import plot_training_curves
@@ -125,8 +126,8 @@ class DemoSettings:
     --distill: 'full')."""
     asynchronous: bool = False
     """--async: sample and learn at once (GRPOConfig.max_staleness): a rollout worker process samples the next
-    steps' groups on half the cores while the step trains on the rest; reports who waited on whom (the async/*
-    metrics)."""
+    steps' groups on half the cores while the step trains on the rest (with --generation_backend vllm: a
+    `forge vllm-serve` the demo starts there); reports who waited on whom (the async/* metrics)."""
     max_staleness: int = 1
     """With --async: how many optimizer steps old the weights that sample a step are (1: one step off)."""
     dynamic_sampling: bool = False
@@ -381,21 +382,23 @@ def _train_demo(settings: DemoSettings, run: DemoRun, model, tokenizer, train_ro
     subset = heldout[: settings.eval_subset] if settings.eval_every else None
     distill = {"teacher_model": teacher, "reward_coef": settings.reward_coef, "drop_zero_std_groups": False,
                "distill_loss": settings.distill_loss, "micro_batch_size": 0}  # every group in one loss pass
-    config = demo_config(
-        settings,
-        run.out,
-        eval_steps=settings.eval_every,
-        eval_before_training=subset is not None,
-        **(distill if teacher else {}),
-    )
-    run.say(training_line(settings) + (f"; held-out curve: the first {len(subset)} problems every "
-                                        f"{settings.eval_every} steps" if subset else ""))
-    curve = HeldoutCurve(heldout, len(subset or ()), settings.steps, eval_kw, before)
-    trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config, evaluator=curve)
-    curve.trainer = trainer
-    with run.timed("training"):
-        cpu_started = time.process_time()
-        trainer.train(train_rows, eval_dataset=subset)
+    with sampling_server(settings, run) as server:
+        config = demo_config(
+            settings,
+            run.out,
+            eval_steps=settings.eval_every,
+            eval_before_training=subset is not None,
+            **(distill if teacher else {}),
+            **server,
+        )
+        run.say(training_line(settings) + (f"; held-out curve: the first {len(subset)} problems every "
+                                            f"{settings.eval_every} steps" if subset else ""))
+        curve = HeldoutCurve(heldout, len(subset or ()), settings.steps, eval_kw, before)
+        trainer = GRPOTrainer(model, tokenizer, demo_rewards(), config, evaluator=curve)
+        curve.trainer = trainer
+        with run.timed("training"):
+            cpu_started = time.process_time()
+            trainer.train(train_rows, eval_dataset=subset)
     run.timings["training"] -= curve.seconds
     train_cpu_seconds = time.process_time() - cpu_started - curve.cpu_seconds
     run.timings["curve_evals"] = curve.seconds - curve.final_seconds
@@ -463,18 +466,6 @@ def run_distill_demo(settings: DemoSettings) -> dict:
     (out / "distill_result.json").write_text(json.dumps(result, indent=2))
     print(f"result:   {out / 'distill_result.json'}")
     return result
-
-
-def async_summary(log_path: Path) -> dict:
-    """Who waited on whom over an async run: the per-step means of the async/* metrics and their sums."""
-    rows = [row for row in map(json.loads, log_path.read_text().splitlines())
-            if "async/trainer_wait_s" in row]
-    total = {key: sum(row[f"async/{key}"] for row in rows)
-             for key in ("trainer_wait_s", "sampler_idle_s", "sampler_s")}
-    return {"steps": len(rows), "trainer_wait_s_total": total["trainer_wait_s"],
-            "sampler_idle_s_total": total["sampler_idle_s"], "sampler_s_total": total["sampler_s"],
-            "step_seconds_total": sum(row["step_time"] for row in rows),
-            "staleness_max": max((row["async/staleness_max"] for row in rows), default=0.0)}
 
 
 def demo_rewards() -> list:

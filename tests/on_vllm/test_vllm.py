@@ -317,3 +317,17 @@ def test_evaluation_on_vllm_gives_the_own_loops_greedy_answers():
                      temperature=1.0, k_values=(1, 4), seed=5)
     assert [r["responses"] for r in sampled.records] == [r["responses"] for r in again.records]
     assert len({c for r in sampled.records for c in r["responses"]}) > len(rows)  # really sampled
+
+
+def test_the_async_demo_on_vllm_starts_its_server_trains_from_it_and_stops_it(tmp_path):
+    """`forge demo --async --generation_backend vllm`: a `forge vllm-serve` on half the cores, the rollout
+    worker sampling there one step ahead, the async metrics reported, and no server left once it ends."""
+    out = tmp_path / "demo"
+    run([sys.executable, "-m", "forge", "demo", "--quick", "--async", "--generation_backend", "vllm",
+         "--output_dir", str(out)])
+    result = json.loads((out / "demo_result.json").read_text())
+    assert result["async"]["steps"] == 3 and result["async"]["staleness_max"] == 1.0
+    assert result["async"]["sampler_s_total"] > 0
+    assert "Application startup complete" in (out / "vllm_server.log").read_text()
+    left = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True)
+    assert left.returncode == 1, left.stdout  # no server process is left
