@@ -280,7 +280,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from forge.eval.plot import plot_training_curves
 
-    print(plot_training_curves(args.output_dir, args.out))
+    runs = args.output_dir if len(args.output_dir) > 1 else args.output_dir[0]
+    print(plot_training_curves(runs, args.out, x=args.x))
     return 0
 
 

@@ -142,9 +142,13 @@ def add_screen(sub) -> None:
 
 
 def add_plot(sub) -> None:
-    plot = sub.add_parser("plot", help="draw training curves from OUTPUT_DIR/training_log.jsonl")
-    plot.add_argument("output_dir")
-    plot.add_argument("--out", default=None, help="PNG path (default OUTPUT_DIR/training_curves.png)")
+    plot = sub.add_parser("plot", help="draw training curves from OUTPUT_DIR/training_log.jsonl "
+                                       "(several runs: on one figure)")
+    plot.add_argument("output_dir", nargs="+")
+    plot.add_argument("--out", default=None, help="PNG path (default OUTPUT_DIR/training_curves.png; several "
+                                                  "runs: the first one's compared_curves.png)")
+    plot.add_argument("--x", choices=["step", "time"], default="step",
+                      help="x axis: the optimizer step, or wall-clock seconds since each run's first log row")
 
 
 def add_export(sub) -> None:

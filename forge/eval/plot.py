@@ -6,6 +6,11 @@ GRPO rewards are noisy from step to step. Panels without data, or whose values a
 with kl_beta=0), are left out; the reward counters (errors, timeouts, non-finite) stay off the reward axis.
 Steps are whole numbers on the x axis, legends sit beside the panels, and the steps where a run-health alarm
 started (`health/<rule>` turning 1, forge/run/health.py) are marked on every panel and named on the first.
+
+Several runs draw on one figure, each series named after its run's folder (`forge plot A B --out ab.png`), and
+`x="time"` puts the wall-clock seconds since each run's first log row on the x axis instead of the step: two
+runs that reach the same accuracy at different speeds (synchronous and async GRPO, say) then compare at a
+glance.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ TRAINING_LOG_NAME = "training_log.jsonl"
 REWARD_COUNTERS = ("rewards/errors", "rewards/timeouts", "rewards/nonfinite")  # counts, not rewards
 
 
+X_AXES = {"step": "optimizer step", "time": "seconds since the run's first log row (wall clock)"}
+
+
 @dataclass
 class Series:
-    """One line on a panel: the steps where `key` was logged and its values there."""
+    """One line on a panel: where `key` was logged (steps; with x="time" seconds) and its values."""
 
     label: str
-    steps: list[int]
+    steps: list[float]
     values: list[float]
 
 
@@ -68,33 +76,39 @@ def read_log(log_path: Path) -> list[dict]:
     return [row for _, row in log_rows(log_path) if row.get("step") is not None]
 
 
-def extract_series(rows: list[dict], key: str, label: str | None = None) -> Series:
-    """The finite values of `key` across rows (nulls and missing entries skipped)."""
+def extract_series(rows: list[dict], key: str, label: str | None = None, x: str = "step") -> Series:
+    """The finite values of `key` across rows (nulls and missing entries skipped), at each row's step or, with
+    x="time", its seconds since the first row that has a time."""
+    start = min((row["time"] for row in rows if isinstance(row.get("time"), (int, float))), default=None)
+    if x == "time" and start is None:
+        raise ValueError("the log's rows have no 'time': draw it against the step (x='step')")
     steps, values = [], []
     for row in rows:
         value = row.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            steps.append(row["step"])
+        where = row["step"] if x == "step" else row.get("time")
+        if isinstance(value, (int, float)) and math.isfinite(value) and isinstance(where, (int, float)):
+            steps.append(where if x == "step" else where - start)
             values.append(float(value))
     return Series(label or key, steps, values)
 
 
-def build_panels(rows: list[dict]) -> list[Panel]:
+def build_panels(rows: list[dict], x: str = "step") -> list[Panel]:
     """Pick what to draw from the keys that appear in the log; drop panels with no data."""
     keys = sorted({key for row in rows for key in row})
     reward_keys = ["reward"] + [k for k in keys if k.startswith("rewards/") and not k.endswith("/std")
                                 and k not in REWARD_COUNTERS]
-    accuracy_keys = [k for k in keys if k.startswith("eval_") and "accuracy" in k]
+    # eval_<metric>: the logs of this Forge; eval/<metric>: an earlier one's
+    accuracy_keys = [k for k in keys if k.startswith(("eval_", "eval/")) and "accuracy" in k]
     candidates = [
-        Panel("Reward", "mean reward", [extract_series(rows, k) for k in reward_keys]),
-        Panel(_heldout_title(rows), "accuracy", [extract_series(rows, k) for k in accuracy_keys]),
-        Panel("KL to reference", "KL", [extract_series(rows, "kl")]),
+        Panel("Reward", "mean reward", [extract_series(rows, k, x=x) for k in reward_keys]),
+        Panel(_heldout_title(rows), "accuracy", [extract_series(rows, k, x=x) for k in accuracy_keys]),
+        Panel("KL to reference", "KL", [extract_series(rows, "kl", x=x)]),
         Panel("Completion length", "tokens",
-              [extract_series(rows, "completions/mean_length", "completion length")]),
+              [extract_series(rows, "completions/mean_length", "completion length", x=x)]),
         Panel(
             "Groups with zero reward std",
             "fraction of groups",
-            [extract_series(rows, "frac_reward_zero_std")],
+            [extract_series(rows, "frac_reward_zero_std", x=x)],
         ),
     ]
     panels = []
@@ -128,23 +142,45 @@ def _heldout_title(rows: list[dict]) -> str:
 
 
 def plot_training_curves(
-    output_dir_or_log_path: str | os.PathLike, out_path: str | os.PathLike | None = None
+    output_dir_or_log_path: str | os.PathLike | list, out_path: str | os.PathLike | None = None,
+    x: str = "step",
 ) -> Path:
-    """Draw the training curves of a run into a PNG; returns its path (default
-    `{run}/training_curves.png`)."""
-    log_path = resolve_log_path(output_dir_or_log_path)
-    rows = read_log(log_path)
-    panels = build_panels(rows)
+    """Draw the training curves of a run (or of several, given as a list) into a PNG; returns its path
+    (default `{run}/training_curves.png`; several runs: `compared_curves.png` in the first run's folder).
+    x: "step" or "time" (X_AXES)."""
+    if x not in X_AXES:
+        raise ValueError(f"x={x!r}: choose one of {sorted(X_AXES)}")
+    runs = output_dir_or_log_path if isinstance(output_dir_or_log_path, list) else [output_dir_or_log_path]
+    log_paths = [resolve_log_path(run) for run in runs]
+    logs = [read_log(log_path) for log_path in log_paths]
+    panels = merged_panels([(path.parent.name, build_panels(rows, x)) for path, rows in zip(log_paths, logs)])
     if not panels:
-        raise ValueError(f"{log_path} has no reward, accuracy, kl or length values to plot")
-    out_path = Path(out_path) if out_path is not None else log_path.parent / "training_curves.png"
-    figure = render(panels, alarm_starts(rows))
+        where = ", ".join(map(str, log_paths))
+        raise ValueError(f"{where}: no reward, accuracy, kl or length values to plot")
+    default = "training_curves.png" if len(runs) == 1 else "compared_curves.png"
+    out_path = Path(out_path) if out_path is not None else log_paths[0].parent / default
+    alarms = alarm_starts(logs[0]) if len(runs) == 1 and x == "step" else []
+    figure = render(panels, alarms, X_AXES[x])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out_path, dpi=100, bbox_inches="tight")
     return out_path
 
 
-def render(panels: list[Panel], alarms: list[tuple[int, str]]):
+def merged_panels(runs: list[tuple[str, list[Panel]]]) -> list[Panel]:
+    """One run's panels as they are; several runs' panels of one title on one panel, each series named
+    `{run}: {label}` (the held-out sizes of the first run that has the panel)."""
+    if len(runs) == 1:
+        return runs[0][1]
+    merged: dict[str, Panel] = {}
+    for name, panels in runs:
+        for panel in panels:
+            key = panel.title.split(" (")[0]
+            target = merged.setdefault(key, Panel(panel.title, panel.ylabel, []))
+            target.series += [Series(f"{name}: {s.label}", s.steps, s.values) for s in panel.series]
+    return list(merged.values())
+
+
+def render(panels: list[Panel], alarms: list[tuple[int, str]], xlabel: str = X_AXES["step"]):
     """The panels as one matplotlib Figure (Agg canvas; pyplot's global backend is left alone)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -172,7 +208,7 @@ def render(panels: list[Panel], alarms: list[tuple[int, str]]):
                     ha="right",
                 )
         ax.set_title(panel.title)
-        ax.set_xlabel("optimizer step")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(panel.ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)

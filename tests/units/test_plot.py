@@ -131,3 +131,37 @@ def test_alarms_are_marked_where_they_start_and_steps_are_whole_numbers():
     assert all(float(tick).is_integer() for tick in short.get_xticks())  # no 1.25, 1.5 steps on a short run
     assert [t.get_text() for t in first.texts] == ["groups_flat", "groups_flat"]
     assert sorted(line.get_xdata()[0] for line in first.lines if line.get_linestyle() == "--") == [3, 7]
+
+
+def test_time_on_the_x_axis_is_seconds_since_the_runs_first_row():
+    rows = [{"step": 0, "time": 500.0, "eval_strict_accuracy": 0.1},
+            {"step": 1, "time": 512.5, "reward": 0.2},
+            {"step": 2, "time": 530.0, "reward": 0.4, "eval_strict_accuracy": 0.3}]
+    panels = {panel.title.split(" (")[0]: panel for panel in build_panels(rows, x="time")}
+    assert panels["Reward"].series[0].steps == [12.5, 30.0]
+    assert panels["Held-out accuracy"].series[0].steps == [0.0, 30.0]
+    with pytest.raises(ValueError, match="no 'time'"):
+        build_panels([{"step": 1, "reward": 0.5}], x="time")
+
+
+def test_an_earlier_logs_eval_slash_keys_are_drawn():
+    rows = [{"step": 0, "eval/strict_accuracy": 0.1}, {"step": 5, "eval/strict_accuracy": 0.2}]
+    assert [s.label for s in build_panels(rows)[0].series] == ["eval/strict_accuracy"]
+
+
+def test_two_runs_share_one_figure_each_series_named_after_its_run(tmp_path):
+    from forge.cli import main
+    from forge.eval.plot import merged_panels
+
+    for name, speed in (("sync", 10.0), ("async", 6.0)):
+        (tmp_path / name).mkdir()
+        write_log(tmp_path / name / "training_log.jsonl",
+                  [{"step": s, "time": 100.0 + speed * s, "reward": s / 10, "eval_strict_accuracy": s / 20}
+                   for s in range(5)])
+    panels = merged_panels([(name, build_panels(read_log(tmp_path / name / "training_log.jsonl"), x="time"))
+                            for name in ("sync", "async")])
+    accuracy = next(panel for panel in panels if panel.title.startswith("Held-out"))
+    assert [(s.label, s.steps[-1]) for s in accuracy.series] == [("sync: eval_strict_accuracy", 40.0),
+                                                                 ("async: eval_strict_accuracy", 24.0)]
+    assert main(["plot", str(tmp_path / "sync"), str(tmp_path / "async"), "--x", "time"]) == 0
+    assert (tmp_path / "sync" / "compared_curves.png").read_bytes().startswith(PNG_MAGIC)
