@@ -60,18 +60,24 @@ class Rollout:
     episodes: list | None = None  # (N,) each completion's environment episode (forge/envs Episode) or None
     policy_version: int | None = None  # async GRPO: the optimizer step whose weights sampled it (None: the
     # trainer's weights as they are, sampled in this step)
+    # Computed from the fields above once, when the Rollout is built (__post_init__):
+    completion_lengths: torch.Tensor = field(init=False)  # (N,) tokens of each completion, fed ones included
+    sampled_mask: torch.Tensor = field(init=False)  # (N, T) 1 on the completion tokens the model sampled: the
+    # tokens that are actions in the loss (completion_mask without fed tool results)
+    failed: torch.Tensor = field(init=False)  # (N,) bool: completions whose environment could not run (built
+    # or reset), left out of the loss
+    environments: list | None = field(init=False)  # (N,) each completion's environment instance, as rewards
+    # receive it (`environments=`); None without an environment
 
-    @property
-    def environments(self) -> list | None:
-        """(N,) each completion's environment instance, as rewards receive it (`environments=`)."""
-        return None if self.episodes is None else [e.environment for e in self.episodes]
-
-    @property
-    def failed(self) -> torch.Tensor:
-        """(N,) bool: completions whose environment could not run (built or reset), left out of the loss."""
+    def __post_init__(self) -> None:
+        self.completion_lengths = self.completion_mask.sum(dim=1)  # (N,)
+        self.sampled_mask = self.completion_mask if self.action_mask is None \
+            else self.completion_mask * self.action_mask  # (N, T)
         if self.episodes is None:
-            return torch.zeros(self.completion_ids.shape[0], dtype=torch.bool)
-        return torch.tensor([e.failure is not None for e in self.episodes], dtype=torch.bool)
+            self.failed, self.environments = torch.zeros(self.completion_ids.shape[0], dtype=torch.bool), None
+        else:
+            self.failed = torch.tensor([e.failure is not None for e in self.episodes], dtype=torch.bool)
+            self.environments = [e.environment for e in self.episodes]
 
     @property
     def num_prompts(self) -> int:
@@ -81,21 +87,6 @@ class Rollout:
     def prompt_index(self) -> torch.Tensor:
         """(N,) which prompt row each completion belongs to."""
         return torch.arange(self.num_prompts).repeat_interleave(self.group_size)
-
-    @property
-    def completion_lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(dim=1)  # (N,)
-
-    @property
-    def sampled_mask(self) -> torch.Tensor:
-        """(N, T) 1 on the completion tokens the model sampled: the tokens that are actions in the loss."""
-        return self.completion_mask if self.action_mask is None else self.completion_mask * self.action_mask
-
-    def completions_of(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(completion ids (n, T'), their prompts' rows (n,)) of the completions `indices`, T' their
-        longest."""
-        length = int(self.completion_mask[indices].sum(dim=1).max().clamp(min=1))
-        return self.completion_ids[indices, :length], self.prompt_index[indices]
 
 
 # ----------------------------------------------------------------------------------------------------
