@@ -3,10 +3,11 @@
 Each step of the loop samples one token for every running completion and runs one forward; finished
 completions leave the decode batch, so the tail of generation costs only what the still-running completions
 need. How the prompts are prefilled and how a step runs on this model (each group's prompt run and attended
-once, a cache written in place, a compiled step) is the decode plan's (forge/model/decode_plan.py): the loop
-calls `plan.prefill` once and the step it returns once per token. Tools and environments are the loop's hook
-(ToolTurns, after the loop): a completion that ends a call is fed the result's tokens while the others go on
-sampling. The log-probs of the sampled tokens under the policy are computed by core/logprobs.py.
+once, a cache written in place, a compiled step) is the decode plan's (forge/model/decode_plan.py): `generate`
+calls `plan.prefill` once and the loop calls the step it returns once per token. Tools and environments are
+the loop's hook (ToolTurns, after the loop): a completion that ends a call is fed the result's tokens while
+the others go on sampling. The log-probs of the sampled tokens under the policy are computed by
+core/logprobs.py.
 """
 
 from __future__ import annotations
@@ -320,24 +321,24 @@ def generate(
         # runs under no_grad.
         recast = torch.is_autocast_enabled(next(model.parameters()).device.type) and not plan.pack
         with torch.inference_mode() if INFERENCE_MODE and not recast else torch.no_grad():
-            decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings, plan,
-                               share_prompt_prefix, noise, turns)
+            # (the decode step, next-token logits (N, V), the attention mask (N, Lp))
+            prefilled = plan.prefill(model, prompt_ids, prompt_mask, group_size, settings.max_new_tokens,
+                                     share_prompt_prefix)
+            decodings = decode(model, tokenizer, prefilled, settings, noise, turns)
     return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
                       with_tools=turns is not None)
 
 
-def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-           settings: SamplingSettings, plan: DecodePlan, share_prompt_prefix: bool = True,
-           noise: torch.Tensor | None = None, turns: ToolTurns | None = None) -> list[Decoding]:
-    """The batched decode loop over P prompts (P, Lp): each step samples one token for every running
+def decode(model, tokenizer, prefilled: tuple, settings: SamplingSettings, noise: torch.Tensor | None = None,
+           turns: ToolTurns | None = None) -> list[Decoding]:
+    """The batched decode loop over N completions, from the plan's prefill (`plan.prefill`: the decode step,
+    next-token logits (N, V), the attention mask (N, Lp)): each step samples one token for every running
     completion and runs one forward; finished completions leave the batch. `turns` (tools) answers the calls
-    that ended and feeds their results in the next forward; `plan` says how the step runs."""
+    that ended and feeds their results in the next forward."""
     device = next(model.parameters()).device
     stop_ids, max_new_tokens = eos_ids(tokenizer, model), settings.max_new_tokens
     stops_at_eos = turns is None or turns.fmt.stops_at_eos
-    # (N, V) next-token logits, (N, Lp) mask
-    step, next_logits, mask = plan.prefill(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
-                                           share_prompt_prefix)
+    step, next_logits, mask = prefilled  # the step, (N, V) next-token logits, (N, Lp) mask
     noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
     budget = 10**9 if turns is None else turns.budget
