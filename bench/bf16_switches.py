@@ -210,11 +210,13 @@ def trainer_switches(trainer, on: tuple):
     trainer.precision = replace(
         precision, uncast_lora_inputs=precision.uncast_lora_inputs and "uncast_lora_inputs" in on
     )
+    trainer.loss_autocast = trainer.precision.reusable_autocast(trainer.model)
     logprobs.PADDING_FREE = "padding_free" in on
     try:
         yield
     finally:
         trainer.precision, logprobs.PADDING_FREE, logprobs.PaddingFree.pays = precision, free, pays
+        trainer.loss_autocast = precision.reusable_autocast(trainer.model)
 
 
 def trainer_pass(

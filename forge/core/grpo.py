@@ -71,11 +71,14 @@ class LossSettings:
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask; None = off
 
     @classmethod
-    def from_config(cls, config) -> LossSettings:
+    def from_config(cls, config, entropy_coef: float | None = None) -> LossSettings:
         """The loss variant a run's GRPOConfig describes: its fields of the same names, and delta and
-        clip_ratio_c as one cap (the smaller of those set)."""
+        clip_ratio_c as one cap (the smaller of those set); `entropy_coef`, where given, the coefficient the
+        step applies (adaptive entropy control) instead of the config's."""
         caps = [c for c in (config.delta, config.clip_ratio_c) if c is not None]
         named = {f.name: getattr(config, f.name) for f in fields(cls) if f.name != "negative_ratio_cap"}
+        if entropy_coef is not None:
+            named["entropy_coef"] = entropy_coef
         return cls(**named, negative_ratio_cap=min(caps) if caps else None)
 
     @property

@@ -58,15 +58,16 @@ def token_logprobs_from_logits(
 
 
 class PolicyLogprobs:
-    """The trainer's log-prob passes (mixed into GRPOTrainer, whose model, reference, precision, processes and
-    config they read): the policy's under the loss (`logprobs`), pi_old and the reference's before the update,
-    micro-batch by micro-batch."""
+    """The trainer's log-prob passes (mixed into GRPOTrainer, whose model, reference, processes and config
+    they read, and `loss_autocast`: its precision's autocast, built once, Precision.reusable_autocast): the
+    policy's under the loss (`logprobs`), pi_old and the reference's before the update, micro-batch by
+    micro-batch."""
 
     def logprobs(self, model, rollout: Rollout, indices: torch.Tensor, **extras):
         """log-probs (n, T') of the completions `indices` of a rollout, T' = their longest completion, and the
         extras asked for (completion_logprobs)."""
-        completions, index = rollout.completions_of(indices)
-        with self.precision.autocast(model):  # the same numerics as generation: pi_old = stopgrad(pi) holds
+        completions, index = completions_of(rollout, indices)
+        with self.loss_autocast:  # the trainer's precision, as generation's: pi_old = stopgrad(pi) holds
             return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, completions,
                                        index, self.config.temperature, self.config.logprob_chunk_size,
                                        self.config.share_prompt_prefix, share_template=not self.dist.fsdp,
@@ -97,6 +98,13 @@ class PolicyLogprobs:
             batches = micro_batches(rollout, self.micro_batch_size, indices)
             parts = [self.logprobs(model, rollout, batch) for batch in batches]
         return padded_rows(parts, rollout.completion_ids, batches)
+
+
+def completions_of(rollout: Rollout, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(completion ids (n, T'), their prompts' rows (n,)) of a rollout's completions `indices`, T' their
+    longest: completion n is of prompt n // group_size."""
+    length = int(rollout.completion_lengths[indices].max().clamp(min=1))
+    return rollout.completion_ids[indices, :length], indices // rollout.group_size
 
 
 def completion_logprobs(

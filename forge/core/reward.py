@@ -55,7 +55,6 @@ __all__ = [
     "accepted_names",
     "as_output",
     "call_with_accepted_kwargs",
-    "is_async_reward",
     "names_parameter",
 ]
 
@@ -384,14 +383,6 @@ class FunctionReward(BaseReward):
 
 async def _awaited_output(result: Any) -> RewardOutput:
     return as_output(await result)
-
-
-def is_async_reward(reward: Any) -> bool:
-    """True for an ``async def`` reward (a coroutine function, or an object whose ``__call__`` is one)."""
-    target = reward.fn if isinstance(reward, FunctionReward) else reward
-    if inspect.iscoroutinefunction(target):
-        return True
-    return callable(target) and inspect.iscoroutinefunction(type(target).__call__)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,10 +3,11 @@
 Each step of the loop samples one token for every running completion and runs one forward; finished
 completions leave the decode batch, so the tail of generation costs only what the still-running completions
 need. How the prompts are prefilled and how a step runs on this model (each group's prompt run and attended
-once, a cache written in place, a compiled step) is the decode plan's (forge/model/decode_plan.py): the loop
-calls `plan.prefill` once and the step it returns once per token. Tools and environments are the loop's hook
-(ToolTurns, after the loop): a completion that ends a call is fed the result's tokens while the others go on
-sampling. The log-probs of the sampled tokens under the policy are computed by core/logprobs.py.
+once, a cache written in place, a compiled step) is the decode plan's (forge/model/decode_plan.py): `generate`
+calls `plan.prefill` once and the loop calls the step it returns once per token. Tools and environments are
+the loop's hook (ToolTurns, after the loop): a completion that ends a call is fed the result's tokens while
+the others go on sampling. The log-probs of the sampled tokens under the policy are computed by
+core/logprobs.py.
 """
 
 from __future__ import annotations
@@ -60,18 +61,24 @@ class Rollout:
     episodes: list | None = None  # (N,) each completion's environment episode (forge/envs Episode) or None
     policy_version: int | None = None  # async GRPO: the optimizer step whose weights sampled it (None: the
     # trainer's weights as they are, sampled in this step)
+    # Computed from the fields above once, when the Rollout is built (__post_init__):
+    completion_lengths: torch.Tensor = field(init=False)  # (N,) tokens of each completion, fed ones included
+    sampled_mask: torch.Tensor = field(init=False)  # (N, T) 1 on the completion tokens the model sampled: the
+    # tokens that are actions in the loss (completion_mask without fed tool results)
+    failed: torch.Tensor = field(init=False)  # (N,) bool: completions whose environment could not run (built
+    # or reset), left out of the loss
+    environments: list | None = field(init=False)  # (N,) each completion's environment instance, as rewards
+    # receive it (`environments=`); None without an environment
 
-    @property
-    def environments(self) -> list | None:
-        """(N,) each completion's environment instance, as rewards receive it (`environments=`)."""
-        return None if self.episodes is None else [e.environment for e in self.episodes]
-
-    @property
-    def failed(self) -> torch.Tensor:
-        """(N,) bool: completions whose environment could not run (built or reset), left out of the loss."""
+    def __post_init__(self) -> None:
+        self.completion_lengths = self.completion_mask.sum(dim=1)  # (N,)
+        self.sampled_mask = self.completion_mask if self.action_mask is None \
+            else self.completion_mask * self.action_mask  # (N, T)
         if self.episodes is None:
-            return torch.zeros(self.completion_ids.shape[0], dtype=torch.bool)
-        return torch.tensor([e.failure is not None for e in self.episodes], dtype=torch.bool)
+            self.failed, self.environments = torch.zeros(self.completion_ids.shape[0], dtype=torch.bool), None
+        else:
+            self.failed = torch.tensor([e.failure is not None for e in self.episodes], dtype=torch.bool)
+            self.environments = [e.environment for e in self.episodes]
 
     @property
     def num_prompts(self) -> int:
@@ -81,21 +88,6 @@ class Rollout:
     def prompt_index(self) -> torch.Tensor:
         """(N,) which prompt row each completion belongs to."""
         return torch.arange(self.num_prompts).repeat_interleave(self.group_size)
-
-    @property
-    def completion_lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(dim=1)  # (N,)
-
-    @property
-    def sampled_mask(self) -> torch.Tensor:
-        """(N, T) 1 on the completion tokens the model sampled: the tokens that are actions in the loss."""
-        return self.completion_mask if self.action_mask is None else self.completion_mask * self.action_mask
-
-    def completions_of(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(completion ids (n, T'), their prompts' rows (n,)) of the completions `indices`, T' their
-        longest."""
-        length = int(self.completion_mask[indices].sum(dim=1).max().clamp(min=1))
-        return self.completion_ids[indices, :length], self.prompt_index[indices]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,24 +321,24 @@ def generate(
         # runs under no_grad.
         recast = torch.is_autocast_enabled(next(model.parameters()).device.type) and not plan.pack
         with torch.inference_mode() if INFERENCE_MODE and not recast else torch.no_grad():
-            decodings = decode(model, tokenizer, prompt_ids, prompt_mask, group_size, settings, plan,
-                               share_prompt_prefix, noise, turns)
+            # (the decode step, next-token logits (N, V), the attention mask (N, Lp))
+            prefilled = plan.prefill(model, prompt_ids, prompt_mask, group_size, settings.max_new_tokens,
+                                     share_prompt_prefix)
+            decodings = decode(model, tokenizer, prefilled, settings, noise, turns)
     return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,
                       with_tools=turns is not None)
 
 
-def decode(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-           settings: SamplingSettings, plan: DecodePlan, share_prompt_prefix: bool = True,
-           noise: torch.Tensor | None = None, turns: ToolTurns | None = None) -> list[Decoding]:
-    """The batched decode loop over P prompts (P, Lp): each step samples one token for every running
+def decode(model, tokenizer, prefilled: tuple, settings: SamplingSettings, noise: torch.Tensor | None = None,
+           turns: ToolTurns | None = None) -> list[Decoding]:
+    """The batched decode loop over N completions, from the plan's prefill (`plan.prefill`: the decode step,
+    next-token logits (N, V), the attention mask (N, Lp)): each step samples one token for every running
     completion and runs one forward; finished completions leave the batch. `turns` (tools) answers the calls
-    that ended and feeds their results in the next forward; `plan` says how the step runs."""
+    that ended and feeds their results in the next forward."""
     device = next(model.parameters()).device
     stop_ids, max_new_tokens = eos_ids(tokenizer, model), settings.max_new_tokens
     stops_at_eos = turns is None or turns.fmt.stops_at_eos
-    # (N, V) next-token logits, (N, Lp) mask
-    step, next_logits, mask = plan.prefill(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
-                                           share_prompt_prefix)
+    step, next_logits, mask = prefilled  # the step, (N, V) next-token logits, (N, Lp) mask
     noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
     budget = 10**9 if turns is None else turns.budget

@@ -73,12 +73,19 @@ def slice_numbers(num_completions: int, slices: int, generator: torch.Generator)
 
 def cut_rollout(batch: Batch, slices: int, generator: torch.Generator, max_completion_length: int,
                 mine: Callable[[torch.Tensor], torch.Tensor],
-                total: Callable[[list[float]], list[float]] = lambda counts: counts) -> list[Batch]:
+                total: Callable[[list[float]], list[float]] = lambda counts: counts,
+                recompute_old: Callable | None = None) -> list[Batch]:
     """The batch's `slices` optimizer steps: each a Batch of the same rollouts, advantages and log-probs whose
     loss passes run over its slice's completions only, with its own LossNormaliser (the module docstring).
 
     `mine(numbers)`: this process's share of a whole rollout batch's (N_all,) per-completion values; `total`
-    sums counts over the processes (both identities in one process)."""
+    sums counts over the processes (both identities in one process). `recompute_old(rollout, indices)`: the
+    policy's log-probs (N, T) of a rollout's completions `indices`, the later slices' pi_old (the policy that
+    sampled them), where the step has not computed it (num_iterations = 1)."""
+    if recompute_old is not None:
+        with torch.no_grad():
+            batch.old_logprobs = [recompute_old(rollout, indices)
+                                  for rollout, indices in zip(batch.rollouts, batch.loss_indices)]
     everyone = [int(total([float(len(mask))])[0]) for mask in batch.loss_mask]  # N_all of each rollout batch
     numbers = [mine(slice_numbers(n, slices, generator)) for n in everyone]  # (N,) each: this process's
     tokens = sum(float(mask.sum()) for mask in batch.loss_mask)  # the rollout's loss tokens

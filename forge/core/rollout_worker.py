@@ -401,10 +401,13 @@ def _portable(sampled: Sampled) -> Sampled:
 
 
 def _with_fields(rollout: Rollout, kind: type, convert) -> Rollout:
-    """`rollout` with each field of type `kind` converted (tensors to numpy arrays, and back)."""
-    values = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
-    return dataclasses.replace(rollout,
-                               **{name: convert(v) for name, v in values.items() if isinstance(v, kind)})
+    """A copy of `rollout` with each field of type `kind` converted (tensors to numpy arrays, and back), those
+    computed when it was built too (set on the copy, not computed again from numpy arrays)."""
+    converted = copy.copy(rollout)
+    for f in dataclasses.fields(rollout):
+        if isinstance(value := getattr(rollout, f.name), kind):
+            setattr(converted, f.name, convert(value))
+    return converted
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ import torch
 
 from forge.core.advantages import weighted_reward_sum
 from forge.core.engine_rollout import generate_on_engine
-from forge.core.reward import BaseReward, RewardInputs, call_problem, is_async_reward
+from forge.core.reward import BaseReward, FunctionReward, RewardInputs, call_problem
 from forge.core.reward_sources import SequenceClassificationReward, as_reward, is_model_and_tokenizer
 from forge.core.rollout import SamplingSettings, generate
 from forge.data.dataset import dataset_columns
@@ -78,13 +78,15 @@ class Scores:
     # name -> values the rewards' log_metric gave
     logged: dict[str, list[float]] = field(default_factory=dict)
     extra: dict[str, list] = field(default_factory=dict)  # column -> (N,) values the rewards' log_extra gave
+    # (N,) bool: at least one reward applies to the sample (else: advantage 0, out of the statistics);
+    # computed once when the Scores are built (__post_init__)
+    scored: torch.Tensor = field(init=False)
 
-    @property
-    def scored(self) -> torch.Tensor:
-        """(N,) bool: at least one reward applies to the sample (else: advantage 0, out of the statistics)."""
+    def __post_init__(self) -> None:
         if len(self.applies) < len(self.components):  # a reward absent from `applies` applies everywhere
-            return torch.ones_like(self.valid)
-        return torch.stack(list(self.applies.values()), dim=1).any(dim=1)
+            self.scored = torch.ones_like(self.valid)
+        else:
+            self.scored = torch.stack(list(self.applies.values()), dim=1).any(dim=1)
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(components (N, K), applies (N, K)) in reward order, for multi_reward_advantages."""
@@ -299,6 +301,14 @@ def score_batch(rewards: list[tuple[str, BaseReward, float]], inputs: RewardInpu
                     inputs.logged, inputs.extra)
     scores.total = weighted_reward_sum(*scores.stacked(), [weight for _, _, weight in rewards])  # (N,)
     return scores
+
+
+def is_async_reward(reward: Any) -> bool:
+    """True for an ``async def`` reward (a coroutine function, or an object whose ``__call__`` is one)."""
+    target = reward.fn if isinstance(reward, FunctionReward) else reward
+    if inspect.iscoroutinefunction(target):
+        return True
+    return callable(target) and inspect.iscoroutinefunction(type(target).__call__)
 
 
 def _caller(reward: BaseReward, inputs: RewardInputs) -> Callable:

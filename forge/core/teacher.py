@@ -29,7 +29,14 @@ from transformers import AutoTokenizer
 
 from forge.core.batch import Batch
 from forge.core.distill import distillation_advantages, divergence_loss, reverse_kl_sums
-from forge.core.logprobs import TeacherStates, completion_states, logit_head, micro_batches, padded_rows
+from forge.core.logprobs import (
+    TeacherStates,
+    completion_states,
+    completions_of,
+    logit_head,
+    micro_batches,
+    padded_rows,
+)
 from forge.model import is_peft_model, load_model
 from forge.safe_json import read_json
 
@@ -123,7 +130,7 @@ def rollout_states(trainer, model, rollout, indices: torch.Tensor | None = None)
     batches = micro_batches(rollout, trainer.micro_batch_size, indices)
     parts = []
     for batch in batches:
-        completions, index = rollout.completions_of(batch)
+        completions, index = completions_of(rollout, batch)
         with trainer.precision.autocast(model):
             parts.append(completion_states(model, rollout.prompt_ids, rollout.prompt_mask, completions,
                                            index))

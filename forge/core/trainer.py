@@ -16,7 +16,6 @@ and split like the prompts, so 1 and N processes give the same update, up to fp3
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -91,6 +90,7 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         self.model = model = ready.model
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.trainable, self.device = ready.precision, ready.trainable, ready.device
+        self.loss_autocast = self.precision.reusable_autocast(model)  # the loss pass's, built once
         self.teacher = open_teacher(config, model, self.tokenizer, teacher_model)  # or None
         self.rewards_teach = self.teacher is None or config.reward_coef > 0  # False: pure distillation
         # The run's tools, or its environment (with those tools too); None: neither.
@@ -106,12 +106,12 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
                                            weight_decay=config.weight_decay)
         self.guard = GuardedStep(self.trainable, self.optimizer, config.max_grad_norm,
                                  config.max_consecutive_nonfinite, any_rank=self.dist.any,
-                                 scale_loss=self.precision.compute == torch.float16,
-                                 local_shards=self.dist.local_shards)
+                                 scale_loss=self.precision.compute == torch.float16)
         # theta_0, for the distance the weights moved from it (FSDP2: this rank's shards)
         self.initial_params = [p.detach().cpu().clone() for p in self.dist.local_shards(self.trainable)]
         self.sampling_rng = torch.Generator().manual_seed(sampling_seed(config.seed, 0))  # reseeded each step
-        self.signals = StopSignals(next_step=lambda: self.global_step + 1)
+        self.signals = StopSignals(next_step=lambda: self.global_step + 1,
+                                   committing=lambda: self.guard.committing)
         self.entropy_control = config.entropy_control  # the entropy coefficient (adaptive: adapted each step)
         prompt_budget(model.config, config.max_new_tokens, config.max_prompt_length)  # refuses no room
         self.global_step, self.total_steps, self.rows_per_step = 0, config.max_steps, 0  # reset by train()
@@ -200,15 +200,12 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         """rollout_slices > 1: the rollout's optimizer steps, each on a slice of its completions, shuffled by
         this rollout's seed over every rank's completions (core/rollout_slices.py); the later slices' ratio is
         taken against pi_old, the policy that sampled them."""
-        config = self.config
-        if config.num_iterations == 1:  # (num_iterations > 1: collect has computed pi_old)
-            with torch.no_grad():
-                batch.old_logprobs = [self.rollout_logprobs(self.model, rollout, indices)
-                                      for rollout, indices in zip(batch.rollouts, batch.loss_indices)]
+        config, dist = self.config, self.dist  # num_iterations > 1: collect has computed pi_old
+        recompute_old = partial(self.rollout_logprobs, self.model) if config.num_iterations == 1 else None
         shuffle = torch.Generator().manual_seed(slice_seed(config.seed, self.global_step))
-        return cut_rollout(batch, config.rollout_slices, shuffle, config.max_new_tokens, total=self.dist.sum,
-                           mine=lambda values: self.dist.my_share(values, config.prompts_per_step,
-                                                                  config.group_size))
+        mine = partial(dist.my_share, per_round=config.prompts_per_step, group=config.group_size)
+        return cut_rollout(batch, config.rollout_slices, shuffle, config.max_new_tokens, mine, total=dist.sum,
+                           recompute_old=recompute_old)
 
     def sample_completions(self, prompts: list, rows: list[dict] | None = None) -> Rollout:
         """G completions per prompt, with this step's sampling noise (and the run's tools, or its environments
@@ -254,10 +251,11 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         self.dist.all_reduce_grads(self.trainable)
         update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")
         update["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
-        # Clip and step (GuardedStep skips a step whose loss, gradient or new weights are NaN/inf).
-        update["grad_norm"] = self.guard.step(math.isfinite(update["loss"]), self.global_step + 1,
-                                              before_commit=self.signals.commit,
-                                              after_skip=self.signals.uncommit, announce=self.dist.is_main)
+        # Clip and step: GuardedStep skips a step whose loss, gradient or new weights are NaN/inf (it keeps
+        # and checks this process's part of each weight, `shards`: under FSDP2 its shards).
+        shards = self.dist.local_shards(self.trainable)
+        update["grad_norm"] = self.guard.step(math.isfinite(update["loss"]), self.global_step + 1, shards,
+                                              announce=self.dist.is_main)
         advance_schedule(self.scheduler)
         self.global_step += 1
         if self.ahead is not None:  # async GRPO: the weights for the steps the worker samples next
@@ -270,8 +268,7 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
                           totals: step_stats.UpdateTotals) -> None:
         """The loss of one micro-batch (rollout r's rows `indices`) and its backward; gradients accumulate."""
         config, rollout, mask = self.config, batch.rollouts[r], batch.loss_mask[r][indices]
-        settings = LossSettings.from_config(config)
-        settings = dataclasses.replace(settings, entropy_coef=self.entropy_control.applied)
+        settings = LossSettings.from_config(config, entropy_coef=self.entropy_control.applied)
         with checkpointed_layers(self.model, config.gradient_checkpointing):  # layers recomputed in backward
             logprobs, entropy, *divergence = self.logprobs(  # (n, T') each; divergence: distill_loss='full'
                 self.model, rollout, indices, with_entropy=True, entropy_grad=settings.entropy_coef != 0,

@@ -1,6 +1,7 @@
 """How generation runs on one model: the decode loop's one seam, `DecodePlan`.
 
-The decode loop (forge/core/rollout.py `decode`) asks the plan for three things and reads nothing else:
+Generation (forge/core/rollout.py `generate` and its loop, `decode`) asks the plan for three things and reads
+nothing else:
 
 - `plan.sampling_weights(model)`: the weights and precision the loop runs with: a trainer's autocast, LoRA
   folded into the weights (`merged_adapters`, below), linear layers packed once per generation where that

@@ -206,6 +206,7 @@ class TrainingRun:
         signals = trainer.signals
         signals.saves_on_abandon = not self.dist.fsdp  # a sharded save needs every rank (see where_to_resume)
         signals.under_way = trainer.global_step + config.updates_per_rollout  # what a signal's message names
+        trainer.guard.committing = False  # no step's weights are being committed yet
         try:
             with signals:
                 for batch_rows, epoch, position in steps:
@@ -291,7 +292,7 @@ class TrainingRun:
         if not self.dist.any(problem is not None):
             return
         if finished_at is not None:  # the step is whole (its update committed): it is what gets saved
-            self.trainer.signals.committing = False
+            self.trainer.guard.committing = False
             self.lifecycle.finished(self.finished(*finished_at))
         raise ConfigRefused(
             f"after step {self.trainer.global_step} a callback changed the config to what the run "
@@ -301,7 +302,7 @@ class TrainingRun:
     def stop_if_asked(self) -> None:
         """After a finished step: a signal to any rank stops all of them here (rank 0 saves the step)."""
         signals = self.trainer.signals
-        signals.committing = False
+        self.trainer.guard.committing = False
         if self.dist.any(signals.requested is not None):
             described = signals.describe(self.trainer.global_step, self.total_steps)
             message = f"{described} {self.where_to_resume()}"
@@ -324,7 +325,7 @@ class TrainingRun:
         Ctrl-C) saves nothing new and names the newest checkpoint."""
         last = self.lifecycle.last_finished
         idle = (last is not None and last.step == self.trainer.global_step
-                and not self.trainer.signals.committing)
+                and not self.trainer.guard.committing)
         can_save = every_rank_is_here or not self.dist.fsdp
         return self.lifecycle.where_to_resume(weights_are_of_last_step=idle and can_save)
 

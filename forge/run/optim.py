@@ -126,17 +126,19 @@ class GuardedStep:
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_grad_norm: float,
                  max_consecutive_nonfinite: int, any_rank: Callable[[bool], bool] = bool,
-                 scale_loss: bool = False, local_shards: Callable[[list], list[torch.Tensor]] = list):
+                 scale_loss: bool = False):
         self.params = params
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.any_rank = any_rank  # True if the flag is True on any process (every process then decides alike)
-        self.local_shards = local_shards  # this process's part of each tensor (FSDP2: its shards)
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self._backup: list[torch.Tensor] | None = None
         self.scaler = LossScale() if scale_loss else NoLossScale()
+        # True from the optimizer step to the end of the step's bookkeeping (the run loop clears it): the
+        # weights move to the next step, so a second stop signal waits until it is finished (run/signals.py)
+        self.committing = False
 
     @property
     def loss_scale(self) -> float:
@@ -148,7 +150,9 @@ class GuardedStep:
         self.nonfinite_in_a_row, self.skipped_steps = nonfinite_in_a_row, skipped_steps
         self.scaler.scale = loss_scale
 
-    def __call__(self, loss_is_finite: bool, before_commit: Callable[[], None] = lambda: None) -> StepOutcome:
+    def __call__(self, loss_is_finite: bool, shards: list[torch.Tensor]) -> StepOutcome:
+        """Clip, then step unless the loss, the gradient (fp16: overflowed) or the new weights are NaN/inf;
+        `shards`: this process's part of each parameter (FSDP2: its shards), kept to put back bad weights."""
         grads = [p for p in self.params if p.grad is not None]
         self.scaler.unscale(grads)
         grad_norm = _as_float(torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)) if grads else 0.0
@@ -160,24 +164,24 @@ class GuardedStep:
             return StepOutcome(grad_norm, False, "overflow")
         if not math.isfinite(grad_norm):
             return self._skip(grad_norm, "gradient")
-        self._remember_weights()
-        before_commit()
+        self._remember_weights(shards)
+        self.committing = True
         self.optimizer.step()
-        if self.any_rank(not self._weights_are_finite()):
-            self._restore_weights()
+        if self.any_rank(not self._weights_are_finite(shards)):
+            self._restore_weights(shards)
             return self._skip(grad_norm, "weight")
         self.nonfinite_in_a_row = 0
         self.scaler.good_step()
         return StepOutcome(grad_norm, True)
 
-    def step(self, loss_is_finite: bool, step: int, *, before_commit: Callable[[], None] = lambda: None,
-             after_skip: Callable[[], None] = lambda: None, announce: bool = True) -> float:
-        """Clip and step (`__call__`); a skipped step calls `after_skip` and says so on the console
-        (`announce`), and the last of max_consecutive_nonfinite in a row raises FloatingPointError. Returns
-        the grad norm."""
-        outcome = self(loss_is_finite, before_commit)
+    def step(self, loss_is_finite: bool, step: int, shards: list[torch.Tensor], *,
+             announce: bool = True) -> float:
+        """Clip and step (`__call__`); a skipped step leaves the weights of the last finished step (not
+        `committing`) and says so on the console (`announce`), and the last of max_consecutive_nonfinite in a
+        row raises FloatingPointError. Returns the grad norm."""
+        outcome = self(loss_is_finite, shards)
         if not outcome.stepped:
-            after_skip()
+            self.committing = False
             if self.must_abort:
                 raise FloatingPointError(self.abort_message(outcome, step))
             if announce:
@@ -205,19 +209,19 @@ class GuardedStep:
                 f"{WHAT_TO_DO[outcome.problem]}")
 
     @torch.no_grad()
-    def _remember_weights(self) -> None:
+    def _remember_weights(self, shards: list[torch.Tensor]) -> None:
         if self._backup is None:
-            self._backup = [torch.empty_like(p) for p in self.local_shards(self.params)]
-        for backup, p in zip(self._backup, self.local_shards(self.params)):
+            self._backup = [torch.empty_like(p) for p in shards]
+        for backup, p in zip(self._backup, shards):
             backup.copy_(p)
 
     @torch.no_grad()
-    def _weights_are_finite(self) -> bool:
-        return all(all_finite(p) for p in self.local_shards(self.params))  # any_rank combines the ranks
+    def _weights_are_finite(self, shards: list[torch.Tensor]) -> bool:
+        return all(all_finite(p) for p in shards)  # any_rank combines the processes
 
     @torch.no_grad()
-    def _restore_weights(self) -> None:
-        for backup, p in zip(self._backup, self.local_shards(self.params)):
+    def _restore_weights(self, shards: list[torch.Tensor]) -> None:
+        for backup, p in zip(self._backup, shards):
             p.copy_(backup)
         self.optimizer.state.clear()  # the moments saw the bad update: AdamW restarts them from zero
 

@@ -61,20 +61,22 @@ class StopSignals:
     `next_step()` is the number of the next optimizer step (the last finished one + 1); the run loop sets
     `under_way` (the step being run, as its checkpoint will be numbered; None between steps) and
     `saves_on_abandon` (False where a stop that reaches one process alone cannot save: FSDP2). Use as a
-    context manager around the loop; `requested` is the signal number once one arrived; the trainer sets
-    `committing` from the optimizer step to the end of the step's bookkeeping."""
+    context manager around the loop; `requested` is the signal number once one arrived; `committing()` says
+    whether a step's weights are being committed: the optimizer step's guard marks it (forge/run/optim.py
+    GuardedStep.committing) from the optimizer step to the end of the step's bookkeeping."""
 
-    def __init__(self, next_step: Callable[[], int] = lambda: 0):
+    def __init__(self, next_step: Callable[[], int] = lambda: 0,
+                 committing: Callable[[], bool] = lambda: False):
         self.next_step = next_step
+        self.committing = committing
         self.requested: int | None = None
-        self.committing = False
         self.under_way: int | None = None
         self.saves_on_abandon = True
         self._previous: dict = {}
         self._arrived: dict[tuple[int, bool], int] = {}  # (signal, relayed?) -> how many times
 
     def __enter__(self):
-        self.requested, self.committing, self._arrived = None, False, {}
+        self.requested, self._arrived = None, {}
         if hasattr(signal, "SIGTERM") and threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 if signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) is signal.SIG_IGN:
@@ -89,14 +91,6 @@ class StopSignals:
             signal.signal(s, handler)
         self._previous, self.under_way = {}, None
 
-    def commit(self) -> None:
-        """The weights now move to the next step: a second signal must wait until the step is finished."""
-        self.committing = True
-
-    def uncommit(self) -> None:
-        """The step was skipped: the weights are (back to) those of the last finished step."""
-        self.committing = False
-
     def _relayed_stop(self, relayed, frame) -> None:
         self._request_stop(next(s for s in STOP_SIGNALS if relayed_as(s) == relayed), frame, relayed=True)
 
@@ -105,7 +99,7 @@ class StopSignals:
         if arrived <= self._arrived.get((signum, not relayed), 0):
             return  # the same signal, which reached this process by the other way already
         name, last = signal.Signals(signum).name, self.next_step() - 1
-        if self.requested is not None and not self.committing:
+        if self.requested is not None and not self.committing():
             _say(f"forge: a second {name}: step {last + 1} is abandoned; {self.kept(last)}")
             # if it lands inside a reward: the user's interrupt, not the reward's failure
             note_user_interrupt()
@@ -113,7 +107,7 @@ class StopSignals:
         self.requested = signum
         if self.under_way is None:
             _say(f"forge: {name} received; step {last} is finished: saving it, then stopping")
-        elif self.committing:
+        elif self.committing():
             _say(f"forge: {name} received; step {self.under_way} is being committed: it finishes, is saved, "
                  f"then the run stops")
         else:
