@@ -15,8 +15,8 @@ every configuration below is measured on:
   sampling function replaced by one that takes the recorded token), once per combination of the decode's
   switches: `pack` (linear layers on packed oneDNN weights, forge/model/packed_linear.py), `fused` (q/k/v and
   gate/up and the LoRA A matrices as one product: packed_linear.FUSED), `shared_attention` (the decode attends
-  over each group's prompt stored once, forge/model/shared_prefix.py), `grouped_mask` (the repeated-prompt
-  step's 4D mask, static_decode.DecodePlan.grouped_mask);
+  over each group's prompt stored once, forge/model/kv_cache.py), `grouped_mask` (the repeated-prompt
+  step's 4D mask, decode_plan.DecodePlan.grouped_mask);
 - the trainer: `GRPOTrainer.rollout_logprobs` (the loss pass's log-probs, micro-batch by micro-batch, under
   the run's autocast) with `padding_free` (logprobs.PADDING_FREE) and `uncast_lora_inputs` (Precision's
   lora_inputs_uncast) on and off; its next-token distributions are made from the same hidden states its own
@@ -291,7 +291,7 @@ def every_switch_off():
     mask (the trainer's and each evaluation's), no fused products, no padding-free loss pass."""
     from forge.core import logprobs
     from forge.model import packed_linear
-    from forge.model.static_decode import DecodePlan
+    from forge.model.decode_plan import DecodePlan
 
     plan_of, fused, free = DecodePlan.__dict__["of"], packed_linear.FUSED, logprobs.PADDING_FREE
 
