@@ -237,21 +237,14 @@ def sample_next_token(
 class Decoding:
     """One completion being decoded: its tokens so far and why it ended."""
 
-    def __init__(self, limit: int, episode: Episode | None = None):
-        self.tokens: list[int] = []  # completion tokens, model and fed
+    def __init__(self, limit: int):
+        self.tokens: list[int] = []  # completion tokens (with tools: model and fed)
         self.sampled: list[int] = []  # 1 where the model sampled the token, 0 where it was fed
         self.logprobs: list[float] = []  # sampler log-prob of each token (0 for fed tokens)
         self.limit = limit  # most completion tokens: max_episode_tokens and the context left after the prompt
         self.model_tokens = 0
-        self.done = episode is not None and episode.failure is not None  # a failed episode samples nothing
+        self.done = False
         self.eos = False
-        # With tools or an environment (ToolTurns):
-        self.fed: list[int] = []  # result tokens fed in this step's forward, after the sampled token
-        self.segment_start = 0  # where the model text since the last result begins (index into tokens)
-        self.calls: list[ToolResult] = []
-        self.episode = episode
-        self.hit_call_limit = False
-        self.ended = False  # the environment ended the episode
 
     def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int,
              stops_at_eos: bool = True) -> None:
@@ -261,11 +254,35 @@ class Decoding:
         self.sampled += [1] * len(tokens)
         self.logprobs += logprobs
         self.model_tokens += len(tokens)
-        self.fed = []
         if tokens and tokens[-1] in stop_ids and stops_at_eos:
             self.done = self.eos = True
         elif not tokens or self.model_tokens >= max_new_tokens or len(self.tokens) >= self.limit:
             self.done = True
+
+    @property
+    def truncated(self) -> bool:
+        """Cut at the token budget (no stop token)."""
+        return not self.eos
+
+
+class ToolDecoding(Decoding):
+    """A completion of a run with tools or an environment, whose calls the decode loop's hook (ToolTurns)
+    answers: also the result tokens it is fed, its calls and its episode."""
+
+    def __init__(self, limit: int, episode: Episode | None = None):
+        super().__init__(limit)
+        self.done = episode is not None and episode.failure is not None  # a failed episode samples nothing
+        self.fed: list[int] = []  # result tokens fed in this step's forward, after the sampled token
+        self.segment_start = 0  # where the model text since the last result begins (index into tokens)
+        self.calls: list[ToolResult] = []
+        self.episode = episode
+        self.hit_call_limit = False
+        self.ended = False  # the environment ended the episode
+
+    def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int,
+             stops_at_eos: bool = True) -> None:
+        self.fed = []
+        super().take(tokens, logprobs, stop_ids, max_new_tokens, stops_at_eos)
 
     def feed(self, ids: list[int]) -> None:
         self.fed = ids
@@ -273,6 +290,11 @@ class Decoding:
         self.sampled += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.segment_start = len(self.tokens)
+
+    @property
+    def truncated(self) -> bool:
+        """Cut at the token budget: no stop token, no call limit, not ended by its environment."""
+        return not self.eos and not self.hit_call_limit and not self.ended
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -342,7 +364,8 @@ def decode(model, tokenizer, prefilled: tuple, settings: SamplingSettings, noise
     noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
     budget = 10**9 if turns is None else turns.budget
-    decodings = [Decoding(min(budget, context - length), None if turns is None else turns.episode(n))
+    decodings = [Decoding(min(budget, context - length)) if turns is None
+                 else ToolDecoding(min(budget, context - length), turns.episode(n))
                  for n, length in enumerate(mask.sum(dim=1).tolist())]
     active = torch.arange(len(decodings), device=device)  # (n,) the completions still decoding
     next_position = mask.sum(dim=1)  # (N,)
@@ -413,7 +436,7 @@ def as_rollout(decodings: list[Decoding], prompt_ids, prompt_mask, group_size: i
         completion_mask[n, :k] = 1
         action_mask[n, :k] = torch.tensor(d.sampled, dtype=torch.long)
         sampler_logprobs[n, :k] = torch.tensor(d.logprobs, dtype=torch.float32)
-    truncated = torch.tensor([not d.eos and not d.hit_call_limit and not d.ended for d in decodings])
+    truncated = torch.tensor([d.truncated for d in decodings])
     texts = tokenizer.batch_decode([d.tokens for d in decodings], skip_special_tokens=True)
     if not with_tools:
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
