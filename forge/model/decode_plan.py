@@ -246,9 +246,8 @@ def merged_adapters(model: nn.Module, enabled: bool = True, rounded: bool = Fals
     there. Measurements: docs/performance.md, "LoRA generation with merged weights".
     """
     layers = _mergeable_lora_layers(model) if enabled else None
-    if layers and not rounded and _merged_dtype(layers[0].get_base_layer().weight) != torch.float32:
-        layers = None
-    with folded_lora(model, layers or ()) as merged:
+    dtype = _merged_dtype(layers[0].get_base_layer().weight) if layers else torch.float32
+    with folded_lora(model, layers if rounded or dtype == torch.float32 else (), dtype) as merged:
         yield merged
 
 
@@ -263,15 +262,15 @@ def lora_to_fold(model: nn.Module) -> tuple:
 
 
 @contextlib.contextmanager
-def folded_lora(model: nn.Module, layers: Sequence) -> Iterator[bool]:
-    """These LoRA layers' adapters folded into a temporary copy of each one's weight (merged_adapters: which
+def folded_lora(model: nn.Module, layers: Sequence, dtype: torch.dtype = torch.float32) -> Iterator[bool]:
+    """These LoRA layers' adapters folded into a temporary copy of each one's weight, stored in `dtype` (the
+    one its matmul runs in, _merged_dtype: fp32 for a decode plan's lora_layers) (merged_adapters: which
     layers, and how); yields whether it merged: not for no layers, when the copy does not fit on the GPU, or
     when the adapters are off now (a caller's `disable_adapter()`, an enclosing merge)."""
     if not layers or any(m.merged or m.disable_adapters for m in layers) or not _room_for(layers):
         yield False
         return
     originals = [m.get_base_layer().weight.data for m in layers]
-    dtype = _merged_dtype(originals[0])
     try:
         # the sum in fp32 even under autocast (which would run addmm in bf16), rounded once at the end
         with torch.no_grad(), torch.autocast(originals[0].device.type, enabled=False):
