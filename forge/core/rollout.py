@@ -246,15 +246,13 @@ class Decoding:
         self.done = False
         self.eos = False
 
-    def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int,
-             stops_at_eos: bool = True) -> None:
-        """Append tokens the model sampled; done at a stop token (unless a call format reads past it) or with
-        the budget spent."""
+    def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int) -> None:
+        """Append tokens the model sampled; done at a stop token or with the budget spent."""
         self.tokens += tokens
         self.sampled += [1] * len(tokens)
         self.logprobs += logprobs
         self.model_tokens += len(tokens)
-        if tokens and tokens[-1] in stop_ids and stops_at_eos:
+        if tokens and tokens[-1] in stop_ids:
             self.done = self.eos = True
         elif not tokens or self.model_tokens >= max_new_tokens or len(self.tokens) >= self.limit:
             self.done = True
@@ -269,8 +267,9 @@ class ToolDecoding(Decoding):
     """A completion of a run with tools or an environment, whose calls the decode loop's hook (ToolTurns)
     answers: also the result tokens it is fed, its calls and its episode."""
 
-    def __init__(self, limit: int, episode: Episode | None = None):
+    def __init__(self, limit: int, episode: Episode | None = None, stops_at_eos: bool = True):
         super().__init__(limit)
+        self.stops_at_eos = stops_at_eos  # False: the call format reads past a stop token
         self.done = episode is not None and episode.failure is not None  # a failed episode samples nothing
         self.fed: list[int] = []  # result tokens fed in this step's forward, after the sampled token
         self.segment_start = 0  # where the model text since the last result begins (index into tokens)
@@ -279,10 +278,9 @@ class ToolDecoding(Decoding):
         self.hit_call_limit = False
         self.ended = False  # the environment ended the episode
 
-    def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int,
-             stops_at_eos: bool = True) -> None:
+    def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int) -> None:
         self.fed = []
-        super().take(tokens, logprobs, stop_ids, max_new_tokens, stops_at_eos)
+        super().take(tokens, logprobs, stop_ids if self.stops_at_eos else (), max_new_tokens)
 
     def feed(self, ids: list[int]) -> None:
         self.fed = ids
@@ -359,13 +357,12 @@ def decode(model, tokenizer, prefilled: tuple, settings: SamplingSettings, noise
     that ended and feeds their results in the next forward."""
     device = next(model.parameters()).device
     stop_ids, max_new_tokens = eos_ids(tokenizer, model), settings.max_new_tokens
-    stops_at_eos = turns is None or turns.fmt.stops_at_eos
     step, next_logits, mask = prefilled  # the step, (N, V) next-token logits, (N, Lp) mask
     noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
-    budget = 10**9 if turns is None else turns.budget
-    decodings = [Decoding(min(budget, context - length)) if turns is None
-                 else ToolDecoding(min(budget, context - length), turns.episode(n))
+    decodings = [Decoding(context - length) if turns is None
+                 else ToolDecoding(min(turns.budget, context - length), turns.episode(n),
+                                   turns.fmt.stops_at_eos)
                  for n, length in enumerate(mask.sum(dim=1).tolist())]
     active = torch.arange(len(decodings), device=device)  # (n,) the completions still decoding
     next_position = mask.sum(dim=1)  # (N,)
@@ -378,7 +375,7 @@ def decode(model, tokenizer, prefilled: tuple, settings: SamplingSettings, noise
             [decodings[i].model_tokens for i in active.tolist()], device=device)]  # (n,)
         tokens, logprobs = sample_with_logprobs(next_logits, settings, draws, cdf[:len(active)])  # (n,) each
         for i, token, logprob in zip(active.tolist(), tokens.tolist(), logprobs.tolist()):
-            decodings[i].take([token], [logprob], stop_ids, max_new_tokens, stops_at_eos)
+            decodings[i].take([token], [logprob], stop_ids, max_new_tokens)
         if turns is not None:  # the calls that just ended run; their results are fed in the next forward
             turns.answer(decodings, [(i, [token]) for i, token in zip(active.tolist(), tokens.tolist())],
                          max_new_tokens)
