@@ -239,7 +239,6 @@ class Decoding:
 
     def __init__(self, limit: int):
         self.tokens: list[int] = []  # completion tokens (with tools: model and fed)
-        self.sampled: list[int] = []  # 1 where the model sampled the token, 0 where it was fed
         self.logprobs: list[float] = []  # sampler log-prob of each token (0 for fed tokens)
         self.limit = limit  # most completion tokens: max_episode_tokens and the context left after the prompt
         self.model_tokens = 0
@@ -249,7 +248,6 @@ class Decoding:
     def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int) -> None:
         """Append tokens the model sampled; done at a stop token or with the budget spent."""
         self.tokens += tokens
-        self.sampled += [1] * len(tokens)
         self.logprobs += logprobs
         self.model_tokens += len(tokens)
         if tokens and tokens[-1] in stop_ids:
@@ -270,6 +268,7 @@ class ToolDecoding(Decoding):
     def __init__(self, limit: int, episode: Episode | None = None, stops_at_eos: bool = True):
         super().__init__(limit)
         self.stops_at_eos = stops_at_eos  # False: the call format reads past a stop token
+        self.sampled: list[int] = []  # 1 where the model sampled the token, 0 where it was fed
         self.done = episode is not None and episode.failure is not None  # a failed episode samples nothing
         self.fed: list[int] = []  # result tokens fed in this step's forward, after the sampled token
         self.segment_start = 0  # where the model text since the last result begins (index into tokens)
@@ -280,6 +279,7 @@ class ToolDecoding(Decoding):
 
     def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int) -> None:
         self.fed = []
+        self.sampled += [1] * len(tokens)
         super().take(tokens, logprobs, stop_ids if self.stops_at_eos else (), max_new_tokens)
 
     def feed(self, ids: list[int]) -> None:
@@ -425,19 +425,20 @@ def as_rollout(decodings: list[Decoding], prompt_ids, prompt_mask, group_size: i
     length = max([len(d.tokens) for d in decodings] + [1 if with_tools else max_new_tokens])
     completion_ids = torch.full((num_completions, length), tokenizer.pad_token_id, dtype=torch.long)  # (N, T)
     completion_mask = torch.zeros((num_completions, length), dtype=torch.long)  # (N, T)
-    action_mask = torch.zeros((num_completions, length), dtype=torch.long)  # (N, T)
     sampler_logprobs = torch.zeros((num_completions, length), dtype=torch.float32)  # (N, T)
     for n, d in enumerate(decodings):
         k = len(d.tokens)
         completion_ids[n, :k] = torch.tensor(d.tokens, dtype=torch.long)
         completion_mask[n, :k] = 1
-        action_mask[n, :k] = torch.tensor(d.sampled, dtype=torch.long)
         sampler_logprobs[n, :k] = torch.tensor(d.logprobs, dtype=torch.float32)
     truncated = torch.tensor([d.truncated for d in decodings])
     texts = tokenizer.batch_decode([d.tokens for d in decodings], skip_special_tokens=True)
     if not with_tools:
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
                        sampler_logprobs)
+    action_mask = torch.zeros((num_completions, length), dtype=torch.long)  # (N, T): 1 on sampled tokens
+    for n, d in enumerate(decodings):
+        action_mask[n, :len(d.sampled)] = torch.tensor(d.sampled, dtype=torch.long)
     episodes = [d.episode for d in decodings] if decodings and decodings[0].episode is not None else None
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
                    sampler_logprobs, action_mask=action_mask, tool_calls=[d.calls for d in decodings],
@@ -451,7 +452,7 @@ def sampled_rollout(samples: Sequence[tuple[list[int], list[float], bool]], prom
     decodings = []
     for tokens, logprobs, stopped in samples:
         decoding = Decoding(len(tokens))
-        decoding.tokens, decoding.sampled, decoding.logprobs = list(tokens), [1] * len(tokens), list(logprobs)
+        decoding.tokens, decoding.logprobs = list(tokens), list(logprobs)
         decoding.eos = stopped
         decodings.append(decoding)
     return as_rollout(decodings, prompt_ids, prompt_mask, group_size, max_new_tokens, tokenizer, False)
