@@ -206,7 +206,7 @@ def trainer_switches(trainer, on: tuple):
 
     precision, free, pays = trainer.precision, logprobs.PADDING_FREE, logprobs.PaddingFree.pays
     if "forced" in on:
-        logprobs.PaddingFree.pays = lambda layout, padded, prompt_length: layout.width > 0
+        logprobs.PaddingFree.pays = lambda expand, lengths, padded, prompt_length: bool(lengths.sum() > 0)
     trainer.precision = replace(
         precision, uncast_lora_inputs=precision.uncast_lora_inputs and "uncast_lora_inputs" in on
     )

@@ -20,10 +20,10 @@ import torch
 
 from forge.core.config import require_vllm
 from forge.core.rollout import (
-    Decoding,
     Prompt,
     Rollout,
     SamplingSettings,
+    ToolDecoding,
     as_rollout,
     eos_ids,
     sampled_rollout,
@@ -144,7 +144,8 @@ def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_len
     stops = sorted(set(turns.closing.nonzero().squeeze(1).tolist())
                    | (set(engine.stop_ids) if turns.fmt.stops_at_eos else set()))
     decodings = [
-        Decoding(min(turns.budget, engine.context - len(own_tokens[n // group_size])), turns.episode(n))
+        ToolDecoding(min(turns.budget, engine.context - len(own_tokens[n // group_size])), turns.episode(n),
+                     turns.fmt.stops_at_eos)
         for n in range(len(turns.prompts) * group_size)
     ]
     sampling = engine_sampling(settings)
@@ -169,8 +170,7 @@ def _with_tools(engine, tokenizer, prompts, group_size, settings, max_prompt_len
             stop_ids=stops,
         )
         for n, (sample,) in zip(active, samples):
-            decodings[n].take(sample.token_ids, sample.logprobs, engine.stop_ids, settings.max_new_tokens,
-                              turns.fmt.stops_at_eos)
+            decodings[n].take(sample.token_ids, sample.logprobs, engine.stop_ids, settings.max_new_tokens)
         turns.answer(decodings, [(n, sample.token_ids) for n, (sample,) in zip(active, samples)],
                      settings.max_new_tokens)
     return as_rollout(decodings, prompt_ids, prompt_mask, group_size, settings.max_new_tokens, tokenizer,

@@ -109,7 +109,6 @@ class LossStats(NamedTuple):
     clip_frac_capped: torch.Tensor | None = None  # A < 0 tokens held by delta / clip_ratio_c
     entropy: torch.Tensor | None = None  # mean token entropy; 0 when grpo_loss was given no entropy
     rollout_is_weight_mean: torch.Tensor | None = None  # mean pi_old / pi_sampler weight; 1 when off
-    rollout_is_dropped_frac: torch.Tensor | None = None  # tokens a mask mode set to weight 0
     # the smallest clip_frac_low of one completion (with tokens)
     clip_frac_low_min: torch.Tensor | None = None
     clip_frac_high_max: torch.Tensor | None = None  # the largest clip_frac_high of one completion
@@ -202,8 +201,6 @@ def loss_stats(term: PolicyTerm, ratio: torch.Tensor, kl: torch.Tensor, pg_loss:
             clip_frac_capped=masked_mean(term.capped.to(mask.dtype), mask),
             entropy=masked_mean(entropy.detach().float(), mask) if entropy is not None else nothing,
             rollout_is_weight_mean=nothing.add(1.0) if is_weight is None else masked_mean(is_weight, mask),
-            rollout_is_dropped_frac=(nothing if is_weight is None
-                                     else masked_mean((is_weight == 0).to(mask.dtype), mask)),
             clip_frac_low_min=masked_mean(low, mask, dim=-1)[counted].min() if counted.any() else nothing,
             clip_frac_high_max=masked_mean(high, mask, dim=-1)[counted].max() if counted.any() else nothing,
         )

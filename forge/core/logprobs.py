@@ -168,10 +168,9 @@ def later_tokens(model, cache, mask: torch.Tensor, expand: torch.Tensor, complet
     """The scores (n, T - 1) of completion tokens 1.. after the prompts' cache (u rows, mask (u, Lp)): each
     completion a row of its own with its prompt's cache expanded to it, or, where that computes fewer
     positions, a prompt's completions end to end in its one row (PaddingFree), 0 after each one's length."""
-    free = lengths is not None and PADDING_FREE
-    layout = PaddingFree.of(expand, lengths.to(expand.device)) if free else None
-    padded = layout is None or not layout.pays(completion_ids.shape, mask.shape[1])
-    if padded or not takes_own_mask(model, cache):
+    free = lengths is not None and PADDING_FREE and PaddingFree.pays(expand, lengths, completion_ids.shape,
+                                                                       mask.shape[1])
+    if not free or not takes_own_mask(model, cache):
         cache.batch_select_indices(expand)  # (n, ...) each completion sees its prompt's keys and values
         full_mask = torch.cat([mask[expand], torch.ones_like(completion_ids)], dim=1)  # (n, Lp + T)
         positions = mask[expand].sum(dim=1, keepdim=True) + torch.arange(completion_ids.shape[1],
@@ -179,6 +178,7 @@ def later_tokens(model, cache, mask: torch.Tensor, expand: torch.Tensor, complet
         hidden = last_hidden(model, input_ids=completion_ids, attention_mask=full_mask,
                              position_ids=positions, use_cache=True, **{CACHE_ARG: cache})  # (n, T, H)
         return _outputs(scored(model, hidden[:, :-1], completion_ids[:, 1:], teacher, **scoring))
+    layout = PaddingFree.of(expand, lengths.to(expand.device))
     tokens, positions, own_mask = layout.inputs(completion_ids, mask)  # (u, S) each, (u, 1, S, Lp + S)
     hidden = last_hidden(model, input_ids=tokens, attention_mask=own_mask, position_ids=positions,
                          use_cache=True, **{CACHE_ARG: cache})  # (u, S, H)
@@ -213,11 +213,15 @@ class PaddingFree:
         starts = torch.tensor(starts, device=expand.device)
         return cls(expand, starts, lengths, max(filled.values(), default=0))
 
-    def pays(self, padded: tuple[int, int], prompt_length: int) -> bool:
-        """Fewer positions than the padded rows (n, T), and no more attention pairs (each position attends
-        over the prompt and its whole row, masked)."""
-        rows, width = len(set(self.row.tolist())), self.width
-        n, length = padded
+    @staticmethod
+    def pays(expand: torch.Tensor, lengths: torch.Tensor, padded: tuple[int, int],
+             prompt_length: int) -> bool:
+        """Whether the completions of the prompts `expand` (n,), of `lengths` (n,), laid end to end compute
+        fewer positions than the padded rows (n, T), and no more attention pairs (each position attends over
+        the prompt and its whole row, masked): asked before the layout is built."""
+        filled = torch.bincount(expand, weights=lengths.to(expand.device).double(), minlength=1)  # (u,)
+        width = int(filled.max())  # S: the longest row
+        rows, (n, length) = len(set(expand.tolist())), padded
         return 0 < rows * width < n * length and rows * width * (prompt_length + width) <= n * length * (
             prompt_length + length)
 

@@ -237,15 +237,39 @@ def sample_next_token(
 class Decoding:
     """One completion being decoded: its tokens so far and why it ended."""
 
-    def __init__(self, limit: int, episode: Episode | None = None):
-        self.tokens: list[int] = []  # completion tokens, model and fed
-        self.sampled: list[int] = []  # 1 where the model sampled the token, 0 where it was fed
+    def __init__(self, limit: int):
+        self.tokens: list[int] = []  # completion tokens (with tools: model and fed)
         self.logprobs: list[float] = []  # sampler log-prob of each token (0 for fed tokens)
         self.limit = limit  # most completion tokens: max_episode_tokens and the context left after the prompt
         self.model_tokens = 0
-        self.done = episode is not None and episode.failure is not None  # a failed episode samples nothing
+        self.done = False
         self.eos = False
-        # With tools or an environment (ToolTurns):
+
+    def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int) -> None:
+        """Append tokens the model sampled; done at a stop token or with the budget spent."""
+        self.tokens += tokens
+        self.logprobs += logprobs
+        self.model_tokens += len(tokens)
+        if tokens and tokens[-1] in stop_ids:
+            self.done = self.eos = True
+        elif not tokens or self.model_tokens >= max_new_tokens or len(self.tokens) >= self.limit:
+            self.done = True
+
+    @property
+    def truncated(self) -> bool:
+        """Cut at the token budget (no stop token)."""
+        return not self.eos
+
+
+class ToolDecoding(Decoding):
+    """A completion of a run with tools or an environment, whose calls the decode loop's hook (ToolTurns)
+    answers: also the result tokens it is fed, its calls and its episode."""
+
+    def __init__(self, limit: int, episode: Episode | None = None, stops_at_eos: bool = True):
+        super().__init__(limit)
+        self.stops_at_eos = stops_at_eos  # False: the call format reads past a stop token
+        self.sampled: list[int] = []  # 1 where the model sampled the token, 0 where it was fed
+        self.done = episode is not None and episode.failure is not None  # a failed episode samples nothing
         self.fed: list[int] = []  # result tokens fed in this step's forward, after the sampled token
         self.segment_start = 0  # where the model text since the last result begins (index into tokens)
         self.calls: list[ToolResult] = []
@@ -253,19 +277,10 @@ class Decoding:
         self.hit_call_limit = False
         self.ended = False  # the environment ended the episode
 
-    def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int,
-             stops_at_eos: bool = True) -> None:
-        """Append tokens the model sampled; done at a stop token (unless a call format reads past it) or with
-        the budget spent."""
-        self.tokens += tokens
-        self.sampled += [1] * len(tokens)
-        self.logprobs += logprobs
-        self.model_tokens += len(tokens)
+    def take(self, tokens: list[int], logprobs: list[float], stop_ids, max_new_tokens: int) -> None:
         self.fed = []
-        if tokens and tokens[-1] in stop_ids and stops_at_eos:
-            self.done = self.eos = True
-        elif not tokens or self.model_tokens >= max_new_tokens or len(self.tokens) >= self.limit:
-            self.done = True
+        self.sampled += [1] * len(tokens)
+        super().take(tokens, logprobs, stop_ids if self.stops_at_eos else (), max_new_tokens)
 
     def feed(self, ids: list[int]) -> None:
         self.fed = ids
@@ -273,6 +288,11 @@ class Decoding:
         self.sampled += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.segment_start = len(self.tokens)
+
+    @property
+    def truncated(self) -> bool:
+        """Cut at the token budget: no stop token, no call limit, not ended by its environment."""
+        return not self.eos and not self.hit_call_limit and not self.ended
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -337,12 +357,12 @@ def decode(model, tokenizer, prefilled: tuple, settings: SamplingSettings, noise
     that ended and feeds their results in the next forward."""
     device = next(model.parameters()).device
     stop_ids, max_new_tokens = eos_ids(tokenizer, model), settings.max_new_tokens
-    stops_at_eos = turns is None or turns.fmt.stops_at_eos
     step, next_logits, mask = prefilled  # the step, (N, V) next-token logits, (N, Lp) mask
     noise = None if noise is None else noise.to(device)  # (N, max_new_tokens)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 10**9
-    budget = 10**9 if turns is None else turns.budget
-    decodings = [Decoding(min(budget, context - length), None if turns is None else turns.episode(n))
+    decodings = [Decoding(context - length) if turns is None
+                 else ToolDecoding(min(turns.budget, context - length), turns.episode(n),
+                                   turns.fmt.stops_at_eos)
                  for n, length in enumerate(mask.sum(dim=1).tolist())]
     active = torch.arange(len(decodings), device=device)  # (n,) the completions still decoding
     next_position = mask.sum(dim=1)  # (N,)
@@ -355,7 +375,7 @@ def decode(model, tokenizer, prefilled: tuple, settings: SamplingSettings, noise
             [decodings[i].model_tokens for i in active.tolist()], device=device)]  # (n,)
         tokens, logprobs = sample_with_logprobs(next_logits, settings, draws, cdf[:len(active)])  # (n,) each
         for i, token, logprob in zip(active.tolist(), tokens.tolist(), logprobs.tolist()):
-            decodings[i].take([token], [logprob], stop_ids, max_new_tokens, stops_at_eos)
+            decodings[i].take([token], [logprob], stop_ids, max_new_tokens)
         if turns is not None:  # the calls that just ended run; their results are fed in the next forward
             turns.answer(decodings, [(i, [token]) for i, token in zip(active.tolist(), tokens.tolist())],
                          max_new_tokens)
@@ -405,19 +425,20 @@ def as_rollout(decodings: list[Decoding], prompt_ids, prompt_mask, group_size: i
     length = max([len(d.tokens) for d in decodings] + [1 if with_tools else max_new_tokens])
     completion_ids = torch.full((num_completions, length), tokenizer.pad_token_id, dtype=torch.long)  # (N, T)
     completion_mask = torch.zeros((num_completions, length), dtype=torch.long)  # (N, T)
-    action_mask = torch.zeros((num_completions, length), dtype=torch.long)  # (N, T)
     sampler_logprobs = torch.zeros((num_completions, length), dtype=torch.float32)  # (N, T)
     for n, d in enumerate(decodings):
         k = len(d.tokens)
         completion_ids[n, :k] = torch.tensor(d.tokens, dtype=torch.long)
         completion_mask[n, :k] = 1
-        action_mask[n, :k] = torch.tensor(d.sampled, dtype=torch.long)
         sampler_logprobs[n, :k] = torch.tensor(d.logprobs, dtype=torch.float32)
-    truncated = torch.tensor([not d.eos and not d.hit_call_limit and not d.ended for d in decodings])
+    truncated = torch.tensor([d.truncated for d in decodings])
     texts = tokenizer.batch_decode([d.tokens for d in decodings], skip_special_tokens=True)
     if not with_tools:
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
                        sampler_logprobs)
+    action_mask = torch.zeros((num_completions, length), dtype=torch.long)  # (N, T): 1 on sampled tokens
+    for n, d in enumerate(decodings):
+        action_mask[n, :len(d.sampled)] = torch.tensor(d.sampled, dtype=torch.long)
     episodes = [d.episode for d in decodings] if decodings and decodings[0].episode is not None else None
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, group_size, texts,
                    sampler_logprobs, action_mask=action_mask, tool_calls=[d.calls for d in decodings],
@@ -431,7 +452,7 @@ def sampled_rollout(samples: Sequence[tuple[list[int], list[float], bool]], prom
     decodings = []
     for tokens, logprobs, stopped in samples:
         decoding = Decoding(len(tokens))
-        decoding.tokens, decoding.sampled, decoding.logprobs = list(tokens), [1] * len(tokens), list(logprobs)
+        decoding.tokens, decoding.logprobs = list(tokens), list(logprobs)
         decoding.eos = stopped
         decodings.append(decoding)
     return as_rollout(decodings, prompt_ids, prompt_mask, group_size, max_new_tokens, tokenizer, False)

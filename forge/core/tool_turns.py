@@ -3,7 +3,7 @@ engine's rounds, forge/core/engine_rollout.py).
 
 A completion that ends a call is fed the result's tokens while the others go on sampling (ToolTurns); the
 calls run through forge/tools (`run_calls`), an environment's episodes through forge/envs. `decodings` are the
-loop's completions being decoded (forge/core/rollout.py `Decoding`: tokens, budget, calls, episode).
+loop's completions being decoded (forge/core/rollout.py `ToolDecoding`: tokens, budget, calls, episode).
 """
 
 from __future__ import annotations

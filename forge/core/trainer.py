@@ -31,7 +31,7 @@ from forge.core.config import GRPOConfig
 from forge.core.dynamic_sampling import SamplingRounds
 from forge.core.engine_rollout import generate_on_engine, open_engine
 from forge.core.grpo import LossNormaliser, LossSettings, grpo_loss, logprob_gap
-from forge.core.logprobs import PolicyLogprobs, checkpointed_layers, micro_batches
+from forge.core.logprobs import PolicyLogprobs, checkpointed_layers, logit_head, micro_batches
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
 from forge.core.rollout import (
@@ -91,6 +91,8 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         self.tokenizer, self.reference_model, self.is_lora = ready.tokenizer, ready.reference, ready.is_lora
         self.precision, self.trainable, self.device = ready.precision, ready.trainable, ready.device
         self.loss_autocast = self.precision.reusable_autocast(model)  # the loss pass's, built once
+        with self.loss_autocast:  # whether the loss pass makes logits from the hidden states, checked once
+            logit_head(model)
         self.teacher = open_teacher(config, model, self.tokenizer, teacher_model)  # or None
         self.rewards_teach = self.teacher is None or config.reward_coef > 0  # False: pure distillation
         # The run's tools, or its environment (with those tools too); None: neither.

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -105,7 +105,8 @@ class DecodePlan:
     # model's attention allows it, forge/model/kv_cache.py); () = each row's own copy of its prompt
     grouped_mask: bool = False  # the repeated-prompt step passes a 4D mask (_sdpa_with_grouped_heads)
     mixed: Precision | None = None  # a trainer's mixed precision: sampling runs in its autocast
-    merge_lora: bool = False  # LoRA folded into the weights while sampling (merged_adapters)
+    # the LoRA layers whose adapters sampling folds into their weights (merge_lora: lora_to_fold); () = none
+    lora_layers: tuple = field(default=(), repr=False)
 
     @classmethod
     def of(cls, model, backend: str = "auto", with_tools: bool = False, precision: Precision | None = None,
@@ -118,15 +119,15 @@ class DecodePlan:
         shared = shared_attention_configs(model) if eager and not with_tools else ()
         mixed = precision if precision is not None and precision.mixed else None
         return cls(backend, eager and may_pack(model), shared, _sdpa_with_grouped_heads(model), mixed,
-                   merge_lora)
+                   lora_to_fold(model) if merge_lora else ())
 
     @contextlib.contextmanager
     def sampling_weights(self, model) -> Iterator[None]:
         """The weights and precision the decode runs with: the trainer's autocast (mixed precision), LoRA
-        folded into the weights (merge_lora), linear layers packed for the generation (pack); each only where
+        folded into the weights (lora_layers), linear layers packed for the generation (pack); each only where
         the plan says, else the model as it is."""
         with self.mixed.autocast(model) if self.mixed else contextlib.nullcontext(), \
-                merged_adapters(model, self.merge_lora), \
+                folded_lora(model, self.lora_layers), \
                 packed_linears(model) if self.pack else contextlib.nullcontext():
             yield
 
@@ -245,13 +246,31 @@ def merged_adapters(model: nn.Module, enabled: bool = True, rounded: bool = Fals
     there. Measurements: docs/performance.md, "LoRA generation with merged weights".
     """
     layers = _mergeable_lora_layers(model) if enabled else None
-    if layers and not rounded and _merged_dtype(layers[0].get_base_layer().weight) != torch.float32:
-        layers = None
-    if not layers or not _room_for(layers):
+    dtype = _merged_dtype(layers[0].get_base_layer().weight) if layers else torch.float32
+    with folded_lora(model, layers if rounded or dtype == torch.float32 else (), dtype) as merged:
+        yield merged
+
+
+def lora_to_fold(model: nn.Module) -> tuple:
+    """The LoRA layers a trainer's sampling folds into their weights, found once when its decode plan is built
+    (under the autocast sampling runs in): every adapted layer of a model merged_adapters can merge, where the
+    merged weight is not rounded (its matmul runs in fp32); () otherwise."""
+    layers = _mergeable_lora_layers(model)
+    if not layers or _merged_dtype(layers[0].get_base_layer().weight) != torch.float32:
+        return ()
+    return tuple(layers)
+
+
+@contextlib.contextmanager
+def folded_lora(model: nn.Module, layers: Sequence, dtype: torch.dtype = torch.float32) -> Iterator[bool]:
+    """These LoRA layers' adapters folded into a temporary copy of each one's weight, stored in `dtype` (the
+    one its matmul runs in, _merged_dtype: fp32 for a decode plan's lora_layers) (merged_adapters: which
+    layers, and how); yields whether it merged: not for no layers, when the copy does not fit on the GPU, or
+    when the adapters are off now (a caller's `disable_adapter()`, an enclosing merge)."""
+    if not layers or any(m.merged or m.disable_adapters for m in layers) or not _room_for(layers):
         yield False
         return
     originals = [m.get_base_layer().weight.data for m in layers]
-    dtype = _merged_dtype(originals[0])
     try:
         # the sum in fp32 even under autocast (which would run addmm in bf16), rounded once at the end
         with torch.no_grad(), torch.autocast(originals[0].device.type, enabled=False):

@@ -66,8 +66,7 @@ class RolloutStats:
         self.scores.append(scores.total)
         self.valid.append(scores.valid & scores.scored)
         self.lengths.append(rollout.completion_lengths.float())
-        prompt_lengths = rollout.prompt_mask.sum(dim=1).repeat_interleave(rollout.group_size)  # (N,)
-        self.prompt_tokens += float(prompt_lengths.sum())
+        self.prompt_tokens += float(rollout.prompt_mask.sum()) * rollout.group_size  # once per completion
         self.truncated.append(rollout.truncated.float())
         for name, values in scores.components.items():
             self.components.setdefault(name, []).append(values)

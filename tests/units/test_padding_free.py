@@ -63,11 +63,11 @@ def test_the_layout_by_hand():
 
 def test_it_runs_only_where_it_computes_fewer_positions_and_no_more_attention():
     expand = torch.tensor([0, 0, 0, 0])
-    assert PaddingFree.of(expand, torch.tensor([20, 3, 5, 1])).pays((4, 20), prompt_length=100)  # 29 < 80
-    assert not PaddingFree.of(expand, torch.tensor([5, 5, 5, 5])).pays((4, 5), prompt_length=100)  # 20 = 20
+    assert PaddingFree.pays(expand, torch.tensor([20, 3, 5, 1]), (4, 20), prompt_length=100)  # 29 < 80
+    assert not PaddingFree.pays(expand, torch.tensor([5, 5, 5, 5]), (4, 5), prompt_length=100)  # 20 = 20
     # 4 x 500 tokens of which 2,000 - 10 are real: fewer positions, but each attends over its whole row
-    assert not PaddingFree.of(expand, torch.tensor([500, 500, 500, 490])).pays((4, 500), prompt_length=10)
-    assert not PaddingFree.of(expand, torch.tensor([0, 0, 0, 0])).pays((4, 1), prompt_length=10)  # nothing
+    assert not PaddingFree.pays(expand, torch.tensor([500, 500, 500, 490]), (4, 500), prompt_length=10)
+    assert not PaddingFree.pays(expand, torch.tensor([0, 0, 0, 0]), (4, 1), prompt_length=10)  # nothing
 
 
 @pytest.mark.parametrize("with_entropy, checkpointing", [(False, False), (True, False), (False, True)])
