@@ -20,7 +20,7 @@ FLOORS = {
     "model": 1, "envs": 1,
     "run": 2,
     "core": 3,
-    "eval": 4,
+    "eval": 4, "demo_async": 4,
     "demo": 5,
     "cli_config": 6, "demo_env": 6, "demo_tools": 6,
     "cli_parser": 7,
