@@ -17,11 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+
+from forge.model.vllm_engine import wait_for_health
 
 
 def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
@@ -58,19 +57,14 @@ def local_server(model: str, dtype: str, cores: list[int], log: Path,
         server = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"{what} exited with code {server.returncode} before it answered; the end "
-                                   f"of {log}:\n{_log_tail(log)}")
-            try:
-                with urllib.request.urlopen(f"{base_url}/health", timeout=5):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{what} did not answer within {timeout:.0f} s; the end of {log}:\n"
-                                       f"{_log_tail(log)}") from None
-                time.sleep(1.0)
+        try:
+            wait_for_health(base_url, timeout, exited=lambda: None if server.poll() is None
+                            else f"exited with code {server.returncode} before it answered")
+        except RuntimeError as why:
+            raise RuntimeError(f"{what} {why}; the end of {log}:\n{_log_tail(log)}") from None
+        except TimeoutError:
+            raise TimeoutError(f"{what} did not answer within {timeout:.0f} s; the end of {log}:\n"
+                               f"{_log_tail(log)}") from None
         yield base_url
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -31,7 +31,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -255,6 +255,23 @@ def as_sample(token_ids, logprobs, finish_reason: str | None) -> Sample:
 # server: `forge vllm-serve` in another process (another GPU, or another machine sharing a folder)
 
 
+def wait_for_health(base_url: str, timeout: float, exited: Callable[[], str | None] = lambda: None) -> None:
+    """Return once `base_url`/health answers, asking each second. Raise TimeoutError (the last connection
+    error) when `timeout` seconds pass first, or RuntimeError as soon as `exited()` says why the server is
+    gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if (why := exited()) is not None:
+            raise RuntimeError(why)
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+            if time.monotonic() > deadline:
+                raise TimeoutError(str(getattr(error, "reason", error))) from None
+            time.sleep(1.0)
+
+
 class ServerEngine(PushTimer):
     """A client of `forge vllm-serve` (vLLM's OpenAI-compatible server in development mode):
     token-in/token-out generation on /inference/v1/generate, weights pushed as a safetensors file its workers
@@ -278,19 +295,12 @@ class ServerEngine(PushTimer):
         self.wait_until_up(timeout)
 
     def wait_until_up(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5):
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
-                if time.monotonic() > deadline:
-                    raise ConnectionError(
-                        f"no vLLM server answered at {self.base_url} within {timeout:.0f} s ({error}); "
-                        "start one with `forge vllm-serve --model MODEL --port PORT` and set "
-                        "vllm_server_base_url"
-                    ) from None
-                time.sleep(1.0)
+        try:
+            wait_for_health(self.base_url, timeout)
+        except TimeoutError as error:
+            raise ConnectionError(
+                f"no vLLM server answered at {self.base_url} within {timeout:.0f} s ({error}); start one "
+                "with `forge vllm-serve --model MODEL --port PORT` and set vllm_server_base_url") from None
 
     def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
         request = urllib.request.Request(f"{self.base_url}{path}", data=json.dumps(body).encode(),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from safetensors.torch import load_file
 from forge import GRPOConfig, GRPOTrainer
 from forge.core.engine_rollout import generate_on_engine
 from forge.core.rollout import SamplingSettings, generate
+from forge.model.local_server import free_port
 from forge.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 PROMPTS = ["What is 12 + 7?", "Tom has 5 apples and buys 3 more.", "Solve step by step.", "the total of each number"]
@@ -204,12 +204,6 @@ def test_sigkill_then_resume_on_vllm_matches_the_uninterrupted_run(workspace):
 
 # ----------------------------------------------------------------------------------------------------
 # server mode
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_server_mode_trains_and_syncs_the_weights(workspace, tmp_path):
