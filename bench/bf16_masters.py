@@ -9,7 +9,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests" / "units"))
 from test_precision import ROWS, config, moved, text_length
 
 from forge import GRPOTrainer
