@@ -32,7 +32,7 @@ from forge.core.rollout import (
 from forge.core.tool_turns import ToolTurns
 from forge.envs.protocol import EnvironmentSettings
 from forge.logging.logger import note
-from forge.model.vllm_engine import MODES, ColocatedEngine, EngineSampling, ServerEngine
+from forge.model.vllm_engine import MODES, PUSHED_WEIGHTS, ColocatedEngine, EngineSampling, ServerEngine
 from forge.tools.calls import ToolSettings
 
 
@@ -53,12 +53,12 @@ def open_engine(config, model, tokenizer, compute: torch.dtype, dist=None, worke
             eos_ids(tokenizer, model),
             compute,
             context_of(model),
-            weights_dir=f"{config.output_dir}/vllm-weights",
+            weights_dir=f"{config.output_dir}/{PUSHED_WEIGHTS}",
             timeout=config.vllm_server_timeout,
             pushes=dist is None or dist.is_main,
             after_push=None if dist is None else dist.barrier,
         )
-        note(f"vLLM server at {url}: weights pushed through {config.output_dir}/vllm-weights")
+        note(f"vLLM server at {url}: weights pushed through {config.output_dir}/{PUSHED_WEIGHTS}")
         return engine
     if dist is not None and dist.world_size > 1:
         raise ValueError(

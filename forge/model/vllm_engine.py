@@ -255,6 +255,15 @@ def as_sample(token_ids, logprobs, finish_reason: str | None) -> Sample:
 # server: `forge vllm-serve` in another process (another GPU, or another machine sharing a folder)
 
 
+PUSHED_WEIGHTS = "vllm-weights"  # output_dir/PUSHED_WEIGHTS: the policy's weights a vLLM server reloads
+
+
+def drop_pushed_weights(output_dir: str | os.PathLike) -> None:
+    """Remove the copy of the policy's weights pushed to a vLLM server (a whole model's size) once a run has
+    finished: nothing reads it after the last step, and final/ holds the trained model."""
+    shutil.rmtree(Path(output_dir) / PUSHED_WEIGHTS, ignore_errors=True)
+
+
 def wait_for_health(base_url: str, timeout: float, exited: Callable[[], str | None] = lambda: None) -> None:
     """Return once `base_url`/health answers, asking each second. Raise TimeoutError (the last connection
     error) when `timeout` seconds pass first, or RuntimeError as soon as `exited()` says why the server is

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from forge.data.dataset import checked_rows, iterate_steps, rows_per_step, training_rows
 from forge.logging.logger import ForgeLogger, install_warning_format
+from forge.model.vllm_engine import drop_pushed_weights
 from forge.run import memory
 from forge.run.config_watch import ConfigWatch
 from forge.run.health import HEALTH_RULES, REWARD_RULES, HealthMonitor, parse_thresholds
@@ -127,6 +128,8 @@ class TrainingRun:
         if self.eval_rows is not None and not reached(self.trainer.global_step, self.config.eval_steps,
                                                       self.config.updates_per_rollout):
             self.evaluate(epoch)
+        if self.dist.is_main:
+            drop_pushed_weights(self.config.output_dir)  # a vLLM server's copy: final/ holds the model
         summary, epoch = self.train_summary(started), self.events.state.epoch or 0
         self.logger.log(summary, self.trainer.global_step, epoch, to_file=False)  # the console, the trackers
         self.events.log(summary, self.trainer.global_step, epoch)  # state.log_history, on_log

@@ -256,6 +256,7 @@ def test_async_grpo_on_a_server_trains_within_the_staleness_bound_and_pushes_eac
         trainer.train(ROWS)
         log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
         assert [row["async/staleness_max"] for row in log] == [0.0, 1.0, 1.0]
+        assert not (tmp_path / "out" / "vllm-weights").exists()  # the pushed copy goes when the run ends
         with torch.no_grad():
             for name, p in trainer.model.named_parameters():
                 p.copy_(snapshots[1][name])  # the policy after step 1: what sampled step 3
