@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from forge.core.config import GRPOConfig
 from forge.core.trainer import GRPOTrainer
+from forge.core.trl_attributes import with_trl_fields
 
 
+@with_trl_fields
 @dataclass(init=False)
 class AsyncGRPOConfig(GRPOConfig):
     """GRPOConfig sampling one step ahead of the update by default (max_staleness=1; TRL's default is 4, a

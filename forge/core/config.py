@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from forge.core.config_checks import VLLM_INSTALL, range_problems
 from forge.core.config_types import field_type_problems
 from forge.core.grpo import EntropyControl
-from forge.core.trl_attributes import TRLAttributes
+from forge.core.trl_attributes import TRLAttributes, with_trl_fields
 
 
 def require_vllm() -> None:
@@ -24,6 +24,7 @@ def require_vllm() -> None:
         raise ImportError(VLLM_INSTALL)
 
 
+@with_trl_fields
 @dataclass(init=False)
 class GRPOConfig(TRLAttributes):
     """Every knob of a Forge run, in blocks: the run's core, batching, the algorithm, sampling, the
@@ -330,9 +331,9 @@ class GRPOConfig(TRLAttributes):
     such a directory is refused."""
 
     # --- tools and environments (multi-turn: tools=[...] or environment_factory=, docs/environments.md) ---
-    max_tool_calling_iterations: int = 4
+    max_tool_calling_iterations: int | None = 4
     """Most tool calls per completion (TRL's name), an environment's turn limit; a further call ends the
-    completion there, unanswered."""
+    completion there, unanswered. None: no limit but max_new_tokens (TRL's default)."""
     tool_timeout: float = 10.0
     """Seconds one tool call may take; a slower call is answered with an error text and counted."""
     max_tool_output_chars: int = 1000

@@ -222,7 +222,8 @@ def check_optimizer_and_model(config, need: Need) -> None:
 
 def check_tools(config, need: Need) -> None:
     """Tool calls: their count, time, output, isolation and memory."""
-    need(config.max_tool_calling_iterations >= 0, "max_tool_calling_iterations must be >= 0")
+    need(config.max_tool_calling_iterations is None or config.max_tool_calling_iterations >= 0,
+         "max_tool_calling_iterations must be >= 0 (None: no limit)")
     need(config.tool_timeout > 0, "tool_timeout must be > 0 seconds")
     need(config.max_tool_output_chars >= 1, "max_tool_output_chars must be >= 1")
     need(config.max_episode_tokens is None or config.max_episode_tokens > config.max_new_tokens,

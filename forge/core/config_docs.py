@@ -19,6 +19,7 @@ from dataclasses import fields
 from forge.core.config import GRPOConfig
 from forge.core.trl_fields import TRAINING_ARGUMENTS_FIELDS, TRL_ASYNC_GRPO_FIELDS, TRL_GRPO_FIELDS
 from forge.core.trl_names import classify
+from forge.core.trl_values import REFUSED_VALUES
 
 
 def field_docs() -> dict[str, str]:
@@ -79,7 +80,20 @@ def trl_tables_markdown() -> str:
         ]
         out += [f"| `{name}` | {kind} | {text.replace('|', '/')} |" for name, kind, text in rows]
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + refused_values_markdown())
+
+
+def refused_values_markdown() -> list[str]:
+    """The table of TRL configs that TRL accepts and Forge refuses (forge/core/trl_values.py)."""
+    said = (f"{len(REFUSED_VALUES)} configs TRL 1.16 accepts, beside a refused name given a value (the "
+            f"tables above), and GRPOTrainer's `quantization_config` given one (Forge trains unquantized "
+            f"weights):")
+    out = ["### TRL configs Forge refuses", "", said, "", "| TRL config | why, and what to set |",
+           "|---|---|"]
+    for config, why in REFUSED_VALUES:
+        given = ", ".join(f"{name}={value!r}" for name, value in config.items())
+        out.append(f"| `{given}` | {why.replace('|', '/')} |")
+    return out + [""]
 
 
 if __name__ == "__main__":

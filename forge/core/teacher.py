@@ -38,6 +38,7 @@ from forge.core.logprobs import (
     padded_rows,
 )
 from forge.model import is_peft_model, load_model
+from forge.model.lora import quiet_checkpointing_deprecation
 from forge.safe_json import read_json
 
 TEACHER_ADAPTER = "teacher"  # the name of a teacher adapter inside the student's PeftModel
@@ -209,7 +210,8 @@ def _adapter_teacher(path: Path, student, tokenizer, device):
     from peft import PeftModel  # optional dependency
 
     model, _ = load_model(base, device=device)
-    return PeftModel.from_pretrained(model, str(path), is_trainable=False).to(device), None
+    with quiet_checkpointing_deprecation():  # peft reads transformers' deprecated is_gradient_checkpointing
+        return PeftModel.from_pretrained(model, str(path), is_trainable=False).to(device), None
 
 
 def _saved_tokenizer(folder) -> object | None:

@@ -57,7 +57,7 @@ class ToolTurns:
         call, overflow = ended_call(self.tokenizer, self.fmt, decoding.tokens[decoding.segment_start:])
         if call is None:
             return None
-        if len(decoding.calls) >= self.tools.max_calls:
+        if self.tools.max_calls is not None and len(decoding.calls) >= self.tools.max_calls:
             decoding.done = decoding.hit_call_limit = True
             return None
         return None if decoding.done else (call, overflow)  # done: no budget left to read a result

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from forge.core.trl_batch import BATCH_NAMES, generation_batch_of, per_device_of, steps_per_generation_of
+from forge.core.trl_flags import FLAG_TYPES, UNSET, asked_by_argument_parser, parser_fields
 from forge.core.trl_names import TRL_CONVERTED, TRL_IGNORED, TRL_NAMES, TRL_REFUSED, convert_names
 
 TRL_DEFAULTS = {
@@ -159,10 +160,10 @@ TRL_DEFAULTS = {
     "weight_sync_timeout": 1800,
 }
 """TRL 1.16's GRPOConfig / AsyncGRPOConfig defaults (transformers 5.24's TrainingArguments where TRL keeps
-them) of the names that read back no Forge field: the ignored and refused ones, and the checkpointing kwargs.
-A refused name reads its "off" value (vllm_importance_sampling_correction: False, though TRL's default is
-True), as Forge does not do it. tests/units/test_trl_surface.py compares them with the installed transformers
-(and TRL, when installed)."""
+them) of the names that read back no Forge field: the ignored and refused ones, the checkpointing kwargs and
+vllm_importance_sampling_correction, which reads False unless given (TRL's default is True): Forge corrects
+for the sampler only when rollout_is is set. tests/units/test_trl_surface.py compares them with the installed
+transformers (and TRL, when installed)."""
 
 
 def _strategy(steps_field: str) -> Callable[[Any], str]:
@@ -233,8 +234,9 @@ def trl_view(config: Any) -> dict:
 
 
 class InitFields:
-    """A TRLAttributes dataclass's `__dataclass_fields__`: on the class its own fields (dataclasses.fields,
-    HfArgumentParser's flags, a subclass's dataclass decorator), on an instance the same fields with each
+    """A TRLAttributes dataclass's `__dataclass_fields__`: on the class its own fields (dataclasses.fields, a
+    subclass's dataclass decorator), or, read by transformers' HfArgumentParser, the fields it makes flags of
+    (trl_flags.py: TRL's names too, and every default unset); on an instance the class's fields with each
     init=False one (dtype, lora_*) shown as an init field: what dataclasses.replace reads, so replace() keeps
     them. Only reads of that one name come here."""
 
@@ -242,7 +244,19 @@ class InitFields:
         self.fields = fields
 
     def __get__(self, instance: Any, owner: type) -> dict:
-        return self.fields if instance is None else _init_fields(owner)
+        if instance is not None:
+            return _init_fields(owner)
+        if asked_by_argument_parser():
+            return parser_fields(owner, tuple(self.fields.values()))
+        return self.fields
+
+
+def with_trl_fields(cls: type) -> type:
+    """A class decorator, above @dataclass: the class's `__dataclass_fields__` as InitFields (TRLAttributes
+    also installs it at a subclass's first instance)."""
+    if isinstance(cls.__dict__.get("__dataclass_fields__"), dict):
+        cls.__dataclass_fields__ = InitFields(cls.__dataclass_fields__)
+    return cls
 
 
 @functools.cache
@@ -262,9 +276,8 @@ class TRLAttributes:
     attributes (the module docstring)."""
 
     def __init__(self, *args: Any, **values: Any) -> None:
-        cls = type(self)
-        if isinstance(cls.__dict__.get("__dataclass_fields__"), dict):  # once per dataclass (InitFields)
-            cls.__dataclass_fields__ = InitFields(cls.__dataclass_fields__)
+        with_trl_fields(type(self))  # once per dataclass
+        values = {name: value for name, value in values.items() if value is not UNSET}  # unset parser flags
         names = [f.name for f in dataclasses.fields(self)]
         if len(args) > len(names):
             raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional arguments, "
@@ -310,4 +323,7 @@ class TRLAttributes:
         return new
 
 
-__all__ = ["TRL_DEFAULTS", "TRLAttributes", "trl_value", "trl_view"]
+TRLAttributes.__annotations__ = dict(FLAG_TYPES)  # TRL's names as HfArgumentParser reads their types
+
+
+__all__ = ["TRL_DEFAULTS", "TRLAttributes", "trl_value", "trl_view", "with_trl_fields"]

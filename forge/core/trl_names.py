@@ -24,12 +24,12 @@ classify.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from difflib import get_close_matches
 from typing import Any
 
 from forge.core.trl_batch import BATCH_NAMES, forge_batch, speaks_trl_batch
+from forge.core.trl_values import field_value, is_unset
 
 TRL_NAMES = {
     "num_generations": "group_size",
@@ -91,8 +91,22 @@ def _auto_batch(value: Any, values: dict) -> dict:
 
 
 def _use_vllm(value: Any, values: dict) -> dict:
-    """generation_backend='vllm' when true."""
+    """generation_backend='vllm' when true. TRL then corrects for vLLM's sampling by default
+    (vllm_importance_sampling_correction); Forge does when rollout_is is set ('sequence_mask' with
+    rollout_is_threshold=3.0 is TRL's default)."""
     return {"generation_backend": "vllm"} if value else {}
+
+
+def _vllm_correction(value: Any, values: dict) -> dict:
+    """True without use_vllm changes nothing, as in TRL, which applies it only to vLLM's samples; with
+    use_vllm refused: set rollout_is ('sequence_mask', ...) and rollout_is_threshold."""
+    if value and (values.get("use_vllm") or values.get("generation_backend") == "vllm"):
+        raise TypeError(
+            "vllm_importance_sampling_correction=True with use_vllm=True: Forge corrects for the sampler "
+            "with rollout_is; set rollout_is='sequence_mask' and rollout_is_threshold=3.0 (TRL's default "
+            "correction), or vllm_importance_sampling_correction=False"
+        )
+    return {}
 
 
 def _epsilon_high(value: Any, values: dict) -> dict:
@@ -230,6 +244,7 @@ TRL_CONVERTED: dict[str, Converter] = {
     "fp16": _precision("float16"),
     "epsilon_high": _epsilon_high,
     "use_vllm": _use_vllm,
+    "vllm_importance_sampling_correction": _vllm_correction,
     "auto_find_batch_size": _auto_batch,
     "lr_scheduler_type": _lr_scheduler,
     "warmup_steps": _warmup_steps,
@@ -376,7 +391,6 @@ _NO_HUB = ("Forge reaches no hub: after the run, upload output_dir's final/ fold
 TRL_REFUSED = {
     "num_completions_to_print": "set log_completions: how many samples per logged step go to samples.jsonl",
     "use_liger_loss": "Forge computes the loss in chunks itself (logprob_chunk_size)",
-    "vllm_importance_sampling_correction": "set rollout_is ('token_truncate', ...) and rollout_is_threshold",
     "peft_config": "pass it to GRPOTrainer(..., peft_config=LoraConfig(...)), or set use_lora and lora_r, "
     "...",
     "lr_scheduler_kwargs": "Forge's schedules take no arguments (lr_scheduler: cosine and linear decay to 0)",
@@ -455,24 +469,6 @@ def classify(name: str, forge_fields: set[str]) -> tuple[str, str]:
     return "unclassified", ""
 
 
-WHOLE_COUNTS = {
-    "num_train_epochs": "epochs; set max_steps to stop within one",
-    "logging_steps": "optimizer steps",
-    "save_steps": "optimizer steps",
-    "eval_steps": "optimizer steps",
-}
-"""Forge's int fields that transformers' TrainingArguments types float: a whole number given as a float is
-taken."""
-
-
-def _whole(name: str, value: Any) -> Any:
-    if name not in WHOLE_COUNTS or not isinstance(value, float) or not math.isfinite(value):
-        return value
-    if not value.is_integer():
-        raise TypeError(f"{name}={value}: Forge counts whole {WHOLE_COUNTS[name]}")
-    return int(value)
-
-
 def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[str, dict]]:
     """(Forge's fields, and the fields each TRL name given set) from keyword values in Forge's or TRL's names
     (the tables above); `defaults` maps every Forge field to its default. An unknown name, a refused one that
@@ -488,7 +484,8 @@ def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[st
         hint = "; ".join(f"{k}: did you mean {' or '.join(g)}?" for k, g in guesses.items() if g)
         raise TypeError(f"unknown GRPOConfig fields {unknown}{'; ' + hint if hint else ''} (every field: "
                         f"docs/config.md, `forge train --help`)")
-    out = {k: _whole(k, v) for k, v in values.items() if k in known}
+    values = {k: v for k, v in values.items() if not is_unset(k, v)}  # TRL's None for "not set"
+    out = {k: field_value(k, v, values, defaults) for k, v in values.items() if k in known}
     produced: dict[str, dict] = {}
     set_by: dict[str, str] = {}  # Forge field -> the TRL name that set it
     if speaks_trl_batch(values):
@@ -510,18 +507,19 @@ def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[st
         if name in TRL_IGNORED or name in TRL_REFUSED:
             produced[name] = {}
             continue
-        converted = ({TRL_NAMES[name]: value} if name in TRL_NAMES
+        alias = TRL_NAMES.get(name)
+        converted = ({alias: field_value(alias, value, values, defaults)} if alias
                      else TRL_CONVERTED[name](value, {**defaults, **values}))
-        for field_name, field_value in converted.items():
+        for field_name, new in converted.items():
             if field_name in values:
                 raise TypeError(f"GRPOConfig got both {name!r} (TRL's name) and {field_name!r}; give one")
             earlier = set_by.setdefault(field_name, name)
-            if earlier != name and out[field_name] != field_value:  # bf16=True, fp16=True
+            if earlier != name and out[field_name] != new:  # bf16=True, fp16=True
                 raise TypeError(
                     f"GRPOConfig got {earlier}={values[earlier]!r} and {name}={value!r}, which ask for "
-                    f"{field_name}={out[field_name]!r} and {field_name}={field_value!r}: give one of them"
+                    f"{field_name}={out[field_name]!r} and {field_name}={new!r}: give one of them"
                 )
-            out[field_name] = field_value
+            out[field_name] = new
         produced[name] = converted
     return out, produced
 

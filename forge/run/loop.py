@@ -13,7 +13,7 @@
             a signal: finish the step, save it, raise TrainingInterrupted
         a failed step (StepFailed: a reward, non-finite losses, a config a callback broke): say where the last
             finished step is saved
-        save final/, evaluate, close the logs
+        save final/, evaluate, close the logs; return a TrainResult (run/trainer_surface.py)
 
 The trainer is given, not imported: anything with the attributes read below runs here (`config`, `dist`,
 `model`, `tokenizer`, `optimizer`, `scheduler`, `is_lora`, `reference_model`, `guard`, `signals`,
@@ -43,6 +43,7 @@ from forge.run.optim import make_scheduler
 from forge.run.rng import capture_rng_state, seed_everything
 from forge.run.signals import TrainingInterrupted
 from forge.run.step_stats import warn_if_mostly_flat, warn_if_tools_unused
+from forge.run.trainer_surface import TrainResult
 
 
 class StepFailed(RuntimeError):
@@ -107,7 +108,7 @@ class TrainingRun:
                                         has_reference=trainer.is_lora or trainer.reference_model is not None)
         self.losses: list[float] = []  # each optimizer step's loss in this run, for train_loss
 
-    def run(self) -> dict:
+    def run(self) -> TrainResult:
         """Claim output_dir (its lock is held until the run ends), then train."""
         install_warning_format()  # Forge's warnings as one line each
         config = self.config
@@ -119,7 +120,7 @@ class TrainingRun:
             if lock is not None:
                 lock.release()
 
-    def train(self) -> dict:
+    def train(self) -> TrainResult:
         started = time.perf_counter()
         epoch, position = self.begin()
         epoch, position = self.run_steps(epoch, position)
@@ -135,7 +136,7 @@ class TrainingRun:
         self.events.log(summary, self.trainer.global_step, epoch)  # state.log_history, on_log
         self.events.train_end()
         self.logger.close()
-        return {"global_step": self.trainer.global_step}
+        return TrainResult(self.trainer.global_step, {**summary, "epoch": epoch})
 
     def begin(self) -> tuple[int, int]:
         """Before the first step: the schedule, the checkpoints, the seed, then resume (or a new run's

@@ -4,6 +4,8 @@
     trainer.state.log_history / .global_step / .epoch      transformers' own TrainerState
     trainer.save_model(path), trainer.evaluate(), trainer.train(resume_from_checkpoint=True)
     trainer.model, trainer.processing_class, trainer.args (the GRPOConfig)
+    trainer.accelerator.print(...), trainer.end()          what TRL's scripts call after training
+    result = trainer.train(); result.metrics; trainer.log_metrics / save_metrics("train", ...); save_state()
 
 `RunEvents` holds transformers' CallbackHandler, TrainerState and TrainerControl for one trainer; the run loop
 (forge/run/loop.py) reports to it once per event, and the callbacks receive `args, state, control` as in
@@ -37,7 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerControl, TrainerState
+from transformers import trainer_pt_utils as transformers_trainer
 from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging as transformers_logging
 
@@ -116,6 +120,52 @@ class RunEvents:
         self.call("on_train_end")
 
 
+class TrainResult(dict):
+    """What train() returns: {'global_step': n}, with transformers' TrainOutput's fields as attributes
+    (`global_step`, `training_loss`, and `metrics`, the run's summary row: train_runtime, train_loss,
+    train_samples_per_second, train_steps_per_second, epoch)."""
+
+    def __init__(self, global_step: int, summary: dict) -> None:
+        super().__init__(global_step=global_step)
+        self.global_step, self.metrics = global_step, dict(summary)
+        self.training_loss = self.metrics.get("train_loss", float("nan"))
+
+
+class ScriptAccelerator:
+    """What a TRL script reads of `trainer.accelerator` (accelerate's Accelerator, which Forge does not use):
+    which process this is, `print` on the main process only, `wait_for_everyone`."""
+
+    def __init__(self, dist: Any) -> None:
+        self.dist = dist
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.dist.is_main
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def process_index(self) -> int:
+        return self.dist.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def num_processes(self) -> int:
+        return self.dist.world_size
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.dist.is_main:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        self.dist.barrier()
+
+
 def with_resume(config: Any, resume_from_checkpoint: bool | str | None) -> Any:
     """The config with TRL's train(resume_from_checkpoint=) applied: True = the newest checkpoint in
     output_dir (resume_from='latest'), a path = that checkpoint; None or False leave it as it is."""
@@ -177,6 +227,29 @@ class TrainerSurface:
     @property
     def processing_class(self):
         return self.tokenizer
+
+    # transformers' Trainer.log_metrics / save_metrics / save_state, which its example scripts and open-r1
+    # call after train() and evaluate(): the metrics printed, {output_dir}/{split}_results.json and
+    # all_results.json, {output_dir}/trainer_state.json (the main process)
+    log_metrics = transformers_trainer.log_metrics
+    save_metrics = transformers_trainer.save_metrics
+    save_state = transformers_trainer.save_state
+
+    def is_world_process_zero(self) -> bool:
+        return self.dist.is_main
+
+    def is_local_process_zero(self) -> bool:
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+    @property
+    def accelerator(self) -> ScriptAccelerator:
+        return ScriptAccelerator(self.dist)
+
+    def end(self) -> None:
+        """transformers' Trainer.end(), the last line of TRL's scripts: the trackers closed when train()
+        returned; this ends the processes' group, as transformers does (a later collective fails)."""
+        if self.dist.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     def add_callback(self, callback) -> None:
         self.events.handler.add_callback(callback)
@@ -245,4 +318,5 @@ class TrainerSurface:
         return path
 
 
-__all__ = ["RunEvents", "TrainerSurface", "taking_quantization_config", "with_resume"]
+__all__ = ["RunEvents", "ScriptAccelerator", "TrainResult", "TrainerSurface", "taking_quantization_config",
+           "with_resume"]

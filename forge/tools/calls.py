@@ -119,7 +119,7 @@ class ToolSettings:
 
     tools: list[Tool]
     format: str = "text"  # 'text' | 'template' (resolved from 'auto' by `resolve_format`)
-    max_calls: int = 4  # calls per completion; a further call ends the completion there
+    max_calls: int | None = 4  # calls per completion (None: no limit); a further call ends it there
     timeout: float = 10.0  # seconds per call
     max_output_chars: int = 1000  # a longer output keeps its start and says it was cut
     max_episode_tokens: int | None = None  # tokens per completion, sampled and fed; None: the model's context

@@ -327,6 +327,22 @@ def test_full_distillation_trains_on_the_divergence_and_logs_it(tmp_path):
     assert abs(update["distill/divergence"]) < 1e-5 and update["grad_norm"] < 1e-3
 
 
+def test_a_lora_adapter_teacher_of_a_full_fine_tune_loads_without_peft_deprecation_warnings(tmp_path):
+    """A full fine-tune's teacher adapter is loaded on its own base (PeftModel.from_pretrained), without the
+    FutureWarning of transformers' is_gradient_checkpointing that peft's wrapping prints."""
+    import warnings
+
+    base = save_tiny(tmp_path / "base")
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    adapted.save_pretrained(tmp_path / "adapter")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        trainer = GRPOTrainer(base, None, alternating, config(tmp_path, reward_coef=0.0,
+                                                              teacher_model=str(tmp_path / "adapter")))
+    assert trainer.teacher.adapter is None and trainer.teacher.model is not trainer.model
+
+
 def test_full_distillation_from_a_lora_adapter_uses_the_adapter(tmp_path):
     """The teacher adapter is switched on for its states pass: the states equal those of the base with the
     saved adapter loaded on its own."""

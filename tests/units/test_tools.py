@@ -321,6 +321,15 @@ def test_the_call_limit_ends_the_completion(scripted, tiny_model, tiny_tokenizer
     assert not rollout.truncated[0]
 
 
+def test_no_call_limit_answers_every_call(scripted, tiny_model, tiny_tokenizer):
+    """max_calls=None, TRL's max_tool_calling_iterations=None: no limit but the completion's tokens."""
+    scripted(tiny_tokenizer, "<calc>1+</calc><calc>2*3</calc><calc>4</calc> more")
+    rollout = rollout_module.generate(tiny_model, tiny_tokenizer, PROMPTS[:1], 1, SamplingSettings(60, TEMPERATURE),
+                                      tools=settings_for(calculator, max_calls=None))
+    assert [c.failure for c in rollout.tool_calls[0]] == ["error", None, None]  # the third call answered too
+    assert "<calc>4</calc><result>4</result>" in rollout.completions[0]
+
+
 def test_the_prompt_is_computed_once_per_group(scripted, tiny_model, tiny_tokenizer):
     scripted(tiny_tokenizer, CALL)
     batches = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from datasets import Dataset
 from peft import LoraConfig
-from trl_scripts import PROMPTS
+from trl_scripts import PROMPTS, Counts, trl_batches
 
 from forge import GRPOConfig, GRPOTrainer  # the one line a TRL script changes
 
@@ -62,8 +62,11 @@ def test_trls_lora_without_regret_recipe_runs_with_trls_batch(model_folder, tmp_
         return real(batch, r, indices, normaliser, totals)
 
     trainer.loss_and_backward = counted_pass
+    counts = Counts.of(trainer)
     trainer.train()
 
+    assert counts.batches() == trl_batches(len(PROMPTS), per_device_train_batch_size=1, gradient_accumulation_steps=4,
+                                           num_generations=8, generation_batch_size=8, max_steps=4)
     assert trainer.global_step == 4  # max_steps optimizer steps
     assert len(generations) == 2  # 2 generations of 8 completions, 1 prompt each
     assert [len(prompts) for prompts in generations] == [8, 8]

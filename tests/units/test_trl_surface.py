@@ -17,7 +17,7 @@ import json
 import pytest
 from datasets import Dataset
 from transformers import HfArgumentParser
-from trl_scripts import PROMPTS, trl_args
+from trl_scripts import PROMPTS, ModelArguments, trl_args
 
 from forge import GRPOConfig, GRPOTrainer  # the one line a TRL script changes
 from forge.core.trl_names import TRL_CONVERTED, TRL_IGNORED, TRL_NAMES, TRL_REFUSED
@@ -25,23 +25,6 @@ from forge.core.trl_names import TRL_CONVERTED, TRL_IGNORED, TRL_NAMES, TRL_REFU
 
 def reward_len(completions, **kwargs):
     return [-abs(20 - len(completion)) for completion in completions]
-
-
-@dataclasses.dataclass
-class ModelArguments:
-    """The fields of TRL's ModelConfig (trl/trainer/model_config.py) a GRPOConfig has too, declared as there, and a
-    few others, without needing TRL."""
-
-    model_name_or_path: str | None = None
-    model_revision: str = "main"
-    dtype: str | None = dataclasses.field(
-        default="float32", metadata={"help": "load dtype", "choices": ["auto", "bfloat16", "float16", "float32"]})
-    attn_implementation: str | None = None
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -296,7 +279,7 @@ def test_trl_defaults_are_those_of_trl():
 
     trl = pytest.importorskip("trl")  # `pip install 'forge-rl[bench]'` brings TRL
     for field in dataclasses.fields(trl.GRPOConfig):
-        if field.name in TRL_DEFAULTS and field.name != "vllm_importance_sampling_correction":  # read off: refused
+        if field.name in TRL_DEFAULTS and field.name != "vllm_importance_sampling_correction":  # reads False
             assert TRL_DEFAULTS[field.name] == default(field), field.name
 
 

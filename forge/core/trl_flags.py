@@ -1,0 +1,132 @@
+"""TRL's names as flags of transformers' HfArgumentParser, which TRL's TrlParser extends: TRL's scripts
+(trl/scripts/grpo.py, examples/scripts/gspo.py) parse their GRPOConfig with it, next to TRL's ModelConfig,
+from TRL's flags (`--num_generations 8 --per_device_train_batch_size 8 --bf16 --log_completions`) or from a
+YAML file of TRL's names (`--config`).
+
+HfArgumentParser makes a flag of each init field that dataclasses.fields(cls) shows, and builds the dataclass
+from the parsed values of all of them, defaults included. Read by HfArgumentParser (and by it only: InitFields
+in trl_attributes.py asks `asked_by_argument_parser`), GRPOConfig's fields are `parser_fields(cls)`:
+
+    each Forge init field    its own type and flag, its default UNSET, so that only what the command line or
+                             the YAML file gives reaches GRPOConfig (a default passed on would count as
+                             given: --num_generations 4 next to group_size=8 would be two values of one
+                             field); log_completions also alone, as TRL's switch
+    each TRL name of the table that is no Forge field (trl_names.py)    a flag taking TRL's value: one (a
+                             number, true/false, None, a JSON object or list, or text), several (a list:
+                             `--report_to wandb tensorboard`) or none (true: `--bf16`); default UNSET
+
+GRPOConfig's __init__ drops UNSET values (trl_attributes.py). dtype, lora_r, lora_alpha, lora_dropout and
+lora_target_modules stay init=False, so TRL's ModelConfig keeps those flags. `--help` shows each TRL name's
+meaning in Forge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import json
+import sys
+from typing import Any
+
+from forge.core.trl_names import TRL_CONVERTED, TRL_IGNORED, TRL_NAMES, TRL_REFUSED, classify
+
+
+class _Unset:
+    """What a flag holds when neither the command line nor the YAML file gives it."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+UNSET = _Unset()
+
+TRL_FLAG_NAMES = sorted({*TRL_NAMES, *TRL_CONVERTED, *TRL_IGNORED, *TRL_REFUSED})
+"""TRL's names the parser takes as flags (those that are no Forge field)."""
+
+BARE_FLAGS = {"log_completions"}
+"""Forge fields TRL declares bool: a flag alone means true (log_completions=True, trl_values.py)."""
+
+PARSER_MODULES = {"transformers.hf_argparser", "trl.scripts._hf_argparser"}
+"""transformers' HfArgumentParser, and TRL's copy of it that TRL's TrlParser extends."""
+
+
+def flag_value(text: str) -> Any:
+    """A TRL flag's value from its text: true/false, None, a JSON object or list, a number, else the text."""
+    word = text.strip()
+    if word.lower() in ("true", "false"):
+        return word.lower() == "true"
+    if word.lower() in ("none", "null"):
+        return None
+    if word[:1] in ("{", "["):
+        try:
+            return json.loads(word)
+        except json.JSONDecodeError:
+            return text
+    for kind in (int, float):
+        try:
+            return kind(word)
+        except ValueError:
+            continue
+    return text
+
+
+class TrlFlag(argparse.Action):
+    """A TRL name's flag: no value is true (`--bf16`), one value that value, several a list."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        values = list(values or [])
+        setattr(namespace, self.dest, True if not values else values[0] if len(values) == 1 else values)
+
+
+def asked_by_argument_parser() -> bool:
+    """Whether the `__dataclass_fields__` that the descriptor calling this is reading is read by an
+    HfArgumentParser (PARSER_MODULES), itself or through dataclasses.fields."""
+    reader = sys._getframe(2)  # 0: here, 1: the descriptor's __get__, 2: what reads the attribute
+    if reader.f_globals.get("__name__") == "dataclasses":
+        reader = reader.f_back
+    return reader is not None and reader.f_globals.get("__name__") in PARSER_MODULES
+
+
+def _unset() -> _Unset:
+    return UNSET
+
+
+def _help(text: str) -> str:
+    return " ".join(text.split()).replace("%", "%%")  # argparse %-formats the help
+
+
+@functools.cache
+def parser_fields(cls: type, own: tuple) -> dict[str, dataclasses.Field]:
+    """The fields HfArgumentParser is shown (the module docstring): `own`, the class's fields, each with the
+    default UNSET, then a field per TRL name that is no Forge field."""
+    shown = {}
+    for field in own:
+        field = copy.copy(field)
+        if field.init:
+            factory = field.default_factory
+            default = field.default if factory is dataclasses.MISSING else factory()
+            extra = {"nargs": "?", "const": True} if field.name in BARE_FLAGS else {}
+            field.metadata = {**field.metadata, **extra,
+                              "help": _help(f"Forge's {field.name} (docs/config.md), default {default!r}")}
+            field.default, field.default_factory = UNSET, _unset
+        shown[field.name] = field
+    forge_names = set(shown)
+    names = [name for name in TRL_FLAG_NAMES if name not in forge_names]
+    flags = dataclasses.make_dataclass("TrlFlags", [
+        (name, Any, dataclasses.field(default=UNSET, metadata={
+            "help": _help("TRL's {}, {}: {}".format(name, *classify(name, forge_names))),
+            "nargs": "*", "action": TrlFlag}))
+        for name in names])
+    shown.update({field.name: field for field in dataclasses.fields(flags)})
+    return shown
+
+
+FLAG_TYPES = {name: flag_value for name in TRL_FLAG_NAMES}
+"""The annotations HfArgumentParser reads for the TRL names (typing.get_type_hints): the flag's value
+parser."""
+
+
+__all__ = ["FLAG_TYPES", "TRL_FLAG_NAMES", "UNSET", "TrlFlag", "asked_by_argument_parser", "flag_value",
+           "parser_fields"]
