@@ -84,7 +84,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = {"resume_from": "latest"} if args.resume else {}
     config = build_config(args, overrides)
     if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:], config.output_dir)
+        return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:], config.output_dir,
+                         config.resume_from)
     from_file = args.config and args.model != getattr(args, "given_model", args.model)  # `model:` in the YAML
     _check_model(args.model, f"{args.config}: model:" if from_file else "--model")
     check_output_dir_is_free(
@@ -199,10 +200,11 @@ def _training_data(args: argparse.Namespace, tokenizer) -> tuple[list[dict], lis
     return dataset, eval_rows
 
 
-def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
+def _relaunch(nproc: int, argv: list[str], output_dir: str, resume_from: str | None) -> int:
     """forge train --nproc N: run the same command in N processes under torch.distributed's launcher
     (forge/parallel/launch.py). When a process fails, the launcher stops the others and this says which step
-    is saved for --resume.
+    is saved for --resume. A checkpoint to resume from is verified first (`check_before_launch`): a damaged
+    one is refused in one line, before any process starts.
 
     Each process sees WORLD_SIZE=N and trains instead of relaunching. The launcher runs in a session of its
     own, so a stop signal (SIGINT from Ctrl-C or `kill -INT`, SIGTERM, SIGHUP) reaches the processes once,
@@ -221,9 +223,11 @@ def _relaunch(nproc: int, argv: list[str], output_dir: str) -> int:
     command = [sys.executable, "-m", "forge.parallel.launch", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "forge", *argv]
     env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600", "OMP_NUM_THREADS": "1", **os.environ}
+    from forge.run.lifecycle import check_before_launch
     from forge.run.supervisor import newest_checkpoint, resume_hint
 
-    resumed_from = newest_checkpoint(output_dir) if "--resume" in argv else None
+    resumed_from = (check_before_launch(Path(output_dir), resume_from) or newest_checkpoint(output_dir)
+                    if resume_from else None)
     launcher = subprocess.Popen(command, env={**env, "FORGE_PARENT_PID": str(os.getpid())},
                                 start_new_session=True)  # signals reach it through this process alone
     previous = {

@@ -359,10 +359,21 @@ def _save_shards(checkpoint: Path, model, optimizer, is_main: bool) -> None:
         _write_json(checkpoint / SHARDED_LAYOUT, {"format": _SHARDED_FORMAT, "layout": layout})
 
 
+def check_shard_files(path: Path) -> None:
+    """Each shard file of a sharded checkpoint is a whole safetensors file (only its header is read), so a
+    damaged one is named before torch.distributed.checkpoint reads them: COMPLETE may match it (rewritten)."""
+    for shard in sorted((path / SHARDED_DIR).glob("*.safetensors")):
+        problem = safetensors_problem(shard)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is damaged: {SHARDED_DIR}/{shard.name} {problem}. "
+                                  f"{offer_previous(path)}")
+
+
 def load_sharded_state(path: str | os.PathLike, model, optimizer) -> None:
     """Load the shards of a verified sharded checkpoint into the sharded model and optimizer (collective; any
     number of ranks: the shards are redistributed). Reads safetensors headers, tensor bytes and JSON only."""
     path = Path(path)
+    check_shard_files(path)
     try:
         saved = read_json(path / SHARDED_LAYOUT)
         if not isinstance(saved, dict) or saved.get("format") != _SHARDED_FORMAT:

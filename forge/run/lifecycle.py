@@ -323,17 +323,7 @@ class RunLifecycle:
         """Load the checkpoint `where` ('latest' = the newest complete one) into the parts; its
         FinishedStep."""
         parts = self.parts
-        path = integrity.latest_checkpoint(self.output_dir) if where == "latest" else Path(where)
-        if path is None:
-            raise FileNotFoundError(nothing_to_resume(self.output_dir))
-        if path.name == "final" and not any((path / name).exists()
-                                            for name in integrity.TRAINING_STATE_NAMES):
-            newest = integrity.latest_checkpoint(path.parent)
-            raise ValueError(f"cannot resume from {path}: final/ holds the trained model only (no optimizer, "
-                             f"schedule or RNG state). Resume from a numbered checkpoint" + (
-                                 f", the newest is {newest} (--resume, resume_from='latest')" if newest else
-                                 f"; {path.parent} has none, so start a new run from these weights "
-                                 f"(--model {path})"))
+        path = checkpoint_to_resume(self.output_dir, where)
         state = ckpt.load_checkpoint(path)
         saved = fields.check_trainer_state(path, state.trainer_state,
                                            parts.dataset_identity.get("dataset_size"))
@@ -386,6 +376,37 @@ def load_weights_and_optimizer(path: Path, state: ckpt.CheckpointState, model, o
             optimizer.load_state_dict(state.optimizer_state)
     name = integrity.SHARDED_LAYOUT if sharded else integrity.OPTIMIZER_NAME
     fields.check_hyperparameters(path, name, optimizer, own)
+
+
+def checkpoint_to_resume(output_dir: Path, where: str) -> Path:
+    """The checkpoint resume_from=`where` names ('latest': the newest complete one in output_dir);
+    FileNotFoundError where there is none, ValueError for a final/ (the trained model only)."""
+    path = integrity.latest_checkpoint(output_dir) if where == "latest" else Path(where)
+    if path is None:
+        raise FileNotFoundError(nothing_to_resume(output_dir))
+    if path.name == "final" and not any((path / name).exists() for name in integrity.TRAINING_STATE_NAMES):
+        newest = integrity.latest_checkpoint(path.parent)
+        raise ValueError(f"cannot resume from {path}: final/ holds the trained model only (no optimizer, "
+                         f"schedule or RNG state). Resume from a numbered checkpoint" + (
+                             f", the newest is {newest} (--resume, resume_from='latest')" if newest else
+                             f"; {path.parent} has none, so start a new run from these weights "
+                             f"(--model {path})"))
+    return path
+
+
+def check_before_launch(output_dir: Path, where: str) -> Path | None:
+    """What `forge train --nproc N` checks of the checkpoint its processes are to resume from, before it
+    starts them, so that one that cannot be resumed is refused in one line rather than once per process: it
+    exists and every file verifies (against COMPLETE; the shards' safetensors headers too). Returns it; None
+    where a leftover of a killed save may be put back first (the processes decide, `claim_output_dir`)."""
+    if where == "latest" and output_dir.is_dir() and any(
+            integrity.stale_old_checkpoint(child) is not None for child in output_dir.iterdir()):
+        return None
+    path = checkpoint_to_resume(output_dir, where)
+    integrity.verify_checkpoint(path)
+    if integrity.is_sharded(path):
+        ckpt.check_shard_files(path)
+    return path
 
 
 def nothing_to_resume(output_dir: Path) -> str:

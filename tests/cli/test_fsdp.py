@@ -6,18 +6,22 @@ that split groups:
 
     data_parallel   2 processes, whole model on each (Forge's gradient all-reduce)
     sharded         2 processes with --fsdp (FSDP2's reduce-scatter), the same config and seed
-    killed          the sharded run, with rank 0 SIGKILLed inside step 3's reward, then `--nproc 2 --fsdp --resume`
+    killed          the sharded run, with rank 0 (rank 1: slow) SIGKILLed inside step 3's reward, then
+                    `--nproc 2 --fsdp --resume`
 
 Checked: each rank holds half of the parameters; after every step the sharded run's whole weights equal the
 data-parallel run's within fp32 rounding, with the same completions and logged metrics; checkpoints hold
 the shards (sharded/) and final/ loads in plain transformers with the trained weights; the killed run
-resumes from its step-2 checkpoint and ends bit for bit where the uninterrupted run ends. LoRA under FSDP2 is
-compared with a one-process LoRA run. In one process: the launch settings that turn FSDP on or are refused,
-and the checkpoint kinds that cannot be resumed across.
+resumes from its step-2 checkpoint and ends bit for bit where the uninterrupted run ends; a shard file of the
+sharded run's newest checkpoint cut, emptied or overwritten (COMPLETE rewritten to match or not) stops
+`--resume` in one line naming the file. LoRA under FSDP2 is compared with a one-process LoRA run. In one
+process: the launch settings that turn FSDP on or are refused, and the checkpoint kinds that cannot be resumed
+across.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +33,7 @@ from test_distributed import read_jsonl, write_workspace
 
 from forge.cli import main as forge_main
 from forge.parallel.distributed import DataParallel, OneProcess
-from forge.run.integrity import verify_checkpoint
+from forge.run.integrity import verify_checkpoint, write_manifest
 from forge.run.lifecycle import check_same_sharding
 
 STEPS = 4
@@ -43,9 +47,11 @@ CALLS = [0]
 
 
 def text_length(prompts, completions, **kwargs):
-    """Varies inside a group; SIGKILLs rank 0 at its FORGE_TEST_KILL_AT-th call (2 calls per step here)."""
+    """Varies inside a group; SIGKILLs rank FORGE_TEST_KILL_RANK at its FORGE_TEST_KILL_AT-th call (2 calls per
+    step here)."""
     CALLS[0] += 1
-    if os.environ.get("RANK", "0") == "0" and CALLS[0] == int(os.environ.get("FORGE_TEST_KILL_AT", "0")):
+    if os.environ.get("RANK", "0") == os.environ.get("FORGE_TEST_KILL_RANK") and \
+            CALLS[0] == int(os.environ.get("FORGE_TEST_KILL_AT", "0")):
         os.kill(os.getpid(), signal.SIGKILL)
     return [len(text) % 7 / 6 for text in completions]
 '''
@@ -96,11 +102,12 @@ def train_args(root: Path, output_dir: Path, *extra: str) -> list[str]:
             "--scale_rewards", "batch", "--learning_rate", "0.01", "--seed", "5", "--preflight", "off", *extra]
 
 
-def launch(root: Path, name: str, *extra: str, kill_at: int = 0) -> subprocess.CompletedProcess:
+def launch(root: Path, name: str, *extra: str, kill_at: int = 0, kill_rank: int = 0) -> subprocess.CompletedProcess:
     record = root / f"record-{name}"
     record.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR.parents[1]),
-           "FORGE_TEST_RECORD": str(record), "FORGE_TEST_KILL_AT": str(kill_at)}
+           "FORGE_TEST_RECORD": str(record), "FORGE_TEST_KILL_AT": str(kill_at),
+           "FORGE_TEST_KILL_RANK": str(kill_rank)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(root / "driver.py"), *train_args(root, root / name, *extra)]
     return subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=600)
@@ -170,27 +177,78 @@ def test_sharded_checkpoints_hold_shards_and_final_loads_in_plain_transformers(s
     assert verify_checkpoint(run / "final", require_training_state=False)
 
 
-def test_a_killed_sharded_run_resumes_bit_for_bit(workspace, sharded):
-    """kill -9 of rank 0 in step 3, then `forge train --nproc 2 --fsdp --resume` from the step-2 shards."""
+@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_a_killed_sharded_run_resumes_bit_for_bit(workspace, sharded, rank):
+    """kill -9 of one rank in step 3, then `forge train --nproc 2 --fsdp --resume` from the step-2 shards."""
     run, _ = sharded
-    killed = launch(workspace, "killed", "--fsdp", kill_at=5)  # 2 reward calls per step: the 5th is in step 3
-    assert killed.returncode != 0
-    assert sorted(p.name for p in (workspace / "killed").iterdir() if p.name.startswith("checkpoint-")) == [
+    name = "killed" if rank == 0 else f"killed-rank{rank}"
+    killed = launch(workspace, name, "--fsdp", kill_at=5, kill_rank=rank)  # 2 reward calls per step: the 5th is
+    assert killed.returncode != 0  # in step 3
+    assert sorted(p.name for p in (workspace / name).iterdir() if p.name.startswith("checkpoint-")) == [
         "checkpoint-2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR.parents[1])}
-    resumed = subprocess.run([sys.executable, "-m", "forge", *train_args(workspace, workspace / "killed", "--fsdp"),
+    resumed = subprocess.run([sys.executable, "-m", "forge", *train_args(workspace, workspace / name, "--fsdp"),
                               "--nproc", "2", "--resume"], check=False, env=env, capture_output=True, text=True,
                              timeout=600)
     succeeded(resumed)
     assert "resumed from step 2" in resumed.stdout + resumed.stderr
     expected = load_file(run / "final" / "model.safetensors")
-    got = load_file(workspace / "killed" / "final" / "model.safetensors")
+    got = load_file(workspace / name / "final" / "model.safetensors")
     assert expected.keys() == got.keys()
-    for name in expected:
-        assert torch.equal(got[name], expected[name]), name
-    log = read_jsonl(workspace / "killed" / "training_log.jsonl")
+    for tensor in expected:
+        assert torch.equal(got[tensor], expected[tensor]), tensor
+    log = read_jsonl(workspace / name / "training_log.jsonl")
     assert [row["step"] for row in log] == list(range(1, STEPS + 1))
     assert log[-1]["loss"] == read_jsonl(run / "training_log.jsonl")[-1]["loss"]
+
+
+SHARD = "sharded/shard-00002-model-00001-of-00001.safetensors"  # rank 1's
+DAMAGES = {"truncated": lambda data: data[:len(data) // 2], "emptied": lambda data: b"",
+           "garbage": lambda data: bytes(range(256)) * (len(data) // 256) + bytes(len(data) % 256)}
+
+
+@pytest.mark.parametrize("damage, rehashed", [
+    pytest.param(damage, rehashed, id=f"{damage}-{'COMPLETE-rewritten' if rehashed else 'as-damaged'}",
+                 marks=() if (damage, rehashed) in {("truncated", False), ("garbage", True)} else pytest.mark.slow)
+    for damage in DAMAGES for rehashed in (False, True)])
+def test_a_damaged_shard_stops_the_resume_in_one_line_naming_the_file(workspace, sharded, tmp_path, damage,
+                                                                        rehashed):
+    """A shard file of the newest checkpoint of a finished FSDP2 run cut in half, emptied, or overwritten with
+    other bytes of its size (with COMPLETE rewritten to match, as whoever hands over a checkpoint can, or not);
+    then `forge train --nproc 2 --fsdp --resume`."""
+    run, _ = sharded
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    shard = copy / "checkpoint-4" / SHARD
+    shard.write_bytes(DAMAGES[damage](shard.read_bytes()))
+    if rehashed:
+        write_manifest(copy / "checkpoint-4")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR.parents[1])}
+    done = subprocess.run([sys.executable, "-m", "forge", *train_args(workspace, copy, "--fsdp"), "--nproc", "2",
+                           "--resume"], check=False, env=env, capture_output=True, text=True, timeout=600)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("forge: error")]
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"forge: error: checkpoint {copy / 'checkpoint-4'} is "
+                                                     f"damaged: {SHARD} "), done.stderr[-3000:]
+    assert f"The newest older checkpoint that verifies is {copy / 'checkpoint-2'}" in errors[0]
+    assert "Traceback" not in done.stderr and "torch.distributed" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_that_complete_matches_is_named_by_each_process_of_a_torchrun_resume(workspace, sharded,
+                                                                                                tmp_path):
+    """The same, resumed by torch.distributed.run itself (torchrun, as accelerate launches): no `forge train`
+    checks the checkpoint first, so each process refuses it, naming the file, before torch reads a shard."""
+    run, _ = sharded
+    shutil.copytree(run, workspace / "torchrun-damaged")
+    shard = workspace / "torchrun-damaged" / "checkpoint-4" / SHARD
+    shard.write_bytes(DAMAGES["truncated"](shard.read_bytes()))
+    write_manifest(shard.parents[1])
+    done = launch(workspace, "torchrun-damaged", "--fsdp", "--resume")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("forge: error")]
+    assert done.returncode != 0 and len(errors) == 2, done.stderr[-3000:]
+    assert all(f"is damaged: {SHARD} is truncated" in line for line in errors), done.stderr[-3000:]
+    assert "SafetensorError" not in done.stderr, done.stderr[-3000:]
 
 
 def test_lora_with_two_updates_per_rollout_under_fsdp_trains_like_one_process(workspace):

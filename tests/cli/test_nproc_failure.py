@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fault_runs import orphans_of
 
 from forge.model.tiny import build_tiny_model
 
@@ -129,19 +130,6 @@ def test_sigint_to_a_two_process_run_finishes_the_step_saves_it_and_exits_130(tm
     assert "forge: stopped by SIGINT after step 2 of 3" in stderr, stderr[-3000:]
     assert "a second SIGINT" not in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert (out / "checkpoint-2" / "COMPLETE").is_file() and not (out / "checkpoint-3").exists()
-
-
-def orphans_of(tmp_path: Path) -> list[int]:
-    """Processes still running whose command line names this test's folder."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if str(tmp_path).encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", pytest.param("SIGKILL", marks=pytest.mark.slow)])  # SIGKILL ends

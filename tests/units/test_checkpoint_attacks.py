@@ -32,7 +32,7 @@ from forge.run import integrity, state_files
 from forge.run.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
 from forge.run.checkpoint_names import checkpoint_dir
 from forge.run.integrity import CheckpointError
-from forge.run.lifecycle import OutputDirInUse, claim_output_dir
+from forge.run.lifecycle import OutputDirInUse, check_before_launch, claim_output_dir
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "reference": str(a + b)} for a, b in [(2, 3), (4, 1), (7, 5), (6, 6)]]
 CONFIG = {"model_name": "tiny", "group_size": 4, "use_lora": False}
@@ -500,3 +500,23 @@ def test_a_leftover_of_a_killed_replace_is_put_back_only_when_it_verifies_and_th
             f"whole") in said
     assert f"resumed from step 2 ({run / 'checkpoint-2'})" in said
     assert not (run / "checkpoint-1").exists() and (run / f"checkpoint-1.old-{gone}").is_dir()
+
+
+def test_forge_train_nproc_checks_the_checkpoint_to_resume_from_before_it_starts_the_processes(tmp_path):
+    """`check_before_launch`: the checkpoint --resume (or resume_from) names, verified in `forge train`
+    itself, so a damaged one is refused in one line instead of once per process; where a leftover of a killed
+    save may be put back first, the processes decide."""
+    run = tmp_path / "run"
+    trainer(tmp_path, max_steps=2).train(ROWS)
+    assert check_before_launch(run, "latest") == run / "checkpoint-2"
+    assert check_before_launch(run, str(run / "checkpoint-1")) == run / "checkpoint-1"
+    with pytest.raises(ValueError, match="final/ holds the trained model only"):
+        check_before_launch(run, str(run / "final"))
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        check_before_launch(tmp_path / "elsewhere", "latest")
+    (run / "checkpoint-2" / "model.safetensors").write_bytes(b"damaged")
+    with pytest.raises(CheckpointError, match=r"checkpoint-2 is damaged: model.safetensors is 7 bytes") as caught:
+        check_before_launch(run, "latest")
+    assert f"The newest older checkpoint that verifies is {run / 'checkpoint-1'}" in str(caught.value)
+    (run / "checkpoint-1").rename(run / f"checkpoint-1.old-{dead_pid()}")
+    assert check_before_launch(run, "latest") is None
