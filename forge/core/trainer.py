@@ -30,10 +30,12 @@ from forge.core.batch import Batch
 from forge.core.config import GRPOConfig
 from forge.core.dynamic_sampling import SamplingRounds
 from forge.core.engine_rollout import generate_on_engine, open_engine
+from forge.core.evaluator import greedy_reward_evaluator
 from forge.core.grpo import LossNormaliser, LossSettings, grpo_loss, logprob_gap
 from forge.core.logprobs import PolicyLogprobs, checkpointed_layers, logit_head, micro_batches
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
+from forge.core.reward_sources import build_reward_list
 from forge.core.rollout import (
     Rollout,
     SamplingSettings,
@@ -44,7 +46,7 @@ from forge.core.rollout import (
 )
 from forge.core.rollout_slices import cut_rollout, slice_seed
 from forge.core.rollout_worker import AsyncRollouts
-from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
+from forge.core.scoring import RewardError, Scores, score_rollout
 from forge.core.teacher import open_teacher
 from forge.envs import env_rewards, rollout_tools
 from forge.model import prepare_policy
@@ -241,10 +243,9 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
 
     def update(self, batch: Batch) -> dict:
         """Loss and backward over the micro-batches of all rollouts (a slice: its normaliser), then a step."""
-        config = self.config
         # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
         counts = self.dist.sum(LossNormaliser.counts(batch.loss_mask))
-        normaliser = batch.normaliser or LossNormaliser.of(counts, config.max_new_tokens)
+        normaliser = batch.normaliser or LossNormaliser.of(counts, self.config.max_new_tokens)
         totals = step_stats.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
@@ -253,7 +254,7 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
                     self.loss_and_backward(batch, r, indices, normaliser, totals)
         self.dist.all_reduce_grads(self.trainable)
         shards = self.dist.local_shards(self.trainable)  # this process's part of each weight (FSDP2: shards)
-        update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")
+        update = self.dist.combined(totals).as_metrics(with_rollout_is=self.config.rollout_is != "none")
         update["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         # Clip and step: GuardedStep skips a step whose loss, gradient or new weights (`shards`) are NaN/inf.
         update["grad_norm"] = self.guard.step(math.isfinite(update["loss"]), self.global_step + 1, shards,
