@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from forge.core.advantages import group_reward_std
+from forge.core.grpo import group_reward_std
 from forge.core.logprobs import checkpointed_layers, micro_batches
 from forge.core.reward import TrainerState
 from forge.core.reward_sources import check_reward_columns

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from forge.core.advantages import weighted_reward_sum
+from forge.core.grpo import weighted_reward_sum
 from forge.core.reward import (
     BaseReward,
     RewardOutput,

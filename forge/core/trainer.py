@@ -24,14 +24,13 @@ from typing import Any
 
 import torch
 
-from forge.core.advantages import group_reward_std, multi_reward_advantages
 from forge.core.arguments import trainer_arguments
 from forge.core.batch import Batch
 from forge.core.config import GRPOConfig
 from forge.core.dynamic_sampling import SamplingRounds
 from forge.core.engine_rollout import generate_on_engine, open_engine
 from forge.core.evaluator import greedy_reward_evaluator
-from forge.core.grpo import LossNormaliser, LossSettings, grpo_loss, logprob_gap
+from forge.core.grpo import LossNormaliser, LossSettings, group_reward_std, grpo_loss, multi_reward_advantages
 from forge.core.logprobs import PolicyLogprobs, checkpointed_layers, logit_head, micro_batches
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
@@ -286,10 +285,11 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
                                 sampler_logprobs=sampler)
         if divergence:  # full-vocabulary distillation: the teacher's term (core/distill.py)
             loss = loss + self.teacher.loss(divergence[0], part_mask, normaliser.num_tokens, totals)
-        recomputed = old is not None and batch.old_logprobs[r] is not rollout.sampler_logprobs
-        gap = None if sampler is None else logprob_gap(old if recomputed else logprobs, sampler, part_mask)
         # Each rank's loss carries its share: the sum of the ranks' gradients is the whole loss's gradient.
         (loss * self.guard.loss_scale).backward()  # the scale is 1 but under fp16 (forge/run/optim.py)
+        recomputed = old is not None and batch.old_logprobs[r] is not rollout.sampler_logprobs
+        ours = old if recomputed else logprobs  # pi_old where collect recomputed it, else this pass's
+        gap = None if sampler is None else step_stats.logprob_gap(ours, sampler, part_mask)
         totals.add(loss, stats, float(mask.sum()), gap)
 
     @property
