@@ -108,6 +108,14 @@ class BaseReward(ABC):
     """How the trainer calls it (core/scoring.py `CONVENTIONS`): a BaseReward Forge's way, ``reward(prompts,
     responses, ...)``."""
 
+    is_async = False
+    """Whether a call returns an awaitable (``async def __call__``), read from the class once, when it is
+    defined; the trainer awaits the async rewards of a step together."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.is_async = inspect.iscoroutinefunction(cls.__call__)
+
     @abstractmethod
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
         """Score each response to its prompt; return one float per response."""

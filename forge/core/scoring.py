@@ -175,7 +175,7 @@ def score_batch(rewards: list[tuple[str, BaseReward, float]], inputs: RewardInpu
     score_rollout build both): the async rewards started first and awaited together, then reward by reward,
     its scores checked, the samples it does not apply to and the non-finite ones marked."""
     n = len(inputs.completions)
-    asynchronous = [(name, reward) for name, reward, _ in rewards if is_async_reward(reward)]
+    asynchronous = [(name, reward) for name, reward, _ in rewards if reward.is_async]
     # started first
     settled = _settle_async_rewards(asynchronous, inputs, rules.timeout) if asynchronous else {}
     valid = torch.ones(n, dtype=torch.bool)
@@ -202,14 +202,6 @@ def score_batch(rewards: list[tuple[str, BaseReward, float]], inputs: RewardInpu
                     inputs.logged, inputs.extra)
     scores.total = weighted_reward_sum(*scores.stacked(), [weight for _, _, weight in rewards])  # (N,)
     return scores
-
-
-def is_async_reward(reward: Any) -> bool:
-    """True for an ``async def`` reward (a coroutine function, or an object whose ``__call__`` is one)."""
-    target = reward.fn if isinstance(reward, FunctionReward) else reward
-    if inspect.iscoroutinefunction(target):
-        return True
-    return callable(target) and inspect.iscoroutinefunction(type(target).__call__)
 
 
 def _caller(reward: BaseReward, inputs: RewardInputs) -> Callable:
@@ -523,6 +515,8 @@ class FunctionReward(BaseReward):
         self.by_name = convention == "forge" and binds_by_name(fn)
         self.accepts = accepted_names(fn, positional=0 if convention == "trl" or self.by_name else 2)
         self.named = named_extras(fn)
+        # an async def function, or an object whose __call__ is one: awaited with the step's other async ones
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
     def __call__(self, prompts: list, responses: list[str], **kwargs: Any) -> RewardOutput:
         return self.score_inputs(RewardInputs(list(prompts), list(responses), kwargs))
