@@ -390,6 +390,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 # Each estimates KL(pi_theta || pi_ref) per sampled token (tokens drawn from the policy, d = logp - ref), from
 # http://joschu.net/blog/kl-approx.html: k1 = d is unbiased but goes negative and has high variance;
 # k2 = d^2 / 2 is biased, >= 0, its gradient that of the reverse KL in expectation; k3 is unbiased, >= 0.
+# k1 and k2 are core/loss_variants.py's.
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -426,9 +427,9 @@ IMPORTANCE_LEVELS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
 
 
 # ----------------------------------------------------------------------------------------------------
-# Policy objectives: each fn(ratio (B, T), logprobs (B, T), adv (B, 1), settings) -> PolicyTerm, whose pg_loss
-# is the per-token loss to minimise and whose flags say which tokens a bound held back (clip statistics).
-
+# Policy objectives: each fn(ratio (B, T), logprobs (B, T), adv (B, 1), settings) -> PolicyTerm (core/
+# loss_variants.py), whose pg_loss is the per-token loss to minimise and whose flags say which tokens a bound
+# held back (clip statistics). CISPO's and SAPO's are core/loss_variants.py's.
 
 
 def _clipped_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
@@ -448,8 +449,6 @@ def _clipped_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTe
     return PolicyTerm(pg_loss, (ratio < 1 - low) & (adv < 0), (ratio > 1 + high) & (adv > 0), capped)
 
 
-
-
 POLICY_OBJECTIVES: dict[str, Callable[..., PolicyTerm]] = {
     "clip": _clipped_objective,
     "cispo": cispo_objective,
@@ -460,7 +459,7 @@ POLICY_OBJECTIVES: dict[str, Callable[..., PolicyTerm]] = {
 # ----------------------------------------------------------------------------------------------------
 # Aggregations: per-token loss (B, T) -> scalar. `num_sequences` / `num_tokens` are the counts over the
 # whole optimizer batch (all micro-batches, all ranks), so summing micro-batch losses gives the same
-# value as one big batch.
+# value as one big batch. The token mean and the constant normaliser are core/loss_variants.py's.
 
 
 class LossNormaliser(NamedTuple):
@@ -500,8 +499,6 @@ def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormal
     # DeepSeekMath eq. 3: 1/G sum_i 1/|o_i| sum_t
     lengths = mask.sum(dim=1).clamp(min=1)
     return ((per_token * mask).sum(dim=1) / lengths).sum() / norm.num_sequences
-
-
 
 
 LOSS_AGGREGATIONS = {

@@ -184,8 +184,6 @@ def call_with_accepted_kwargs(
     return fn(prompts, responses, **accepted_kwargs(fn, kwargs))
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # Built-in rewards
 
