@@ -20,9 +20,10 @@ import time
 import torch
 
 import forge
-from forge.core.grpo import grpo_loss, logprob_gap
+from forge.core.grpo import grpo_loss
 from forge.core.logprobs import completion_logprobs
 from forge.core.rollout import SamplingSettings, generate
+from forge.run.step_stats import logprob_gap
 
 PROMPTS = [
     "What is 12 + 7? Think step by step, then give the answer.",

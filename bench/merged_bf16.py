@@ -37,7 +37,6 @@ VARIANTS = ("base", "adapters", "merged")
 
 
 def main(steps: int, heldout_size: int, rounds: int) -> None:
-    from forge.core.grpo import logprob_gap
     from forge.core.logprobs import completion_logprobs
     from forge.core.rollout import SamplingSettings, generate
     from forge.core.trainer import GRPOTrainer
@@ -46,6 +45,7 @@ def main(steps: int, heldout_size: int, rounds: int) -> None:
     from forge.eval.evaluate import evaluate
     from forge.model import cpu_name, load_model, merged_adapters
     from forge.run.optim import make_scheduler
+    from forge.run.step_stats import logprob_gap
 
     settings = DemoSettings(seed=0, dtype="bfloat16")
     rows = arithmetic_dataset(n=max(steps, 1) * settings.prompts_per_step + 8, seed=0, chat=True)

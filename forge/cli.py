@@ -104,7 +104,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, config) -> int:
     """cmd_train once the config and the output directory are checked: load, train, say where the run is."""
-    from forge.core.scoring import greedy_reward_evaluator
+    from forge.core.evaluator import greedy_reward_evaluator
     from forge.core.trainer import GRPOTrainer, TrainingInterrupted
     from forge.envs import load_environment
     from forge.eval.evaluate import graded_by_math, heldout_metrics

@@ -36,7 +36,7 @@ rounding, and nano's sampling at temperature 1 and below equal to Forge's, token
 
 What it leaves out, and where Forge has it:
 
-    other losses, advantage scales and KL estimators     forge/core/grpo.py, forge/core/advantages.py
+    other losses, advantage scales and KL estimators     forge/core/grpo.py, forge/core/loss_variants.py
       (DAPO, Dr. GRPO, GSPO, CISPO, SAPO, RLOO, GDPO)
     several rewards, reward isolation and timeouts       forge/core/reward.py, forge/core/scoring.py
     tools and environments in the decode loop            forge/core/rollout.py, forge/tools/, forge/envs/

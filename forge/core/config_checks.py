@@ -15,9 +15,9 @@ from forge.core.grpo import (
     KL_ESTIMATORS,
     LOSS_TYPES,
     MULTI_REWARD_AGGREGATIONS,
-    ROLLOUT_IS_MODES,
     LossType,
 )
+from forge.core.loss_variants import ROLLOUT_IS_MODES
 from forge.run.health import HEALTH_RULES, parse_thresholds
 
 VLLM_INSTALL = (

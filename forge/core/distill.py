@@ -12,7 +12,7 @@ its negative the advantage of each token and trains with the ordinary policy-gra
 
     A_t = reward_coef * A_group + distill_coef * -(log p_student - log p_teacher)
 
-where A_group is the completion's group-relative reward advantage (core/advantages.py), the same on each of
+where A_group is the completion's group-relative reward advantage (core/grpo.py), the same on each of
 its tokens. With reward_coef = 0 this is pure distillation; then a token the teacher finds likelier than the
 student did is pushed up, one it finds less likely pushed down, and the policy gradient of sum_t A_t log
 p_student(y_t) is (in expectation over the student's samples) the negative gradient of the reverse KL at each

@@ -1,15 +1,18 @@
-"""The pure-tensor GRPO loss: per-token log-probs, KL, and the clipped objective with its variants.
+"""GRPO as pure tensor math: the group-relative advantages, then the loss (per-token ratio, clipped objective,
+KL penalty, aggregation), each with its published variants.
 
 Forge implements GRPO as DeepSeekMath defines it (Shao et al. 2024, https://arxiv.org/abs/2402.03300,
-eq. 3): a per-token ratio against the policy that sampled, clipped, plus a KL penalty against the reference:
+sec. 4.1.2 and eq. 3): each completion is scored against the other completions of its prompt, and the policy
+moves by a per-token ratio against the policy that sampled, clipped, plus a KL penalty against the reference:
 
+    A         = (r - mean(r_group)) / std(r_group)             one advantage per completion
     ratio_t   = exp(logp_theta(o_t) - logp_old(o_t))          per token, against the sampling policy
     pg_t      = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high))
     kl_t      = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     k3 estimator, >= 0
     loss      = aggregate(pg_t + beta * kl_t)
 
-`A` is the group-relative advantage of the completion (core/advantages.py). The published variants change one
-piece of this, each one small function plus one entry in a dict below; adding a variant touches no other code:
+The published variants change one piece of this, each one small function plus one entry in a table below;
+adding a variant touches no other code:
 
     ADVANTAGE_SCALES           group / batch / none / rloo / reinforce_plus_plus_baseline
     MULTI_REWARD_AGGREGATIONS  sum_then_normalize / normalize_then_sum (GDPO); None rewards do not apply
@@ -17,34 +20,201 @@ piece of this, each one small function plus one entry in a dict below; adding a 
     POLICY_OBJECTIVES          clip (+ dual-clip / two-sided cap) / cispo / sapo
     LOSS_AGGREGATIONS          per-sequence mean / token mean / constant (Dr. GRPO); LOSS_TYPES pairs them
     KL_ESTIMATORS              k1 / k2 / k3
-    ROLLOUT_IS_MODES           none / token or sequence, truncated or masked sampler importance weights
 
-plus the token entropy (from the same chunked log-softmax as the log-probs), its top-quantile mask and bonus.
-grpo_loss comes first and reads as plain GRPO; it takes the variant as one LossSettings
+This file holds plain GRPO, the variants that reuse its pieces and the tables; the loss variants whose math
+stands alone (CISPO, SAPO, the other aggregations and KL estimators) and what reshapes the policy term (the
+off-policy sequence mask, the high-entropy tokens, the sampler's importance weights: ROLLOUT_IS_MODES) or adds
+to the loss (the entropy bonus) are core/loss_variants.py's. In each half, `compute_group_advantages` and
+`grpo_loss` come first and read as plain GRPO; grpo_loss takes the variant as one LossSettings
 (LossSettings.from_config derives it from a run's config) and looks each piece up in the tables after it.
 
-This module imports only torch, the standard library and core/advantages.py (pure tensor math too): everything
-comes in as tensors and numbers, so every formula is tested with hand-built tensors.
+This module imports only torch, the standard library and core/loss_variants.py (pure tensor math too):
+everything comes in as tensors and numbers, so every formula is tested with hand-built tensors.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
 
-# re-exported: the original API had them here
-from forge.core.advantages import (
-    ADVANTAGE_SCALES,
-    MULTI_REWARD_AGGREGATIONS,
-    compute_group_advantages,
-    group_reward_std,
-    multi_reward_advantages,
-    weighted_reward_sum,
+from forge.core.loss_variants import (
+    PolicyTerm,
+    adapted_entropy_coef,
+    applied_entropy_coef,
+    cispo_objective,
+    constant_normaliser,
+    entropy_bonus,
+    k1_kl,
+    k2_kl,
+    reshaped_policy_term,
+    sapo_objective,
+    token_mean,
 )
+
+# ----------------------------------------------------------------------------------------------------
+# Advantages: how a group's rewards become each completion's advantage A (DeepSeekMath sec. 4.1.2). The
+# published variants change the divisor or the baseline, each one small function plus one entry in
+# ADVANTAGE_SCALES; several rewards combine by MULTI_REWARD_AGGREGATIONS (a weighted sum first, or GDPO's
+# per-reward normalisation).
+
+# Each returns the divisor of the centred rewards r - group mean, (N,), from the float64 rewards, the centred
+# rewards and the (N,) mask of the samples that enter the statistics; `eps` keeps a std of 0 from dividing.
+
+
+def _masked_std(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Bessel-corrected std of each group's valid entries, (groups, n) -> (groups,) (the whole batch is one
+    group of N); exactly 0 where fewer than two are valid or all valid entries are equal."""
+    weight = valid.to(values.dtype)  # (groups, n)
+    count = weight.sum(dim=1)  # (groups,)
+    mean = (values * weight).sum(dim=1, keepdim=True) / count.clamp(min=1)[:, None]  # (groups, 1)
+    var = ((values - mean) ** 2 * weight).sum(dim=1) / (count - 1).clamp(min=1)  # (groups,)
+    spread = (count >= 2) & ~_all_equal(values, valid)  # (groups,)
+    return torch.where(spread, var.sqrt(), 0.0)
+
+
+def _all_equal(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(groups, n) -> (groups,): True where every valid entry holds the same value (or none is valid). Exact,
+    so a group of 0.7s or 1.1s, which no float type holds exactly, is recognised without rounding."""
+    big = torch.finfo(values.dtype).max
+    highest = torch.where(valid, values, -big).max(dim=1).values
+    lowest = torch.where(valid, values, big).min(dim=1).values
+    return highest <= lowest
+
+
+def _group_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
+    std = _masked_std(rewards.view(-1, group_size), valid.view(-1, group_size))  # (groups,)
+    return std.repeat_interleave(group_size) + eps
+
+
+def _batch_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
+    return _masked_std(rewards[None], valid[None]).expand_as(rewards) + eps
+
+
+def _no_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
+    return torch.ones_like(rewards)  # no eps: the advantage is exactly r - mean
+
+
+def _leave_one_out_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
+    # RLOO (Ahmadian et al. 2024, arXiv 2402.14740, sec. 3): r_i - mean_{j != i} r_j = n / (n - 1) * (r_i -
+    # mean), n = valid samples of the group; so the divisor is (n - 1) / n (no eps: nothing can be 0 here).
+    count = valid.view(-1, group_size).sum(dim=1).to(rewards.dtype)  # (groups,)
+    return ((count - 1).clamp(min=1) / count.clamp(min=1)).repeat_interleave(group_size)
+
+
+def _centred_batch_scale(rewards, centred, valid, group_size: int, eps: float) -> torch.Tensor:
+    # REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262, sec. 3): the group mean is the baseline, then
+    # the differences are normalised by their std over the batch (their batch mean is already 0). One value
+    # per completion; verl whitens per token instead, which weighs long completions more.
+    return _masked_std(centred[None], valid[None]).expand_as(rewards) + eps
+
+
+ADVANTAGE_SCALES: dict[str, Callable[..., torch.Tensor]] = {
+    "group": _group_scale,  # DeepSeekMath: std of the group (Bessel-corrected)
+    "batch": _batch_scale,  # std over the whole batch (more robust for small groups)
+    "none": _no_scale,  # Dr. GRPO (Liu et al. 2025): no std division, removes the difficulty bias
+    "rloo": _leave_one_out_scale,  # RLOO: leave-one-out baseline
+    "reinforce_plus_plus_baseline": _centred_batch_scale,  # REINFORCE++-baseline: group mean, batch std
+}
+
+
+def _check_rewards(rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None) -> torch.Tensor:
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+                         f"got shape {tuple(rewards.shape)}")
+    if valid is None:
+        return torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device)
+    if valid.shape != rewards.shape:
+        raise ValueError(f"valid must have the rewards' shape {tuple(rewards.shape)}, "
+                         f"got {tuple(valid.shape)}")
+    return valid.bool()
+
+
+def compute_group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Group-relative advantages. rewards: (N,) laid out group by group, N = num_groups * group_size.
+
+    A_i = (r_i - mean(group)) / (std + eps), or r_i - mean(group) for scale='none'.
+    valid: (N,) bool, False for samples left out of the statistics (e.g. a reward returned NaN); they get
+    advantage 0, and the mean and std are those of the group's valid samples.
+    A group whose valid rewards are all equal gets exactly 0, whatever their value: the statistics run in
+    float64 and an all-equal group is detected by max == min, not by a std that rounds to ~1e-8.
+    """
+    valid = _check_rewards(rewards, group_size, valid)
+    values = torch.where(valid, rewards.double(), 0.0)  # (N,) float64
+    grouped, grouped_valid = values.view(-1, group_size), valid.view(-1, group_size)  # (groups, G)
+    count = grouped_valid.sum(dim=1, keepdim=True).clamp(min=1)  # (groups, 1)
+    mean = grouped.sum(dim=1, keepdim=True) / count  # (groups, 1)
+    flat = _all_equal(grouped, grouped_valid)[:, None]  # (groups, 1)
+    centred = torch.where(flat | ~grouped_valid, 0.0, grouped - mean).reshape(-1)  # (N,)
+    scale_by = ADVANTAGE_SCALES[scale](values, centred, valid, group_size, eps)  # (N,)
+    return (centred / scale_by).to(torch.float32)  # (N,)
+
+
+# Several rewards: each fn(components (N, K), applies (N, K) bool, weights (K,), group_size, scale, eps, valid
+# (N,)) -> (N,) advantages. `applies` is False where a reward returned None ("does not apply" to that sample):
+# the sample is scored by the rewards that apply, and when none applies it gets advantage 0 and leaves the
+# statistics. `valid` is False for samples left out for another reason (a NaN reward).
+
+
+def weighted_reward_sum(components: torch.Tensor, applies: torch.Tensor,
+                        weights: Sequence[float]) -> torch.Tensor:
+    """sum_k w_k r_k over the rewards that apply, (N, K) -> (N,) float32, summed reward by reward in float32:
+    the one weighted sum, of the advantages and of the `reward` Forge logs (core/scoring.py Scores.total)."""
+    total = torch.zeros(components.shape[0], dtype=torch.float32)
+    for k, weight in enumerate(weights):
+        total = total + float(weight) * torch.where(applies[:, k], components[:, k].float(), 0.0)
+    return total
+
+
+def _sum_then_normalize(components, applies, weights, group_size, scale, eps, valid) -> torch.Tensor:
+    total = weighted_reward_sum(components, applies, weights)  # (N,)
+    return compute_group_advantages(total, group_size, scale, eps, valid=valid & applies.any(dim=1))
+
+
+def _normalize_then_sum(components, applies, weights, group_size, scale, eps, valid) -> torch.Tensor:
+    # GDPO (Liu et al. 2026, arXiv 2601.05242, sec. 3): A = normalise_batch(sum_k w_k (r_k - mean_g) / std_g)
+    per_reward = torch.stack([
+        compute_group_advantages(components[:, k].float(), group_size, "group", eps,
+                                 valid=valid & applies[:, k])
+        for k in range(components.shape[1])], dim=1)  # (N, K), 0 where reward k does not apply
+    summed = (per_reward.double() * torch.tensor(list(weights), dtype=torch.float64)).sum(dim=1)  # (N,)
+    scored = valid & applies.any(dim=1)
+    return compute_group_advantages(summed, summed.numel(), "group", eps, valid=scored)  # one group: all
+
+
+MULTI_REWARD_AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "sum_then_normalize": _sum_then_normalize,  # GRPO: one scalar reward per completion, then scale_rewards
+    "normalize_then_sum": _normalize_then_sum,  # GDPO: decoupled, a large-scale reward cannot drown others
+}
+
+
+def multi_reward_advantages(
+    components: torch.Tensor, applies: torch.Tensor | None, weights: Sequence[float], group_size: int,
+    scale: str = "group", eps: float = 1e-4, aggregation: str = "sum_then_normalize",
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Advantages from K rewards per completion. components: (N, K) laid out group by group; applies: (N, K)
+    bool (None = every reward applies everywhere); valid: (N,) bool (None = all). Returns (N,) float32."""
+    if components.dim() != 2 or components.shape[1] != len(weights):
+        raise ValueError(f"components must be (N, K={len(weights)}), got shape {tuple(components.shape)}")
+    applies = torch.ones(components.shape, dtype=torch.bool) if applies is None else applies.bool()
+    valid = _check_rewards(components[:, 0], group_size, valid)
+    return MULTI_REWARD_AGGREGATIONS[aggregation](components, applies, weights, group_size, scale, eps, valid)
+
+
+def group_reward_std(rewards: torch.Tensor, group_size: int,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-group std of the (valid) rewards, (num_groups,) float32; exactly 0 for a group of equal rewards."""
+    valid = _check_rewards(rewards, group_size, valid)
+    values = torch.where(valid, rewards.double(), 0.0).view(-1, group_size)  # (groups, G)
+    return _masked_std(values, valid.view(-1, group_size)).to(torch.float32)
+
 
 # ----------------------------------------------------------------------------------------------------
 # The loss: plain GRPO first; each variant is one entry in a table further down
@@ -214,61 +384,13 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------------
-# Variants that multiply the policy term: off-policy sequence mask, high-entropy tokens, sampler IS weights
-
-
-def reshaped_policy_term(pg_loss: torch.Tensor, adv: torch.Tensor, logprobs: torch.Tensor,
-                         old_logprobs: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
-                         entropy: torch.Tensor | None, sampler_logprobs: torch.Tensor | None):
-    """(pg_loss (B, T), acting (B, T): the tokens the policy gradient and the entropy bonus act on, is_weight
-    (B, T) or None) after the variants that mask or weigh the policy term."""
-    acting, is_weight = mask, None
-    if settings.off_policy_mask_threshold is not None:
-        sampled = old_logprobs if sampler_logprobs is None else sampler_logprobs
-        pg_loss = pg_loss * off_policy_sequence_mask(adv, logprobs, sampled, mask,
-                                                     settings.off_policy_mask_threshold)
-    if settings.top_entropy_quantile < 1.0:
-        acting = mask * high_entropy_mask(entropy, mask, settings.top_entropy_quantile).to(mask.dtype)
-        pg_loss = pg_loss * (acting > 0).to(pg_loss.dtype)
-    if settings.rollout_is != "none":
-        if sampler_logprobs is None:
-            raise ValueError(f"rollout_is={settings.rollout_is!r} needs the sampler's log-probs "
-                             f"(sampler_logprobs=...)")
-        is_weight = rollout_importance_weights(old_logprobs, sampler_logprobs, mask, settings.rollout_is,
-                                               settings.rollout_is_threshold)  # (B, T)
-        pg_loss = pg_loss * is_weight
-    return pg_loss, acting, is_weight
-
-
-def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, acting: torch.Tensor, normaliser: LossNormaliser,
-                  settings: LossSettings) -> torch.Tensor:
-    """The mean entropy of the tokens the policy gradient acts on (all completion tokens; with
-    top_entropy_quantile < 1 the high-entropy ones, as TRL does), whatever the aggregation, so entropy_coef
-    means the same for every loss_type. Each micro-batch's mean is weighted by its share of the optimizer
-    batch's tokens, so the shares sum to the batch's (exactly the token mean when every token acts)."""
-    if settings.top_entropy_quantile < 1.0:
-        share = float(mask.sum()) / max(normaliser.num_tokens, 1.0)
-        return (entropy * acting).sum() / acting.sum().clamp(min=1) * share
-    return (entropy * mask).sum() / max(normaliser.num_tokens, 1.0)
-
-
-# ----------------------------------------------------------------------------------------------------
 # KL
 
 
 # Each estimates KL(pi_theta || pi_ref) per sampled token (tokens drawn from the policy, d = logp - ref), from
 # http://joschu.net/blog/kl-approx.html: k1 = d is unbiased but goes negative and has high variance;
 # k2 = d^2 / 2 is biased, >= 0, its gradient that of the reverse KL in expectation; k3 is unbiased, >= 0.
-
-
-def k1_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k1 estimate of KL(pi_theta || pi_ref): logp - ref (can be negative)."""
-    return logprobs - ref_logprobs
-
-
-def k2_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k2 estimate of KL(pi_theta || pi_ref): (logp - ref)^2 / 2, always >= 0."""
-    return 0.5 * (logprobs - ref_logprobs) ** 2
+# k1 and k2 are core/loss_variants.py's.
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -305,15 +427,9 @@ IMPORTANCE_LEVELS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
 
 
 # ----------------------------------------------------------------------------------------------------
-# Policy objectives: each fn(ratio (B, T), logprobs (B, T), adv (B, 1), settings) -> PolicyTerm, whose pg_loss
-# is the per-token loss to minimise and whose flags say which tokens a bound held back (clip statistics).
-
-
-class PolicyTerm(NamedTuple):
-    pg_loss: torch.Tensor  # (B, T)
-    clipped_low: torch.Tensor  # (B, T) bool: A < 0 and the lower clip bound holds the ratio
-    clipped_high: torch.Tensor  # (B, T) bool: the upper bound holds the ratio (A > 0; cispo: any A)
-    capped: torch.Tensor  # (B, T) bool: A < 0 and the ratio is over delta / clip_ratio_c
+# Policy objectives: each fn(ratio (B, T), logprobs (B, T), adv (B, 1), settings) -> PolicyTerm (core/
+# loss_variants.py), whose pg_loss is the per-token loss to minimise and whose flags say which tokens a bound
+# held back (clip statistics). CISPO's and SAPO's are core/loss_variants.py's.
 
 
 def _clipped_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
@@ -333,37 +449,17 @@ def _clipped_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTe
     return PolicyTerm(pg_loss, (ratio < 1 - low) & (adv < 0), (ratio > 1 + high) & (adv > 0), capped)
 
 
-def _cispo_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
-    # CISPO (MiniMax-M1, arXiv 2506.13585, the J_CISPO objective of sec. 3.1): -sg(min(r, 1 + eps_high)) * A *
-    # log pi_theta. The weight is clipped, never the token: every token keeps its gradient -w A grad log pi.
-    # No lower bound, as in the paper.
-    cap = 1 + settings.epsilon_high
-    weight = torch.clamp(ratio, max=cap).detach()  # (B, T)
-    over = ratio > cap
-    return PolicyTerm(-weight * adv * logprobs, torch.zeros_like(over), over, torch.zeros_like(over))
-
-
-def _sapo_objective(ratio, logprobs, adv, settings: LossSettings) -> PolicyTerm:
-    # SAPO (Gao et al. 2025, arXiv 2511.20347, the soft gate of sec. 3): -f(r) A with the gate f(r) =
-    # sigmoid(tau (r - 1)) * 4 / tau, tau = tau_pos for A > 0, tau_neg otherwise. f'(1) = 1, so on-policy it
-    # is the policy gradient; far off-policy the gradient fades smoothly instead of stopping at a hard bound.
-    tau = torch.where(adv > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)  # (B, 1)
-    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # (B, T)
-    none = torch.zeros_like(ratio, dtype=torch.bool)
-    return PolicyTerm(-gate * adv, none, none, none)
-
-
 POLICY_OBJECTIVES: dict[str, Callable[..., PolicyTerm]] = {
     "clip": _clipped_objective,
-    "cispo": _cispo_objective,
-    "sapo": _sapo_objective,
+    "cispo": cispo_objective,
+    "sapo": sapo_objective,
 }
 
 
 # ----------------------------------------------------------------------------------------------------
 # Aggregations: per-token loss (B, T) -> scalar. `num_sequences` / `num_tokens` are the counts over the
 # whole optimizer batch (all micro-batches, all ranks), so summing micro-batch losses gives the same
-# value as one big batch.
+# value as one big batch. The token mean and the constant normaliser are core/loss_variants.py's.
 
 
 class LossNormaliser(NamedTuple):
@@ -405,22 +501,11 @@ def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormal
     return ((per_token * mask).sum(dim=1) / lengths).sum() / norm.num_sequences
 
 
-def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormaliser) -> torch.Tensor:
-    # DAPO (Yu et al. 2025, https://arxiv.org/abs/2503.14476, eq. 8): every token weighs the same
-    return (per_token * mask).sum() / max(norm.num_tokens, 1.0)
-
-
-def _constant_normaliser(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormaliser) -> torch.Tensor:
-    # Dr. GRPO (Liu et al. 2025, https://arxiv.org/abs/2503.20783): no length bias, constant denominator
-    sampled = norm.num_sequences if norm.num_sampled is None else norm.num_sampled
-    return (per_token * mask).sum() / (sampled * norm.max_completion_length)
-
-
 LOSS_AGGREGATIONS = {
     "grpo": _sequence_mean,
-    "bnpo": _token_mean,
-    "dapo": _token_mean,
-    "dr_grpo": _constant_normaliser,
+    "bnpo": token_mean,
+    "dapo": token_mean,
+    "dr_grpo": constant_normaliser,
 }
 
 
@@ -438,99 +523,8 @@ LOSS_TYPES = {
     "sapo": LossType("sapo", "grpo"),  # per-sequence mean, as in TRL and verl
 }
 
-
 # ----------------------------------------------------------------------------------------------------
-# Sampler/trainer mismatch: each fn(old_logprobs, sampler_logprobs, mask, threshold) -> (B, T) detached weight
-# w = pi_old / pi_sampler, multiplying the policy term (Yao et al. 2025, "Your efficient RL framework secretly
-# brings you off-policy RL training", https://fengyao.notion.site/off-policy-rl: truncated IS; masked IS drops
-# the token or sequence instead). Sequence level: one weight a completion, w = exp(sum_t (old_t - sampler_t)).
-
-
-def _token_log_weight(old, sampler, mask):
-    return (old - sampler) * mask  # (B, T)
-
-
-def _sequence_log_weight(old, sampler, mask):
-    return ((old - sampler) * mask).sum(dim=1, keepdim=True).expand_as(old)  # (B, T)
-
-
-def _truncated(log_weight: torch.Tensor, threshold: float) -> torch.Tensor:
-    return torch.exp(torch.clamp(log_weight, max=math.log(threshold)))
-
-
-def _masked(log_weight: torch.Tensor, threshold: float) -> torch.Tensor:
-    limit = math.log(threshold)
-    return torch.where(log_weight <= limit, torch.exp(torch.clamp(log_weight, max=limit)), 0.0)
-
-
-ROLLOUT_IS_MODES: dict[str, Callable[..., torch.Tensor] | None] = {
-    "none": None,
-    "token_truncate": lambda old, sampler, mask, c: _truncated(_token_log_weight(old, sampler, mask), c),
-    "token_mask": lambda old, sampler, mask, c: _masked(_token_log_weight(old, sampler, mask), c),
-    "sequence_truncate":
-        lambda old, sampler, mask, c: _truncated(_sequence_log_weight(old, sampler, mask), c),
-    "sequence_mask": lambda old, sampler, mask, c: _masked(_sequence_log_weight(old, sampler, mask), c),
-}
-
-
-def rollout_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
-                               mode: str, threshold: float) -> torch.Tensor | None:
-    """(B, T) detached weights pi_old / pi_sampler under `mode` (None for 'none'); old and sampler: (B, T)."""
-    weigh = ROLLOUT_IS_MODES[mode]
-    if weigh is None:
-        return None
-    return weigh(old_logprobs.detach().float(), sampler_logprobs.float(), mask.float(), threshold).detach()
-
-
-def logprob_gap(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                mask: torch.Tensor) -> tuple[float, float]:
-    """(mean, max) of |trainer - sampler| log-prob over the masked tokens: ~0 when one computation."""
-    gap = (logprobs.detach().float() - sampler_logprobs.float()).abs()[mask.bool()]
-    return (float(gap.mean()), float(gap.max())) if gap.numel() else (0.0, 0.0)
-
-
-# ----------------------------------------------------------------------------------------------------
-# DeepSeek-V3.2's off-policy sequence mask
-
-
-def off_policy_sequence_mask(adv: torch.Tensor, logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
-                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """(B, 1) 1.0 = keep, 0.0 = drop the sequence's policy term: DeepSeek-V3.2's off-policy sequence mask
-    (https://arxiv.org/abs/2512.02556; TRL's off_policy_mask_threshold). A completion with negative advantage
-    (adv, (B, 1)) is dropped when its mean per-token gap log pi_sampled - log pi_theta over the completion
-    mask exceeds `threshold`: a bad sample the current policy has already moved away from teaches little."""
-    gap = (sampled_logprobs.float() - logprobs.detach().float()) * mask  # (B, T)
-    mean_gap = gap.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
-    return ((adv >= 0) | (mean_gap <= threshold)).to(logprobs.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Entropy
-
-
-def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """(B, T) bool: the completion tokens whose entropy is in the top `quantile` fraction of this batch's
-    tokens (Wang et al. 2025, "Beyond the 80/20 rule", arXiv 2506.01939: entropy >= the (1 - q) quantile)."""
-    keep = mask.bool()
-    values = entropy.detach().float()[keep]
-    if values.numel() == 0:
-        return keep
-    threshold = torch.quantile(values, 1 - quantile)
-    return keep & (entropy.detach() >= threshold)
-
-
-def adapted_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float,
-                         high: float) -> float:
-    """Adaptive entropy control (Skywork-OR1, He et al. 2025, arXiv 2505.22312), the coefficient for the next
-    optimizer step: up by delta while the step's mean token entropy is at or below the target, down by delta
-    above it, held within [low, high]."""
-    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
-
-
-def applied_entropy_coef(coef: float, last_entropy: float | None, target: float) -> float:
-    """The entropy coefficient a step's loss uses under adaptive control: the bonus acts only while the
-    previous step's entropy was at or below the target (0 before the first step: no entropy known yet)."""
-    return coef if last_entropy is not None and last_entropy <= target else 0.0
+# The entropy coefficient of a run: fixed, or adapted after each step (loss_variants.adapted_entropy_coef)
 
 
 @dataclass(frozen=True)
@@ -560,7 +554,6 @@ class EntropyControl:
                                                        self.high), last_entropy=entropy)
 
 
-
 __all__ = [
     "ADVANTAGE_SCALES",
     "IMPORTANCE_LEVELS",
@@ -569,26 +562,16 @@ __all__ = [
     "LOSS_TYPES",
     "MULTI_REWARD_AGGREGATIONS",
     "POLICY_OBJECTIVES",
-    "ROLLOUT_IS_MODES",
     "EntropyControl",
     "LossNormaliser",
     "LossSettings",
     "LossStats",
     "LossType",
-    "PolicyTerm",
-    "adapted_entropy_coef",
-    "applied_entropy_coef",
     "compute_group_advantages",
     "group_reward_std",
     "grpo_loss",
-    "high_entropy_mask",
-    "k1_kl",
-    "k2_kl",
     "k3_kl",
-    "logprob_gap",
     "masked_mean",
     "multi_reward_advantages",
-    "off_policy_sequence_mask",
-    "rollout_importance_weights",
     "weighted_reward_sum",
 ]

@@ -2,7 +2,7 @@
 
 `check_before_training(trainer, rows)` runs when the rows are loaded:
     every prompt fits the model (core/rollout.py check_prompt_lengths)
-    every reward gets the arguments it needs (core/scoring.py check_reward_columns)
+    every reward gets the arguments it needs (core/reward_sources.py check_reward_columns)
 `run_preflight(trainer, rows, total_steps)` runs once the output directory is the run's, before step 1 of a
     new run (GRPOConfig.preflight: 'warn' prints, 'strict' also stops, 'off' skips): a few prompts x G
     sampled with the run's own model, precision, sampling settings and rewards, and one table of what they
@@ -31,11 +31,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from forge.core.advantages import group_reward_std
+from forge.core.grpo import group_reward_std
 from forge.core.logprobs import checkpointed_layers, micro_batches
 from forge.core.reward import TrainerState
+from forge.core.reward_sources import check_reward_columns
 from forge.core.rollout import check_prompt_lengths, render_prompt
-from forge.core.scoring import check_reward_columns, per_completion, rollout_inputs, score_completions
+from forge.core.scoring import per_completion, rollout_inputs, score_completions
 from forge.run import memory
 from forge.run.rng import capture_rng_state, restore_rng_state
 from forge.run.signals import note_user_interrupt

@@ -1,6 +1,9 @@
 """Rewards from whatever the user passes: a function, a BaseReward, a built-in's name, an import path, a
 reward model (a loaded sequence-classification model, its hub id or its folder), or a weighted list of them.
 
+    build_reward_list(x, weights) a run's rewards as (unique name, reward, weight), each checked against the
+                                  call its convention makes (`call_problem`; with the dataset's columns:
+                                  `check_reward_columns`)
     as_reward(x)                  any one of them as a BaseReward (what GRPOTrainer and CompositeReward call)
     CompositeReward([(r, w), ..]) a weighted average of rewards
     SequenceClassificationReward  a HuggingFace reward model's logit as the score
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -23,21 +27,106 @@ from typing import Any
 from forge.core.reward import (
     BaseReward,
     ExactMatchReward,
-    FunctionReward,
     LengthPenaltyReward,
     MathCorrectnessReward,
     NumberReward,
     RewardOutput,
     TagFormatReward,
     TrainerState,
-    as_output,
     call_with_accepted_kwargs,
 )
+from forge.core.scoring import (
+    CONVENTIONS,
+    FORGE_POSITIONS,
+    Convention,
+    FunctionReward,
+    as_output,
+    dataset_columns,
+)
+
+
+def build_reward_list(
+    reward_fn: Any, weights: Sequence[float] | None = None, convention: str = "forge"
+) -> list[tuple[str, BaseReward, float]]:
+    """One reward, or a list of rewards (weighted by `weights`), as (unique name, reward, weight); plain
+    functions are called by `convention` (forge.core.scoring.CONVENTIONS). A reward whose signature cannot
+    take that call is an error here, before any model work."""
+    is_list = isinstance(reward_fn, (list, tuple)) and not is_model_and_tokenizer(reward_fn)
+    rewards = list(reward_fn) if is_list else [reward_fn]
+    if not rewards:
+        raise ValueError("reward_fn is empty; pass a reward (e.g. ExactMatchReward()) or a list of them")
+    weights = list(weights) if weights is not None else [1.0] * len(rewards)
+    if len(weights) != len(rewards):
+        raise ValueError(f"reward_weights has {len(weights)} entries for {len(rewards)} reward functions")
+    named, seen = [], {}
+    for reward, weight in zip(rewards, weights):
+        if is_model_and_tokenizer(reward):
+            reward = SequenceClassificationReward(*reward)
+        if not callable(reward) and not isinstance(reward, str):
+            raise TypeError(f"reward {reward!r} is not callable; pass a BaseReward, f(prompts, completions), "
+                            f"or a reward model (its hub id, folder, or (model, tokenizer))")
+        wrapped = as_reward(reward, convention)
+        name = getattr(wrapped, "name", None) or type(wrapped).__name__
+        problem = call_problem(wrapped)
+        if problem:
+            raise TypeError(f"reward '{name}': {problem}")
+        seen[name] = seen.get(name, 0) + 1
+        named.append((name if seen[name] == 1 else f"{name}_{seen[name]}", wrapped, float(weight)))
+    return named
+
+
+def call_problem(reward: BaseReward, columns: Sequence[str] | None = None) -> str | None:
+    """Why `reward` cannot take the call its convention makes, or None: checked when the trainer is built (the
+    call's shape) and again when the dataset is known (`columns`: a required argument no column supplies)."""
+    fn = reward.fn if isinstance(reward, FunctionReward) else reward
+    convention = CONVENTIONS[reward.convention]
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = inspect.Parameter
+    positional = [p for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    takes_more = any(p.kind is kinds.VAR_POSITIONAL for p in parameters)
+    if getattr(reward, "by_name", False):  # Forge's call, prompts and completions by name too
+        convention = Convention(convention.supplies | set(FORGE_POSITIONS), convention.says)
+        required = [p.name for p in parameters if p.default is kinds.empty
+                    and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
+    elif reward.convention == "forge":
+        if len(positional) < 2 and not takes_more:
+            return (f"it takes {len(positional)} positional argument(s), but Forge calls {convention.says}; "
+                    f"pass it as reward_funcs= to have it called as TRL calls rewards, every argument by "
+                    f"keyword")
+        required = [p.name for p in positional[2:] + [p for p in parameters if p.kind is kinds.KEYWORD_ONLY]
+                    if p.default is kinds.empty]
+    else:
+        if any(p.kind is kinds.POSITIONAL_ONLY and p.default is kinds.empty for p in parameters):
+            return (f"it has positional-only arguments, but Forge calls {convention.says}; pass it as "
+                    f"reward_fn= to have it called Forge's way, prompts and completions by position")
+        required = [p.name for p in parameters if p.default is kinds.empty
+                    and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
+    supplied = set(convention.supplies) | set(columns or ())
+    missing = [name for name in required if name not in supplied]
+    if columns is None:
+        missing = [name for name in missing if name in convention.supplies]  # the rest may be columns
+    if missing:
+        where = f"; the dataset's columns are {sorted(columns)}" if columns is not None else ""
+        return f"it needs {missing}, which nothing supplies{where}; Forge calls {convention.says}"
+    return None
+
+
+def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: list[dict]) -> None:
+    """A reward argument that neither its calling convention nor a dataset column supplies is an error before
+    the first step, naming the columns there are."""
+    columns = list(dataset_columns(rows[:1]))
+    for name, reward, _ in rewards:
+        problem = call_problem(reward, columns)
+        if problem:
+            raise ValueError(f"reward '{name}': {problem}")
 
 
 def as_reward(fn_or_reward: Any, convention: str = "forge") -> BaseReward:
     """A BaseReward for a BaseReward (returned unchanged), a plain callable (wrapped in a `FunctionReward`
-    that is called by `convention`: 'forge' or 'trl', see forge.core.reward.CONVENTIONS), a
+    that is called by `convention`: 'forge' or 'trl', see forge.core.scoring.CONVENTIONS), a
     sequence-classification model, or a string: a built-in reward's name, a ``module:function`` path, or else
     a reward model's hub id or folder. A BaseReward subclass passed by mistake instead of an
     instance is an error."""
@@ -312,4 +401,5 @@ def load_reward_from_path(path: str, convention: str = "forge") -> BaseReward:
 
 
 __all__ = ["REWARD_REGISTRY", "CompositeReward", "SequenceClassificationReward", "as_reward", "build_reward",
-           "is_model_and_tokenizer", "load_reward_from_path"]
+           "build_reward_list", "call_problem", "check_reward_columns", "is_model_and_tokenizer",
+           "load_reward_from_path"]

@@ -1,4 +1,12 @@
-"""Turn completions into rewards: call each reward, check what it returned, weight and sum, handle failures.
+"""Turn completions into rewards: hand each reward what it receives, call it the way its convention says,
+check what it returned, weight and sum, handle failures.
+
+What a reward receives (`RewardInputs`): the prompts and completions, the dataset's other columns by name
+(`reference` as `references` in Forge's convention), each completion's token ids, and with tools or an
+environment the calls and episodes. How it is called: a `BaseReward` Forge's way, ``reward(prompts,
+completions, **the keywords its signature names)``; a plain function through `FunctionReward`, Forge's way
+or TRL's (`CONVENTIONS`), its signature read once when it is wrapped. Rewards from names, paths, reward models
+and weighted lists, and the checks of a reward's signature, are core/reward_sources.py's.
 
 A reward is user code, so it is treated as untrusted in one sense: whatever it does wrong (raises, hangs,
 returns NaN, a wrong count or a non-number) is caught here and reported with the reward's name and the
@@ -14,11 +22,8 @@ instead and counts them, so a long run can go on past one odd completion:
 A score of None means the reward does not apply to that sample: it is left out of that reward (the total is
 the weighted sum over the rewards that apply; `Scores.applies`), and a sample no reward applies to gets
 advantage 0 and stays out of the group statistics (`Scores.scored`). `async def` rewards of a step are
-started together and awaited concurrently (one event loop in a helper thread), each under reward_timeout,
-with the same error rules as the others.
-
-A timed-out call keeps running in a daemon thread (Python cannot kill a thread); for code that may
-never return, run it in a subprocess with `forge.tools.sandbox.run_python`, which is killed on its timeout.
+started together and awaited concurrently, each under reward_timeout, with the same error rules as the others
+(the helper thread and event loop are core/reward_timeouts.py's).
 
 A score is a Python int or float, or a numpy / torch number (np.float32, np.int64, a 0-d array or tensor); a
 list of scores may also be a 1-d array or tensor. A bool is refused: a yes/no score is returned as 1.0 / 0.0.
@@ -33,26 +38,25 @@ every KeyboardInterrupt is taken for the user's.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from forge.core.advantages import weighted_reward_sum
-from forge.core.engine_rollout import generate_on_engine
-from forge.core.reward import BaseReward, FunctionReward, RewardInputs, call_problem
-from forge.core.reward_sources import SequenceClassificationReward, as_reward, is_model_and_tokenizer
-from forge.core.rollout import SamplingSettings, generate
-from forge.data.dataset import dataset_columns
+from forge.core.grpo import weighted_reward_sum
+from forge.core.reward import (
+    BaseReward,
+    RewardOutput,
+    TrainerState,
+    accepted_names,
+    named_extras,
+    names_parameter,
+)
+from forge.core.reward_timeouts import RewardTimeout, call_with_timeout, settle, value_of
 from forge.run.loop import StepFailed
-from forge.run.rng import capture_rng_state, restore_rng_state
 from forge.run.signals import reraise_user_interrupt
-from forge.run.step_stats import completion_metrics
-from forge.tools.calls import ToolSettings
 
 
 class RewardError(StepFailed):
@@ -95,115 +99,12 @@ class Scores:
         return torch.stack([self.components[k] for k in names], dim=1), torch.stack(applies, dim=1)
 
 
-def build_reward_list(
-    reward_fn: Any, weights: Sequence[float] | None = None, convention: str = "forge"
-) -> list[tuple[str, BaseReward, float]]:
-    """One reward, or a list of rewards (weighted by `weights`), as (unique name, reward, weight); plain
-    functions are called by `convention` (forge.core.reward.CONVENTIONS). A reward whose signature cannot take
-    that call is an error here, before any model work."""
-    is_list = isinstance(reward_fn, (list, tuple)) and not is_model_and_tokenizer(reward_fn)
-    rewards = list(reward_fn) if is_list else [reward_fn]
-    if not rewards:
-        raise ValueError("reward_fn is empty; pass a reward (e.g. ExactMatchReward()) or a list of them")
-    weights = list(weights) if weights is not None else [1.0] * len(rewards)
-    if len(weights) != len(rewards):
-        raise ValueError(f"reward_weights has {len(weights)} entries for {len(rewards)} reward functions")
-    named, seen = [], {}
-    for reward, weight in zip(rewards, weights):
-        if is_model_and_tokenizer(reward):
-            reward = SequenceClassificationReward(*reward)
-        if not callable(reward) and not isinstance(reward, str):
-            raise TypeError(f"reward {reward!r} is not callable; pass a BaseReward, f(prompts, completions), "
-                            f"or a reward model (its hub id, folder, or (model, tokenizer))")
-        wrapped = as_reward(reward, convention)
-        name = getattr(wrapped, "name", None) or type(wrapped).__name__
-        problem = call_problem(wrapped)
-        if problem:
-            raise TypeError(f"reward '{name}': {problem}")
-        seen[name] = seen.get(name, 0) + 1
-        named.append((name if seen[name] == 1 else f"{name}_{seen[name]}", wrapped, float(weight)))
-    return named
-
-
-class RewardTimeout(Exception):
-    """A reward call ran past reward_timeout."""
-
-
-def _call_with_timeout(fn: Callable[[], Any], timeout: float) -> Any:
-    """Run fn, waiting at most `timeout` seconds; works from any thread (no signals).
-
-    The call runs in a daemon thread, so a reward that never returns cannot keep the process alive at
-    exit; it does keep running (and using a CPU) in the background until it returns."""
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread below
-            outcome["error"] = error
-
-    worker = threading.Thread(target=target, name="forge-reward", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise RewardTimeout(f"no result after {timeout}s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
-def _settle(awaitables: list, timeout: float | None) -> list[tuple[bool, Any]]:
-    """Await every awaitable concurrently, each under `timeout`: [(True, value) or (False, exception)].
-
-    One event loop in a helper thread, so this works where a loop already runs (a notebook)."""
-    async def caught(awaitable) -> tuple[bool, Any]:
-        try:
-            return True, await awaitable
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:  # noqa: BLE001 - SystemExit/KeyboardInterrupt too, which end the loop
-            return False, error  # handed back to the caller, who applies the error rules
-
-    async def one(awaitable) -> tuple[bool, Any]:
-        task = asyncio.ensure_future(caught(awaitable))
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-        if not done:
-            task.cancel()
-            return False, RewardTimeout(f"no result after {timeout}s")
-        return task.result()
-
-    async def every() -> list:
-        return list(await asyncio.gather(*(one(a) for a in awaitables)))
-
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = asyncio.run(every())
-        except BaseException as error:  # noqa: BLE001 - the loop itself failed: every reward of it failed so
-            outcome["error"] = error
-
-    worker = threading.Thread(target=target, name="forge-async-rewards", daemon=True)
-    worker.start()
-    worker.join(None if timeout is None else timeout + 10)  # a coroutine that blocks its loop cannot time out
-    if "value" in outcome:
-        return outcome["value"]
-    return [(False, outcome.get("error") or RewardTimeout(f"no result after {timeout}s"))] * len(awaitables)
-
-
-def _outcome(settled: tuple[bool, Any]) -> Any:
-    ok, value = settled
-    if not ok:
-        raise value
-    return value
-
-
 def _call_reward(fn: Callable[[], Any], timeout: float | None) -> Any:
     """fn(), under reward_timeout in a helper thread when there is one; then awaited if the reward is
     async."""
-    result = fn() if timeout is None else _call_with_timeout(fn, timeout)
+    result = fn() if timeout is None else call_with_timeout(fn, timeout)
     if inspect.isawaitable(result):
-        return _outcome(_settle([result], timeout)[0])
+        return value_of(settle([result], timeout)[0])
     return result
 
 
@@ -259,7 +160,7 @@ def score_completions(
     entries.
 
     columns: the dataset's other columns by their own names. Each reward is called the way its convention says
-    (forge.core.reward.CONVENTIONS: Forge's gives `reference` as `references` and trainer_state only to a
+    (`CONVENTIONS`: Forge's gives `reference` as `references` and trainer_state only to a
     reward that names it; TRL's gives every argument by keyword). row_index (N,) names each completion's
     dataset row in error messages."""
     inputs = RewardInputs(list(prompts), list(completions), columns, completion_ids, trainer_state,
@@ -274,7 +175,7 @@ def score_batch(rewards: list[tuple[str, BaseReward, float]], inputs: RewardInpu
     score_rollout build both): the async rewards started first and awaited together, then reward by reward,
     its scores checked, the samples it does not apply to and the non-finite ones marked."""
     n = len(inputs.completions)
-    asynchronous = [(name, reward) for name, reward, _ in rewards if is_async_reward(reward)]
+    asynchronous = [(name, reward) for name, reward, _ in rewards if reward.is_async]
     # started first
     settled = _settle_async_rewards(asynchronous, inputs, rules.timeout) if asynchronous else {}
     valid = torch.ones(n, dtype=torch.bool)
@@ -283,7 +184,7 @@ def score_batch(rewards: list[tuple[str, BaseReward, float]], inputs: RewardInpu
     for name, reward, _ in rewards:
         call, failed, timed_out = _caller(reward, inputs), 0, 0
         try:
-            output = _outcome(settled[name]) if name in settled else _call_reward(call, rules.timeout)
+            output = value_of(settled[name]) if name in settled else _call_reward(call, rules.timeout)
             values, meta = _as_scores(output, name, n, rules.where)  # (N,): a float, or None: does not apply
         except RewardError:  # a bad return value: always raised
             raise
@@ -303,14 +204,6 @@ def score_batch(rewards: list[tuple[str, BaseReward, float]], inputs: RewardInpu
     return scores
 
 
-def is_async_reward(reward: Any) -> bool:
-    """True for an ``async def`` reward (a coroutine function, or an object whose ``__call__`` is one)."""
-    target = reward.fn if isinstance(reward, FunctionReward) else reward
-    if inspect.iscoroutinefunction(target):
-        return True
-    return callable(target) and inspect.iscoroutinefunction(type(target).__call__)
-
-
 def _caller(reward: BaseReward, inputs: RewardInputs) -> Callable:
     """call(indices=None): the reward on every completion, or on the completions `indices` only."""
     return lambda indices=None: reward.score_inputs(inputs if indices is None else inputs.select(indices))
@@ -326,7 +219,7 @@ def _settle_async_rewards(rewards: list, inputs: RewardInputs, timeout: float | 
         except REWARD_FAILURES as error:  # raised before its first await
             started[name] = (False, error)
     pending = [name for name, (ok, _) in started.items() if ok]
-    settled = dict(zip(pending, _settle([started[name][1] for name in pending], timeout))) if pending else {}
+    settled = dict(zip(pending, settle([started[name][1] for name in pending], timeout))) if pending else {}
     settled.update({name: outcome for name, outcome in started.items() if not outcome[0]})
     return settled
 
@@ -411,16 +304,6 @@ def _describe_failure(name, error, prompts, completions, index, where, row_index
             f"set on_reward_error='score' to give failing samples reward_error_value and go on.")
 
 
-def check_reward_columns(rewards: list[tuple[str, BaseReward, float]], rows: list[dict]) -> None:
-    """A reward argument that neither its calling convention nor a dataset column supplies is an error before
-    the first step, naming the columns there are."""
-    columns = list(dataset_columns(rows[:1]))
-    for name, reward, _ in rewards:
-        problem = call_problem(reward, columns)
-        if problem:
-            raise ValueError(f"reward '{name}': {problem}")
-
-
 def score_rollout(rewards: list, rows: list[dict], rollout, config, *, step: int,
                   trainer_state) -> tuple[Scores | None, RewardError | None]:
     """Score a rollout of these dataset rows (G completions each) under the run's failure settings: every
@@ -471,54 +354,196 @@ def rollout_tool_calls(rollout) -> list[list[dict]] | None:
     return [[result.as_dict() for result in calls] for calls in rollout.tool_calls]
 
 
-def reward_metrics(scores: Scores) -> dict:
-    """reward, reward_std and each reward's rewards/<name>/mean and /std (TRL's names) over the valid samples
-    (a reward's own over those it applies to), NaN where there are none."""
-    def mean_std(values: torch.Tensor) -> tuple[float, float]:
-        return (float(values.mean()) if values.numel() else float("nan"),
-                float(values.std()) if values.numel() > 1 else 0.0)
-
-    metrics = dict(zip(("reward", "reward_std"), mean_std(scores.total[scores.valid])))
-    for name, values in scores.components.items():
-        applies = scores.valid & scores.applies.get(name, torch.ones_like(scores.valid))
-        metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = mean_std(values[applies])
-    return metrics
+# ----------------------------------------------------------------------------------------------
+# What a reward receives: the dataset's other columns, and what the rollout made (docs/rewards.md)
 
 
-def greedy_reward_evaluator(rewards: list, config, tools: ToolSettings | None = None, engine=None):
-    """The trainer's default evaluator: one greedy completion per held-out row, scored by the run's own
-    rewards, in TRL's names (reward, reward_std, rewards/<name>/mean and /std, completions/*; n: the rows;
-    GRPOTrainer.evaluate adds the eval_ prefix), with the run's tools when it has them, on the run's
-    vLLM `engine` when it has one (forge/core/engine_rollout.py). The global RNG state is restored afterwards,
-    so evaluating mid-run does not change later samples."""
+COLUMN_ALIASES = {"reference": "references"}
+"""Dataset columns that Forge's reward convention passes under another name (the built-in rewards take
+`references`); the one table of the rename."""
 
-    @torch.no_grad()
-    def evaluate(model, tokenizer, rows: list[dict], *, max_new_tokens: int, max_prompt_length: int) -> dict:
-        rng_state, was_training = capture_rng_state(), model.training
-        model.eval()
-        settings, prompts = SamplingSettings(max_new_tokens, do_sample=False), [row["prompt"] for row in rows]
-        completions, ids, calls, episodes, truncated = [], [], [], [], []
-        for start in range(0, len(rows), 32):
-            chunk, chunk_rows = prompts[start:start + 32], rows[start:start + 32]
-            rollout = generate(model, tokenizer, chunk, 1, settings, max_prompt_length,
-                               config.truncate_prompts, config.share_prompt_prefix, tools=tools,
-                               rows=chunk_rows) if engine is None \
-                else generate_on_engine(engine, tokenizer, chunk, 1, settings, max_prompt_length,
-                                        config.truncate_prompts, tools=tools, rows=chunk_rows)
-            completions += rollout.completions
-            ids += completion_token_ids(rollout)
-            truncated.append(rollout.truncated.float())
-            calls += rollout_tool_calls(rollout) or []
-            episodes += rollout.episodes or []
-        scores = score_completions(rewards, prompts, completions, dataset_columns(rows),
-                                   on_error=config.on_reward_error, error_value=config.reward_error_value,
-                                   timeout=config.reward_timeout, completion_ids=ids,
-                                   tool_calls=calls if tools is not None else None,
-                                   environments=[e.environment for e in episodes] if episodes else None,
-                                   episodes=episodes or None)
-        restore_rng_state(rng_state)
-        model.train(was_training)
-        lengths = torch.tensor([float(len(one)) for one in ids])  # (N,)
-        return {**reward_metrics(scores), **completion_metrics(lengths, torch.cat(truncated)), "n": len(rows)}
 
-    return evaluate
+def dataset_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """Every column except ``prompt`` and ``_private`` ones as a list over rows, under its own name."""
+    if not rows:
+        return {}
+    return {column: [row[column] for row in rows] for column in rows[0]
+            if column != "prompt" and not column.startswith("_")}
+
+
+def reward_kwargs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """`dataset_columns` keyed by Forge's reward keyword names (`COLUMN_ALIASES`: ``reference`` ->
+    ``references``)."""
+    return {COLUMN_ALIASES.get(column, column): values for column, values in dataset_columns(rows).items()}
+
+
+@dataclass
+class RewardInputs:
+    """Everything a reward may receive about a batch of N scored completions."""
+
+    prompts: list  # (N,) each a string or chat messages, as the dataset gave it
+    completions: list[str]  # (N,) the completions' text
+    columns: dict[str, list] = field(default_factory=dict)  # (N,) each: the dataset's other columns by name
+    completion_ids: list[list[int]] | None = None  # (N,) each completion's token ids
+    trainer_state: TrainerState | None = None  # where the run is
+    tool_calls: list[list[dict]] | None = None  # (N,) each completion's tool calls and results (with tools)
+    environments: list | None = None  # (N,) each completion's finished environment instance (forge/envs)
+    episodes: list | None = None  # (N,) Forge's record of each episode (forge/envs Episode: turns, rewards)
+    # name -> the values rewards logged (log_metric)
+    logged: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, list] = field(default_factory=dict)  # column -> (N,) values rewards logged (log_extra)
+
+    def select(self, indices: Sequence[int]) -> RewardInputs:
+        """The same inputs for the completions `indices` only (what rewards log goes to the same place)."""
+        pick = (lambda values: None if values is None else [values[i] for i in indices])
+        return RewardInputs(pick(self.prompts), pick(self.completions),
+                            {k: pick(v) for k, v in self.columns.items()}, pick(self.completion_ids),
+                            self.trainer_state, pick(self.tool_calls), pick(self.environments),
+                            pick(self.episodes), self.logged, self.extra)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric` keyword: a number the step's log shows under `name`, the mean of the values the
+        step's rewards logged under it."""
+        self.logged.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """TRL's `log_extra` keyword: one value per completion of the call, shown with the samples
+        (samples.jsonl) as `column`."""
+        self.extra.setdefault(column, []).extend(values)
+
+    def forge_keywords(self, named: Collection[str] = ()) -> dict[str, Any]:
+        """Forge's keywords: the columns (``reference`` as ``references``), ``tool_calls``, and those of
+        ``trainer_state``, ``completion_ids``, ``log_metric`` and ``log_extra`` the reward names (`named`: a
+        ``**kwargs`` reward gets the columns, not these)."""
+        keywords = {COLUMN_ALIASES.get(k, k): v for k, v in self.columns.items()}
+        keywords |= self.rollout_keywords()
+        extras = {"trainer_state": self.trainer_state, "completion_ids": self.completion_ids,
+                  "log_metric": self.log_metric, "log_extra": self.log_extra}
+        return keywords | {k: v for k, v in extras.items() if k in named and v is not None}
+
+    def trl_keywords(self, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
+        """TRL's keywords: ``prompts``, ``completions`` (for chat prompts each one a list holding the
+        assistant message, as TRL gives them), ``completion_ids``, every column by its own name,
+        ``trainer_state``, ``log_metric`` and ``log_extra`` (and ``tool_calls`` with tools); a column also
+        under Forge's name (``references``) when `fn` names that."""
+        chat = bool(self.prompts) and not isinstance(self.prompts[0], str)
+        completions = [[{"role": "assistant", "content": text}] for text in self.completions] if chat \
+            else self.completions
+        keywords = {"prompts": self.prompts, "completions": completions,
+                    "completion_ids": self.completion_ids, **self.columns,
+                    "trainer_state": self.trainer_state, "log_metric": self.log_metric,
+                    "log_extra": self.log_extra}
+        for column, alias in COLUMN_ALIASES.items():
+            if column in keywords and fn is not None and names_parameter(fn, alias):
+                keywords[alias] = keywords[column]
+        return keywords | self.rollout_keywords()
+
+    def rollout_keywords(self) -> dict[str, Any]:
+        """``tool_calls`` with tools; ``environments`` and ``episodes`` with an environment."""
+        given = {"tool_calls": self.tool_calls, "environments": self.environments, "episodes": self.episodes}
+        return {k: v for k, v in given.items() if v is not None}
+
+
+# ----------------------------------------------------------------------------------------------
+# The two ways of calling a reward (docs/rewards.md, docs/from-trl.md); a plain function as a reward
+
+
+class Convention(NamedTuple):
+    """One way of calling a reward (`BaseReward.score_inputs`, `FunctionReward.score_inputs`): the names it
+    supplies besides the dataset's columns, and the call as an error message shows it."""
+
+    supplies: frozenset[str]
+    says: str
+
+
+CONVENTIONS = {
+    "forge": Convention(
+        frozenset({*COLUMN_ALIASES.values(), "completion_ids", "trainer_state", "log_metric", "log_extra",
+                   "tool_calls", "environments", "episodes"}),
+        "reward(prompts, completions, **columns) with text completions, `reference` as `references`, and "
+        "trainer_state=, completion_ids=, log_metric=, log_extra= if it names them (Forge's convention: "
+        "reward_fn=)"),
+    "trl": Convention(
+        frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
+                   "tool_calls", "environments", "episodes"}),
+        "reward(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns), every "
+        "argument by keyword, chat completions as [{'role': 'assistant', 'content': ...}] (TRL's "
+        "convention: reward_funcs=)"),
+}
+"""The two ways Forge calls a reward, chosen once per reward, never per call: a BaseReward, and a function
+passed as ``reward_fn=`` (or by `forge train --reward`), Forge's way; a function passed as ``reward_funcs=``,
+TRL's way."""
+
+
+FORGE_POSITIONS = ("prompts", "completions")
+"""What Forge's call passes by position, in this order."""
+
+
+def binds_by_name(fn: Callable[..., Any]) -> bool:
+    """Whether Forge's call passes prompts and completions to `fn` by name rather than by position: one of its
+    first two parameters is named for another argument of the call (``def f(completions, completion_ids,
+    **kwargs)``), so by position each would get the wrong one, as text where ids were meant."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    kinds = inspect.Parameter
+    names = [p.name for p in parameters if p.kind is kinds.POSITIONAL_OR_KEYWORD][:2]
+    named_for = CONVENTIONS["trl"].supplies | CONVENTIONS["forge"].supplies  # every name a call gives
+    return len(names) == 2 and any(name in named_for and name != FORGE_POSITIONS[i]
+                                   for i, name in enumerate(names))
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return name.strip("<>") or "reward"
+
+
+class FunctionReward(BaseReward):
+    """Adapts a plain function that returns a list of floats (or a RewardOutput) to the BaseReward interface,
+    called as its `convention` says: 'forge' ``f(prompts, completions, **columns)`` (prompts and completions
+    by name to a function whose first parameters are named for other arguments: `binds_by_name`), 'trl' every
+    argument by keyword as TRL calls it. Usually built by `as_reward`."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, convention: str = "forge") -> None:
+        if convention not in CONVENTIONS:
+            raise ValueError(f"convention={convention!r}; choose one of {sorted(CONVENTIONS)}")
+        self.fn, self.convention = fn, convention
+        self.name = name or _callable_name(fn)
+        # the call's shape, read from the signature once: prompts and completions by position or by name
+        # (binds_by_name), the keywords it takes, whether it gets trainer_state and completion_ids
+        self.by_name = convention == "forge" and binds_by_name(fn)
+        self.accepts = accepted_names(fn, positional=0 if convention == "trl" or self.by_name else 2)
+        self.named = named_extras(fn)
+        # an async def function, or an object whose __call__ is one: awaited with the step's other async ones
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+    def __call__(self, prompts: list, responses: list[str], **kwargs: Any) -> RewardOutput:
+        return self.score_inputs(RewardInputs(list(prompts), list(responses), kwargs))
+
+    def score_inputs(self, inputs: RewardInputs) -> Any:
+        if self.convention == "trl":  # every argument by keyword
+            result = self.fn(**_named(inputs.trl_keywords(self.fn), self.accepts))
+        elif self.by_name:  # Forge's keywords, and prompts and completions (text) under their names
+            keywords = {"prompts": inputs.prompts, "completions": inputs.completions,
+                        **inputs.forge_keywords(self.named)}
+            result = self.fn(**_named(keywords, self.accepts))
+        else:
+            keywords = _named(inputs.forge_keywords(self.named), self.accepts)
+            result = self.fn(inputs.prompts, inputs.completions, **keywords)
+        if inspect.isawaitable(result):  # an async def reward: the caller awaits it with the other async ones
+            return _awaited_output(result)
+        return as_output(result)
+
+
+def _named(kwargs: Mapping[str, Any], names: frozenset[str] | None) -> dict[str, Any]:
+    return dict(kwargs) if names is None else {key: value for key, value in kwargs.items() if key in names}
+
+
+def as_output(result: Any) -> RewardOutput:
+    """A RewardOutput as is; anything else (a list of floats) becomes its ``scores``, unchecked."""
+    return result if isinstance(result, RewardOutput) else RewardOutput(scores=result)
+
+
+async def _awaited_output(result: Any) -> RewardOutput:
+    return as_output(await result)

@@ -24,16 +24,17 @@ from typing import Any
 
 import torch
 
-from forge.core.advantages import group_reward_std, multi_reward_advantages
 from forge.core.arguments import trainer_arguments
 from forge.core.batch import Batch
 from forge.core.config import GRPOConfig
 from forge.core.dynamic_sampling import SamplingRounds
 from forge.core.engine_rollout import generate_on_engine, open_engine
-from forge.core.grpo import LossNormaliser, LossSettings, grpo_loss, logprob_gap
+from forge.core.evaluator import greedy_reward_evaluator
+from forge.core.grpo import LossNormaliser, LossSettings, group_reward_std, grpo_loss, multi_reward_advantages
 from forge.core.logprobs import PolicyLogprobs, checkpointed_layers, logit_head, micro_batches
 from forge.core.preflight import check_before_training, run_preflight
 from forge.core.reward import TrainerState
+from forge.core.reward_sources import build_reward_list
 from forge.core.rollout import (
     Rollout,
     SamplingSettings,
@@ -44,7 +45,7 @@ from forge.core.rollout import (
 )
 from forge.core.rollout_slices import cut_rollout, slice_seed
 from forge.core.rollout_worker import AsyncRollouts
-from forge.core.scoring import RewardError, Scores, build_reward_list, greedy_reward_evaluator, score_rollout
+from forge.core.scoring import RewardError, Scores, score_rollout
 from forge.core.teacher import open_teacher
 from forge.envs import env_rewards, rollout_tools
 from forge.model import prepare_policy
@@ -145,16 +146,17 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         slices = [batch] if self.config.rollout_slices == 1 else self.cut(batch)  # each an optimizer step's
         updates = [self.update(part) for _ in range(self.config.num_iterations) for part in slices]
         stats = self.dist.combined(stats)  # every rank's share: the metrics are of the whole batch
+        group_std = group_reward_std(torch.cat(stats.scores), self.config.group_size, torch.cat(stats.valid))
         squared = step_stats.squared_param_delta(self.dist.local_shards(self.trainable), self.initial_params)
         delta_norm = math.sqrt(self.dist.sum_shards([squared])[0])  # ||theta - theta_0||
-        metrics = step_stats.step_metrics(
-            stats, updates[0], group_std=group_reward_std(torch.cat(stats.scores), self.config.group_size,
-                                                          torch.cat(stats.valid)),
-            seconds=time.perf_counter() - started, skipped_steps=self.guard.skipped_steps,
-            param_delta_norm=delta_norm, engine=self.engine, ahead=self.ahead)
+        samples = self.dist.gather_objects(stats.samples)  # every rank's, in rank order
+        metrics = step_stats.step_metrics(stats, updates[0], group_std=group_std,
+                                          seconds=time.perf_counter() - started,
+                                          skipped_steps=self.guard.skipped_steps, param_delta_norm=delta_norm,
+                                          engine=self.engine, ahead=self.ahead)
         metrics["_later_updates"] = updates[1:]  # each later optimizer step's own row (iterations, slices)
-        metrics["_samples"] = step_stats.ordered_samples(self.dist.gather_objects(stats.samples),
-                                                         len(batch.rollouts), self.config.log_completions)
+        metrics["_samples"] = step_stats.ordered_samples(samples, len(batch.rollouts),
+                                                         self.config.log_completions)
         return metrics
 
     def collect(self, rows: list[dict]) -> tuple[Batch, step_stats.RolloutStats]:
@@ -214,18 +216,18 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         reset with the prompts' dataset `rows`)."""
         if self.ahead is not None and self.ahead.running:  # async GRPO: sampled earlier, by the worker
             return self.ahead.take(self.global_step, prompts)
-        config, settings = self.config, SamplingSettings.from_config(self.config)  # as the config stands
+        budget = self.max_prompt_length  # as the config stands, as are the sampling settings
+        config, settings = self.config, SamplingSettings.from_config(self.config)
         noise = sampling_noise(self.sampling_rng, len(prompts) * config.group_size, settings.max_new_tokens,
                                self.dist.rank, self.dist.world_size)
         if self.engine is not None:  # vLLM samples its own copy of the weights (forge/core/engine_rollout.py)
             self.engine.sync(self.model, self.global_step)
             return generate_on_engine(self.engine, self.tokenizer, prompts, config.group_size, settings,
-                                      self.max_prompt_length, config.truncate_prompts, noise,
-                                      self.tool_settings, rows)
+                                      budget, config.truncate_prompts, noise, self.tool_settings, rows)
         with self.dist.whole_weights(self.model):  # FSDP2: gathered; the plan's precision and merged LoRA
-            return generate(self.model, self.tokenizer, prompts, config.group_size, settings,
-                            self.max_prompt_length, config.truncate_prompts, config.share_prompt_prefix,
-                            noise, self.tool_settings, rows=rows, plan=self.decode_plan)
+            return generate(self.model, self.tokenizer, prompts, config.group_size, settings, budget,
+                            config.truncate_prompts, config.share_prompt_prefix, noise, self.tool_settings,
+                            rows=rows, plan=self.decode_plan)
 
     def score(self, rows: list[dict], rollout: Rollout) -> Scores:
         """Score this rank's rollout; when a reward fails on any rank, every rank raises RewardError here, so
@@ -240,22 +242,20 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
 
     def update(self, batch: Batch) -> dict:
         """Loss and backward over the micro-batches of all rollouts (a slice: its normaliser), then a step."""
-        config = self.config
         # Counted over every rank, so each rank's loss is its share of the one loss of the whole batch.
         counts = self.dist.sum(LossNormaliser.counts(batch.loss_mask))
-        normaliser = LossNormaliser.of(counts, config.max_new_tokens)
+        normaliser = batch.normaliser or LossNormaliser.of(counts, self.config.max_new_tokens)
         totals = step_stats.UpdateTotals()
         self.optimizer.zero_grad(set_to_none=True)
         with self.dist.kept_until_backward(self.model):  # FSDP2: one gather per unit
             for r, rollout in enumerate(batch.rollouts):
                 for indices in micro_batches(rollout, self.micro_batch_size, batch.loss_indices[r]):
-                    self.loss_and_backward(batch, r, indices, batch.normaliser or normaliser, totals)
+                    self.loss_and_backward(batch, r, indices, normaliser, totals)
         self.dist.all_reduce_grads(self.trainable)
-        update = self.dist.combined(totals).as_metrics(with_rollout_is=config.rollout_is != "none")
+        shards = self.dist.local_shards(self.trainable)  # this process's part of each weight (FSDP2: shards)
+        update = self.dist.combined(totals).as_metrics(with_rollout_is=self.config.rollout_is != "none")
         update["learning_rate"] = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
-        # Clip and step: GuardedStep skips a step whose loss, gradient or new weights are NaN/inf (it keeps
-        # and checks this process's part of each weight, `shards`: under FSDP2 its shards).
-        shards = self.dist.local_shards(self.trainable)
+        # Clip and step: GuardedStep skips a step whose loss, gradient or new weights (`shards`) are NaN/inf.
         update["grad_norm"] = self.guard.step(math.isfinite(update["loss"]), self.global_step + 1, shards,
                                               announce=self.dist.is_main)
         advance_schedule(self.scheduler)
@@ -288,7 +288,8 @@ class GRPOTrainer(TrainerSurface, PolicyLogprobs):
         # Each rank's loss carries its share: the sum of the ranks' gradients is the whole loss's gradient.
         (loss * self.guard.loss_scale).backward()  # the scale is 1 but under fp16 (forge/run/optim.py)
         recomputed = old is not None and batch.old_logprobs[r] is not rollout.sampler_logprobs
-        gap = None if sampler is None else logprob_gap(old if recomputed else logprobs, sampler, part_mask)
+        ours = old if recomputed else logprobs  # pi_old where collect recomputed it, else this pass's
+        gap = None if sampler is None else step_stats.logprob_gap(ours, sampler, part_mask)
         totals.add(loss, stats, float(mask.sum()), gap)
 
     @property

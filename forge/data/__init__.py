@@ -17,7 +17,6 @@ from forge.data.dataset import (
     builtin_dataset,
     is_chat,
     load_rows,
-    reward_kwargs,
     task_for,
     validate_rows,
 )
@@ -57,7 +56,6 @@ __all__ = [
     "parse_gsm8k_answer",
     "parse_number",
     "plain_prompt",
-    "reward_kwargs",
     "task_for",
     "train_problems",
     "validate_rows",

@@ -2,7 +2,8 @@
 
 A row is a mapping with a ``prompt`` (a string, or chat messages ``[{"role", "content"}, ...]``)
 and any other columns, typically ``reference``. Every column besides ``prompt`` is passed to the
-rewards as a keyword argument (`reward_kwargs`), ``reference`` under the name ``references``.
+rewards as a keyword argument (forge/core/scoring.py `reward_kwargs`), ``reference`` under the name
+``references``.
 Columns whose name starts with ``_`` are Forge's own bookkeeping (``_row``: the row's index in the
 dataset, named in error messages) and are not passed on.
 
@@ -43,7 +44,6 @@ __all__ = [
     "load_jsonl",
     "load_rows",
     "pick_chat",
-    "reward_kwargs",
     "rows_per_step",
     "source_kwargs",
     "task_for",
@@ -352,25 +352,6 @@ def validate_rows(rows: Sequence[Any]) -> None:
         )
     if "reference" in columns and "references" in columns:
         raise ValueError("dataset has both 'reference' and 'references' columns; keep one ('reference')")
-
-
-def dataset_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
-    """Every column except ``prompt`` and ``_private`` ones as a list over rows, under its own name."""
-    if not rows:
-        return {}
-    return {column: [row[column] for row in rows] for column in rows[0]
-            if column != "prompt" and not column.startswith("_")}
-
-
-COLUMN_ALIASES = {"reference": "references"}
-"""Dataset columns that Forge's reward convention passes under another name (the built-in rewards take
-`references`); the one table of the rename, read here and by forge.core.reward."""
-
-
-def reward_kwargs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
-    """`dataset_columns` keyed by Forge's reward keyword names (`COLUMN_ALIASES`: ``reference`` ->
-    ``references``)."""
-    return {COLUMN_ALIASES.get(column, column): values for column, values in dataset_columns(rows).items()}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ import torch
 
 from forge.core.config import GRPOConfig, require_vllm
 from forge.core.engine_rollout import colocated_engine, generate_on_engine
+from forge.core.evaluator import greedy_reward_evaluator
+from forge.core.reward_sources import build_reward_list
 from forge.core.rollout import Rollout, SamplingSettings, generate, sampling_noise
-from forge.core.scoring import build_reward_list, greedy_reward_evaluator
 from forge.data.answers import answers_match, readable_reference
 from forge.data.dataset import as_chat_rows, load_rows, pick_chat, task_for, warn_if_raw_prompts
 from forge.data.hf_dataset import load_hf_rows
@@ -287,7 +288,7 @@ def reward_metrics(
     max_prompt_length: int | None = None,
 ) -> dict[str, float]:
     """The mean reward of one greedy completion per row under `rewards` (anything GRPOTrainer's reward_fn
-    takes, weighted by reward_weights): `forge.core.scoring.greedy_reward_evaluator`, the trainer's default
+    takes, weighted by reward_weights): `forge.core.evaluator.greedy_reward_evaluator`, the trainer's default
     evaluator, with GRPOConfig's defaults for failing rewards. Returns reward, rewards/<name>, n."""
     config = GRPOConfig()
     evaluator = greedy_reward_evaluator(build_reward_list(rewards, reward_weights), config)

@@ -47,8 +47,8 @@ from forge.logging.logger import note
 from forge.model.kv_cache import (
     CACHE_ARG,
     LAST_POSITION,
+    SharedPrefixLayer,
     attending,
-    is_shared,
     preallocated,
     returned_cache,
     shared,
@@ -170,6 +170,12 @@ class EagerStep:
                              attention_mask=mask[:, None, None].bool() if self.as_4d else mask,
                              position_ids=positions[:, None], use_cache=True, **{CACHE_ARG: self.cache})
         return out.logits[:, -1]  # (n, V)
+
+
+def is_shared(cache) -> bool:
+    """Whether a prefilled cache holds each group's prompt once (kv_cache.SharedPrefixLayer)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and isinstance(layers[0], SharedPrefixLayer)
 
 
 # ----------------------------------------------------------------------------------------------------

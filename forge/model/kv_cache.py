@@ -295,11 +295,6 @@ def holds_full_attention(cache) -> bool:
     return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
 
 
-def is_shared(cache) -> bool:
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and isinstance(layers[0], SharedPrefixLayer)
-
-
 def shared(cache, prompt_mask: torch.Tensor, group_size: int, capacity: int):
     """The prefilled cache of P prompts as SharedPrefixLayers for P * group_size rows with `capacity` new
     tokens; None, the cache unchanged, where it is not full attention in every layer."""

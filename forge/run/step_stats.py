@@ -311,6 +311,14 @@ def ordered_samples(every_rank: list[list[dict]], num_rollouts: int, limit: int)
     return ordered[:limit]
 
 
+def logprob_gap(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                mask: torch.Tensor) -> tuple[float, float]:
+    """(mean, max) of |trainer - sampler| log-prob over the masked tokens (n, T) each: ~0 when one computation
+    (logged as sampling/sampling_logp_difference, `UpdateTotals.add`)."""
+    gap = (logprobs.detach().float() - sampler_logprobs.float()).abs()[mask.bool()]
+    return (float(gap.mean()), float(gap.max())) if gap.numel() else (0.0, 0.0)
+
+
 @torch.no_grad()
 def squared_param_delta(parameters: list[torch.Tensor], initial: list[torch.Tensor]) -> float:
     """||theta - theta_0||^2 over these tensors (FSDP2: this rank's shards, which the trainer sums)."""
@@ -324,6 +332,7 @@ __all__ = [
     "completion_metrics",
     "distill_metrics",
     "env_metrics",
+    "logprob_gap",
     "ordered_samples",
     "rollout_samples",
     "squared_param_delta",

@@ -5,7 +5,8 @@ import math
 import pytest
 
 from forge import GRPOConfig
-from forge.core.grpo import EntropyControl, adapted_entropy_coef, applied_entropy_coef
+from forge.core.grpo import EntropyControl
+from forge.core.loss_variants import adapted_entropy_coef, applied_entropy_coef
 
 
 @pytest.mark.parametrize(("coef", "entropy", "expected"), [

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from forge.core.scoring import reward_kwargs
 from forge.data import arithmetic
 from forge.data.arithmetic import (
     ALL_KINDS,
@@ -31,7 +32,6 @@ from forge.data.dataset import (
     is_chat,
     load_jsonl,
     load_rows,
-    reward_kwargs,
     validate_rows,
 )
 from forge.data.gsm8k import (

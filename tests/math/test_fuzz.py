@@ -23,8 +23,8 @@ from forge.core.reward import (
     RewardOutput,
     TagFormatReward,
 )
-from forge.core.reward_sources import REWARD_REGISTRY, CompositeReward
-from forge.core.scoring import build_reward_list, score_completions
+from forge.core.reward_sources import REWARD_REGISTRY, CompositeReward, build_reward_list
+from forge.core.scoring import score_completions
 from forge.data.answers import (
     answers_match,
     extract_answer_line,

@@ -12,7 +12,6 @@ from forge.core.reward import (
     BaseReward,
     ExactMatchReward,
     FormatReward,
-    FunctionReward,
     LengthPenaltyReward,
     MathCorrectnessReward,
     NumberReward,
@@ -28,6 +27,7 @@ from forge.core.reward_sources import (
     build_reward,
     load_reward_from_path,
 )
+from forge.core.scoring import FunctionReward
 
 LONG = "word " * 100_000
 

@@ -16,13 +16,12 @@ from forge.core.grpo import (
     LossNormaliser,
     LossSettings,
     compute_group_advantages,
-    high_entropy_mask,
-    logprob_gap,
     multi_reward_advantages,
-    rollout_importance_weights,
     weighted_reward_sum,
 )
 from forge.core.logprobs import token_logprobs_from_logits
+from forge.core.loss_variants import high_entropy_mask, rollout_importance_weights
+from forge.run.step_stats import logprob_gap
 
 LN = math.log
 

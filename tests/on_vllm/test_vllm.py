@@ -107,7 +107,7 @@ def test_after_optimizer_steps_the_engine_samples_the_updated_policy(tmp_path, l
     timing = ("eval_runtime", "eval_samples_per_second")  # seconds, which differ between any two runs
     on_engine_eval = {k: v for k, v in trainer.evaluate(ROWS).items() if k not in timing}
     trainer.engine, trainer.evaluator = None, None
-    from forge.core.scoring import greedy_reward_evaluator
+    from forge.core.evaluator import greedy_reward_evaluator
 
     trainer.evaluator = greedy_reward_evaluator(trainer.rewards, trainer.config, None)
     assert {k: v for k, v in trainer.evaluate(ROWS).items() if k not in timing} == on_engine_eval

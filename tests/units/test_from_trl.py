@@ -130,7 +130,8 @@ def test_forges_own_rewards_take_either_call():
     """A built-in reward gives the same scores whether it is passed as reward_fn= or TRL's reward_funcs=, chat
     prompts included (where TRL's call gives the completions as assistant messages)."""
     from forge.core.reward import MathCorrectnessReward
-    from forge.core.scoring import build_reward_list, score_completions
+    from forge.core.reward_sources import build_reward_list
+    from forge.core.scoring import score_completions
     from forge.data.task import math_correctness
 
     prompts = [[{"role": "user", "content": "2 + 3?"}]] * 3

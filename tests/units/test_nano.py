@@ -74,7 +74,7 @@ import pytest
 import torch
 
 from forge import GRPOConfig, GRPOTrainer, nano
-from forge.core.advantages import compute_group_advantages
+from forge.core.grpo import compute_group_advantages
 from forge.core.rollout import SamplingSettings, generate, sampling_noise, sampling_seed, tokenize_prompts
 from forge.model.tiny import build_tiny_model
 

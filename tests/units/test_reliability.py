@@ -21,15 +21,11 @@ from transformers import TrainerCallback
 
 import forge.core.trainer as trainer_module
 from forge import GRPOConfig, GRPOTrainer
-from forge.core.scoring import (
-    RewardError,
-    RewardTimeout,
-    _call_with_timeout,
-    build_reward_list,
-    score_completions,
-)
+from forge.core.reward_sources import build_reward_list
+from forge.core.reward_timeouts import RewardTimeout
+from forge.core.reward_timeouts import call_with_timeout as _call_with_timeout
+from forge.core.scoring import RewardError, reward_kwargs, score_completions
 from forge.core.trainer import TrainingInterrupted
-from forge.data.dataset import reward_kwargs
 from forge.model.tiny import build_tiny_model
 from forge.run.integrity import COMPLETE_MARKER, latest_checkpoint, verify_checkpoint
 from forge.run.loop import StepFailed

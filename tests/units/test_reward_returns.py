@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from forge.core.scoring import RewardError, build_reward_list, score_completions
+from forge.core.reward_sources import build_reward_list
+from forge.core.scoring import RewardError, score_completions
 
 
 @pytest.fixture

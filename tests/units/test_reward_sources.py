@@ -9,8 +9,8 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from forge.core.grpo import compute_group_advantages, multi_reward_advantages, weighted_reward_sum
 from forge.core.reward import BaseReward, RewardOutput, TrainerState
-from forge.core.reward_sources import SequenceClassificationReward, as_reward
-from forge.core.scoring import RewardError, build_reward_list, score_completions
+from forge.core.reward_sources import SequenceClassificationReward, as_reward, build_reward_list
+from forge.core.scoring import RewardError, score_completions
 
 PROMPTS = ["p0", "p1", "p2", "p3"]
 COMPLETIONS = ["a", "bb", "ccc", "dddd"]

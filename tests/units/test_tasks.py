@@ -12,13 +12,13 @@ import pytest
 
 from forge.core.reward import MathCorrectnessReward, TagFormatReward, call_with_accepted_kwargs
 from forge.core.reward_sources import as_reward
+from forge.core.scoring import reward_kwargs
 from forge.data.answers import extract_final_answer
 from forge.data.dataset import (
     BUILTIN_DATASETS,
     builds_prompts,
     load_rows,
     pick_chat,
-    reward_kwargs,
     source_kwargs,
     task_for,
     validate_rows,
