@@ -151,7 +151,7 @@ TRL_DEFAULTS = {
     "vllm_importance_sampling_cap": None,
     "vllm_importance_sampling_clip_max": 3.0,
     "vllm_importance_sampling_clip_min": None,
-    "vllm_importance_sampling_correction": False,
+    "vllm_importance_sampling_correction": True,
     "vllm_importance_sampling_mode": "sequence_mask",
     "vllm_max_model_length": None,
     "vllm_model_impl": "vllm",
@@ -160,10 +160,8 @@ TRL_DEFAULTS = {
     "weight_sync_timeout": 1800,
 }
 """TRL 1.16's GRPOConfig / AsyncGRPOConfig defaults (transformers 5.24's TrainingArguments where TRL keeps
-them) of the names that read back no Forge field: the ignored and refused ones, the checkpointing kwargs and
-vllm_importance_sampling_correction, which reads False unless given (TRL's default is True): Forge corrects
-for the sampler only when rollout_is is set. tests/units/test_trl_surface.py compares them with the installed
-transformers (and TRL, when installed)."""
+them) of the names that read back no Forge field: the ignored and refused ones and the checkpointing kwargs.
+tests/units/test_trl_surface.py compares them with the installed transformers and TRL."""
 
 
 def _strategy(steps_field: str) -> Callable[[Any], str]:
@@ -185,6 +183,9 @@ READERS: dict[str, Callable[[Any], Any]] = {
         else c.clip_epsilon_high + (1.0 if c.loss_type == "cispo" else 0.0)
     ),
     "use_vllm": lambda c: c.generation_backend == "vllm",
+    "vllm_importance_sampling_correction": lambda c: c.generation_backend != "vllm" or c.rollout_is != "none",
+    "vllm_importance_sampling_mode": lambda c: "sequence_mask" if c.rollout_is == "none" else c.rollout_is,
+    "vllm_importance_sampling_clip_max": lambda c: c.rollout_is_threshold,
     "auto_find_batch_size": lambda c: c.micro_batch_size == "auto",
     "lr_scheduler_type": lambda c: c.lr_scheduler,
     "warmup_steps": lambda c: round(c.warmup_ratio * c.max_steps) if c.max_steps > 0 else c.warmup_ratio,

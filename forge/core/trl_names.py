@@ -91,22 +91,42 @@ def _auto_batch(value: Any, values: dict) -> dict:
 
 
 def _use_vllm(value: Any, values: dict) -> dict:
-    """generation_backend='vllm' when true. TRL then corrects for vLLM's sampling by default
-    (vllm_importance_sampling_correction); Forge does when rollout_is is set ('sequence_mask' with
-    rollout_is_threshold=3.0 is TRL's default)."""
+    """generation_backend='vllm' when true, and TRL's correction for vLLM's sampling with it
+    (vllm_importance_sampling_correction, on by default) unless that is False or rollout_is is given."""
     return {"generation_backend": "vllm"} if value else {}
 
 
+IS_CLIP_NAMES = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                 "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
+
+
 def _vllm_correction(value: Any, values: dict) -> dict:
-    """True without use_vllm changes nothing, as in TRL, which applies it only to vLLM's samples; with
-    use_vllm refused: set rollout_is ('sequence_mask', ...) and rollout_is_threshold."""
-    if value and (values.get("use_vllm") or values.get("generation_backend") == "vllm"):
+    """With use_vllm (TRL's default when use_vllm=True): rollout_is = vllm_importance_sampling_mode
+    ('sequence_mask' unless given; the same four modes), rollout_is_threshold =
+    vllm_importance_sampling_clip_max (3.0 unless given; the deprecated vllm_importance_sampling_cap too): the
+    weight pi_old / pi_sampler as TRL computes it. A lower bound (vllm_importance_sampling_clip_min) or no
+    upper one is refused: Forge's rollout_is truncates or masks above its threshold only. Without vLLM TRL
+    applies nothing, nor does Forge."""
+    if not value or not (values.get("use_vllm") or values.get("generation_backend") == "vllm"):
+        return {}
+    mode = values.get("vllm_importance_sampling_mode", "sequence_mask")
+    cap = values.get("vllm_importance_sampling_cap")
+    threshold = cap if cap is not None else values.get("vllm_importance_sampling_clip_max", 3.0)
+    if values.get("vllm_importance_sampling_clip_min") is not None or threshold is None:
         raise TypeError(
-            "vllm_importance_sampling_correction=True with use_vllm=True: Forge corrects for the sampler "
-            "with rollout_is; set rollout_is='sequence_mask' and rollout_is_threshold=3.0 (TRL's default "
-            "correction), or vllm_importance_sampling_correction=False"
-        )
-    return {}
+            "vllm_importance_sampling_clip_min / vllm_importance_sampling_clip_max=None: Forge's correction "
+            "for vLLM's sampling (rollout_is) truncates or masks weights above one threshold only; give "
+            "vllm_importance_sampling_clip_max (or rollout_is_threshold) and no clip_min")
+    return {"rollout_is": mode, "rollout_is_threshold": float(threshold)}
+
+
+def _read_by_correction(doc: str) -> Converter:
+    """A setting of vllm_importance_sampling_correction, which reads it (its row)."""
+    def convert(value: Any, values: dict) -> dict:
+        return {}
+
+    convert.__doc__ = doc
+    return convert
 
 
 def _epsilon_high(value: Any, values: dict) -> dict:
@@ -245,6 +265,14 @@ TRL_CONVERTED: dict[str, Converter] = {
     "epsilon_high": _epsilon_high,
     "use_vllm": _use_vllm,
     "vllm_importance_sampling_correction": _vllm_correction,
+    "vllm_importance_sampling_mode": _read_by_correction(
+        "rollout_is, with vllm_importance_sampling_correction"),
+    "vllm_importance_sampling_clip_max": _read_by_correction(
+        "rollout_is_threshold, with vllm_importance_sampling_correction"),
+    "vllm_importance_sampling_clip_min": _read_by_correction(
+        "refused with vllm_importance_sampling_correction: Forge's rollout_is has no lower bound"),
+    "vllm_importance_sampling_cap": _read_by_correction(
+        "rollout_is_threshold, with vllm_importance_sampling_correction (TRL's older name of clip_max)"),
     "auto_find_batch_size": _auto_batch,
     "lr_scheduler_type": _lr_scheduler,
     "warmup_steps": _warmup_steps,
@@ -359,13 +387,6 @@ TRL_IGNORED = {
     "vespo_lambda_neg": "used only by loss_type='vespo', which Forge does not have",
     "ref_model_mixup_alpha": "used only by sync_ref_model, which Forge refuses",
     "ref_model_sync_steps": "used only by sync_ref_model, which Forge refuses",
-    "vllm_importance_sampling_mode": "used only by vllm_importance_sampling_correction (Forge's: rollout_is)",
-    "vllm_importance_sampling_clip_max": "used only by vllm_importance_sampling_correction (Forge's: "
-    "rollout_is_threshold)",
-    "vllm_importance_sampling_clip_min": "used only by vllm_importance_sampling_correction (Forge's: "
-    "rollout_is)",
-    "vllm_importance_sampling_cap": "used only by vllm_importance_sampling_correction (Forge's: "
-    "rollout_is_threshold)",
     "log_multimodal": "Forge's prompts are text",
     "log_unique_prompts": "samples.jsonl holds log_completions samples of each logged step",
     "use_transformers_continuous_batching": "Forge decodes with its own loop or vLLM (generation_backend)",
@@ -485,6 +506,8 @@ def convert_names(values: dict, defaults: dict[str, Any]) -> tuple[dict, dict[st
         raise TypeError(f"unknown GRPOConfig fields {unknown}{'; ' + hint if hint else ''} (every field: "
                         f"docs/config.md, `forge train --help`)")
     values = {k: v for k, v in values.items() if not is_unset(k, v)}  # TRL's None for "not set"
+    if values.get("use_vllm") and "rollout_is" not in values:  # TRL corrects vLLM's samples by default
+        values.setdefault("vllm_importance_sampling_correction", True)
     out = {k: field_value(k, v, values, defaults) for k, v in values.items() if k in known}
     produced: dict[str, dict] = {}
     set_by: dict[str, str] = {}  # Forge field -> the TRL name that set it

@@ -113,6 +113,21 @@ def test_after_optimizer_steps_the_engine_samples_the_updated_policy(tmp_path, l
     assert {k: v for k, v in trainer.evaluate(ROWS).items() if k not in timing} == on_engine_eval
 
 
+def test_trls_use_vllm_trains_with_trls_correction_for_the_sampler(tmp_path):
+    """use_vllm=True, as a TRL script says it, brings TRL's default correction for vLLM's sampling
+    (vllm_importance_sampling_correction: sequence_mask, clip_max 3.0): each step weighs its completions by
+    pi_old / pi_vLLM and logs the mean weight, about 1 here (fp32 on both sides)."""
+    args = GRPOConfig(use_vllm=True, vllm_mode="colocate", vllm_enforce_eager=True, num_generations=4,
+                      prompts_per_step=2, max_completion_length=16, max_steps=2, dtype="float32", save_steps=0,
+                      output_dir=str(tmp_path / "out"), preflight="off", seed=1, logging_steps=1, warmup_ratio=0.0)
+    assert (args.rollout_is, args.rollout_is_threshold) == ("sequence_mask", 3.0)
+    model, tokenizer = tiny()
+    GRPOTrainer(model, tokenizer, reward_fn=text_length, config=args).train(ROWS)
+    log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+    weights = [row["sampling/importance_sampling_ratio/mean"] for row in log]
+    assert len(weights) == 2 and all(abs(w - 1.0) < 0.05 for w in weights), weights
+
+
 def test_a_tool_rollout_on_vllm_continues_each_completion_token_for_token(tmp_path):
     """A completion stops at every token that may close a call ('>' and friends are common in the tiny vocabulary)
     and goes on in a new request from its own token ids: the sampler's log-probs of every sampled token are then

@@ -279,7 +279,7 @@ def test_trl_defaults_are_those_of_trl():
 
     trl = pytest.importorskip("trl")  # `pip install 'forge-rl[bench]'` brings TRL
     for field in dataclasses.fields(trl.GRPOConfig):
-        if field.name in TRL_DEFAULTS and field.name != "vllm_importance_sampling_correction":  # reads False
+        if field.name in TRL_DEFAULTS:
             assert TRL_DEFAULTS[field.name] == default(field), field.name
 
 

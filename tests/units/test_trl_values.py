@@ -59,6 +59,27 @@ def test_trls_values_of_forges_fields_are_taken(trl, forge):
     assert GRPOConfig(**trl).validate() == GRPOConfig(**forge)
 
 
+@pytest.mark.parametrize("trl, rollout_is, threshold, reads", [
+    ({"use_vllm": True}, "sequence_mask", 3.0, True),  # TRL 1.16: correction on, sequence_mask, clip_max 3.0
+    ({"use_vllm": True, "vllm_importance_sampling_correction": False}, "none", 3.0, False),
+    ({"use_vllm": True, "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.0},
+     "token_truncate", 2.0, True),
+    ({"use_vllm": True, "vllm_importance_sampling_cap": 5.0}, "sequence_mask", 5.0, True),
+    ({"use_vllm": True, "rollout_is": "token_mask", "rollout_is_threshold": 4.0}, "token_mask", 4.0, True),
+    ({"generation_backend": "vllm"}, "none", 3.0, False),  # Forge's own name: Forge's default
+    ({}, "none", 3.0, True),  # no vLLM: TRL's True, which applies to nothing
+])
+def test_use_vllm_corrects_for_vllms_sampling_as_trl_does(trl, rollout_is, threshold, reads):
+    config = GRPOConfig(**trl)
+    assert (config.rollout_is, config.rollout_is_threshold) == (rollout_is, threshold)
+    assert config.vllm_importance_sampling_correction is reads
+
+
+def test_a_correction_given_with_its_forge_field_is_refused():
+    with pytest.raises(TypeError, match="got both 'vllm_importance_sampling_correction'.*'rollout_is'"):
+        GRPOConfig(use_vllm=True, vllm_importance_sampling_correction=True, rollout_is="token_mask")
+
+
 @pytest.mark.parametrize("config, why", REFUSED_VALUES, ids=lambda v: ",".join(v) if isinstance(v, dict) else "")
 def test_each_refused_trl_config_is_refused(config, why):
     assert not taken(config), f"{config} is taken: drop its row from trl_values.REFUSED_VALUES"
