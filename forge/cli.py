@@ -84,8 +84,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = {"resume_from": "latest"} if args.resume else {}
     config = build_config(args, overrides)
     if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:], config.output_dir,
-                         config.resume_from)
+        return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:], config)
     from_file = args.config and args.model != getattr(args, "given_model", args.model)  # `model:` in the YAML
     _check_model(args.model, f"{args.config}: model:" if from_file else "--model")
     check_output_dir_is_free(
@@ -200,7 +199,7 @@ def _training_data(args: argparse.Namespace, tokenizer) -> tuple[list[dict], lis
     return dataset, eval_rows
 
 
-def _relaunch(nproc: int, argv: list[str], output_dir: str, resume_from: str | None) -> int:
+def _relaunch(nproc: int, argv: list[str], config) -> int:
     """forge train --nproc N: run the same command in N processes under torch.distributed's launcher
     (forge/parallel/launch.py). When a process fails, the launcher stops the others and this says which step
     is saved for --resume. A checkpoint to resume from is verified first (`check_before_launch`): a damaged
@@ -226,8 +225,9 @@ def _relaunch(nproc: int, argv: list[str], output_dir: str, resume_from: str | N
     from forge.run.lifecycle import check_before_launch
     from forge.run.supervisor import newest_checkpoint, resume_hint
 
-    resumed_from = (check_before_launch(Path(output_dir), resume_from) or newest_checkpoint(output_dir)
-                    if resume_from else None)
+    output_dir, resume_from = config.output_dir, config.resume_from
+    resumed_from = (check_before_launch(Path(output_dir), resume_from, config.to_dict())
+                    or newest_checkpoint(output_dir) if resume_from else None)
     launcher = subprocess.Popen(command, env={**env, "FORGE_PARENT_PID": str(os.getpid())},
                                 start_new_session=True)  # signals reach it through this process alone
     previous = {

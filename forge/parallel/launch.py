@@ -12,6 +12,7 @@ it saved).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -70,12 +71,21 @@ def stop_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+class _ForgeNamesTheFailure(logging.Filter):
+    """Drop torch's own log line of a process that failed ("failed (exitcode: ...) local_rank: ..."): the
+    failure line of `main` names every process and how it ended."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed (exitcode" not in record.getMessage()
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     stop_with_parent()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_ForgeNamesTheFailure())
     try:
         run(parse_args(argv))
     except ChildFailedError as failed:

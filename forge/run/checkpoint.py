@@ -407,6 +407,11 @@ def _read_state_file(path: Path, name: str, reader) -> Any:
                               f"({type(error).__name__}: {error}). {offer_previous(path)}") from None
 
 
+def saved_config(path: Path) -> dict[str, Any]:
+    """The run config a checkpoint was saved with (forge_config.json), read alone."""
+    return _read_state_file(path, CONFIG_NAME, read_json)
+
+
 def _load_optional(path: Path) -> Any | None:
     return state_files.load_state(path) if path.is_file() else None
 

@@ -394,11 +394,13 @@ def checkpoint_to_resume(output_dir: Path, where: str) -> Path:
     return path
 
 
-def check_before_launch(output_dir: Path, where: str) -> Path | None:
+def check_before_launch(output_dir: Path, where: str, config: dict[str, Any]) -> Path | None:
     """What `forge train --nproc N` checks of the checkpoint its processes are to resume from, before it
     starts them, so that one that cannot be resumed is refused in one line rather than once per process: it
-    exists and every file verifies (against COMPLETE; the shards' safetensors headers too). Returns it; None
-    where a leftover of a killed save may be put back first (the processes decide, `claim_output_dir`)."""
+    exists, every file verifies (against COMPLETE; the shards' safetensors headers too), and the run's
+    `config` (GRPOConfig.to_dict()) keeps the settings a resume needs unchanged (the model's name, known only
+    once it loads, is left to the processes). Returns it; None where a leftover of a killed save may be put
+    back first (the processes decide, `claim_output_dir`)."""
     if where == "latest" and output_dir.is_dir() and any(
             integrity.stale_old_checkpoint(child) is not None for child in output_dir.iterdir()):
         return None
@@ -406,6 +408,9 @@ def check_before_launch(output_dir: Path, where: str) -> Path | None:
     integrity.verify_checkpoint(path)
     if integrity.is_sharded(path):
         ckpt.check_shard_files(path)
+    saved = ckpt.saved_config(path)
+    ckpt.check_compatible(saved, config, keys=tuple(k for k in ckpt.COMPATIBILITY_KEYS if k != "model_name"),
+                          checkpoint_path=path)
     return path
 
 

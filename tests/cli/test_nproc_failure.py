@@ -159,3 +159,24 @@ def test_a_signal_to_one_process_of_a_two_process_run_ends_the_run_in_lines_and_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     logged = [json.loads(line)["step"] for line in (out / "training_log.jsonl").read_text().splitlines()]
     assert logged == [1, 2, 3], logged  # each step once
+
+
+def test_a_resume_with_other_settings_is_refused_in_one_line_before_any_process_starts(tmp_path):
+    """The settings a resume needs unchanged (checkpoint.COMPATIBILITY_KEYS) are compared in `forge train`
+    itself: one refusal, exit 2, and no process of the run started to print it again."""
+    from forge import GRPOConfig, GRPOTrainer
+
+    source = "def length(prompts, completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+    command, env, out = two_process_run(tmp_path, "lengths", source, "length")
+    rows = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
+    model, tokenizer = build_tiny_model(seed=0)
+    config = GRPOConfig(group_size=2, prompts_per_step=2, gradient_accumulation_steps=1, max_new_tokens=4,
+                        max_steps=1, save_steps=1, preflight="off", output_dir=str(out))
+    GRPOTrainer(model, tokenizer, reward_fn=lambda prompts, completions, **kwargs: [1.0] * len(completions),
+                config=config).train(rows)
+    done = subprocess.run([*command, "--resume", "--group_size", "4"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert [line for line in done.stderr.splitlines() if "error" in line] == [
+        f"forge: error: cannot resume from checkpoint {out / 'checkpoint-1'}: its config differs from this run's:"]
+    assert "  group_size: saved 2, current 4" in done.stderr.splitlines()

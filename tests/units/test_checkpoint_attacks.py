@@ -504,19 +504,26 @@ def test_a_leftover_of_a_killed_replace_is_put_back_only_when_it_verifies_and_th
 
 def test_forge_train_nproc_checks_the_checkpoint_to_resume_from_before_it_starts_the_processes(tmp_path):
     """`check_before_launch`: the checkpoint --resume (or resume_from) names, verified in `forge train`
-    itself, so a damaged one is refused in one line instead of once per process; where a leftover of a killed
-    save may be put back first, the processes decide."""
+    itself, so a damaged one, or one whose run had other settings a resume needs unchanged, is refused in one
+    line instead of once per process; where a leftover of a killed save may be put back first, the processes
+    decide."""
     run = tmp_path / "run"
-    trainer(tmp_path, max_steps=2).train(ROWS)
-    assert check_before_launch(run, "latest") == run / "checkpoint-2"
-    assert check_before_launch(run, str(run / "checkpoint-1")) == run / "checkpoint-1"
+    two_steps = trainer(tmp_path, max_steps=2)
+    two_steps.train(ROWS)
+    config = two_steps.config.to_dict()
+    assert check_before_launch(run, "latest", config) == run / "checkpoint-2"
+    assert check_before_launch(run, str(run / "checkpoint-1"), config) == run / "checkpoint-1"
     with pytest.raises(ValueError, match="final/ holds the trained model only"):
-        check_before_launch(run, str(run / "final"))
+        check_before_launch(run, str(run / "final"), config)
     with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
-        check_before_launch(tmp_path / "elsewhere", "latest")
+        check_before_launch(tmp_path / "elsewhere", "latest", config)
+    with pytest.raises(ValueError, match=r"checkpoint-2: its config differs from this run's:\n  group_size: saved 2, "
+                                         r"current 4\n"):
+        check_before_launch(run, "latest", config | {"group_size": 4})
+    assert check_before_launch(run, "latest", config | {"learning_rate": 1.0}) == run / "checkpoint-2"  # may change
     (run / "checkpoint-2" / "model.safetensors").write_bytes(b"damaged")
     with pytest.raises(CheckpointError, match=r"checkpoint-2 is damaged: model.safetensors is 7 bytes") as caught:
-        check_before_launch(run, "latest")
+        check_before_launch(run, "latest", config)
     assert f"The newest older checkpoint that verifies is {run / 'checkpoint-1'}" in str(caught.value)
     (run / "checkpoint-1").rename(run / f"checkpoint-1.old-{dead_pid()}")
-    assert check_before_launch(run, "latest") is None
+    assert check_before_launch(run, "latest", config) is None
