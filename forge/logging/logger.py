@@ -37,8 +37,17 @@ if TYPE_CHECKING:
 _console = logging.getLogger("forge")
 
 
+def is_other_process() -> bool:
+    """A process other than the first of a multi-process run (RANK, which torchrun, `accelerate launch` and
+    `forge train --nproc` set): its notes and Forge's warnings are the first process's, said once there."""
+    return os.environ.get("RANK", "0") not in ("", "0")
+
+
 def note(message: str) -> None:
-    """A one-line note for the user: through the "forge" logger when it is configured, else on stderr."""
+    """A one-line note for the user: through the "forge" logger when it is configured, else on stderr; said
+    by the first process of a multi-process run only."""
+    if is_other_process():
+        return
     if _console.hasHandlers() and _console.isEnabledFor(logging.INFO):
         _console.info(message)
     else:
@@ -130,14 +139,15 @@ def _format_value(value: float | None) -> str:
 
 def install_warning_format() -> None:
     """Print the warnings raised in Forge's own modules as one line, `forge: warning: <message>`, without the
-    source path and line; every other warning keeps the format it had. Safe to call more than once."""
+    source path and line, by the first process of a multi-process run only (each process meets the same data
+    and settings); every other warning keeps the format it had. Safe to call more than once."""
     if getattr(warnings.formatwarning, "forge_format", False):
         return
     previous = warnings.formatwarning
 
     def formatwarning(message, category, filename, lineno, line=None) -> str:
         if is_forge_source(filename):
-            return f"forge: warning: {message}\n"
+            return "" if is_other_process() else f"forge: warning: {message}\n"
         return previous(message, category, filename, lineno, line)
 
     formatwarning.forge_format = True

@@ -241,6 +241,9 @@ def test_forge_train_nproc_resumes_a_two_process_checkpoint(workspace, two):
     log = read_jsonl(resumed / "training_log.jsonl")
     assert [row["step"] for row in log] == list(range(1, STEPS + 1))
     assert log[-1]["loss"] == read_jsonl(two_dir / "training_log.jsonl")[-1]["loss"]
+    said = done.stderr.splitlines()  # rank 0 alone says Forge's notes and warnings
+    assert sum(line.startswith("[forge] generation_backend auto:") for line in said) == 1, done.stderr[-3000:]
+    assert sum(line.startswith("forge: warning: 8 prompts are plain strings") for line in said) == 1
 
 
 # ----------------------------------------------------------------------------------------------------
