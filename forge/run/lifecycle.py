@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,9 +87,8 @@ def check_output_dir(output_dir: Path, is_main: bool) -> None:
     if is_main:
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
-            probe = output_dir / ".forge_write_test"
-            probe.write_text("ok")
-            probe.unlink()
+            with tempfile.TemporaryFile(dir=output_dir) as probe:  # unnamed: two runs may probe at once
+                probe.write(b"ok")
         except OSError as error:
             raise ValueError(f"output_dir={str(output_dir)!r} is not writable "
                              f"({error}); choose another") from None

@@ -206,3 +206,29 @@ def test_the_default_evaluator_of_a_tool_run_generates_with_the_tools(tmp_path):
     trainer = GRPOTrainer(model, tokenizer, [text_length, calls_made], config, tools=[calculator])
     metrics = trainer.evaluator(trainer.model, tokenizer, ROWS, max_new_tokens=6, max_prompt_length=512)
     assert metrics["n"] == 4 and metrics["rewards/calls_made/mean"] == 0.0  # the random model calls nothing
+
+
+def test_runs_probing_one_output_dir_at_once_never_take_each_others_probe(tmp_path):
+    """The write probe of check_output_dir has no name another run can remove: two runs started on one
+    output_dir at the same moment both pass it (the lock then decides which trains)."""
+    import threading
+
+    from forge.run.lifecycle import check_output_dir
+
+    refused = []
+
+    def probe():
+        for _ in range(200):
+            try:
+                check_output_dir(tmp_path / "out", is_main=True)
+            except ValueError as error:
+                refused.append(str(error))
+                return
+
+    threads = [threading.Thread(target=probe) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert refused == []
+    assert list((tmp_path / "out").iterdir()) == []  # no probe left behind
