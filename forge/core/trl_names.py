@@ -96,10 +96,6 @@ def _use_vllm(value: Any, values: dict) -> dict:
     return {"generation_backend": "vllm"} if value else {}
 
 
-IS_CLIP_NAMES = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-                 "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
-
-
 def _vllm_correction(value: Any, values: dict) -> dict:
     """With use_vllm (TRL's default when use_vllm=True): rollout_is = vllm_importance_sampling_mode
     ('sequence_mask' unless given; the same four modes), rollout_is_threshold =
