@@ -121,16 +121,16 @@ class TrainingRun:
                 lock.release()
 
     def train(self) -> TrainResult:
-        started = time.perf_counter()
+        config, started = self.config, time.perf_counter()
         epoch, position = self.begin()
         epoch, position = self.run_steps(epoch, position)
         self.lifecycle.save(self.finished(epoch, position), name="final")  # rank 0 (FSDP2: every rank)
         self.dist.barrier()
-        if self.eval_rows is not None and not reached(self.trainer.global_step, self.config.eval_steps,
-                                                      self.config.updates_per_rollout):
+        if self.eval_rows is not None and not reached(self.trainer.global_step, config.eval_steps,
+                                                      config.updates_per_rollout):
             self.evaluate(epoch)
-        if self.dist.is_main:
-            drop_pushed_weights(self.config.output_dir)  # a vLLM server's copy: final/ holds the model
+        if self.dist.is_main and config.generation_backend == "vllm" and config.vllm_mode == "server":
+            drop_pushed_weights(config.output_dir)  # the server's copy: final/ holds the model
         summary, epoch = self.train_summary(started), self.events.state.epoch or 0
         self.logger.log(summary, self.trainer.global_step, epoch, to_file=False)  # the console, the trackers
         self.events.log(summary, self.trainer.global_step, epoch)  # state.log_history, on_log

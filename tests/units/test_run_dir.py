@@ -88,10 +88,12 @@ def test_final_holds_the_trained_model_only_and_a_run_resumes_from_its_numbered_
 
 
 def test_an_empty_or_unrelated_directory_is_fine(tmp_path):
-    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "vllm-weights").mkdir(parents=True)  # a run that pushed no weights to vLLM keeps it
     (tmp_path / "run" / "notes.txt").write_text("mine")
+    (tmp_path / "run" / "vllm-weights" / "notes.txt").write_text("mine too")
     run(tmp_path, max_steps=1).train(ROWS)
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "run" / "vllm-weights" / "notes.txt").read_text() == "mine too"
 
 
 def test_a_second_run_into_a_locked_directory_stops_with_the_owners_pid(tmp_path):
