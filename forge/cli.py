@@ -22,7 +22,7 @@ from pathlib import Path
 from forge.cli_config import DEFAULTS, build_config
 from forge.cli_parser import build_parser
 from forge.core.trl_names import TRL_REFUSED
-from forge.logging.logger import install_warning_format
+from forge.logging.logger import install_warning_format, is_other_process
 
 
 def parse_rewards(spec: str):
@@ -91,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         Path(config.output_dir),
         resuming=bool(config.resume_from),  # before the model loads
         overwrite=config.overwrite_output_dir,
-        is_main=int(os.environ.get("RANK", "0")) == 0,
+        is_main=not is_other_process(),
     )
     if getattr(args, "watched", False) and "WORLD_SIZE" not in os.environ:  # the `forge` program, one process
         from forge.run.supervisor import run_watched
