@@ -203,50 +203,36 @@ class SharedPrefixLayer(DynamicLayer or object):
         raise NotImplementedError("a shared-prefix cache holds its groups already")
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query (n, H, 1, D) of the rows decoding -> (n, 1, H, Dv): attention
-        over [own prompt | own tokens]."""
+        """query (n, H, 1, D) of the rows decoding -> (n, 1, H, Dv): attention over [own prompt | own
+        tokens]. The prompt segment runs per prompt, its G rows' queries stacked (`_by_prompt`)."""
         n, heads, _, dim = query.shape
-        prompts, kv_heads, length, _ = self.prompt_keys.shape
-        per_kv, group = heads // kv_heads, self.group_size
-        q = query.float().reshape(n, kv_heads, per_kv, dim)  # (n, H_kv, R, D): a key head's R query heads
+        kv_heads, length = self.prompt_keys.shape[1], self.prompt_length
+        q = query.float().reshape(n, kv_heads, heads // kv_heads, dim)  # (n, H_kv, R, D)
         own = torch.matmul(q, self.keys.transpose(-1, -2)) * scaling  # (n, H_kv, R, t)
-        slots = (
-            q
-            if n == prompts * group
-            else q.new_zeros(prompts * group, kv_heads, per_kv, dim).index_copy_(0, self.rows, q)
-        )  # (N, H_kv, R, D): the rows in their group's slots
-        stacked = (
-            slots.view(prompts, group, kv_heads, per_kv, dim)
-            .transpose(1, 2)
-            .reshape(prompts, kv_heads, group * per_kv, dim)
-        )  # (P, H_kv, G R, D)
-        prompt = torch.matmul(stacked, self.prompt_keys.transpose(-1, -2)) * scaling  # (P, H_kv, G R, Lp)
-        prompt = (prompt + self.prompt_bias).view(prompts, kv_heads, group, per_kv, length).transpose(1, 2)
-        prompt = prompt.reshape(prompts * group, kv_heads, per_kv, length)  # (N, H_kv, R, Lp)
-        if n != prompts * group:
-            prompt = prompt.index_select(0, self.rows)  # (n, H_kv, R, Lp)
+        prompt = torch.matmul(self._by_prompt(q), self.prompt_keys.transpose(-1, -2)) * scaling
+        prompt = self._by_row(prompt + self.prompt_bias)  # (n, H_kv, R, Lp)
         weights = torch.softmax(torch.cat([prompt, own], dim=-1), dim=-1)  # (n, H_kv, R, Lp + t)
-        out = torch.matmul(weights[..., length:], self.values)  # (n, H_kv, R, Dv)
-        prompt_weights = weights[..., :length]  # (n, H_kv, R, Lp)
-        if n != prompts * group:
-            prompt_weights = prompt_weights.new_zeros(prompts * group, kv_heads, per_kv, length).index_copy_(
-                0, self.rows, prompt_weights
-            )
-        prompt_weights = (
-            prompt_weights.reshape(prompts, group, kv_heads, per_kv, length)
-            .transpose(1, 2)
-            .reshape(prompts, kv_heads, group * per_kv, length)
-        )  # (P, H_kv, G R, Lp)
-        from_prompt = torch.matmul(prompt_weights, self.prompt_values)  # (P, H_kv, G R, Dv)
-        from_prompt = (
-            from_prompt.view(prompts, kv_heads, group, per_kv, -1)
-            .transpose(1, 2)
-            .reshape(prompts * group, kv_heads, per_kv, -1)
-        )  # (N, H_kv, R, Dv)
-        if n != prompts * group:
-            from_prompt = from_prompt.index_select(0, self.rows)
-        out = (out + from_prompt).reshape(n, heads, -1)  # (n, H, Dv)
-        return out.to(query.dtype)[:, None]  # (n, 1, H, Dv)
+        from_prompt = torch.matmul(self._by_prompt(weights[..., :length]), self.prompt_values)
+        out = torch.matmul(weights[..., length:], self.values) + self._by_row(from_prompt)  # (n, H_kv, R, Dv)
+        return out.reshape(n, heads, -1).to(query.dtype)[:, None]  # (n, 1, H, Dv)
+
+    def _by_prompt(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n, H_kv, R, X) per decoding row -> (P, H_kv, G R, X): each prompt's G rows stacked as one matrix's
+        rows (a finished row's slot holds zeros)."""
+        prompts, group = self.prompt_keys.shape[0], self.group_size
+        _, kv_heads, per_kv, width = rows.shape
+        if len(self.rows) != prompts * group:
+            rows = rows.new_zeros(prompts * group, kv_heads, per_kv, width).index_copy_(0, self.rows, rows)
+        grouped = rows.view(prompts, group, kv_heads, per_kv, width).transpose(1, 2)
+        return grouped.reshape(prompts, kv_heads, group * per_kv, width)
+
+    def _by_row(self, stacked: torch.Tensor) -> torch.Tensor:
+        """(P, H_kv, G R, X) -> (n, H_kv, R, X) of the rows decoding: `_by_prompt`'s inverse."""
+        prompts, kv_heads, _, width = stacked.shape
+        group = self.group_size
+        per_row = stacked.view(prompts, kv_heads, group, -1, width).transpose(1, 2)
+        per_row = per_row.reshape(prompts * group, kv_heads, -1, width)  # (N, H_kv, R, X)
+        return per_row if len(self.rows) == prompts * group else per_row.index_select(0, self.rows)
 
 
 def _attention(
