@@ -11,8 +11,8 @@ profile hook (sys.setprofile, threading.setprofile) records every function of th
 function nested in a counted one (a closure, a comprehension) is not counted again and is left out of the
 order (one whose enclosing function does not run, like the schedule's `factor`, counts on its own); an import
 hook that Python's import system calls is not the step's code and is left out. Files are the distinct files
-met; switches the changes of file from one function to the next in that order. Prints lines per file, the
-totals and the functions over --max-lines.
+met; switches the changes of file from one function to the next in that order. Prints lines per file (in their
+spans, and executed: the distinct lines a line tracer saw run), the totals and the functions over --max-lines.
 """
 
 from __future__ import annotations
@@ -197,8 +197,12 @@ def report(trace: Trace, max_lines: int, functions: bool) -> str:
     for f in path:
         per_file[f.file] = per_file.get(f.file, 0) + f.lines
     switches = sum(a.file != b.file for a, b in itertools.pairwise(path))
-    lines = [f"{'file':<32} {'lines':>6}"]
-    lines += [f"{file:<32} {count:>6}" for file, count in per_file.items()]  # in the order first met
+    executed: dict[str, int] = {}
+    for filename, _ in trace.executed:
+        executed[relative(filename)] = executed.get(relative(filename), 0) + 1
+    lines = [f"{'file':<32} {'lines':>6} {'executed':>9}"]
+    lines += [f"{file:<32} {count:>6} {executed.get(file, 0):>9}"  # in the order first met
+              for file, count in per_file.items()]
     lines.append(f"{len(per_file)} files, {len(path)} functions, {switches} switches: "
                  f"{sum(per_file.values())} lines in their spans, {len(trace.executed)} executed")
     lines.append(f"{len(trace.entries)} entries into another file; returns to a file already left:")
