@@ -54,8 +54,8 @@ def parse_rewards(spec: str):
 
 
 def _load_user_reward(name: str, item: str):
-    """load_reward_from_path, with a missing function or a broken reward file said as a
-    one-line ValueError."""
+    """load_reward_from_path, with a missing module, file or function, a module the reward file imports that
+    is not installed, or a broken reward file said as a one-line ValueError."""
     from forge.core.reward_sources import load_reward_from_path
 
     try:
@@ -64,6 +64,17 @@ def _load_user_reward(name: str, item: str):
         raise ValueError(f"--reward {item!r}: {error}; check the function's name") from None
     except SyntaxError as error:
         raise ValueError(f"--reward {item!r}: {error.filename}, line {error.lineno}: {error.msg}") from None
+    except FileNotFoundError as error:
+        raise ValueError(f"--reward {item!r}: {error}; give the path of the .py file that defines "
+                         f"the function") from None
+    except ModuleNotFoundError as error:
+        module = name.rpartition(":")[0] or name.rpartition(".")[0]
+        if error.name is not None and (module == error.name or module.startswith(error.name + ".")):
+            raise ValueError(f"--reward {item!r}: there is no module {error.name!r} in this folder or on "
+                             f"PYTHONPATH; give the file instead (path/to/rewards.py:function), or add its "
+                             f"folder to PYTHONPATH") from None
+        raise ValueError(f"--reward {item!r}: the reward's module imports {error.name!r}, which is not "
+                         f"installed here; install it where forge runs") from None
 
 
 def _is_number(text: str) -> bool:
@@ -84,6 +95,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = {"resume_from": "latest"} if args.resume else {}
     config = build_config(args, overrides)
     if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        parse_rewards(args.reward)  # a --reward that does not import is said once, before any process starts
         return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:], config)
     from_file = args.config and args.model != getattr(args, "given_model", args.model)  # `model:` in the YAML
     _check_model(args.model, f"{args.config}: model:" if from_file else "--model")

@@ -194,6 +194,48 @@ def test_a_seed_torch_cannot_take_is_refused_before_the_model_loads(seed, worksp
     assert error_of(capsys).startswith(f"forge: error: --seed {seed} is out of range")
 
 
+BAD_REWARDS = [
+    ("no_such_reward_module:fn", "there is no module 'no_such_reward_module' in this folder or on PYTHONPATH; "
+     "give the file instead (path/to/rewards.py:function), or add its folder to PYTHONPATH"),
+    ("no_such_reward_package.rewards:fn", "there is no module 'no_such_reward_package' in this folder or on "
+     "PYTHONPATH"),
+    ("imports_missing:fn", "the reward's module imports 'forge_test_not_installed', which is not installed "
+     "here; install it where forge runs"),
+    ("{root}/absent.py:fn", "reward file '{root}/absent.py' does not exist; give the path of the .py file that "
+     "defines the function"),
+]
+
+
+@pytest.mark.parametrize("spec, said", BAD_REWARDS, ids=["no-module", "no-package", "missing-import", "no-file"])
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "2"]], ids=["one-process", "nproc-2"])
+def test_a_reward_that_does_not_import_is_one_line_before_the_model_loads_or_any_process_starts(
+        spec, said, nproc, workspace, tmp_path, capsys, monkeypatch, no_model_loading):
+    (tmp_path / "imports_missing.py").write_text("import forge_test_not_installed\n\n\ndef fn(p, c):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+
+    def starts_a_process(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", starts_a_process)
+    spec, said = spec.format(root=tmp_path), said.format(root=tmp_path)
+    assert forge_main("train", *train_flags(workspace, tmp_path / "out"), *nproc, "--reward", spec) == 2
+    message = error_of(capsys)
+    assert message.startswith(f"forge: error: --reward {spec!r}: {said}"), message
+
+
+def test_a_reward_module_in_the_current_folder_is_found_without_pythonpath(tmp_path, monkeypatch):
+    """The installed `forge` program does not put the current folder on sys.path, as `python -m forge` does;
+    `--reward module:function` finds a module there all the same."""
+    from forge.core.reward_sources import load_reward_from_path
+
+    (tmp_path / "forge_test_here.py").write_text("def ones(prompts, completions, **kwargs):\n"
+                                                 "    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    reward = load_reward_from_path("forge_test_here:ones")
+    assert reward(["p", "q"], ["a", "b"]).scores == [1.0, 1.0]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: nothing to refuse")
 @pytest.mark.parametrize("command", ["eval", "demo"])
 def test_the_vllm_backend_without_vllm_is_refused_before_any_model_loads(command, workspace, capsys, monkeypatch):
