@@ -15,6 +15,11 @@ in trl_attributes.py asks `asked_by_argument_parser`), GRPOConfig's fields are `
                              number, true/false, None, a JSON object or list, or text), several (a list:
                              `--report_to wandb tensorboard`) or none (true: `--bf16`); default UNSET
 
+A switch that is on by default, Forge's (shuffle, share_prompt_prefix, ...) or TRL's (TRL_SWITCHES_ON), also
+takes `--no_<name>` (and `--no-<name>`), as HfArgumentParser gives a bool field defaulting to True: false. Its
+default, UNSET, would hide that from HfArgumentParser, so the form is an alias of the switch's own flag, which
+reads the option it was given as (`SwitchFlag`, `TrlFlag`).
+
 GRPOConfig's __init__ drops UNSET values (trl_attributes.py). dtype, lora_r, lora_alpha, lora_dropout and
 lora_target_modules stay init=False, so TRL's ModelConfig keeps those flags. `--help` shows each TRL name's
 meaning in Forge.
@@ -45,6 +50,16 @@ UNSET = _Unset()
 TRL_FLAG_NAMES = sorted({*TRL_NAMES, *TRL_CONVERTED, *TRL_IGNORED, *TRL_REFUSED})
 """TRL's names the parser takes as flags (those that are no Forge field)."""
 
+TRL_SWITCHES_ON = {
+    "average_tokens_across_devices", "dataloader_in_order", "dataloader_pin_memory",
+    "ds3_gather_for_generation", "eval_do_concat_batches", "gradient_checkpointing", "log_multimodal",
+    "log_on_each_node", "logging_nan_inf_filter", "shuffle_dataset", "skip_memory_metrics",
+    "use_bias_correction_kl", "vllm_importance_sampling_correction",
+}
+"""The bool fields of TRL 1.16.0's GRPOConfig (with transformers' TrainingArguments) that default to True: a
+TRL command line may turn each off with `--no_<name>` (tests/units/test_trl_surface.py compares this with
+TRL's own)."""
+
 BARE_FLAGS = {"log_completions"}
 """Forge fields TRL declares bool: a flag alone means true (log_completions=True, trl_values.py)."""
 
@@ -72,12 +87,39 @@ def flag_value(text: str) -> Any:
     return text
 
 
+def _negated(option_string: str | None) -> bool:
+    return bool(option_string) and option_string.startswith(("--no_", "--no-"))
+
+
+def _negations(name: str) -> list[str]:
+    """A switch's `--no_<name>` forms, HfArgumentParser's spelling and the hyphenated one."""
+    return [f"--no_{name}", f"--no-{name.replace('_', '-')}"]
+
+
 class TrlFlag(argparse.Action):
-    """A TRL name's flag: no value is true (`--bf16`), one value that value, several a list."""
+    """A TRL name's flag: no value is true (`--bf16`), one value that value, several a list; `--no_<name>` (a
+    switch TRL turns on by default) is false."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         values = list(values or [])
+        if _negated(option_string):
+            if values:
+                parser.error(f"{option_string} takes no value")
+            setattr(namespace, self.dest, False)
+            return
         setattr(namespace, self.dest, True if not values else values[0] if len(values) == 1 else values)
+
+
+class SwitchFlag(argparse.Action):
+    """A Forge bool field's flag, `--name [true|false]`; for a switch on by default also `--no_<name>`:
+    false."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if _negated(option_string):
+            if values is not self.const:
+                parser.error(f"{option_string} takes no value")
+            values = False
+        setattr(namespace, self.dest, values)
 
 
 def asked_by_argument_parser() -> bool:
@@ -108,6 +150,8 @@ def parser_fields(cls: type, own: tuple) -> dict[str, dataclasses.Field]:
             factory = field.default_factory
             default = field.default if factory is dataclasses.MISSING else factory()
             extra = {"nargs": "?", "const": True} if field.name in BARE_FLAGS else {}
+            if field.type in (bool, "bool") and (default is True or field.name in TRL_SWITCHES_ON):
+                extra = {"action": SwitchFlag, "aliases": _negations(field.name)}
             field.metadata = {**field.metadata, **extra,
                               "help": _help(f"Forge's {field.name} (docs/config.md), default {default!r}")}
             field.default, field.default_factory = UNSET, _unset
@@ -117,7 +161,7 @@ def parser_fields(cls: type, own: tuple) -> dict[str, dataclasses.Field]:
     flags = dataclasses.make_dataclass("TrlFlags", [
         (name, Any, dataclasses.field(default=UNSET, metadata={
             "help": _help("TRL's {}, {}: {}".format(name, *classify(name, forge_names))),
-            "nargs": "*", "action": TrlFlag}))
+            "nargs": "*", "action": TrlFlag, "aliases": _negations(name) if name in TRL_SWITCHES_ON else []}))
         for name in names])
     shown.update({field.name: field for field in dataclasses.fields(flags)})
     return shown
@@ -128,5 +172,5 @@ FLAG_TYPES = {name: flag_value for name in TRL_FLAG_NAMES}
 parser."""
 
 
-__all__ = ["FLAG_TYPES", "TRL_FLAG_NAMES", "UNSET", "TrlFlag", "asked_by_argument_parser", "flag_value",
-           "parser_fields"]
+__all__ = ["FLAG_TYPES", "TRL_FLAG_NAMES", "TRL_SWITCHES_ON", "UNSET", "SwitchFlag", "TrlFlag",
+           "asked_by_argument_parser", "flag_value", "parser_fields"]

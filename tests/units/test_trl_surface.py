@@ -75,6 +75,32 @@ def test_trls_grpo_script_reads_and_assigns_its_names(tmp_path):
         training_args.model_init_kwargs = {"attn_implementation": "flash_attention_2"}
 
 
+def test_a_switch_on_by_default_is_turned_off_with_no_as_hf_argument_parser_spells_it(tmp_path):
+    """transformers gives a bool field that defaults to True a `--no_<name>` flag: Forge's switches
+    (shuffle, share_prompt_prefix, merge_lora_for_generation) and TRL's (TRL_SWITCHES_ON) take it."""
+    parser = HfArgumentParser((GRPOConfig, ModelArguments))
+    config, _ = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--no_shuffle", "--no-share-prompt-prefix", "--use_vllm",
+         "--no_vllm_importance_sampling_correction", "--no_gradient_checkpointing", "--no_log_on_each_node"])
+    assert (config.shuffle, config.share_prompt_prefix, config.merge_lora_for_generation) == (False, False, True)
+    assert (config.gradient_checkpointing, config.rollout_is) == (False, "none")  # TRL's correction turned off
+    config, _ = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--no_shuffle_dataset",
+                                                    "--use_vllm", "--merge_lora_for_generation", "false"])
+    assert (config.shuffle, config.rollout_is, config.merge_lora_for_generation) == (False, "sequence_mask", False)
+    config, _ = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    assert (config.shuffle, config.share_prompt_prefix) == (True, True)
+    with pytest.raises(SystemExit):  # argparse's error: a negation takes no value
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--no_shuffle", "false"])
+
+
+def test_trls_switches_on_by_default_are_the_ones_trl_declares():
+    trl = pytest.importorskip("trl")
+    from forge.core.trl_flags import TRL_SWITCHES_ON
+
+    on = {f.name for f in dataclasses.fields(trl.GRPOConfig) if f.default is True}
+    assert TRL_SWITCHES_ON == on
+
+
 def test_the_trainer_takes_quantization_config_none_and_refuses_a_value(tmp_path):
     from forge.model.tiny import build_tiny_model
 
