@@ -12,6 +12,7 @@ from pathlib import Path
 from forge.core.config import GRPOConfig
 from forge.core.config_docs import field_docs
 from forge.core.trl_batch import BATCH_NAMES
+from forge.core.trl_flags import TRL_SWITCHES_ON
 from forge.core.trl_names import TRL_CONVERTED, TRL_NAMES
 
 
@@ -77,11 +78,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{docs.get(f.name, '')} [{f.default}]".replace("%", "%%"),  # argparse %-formats
             **flag,
         )
+        if hints[f.name] is bool and (f.default is True or f.name in TRL_SWITCHES_ON):
+            _add_negation(group, f.name)
     trl = parser.add_argument_group("TRL's GRPOConfig names (docs/from-trl.md)")
     for name, field in TRL_NAMES.items():
         flag = {"nargs": "?", "const": True} if hints[field] is bool else {}
         trl.add_argument(f"--{name}", type=_field_parser(field), default=None, metavar=field.upper(),
                          help=f"the same as --{field}", **flag)
+        if name in TRL_SWITCHES_ON:
+            _add_negation(trl, name)
     for name, convert in TRL_CONVERTED.items():
         what = " ".join((convert.__doc__ or "").split()).split(". ")[0]
         trl.add_argument(
@@ -93,6 +98,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="VALUE",
             help=(what or f"TRL's {name} (the Forge field it sets: docs/from-trl.md)").replace("%", "%%"),
         )
+        if name in TRL_SWITCHES_ON:
+            _add_negation(trl, name)
+
+
+def _add_negation(group, name: str) -> None:
+    """`--no_<name>`: a switch on by default turned off, as transformers' HfArgumentParser spells it."""
+    group.add_argument(f"--no_{name}", dest=name, action="store_const", const=False, help=f"--{name} false")
 
 
 CONFIG_FLAGS = (*(f.name for f in dataclasses.fields(GRPOConfig)), *TRL_NAMES, *TRL_CONVERTED)

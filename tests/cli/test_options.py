@@ -81,6 +81,21 @@ def test_training_arguments_names_are_forge_train_flags():
         0, 3, 0.2, "r", "latest")
 
 
+def test_a_switch_on_by_default_is_turned_off_with_no(tmp_path):
+    """`--no_<name>`, as transformers spells it, for Forge's switches that default to True and TRL's."""
+    parser = build_parser()
+    config = build_config(parser.parse_args(["train", "--no_shuffle", "--no_share_prompt_prefix",
+                                             "--no_merge_lora_for_generation", "--no_gradient_checkpointing"]))
+    assert (config.shuffle, config.share_prompt_prefix, config.merge_lora_for_generation) == (False, False, False)
+    assert not config.gradient_checkpointing
+    assert not build_config(parser.parse_args(["train", "--no_shuffle_dataset"])).shuffle
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"shuffle": True}))
+    assert not build_config(parser.parse_args(["train", "--config", str(path), "--no_shuffle"])).shuffle  # flag wins
+    config = build_config(parser.parse_args(["train"]))
+    assert (config.shuffle, config.share_prompt_prefix, config.merge_lora_for_generation) == (True, True, True)
+
+
 def test_trl_names_in_a_yaml_file_and_flags_win_whichever_name_they_use(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"num_generations": 4, "beta": "1e-3", "per_device_train_batch_size": 8,
