@@ -36,6 +36,7 @@ import sys
 from typing import Any
 
 from forge.core.trl_names import TRL_CONVERTED, TRL_IGNORED, TRL_NAMES, TRL_REFUSED, classify
+from forge.core.trl_values import WHOLE_COUNTS
 
 
 class _Unset:
@@ -110,6 +111,17 @@ class TrlFlag(argparse.Action):
         setattr(namespace, self.dest, True if not values else values[0] if len(values) == 1 else values)
 
 
+class CountFlag(argparse.Action):
+    """A Forge count that transformers' TrainingArguments types float (trl_values.WHOLE_COUNTS): its text read
+    as a number (`--num_train_epochs 1.0`), which GRPOConfig takes when whole (or as transformers' ratio)."""
+
+    def __init__(self, *args, type=None, **kwargs) -> None:  # `type`: the annotation's int, replaced
+        super().__init__(*args, type=flag_value, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+
+
 class SwitchFlag(argparse.Action):
     """A Forge bool field's flag, `--name [true|false]`; for a switch on by default also `--no_<name>`:
     false."""
@@ -152,6 +164,8 @@ def parser_fields(cls: type, own: tuple) -> dict[str, dataclasses.Field]:
             extra = {"nargs": "?", "const": True} if field.name in BARE_FLAGS else {}
             if field.type in (bool, "bool") and (default is True or field.name in TRL_SWITCHES_ON):
                 extra = {"action": SwitchFlag, "aliases": _negations(field.name)}
+            if field.name in WHOLE_COUNTS:
+                extra = {"action": CountFlag}
             field.metadata = {**field.metadata, **extra,
                               "help": _help(f"Forge's {field.name} (docs/config.md), default {default!r}")}
             field.default, field.default_factory = UNSET, _unset
@@ -172,5 +186,5 @@ FLAG_TYPES = {name: flag_value for name in TRL_FLAG_NAMES}
 parser."""
 
 
-__all__ = ["FLAG_TYPES", "TRL_FLAG_NAMES", "TRL_SWITCHES_ON", "UNSET", "SwitchFlag", "TrlFlag",
+__all__ = ["FLAG_TYPES", "TRL_FLAG_NAMES", "TRL_SWITCHES_ON", "UNSET", "CountFlag", "SwitchFlag", "TrlFlag",
            "asked_by_argument_parser", "flag_value", "parser_fields"]

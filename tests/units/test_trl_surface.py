@@ -93,6 +93,20 @@ def test_a_switch_on_by_default_is_turned_off_with_no_as_hf_argument_parser_spel
         parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--no_shuffle", "false"])
 
 
+def test_the_counts_transformers_types_float_parse_as_numbers_on_the_command_line(tmp_path):
+    """num_train_epochs, logging_steps, save_steps and eval_steps are floats in TrainingArguments: `1.0` and a
+    ratio of max_steps parse as TRL reads them; a fraction of an epoch is refused with what to set."""
+    parser = HfArgumentParser((GRPOConfig, ModelArguments))
+    config, _ = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--num_train_epochs", "1.0",
+                                                    "--save_steps", "50.0", "--logging_steps", "5"])
+    assert (config.num_train_epochs, config.save_steps, config.logging_steps) == (1, 50, 5)
+    config, _ = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--max_steps", "100",
+                                                    "--save_steps", "0.25"])
+    assert config.save_steps == 25
+    with pytest.raises(TypeError, match="Forge counts whole epochs; set max_steps to stop within one"):
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--num_train_epochs", "2.5"])
+
+
 def test_trls_switches_on_by_default_are_the_ones_trl_declares():
     trl = pytest.importorskip("trl")
     from forge.core.trl_flags import TRL_SWITCHES_ON
