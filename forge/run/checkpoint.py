@@ -573,10 +573,17 @@ def check_compatible(
     keys: tuple[str, ...] = COMPATIBILITY_KEYS,
     checkpoint_path: str | os.PathLike | None = None,
 ) -> None:
-    """Refuse to resume when a setting that defines the training problem changed since the save.
+    """Refuse, in one line, to resume when a setting that defines the training problem changed since the save.
 
-    A key absent from both configs is skipped; absent from one side counts as a change.
+    A key absent from both configs is skipped. A key this run has that the saved config lacks means the file
+    was changed after the save (a Forge save writes every setting): with `checkpoint_path`, a CheckpointError
+    naming it and an older checkpoint, as for any damaged file.
     """
+    lacking = [key for key in keys if key in current_config and key not in saved_config]
+    if lacking and checkpoint_path is not None:
+        path = Path(checkpoint_path)
+        raise CheckpointError(f"checkpoint {path} is damaged: {CONFIG_NAME} holds no {', '.join(lacking)}, "
+                              f"which every Forge save writes. {offer_previous(path)}")
     mismatches = []
     for key in keys:
         if key not in saved_config and key not in current_config:
@@ -584,12 +591,16 @@ def check_compatible(
         saved = saved_config.get(key, _MISSING)
         current = current_config.get(key, _MISSING)
         if _comparable(saved) != _comparable(current):
-            mismatches.append(f"  {key}: saved {saved!r}, current {current!r}")
+            mismatches.append(f"{key} (saved {_short(saved)}, current {_short(current)})")
     if mismatches:
         where = f"checkpoint {checkpoint_path}" if checkpoint_path is not None else "the checkpoint"
         raise ValueError(
-            f"cannot resume from {where}: its config differs from this run's:\n"
-            + "\n".join(mismatches)
-            + "\nSet these back to the saved values to resume, or start a fresh run "
-            "(a new output_dir, or resume_from=None)."
+            f"cannot resume from {where}: its config differs from this run's in {', '.join(mismatches)}; set "
+            f"these back to the saved values to resume, or start a fresh run (a new output_dir, or "
+            f"resume_from=None)."
         )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

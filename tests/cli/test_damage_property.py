@@ -247,6 +247,7 @@ def test_forge_export_of_a_damaged_folder_succeeds_or_says_one_line(pristine, ta
 @example(run="full", name="training_log.jsonl", how=("json", [1, 2, 3]), rehash=False)
 @example(run="full", name="training_log.jsonl", how=("field", 5, []), rehash=False)  # a metric that is a list
 @example(run="full", name="samples.jsonl", how=("huge",), rehash=False)
+@example(run="full", name="checkpoint/forge_config.json", how=("json", {}), rehash=True)  # was a list of settings
 def test_forge_train_resume_from_a_damaged_checkpoint_succeeds_or_says_one_line(pristine, run, name, how,
                                                                                 rehash):
     checkpoint = latest_checkpoint(pristine / run).relative_to(pristine / run).as_posix()

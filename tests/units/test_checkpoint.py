@@ -265,9 +265,9 @@ def test_check_compatible():
         check_compatible(CONFIG, {**CONFIG, "group_size": 8, "use_lora": True}, checkpoint_path="out/checkpoint-10")
     message = str(excinfo.value)
     assert "checkpoint out/checkpoint-10" in message
-    assert "group_size: saved 4, current 8" in message
-    assert "use_lora: saved False, current True" in message
-    assert "fresh run" in message
+    assert "its config differs from this run's in group_size (saved 4, current 8), use_lora (saved False, " \
+        "current True); set these back" in message
+    assert "fresh run" in message and "\n" not in message  # one line
 
 
 def test_trainer_state_is_plain_json(tmp_path, tiny_model, tiny_tokenizer):

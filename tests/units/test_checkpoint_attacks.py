@@ -502,6 +502,24 @@ def test_a_leftover_of_a_killed_replace_is_put_back_only_when_it_verifies_and_th
     assert not (run / "checkpoint-1").exists() and (run / f"checkpoint-1.old-{gone}").is_dir()
 
 
+@pytest.mark.parametrize("saved", [{}, {"group_size": 2}], ids=["emptied", "settings-removed"])
+def test_a_forge_config_without_the_settings_a_save_writes_is_a_damaged_checkpoint(saved, tmp_path):
+    """forge_config.json rewritten without settings every save writes (and COMPLETE rehashed to match): the
+    checkpoint is damaged, said in one line with the older checkpoint to resume from, not a list of settings
+    'saved' as <not set> to set back."""
+    run = tmp_path / "run"
+    trainer(tmp_path, max_steps=2).train(ROWS)
+    (run / "checkpoint-2" / "forge_config.json").write_text(json.dumps(saved))
+    rehash(run / "checkpoint-2")
+    resuming = trainer(tmp_path, max_steps=3, resume_from="latest")
+    with pytest.raises(CheckpointError, match=r"checkpoint-2 is damaged: forge_config.json holds no ") as caught:
+        resuming.train(ROWS)
+    assert "\n" not in str(caught.value) and "seed" in str(caught.value)
+    assert f"The newest older checkpoint that verifies is {run / 'checkpoint-1'}" in str(caught.value)
+    with pytest.raises(CheckpointError, match=r"checkpoint-2 is damaged: forge_config.json holds no "):
+        check_before_launch(run, "latest", resuming.config.to_dict())
+
+
 def test_forge_train_nproc_checks_the_checkpoint_to_resume_from_before_it_starts_the_processes(tmp_path):
     """`check_before_launch`: the checkpoint --resume (or resume_from) names, verified in `forge train`
     itself, so a damaged one, or one whose run had other settings a resume needs unchanged, is refused in one
@@ -517,8 +535,8 @@ def test_forge_train_nproc_checks_the_checkpoint_to_resume_from_before_it_starts
         check_before_launch(run, str(run / "final"), config)
     with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
         check_before_launch(tmp_path / "elsewhere", "latest", config)
-    with pytest.raises(ValueError, match=r"checkpoint-2: its config differs from this run's:\n  group_size: saved 2, "
-                                         r"current 4\n"):
+    with pytest.raises(ValueError, match=r"checkpoint-2: its config differs from this run's in group_size \(saved 2, "
+                                         r"current 4\); set these back"):
         check_before_launch(run, "latest", config | {"group_size": 4})
     assert check_before_launch(run, "latest", config | {"learning_rate": 1.0}) == run / "checkpoint-2"  # may change
     (run / "checkpoint-2" / "model.safetensors").write_bytes(b"damaged")

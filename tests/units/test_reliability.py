@@ -582,8 +582,8 @@ def test_checkpoint_holds_the_model_name_and_dataset_identity(tmp_path):
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ("model", r"model_name: saved 'org/model-a', current 'org/model-b'"),
-        ("group_size", r"group_size: saved 4, current 2"),
+        ("model", r"model_name \(saved 'org/model-a', current 'org/model-b'\)"),
+        ("group_size", r"group_size \(saved 4, current 2\)"),
         ("dataset", r"trained on a dataset of 4 rows, this run has 3"),
     ],
 )
