@@ -1,7 +1,7 @@
 """The reading path of one plain LoRA step: which Forge functions `GRPOTrainer.step` runs, in the order a
 reader meets them, and how many lines that is (docs/architecture.md, "One step, in reading order").
 
-    python bench/reading_path.py [--functions] [--max-lines 60]
+    python bench/reading_path.py [--functions] [--max-lines 60] [--set share_prompt_prefix=False ...]
 
 One step of GRPOConfig's defaults with use_lora=True (one update per rollout, the k3 KL, no tools), one
 process, on the tiny offline model (forge/model/tiny.py) in fp32 (dtype='auto' picks bf16 on some machines,
@@ -157,11 +157,13 @@ def exact_answer(prompts: list, completions: list[str], references: list[str], *
     return [float(completion.strip() == reference) for completion, reference in zip(completions, references)]
 
 
-def plain_lora_trainer(output_dir: str) -> GRPOTrainer:
-    """GRPOConfig's defaults with use_lora=True on the tiny model, sized to one small step, ready to step."""
+def plain_lora_trainer(output_dir: str, **changes) -> GRPOTrainer:
+    """GRPOConfig's defaults with use_lora=True on the tiny model, sized to one small step, ready to step;
+    `changes`: other GRPOConfig values (--set), to count what a setting adds to the path or takes from it."""
     model, tokenizer = build_tiny_model(build_tiny_tokenizer(), seed=0)
-    config = GRPOConfig(use_lora=True, group_size=4, prompts_per_step=2, gradient_accumulation_steps=1,
-                        max_new_tokens=8, dtype="float32", output_dir=output_dir)
+    config = GRPOConfig(**{"use_lora": True, "group_size": 4, "prompts_per_step": 2,
+                           "gradient_accumulation_steps": 1, "max_new_tokens": 8, "dtype": "float32",
+                           "output_dir": output_dir, **changes})
     trainer = GRPOTrainer(model, tokenizer, exact_answer, config)
     # the schedule train() would build, for one step
     trainer.scheduler = make_scheduler(trainer.optimizer, config.lr_scheduler, config.warmup_ratio, 1)
@@ -206,7 +208,8 @@ def report(trace: Trace, max_lines: int, functions: bool) -> str:
     lines.append(f"{len(per_file)} files, {len(path)} functions, {switches} switches: "
                  f"{sum(per_file.values())} lines in their spans, {len(trace.executed)} executed")
     lines.append(f"{len(trace.entries)} entries into another file; returns to a file already left:")
-    lines += [f"  {relative(caller)} -> {relative(callee)} ({name})" for caller, callee, name in returns(trace)]
+    lines += [f"  {relative(caller)} -> {relative(callee)} ({name})"
+              for caller, callee, name in returns(trace)]
     longest = max(path, key=lambda f: f.lines)
     lines.append(f"longest: {longest.file} {longest.name} ({longest.lines} lines)")
     over = [f for f in path if f.lines > max_lines]
@@ -225,10 +228,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--functions", action="store_true", help="list every function in reading order")
     parser.add_argument("--max-lines", type=int, default=60)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="another GRPOConfig value (a Python literal), e.g. share_prompt_prefix=False")
     args = parser.parse_args()
+    pairs = (item.partition("=") for item in args.set)
+    changes = {field: ast.literal_eval(value) for field, _, value in pairs}
     warnings.simplefilter("ignore")
     with tempfile.TemporaryDirectory() as output_dir:
-        trace = record_step(plain_lora_trainer(output_dir), ROWS)
+        trace = record_step(plain_lora_trainer(output_dir, **changes), ROWS)
     print(report(trace, args.max_lines, args.functions))
 
 
