@@ -81,21 +81,6 @@ from forge.run.optim import all_finite
 from forge.run.rng import capture_rng_state
 from forge.safe_json import JSONFileError, read_json
 
-# Config keys that must match for a resumed run to continue the same training problem. The batching
-# keys and seed/shuffle also fix which dataset rows the saved (epoch, position) points at.
-COMPATIBILITY_KEYS = (
-    "model_name",
-    "group_size",
-    "prompts_per_step",
-    "gradient_accumulation_steps",
-    "seed",
-    "shuffle",
-    "use_lora",
-    "lora_r",
-    "lora_alpha",
-    "lora_target_modules",
-)
-
 
 @dataclass
 class CheckpointState:
@@ -553,54 +538,3 @@ def load_model_weights(model: Any, path: str | os.PathLike) -> None:
         raise FileNotFoundError(
             f"no {FULL_WEIGHTS_NAME} or {ADAPTER_WEIGHTS_NAME} in {path}; is it a Forge checkpoint?"
         )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Resume compatibility
-# ---------------------------------------------------------------------------------------------------
-
-_MISSING = "<not set>"
-
-
-def _comparable(value: Any) -> Any:
-    """Compare as JSON sees it, so a tuple in memory equals the list read back from forge_config.json."""
-    return json.loads(json.dumps(value, default=str))
-
-
-def check_compatible(
-    saved_config: dict[str, Any],
-    current_config: dict[str, Any],
-    keys: tuple[str, ...] = COMPATIBILITY_KEYS,
-    checkpoint_path: str | os.PathLike | None = None,
-) -> None:
-    """Refuse, in one line, to resume when a setting that defines the training problem changed since the save.
-
-    A key absent from both configs is skipped. A key this run has that the saved config lacks means the file
-    was changed after the save (a Forge save writes every setting): with `checkpoint_path`, a CheckpointError
-    naming it and an older checkpoint, as for any damaged file.
-    """
-    lacking = [key for key in keys if key in current_config and key not in saved_config]
-    if lacking and checkpoint_path is not None:
-        path = Path(checkpoint_path)
-        raise CheckpointError(f"checkpoint {path} is damaged: {CONFIG_NAME} holds no {', '.join(lacking)}, "
-                              f"which every Forge save writes. {offer_previous(path)}")
-    mismatches = []
-    for key in keys:
-        if key not in saved_config and key not in current_config:
-            continue
-        saved = saved_config.get(key, _MISSING)
-        current = current_config.get(key, _MISSING)
-        if _comparable(saved) != _comparable(current):
-            mismatches.append(f"{key} (saved {_short(saved)}, current {_short(current)})")
-    if mismatches:
-        where = f"checkpoint {checkpoint_path}" if checkpoint_path is not None else "the checkpoint"
-        raise ValueError(
-            f"cannot resume from {where}: its config differs from this run's in {', '.join(mismatches)}; set "
-            f"these back to the saved values to resume, or start a fresh run (a new output_dir, or "
-            f"resume_from=None)."
-        )
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

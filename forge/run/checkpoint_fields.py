@@ -14,6 +14,8 @@ on the command line):
     check_hyperparameters    after loading: lr and weight decay finite numbers (this run's then apply); every
                              other setting (betas, eps, maximize, amsgrad, ...) the run's own AdamW's
     check_scheduler_state    scheduler.safetensors: step counters and learning rates are numbers
+    check_compatible         forge_config.json: the settings that define the training problem
+                             (COMPATIBILITY_KEYS) are this run's
     loading(path, name)      anything else a load raises, as one line naming the file
 
 Where the weights come from (inside the checkpoint folder, no absolute, `..` or linked-out path) is checked
@@ -22,7 +24,9 @@ with the hashes, in integrity.verify_checkpoint.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +36,7 @@ import torch
 
 from forge.run.checkpoint_names import step_of
 from forge.run.integrity import (
+    CONFIG_NAME,
     OPTIMIZER_NAME,
     SCHEDULER_NAME,
     TRAINER_STATE_NAME,
@@ -244,5 +249,69 @@ def check_scheduler_state(path: Path, state: Any) -> None:
                                                 f"numbers >= 0")
 
 
-__all__ = ["check_hyperparameters", "check_optimizer_state", "check_scheduler_state", "check_tensors",
-           "check_trainer_state", "hyperparameters", "loading", "refused"]
+# Config keys that must match for a resumed run to continue the same training problem. The batching
+# keys and seed/shuffle also fix which dataset rows the saved (epoch, position) points at.
+COMPATIBILITY_KEYS = (
+    "model_name",
+    "group_size",
+    "prompts_per_step",
+    "gradient_accumulation_steps",
+    "seed",
+    "shuffle",
+    "use_lora",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+)
+
+
+_MISSING = "<not set>"
+
+
+def _comparable(value: Any) -> Any:
+    """Compare as JSON sees it, so a tuple in memory equals the list read back from forge_config.json."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def check_compatible(
+    saved_config: dict[str, Any],
+    current_config: dict[str, Any],
+    keys: tuple[str, ...] = COMPATIBILITY_KEYS,
+    checkpoint_path: str | os.PathLike | None = None,
+) -> None:
+    """Refuse, in one line, to resume when a setting that defines the training problem changed since the save.
+
+    A key absent from both configs is skipped. A key this run has that the saved config lacks means the file
+    was changed after the save (a Forge save writes every setting): with `checkpoint_path`, a CheckpointError
+    naming it and an older checkpoint, as for any damaged file.
+    """
+    lacking = [key for key in keys if key in current_config and key not in saved_config]
+    if lacking and checkpoint_path is not None:
+        path = Path(checkpoint_path)
+        raise CheckpointError(f"checkpoint {path} is damaged: {CONFIG_NAME} holds no {', '.join(lacking)}, "
+                              f"which every Forge save writes. {offer_previous(path)}")
+    mismatches = []
+    for key in keys:
+        if key not in saved_config and key not in current_config:
+            continue
+        saved = saved_config.get(key, _MISSING)
+        current = current_config.get(key, _MISSING)
+        if _comparable(saved) != _comparable(current):
+            mismatches.append(f"{key} (saved {_short(saved)}, current {_short(current)})")
+    if mismatches:
+        where = f"checkpoint {checkpoint_path}" if checkpoint_path is not None else "the checkpoint"
+        raise ValueError(
+            f"cannot resume from {where}: its config differs from this run's in {', '.join(mismatches)}; set "
+            f"these back to the saved values to resume, or start a fresh run (a new output_dir, or "
+            f"resume_from=None)."
+        )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+__all__ = ["COMPATIBILITY_KEYS", "check_compatible", "check_hyperparameters", "check_optimizer_state",
+           "check_scheduler_state", "check_tensors", "check_trainer_state", "hyperparameters", "loading",
+           "refused"]

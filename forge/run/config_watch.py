@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from forge.run.checkpoint import COMPATIBILITY_KEYS
+from forge.run.checkpoint_fields import COMPATIBILITY_KEYS
 
 _SCHEDULE = "the steps' rows were laid out for it at start, and every checkpoint records it for --resume"
 _POLICY = "the policy (LoRA adapters or full weights) and its optimizer were built for it at start"

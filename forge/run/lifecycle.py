@@ -330,7 +330,7 @@ class RunLifecycle:
         if not isinstance(state.config, dict):
             raise fields.refused(path, integrity.CONFIG_NAME,
                                  f"is a JSON {type(state.config).__name__}, not an object")
-        ckpt.check_compatible(state.config, parts.run_config, checkpoint_path=path)
+        fields.check_compatible(state.config, parts.run_config, checkpoint_path=path)
         check_same_dataset(saved, parts.dataset_identity, path)
         check_same_sharding(path, sharded=parts.sharded_by is not None)
         load_weights_and_optimizer(path, state, parts.model, parts.optimizer,
@@ -409,8 +409,8 @@ def check_before_launch(output_dir: Path, where: str, config: dict[str, Any]) ->
     if integrity.is_sharded(path):
         ckpt.check_shard_files(path)
     saved = ckpt.saved_config(path)
-    ckpt.check_compatible(saved, config, keys=tuple(k for k in ckpt.COMPATIBILITY_KEYS if k != "model_name"),
-                          checkpoint_path=path)
+    fields.check_compatible(saved, config, checkpoint_path=path,
+                            keys=tuple(k for k in fields.COMPATIBILITY_KEYS if k != "model_name"))
     return path
 
 

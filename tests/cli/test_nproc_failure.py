@@ -162,7 +162,7 @@ def test_a_signal_to_one_process_of_a_two_process_run_ends_the_run_in_lines_and_
 
 
 def test_a_resume_with_other_settings_is_refused_in_one_line_before_any_process_starts(tmp_path):
-    """The settings a resume needs unchanged (checkpoint.COMPATIBILITY_KEYS) are compared in `forge train`
+    """The settings a resume needs unchanged (checkpoint_fields.COMPATIBILITY_KEYS) are compared in `forge train`
     itself: one refusal, exit 2, and no process of the run started to print it again."""
     from forge import GRPOConfig, GRPOTrainer
 

@@ -14,11 +14,11 @@ import torch
 
 from forge.model.tiny import build_tiny_model
 from forge.run.checkpoint import (
-    check_compatible,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
 )
+from forge.run.checkpoint_fields import check_compatible
 from forge.run.checkpoint_names import checkpoint_dir, step_of
 from forge.run.integrity import (
     CheckpointError,
