@@ -75,6 +75,9 @@ def _load_user_reward(name: str, item: str):
                              f"folder to PYTHONPATH") from None
         raise ValueError(f"--reward {item!r}: the reward's module imports {error.name!r}, which is not "
                          f"installed here; install it where forge runs") from None
+    except ImportError as error:  # `from package import name` where the package has no such name
+        raise ValueError(f"--reward {item!r}: importing the reward's module failed ({error}); fix that "
+                         f"import in it") from None
 
 
 def _is_number(text: str) -> bool:

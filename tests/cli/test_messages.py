@@ -203,14 +203,18 @@ BAD_REWARDS = [
      "here; install it where forge runs"),
     ("{root}/absent.py:fn", "reward file '{root}/absent.py' does not exist; give the path of the .py file that "
      "defines the function"),
+    ("imports_a_missing_name:fn", "importing the reward's module failed (cannot import name 'no_such_name' from "
+     "'json'"),
 ]
 
 
-@pytest.mark.parametrize("spec, said", BAD_REWARDS, ids=["no-module", "no-package", "missing-import", "no-file"])
+@pytest.mark.parametrize("spec, said", BAD_REWARDS,
+                         ids=["no-module", "no-package", "missing-import", "no-file", "missing-name"])
 @pytest.mark.parametrize("nproc", [[], ["--nproc", "2"]], ids=["one-process", "nproc-2"])
 def test_a_reward_that_does_not_import_is_one_line_before_the_model_loads_or_any_process_starts(
         spec, said, nproc, workspace, tmp_path, capsys, monkeypatch, no_model_loading):
     (tmp_path / "imports_missing.py").write_text("import forge_test_not_installed\n\n\ndef fn(p, c):\n    pass\n")
+    (tmp_path / "imports_a_missing_name.py").write_text("from json import no_such_name\n")
     monkeypatch.chdir(tmp_path)
 
     def starts_a_process(*args, **kwargs):
