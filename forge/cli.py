@@ -23,6 +23,7 @@ from forge.cli_config import DEFAULTS, build_config
 from forge.cli_parser import build_parser
 from forge.core.trl_names import TRL_REFUSED
 from forge.logging.logger import install_warning_format, is_other_process
+from forge.user_code import import_problem
 
 
 def parse_rewards(spec: str):
@@ -67,17 +68,9 @@ def _load_user_reward(name: str, item: str):
     except FileNotFoundError as error:
         raise ValueError(f"--reward {item!r}: {error}; give the path of the .py file that defines "
                          f"the function") from None
-    except ModuleNotFoundError as error:
+    except ImportError as error:  # the module is not there, or an import in it fails
         module = name.rpartition(":")[0] or name.rpartition(".")[0]
-        if error.name is not None and (module == error.name or module.startswith(error.name + ".")):
-            raise ValueError(f"--reward {item!r}: there is no module {error.name!r} in this folder or on "
-                             f"PYTHONPATH; give the file instead (path/to/rewards.py:function), or add its "
-                             f"folder to PYTHONPATH") from None
-        raise ValueError(f"--reward {item!r}: the reward's module imports {error.name!r}, which is not "
-                         f"installed here; install it where forge runs") from None
-    except ImportError as error:  # `from package import name` where the package has no such name
-        raise ValueError(f"--reward {item!r}: importing the reward's module failed ({error}); fix that "
-                         f"import in it") from None
+        raise ValueError(f"--reward {item!r}: {import_problem(error, module)}") from None
 
 
 def _is_number(text: str) -> bool:

@@ -43,6 +43,7 @@ from forge.core.scoring import (
     as_output,
     dataset_columns,
 )
+from forge.user_code import import_named_module
 
 
 def build_reward_list(
@@ -362,9 +363,8 @@ def load_reward_from_path(path: str, convention: str = "forge") -> BaseReward:
     ``"path/to/file.py:attribute"``.
 
     The attribute may be a function (wrapped with `as_reward`), a BaseReward instance, or a reward
-    class (instantiated with no arguments). A module is looked up in the current folder first (put on
-    sys.path, as `python -m` does; the installed `forge` program would not find it there otherwise), then on
-    PYTHONPATH. Import errors propagate.
+    class (instantiated with no arguments). A module is looked up in the current folder first
+    (forge/user_code.py), then on PYTHONPATH. Import errors propagate.
     """
     module_name, separator, attribute = path.rpartition(":")
     if not separator:
@@ -382,9 +382,7 @@ def load_reward_from_path(path: str, convention: str = "forge") -> BaseReward:
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(module_name)
+        module = import_named_module(module_name)  # the current folder first (forge/user_code.py)
     if not hasattr(module, attribute):
         raise AttributeError(
             f"module '{module_name}' has no attribute '{attribute}' (from reward path '{path}')"

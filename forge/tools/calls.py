@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from forge.tools.calculator import calculator
 from forge.tools.outcome import call_tool, truncate_output
 from forge.tools.worker import ToolWorkers
+from forge.user_code import import_named_module, import_problem
 
 if TYPE_CHECKING:
     import torch
@@ -431,7 +432,6 @@ def ended_call(tokenizer, fmt: CallFormat, segment_ids: list[int]):
 def load_object(item: str, what: str, kind: str = "function") -> Any:
     """`module:name` or `path/to/file.py:name` -> that callable (`what` names the flag in messages, e.g.
     "--tools entry 'x:y'", `kind` what it should be); ValueError saying what to write when it is not there."""
-    import importlib
     import importlib.util
     from pathlib import Path
 
@@ -445,7 +445,10 @@ def load_object(item: str, what: str, kind: str = "function") -> Any:
         module = importlib.util.module_from_spec(loaded)
         loaded.loader.exec_module(module)
     else:
-        module = importlib.import_module(module_name)
+        try:
+            module = import_named_module(module_name)  # the current folder first
+        except ImportError as error:
+            raise ValueError(f"{what}: {import_problem(error, module_name)}") from None
     if not callable(getattr(module, name, None)):
         raise ValueError(f"{what}: {module_name} has no {kind} {name}")  # noqa: TRY004 - a bad flag
     return getattr(module, name)

@@ -196,15 +196,14 @@ def test_a_seed_torch_cannot_take_is_refused_before_the_model_loads(seed, worksp
 
 BAD_REWARDS = [
     ("no_such_reward_module:fn", "there is no module 'no_such_reward_module' in this folder or on PYTHONPATH; "
-     "give the file instead (path/to/rewards.py:function), or add its folder to PYTHONPATH"),
+     "give the file instead (path/to/file.py:name), or add its folder to PYTHONPATH"),
     ("no_such_reward_package.rewards:fn", "there is no module 'no_such_reward_package' in this folder or on "
      "PYTHONPATH"),
-    ("imports_missing:fn", "the reward's module imports 'forge_test_not_installed', which is not installed "
-     "here; install it where forge runs"),
+    ("imports_missing:fn", "its module imports 'forge_test_not_installed', which is not installed here; "
+     "install it where forge runs"),
     ("{root}/absent.py:fn", "reward file '{root}/absent.py' does not exist; give the path of the .py file that "
      "defines the function"),
-    ("imports_a_missing_name:fn", "importing the reward's module failed (cannot import name 'no_such_name' from "
-     "'json'"),
+    ("imports_a_missing_name:fn", "importing its module failed (cannot import name 'no_such_name' from 'json'"),
 ]
 
 
@@ -227,17 +226,35 @@ def test_a_reward_that_does_not_import_is_one_line_before_the_model_loads_or_any
     assert message.startswith(f"forge: error: --reward {spec!r}: {said}"), message
 
 
+@pytest.mark.parametrize("flag, spec, named", [("--tools", "no_such_tools_module:fn", "--tools entry"),
+                                               ("--environment", "no_such_env_module:Game", "--environment")])
+def test_a_tools_or_environment_module_that_is_not_there_is_one_line_before_the_model_loads(
+        flag, spec, named, workspace, tmp_path, capsys, monkeypatch, no_model_loading):
+    monkeypatch.chdir(tmp_path)
+    assert forge_main("train", *train_flags(workspace, tmp_path / "out"), flag, spec) == 2
+    module = spec.partition(":")[0]
+    assert error_of(capsys) == (f"forge: error: {named} {spec!r}: there is no module {module!r} in this folder or "
+                                f"on PYTHONPATH; give the file instead (path/to/file.py:name), or add its folder "
+                                f"to PYTHONPATH")
+
+
 def test_a_reward_module_in_the_current_folder_is_found_without_pythonpath(tmp_path, monkeypatch):
     """The installed `forge` program does not put the current folder on sys.path, as `python -m forge` does;
-    `--reward module:function` finds a module there all the same."""
+    `--reward module:function` (and `--tools`, `--environment`) finds a module there all the same."""
     from forge.core.reward_sources import load_reward_from_path
 
     (tmp_path / "forge_test_here.py").write_text("def ones(prompts, completions, **kwargs):\n"
                                                  "    return [1.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "forge_test_here", raising=False)
     reward = load_reward_from_path("forge_test_here:ones")
     assert reward(["p", "q"], ["a", "b"]).scores == [1.0, 1.0]
+    from forge.tools.calls import load_object  # --tools and --environment: the same lookup
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "forge_test_here")  # imported afresh
+    assert load_object("forge_test_here:ones", "--tools entry")(["p"], ["a"]) == [1.0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: nothing to refuse")

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "forge"
 # A room may import from rooms on a lower floor (and from its own); docs/architecture.md draws the same
 # floors.
 FLOORS = {
-    "safe_json": -1,
+    "safe_json": -1, "user_code": -1,
     "logging": 0, "data": 0, "tools": 0, "parallel": 0,
     "model": 1, "envs": 1,
     "run": 2,
