@@ -91,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = {"resume_from": "latest"} if args.resume else {}
     config = build_config(args, overrides)
     if args.nproc and args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        parse_rewards(args.reward)  # a --reward that does not import is said once, before any process starts
+        _load_named_code(args)  # a module that does not import is said once, before any process starts
         return _relaunch(args.nproc, getattr(args, "argv", None) or sys.argv[1:], config)
     from_file = args.config and args.model != getattr(args, "given_model", args.model)  # `model:` in the YAML
     _check_model(args.model, f"{args.config}: model:" if from_file else "--model")
@@ -107,6 +107,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         # os._exit() in a reward is reported
         return run_watched(lambda: _train(args, config), config.output_dir)
     return _train(args, config)
+
+
+def _load_named_code(args: argparse.Namespace) -> None:
+    """Import what --reward, --tools and --environment name (ValueError naming the flag when one fails)."""
+    from forge.envs import load_environment
+    from forge.tools.calls import load_tools
+
+    parse_rewards(args.reward)
+    if args.tools:
+        load_tools(args.tools)
+    if args.environment:
+        load_environment(args.environment)
 
 
 def _train(args: argparse.Namespace, config) -> int:

@@ -228,10 +228,16 @@ def test_a_reward_that_does_not_import_is_one_line_before_the_model_loads_or_any
 
 @pytest.mark.parametrize("flag, spec, named", [("--tools", "no_such_tools_module:fn", "--tools entry"),
                                                ("--environment", "no_such_env_module:Game", "--environment")])
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "2"]], ids=["one-process", "nproc-2"])
 def test_a_tools_or_environment_module_that_is_not_there_is_one_line_before_the_model_loads(
-        flag, spec, named, workspace, tmp_path, capsys, monkeypatch, no_model_loading):
+        flag, spec, named, nproc, workspace, tmp_path, capsys, monkeypatch, no_model_loading):
     monkeypatch.chdir(tmp_path)
-    assert forge_main("train", *train_flags(workspace, tmp_path / "out"), flag, spec) == 2
+
+    def starts_a_process(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", starts_a_process)
+    assert forge_main("train", *train_flags(workspace, tmp_path / "out"), *nproc, flag, spec) == 2
     module = spec.partition(":")[0]
     assert error_of(capsys) == (f"forge: error: {named} {spec!r}: there is no module {module!r} in this folder or "
                                 f"on PYTHONPATH; give the file instead (path/to/file.py:name), or add its folder "
