@@ -111,26 +111,26 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _load_named_code(args: argparse.Namespace) -> None:
     """Import what --reward, --tools and --environment name (ValueError naming the flag when one fails)."""
+    parse_rewards(args.reward)
+    _tools_and_environment(args)
+
+
+def _tools_and_environment(args: argparse.Namespace) -> tuple:
+    """(the functions --tools names or None, the class --environment names or None), imported."""
     from forge.envs import load_environment
     from forge.tools.calls import load_tools
 
-    parse_rewards(args.reward)
-    if args.tools:
-        load_tools(args.tools)
-    if args.environment:
-        load_environment(args.environment)
+    return (load_tools(args.tools) if args.tools else None,
+            load_environment(args.environment) if args.environment else None)
 
 
 def _train(args: argparse.Namespace, config) -> int:
     """cmd_train once the config and the output directory are checked: load, train, say where the run is."""
     from forge.core.evaluator import greedy_reward_evaluator
     from forge.core.trainer import GRPOTrainer, TrainingInterrupted
-    from forge.envs import load_environment
     from forge.eval.evaluate import graded_by_math, heldout_metrics
-    from forge.tools.calls import load_tools
 
-    tools = load_tools(args.tools) if args.tools else None
-    environment = load_environment(args.environment) if args.environment else None
+    tools, environment = _tools_and_environment(args)
     rewards, weights = _rewards_for(args, environment)
     if config.reward_weights is None:
         config.reward_weights = weights

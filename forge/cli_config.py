@@ -12,7 +12,7 @@ from pathlib import Path
 from forge.core.config import GRPOConfig
 from forge.core.config_docs import field_docs
 from forge.core.trl_batch import BATCH_NAMES
-from forge.core.trl_flags import TRL_SWITCHES_ON
+from forge.core.trl_flags import TRL_SWITCHES_ON, takes_negation
 from forge.core.trl_names import TRL_CONVERTED, TRL_NAMES
 
 
@@ -78,7 +78,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{docs.get(f.name, '')} [{f.default}]".replace("%", "%%"),  # argparse %-formats
             **flag,
         )
-        if hints[f.name] is bool and (f.default is True or f.name in TRL_SWITCHES_ON):
+        if takes_negation(f.name, hints[f.name] is bool, f.default):
             _add_negation(group, f.name)
     trl = parser.add_argument_group("TRL's GRPOConfig names (docs/from-trl.md)")
     for name, field in TRL_NAMES.items():

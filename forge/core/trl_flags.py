@@ -88,6 +88,12 @@ def flag_value(text: str) -> Any:
     return text
 
 
+def takes_negation(name: str, is_bool: bool, default: Any) -> bool:
+    """Whether a flag also takes `--no_<name>`: a bool switch on by default, Forge's or TRL's
+    (TRL_SWITCHES_ON), as HfArgumentParser gives a bool field defaulting to True."""
+    return is_bool and (default is True or name in TRL_SWITCHES_ON)
+
+
 def _negated(option_string: str | None) -> bool:
     return bool(option_string) and option_string.startswith(("--no_", "--no-"))
 
@@ -162,7 +168,7 @@ def parser_fields(cls: type, own: tuple) -> dict[str, dataclasses.Field]:
             factory = field.default_factory
             default = field.default if factory is dataclasses.MISSING else factory()
             extra = {"nargs": "?", "const": True} if field.name in BARE_FLAGS else {}
-            if field.type in (bool, "bool") and (default is True or field.name in TRL_SWITCHES_ON):
+            if takes_negation(field.name, field.type in (bool, "bool"), default):
                 extra = {"action": SwitchFlag, "aliases": _negations(field.name)}
             if field.name in WHOLE_COUNTS:
                 extra = {"action": CountFlag}
@@ -187,4 +193,4 @@ parser."""
 
 
 __all__ = ["FLAG_TYPES", "TRL_FLAG_NAMES", "TRL_SWITCHES_ON", "UNSET", "CountFlag", "SwitchFlag", "TrlFlag",
-           "asked_by_argument_parser", "flag_value", "parser_fields"]
+           "asked_by_argument_parser", "flag_value", "parser_fields", "takes_negation"]
